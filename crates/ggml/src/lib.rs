@@ -1,0 +1,88 @@
+//! Safe handles over ggml and libllama (through `llama-cpp-sys-2`).
+//!
+//! This is the only crate of baton with `unsafe` code. Every handle frees what it owns
+//! on drop; every `unsafe` block says why it is sound.
+
+mod backend;
+mod graph;
+mod llama;
+
+use std::sync::Once;
+
+use llama_cpp_sys_2 as sys;
+
+pub use backend::{Allocator, Buffer, CpuBackend, MappedBuffer, MappedFile};
+pub use graph::{Context, Graph, RopeParams, Tensor, MAX_NODES};
+pub use llama::{LlamaContext, LlamaModel};
+
+/// A ggml element type (its numeric id is the GGUF tensor type id).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DType(pub u32);
+
+impl DType {
+    /// 32-bit float.
+    pub const F32: DType = DType(sys::GGML_TYPE_F32);
+    /// 16-bit float.
+    pub const F16: DType = DType(sys::GGML_TYPE_F16);
+    /// 32-bit signed integer.
+    pub const I32: DType = DType(sys::GGML_TYPE_I32);
+    /// 64-bit signed integer.
+    pub const I64: DType = DType(sys::GGML_TYPE_I64);
+
+    /// Whether the CPU backend can multiply by a matrix of this type (weights).
+    pub fn can_mul_mat(self) -> bool {
+        if self.0 >= sys::GGML_TYPE_COUNT || matches!(self.0, sys::GGML_TYPE_I8 | sys::GGML_TYPE_I16 | sys::GGML_TYPE_I32 | sys::GGML_TYPE_I64) {
+            return false;
+        }
+        // SAFETY: in-range type id; returns a pointer to a static traits table.
+        let traits = unsafe { sys::ggml_get_type_traits_cpu(self.0) };
+        // SAFETY: non-null pointer to a static table entry.
+        !traits.is_null() && unsafe { (*traits).vec_dot }.is_some()
+    }
+}
+
+/// Errors from ggml or libllama calls.
+#[derive(Debug, thiserror::Error)]
+pub enum GgmlError {
+    /// A graph computation failed.
+    #[error("ggml graph computation failed with status {0}")]
+    Compute(i32),
+    /// A buffer or compute allocation failed.
+    #[error("ggml could not allocate memory")]
+    OutOfMemory,
+    /// A tensor does not fit where it was to be placed.
+    #[error("tensor '{tensor}' at offset {offset} does not fit in a mapped region of {len} bytes")]
+    Place { tensor: String, offset: usize, len: usize },
+    /// A host copy had the wrong size or the tensor had no memory.
+    #[error("copy of {bytes} bytes to/from tensor '{tensor}' of {expected} bytes (or unallocated)")]
+    Io { tensor: String, bytes: usize, expected: usize },
+    /// libllama refused an operation.
+    #[error("libllama: {0}")]
+    Llama(String),
+}
+
+static INIT: Once = Once::new();
+
+/// Initialises ggml/libllama once per process and routes their logs to `log_sink`.
+pub fn init() {
+    INIT.call_once(|| {
+        // SAFETY: one-time global initialisation, guarded by `Once`; the callback is a
+        // plain function that lives for the whole program.
+        unsafe {
+            sys::llama_backend_init();
+            sys::llama_log_set(Some(log_sink), std::ptr::null_mut());
+            sys::ggml_log_set(Some(log_sink), std::ptr::null_mut());
+        }
+    });
+}
+
+/// Keeps ggml's chatter off stderr unless `BATON_GGML_LOG` is set; errors always show.
+extern "C" fn log_sink(level: sys::ggml_log_level, text: *const std::os::raw::c_char, _user: *mut std::ffi::c_void) {
+    let verbose = std::env::var_os("BATON_GGML_LOG").is_some();
+    if text.is_null() || (!verbose && level != sys::GGML_LOG_LEVEL_ERROR) {
+        return;
+    }
+    // SAFETY: ggml passes a NUL-terminated string valid for the call.
+    let text = unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy();
+    eprint!("{text}");
+}

@@ -1,0 +1,207 @@
+//! libllama: exact llama.cpp tokenization (`vocab_only` load) and, loaded fully, the
+//! single-process reference that baton's split model must reproduce.
+
+use std::ffi::CString;
+use std::path::Path;
+use std::ptr::NonNull;
+
+use llama_cpp_sys_2 as sys;
+
+use crate::GgmlError;
+
+/// A model loaded through libllama, either vocabulary only or with all weights.
+pub struct LlamaModel {
+    ptr: NonNull<sys::llama_model>,
+}
+
+// SAFETY: libllama models are immutable after load and documented as shareable
+// between contexts on different threads.
+unsafe impl Send for LlamaModel {}
+// SAFETY: see above; every method only reads the model.
+unsafe impl Sync for LlamaModel {}
+
+impl LlamaModel {
+    /// Loads only the vocabulary (tokenizer), no weights: fast and small.
+    pub fn load_vocab(path: &Path) -> Result<LlamaModel, GgmlError> {
+        Self::load(path, true)
+    }
+
+    /// Loads the whole model on the CPU (the reference implementation).
+    pub fn load_full(path: &Path) -> Result<LlamaModel, GgmlError> {
+        Self::load(path, false)
+    }
+
+    fn load(path: &Path, vocab_only: bool) -> Result<LlamaModel, GgmlError> {
+        crate::init();
+        let c_path = CString::new(path.to_string_lossy().as_bytes())
+            .map_err(|_| GgmlError::Llama(format!("model path {} contains a NUL byte", path.display())))?;
+        // SAFETY: returns a plain struct of defaults.
+        let mut params = unsafe { sys::llama_model_default_params() };
+        params.vocab_only = vocab_only;
+        params.n_gpu_layers = 0;
+        // SAFETY: valid C string and params; null on failure.
+        let ptr = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), params) };
+        NonNull::new(ptr)
+            .map(|ptr| LlamaModel { ptr })
+            .ok_or_else(|| GgmlError::Llama(format!("libllama could not load {}", path.display())))
+    }
+
+    fn vocab(&self) -> *const sys::llama_vocab {
+        // SAFETY: valid model; the vocab lives as long as the model.
+        unsafe { sys::llama_model_get_vocab(self.ptr.as_ptr()) }
+    }
+
+    /// Tokenizes `text` exactly as llama.cpp does. `add_special` adds BOS/EOS as the
+    /// GGUF says; `parse_special` turns special-token text (e.g. `<|im_start|>`) into ids.
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>, GgmlError> {
+        let len = i32::try_from(text.len()).map_err(|_| GgmlError::Llama("text too long to tokenize".into()))?;
+        let mut tokens = vec![0i32; text.len() + 8];
+        loop {
+            // SAFETY: `text` is valid for `len` bytes; `tokens` has the capacity we pass.
+            let n = unsafe {
+                sys::llama_tokenize(
+                    self.vocab(),
+                    text.as_ptr().cast(),
+                    len,
+                    tokens.as_mut_ptr(),
+                    tokens.len() as i32,
+                    add_special,
+                    parse_special,
+                )
+            };
+            if n == i32::MIN {
+                return Err(GgmlError::Llama("tokenization overflowed".into()));
+            }
+            if n < 0 {
+                tokens.resize((-n) as usize, 0);
+                continue;
+            }
+            tokens.truncate(n as usize);
+            return Ok(tokens.into_iter().map(|t| t as u32).collect());
+        }
+    }
+
+    /// The bytes of one token (special tokens rendered when `special`). Pieces of a
+    /// multi-byte character may be incomplete UTF-8, so this returns bytes.
+    pub fn token_bytes(&self, token: u32, special: bool) -> Vec<u8> {
+        let mut buf = vec![0u8; 64];
+        loop {
+            // SAFETY: `buf` is writable for the length we pass.
+            let n = unsafe {
+                sys::llama_token_to_piece(self.vocab(), token as i32, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special)
+            };
+            if n < 0 {
+                buf.resize((-n) as usize, 0);
+                continue;
+            }
+            buf.truncate(n as usize);
+            return buf;
+        }
+    }
+
+    /// Text of a token sequence (invalid UTF-8 replaced).
+    pub fn detokenize(&self, tokens: &[u32], special: bool) -> String {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|&t| self.token_bytes(t, special)).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Size of the vocabulary.
+    pub fn n_vocab(&self) -> usize {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_n_tokens(self.vocab()) as usize }
+    }
+
+    /// Whether `token` ends generation (EOS, EOT and friends).
+    pub fn is_end_of_generation(&self, token: u32) -> bool {
+        // SAFETY: valid vocab; any id is accepted.
+        unsafe { sys::llama_vocab_is_eog(self.vocab(), token as i32) }
+    }
+
+    /// The model's embedded chat template, if any.
+    pub fn chat_template(&self) -> Option<String> {
+        // SAFETY: valid model; null name selects the default template; the returned
+        // string is owned by the model.
+        let ptr = unsafe { sys::llama_model_chat_template(self.ptr.as_ptr(), std::ptr::null()) };
+        if ptr.is_null() {
+            return None;
+        }
+        // SAFETY: non-null NUL-terminated string owned by the model.
+        Some(unsafe { std::ffi::CStr::from_ptr(ptr) }.to_string_lossy().into_owned())
+    }
+}
+
+impl Drop for LlamaModel {
+    fn drop(&mut self) {
+        // SAFETY: we own the model; contexts borrow it and are dropped first.
+        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// A libllama inference context over a fully loaded model: the reference oracle.
+pub struct LlamaContext<'m> {
+    ptr: NonNull<sys::llama_context>,
+    model: &'m LlamaModel,
+    n_past: usize,
+}
+
+impl<'m> LlamaContext<'m> {
+    /// A context with `n_ctx` cells, `n_batch` tokens per decode call and `n_threads` threads.
+    /// Flash attention is on and the KV cache is f16, as baton's stages compute.
+    pub fn new(model: &'m LlamaModel, n_ctx: u32, n_batch: u32, n_threads: usize) -> Result<Self, GgmlError> {
+        // SAFETY: returns a plain struct of defaults.
+        let mut params = unsafe { sys::llama_context_default_params() };
+        params.n_ctx = n_ctx;
+        params.n_batch = n_batch;
+        params.n_ubatch = n_batch;
+        params.n_seq_max = 1;
+        params.n_threads = n_threads as i32;
+        params.n_threads_batch = n_threads as i32;
+        params.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_ENABLED;
+        params.no_perf = true;
+        // SAFETY: valid model and params; null on failure.
+        let ptr = unsafe { sys::llama_init_from_model(model.ptr.as_ptr(), params) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| GgmlError::Llama("llama_init_from_model failed".into()))?;
+        Ok(LlamaContext { ptr, model, n_past: 0 })
+    }
+
+    /// Appends `tokens` to the sequence; returns the logits of the last one.
+    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GgmlError> {
+        let mut ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        // SAFETY: the batch borrows `ids`, which outlives the decode call.
+        let status = unsafe {
+            let batch = sys::llama_batch_get_one(ids.as_mut_ptr(), ids.len() as i32);
+            sys::llama_decode(self.ptr.as_ptr(), batch)
+        };
+        if status != 0 {
+            return Err(GgmlError::Llama(format!("llama_decode failed with status {status}")));
+        }
+        self.n_past += tokens.len();
+        let n_vocab = self.model.n_vocab();
+        // SAFETY: after a successful decode the last token's logits hold n_vocab floats.
+        let logits = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), -1) };
+        if logits.is_null() {
+            return Err(GgmlError::Llama("llama_get_logits_ith returned no logits".into()));
+        }
+        // SAFETY: non-null, n_vocab floats, valid until the next decode.
+        Ok(unsafe { std::slice::from_raw_parts(logits, n_vocab) }.to_vec())
+    }
+
+    /// Forgets everything in the KV cache.
+    pub fn clear(&mut self) {
+        // SAFETY: valid context; clearing data too.
+        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ptr.as_ptr()), true) };
+        self.n_past = 0;
+    }
+
+    /// Tokens currently in the sequence.
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+}
+
+impl Drop for LlamaContext<'_> {
+    fn drop(&mut self) {
+        // SAFETY: we own the context.
+        unsafe { sys::llama_free(self.ptr.as_ptr()) }
+    }
+}

@@ -1,0 +1,242 @@
+//! The KV cache of one stage: f16 keys and values for each of its layers, in cells
+//! shared by many sequences. Each cell holds one token of one sequence.
+
+use std::ops::Range;
+
+use baton_ggml::{Buffer, Context, DType, Tensor};
+
+use crate::hparams::HParams;
+use crate::ModelError;
+
+/// f16 bit patterns of the two mask values: keep (0.0) and drop (-inf).
+const MASK_KEEP: u16 = 0x0000;
+const MASK_DROP: u16 = 0xFC00;
+
+/// llama.cpp pads the attended cell count to 256 so graphs keep their shape; we do the
+/// same (masked cells cost nothing in flash attention, and results stay identical).
+const N_KV_PAD: usize = 256;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Cell {
+    /// Position of the token, or -1 when the cell is free.
+    pos: i32,
+    seq: u32,
+}
+
+const FREE: Cell = Cell { pos: -1, seq: 0 };
+
+/// Keys and values for a stage's layers plus the cell bookkeeping.
+pub struct KvCache {
+    // Tensors `cache_k_l{layer}` / `cache_v_l{layer}` live in `ctx`, their data in `buffer`.
+    ctx: Context,
+    buffer: Buffer,
+    layers: Range<usize>,
+    cells: Vec<Cell>,
+    n_used: usize,
+}
+
+impl KvCache {
+    /// A cache of `n_ctx` cells for global layers `layers`.
+    pub fn new(hp: &HParams, layers: Range<usize>, n_ctx: usize) -> Result<KvCache, ModelError> {
+        if n_ctx == 0 {
+            return Err(ModelError::BadConfig("context size must be at least 1".into()));
+        }
+        let ctx = Context::new(2 * layers.len() + 2, false);
+        for layer in layers.clone() {
+            ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64]).named(&format!("cache_k_l{layer}"));
+            ctx.new_tensor(DType::F16, &[hp.n_embd_v_gqa() as i64, n_ctx as i64]).named(&format!("cache_v_l{layer}"));
+        }
+        let mut buffer = Buffer::alloc_cpu(&ctx)?;
+        // Zeroed so that never-written cells hold finite values (masked, but multiplied).
+        buffer.clear(0);
+        Ok(KvCache { ctx, buffer, layers, cells: vec![FREE; n_ctx], n_used: 0 })
+    }
+
+    /// Key cache of global layer `layer` (`[n_embd_k_gqa, n_ctx]`).
+    pub fn k(&self, layer: usize) -> Tensor<'_> {
+        self.tensor("k", layer)
+    }
+
+    /// Value cache of global layer `layer` (`[n_embd_v_gqa, n_ctx]`).
+    pub fn v(&self, layer: usize) -> Tensor<'_> {
+        self.tensor("v", layer)
+    }
+
+    fn tensor(&self, kind: &str, layer: usize) -> Tensor<'_> {
+        assert!(self.layers.contains(&layer), "layer {layer} is not in this cache ({:?})", self.layers);
+        self.ctx.get_tensor(&format!("cache_{kind}_l{layer}")).expect("cache tensors are created for every layer")
+    }
+
+    /// Number of cells.
+    pub fn capacity(&self) -> usize {
+        self.cells.len()
+    }
+
+    /// Cells in use.
+    pub fn n_used(&self) -> usize {
+        self.n_used
+    }
+
+    /// Bytes of key and value memory.
+    pub fn bytes(&self) -> usize {
+        self.buffer.size()
+    }
+
+    /// Number of tokens `seq` holds.
+    pub fn seq_len(&self, seq: u32) -> usize {
+        self.cells.iter().filter(|c| c.pos >= 0 && c.seq == seq).count()
+    }
+
+    /// Claims one free cell per token; returns the cell indices. Fails without changing
+    /// anything when the cache is full or a position is already taken.
+    pub fn claim(&mut self, seq_ids: &[u32], positions: &[i32]) -> Result<Vec<i64>, ModelError> {
+        let free = self.cells.len() - self.n_used;
+        if seq_ids.len() > free {
+            return Err(ModelError::CacheFull { need: seq_ids.len(), free, capacity: self.cells.len() });
+        }
+        for (&seq, &pos) in seq_ids.iter().zip(positions) {
+            if pos < 0 {
+                return Err(ModelError::BadBatch(format!("negative position {pos}")));
+            }
+            if self.cells.iter().any(|c| c.pos == pos && c.seq == seq) {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} already holds position {pos}; truncate it before recomputing"
+                )));
+            }
+        }
+        let mut slots = Vec::with_capacity(seq_ids.len());
+        let mut next = 0;
+        for (&seq, &pos) in seq_ids.iter().zip(positions) {
+            while self.cells[next].pos >= 0 {
+                next += 1;
+            }
+            self.cells[next] = Cell { pos, seq };
+            slots.push(next as i64);
+        }
+        self.n_used += seq_ids.len();
+        Ok(slots)
+    }
+
+    /// Frees the cells just claimed (used when a computation fails).
+    pub fn release(&mut self, slots: &[i64]) {
+        for &slot in slots {
+            if let Some(cell) = self.cells.get_mut(slot as usize) {
+                if cell.pos >= 0 {
+                    *cell = FREE;
+                    self.n_used -= 1;
+                }
+            }
+        }
+    }
+
+    /// How many cells attention must look at: past the last used cell, padded.
+    pub fn n_kv(&self) -> usize {
+        let last = self.cells.iter().rposition(|c| c.pos >= 0).map_or(0, |i| i + 1);
+        last.div_ceil(N_KV_PAD).max(1).saturating_mul(N_KV_PAD).min(self.cells.len())
+    }
+
+    /// The attention mask `[n_kv, n_tokens]` (f16 bits): a token sees the cells of its
+    /// own sequence at positions not after its own, and, with a sliding window
+    /// `window`, only those less than `window` positions back.
+    pub fn mask(&self, seq_ids: &[u32], positions: &[i32], n_kv: usize, window: Option<usize>) -> Vec<u16> {
+        let mut mask = vec![MASK_DROP; n_kv * seq_ids.len()];
+        for (row, (&seq, &pos)) in mask.chunks_exact_mut(n_kv).zip(seq_ids.iter().zip(positions)) {
+            for (value, cell) in row.iter_mut().zip(&self.cells) {
+                let visible = cell.pos >= 0
+                    && cell.seq == seq
+                    && cell.pos <= pos
+                    && window.is_none_or(|w| ((pos - cell.pos) as usize) < w);
+                if visible {
+                    *value = MASK_KEEP;
+                }
+            }
+        }
+        mask
+    }
+
+    /// Forgets every token of `seq`.
+    pub fn clear_seq(&mut self, seq: u32) {
+        self.truncate_seq(seq, 0);
+    }
+
+    /// Keeps only the tokens of `seq` at positions below `len`.
+    pub fn truncate_seq(&mut self, seq: u32, len: usize) {
+        for cell in &mut self.cells {
+            if cell.pos >= 0 && cell.seq == seq && cell.pos as usize >= len {
+                *cell = FREE;
+                self.n_used -= 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> HParams {
+        let rope = baton_ggml::RopeParams {
+            n_dims: 4,
+            mode: 0,
+            n_ctx_orig: 64,
+            freq_base: 10000.0,
+            freq_scale: 1.0,
+            ext_factor: 0.0,
+            attn_factor: 1.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        };
+        HParams {
+            arch: crate::Arch::Llama,
+            n_layer: 2,
+            n_embd: 8,
+            n_head: 2,
+            n_head_kv: 1,
+            head_dim_k: 4,
+            head_dim_v: 4,
+            n_ff: 16,
+            n_vocab: 10,
+            n_ctx_train: 64,
+            rms_eps: 1e-5,
+            rope_swa: rope.clone(),
+            rope,
+            attn_scale: 0.5,
+            query_scale: 1.0,
+            embd_scale: 1.0,
+            n_swa: 0,
+            swa_layers: vec![false; 2],
+            final_logit_softcap: 0.0,
+            attn_logit_softcap: 0.0,
+        }
+    }
+
+    #[test]
+    fn claims_masks_and_truncates() {
+        let mut kv = KvCache::new(&tiny(), 0..2, 8).unwrap();
+        let slots = kv.claim(&[0, 0, 1], &[0, 1, 0]).unwrap();
+        assert_eq!(slots, vec![0, 1, 2]);
+        assert_eq!(kv.n_kv(), 8);
+        let mask = kv.mask(&[0, 1], &[1, 0], 4, None);
+        assert_eq!(&mask[..4], &[MASK_KEEP, MASK_KEEP, MASK_DROP, MASK_DROP]);
+        assert_eq!(&mask[4..], &[MASK_DROP, MASK_DROP, MASK_KEEP, MASK_DROP]);
+        let swa = kv.mask(&[0], &[1], 4, Some(1));
+        assert_eq!(&swa, &[MASK_DROP, MASK_KEEP, MASK_DROP, MASK_DROP]);
+        kv.truncate_seq(0, 1);
+        assert_eq!(kv.seq_len(0), 1);
+        assert_eq!(kv.claim(&[0], &[1]).unwrap(), vec![1]);
+        kv.clear_seq(0);
+        kv.clear_seq(1);
+        assert_eq!(kv.n_used(), 0);
+    }
+
+    #[test]
+    fn overflow_and_duplicate_positions_are_errors() {
+        let mut kv = KvCache::new(&tiny(), 0..1, 2).unwrap();
+        kv.claim(&[0], &[0]).unwrap();
+        let dup = kv.claim(&[0], &[0]).unwrap_err().to_string();
+        assert!(dup.contains("already holds position 0"), "{dup}");
+        let full = kv.claim(&[0, 0], &[1, 2]).unwrap_err().to_string();
+        assert!(full.contains("KV cache is full"), "{full}");
+        assert_eq!(kv.n_used(), 1, "a refused claim changes nothing");
+    }
+}

@@ -1,0 +1,261 @@
+//! A stage: a contiguous layer range of one model on one ggml backend, with its own
+//! KV cache. The first stage embeds tokens; the last produces logits.
+
+use std::sync::Arc;
+
+use baton_ggml::{Allocator, Context, CpuBackend, DType, Tensor};
+
+use crate::arch::{Builder, StepInputs};
+use crate::kv::KvCache;
+use crate::weights::{ModelFile, StageSpan, StageWeights};
+use crate::ModelError;
+
+/// How a stage is set up.
+#[derive(Clone, Debug)]
+pub struct StageConfig {
+    /// KV cells (tokens, summed over all sequences) the stage can hold.
+    pub n_ctx: usize,
+    /// CPU threads for graph computation.
+    pub n_threads: usize,
+}
+
+/// What enters a stage.
+#[derive(Clone, Copy, Debug)]
+pub enum StageInput<'a> {
+    /// Token ids (first stage only).
+    Tokens(&'a [u32]),
+    /// Hidden states `[n_embd, n_tokens]`, row-major by token.
+    Hidden(&'a [f32]),
+}
+
+/// One step's tokens: for each, its sequence and position; and which rows need logits.
+#[derive(Clone, Copy, Debug)]
+pub struct Batch<'a> {
+    /// The tokens or hidden states.
+    pub input: StageInput<'a>,
+    /// Position of each token in its sequence.
+    pub positions: &'a [i32],
+    /// Sequence of each token.
+    pub seq_ids: &'a [u32],
+    /// Rows (indices into the batch) whose logits the last stage returns.
+    pub logit_rows: &'a [u32],
+}
+
+impl Batch<'_> {
+    /// Tokens in the batch.
+    pub fn n_tokens(&self) -> usize {
+        self.positions.len()
+    }
+}
+
+/// What leaves a stage.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StageOutput {
+    /// Hidden states `[n_embd, n_tokens]` for the next stage.
+    Hidden(Vec<f32>),
+    /// Logits, `n_vocab` per requested row, in the order of `logit_rows`.
+    Logits(Vec<f32>),
+}
+
+/// A layer range of a model, ready to compute.
+pub struct Stage {
+    span: StageSpan,
+    // Declared before `weights` so the compute state is freed first.
+    backend: CpuBackend,
+    alloc: Allocator,
+    kv: KvCache,
+    weights: StageWeights,
+}
+
+impl Stage {
+    /// Loads the tensors of `span` from `file` and allocates the KV cache.
+    pub fn load(file: Arc<ModelFile>, span: StageSpan, config: &StageConfig) -> Result<Stage, ModelError> {
+        let hp = file.hparams();
+        if span.layers.start >= span.layers.end || span.layers.end > hp.n_layer {
+            return Err(ModelError::BadConfig(format!(
+                "layer range {:?} is not a non-empty part of the model's {} layers",
+                span.layers, hp.n_layer
+            )));
+        }
+        let weights = StageWeights::load(file.clone(), &span)?;
+        let kv = KvCache::new(hp, span.layers.clone(), config.n_ctx)?;
+        tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, weight_bytes = weights.bytes(), "stage loaded");
+        Ok(Stage { span, backend: CpuBackend::new(config.n_threads), alloc: Allocator::new_cpu(), kv, weights })
+    }
+
+    /// The layers and roles of this stage.
+    pub fn span(&self) -> &StageSpan {
+        &self.span
+    }
+
+    /// The KV cache (for inspection).
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// The KV cache (to clear or truncate sequences).
+    pub fn kv_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
+    }
+
+    /// The weights.
+    pub fn weights(&self) -> &StageWeights {
+        &self.weights
+    }
+
+    /// Bytes this stage has resident now: the pages of its mapping that are in memory,
+    /// plus its KV cache and compute buffer.
+    pub fn resident_bytes(&self) -> u64 {
+        let mapped = crate::resident::mapped_rss(self.weights.file().map_address()).unwrap_or(0);
+        mapped + self.kv.bytes() as u64 + self.alloc.size() as u64
+    }
+
+    /// Runs the stage's layers over one batch.
+    pub fn forward(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
+        self.check(batch)?;
+        let slots = self.kv.claim(batch.seq_ids, batch.positions)?;
+        let result = self.compute(batch, &slots);
+        if result.is_err() {
+            self.kv.release(&slots);
+        }
+        result
+    }
+
+    fn check(&self, batch: &Batch<'_>) -> Result<(), ModelError> {
+        let hp = self.weights.file().hparams();
+        let n = batch.n_tokens();
+        let bad = |msg: String| Err(ModelError::BadBatch(msg));
+        if n == 0 {
+            return bad("empty batch".into());
+        }
+        if batch.seq_ids.len() != n {
+            return bad(format!("{} sequence ids for {n} positions", batch.seq_ids.len()));
+        }
+        match batch.input {
+            StageInput::Tokens(tokens) => {
+                if !self.span.first {
+                    return bad(format!("stage {:?} takes hidden states, not tokens", self.span.layers));
+                }
+                if tokens.len() != n {
+                    return bad(format!("{} tokens for {n} positions", tokens.len()));
+                }
+                if let Some(&t) = tokens.iter().find(|&&t| t as usize >= hp.n_vocab) {
+                    return bad(format!("token id {t} is outside the vocabulary of {}", hp.n_vocab));
+                }
+            }
+            StageInput::Hidden(hidden) => {
+                if self.span.first {
+                    return bad("the first stage takes tokens, not hidden states".into());
+                }
+                if hidden.len() != n * hp.n_embd {
+                    return bad(format!("hidden state of {} floats, expected {n} x {}", hidden.len(), hp.n_embd));
+                }
+            }
+        }
+        if !self.span.last && !batch.logit_rows.is_empty() {
+            return bad("only the last stage produces logits".into());
+        }
+        if let Some(&row) = batch.logit_rows.iter().find(|&&r| r as usize >= n) {
+            return bad(format!("logit row {row} is outside the batch of {n}"));
+        }
+        Ok(())
+    }
+
+    fn compute(&mut self, batch: &Batch<'_>, slots: &[i64]) -> Result<StageOutput, ModelError> {
+        let file = self.weights.file().clone();
+        let hp = file.hparams();
+        let n_tokens = batch.n_tokens();
+        let n_kv = self.kv.n_kv();
+        let ctx = Context::new(64 * self.span.layers.len() + 64, true);
+
+        // Inputs (data written after allocation).
+        let positions = ctx.new_tensor(DType::I32, &[n_tokens as i64]).named("inp_pos").set_input();
+        let kv_slots = ctx.new_tensor(DType::I64, &[n_tokens as i64]).named("kv_slots").set_input();
+        let mask = ctx.new_tensor(DType::F16, &[n_kv as i64, n_tokens as i64]).named("kq_mask").set_input();
+        let mask_swa = (hp.n_swa > 0)
+            .then(|| ctx.new_tensor(DType::F16, &[n_kv as i64, n_tokens as i64]).named("kq_mask_swa").set_input());
+        let want_logits = self.span.last && !batch.logit_rows.is_empty();
+        let out_rows = want_logits
+            .then(|| ctx.new_tensor(DType::I32, &[batch.logit_rows.len() as i64]).named("out_rows").set_input());
+        let (tokens_in, hidden_in): (Option<Tensor>, Option<Tensor>) = match batch.input {
+            StageInput::Tokens(_) => (Some(ctx.new_tensor(DType::I32, &[n_tokens as i64]).named("inp_tokens").set_input()), None),
+            StageInput::Hidden(_) => {
+                (None, Some(ctx.new_tensor(DType::F32, &[hp.n_embd as i64, n_tokens as i64]).named("inp_hidden").set_input()))
+            }
+        };
+
+        let mut b = Builder {
+            ctx: &ctx,
+            graph: ctx.new_graph(),
+            hp,
+            weights: &self.weights,
+            kv: &self.kv,
+            inputs: StepInputs { positions, kv_slots, mask, mask_swa, out_rows, n_kv, n_tokens },
+        };
+        let mut hidden = match (tokens_in, hidden_in) {
+            (Some(tokens), _) => {
+                let embd = ctx.get_rows(self.weights.token_embd()?, tokens); // [n_embd, n_tokens]
+                if hp.embd_scale != 1.0 {
+                    ctx.scale(embd, hp.embd_scale)
+                } else {
+                    embd
+                }
+            }
+            (None, Some(hidden)) => hidden,
+            (None, None) => unreachable!("one of the two inputs is always created above"),
+        };
+        for layer in self.span.layers.clone() {
+            let w = self.weights.layer(layer)?;
+            hidden = b.layer(&w, layer, hidden).named(&format!("l_out-{layer}"));
+        }
+        let out = if want_logits {
+            let normed = b.norm(hidden, self.weights.output_norm()?);
+            let mut logits = ctx.mul_mat(self.weights.output()?, normed); // [n_vocab, n_out]
+            if hp.final_logit_softcap > 0.0 {
+                logits = ctx.scale(logits, 1.0 / hp.final_logit_softcap);
+                logits = ctx.tanh(logits);
+                logits = ctx.scale(logits, hp.final_logit_softcap);
+            }
+            logits
+        } else {
+            hidden
+        };
+        let out = out.named("stage_out").set_output();
+        let mut graph = b.graph;
+        graph.expand(out);
+
+        self.alloc.alloc(&graph)?;
+        positions.write(batch.positions)?;
+        kv_slots.write(slots)?;
+        mask.write(&self.kv.mask(batch.seq_ids, batch.positions, n_kv, None))?;
+        if let Some(m) = mask_swa {
+            m.write(&self.kv.mask(batch.seq_ids, batch.positions, n_kv, Some(hp.n_swa)))?;
+        }
+        if let Some(rows) = out_rows {
+            let ids: Vec<i32> = batch.logit_rows.iter().map(|&r| r as i32).collect();
+            rows.write(&ids)?;
+        }
+        match batch.input {
+            StageInput::Tokens(tokens) => {
+                let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+                tokens_in.map(|t| t.write(&ids)).transpose()?;
+            }
+            StageInput::Hidden(hidden) => {
+                hidden_in.map(|t| t.write(hidden)).transpose()?;
+            }
+        }
+        self.backend.compute(&graph)?;
+
+        if want_logits {
+            let mut logits = vec![0f32; hp.n_vocab * batch.logit_rows.len()];
+            out.read(&mut logits)?;
+            Ok(StageOutput::Logits(logits))
+        } else if self.span.last {
+            Ok(StageOutput::Logits(Vec::new()))
+        } else {
+            let mut hidden = vec![0f32; hp.n_embd * n_tokens];
+            out.read(&mut hidden)?;
+            Ok(StageOutput::Hidden(hidden))
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! Loading exactly the tensors one stage needs, straight from the mmap'd GGUF.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use baton_ggml::{Context, DType, MappedBuffer, MappedFile, Tensor};
+use baton_gguf::Gguf;
+
+use crate::hparams::{Arch, HParams};
+use crate::ModelError;
+
+/// A GGUF file, memory-mapped and parsed (header, metadata and tensor index only).
+pub struct ModelFile {
+    path: PathBuf,
+    map: Arc<MappedFile>,
+    gguf: Gguf,
+    hparams: HParams,
+}
+
+impl ModelFile {
+    /// Maps and parses `path`; fails with a clear error for anything that is not a
+    /// supported GGUF model.
+    pub fn open(path: &Path) -> Result<Arc<ModelFile>, ModelError> {
+        let map = Arc::new(MappedFile::open(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?);
+        let gguf = Gguf::parse(map.bytes())?;
+        let hparams = HParams::from_gguf(&gguf)?;
+        Ok(Arc::new(ModelFile { path: path.to_path_buf(), map, gguf, hparams }))
+    }
+
+    /// The hyper-parameters.
+    pub fn hparams(&self) -> &HParams {
+        &self.hparams
+    }
+
+    /// The parsed header and tensor index.
+    pub fn gguf(&self) -> &Gguf {
+        &self.gguf
+    }
+
+    /// Where the file is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The mapped bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.map.bytes()
+    }
+
+    /// Start address of the mapping (to find its resident pages).
+    pub fn map_address(&self) -> usize {
+        self.map.address()
+    }
+
+    /// Bytes of the tensors of layer `layer` (`blk.{layer}.*`).
+    pub fn layer_bytes(&self, layer: usize) -> u64 {
+        let prefix = format!("blk.{layer}.");
+        self.gguf.tensors.iter().filter(|t| t.name.starts_with(&prefix)).map(|t| t.n_bytes).sum()
+    }
+}
+
+/// The weights of one transformer layer. Optional tensors depend on the architecture.
+pub struct LayerWeights<'w> {
+    pub attn_norm: Tensor<'w>,
+    pub wq: Tensor<'w>,
+    pub wk: Tensor<'w>,
+    pub wv: Tensor<'w>,
+    pub wo: Tensor<'w>,
+    pub bq: Option<Tensor<'w>>,
+    pub bk: Option<Tensor<'w>>,
+    pub bv: Option<Tensor<'w>>,
+    pub bo: Option<Tensor<'w>>,
+    pub q_norm: Option<Tensor<'w>>,
+    pub k_norm: Option<Tensor<'w>>,
+    pub attn_post_norm: Option<Tensor<'w>>,
+    pub ffn_norm: Tensor<'w>,
+    pub ffn_gate: Tensor<'w>,
+    pub ffn_up: Tensor<'w>,
+    pub ffn_down: Tensor<'w>,
+    pub ffn_post_norm: Option<Tensor<'w>>,
+}
+
+/// The tensors of a stage, bound to the mapped file.
+pub struct StageWeights {
+    // Field order matters for drop: tensor handles point into `ctx`, tensor data into
+    // `file`'s mapping through `buffer`.
+    ctx: Context,
+    buffer: Option<MappedBuffer>,
+    names: Vec<String>,
+    bytes: u64,
+    file: Arc<ModelFile>,
+}
+
+/// Which tensors a stage holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageSpan {
+    /// Global indices of the layers it computes.
+    pub layers: Range<usize>,
+    /// Whether it embeds tokens (first stage).
+    pub first: bool,
+    /// Whether it produces logits (last stage).
+    pub last: bool,
+}
+
+impl StageWeights {
+    /// Creates the stage's tensors with the shapes `hparams` implies, checks them against
+    /// the file's index (name, shape, type), and points them into the mapping.
+    pub fn load(file: Arc<ModelFile>, span: &StageSpan) -> Result<StageWeights, ModelError> {
+        let names = tensor_names(&file, span);
+        let ctx = Context::new(names.len() + 1, false);
+        let mut bytes = 0;
+        for (name, shape) in &names {
+            let info = file.gguf.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
+            let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
+            if &dims != shape {
+                return Err(ModelError::WrongShape { tensor: name.clone(), expected: shape.clone(), found: dims });
+            }
+            // Vectors (norms, biases, RoPE factors) are f32 in every llama.cpp GGUF and
+            // are used in element-wise ops; matrices must be types ggml can multiply by.
+            let dtype = DType(info.ggml_type.id());
+            let ok = if dims.len() == 1 { dtype == DType::F32 } else { dtype.can_mul_mat() };
+            if !ok {
+                let expected = if dims.len() == 1 { "f32" } else { "a float or quantized matrix type" };
+                return Err(ModelError::UnsupportedType {
+                    tensor: name.clone(),
+                    dtype: info.ggml_type.name().into(),
+                    expected,
+                });
+            }
+            ctx.new_tensor(dtype, &dims).named(name);
+            bytes += info.n_bytes;
+        }
+        let mut weights = StageWeights {
+            ctx,
+            buffer: None,
+            names: names.into_iter().map(|(name, _)| name).collect(),
+            bytes,
+            file,
+        };
+        weights.bind()?;
+        Ok(weights)
+    }
+
+    fn bind(&mut self) -> Result<(), ModelError> {
+        let buffer = MappedBuffer::new(self.file.map.clone())?;
+        for name in &self.names {
+            let info = self.file.gguf.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
+            let tensor = self.get_tensor(name)?;
+            buffer.place(tensor, info.offset as usize)?;
+        }
+        self.buffer = Some(buffer);
+        Ok(())
+    }
+
+    fn get_tensor(&self, name: &str) -> Result<Tensor<'_>, ModelError> {
+        self.ctx.get_tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+    }
+
+    fn opt(&self, name: &str) -> Option<Tensor<'_>> {
+        self.ctx.get_tensor(name)
+    }
+
+    /// The token embedding (first stage, or a last stage with tied output).
+    pub fn token_embd(&self) -> Result<Tensor<'_>, ModelError> {
+        self.get_tensor("token_embd.weight")
+    }
+
+    /// The final norm (last stage).
+    pub fn output_norm(&self) -> Result<Tensor<'_>, ModelError> {
+        self.get_tensor("output_norm.weight")
+    }
+
+    /// The output projection, or the token embedding when tied.
+    pub fn output(&self) -> Result<Tensor<'_>, ModelError> {
+        self.opt("output.weight").map_or_else(|| self.token_embd(), Ok)
+    }
+
+    /// Llama 3 RoPE frequency factors, when the model has them.
+    pub fn rope_freqs(&self) -> Option<Tensor<'_>> {
+        self.opt("rope_freqs.weight")
+    }
+
+    /// The weights of global layer `layer`.
+    pub fn layer(&self, layer: usize) -> Result<LayerWeights<'_>, ModelError> {
+        let t = |n: &str| self.get_tensor(&format!("blk.{layer}.{n}"));
+        let o = |n: &str| self.opt(&format!("blk.{layer}.{n}"));
+        Ok(LayerWeights {
+            attn_norm: t("attn_norm.weight")?,
+            wq: t("attn_q.weight")?,
+            wk: t("attn_k.weight")?,
+            wv: t("attn_v.weight")?,
+            wo: t("attn_output.weight")?,
+            bq: o("attn_q.bias"),
+            bk: o("attn_k.bias"),
+            bv: o("attn_v.bias"),
+            bo: o("attn_output.bias"),
+            q_norm: o("attn_q_norm.weight"),
+            k_norm: o("attn_k_norm.weight"),
+            attn_post_norm: o("post_attention_norm.weight"),
+            ffn_norm: t("ffn_norm.weight")?,
+            ffn_gate: t("ffn_gate.weight")?,
+            ffn_up: t("ffn_up.weight")?,
+            ffn_down: t("ffn_down.weight")?,
+            ffn_post_norm: o("post_ffw_norm.weight"),
+        })
+    }
+
+    /// Bytes of weights this stage uses (what it will have resident once computed).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The model file.
+    pub fn file(&self) -> &Arc<ModelFile> {
+        &self.file
+    }
+}
+
+/// Every tensor a stage needs, with the shape it must have (`ne[0]` first).
+fn tensor_names(file: &ModelFile, span: &StageSpan) -> Vec<(String, Vec<i64>)> {
+    let hp = &file.hparams;
+    let gguf = &file.gguf;
+    let (embd, vocab, ff) = (hp.n_embd as i64, hp.n_vocab as i64, hp.n_ff as i64);
+    let q_dim = (hp.head_dim_k * hp.n_head) as i64;
+    let k_dim = hp.n_embd_k_gqa() as i64;
+    let v_dim = hp.n_embd_v_gqa() as i64;
+    let o_dim = (hp.head_dim_v * hp.n_head) as i64;
+    let mut names: Vec<(String, Vec<i64>)> = Vec::new();
+    let tied = gguf.tensor("output.weight").is_none();
+    if span.first || (span.last && tied) {
+        names.push(("token_embd.weight".into(), vec![embd, vocab]));
+    }
+    if span.last {
+        names.push(("output_norm.weight".into(), vec![embd]));
+        if !tied {
+            names.push(("output.weight".into(), vec![embd, vocab]));
+        }
+    }
+    if hp.arch == Arch::Llama && gguf.tensor("rope_freqs.weight").is_some() {
+        names.push(("rope_freqs.weight".into(), vec![hp.rope.n_dims as i64 / 2]));
+    }
+    for layer in span.layers.clone() {
+        let mut add = |n: &str, shape: Vec<i64>| names.push((format!("blk.{layer}.{n}"), shape));
+        add("attn_norm.weight", vec![embd]);
+        add("attn_q.weight", vec![embd, q_dim]);
+        add("attn_k.weight", vec![embd, k_dim]);
+        add("attn_v.weight", vec![embd, v_dim]);
+        add("attn_output.weight", vec![o_dim, embd]);
+        add("ffn_norm.weight", vec![embd]);
+        add("ffn_gate.weight", vec![embd, ff]);
+        add("ffn_up.weight", vec![embd, ff]);
+        add("ffn_down.weight", vec![ff, embd]);
+        let head = hp.head_dim_k as i64;
+        let mut extra: Vec<(&str, Vec<i64>)> = Vec::new();
+        match hp.arch {
+            Arch::Qwen2 => {
+                extra.push(("attn_q.bias", vec![q_dim]));
+                extra.push(("attn_k.bias", vec![k_dim]));
+                extra.push(("attn_v.bias", vec![v_dim]));
+            }
+            Arch::Qwen3 => {
+                extra.push(("attn_q_norm.weight", vec![head]));
+                extra.push(("attn_k_norm.weight", vec![head]));
+            }
+            Arch::Gemma3 => {
+                extra.push(("attn_q_norm.weight", vec![head]));
+                extra.push(("attn_k_norm.weight", vec![head]));
+                extra.push(("post_attention_norm.weight", vec![embd]));
+                extra.push(("post_ffw_norm.weight", vec![embd]));
+            }
+            Arch::Llama => {
+                // Biases are optional in llama GGUFs; take them when present.
+                for (n, shape) in [
+                    ("attn_q.bias", vec![q_dim]),
+                    ("attn_k.bias", vec![k_dim]),
+                    ("attn_v.bias", vec![v_dim]),
+                    ("attn_output.bias", vec![embd]),
+                ] {
+                    if gguf.tensor(&format!("blk.{layer}.{n}")).is_some() {
+                        extra.push((n, shape));
+                    }
+                }
+            }
+        }
+        for (n, shape) in extra {
+            add(n, shape);
+        }
+    }
+    names
+}

@@ -1,0 +1,75 @@
+//! Transports that carry ring messages between stages. Every transport implements the
+//! same two halves, [`Tx`] and [`Rx`], so stage code does not know what carries it.
+//! This crate has the in-process transport; TCP joins it later behind the same traits.
+#![deny(unsafe_code)]
+
+use std::sync::mpsc;
+
+use baton_proto::Message;
+
+/// Transport failures.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The other end is gone.
+    #[error("link to {peer} is closed")]
+    Closed { peer: String },
+}
+
+/// The sending half of a link.
+pub trait Tx: Send {
+    /// Sends one message, in order.
+    fn send(&mut self, msg: Message) -> Result<(), NetError>;
+}
+
+/// The receiving half of a link.
+pub trait Rx: Send {
+    /// Waits for the next message.
+    fn recv(&mut self) -> Result<Message, NetError>;
+}
+
+/// In-process sending half: a channel to a stage in the same process.
+pub struct LocalTx {
+    inner: mpsc::Sender<Message>,
+    peer: String,
+}
+
+/// In-process receiving half.
+pub struct LocalRx {
+    inner: mpsc::Receiver<Message>,
+    peer: String,
+}
+
+/// A one-way in-process link; `peer` names the receiving end in errors.
+pub fn local_link(peer: &str) -> (LocalTx, LocalRx) {
+    let (tx, rx) = mpsc::channel();
+    (LocalTx { inner: tx, peer: peer.to_string() }, LocalRx { inner: rx, peer: peer.to_string() })
+}
+
+impl Tx for LocalTx {
+    fn send(&mut self, msg: Message) -> Result<(), NetError> {
+        self.inner.send(msg).map_err(|_| NetError::Closed { peer: self.peer.clone() })
+    }
+}
+
+impl Rx for LocalRx {
+    fn recv(&mut self) -> Result<Message, NetError> {
+        self.inner.recv().map_err(|_| NetError::Closed { peer: self.peer.clone() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_link_delivers_in_order_and_reports_a_closed_peer() {
+        let (mut tx, mut rx) = local_link("stage 1");
+        tx.send(Message::Done).unwrap();
+        tx.send(Message::Shutdown).unwrap();
+        assert_eq!(rx.recv().unwrap(), Message::Done);
+        assert_eq!(rx.recv().unwrap(), Message::Shutdown);
+        drop(rx);
+        let err = tx.send(Message::Done).unwrap_err().to_string();
+        assert_eq!(err, "link to stage 1 is closed");
+    }
+}

@@ -1,0 +1,68 @@
+//! A whole ring in one process: every stage on its own thread, joined by in-process
+//! links. The same worker loop will run behind TCP links in separate processes.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
+use baton_net::local_link;
+
+use crate::head::Head;
+use crate::worker::{run, StageWorker};
+use crate::NodeError;
+
+/// A running in-process ring and the head that drives it.
+pub struct LocalRing {
+    /// The head end of the ring.
+    pub head: Head,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl LocalRing {
+    /// Loads one stage per range of `ranges` (in parallel) and starts the ring.
+    pub fn start(file: Arc<ModelFile>, ranges: &[Range<usize>], config: &StageConfig) -> Result<LocalRing, NodeError> {
+        let n = ranges.len();
+        let stages: Vec<Stage> = std::thread::scope(|scope| {
+            let loads: Vec<_> = ranges
+                .iter()
+                .enumerate()
+                .map(|(i, range)| {
+                    let span = StageSpan { layers: range.clone(), first: i == 0, last: i + 1 == n };
+                    let file = file.clone();
+                    scope.spawn(move || Stage::load(file, span, config))
+                })
+                .collect();
+            loads.into_iter().map(|h| h.join().expect("stage loader panicked")).collect::<Result<_, _>>()
+        })?;
+
+        // Links: head → s0 → s1 → … → s(n-1) → head.
+        let (head_tx, mut prev_rx) = local_link("stage 0");
+        let mut threads = Vec::new();
+        for (i, stage) in stages.into_iter().enumerate() {
+            let peer = if i + 1 == n { "head".to_string() } else { format!("stage {}", i + 1) };
+            let (tx, next_rx) = local_link(&peer);
+            let rx = std::mem::replace(&mut prev_rx, next_rx);
+            let worker = StageWorker::new(stage, i as u32);
+            let thread = std::thread::Builder::new()
+                .name(format!("stage-{i}"))
+                .spawn(move || {
+                    if let Err(e) = run(worker, rx, tx) {
+                        tracing::debug!(stage = i, error = %e, "stage loop ended");
+                    }
+                })
+                .map_err(|e| NodeError::Protocol(format!("cannot start stage thread: {e}")))?;
+            threads.push(thread);
+        }
+        Ok(LocalRing { head: Head::new(Box::new(head_tx), Box::new(prev_rx)), threads })
+    }
+}
+
+impl Drop for LocalRing {
+    fn drop(&mut self) {
+        let _ = self.head.shutdown();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}

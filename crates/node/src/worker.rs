@@ -1,0 +1,140 @@
+//! The stage side of the ring: apply each message to the local stage and pass the
+//! result on. The logic is in [`StageWorker::handle`], which does no I/O; [`run`]
+//! drives it over any transport.
+
+use std::collections::HashMap;
+
+use baton_model::{Batch, Stage, StageInput, StageOutput};
+use baton_net::{NetError, Rx, Tx};
+use baton_proto::{Forward, Message, Payload, SampledToken};
+use baton_sample::Sampler;
+
+/// A stage plus, on the last stage, one sampler per live sequence.
+pub struct StageWorker {
+    stage: Stage,
+    index: u32,
+    samplers: HashMap<u32, SeqSampler>,
+}
+
+/// A sequence's sampler and whether it wants log-probabilities.
+struct SeqSampler {
+    sampler: Sampler,
+    logprobs: bool,
+}
+
+impl StageWorker {
+    /// Wraps `stage`, the `index`-th of the ring (used in error reports).
+    pub fn new(stage: Stage, index: u32) -> StageWorker {
+        StageWorker { stage, index, samplers: HashMap::new() }
+    }
+
+    /// The stage.
+    pub fn stage(&self) -> &Stage {
+        &self.stage
+    }
+
+    /// Handles one message; returns what goes to the next hop (the next stage, or the
+    /// head after the last stage). Errors become `Message::Error` so the ring never
+    /// stalls on a bad message.
+    pub fn handle(&mut self, msg: Message) -> Message {
+        let last = self.stage.span().last;
+        let reply = match msg {
+            Message::StartSeq { seq, params, history, logprobs } => {
+                self.stage.kv_mut().clear_seq(seq);
+                if last {
+                    match Sampler::new(params.clone()) {
+                        Ok(mut sampler) => {
+                            history.iter().for_each(|&t| sampler.accept(t));
+                            self.samplers.insert(seq, SeqSampler { sampler, logprobs });
+                        }
+                        Err(e) => return self.error(e.to_string()),
+                    }
+                }
+                Message::StartSeq { seq, params, history, logprobs }
+            }
+            Message::TruncateSeq { seq, len } => {
+                self.stage.kv_mut().truncate_seq(seq, len as usize);
+                Message::TruncateSeq { seq, len }
+            }
+            Message::EndSeq { seq } => {
+                self.stage.kv_mut().clear_seq(seq);
+                self.samplers.remove(&seq);
+                Message::EndSeq { seq }
+            }
+            Message::Forward(forward) => match self.forward(forward) {
+                Ok(msg) => return msg,
+                Err(message) => return self.error(message),
+            },
+            Message::Stats { mut resident } => {
+                resident.push(self.stage.resident_bytes());
+                return Message::Stats { resident };
+            }
+            // Replies and errors from upstream pass through untouched.
+            other @ (Message::Sampled { .. } | Message::Done | Message::Error { .. } | Message::Shutdown) => return other,
+        };
+        if last {
+            Message::Done
+        } else {
+            reply
+        }
+    }
+
+    fn error(&self, message: String) -> Message {
+        Message::Error { stage: self.index, message }
+    }
+
+    fn forward(&mut self, forward: Forward) -> Result<Message, String> {
+        let Forward { step, payload, positions, seq_ids, sample_rows } = forward;
+        let input = match &payload {
+            Payload::Tokens(tokens) => StageInput::Tokens(tokens),
+            Payload::Hidden(hidden) => StageInput::Hidden(hidden),
+        };
+        let last = self.stage.span().last;
+        let logit_rows: &[u32] = if last { &sample_rows } else { &[] };
+        let batch = Batch { input, positions: &positions, seq_ids: &seq_ids, logit_rows };
+        match self.stage.forward(&batch).map_err(|e| e.to_string())? {
+            StageOutput::Hidden(hidden) => Ok(Message::Forward(Forward {
+                step,
+                payload: Payload::Hidden(hidden),
+                positions,
+                seq_ids,
+                sample_rows,
+            })),
+            StageOutput::Logits(logits) => {
+                let n_vocab = if sample_rows.is_empty() { 1 } else { logits.len() / sample_rows.len() };
+                let mut tokens = Vec::with_capacity(sample_rows.len());
+                for (&row, row_logits) in sample_rows.iter().zip(logits.chunks_exact(n_vocab)) {
+                    let seq = seq_ids[row as usize];
+                    let seq_sampler = self
+                        .samplers
+                        .get_mut(&seq)
+                        .ok_or_else(|| format!("sequence {seq} has no sampler: StartSeq must come first"))?;
+                    let sampler = &mut seq_sampler.sampler;
+                    let (token, logprob) = if seq_sampler.logprobs {
+                        let sampled = sampler.sample_with_logprobs(row_logits, 0).map_err(|e| e.to_string())?;
+                        (sampled.token, sampled.logprob)
+                    } else {
+                        (sampler.sample(row_logits).map_err(|e| e.to_string())?, f32::NAN)
+                    };
+                    sampler.accept(token);
+                    tokens.push(SampledToken { seq, token, logprob });
+                }
+                Ok(Message::Sampled { step, tokens })
+            }
+        }
+    }
+}
+
+/// Serves `worker` until `Shutdown` or a closed link: receive, handle, send on.
+/// `Shutdown` is forwarded so every stage of the ring stops.
+pub fn run(mut worker: StageWorker, mut rx: impl Rx, mut tx: impl Tx) -> Result<(), NetError> {
+    loop {
+        let msg = rx.recv()?;
+        let stop = matches!(msg, Message::Shutdown);
+        let out = worker.handle(msg);
+        tx.send(out)?;
+        if stop {
+            return Ok(());
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! `baton bench`: prompt processing (pp) and generation (tg) speed of baton's
+//! in-process stages against libllama single-process, in the same run, same threads.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use baton_ggml::{LlamaContext, LlamaModel};
+use baton_model::{ModelFile, StageConfig};
+use baton_node::{Head, LocalRing};
+use baton_proto::{Message, Payload};
+use baton_sample::{argmax, SamplingParams};
+use clap::Args;
+
+use crate::StageArgs;
+
+/// Arguments of `baton bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    stages: StageArgs,
+    /// Prompt tokens for the pp test (one batch).
+    #[arg(long, default_value_t = 128)]
+    pp: usize,
+    /// Tokens generated one at a time for the tg test.
+    #[arg(long, default_value_t = 64)]
+    tg: usize,
+    /// Repetitions of each test (the median is reported); baton and libllama alternate.
+    #[arg(long, short = 'r', default_value_t = 3)]
+    reps: usize,
+    /// Also write the table to this file (Markdown).
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+}
+
+/// Deterministic pseudo-random token ids (as llama-bench, the content does not matter).
+fn tokens(n: usize, n_vocab: usize) -> Vec<u32> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) % n_vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times[times.len() / 2]
+}
+
+/// One pp run through the ring: a single batch, the last row sampled.
+fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
+    head.control(Message::StartSeq { seq: 0, params: SamplingParams::greedy(), history: Vec::new(), logprobs: false })?;
+    let start = Instant::now();
+    let positions = (0..prompt.len() as i32).collect();
+    head.forward(Payload::Tokens(prompt.to_vec()), positions, vec![0; prompt.len()], vec![prompt.len() as u32 - 1])?;
+    let elapsed = start.elapsed();
+    head.control(Message::EndSeq { seq: 0 })?;
+    Ok(elapsed)
+}
+
+/// One tg run through the ring: `n` single-token steps from an empty context, each
+/// sampled greedily on the last stage and fed back.
+fn baton_tg(head: &mut Head, first: u32, n: usize) -> anyhow::Result<Duration> {
+    head.control(Message::StartSeq { seq: 0, params: SamplingParams::greedy(), history: Vec::new(), logprobs: false })?;
+    let start = Instant::now();
+    let mut token = first;
+    for pos in 0..n {
+        let sampled = head.forward(Payload::Tokens(vec![token]), vec![pos as i32], vec![0], vec![0])?;
+        token = sampled.first().context("no token sampled")?.token;
+    }
+    let elapsed = start.elapsed();
+    head.control(Message::EndSeq { seq: 0 })?;
+    Ok(elapsed)
+}
+
+fn llama_pp(ctx: &mut LlamaContext<'_>, prompt: &[u32]) -> anyhow::Result<Duration> {
+    ctx.clear();
+    let start = Instant::now();
+    let logits = ctx.decode(prompt)?;
+    argmax(&logits);
+    Ok(start.elapsed())
+}
+
+fn llama_tg(ctx: &mut LlamaContext<'_>, first: u32, n: usize) -> anyhow::Result<Duration> {
+    ctx.clear();
+    let start = Instant::now();
+    let mut token = first;
+    for _ in 0..n {
+        let logits = ctx.decode(&[token])?;
+        token = argmax(&logits).context("no logits")?;
+    }
+    Ok(start.elapsed())
+}
+
+/// Runs both systems and prints the table.
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let path = &args.stages.model;
+    let file = ModelFile::open(path).with_context(|| format!("loading {}", path.display()))?;
+    let n_vocab = file.hparams().n_vocab;
+    let ranges = args.stages.ranges(file.hparams().n_layer)?;
+    let threads = args.stages.threads();
+    let n_ctx = (args.pp.max(args.tg) + 16).next_power_of_two();
+    let prompt = tokens(args.pp.max(1), n_vocab);
+    let reps = args.reps.max(1);
+
+    let mut ring = LocalRing::start(file, &ranges, &StageConfig { n_ctx, n_threads: threads })?;
+    let oracle = LlamaModel::load_full(path)?;
+    let mut ctx = LlamaContext::new(&oracle, n_ctx as u32, args.pp.max(1) as u32, threads)?;
+
+    // Warm-up: fault in the weights of both and size the compute buffers.
+    baton_pp(&mut ring.head, &prompt)?;
+    llama_pp(&mut ctx, &prompt)?;
+
+    let (mut b_pp, mut l_pp, mut b_tg, mut l_tg) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..reps {
+        b_pp.push(baton_pp(&mut ring.head, &prompt)?);
+        l_pp.push(llama_pp(&mut ctx, &prompt)?);
+        b_tg.push(baton_tg(&mut ring.head, prompt[0], args.tg)?);
+        l_tg.push(llama_tg(&mut ctx, prompt[0], args.tg)?);
+    }
+    let rate = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
+    let rows = [
+        (format!("pp{}", args.pp), rate(args.pp, median(b_pp)), rate(args.pp, median(l_pp))),
+        (format!("tg{}", args.tg), rate(args.tg, median(b_tg)), rate(args.tg, median(l_tg))),
+    ];
+
+    let model_name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
+    let mut table = format!(
+        "model: {model_name}\nstages: {} ({}), {threads} thread(s) per stage; libllama: 1 process, {threads} thread(s); median of {reps}\n\n",
+        ranges.len(),
+        split.join(" ")
+    );
+    table.push_str("| test | baton tok/s | libllama tok/s | baton / libllama |\n|---|---:|---:|---:|\n");
+    for (test, baton, llama) in rows {
+        table.push_str(&format!("| {test} | {baton:.2} | {llama:.2} | {:.3} |\n", baton / llama));
+    }
+    print!("{table}");
+    if let Some(out) = &args.out {
+        std::fs::write(out, &table).with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}

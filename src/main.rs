@@ -1,0 +1,83 @@
+//! The `baton` binary: parses arguments, starts things, nothing else.
+
+mod bench;
+mod run;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Distributed inference for GGUF language models.
+#[derive(Parser)]
+#[command(name = "baton", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a prompt through N in-process stages and print the generated text.
+    Run(run::RunArgs),
+    /// Compare baton's stages with libllama single-process (prompt and generation speed).
+    Bench(bench::BenchArgs),
+}
+
+/// How the model is split into in-process stages.
+#[derive(Args, Clone, Debug)]
+pub struct StageArgs {
+    /// GGUF model file.
+    #[arg(long, short = 'm', default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")]
+    pub model: PathBuf,
+    /// Number of stages (layers are split evenly unless --split is given).
+    #[arg(long, default_value_t = 2)]
+    pub stages: usize,
+    /// Layers per stage, e.g. 8,8,8 (overrides the even split).
+    #[arg(long)]
+    pub split: Option<String>,
+    /// CPU threads per stage (default: the machine's cores divided among the stages).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// KV cache cells per stage.
+    #[arg(long, short = 'c', default_value_t = 4096)]
+    pub ctx_size: usize,
+}
+
+impl StageArgs {
+    /// Threads per stage.
+    pub fn threads(&self) -> usize {
+        self.threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / self.stages.max(1)).max(1)
+        })
+    }
+
+    /// The layer range of each stage.
+    pub fn ranges(&self, n_layers: usize) -> anyhow::Result<Vec<std::ops::Range<usize>>> {
+        Ok(match &self.split {
+            Some(split) => baton_plan::parse_split(split, n_layers)?,
+            None => baton_plan::even_split(n_layers, self.stages)?,
+        })
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BATON_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Bench(args) => bench::bench(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! Shared helpers of the end-to-end tests: the real models and a stage chain that
+//! returns logits (the ring itself only returns sampled tokens).
+#![allow(dead_code)]
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
+
+/// The qwen2 test model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M).
+pub const QWEN2: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+/// The gemma3 test model (gemma-3-270m, Q4_K_M).
+pub const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// Prompts used by the fidelity tests.
+pub const PROMPTS: [&str; 3] = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+];
+
+/// Path of a real model; panics with the fix when it has not been fetched.
+pub fn model(name: &str) -> PathBuf {
+    let dir = std::env::var_os("BATON_MODELS").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"),
+        PathBuf::from,
+    );
+    let path = dir.join(name);
+    assert!(path.exists(), "{} is missing: run scripts/fetch-models first", path.display());
+    path
+}
+
+/// Stages for `ranges`, chained in this thread.
+pub struct Chain {
+    pub stages: Vec<Stage>,
+}
+
+impl Chain {
+    pub fn load(file: &Arc<ModelFile>, ranges: &[Range<usize>], n_ctx: usize) -> Chain {
+        let n = ranges.len();
+        let config = StageConfig { n_ctx, n_threads: 2 };
+        let stages = ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let span = StageSpan { layers: r.clone(), first: i == 0, last: i + 1 == n };
+                Stage::load(file.clone(), span, &config).expect("stage loads")
+            })
+            .collect();
+        Chain { stages }
+    }
+
+    /// Runs `tokens` at positions `start..` of sequence `seq` through every stage;
+    /// returns the logits of the last token.
+    pub fn logits(&mut self, seq: u32, tokens: &[u32], start: i32) -> Vec<f32> {
+        let positions: Vec<i32> = (start..start + tokens.len() as i32).collect();
+        let seq_ids = vec![seq; tokens.len()];
+        let last_row = [tokens.len() as u32 - 1];
+        let mut hidden = Vec::new();
+        let n = self.stages.len();
+        for (i, stage) in self.stages.iter_mut().enumerate() {
+            let input = if i == 0 { StageInput::Tokens(tokens) } else { StageInput::Hidden(&hidden) };
+            let rows: &[u32] = if i + 1 == n { &last_row } else { &[] };
+            let batch = Batch { input, positions: &positions, seq_ids: &seq_ids, logit_rows: rows };
+            match stage.forward(&batch).expect("forward succeeds") {
+                StageOutput::Hidden(h) => hidden = h,
+                StageOutput::Logits(l) => return l,
+            }
+        }
+        unreachable!("the last stage returns logits")
+    }
+}
+
+/// Normalised mean squared error of `ours` against `reference`.
+pub fn nmse(ours: &[f32], reference: &[f32]) -> f64 {
+    assert_eq!(ours.len(), reference.len());
+    let err: f64 = ours.iter().zip(reference).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let norm: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
+    err / norm
+}
