@@ -125,23 +125,42 @@ impl<'a> Tensor<'a> {
 /// A ggml context holding tensor and graph metadata (no tensor data).
 pub struct Context {
     ptr: NonNull<sys::ggml_context>,
+    /// Unique per context, so a [`TensorId`] can be checked against its owner.
+    id: u64,
+    /// Node capacity of the one graph this context may hold (0: none).
+    graph_size: usize,
 }
+
+/// A lifetime-free name for a tensor of a long-lived context (model weights), turned
+/// back into a [`Tensor`] in O(1) by [`Context::tensor`]. Looking weights up by name
+/// every step costs a string scan per tensor; ids avoid that.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorId {
+    ptr: NonNull<sys::ggml_tensor>,
+    ctx: u64,
+}
+
+// SAFETY: an id is inert data; it is only dereferenced through the owning Context,
+// after checking that it belongs to it.
+unsafe impl Send for TensorId {}
+// SAFETY: as above.
+unsafe impl Sync for TensorId {}
+
+static NEXT_CONTEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 // SAFETY: a ggml_context is plain memory with no thread affinity; &mut/& discipline
 // of the Rust wrapper prevents concurrent mutation.
 unsafe impl Send for Context {}
 
-/// The most nodes one graph may have; a 64-layer stage needs about 2000.
-pub const MAX_NODES: usize = 16384;
-
 impl Context {
-    /// A metadata-only context with room for `n_tensors` tensors and, optionally, one graph.
-    pub fn new(n_tensors: usize, with_graph: bool) -> Context {
+    /// A metadata-only context with room for `n_tensors` tensors and, when `graph_size`
+    /// is not 0, one graph of up to `graph_size` nodes.
+    pub fn new(n_tensors: usize, graph_size: usize) -> Context {
         // SAFETY: pure size computations.
         let mut mem_size = unsafe { sys::ggml_tensor_overhead() } * n_tensors;
-        if with_graph {
+        if graph_size > 0 {
             // SAFETY: pure size computation.
-            mem_size += unsafe { sys::ggml_graph_overhead_custom(MAX_NODES, false) };
+            mem_size += unsafe { sys::ggml_graph_overhead_custom(graph_size, false) };
         }
         let params = sys::ggml_init_params {
             mem_size,
@@ -150,7 +169,11 @@ impl Context {
         };
         // SAFETY: ggml allocates its own arena of `mem_size` bytes.
         let ptr = unsafe { sys::ggml_init(params) };
-        Context { ptr: NonNull::new(ptr).expect("ggml_init failed to allocate its arena") }
+        Context {
+            ptr: NonNull::new(ptr).expect("ggml_init failed to allocate its arena"),
+            id: NEXT_CONTEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            graph_size,
+        }
     }
 
     pub(crate) fn raw(&self) -> *mut sys::ggml_context {
@@ -180,10 +203,23 @@ impl Context {
         (!ptr.is_null()).then(|| unsafe { self.wrap(ptr) })
     }
 
+    /// The id of `tensor`, which must belong to this context.
+    pub fn id_of(&self, tensor: Tensor<'_>) -> TensorId {
+        TensorId { ptr: tensor.ptr, ctx: self.id }
+    }
+
+    /// The tensor named by `id`; panics if `id` comes from another context.
+    pub fn tensor(&self, id: TensorId) -> Tensor<'_> {
+        assert_eq!(id.ctx, self.id, "tensor id used with a context that did not create it");
+        // SAFETY: the id was made by this context (checked), whose tensors live as long as it.
+        unsafe { self.wrap(id.ptr.as_ptr()) }
+    }
+
     /// A new, empty graph in this context; add nodes with [`Graph::expand`].
     pub fn new_graph(&self) -> Graph<'_> {
-        // SAFETY: the context was created with room for one graph of MAX_NODES.
-        let graph = unsafe { sys::ggml_new_graph_custom(self.raw(), MAX_NODES, false) };
+        assert!(self.graph_size > 0, "this context was created without room for a graph");
+        // SAFETY: the context was created with room for one graph of `graph_size` nodes.
+        let graph = unsafe { sys::ggml_new_graph_custom(self.raw(), self.graph_size, false) };
         Graph { ptr: NonNull::new(graph).expect("graph allocation failed"), _ctx: PhantomData }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Once;
 use llama_cpp_sys_2 as sys;
 
 pub use backend::{Allocator, Buffer, CpuBackend, MappedBuffer, MappedFile};
-pub use graph::{Context, Graph, RopeParams, Tensor, MAX_NODES};
+pub use graph::{Context, Graph, RopeParams, Tensor, TensorId};
 pub use llama::{LlamaContext, LlamaModel};
 
 /// A ggml element type (its numeric id is the GGUF tensor type id).

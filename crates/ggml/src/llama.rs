@@ -39,6 +39,7 @@ impl LlamaModel {
         let mut params = unsafe { sys::llama_model_default_params() };
         params.vocab_only = vocab_only;
         params.n_gpu_layers = 0;
+        params.use_extra_bufts = std::env::var_os("BATON_ORACLE_REPACK").is_some();
         // SAFETY: valid C string and params; null on failure.
         let ptr = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), params) };
         NonNull::new(ptr)

@@ -41,7 +41,7 @@ impl KvCache {
         if n_ctx == 0 {
             return Err(ModelError::BadConfig("context size must be at least 1".into()));
         }
-        let ctx = Context::new(2 * layers.len() + 2, false);
+        let ctx = Context::new(2 * layers.len() + 2, 0);
         for layer in layers.clone() {
             ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64]).named(&format!("cache_k_l{layer}"));
             ctx.new_tensor(DType::F16, &[hp.n_embd_v_gqa() as i64, n_ctx as i64]).named(&format!("cache_v_l{layer}"));

@@ -166,14 +166,20 @@ impl Stage {
         let hp = file.hparams();
         let n_tokens = batch.n_tokens();
         let n_kv = self.kv.n_kv();
-        let ctx = Context::new(64 * self.span.layers.len() + 64, true);
+        // About 40 nodes per layer (views included); generous so no model runs short.
+        let n_nodes = 64 * self.span.layers.len() + 64;
+        let ctx = Context::new(n_nodes, n_nodes);
 
         // Inputs (data written after allocation).
         let positions = ctx.new_tensor(DType::I32, &[n_tokens as i64]).named("inp_pos").set_input();
         let kv_slots = ctx.new_tensor(DType::I64, &[n_tokens as i64]).named("kv_slots").set_input();
-        let mask = ctx.new_tensor(DType::F16, &[n_kv as i64, n_tokens as i64]).named("kq_mask").set_input();
-        let mask_swa = (hp.n_swa > 0)
-            .then(|| ctx.new_tensor(DType::F16, &[n_kv as i64, n_tokens as i64]).named("kq_mask_swa").set_input());
+        // A mask is an input only if some layer of this stage reads it (an input that
+        // is not in the graph gets no memory).
+        let has_swa = self.span.layers.clone().any(|l| hp.is_swa(l));
+        let has_full = self.span.layers.clone().any(|l| !hp.is_swa(l));
+        let new_mask = |name| ctx.new_tensor(DType::F16, &[n_kv as i64, n_tokens as i64]).named(name).set_input();
+        let mask = has_full.then(|| new_mask("kq_mask"));
+        let mask_swa = has_swa.then(|| new_mask("kq_mask_swa"));
         let want_logits = self.span.last && !batch.logit_rows.is_empty();
         let out_rows = want_logits
             .then(|| ctx.new_tensor(DType::I32, &[batch.logit_rows.len() as i64]).named("out_rows").set_input());
@@ -205,7 +211,7 @@ impl Stage {
             (None, None) => unreachable!("one of the two inputs is always created above"),
         };
         for layer in self.span.layers.clone() {
-            let w = self.weights.layer(layer)?;
+            let w = self.weights.layer(layer);
             hidden = b.layer(&w, layer, hidden).named(&format!("l_out-{layer}"));
         }
         let out = if want_logits {
@@ -227,7 +233,9 @@ impl Stage {
         self.alloc.alloc(&graph)?;
         positions.write(batch.positions)?;
         kv_slots.write(slots)?;
-        mask.write(&self.kv.mask(batch.seq_ids, batch.positions, n_kv, None))?;
+        if let Some(m) = mask {
+            m.write(&self.kv.mask(batch.seq_ids, batch.positions, n_kv, None))?;
+        }
         if let Some(m) = mask_swa {
             m.write(&self.kv.mask(batch.seq_ids, batch.positions, n_kv, Some(hp.n_swa)))?;
         }

@@ -30,23 +30,23 @@ fn weights(seed: u64, n: u64) -> Vec<f32> {
 }
 
 /// A tiny model of architecture `arch`; `edit` may change the writer before it is saved.
-fn tiny_model(arch: &str, edit: impl FnOnce(&mut GgufWriter)) -> Vec<u8> {
-    let mut w = GgufWriter::new();
-    w.kv_str("general.architecture", arch);
-    w.kv_u32(&format!("{arch}.block_count"), N_LAYER as u32);
-    w.kv_u32(&format!("{arch}.embedding_length"), N_EMBD as u32);
-    w.kv_u32(&format!("{arch}.feed_forward_length"), N_FF as u32);
-    w.kv_u32(&format!("{arch}.attention.head_count"), N_HEAD as u32);
-    w.kv_u32(&format!("{arch}.attention.head_count_kv"), N_HEAD_KV as u32);
-    w.kv_u32(&format!("{arch}.attention.key_length"), HEAD_DIM as u32);
-    w.kv_u32(&format!("{arch}.attention.value_length"), HEAD_DIM as u32);
-    w.kv_u32(&format!("{arch}.context_length"), 256);
-    w.kv_f32(&format!("{arch}.attention.layer_norm_rms_epsilon"), 1e-6);
-    w.kv_f32(&format!("{arch}.rope.freq_base"), 10000.0);
+fn tiny_model(arch: &str, edit: impl FnOnce(GgufWriter) -> GgufWriter) -> Vec<u8> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let mut w = GgufWriter::new()
+        .kv_str("general.architecture", arch)
+        .kv_u32(key("block_count"), N_LAYER as u32)
+        .kv_u32(key("embedding_length"), N_EMBD as u32)
+        .kv_u32(key("feed_forward_length"), N_FF as u32)
+        .kv_u32(key("attention.head_count"), N_HEAD as u32)
+        .kv_u32(key("attention.head_count_kv"), N_HEAD_KV as u32)
+        .kv_u32(key("attention.key_length"), HEAD_DIM as u32)
+        .kv_u32(key("attention.value_length"), HEAD_DIM as u32)
+        .kv_u32(key("context_length"), 256)
+        .kv_f32(key("attention.layer_norm_rms_epsilon"), 1e-6)
+        .kv_f32(key("rope.freq_base"), 10000.0);
     if arch == "gemma3" {
         // Window 2 with a pattern of 2: layers 0 and 2 slide, layer 1 is global.
-        w.kv_u32("gemma3.attention.sliding_window", 2);
-        w.kv_u32("gemma3.attention.sliding_window_pattern", 2);
+        w = w.kv_u32("gemma3.attention.sliding_window", 2).kv_u32("gemma3.attention.sliding_window_pattern", 2);
     }
     let mut seed = 1;
     let mut t = |w: &mut GgufWriter, name: &str, dims: &[u64]| {
@@ -56,7 +56,7 @@ fn tiny_model(arch: &str, edit: impl FnOnce(&mut GgufWriter)) -> Vec<u8> {
         if name.contains("norm") {
             data.iter_mut().for_each(|x| *x += 1.0);
         }
-        w.tensor_f32(name, dims, &data);
+        *w = std::mem::take(w).tensor_f32(name, dims, &data);
     };
     t(&mut w, "token_embd.weight", &[N_EMBD, N_VOCAB]);
     t(&mut w, "output_norm.weight", &[N_EMBD]);
@@ -92,8 +92,7 @@ fn tiny_model(arch: &str, edit: impl FnOnce(&mut GgufWriter)) -> Vec<u8> {
             _ => {}
         }
     }
-    edit(&mut w);
-    w.to_bytes()
+    edit(w).to_bytes()
 }
 
 /// Writes `bytes` to a fresh temporary file.
@@ -138,7 +137,7 @@ fn chain_logits(file: &Arc<ModelFile>, sizes: &[usize], tokens: &[u32]) -> Vec<f
 fn every_architecture_runs_and_a_split_chain_equals_one_stage() {
     let tokens = [1, 5, 9, 2, 7, 3];
     for arch in ["llama", "qwen2", "qwen3", "gemma3"] {
-        let file = open(&format!("{arch}.gguf"), &tiny_model(arch, |_| {})).unwrap();
+        let file = open(&format!("{arch}.gguf"), &tiny_model(arch, |w| w)).unwrap();
         let whole = chain_logits(&file, &[3], &tokens);
         assert_eq!(whole.len(), N_VOCAB as usize);
         assert!(whole.iter().all(|x| x.is_finite()), "{arch}: non-finite logits");
@@ -157,7 +156,7 @@ fn incremental_decoding_equals_one_batch() {
     // them agree (this covers positions, cache writes and the causal/sliding masks).
     let tokens = [4u32, 8, 15, 16, 23, 3];
     for arch in ["llama", "gemma3"] {
-        let file = open(&format!("inc-{arch}.gguf"), &tiny_model(arch, |_| {})).unwrap();
+        let file = open(&format!("inc-{arch}.gguf"), &tiny_model(arch, |w| w)).unwrap();
         let whole = chain_logits(&file, &[3], &tokens);
         let span = StageSpan { layers: 0..3, first: true, last: true };
         let mut stage = Stage::load(file.clone(), span, &config()).unwrap();
@@ -190,7 +189,7 @@ fn err_text(name: &str, bytes: &[u8]) -> String {
 
 #[test]
 fn loader_errors_are_clear() {
-    let good = tiny_model("llama", |_| {});
+    let good = tiny_model("llama", |w| w);
 
     let truncated = err_text("truncated.gguf", &good[..good.len() - 100]);
     assert!(truncated.contains("truncated"), "{truncated}");
@@ -200,30 +199,34 @@ fn loader_errors_are_clear() {
     let text = err_text("magic.gguf", &bad_magic);
     assert!(text.contains("not a GGUF file"), "{text}");
 
-    let missing = tiny_model("llama", |w| w.remove_tensor("blk.1.ffn_up.weight"));
+    let missing = tiny_model("llama", |w| w.without_tensor("blk.1.ffn_up.weight"));
     assert_eq!(err_text("missing.gguf", &missing), "tensor 'blk.1.ffn_up.weight' is missing from the model file");
 
     let wrong = tiny_model("llama", |w| {
-        w.remove_tensor("blk.2.attn_k.weight");
-        w.tensor_f32("blk.2.attn_k.weight", &[N_EMBD, 8], &[0.0; 256]);
+        w.without_tensor("blk.2.attn_k.weight").tensor_f32("blk.2.attn_k.weight", &[N_EMBD, 8], &[0.0; 256])
     });
     assert_eq!(
         err_text("shape.gguf", &wrong),
         "tensor 'blk.2.attn_k.weight' has shape [32, 8], expected [32, 16]"
     );
 
-    let unknown = tiny_model("llama", |w| w.kv("general.architecture", Value::Str("mamba9".into())));
+    let unknown =
+        tiny_model("llama", |w| w.without_kv("general.architecture").kv("general.architecture", Value::Str("mamba9".into())));
     let text = err_text("arch.gguf", &unknown);
     assert!(text.contains("unsupported model architecture 'mamba9'"), "{text}");
 
     let odd_type = tiny_model("llama", |w| {
-        w.remove_tensor("blk.0.attn_norm.weight");
-        w.tensor_raw("blk.0.attn_norm.weight", &[N_EMBD], GgmlType::I8, vec![0; N_EMBD as usize]);
+        w.without_tensor("blk.0.attn_norm.weight").tensor_raw(
+            "blk.0.attn_norm.weight",
+            &[N_EMBD],
+            GgmlType::I8,
+            vec![0; N_EMBD as usize],
+        )
     });
     let text = err_text("type.gguf", &odd_type);
     assert!(text.contains("blk.0.attn_norm.weight") && text.contains("i8"), "{text}");
 
-    let no_key = tiny_model("llama", |w| w.remove_kv("llama.embedding_length"));
+    let no_key = tiny_model("llama", |w| w.without_kv("llama.embedding_length"));
     let text = err_text("key.gguf", &no_key);
     assert!(text.contains("llama.embedding_length"), "{text}");
 }

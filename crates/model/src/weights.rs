@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use baton_ggml::{Context, DType, MappedBuffer, MappedFile, Tensor};
+use baton_ggml::{Context, DType, MappedBuffer, MappedFile, Tensor, TensorId};
 use baton_gguf::Gguf;
 
 use crate::hparams::{Arch, HParams};
@@ -60,25 +60,54 @@ impl ModelFile {
     }
 }
 
-/// The weights of one transformer layer. Optional tensors depend on the architecture.
-pub struct LayerWeights<'w> {
-    pub attn_norm: Tensor<'w>,
-    pub wq: Tensor<'w>,
-    pub wk: Tensor<'w>,
-    pub wv: Tensor<'w>,
-    pub wo: Tensor<'w>,
-    pub bq: Option<Tensor<'w>>,
-    pub bk: Option<Tensor<'w>>,
-    pub bv: Option<Tensor<'w>>,
-    pub bo: Option<Tensor<'w>>,
-    pub q_norm: Option<Tensor<'w>>,
-    pub k_norm: Option<Tensor<'w>>,
-    pub attn_post_norm: Option<Tensor<'w>>,
-    pub ffn_norm: Tensor<'w>,
-    pub ffn_gate: Tensor<'w>,
-    pub ffn_up: Tensor<'w>,
-    pub ffn_down: Tensor<'w>,
-    pub ffn_post_norm: Option<Tensor<'w>>,
+/// The weights of one transformer layer, as handles of type `T`. Optional tensors
+/// depend on the architecture. Stored as [`TensorId`]s, used as [`Tensor`]s.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerWeights<T> {
+    pub attn_norm: T,
+    pub wq: T,
+    pub wk: T,
+    pub wv: T,
+    pub wo: T,
+    pub bq: Option<T>,
+    pub bk: Option<T>,
+    pub bv: Option<T>,
+    pub bo: Option<T>,
+    pub q_norm: Option<T>,
+    pub k_norm: Option<T>,
+    pub attn_post_norm: Option<T>,
+    pub ffn_norm: T,
+    pub ffn_gate: T,
+    pub ffn_up: T,
+    pub ffn_down: T,
+    pub ffn_post_norm: Option<T>,
+}
+
+/// A layer's weights ready for graph building.
+pub type LayerTensors<'w> = LayerWeights<Tensor<'w>>;
+
+impl<T: Copy> LayerWeights<T> {
+    fn map<U>(&self, f: impl Fn(T) -> U) -> LayerWeights<U> {
+        LayerWeights {
+            attn_norm: f(self.attn_norm),
+            wq: f(self.wq),
+            wk: f(self.wk),
+            wv: f(self.wv),
+            wo: f(self.wo),
+            bq: self.bq.map(&f),
+            bk: self.bk.map(&f),
+            bv: self.bv.map(&f),
+            bo: self.bo.map(&f),
+            q_norm: self.q_norm.map(&f),
+            k_norm: self.k_norm.map(&f),
+            attn_post_norm: self.attn_post_norm.map(&f),
+            ffn_norm: f(self.ffn_norm),
+            ffn_gate: f(self.ffn_gate),
+            ffn_up: f(self.ffn_up),
+            ffn_down: f(self.ffn_down),
+            ffn_post_norm: self.ffn_post_norm.map(&f),
+        }
+    }
 }
 
 /// The tensors of a stage, bound to the mapped file.
@@ -88,6 +117,9 @@ pub struct StageWeights {
     ctx: Context,
     buffer: Option<MappedBuffer>,
     names: Vec<String>,
+    /// Per layer of the stage (index `layer - first layer`).
+    layers: Vec<LayerWeights<TensorId>>,
+    first_layer: usize,
     bytes: u64,
     file: Arc<ModelFile>,
 }
@@ -108,7 +140,7 @@ impl StageWeights {
     /// the file's index (name, shape, type), and points them into the mapping.
     pub fn load(file: Arc<ModelFile>, span: &StageSpan) -> Result<StageWeights, ModelError> {
         let names = tensor_names(&file, span);
-        let ctx = Context::new(names.len() + 1, false);
+        let ctx = Context::new(names.len() + 1, 0);
         let mut bytes = 0;
         for (name, shape) in &names {
             let info = file.gguf.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
@@ -135,10 +167,13 @@ impl StageWeights {
             ctx,
             buffer: None,
             names: names.into_iter().map(|(name, _)| name).collect(),
+            layers: Vec::new(),
+            first_layer: span.layers.start,
             bytes,
             file,
         };
         weights.bind()?;
+        weights.layers = span.layers.clone().map(|l| weights.layer_ids(l)).collect::<Result<_, _>>()?;
         Ok(weights)
     }
 
@@ -181,10 +216,15 @@ impl StageWeights {
         self.opt("rope_freqs.weight")
     }
 
-    /// The weights of global layer `layer`.
-    pub fn layer(&self, layer: usize) -> Result<LayerWeights<'_>, ModelError> {
-        let t = |n: &str| self.get_tensor(&format!("blk.{layer}.{n}"));
-        let o = |n: &str| self.opt(&format!("blk.{layer}.{n}"));
+    /// The weights of global layer `layer` (one of the stage's).
+    pub fn layer(&self, layer: usize) -> LayerTensors<'_> {
+        self.layers[layer - self.first_layer].map(|id| self.ctx.tensor(id))
+    }
+
+    fn layer_ids(&self, layer: usize) -> Result<LayerWeights<TensorId>, ModelError> {
+        let id = |t: Tensor<'_>| self.ctx.id_of(t);
+        let t = |n: &str| self.get_tensor(&format!("blk.{layer}.{n}")).map(id);
+        let o = |n: &str| self.opt(&format!("blk.{layer}.{n}")).map(id);
         Ok(LayerWeights {
             attn_norm: t("attn_norm.weight")?,
             wq: t("attn_q.weight")?,

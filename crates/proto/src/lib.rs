@@ -32,7 +32,7 @@ pub struct Forward {
 }
 
 /// A token chosen by the last stage for one sampled row.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SampledToken {
     /// Sequence the token belongs to.
     pub seq: u32,

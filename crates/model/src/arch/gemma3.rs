@@ -5,10 +5,10 @@
 use baton_ggml::Tensor;
 
 use super::{AttnOptions, Builder};
-use crate::weights::LayerWeights;
+use crate::weights::LayerTensors;
 
 /// One gemma3 layer. `hidden`: `[n_embd, n_tokens]`.
-pub fn layer<'g>(b: &mut Builder<'g>, w: &LayerWeights<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+pub fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
     let cur = b.norm(hidden, w.attn_norm);
     let cur = b.attention(w, layer, cur, AttnOptions { qk_norm: true });
     let (cur, residual) = b.select_outputs(layer, cur, hidden);

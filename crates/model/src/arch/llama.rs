@@ -7,12 +7,12 @@
 use baton_ggml::Tensor;
 
 use super::{AttnOptions, Builder};
-use crate::weights::LayerWeights;
+use crate::weights::LayerTensors;
 
 /// One layer. `hidden`: `[n_embd, n_tokens]`.
 pub fn layer<'g>(
     b: &mut Builder<'g>,
-    w: &LayerWeights<'g>,
+    w: &LayerTensors<'g>,
     layer: usize,
     hidden: Tensor<'g>,
     attn: AttnOptions,

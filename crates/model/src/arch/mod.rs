@@ -11,7 +11,7 @@ use baton_ggml::{Context, Graph, Tensor};
 
 use crate::hparams::{Arch, HParams};
 use crate::kv::KvCache;
-use crate::weights::{LayerWeights, StageWeights};
+use crate::weights::{LayerTensors, StageWeights};
 
 /// The per-step inputs every layer reads.
 pub struct StepInputs<'g> {
@@ -19,9 +19,9 @@ pub struct StepInputs<'g> {
     pub positions: Tensor<'g>,
     /// Cells the new keys/values go to, i64 `[n_tokens]`.
     pub kv_slots: Tensor<'g>,
-    /// Causal mask, f16 `[n_kv, n_tokens]`.
-    pub mask: Tensor<'g>,
-    /// Sliding-window mask (same shape), when the model has sliding-window layers.
+    /// Causal mask, f16 `[n_kv, n_tokens]`, when the stage has full-attention layers.
+    pub mask: Option<Tensor<'g>>,
+    /// Sliding-window mask (same shape), when the stage has sliding-window layers.
     pub mask_swa: Option<Tensor<'g>>,
     /// Rows that need logits, i32 `[n_out]`, on the stage that owns the model's last layer.
     pub out_rows: Option<Tensor<'g>>,
@@ -50,7 +50,7 @@ pub struct AttnOptions {
 impl<'g> Builder<'g> {
     /// The layer's computation for this model's architecture: hidden in, hidden out,
     /// both `[n_embd, n_tokens]` (fewer rows after the model's last layer).
-    pub fn layer(&mut self, w: &LayerWeights<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+    pub fn layer(&mut self, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
         match self.hp.arch {
             Arch::Llama | Arch::Qwen2 => llama::layer(self, w, layer, hidden, AttnOptions { qk_norm: false }),
             Arch::Qwen3 => llama::layer(self, w, layer, hidden, AttnOptions { qk_norm: true }),
@@ -81,7 +81,7 @@ impl<'g> Builder<'g> {
 
     /// Self-attention over the KV cache: projects q, k, v; applies RoPE; stores k and v
     /// in the cache; attends; projects out. `[n_embd, n_tokens]` in and out.
-    pub fn attention(&mut self, w: &LayerWeights<'g>, layer: usize, x: Tensor<'g>, opts: AttnOptions) -> Tensor<'g> {
+    pub fn attention(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>, opts: AttnOptions) -> Tensor<'g> {
         let hp = self.hp;
         let ctx = self.ctx;
         let n_tokens = self.inputs.n_tokens as i64;
@@ -125,10 +125,8 @@ impl<'g> Builder<'g> {
         let keys = ctx.permute(keys, [0, 2, 1, 3]); // [d_k, n_kv, n_head_kv]
         let values = ctx.permute(values, [0, 2, 1, 3]); // [d_v, n_kv, n_head_kv]
         let q = ctx.permute(q, [0, 2, 1, 3]); // [d_k, n_tokens, n_head]
-        let mask = match (swa, self.inputs.mask_swa) {
-            (true, Some(m)) => m,
-            _ => self.inputs.mask,
-        };
+        let mask = if swa { self.inputs.mask_swa } else { self.inputs.mask };
+        let mask = mask.expect("the stage creates the mask of every kind of layer it has");
         let out = ctx.flash_attn(q, keys, values, mask, hp.attn_scale, hp.attn_logit_softcap); // [d_v, n_head, n_tokens]
         let out = ctx.reshape_2d(out, d_v * hp.n_head as i64, n_tokens);
         self.linear(w.wo, w.bo, out)
@@ -144,14 +142,14 @@ impl<'g> Builder<'g> {
     }
 
     /// `down(silu(gate x) * up x)`.
-    pub fn ffn_swiglu(&self, w: &LayerWeights<'g>, x: Tensor<'g>) -> Tensor<'g> {
+    pub fn ffn_swiglu(&self, w: &LayerTensors<'g>, x: Tensor<'g>) -> Tensor<'g> {
         let gate = self.ctx.mul_mat(w.ffn_gate, x);
         let up = self.ctx.mul_mat(w.ffn_up, x);
         self.ctx.mul_mat(w.ffn_down, self.ctx.swiglu_split(gate, up))
     }
 
     /// `down(gelu(gate x) * up x)`.
-    pub fn ffn_geglu(&self, w: &LayerWeights<'g>, x: Tensor<'g>) -> Tensor<'g> {
+    pub fn ffn_geglu(&self, w: &LayerTensors<'g>, x: Tensor<'g>) -> Tensor<'g> {
         let gate = self.ctx.mul_mat(w.ffn_gate, x);
         let up = self.ctx.mul_mat(w.ffn_up, x);
         self.ctx.mul_mat(w.ffn_down, self.ctx.geglu_split(gate, up))
