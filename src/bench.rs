@@ -104,8 +104,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let prompt = tokens(args.pp.max(1), n_vocab);
     let reps = args.reps.max(1);
 
-    let mut ring = LocalRing::start(file, &ranges, &StageConfig { n_ctx, n_threads: threads })?;
-    let oracle = LlamaModel::load_full(path)?;
+    let mut ring = LocalRing::start(file, &ranges, &StageConfig { n_ctx, n_threads: threads, repack: !args.stages.no_repack })?;
+    let oracle = LlamaModel::load_full(path, !args.stages.no_repack)?;
     let mut ctx = LlamaContext::new(&oracle, n_ctx as u32, args.pp.max(1) as u32, threads)?;
 
     // Warm-up: fault in the weights of both and size the compute buffers.

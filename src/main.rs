@@ -41,6 +41,10 @@ pub struct StageArgs {
     /// KV cache cells per stage.
     #[arg(long, short = 'c', default_value_t = 4096)]
     pub ctx_size: usize,
+    /// Read every weight straight from the mapped file instead of copying the ones ggml
+    /// can repack into faster layouts (llama.cpp's `--no-repack`).
+    #[arg(long)]
+    pub no_repack: bool,
 }
 
 impl StageArgs {

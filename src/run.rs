@@ -57,7 +57,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let file = ModelFile::open(model_path).with_context(|| format!("loading {}", model_path.display()))?;
     let vocab = LlamaModel::load_vocab(model_path).context("loading the tokenizer")?;
     let ranges = args.stages.ranges(file.hparams().n_layer)?;
-    let config = StageConfig { n_ctx: args.stages.ctx_size, n_threads: args.stages.threads() };
+    let config = StageConfig {
+        n_ctx: args.stages.ctx_size,
+        n_threads: args.stages.threads(),
+        repack: !args.stages.no_repack,
+    };
     let params = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,

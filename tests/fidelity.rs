@@ -30,7 +30,7 @@ fn reference(oracle: &LlamaModel, prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
 fn check_model(name: &str) {
     let path = model(name);
     let file = ModelFile::open(&path).unwrap();
-    let oracle = LlamaModel::load_full(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
     let n_layer = file.hparams().n_layer;
     for prompt_text in PROMPTS {
         let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
@@ -44,7 +44,7 @@ fn check_model(name: &str) {
             assert!(err <= MAX_NMSE, "{name}, {n_stages} stages, prompt {prompt_text:?}: NMSE {err:e} > {MAX_NMSE:e}");
             assert_eq!(argmax(&logits), argmax(&ref_logits));
 
-            let config = StageConfig { n_ctx: 512, n_threads: 1 };
+            let config = StageConfig::new(512, 1);
             let mut ring = LocalRing::start(file.clone(), &ranges, &config).unwrap();
             let req = GenerateRequest {
                 seq: 0,
@@ -82,7 +82,7 @@ fn gemma3_matches_llama_cpp_with_1_2_3_stages() {
 fn uneven_and_one_layer_splits_match_llama_cpp() {
     let path = model(QWEN2);
     let file = ModelFile::open(&path).unwrap();
-    let oracle = LlamaModel::load_full(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
     let prompt = oracle.tokenize(PROMPTS[2], true, true).unwrap();
     let (ref_logits, _) = reference(&oracle, &prompt);
     for split in ["1,22,1", "1,1,22", "20,4", "23,1", "1,23"] {
@@ -113,7 +113,7 @@ fn uneven_and_one_layer_splits_match_llama_cpp() {
 fn sequences_in_one_cache_do_not_see_each_other() {
     let path = model(QWEN2);
     let file = ModelFile::open(&path).unwrap();
-    let oracle = LlamaModel::load_full(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
     let p0 = oracle.tokenize(PROMPTS[0], true, true).unwrap();
     let p1 = oracle.tokenize(PROMPTS[1], true, true).unwrap();
     let (ref0, _) = reference(&oracle, &p0);
@@ -130,4 +130,31 @@ fn sequences_in_one_cache_do_not_see_each_other() {
     }
     let again = chain.logits(7, &p0[p0.len() - 1..], p0.len() as i32 - 1);
     assert!(nmse(&again, &ref0) <= MAX_NMSE);
+}
+
+/// With repacking off on both sides (llama.cpp `--no-repack`), every weight is read
+/// from the mapping and the results are identical too.
+#[test]
+fn without_repacking_matches_llama_cpp_without_repacking() {
+    let path = model(GEMMA3);
+    let file = ModelFile::open(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, false).unwrap();
+    let prompt = oracle.tokenize(PROMPTS[1], true, true).unwrap();
+    let (ref_logits, ref_tokens) = reference(&oracle, &prompt);
+    let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+    let config = StageConfig { n_ctx: 256, n_threads: 2, repack: false };
+    let mut chain = Chain::load_with(&file, &ranges, &config);
+    let err = nmse(&chain.logits(0, &prompt, 0), &ref_logits);
+    assert!(err <= MAX_NMSE, "no repack: NMSE {err:e}");
+    let mut ring = LocalRing::start(file.clone(), &ranges, &config).unwrap();
+    let req = GenerateRequest {
+        seq: 0,
+        prompt: &prompt,
+        params: SamplingParams::greedy(),
+        max_tokens: N_GREEDY,
+        n_batch: 512,
+        logprobs: false,
+    };
+    let generation = ring.head.generate(&req, |t| oracle.is_end_of_generation(t), |_| {}).unwrap();
+    assert_eq!(generation.tokens, ref_tokens);
 }

@@ -38,14 +38,17 @@ pub struct Chain {
 
 impl Chain {
     pub fn load(file: &Arc<ModelFile>, ranges: &[Range<usize>], n_ctx: usize) -> Chain {
+        Self::load_with(file, ranges, &StageConfig::new(n_ctx, 2))
+    }
+
+    pub fn load_with(file: &Arc<ModelFile>, ranges: &[Range<usize>], config: &StageConfig) -> Chain {
         let n = ranges.len();
-        let config = StageConfig { n_ctx, n_threads: 2 };
         let stages = ranges
             .iter()
             .enumerate()
             .map(|(i, r)| {
                 let span = StageSpan { layers: r.clone(), first: i == 0, last: i + 1 == n };
-                Stage::load(file.clone(), span, &config).expect("stage loads")
+                Stage::load(file.clone(), span, config).expect("stage loads")
             })
             .collect();
         Chain { stages }

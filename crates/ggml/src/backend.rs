@@ -108,6 +108,20 @@ impl MappedFile {
         &self.map
     }
 
+    /// Drops the pages wholly inside `offset..offset + len` from this process's resident
+    /// set (the file's page cache keeps them); used after copying weights elsewhere.
+    pub fn release(&self, offset: usize, len: usize) {
+        const PAGE: usize = 4096;
+        let start = offset.div_ceil(PAGE) * PAGE;
+        let end = (offset.saturating_add(len) / PAGE * PAGE).min(self.map.len());
+        if end > start {
+            // SAFETY: MADV_DONTNEED on a read-only shared file mapping only unmaps pages;
+            // later reads fault them back in from the file, unchanged. Nothing holds
+            // references into the range: its tensors were copied out.
+            let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+        }
+    }
+
     /// Start address of the mapping (to find it in /proc/self/smaps).
     pub fn address(&self) -> usize {
         self.map.as_ptr() as usize
@@ -198,5 +212,85 @@ impl Drop for Allocator {
     fn drop(&mut self) {
         // SAFETY: we own the allocator.
         unsafe { sys::ggml_gallocr_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// A buffer type of the CPU device other than plain memory: ggml's "extra" buffer
+/// types, which repack weights into layouts its fastest matmul kernels read
+/// (llama.cpp puts every weight a repack type supports into one, by default).
+#[derive(Clone, Copy, Debug)]
+pub struct ExtraBufferType {
+    buft: sys::ggml_backend_buffer_type_t,
+    dev: sys::ggml_backend_dev_t,
+}
+
+// SAFETY: buffer types and devices are process-wide static singletons in ggml.
+unsafe impl Send for ExtraBufferType {}
+// SAFETY: as above; they are only read.
+unsafe impl Sync for ExtraBufferType {}
+
+impl ExtraBufferType {
+    /// The CPU device's extra buffer types, in llama.cpp's order of preference.
+    pub fn cpu() -> Vec<ExtraBufferType> {
+        crate::init();
+        // SAFETY: device and registry lookups return static singletons or null.
+        unsafe {
+            let dev = sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU);
+            if dev.is_null() {
+                return Vec::new();
+            }
+            let reg = sys::ggml_backend_dev_backend_reg(dev);
+            let name = c"ggml_backend_dev_get_extra_bufts";
+            let proc = sys::ggml_backend_reg_get_proc_address(reg, name.as_ptr());
+            if proc.is_null() {
+                return Vec::new();
+            }
+            // The registry returns this function under exactly this name and type.
+            let get: sys::ggml_backend_dev_get_extra_bufts_t = std::mem::transmute(proc);
+            let Some(get) = get else { return Vec::new() };
+            let mut list = get(dev);
+            let mut out = Vec::new();
+            while !list.is_null() && !(*list).is_null() {
+                out.push(ExtraBufferType { buft: *list, dev });
+                list = list.add(1);
+            }
+            out
+        }
+    }
+
+    /// The buffer type's name (e.g. `CPU_REPACK`).
+    pub fn name(&self) -> String {
+        // SAFETY: static NUL-terminated name of a valid buffer type.
+        unsafe { std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(self.buft)) }.to_string_lossy().into_owned()
+    }
+
+    /// Whether a weight like `weight` can live in this buffer type and be multiplied
+    /// there (as llama.cpp decides: a dummy `mul_mat` by a 512-column batch).
+    pub fn supports_mul_mat(&self, weight: Tensor<'_>) -> bool {
+        let ctx = Context::new(4, 0);
+        let probe = ctx.new_tensor(weight.dtype(), &weight.ne());
+        let ne = weight.ne();
+        let batch = ctx.new_tensor(crate::DType::F32, &[ne[0], 512, ne[2], ne[3]]);
+        let op = ctx.mul_mat(probe, batch);
+        // SAFETY: `probe` is a fresh tensor of our context; it borrows a zero-size
+        // buffer of this type only for the check and gives it back before returning.
+        unsafe {
+            let dummy = sys::ggml_backend_buft_alloc_buffer(self.buft, 0);
+            if dummy.is_null() {
+                return false;
+            }
+            (*probe.raw()).buffer = dummy;
+            let supported = sys::ggml_backend_dev_supports_op(self.dev, op.raw());
+            (*probe.raw()).buffer = std::ptr::null_mut();
+            sys::ggml_backend_buffer_free(dummy);
+            supported
+        }
+    }
+
+    /// Allocates memory of this type for every tensor of `ctx`.
+    pub fn alloc(&self, ctx: &Context) -> Result<Buffer, GgmlError> {
+        // SAFETY: allocates and places all tensors of a valid context.
+        let ptr = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.raw(), self.buft) };
+        NonNull::new(ptr).map(|ptr| Buffer { ptr }).ok_or(GgmlError::OutOfMemory)
     }
 }

@@ -103,6 +103,12 @@ impl<'a> Tensor<'a> {
         Ok(())
     }
 
+    /// Copies raw bytes (the tensor's on-disk encoding) into its backend memory; a
+    /// repacking buffer converts them to its own layout on the way in.
+    pub fn write_bytes(&self, bytes: &[u8]) -> Result<(), GgmlError> {
+        self.write(bytes)
+    }
+
     /// Copies the tensor's backend memory into `out`.
     pub fn read<T: Copy>(&self, out: &mut [T]) -> Result<(), GgmlError> {
         let bytes = std::mem::size_of_val(out);
@@ -206,6 +212,11 @@ impl Context {
     /// The id of `tensor`, which must belong to this context.
     pub fn id_of(&self, tensor: Tensor<'_>) -> TensorId {
         TensorId { ptr: tensor.ptr, ctx: self.id }
+    }
+
+    /// Whether `id` names a tensor of this context.
+    pub fn owns(&self, id: TensorId) -> bool {
+        id.ctx == self.id
     }
 
     /// The tensor named by `id`; panics if `id` comes from another context.

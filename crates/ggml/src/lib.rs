@@ -11,7 +11,7 @@ use std::sync::Once;
 
 use llama_cpp_sys_2 as sys;
 
-pub use backend::{Allocator, Buffer, CpuBackend, MappedBuffer, MappedFile};
+pub use backend::{Allocator, Buffer, CpuBackend, ExtraBufferType, MappedBuffer, MappedFile};
 pub use graph::{Context, Graph, RopeParams, Tensor, TensorId};
 pub use llama::{LlamaContext, LlamaModel};
 

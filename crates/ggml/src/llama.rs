@@ -23,15 +23,16 @@ unsafe impl Sync for LlamaModel {}
 impl LlamaModel {
     /// Loads only the vocabulary (tokenizer), no weights: fast and small.
     pub fn load_vocab(path: &Path) -> Result<LlamaModel, GgmlError> {
-        Self::load(path, true)
+        Self::load(path, true, false)
     }
 
-    /// Loads the whole model on the CPU (the reference implementation).
-    pub fn load_full(path: &Path) -> Result<LlamaModel, GgmlError> {
-        Self::load(path, false)
+    /// Loads the whole model on the CPU (the reference implementation); `repack` is
+    /// llama.cpp's default, off is its `--no-repack`.
+    pub fn load_full(path: &Path, repack: bool) -> Result<LlamaModel, GgmlError> {
+        Self::load(path, false, repack)
     }
 
-    fn load(path: &Path, vocab_only: bool) -> Result<LlamaModel, GgmlError> {
+    fn load(path: &Path, vocab_only: bool, repack: bool) -> Result<LlamaModel, GgmlError> {
         crate::init();
         let c_path = CString::new(path.to_string_lossy().as_bytes())
             .map_err(|_| GgmlError::Llama(format!("model path {} contains a NUL byte", path.display())))?;
@@ -39,7 +40,7 @@ impl LlamaModel {
         let mut params = unsafe { sys::llama_model_default_params() };
         params.vocab_only = vocab_only;
         params.n_gpu_layers = 0;
-        params.use_extra_bufts = std::env::var_os("BATON_ORACLE_REPACK").is_some();
+        params.use_extra_bufts = repack;
         // SAFETY: valid C string and params; null on failure.
         let ptr = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), params) };
         NonNull::new(ptr)

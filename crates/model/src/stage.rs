@@ -17,6 +17,16 @@ pub struct StageConfig {
     pub n_ctx: usize,
     /// CPU threads for graph computation.
     pub n_threads: usize,
+    /// Copy the weights ggml can repack into its faster layouts (llama.cpp's default;
+    /// off = every weight read straight from the mapping, like llama.cpp `--no-repack`).
+    pub repack: bool,
+}
+
+impl StageConfig {
+    /// `n_ctx` cells, `n_threads` threads, repacking on (llama.cpp's defaults).
+    pub fn new(n_ctx: usize, n_threads: usize) -> StageConfig {
+        StageConfig { n_ctx, n_threads, repack: true }
+    }
 }
 
 /// What enters a stage.
@@ -77,7 +87,7 @@ impl Stage {
                 span.layers, hp.n_layer
             )));
         }
-        let weights = StageWeights::load(file.clone(), &span)?;
+        let weights = StageWeights::load(file.clone(), &span, config.repack)?;
         let kv = KvCache::new(hp, span.layers.clone(), config.n_ctx)?;
         tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, weight_bytes = weights.bytes(), "stage loaded");
         Ok(Stage { span, backend: CpuBackend::new(config.n_threads), alloc: Allocator::new_cpu(), kv, weights })
@@ -104,10 +114,10 @@ impl Stage {
     }
 
     /// Bytes this stage has resident now: the pages of its mapping that are in memory,
-    /// plus its KV cache and compute buffer.
+    /// its repacked weights, its KV cache and its compute buffer.
     pub fn resident_bytes(&self) -> u64 {
         let mapped = crate::resident::mapped_rss(self.weights.file().map_address()).unwrap_or(0);
-        mapped + self.kv.bytes() as u64 + self.alloc.size() as u64
+        mapped + (self.weights.repacked_bytes() + self.kv.bytes() + self.alloc.size()) as u64
     }
 
     /// Runs the stage's layers over one batch.

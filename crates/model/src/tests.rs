@@ -109,7 +109,7 @@ fn open(name: &str, bytes: &[u8]) -> Result<Arc<ModelFile>, ModelError> {
 }
 
 fn config() -> StageConfig {
-    StageConfig { n_ctx: 64, n_threads: 1 }
+    StageConfig::new(64, 1)
 }
 
 /// Logits of the last token of `tokens` through stages of the given sizes.

@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use baton_ggml::{Context, DType, MappedBuffer, MappedFile, Tensor, TensorId};
+use baton_ggml::{Buffer, Context, DType, ExtraBufferType, MappedBuffer, MappedFile, Tensor, TensorId};
 use baton_gguf::Gguf;
 
 use crate::hparams::{Arch, HParams};
@@ -112,16 +112,23 @@ impl<T: Copy> LayerWeights<T> {
 
 /// The tensors of a stage, bound to the mapped file.
 pub struct StageWeights {
-    // Field order matters for drop: tensor handles point into `ctx`, tensor data into
-    // `file`'s mapping through `buffer`.
+    // Field order matters for drop: tensor handles point into the contexts, tensor
+    // data into `file`'s mapping (through `mapped`) or into the repack buffers.
     ctx: Context,
-    buffer: Option<MappedBuffer>,
-    names: Vec<String>,
+    /// Holds the mapping for the tensors placed in it; never read directly.
+    _mapped: MappedBuffer,
+    repacked: Vec<Repacked>,
     /// Per layer of the stage (index `layer - first layer`).
     layers: Vec<LayerWeights<TensorId>>,
     first_layer: usize,
     bytes: u64,
     file: Arc<ModelFile>,
+}
+
+/// Weights copied into one of ggml's repacking buffer types.
+struct Repacked {
+    ctx: Context,
+    buffer: Option<Buffer>,
 }
 
 /// Which tensors a stage holds.
@@ -136,17 +143,25 @@ pub struct StageSpan {
 }
 
 impl StageWeights {
-    /// Creates the stage's tensors with the shapes `hparams` implies, checks them against
-    /// the file's index (name, shape, type), and points them into the mapping.
-    pub fn load(file: Arc<ModelFile>, span: &StageSpan) -> Result<StageWeights, ModelError> {
-        let names = tensor_names(&file, span);
-        let ctx = Context::new(names.len() + 1, 0);
+    /// Creates the stage's tensors with the shapes `hparams` implies and checks them
+    /// against the file's index (name, shape, type). Matrices that one of ggml's
+    /// repacking buffer types supports are copied into it when `repack` is set (what
+    /// llama.cpp does by default, so results stay identical to it); every other tensor
+    /// points straight into the mapping.
+    pub fn load(file: Arc<ModelFile>, span: &StageSpan, repack: bool) -> Result<StageWeights, ModelError> {
+        let plan = tensor_names(&file, span);
+        let extra = if repack { ExtraBufferType::cpu() } else { Vec::new() };
+        let ctx = Context::new(plan.len() + 1, 0);
+        let mut repacked: Vec<Repacked> =
+            extra.iter().map(|_| Repacked { ctx: Context::new(plan.len() + 1, 0), buffer: None }).collect();
         let mut bytes = 0;
-        for (name, shape) in &names {
-            let info = file.gguf.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
+        // (tensor, source in the file, group: None = mapped, Some(i) = extra[i])
+        let mut placed = Vec::new();
+        for (name, shape, source) in &plan {
+            let info = file.gguf.tensor(source).ok_or_else(|| ModelError::MissingTensor(source.clone()))?;
             let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
             if &dims != shape {
-                return Err(ModelError::WrongShape { tensor: name.clone(), expected: shape.clone(), found: dims });
+                return Err(ModelError::WrongShape { tensor: source.clone(), expected: shape.clone(), found: dims });
             }
             // Vectors (norms, biases, RoPE factors) are f32 in every llama.cpp GGUF and
             // are used in element-wise ops; matrices must be types ggml can multiply by.
@@ -155,46 +170,84 @@ impl StageWeights {
             if !ok {
                 let expected = if dims.len() == 1 { "f32" } else { "a float or quantized matrix type" };
                 return Err(ModelError::UnsupportedType {
-                    tensor: name.clone(),
+                    tensor: source.clone(),
                     dtype: info.ggml_type.name().into(),
                     expected,
                 });
             }
-            ctx.new_tensor(dtype, &dims).named(name);
+            let tensor = ctx.new_tensor(dtype, &dims).named(name);
+            // The token embedding is read by get_rows, everything else 2-d by mul_mat.
+            let group = (dims.len() == 2 && name != "token_embd.weight")
+                .then(|| extra.iter().position(|buft| buft.supports_mul_mat(tensor)))
+                .flatten();
+            if let Some(g) = group {
+                repacked[g].ctx.new_tensor(dtype, &dims).named(name);
+            }
+            placed.push((name.clone(), info.offset as usize, info.n_bytes as usize, group));
             bytes += info.n_bytes;
+        }
+        let mapped = MappedBuffer::new(file.map.clone())?;
+        for (g, group) in repacked.iter_mut().enumerate() {
+            if placed.iter().any(|p| p.3 == Some(g)) {
+                group.buffer = Some(extra[g].alloc(&group.ctx)?);
+                tracing::debug!(buffer = extra[g].name(), "repacking weights");
+            }
+        }
+        for (name, offset, n_bytes, group) in &placed {
+            match group {
+                None => mapped.place(named(&ctx, name)?, *offset)?,
+                Some(g) => {
+                    let bytes = file.bytes().get(*offset..offset + n_bytes).ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
+                    named(&repacked[*g].ctx, name)?.write_bytes(bytes)?;
+                    file.map.release(*offset, *n_bytes);
+                }
+            }
         }
         let mut weights = StageWeights {
             ctx,
-            buffer: None,
-            names: names.into_iter().map(|(name, _)| name).collect(),
+            _mapped: mapped,
+            repacked,
             layers: Vec::new(),
             first_layer: span.layers.start,
             bytes,
             file,
         };
-        weights.bind()?;
         weights.layers = span.layers.clone().map(|l| weights.layer_ids(l)).collect::<Result<_, _>>()?;
         Ok(weights)
     }
 
-    fn bind(&mut self) -> Result<(), ModelError> {
-        let buffer = MappedBuffer::new(self.file.map.clone())?;
-        for name in &self.names {
-            let info = self.file.gguf.tensor(name).ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
-            let tensor = self.get_tensor(name)?;
-            buffer.place(tensor, info.offset as usize)?;
+    /// Bytes held in repacking buffers (copies, not mapped pages).
+    pub fn repacked_bytes(&self) -> usize {
+        self.repacked.iter().filter_map(|r| r.buffer.as_ref()).map(|b| b.size()).sum()
+    }
+
+    /// The context a tensor named `name` computes from: its repacked copy if any.
+    fn lookup(&self, name: &str) -> Option<(Tensor<'_>, &Context)> {
+        for group in self.repacked.iter().filter(|g| g.buffer.is_some()) {
+            if let Some(t) = group.ctx.get_tensor(name) {
+                return Some((t, &group.ctx));
+            }
         }
-        self.buffer = Some(buffer);
-        Ok(())
+        self.ctx.get_tensor(name).map(|t| (t, &self.ctx))
     }
 
     fn get_tensor(&self, name: &str) -> Result<Tensor<'_>, ModelError> {
-        self.ctx.get_tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+        self.opt(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
 
     fn opt(&self, name: &str) -> Option<Tensor<'_>> {
-        self.ctx.get_tensor(name)
+        self.lookup(name).map(|(t, _)| t)
     }
+
+    fn id(&self, name: &str) -> Option<TensorId> {
+        self.lookup(name).map(|(t, ctx)| ctx.id_of(t))
+    }
+
+    fn resolve(&self, id: TensorId) -> Tensor<'_> {
+        let ctx = self.repacked.iter().map(|g| &g.ctx).find(|c| c.owns(id)).unwrap_or(&self.ctx);
+        ctx.tensor(id)
+    }
+
 
     /// The token embedding (first stage, or a last stage with tied output).
     pub fn token_embd(&self) -> Result<Tensor<'_>, ModelError> {
@@ -206,9 +259,9 @@ impl StageWeights {
         self.get_tensor("output_norm.weight")
     }
 
-    /// The output projection, or the token embedding when tied.
+    /// The output projection (a second view of the token embedding when tied).
     pub fn output(&self) -> Result<Tensor<'_>, ModelError> {
-        self.opt("output.weight").map_or_else(|| self.token_embd(), Ok)
+        self.get_tensor("output.weight")
     }
 
     /// Llama 3 RoPE frequency factors, when the model has them.
@@ -218,13 +271,12 @@ impl StageWeights {
 
     /// The weights of global layer `layer` (one of the stage's).
     pub fn layer(&self, layer: usize) -> LayerTensors<'_> {
-        self.layers[layer - self.first_layer].map(|id| self.ctx.tensor(id))
+        self.layers[layer - self.first_layer].map(|id| self.resolve(id))
     }
 
     fn layer_ids(&self, layer: usize) -> Result<LayerWeights<TensorId>, ModelError> {
-        let id = |t: Tensor<'_>| self.ctx.id_of(t);
-        let t = |n: &str| self.get_tensor(&format!("blk.{layer}.{n}")).map(id);
-        let o = |n: &str| self.opt(&format!("blk.{layer}.{n}")).map(id);
+        let o = |n: &str| self.id(&format!("blk.{layer}.{n}"));
+        let t = |n: &str| o(n).ok_or_else(|| ModelError::MissingTensor(format!("blk.{layer}.{n}")));
         Ok(LayerWeights {
             attn_norm: t("attn_norm.weight")?,
             wq: t("attn_q.weight")?,
@@ -257,8 +309,9 @@ impl StageWeights {
     }
 }
 
-/// Every tensor a stage needs, with the shape it must have (`ne[0]` first).
-fn tensor_names(file: &ModelFile, span: &StageSpan) -> Vec<(String, Vec<i64>)> {
+/// Every tensor a stage needs: its name in the stage, the shape it must have (`ne[0]`
+/// first) and the file tensor it reads (a tied output reads `token_embd.weight`).
+fn tensor_names(file: &ModelFile, span: &StageSpan) -> Vec<(String, Vec<i64>, String)> {
     let hp = &file.hparams;
     let gguf = &file.gguf;
     let (embd, vocab, ff) = (hp.n_embd as i64, hp.n_vocab as i64, hp.n_ff as i64);
@@ -266,22 +319,24 @@ fn tensor_names(file: &ModelFile, span: &StageSpan) -> Vec<(String, Vec<i64>)> {
     let k_dim = hp.n_embd_k_gqa() as i64;
     let v_dim = hp.n_embd_v_gqa() as i64;
     let o_dim = (hp.head_dim_v * hp.n_head) as i64;
-    let mut names: Vec<(String, Vec<i64>)> = Vec::new();
-    let tied = gguf.tensor("output.weight").is_none();
-    if span.first || (span.last && tied) {
-        names.push(("token_embd.weight".into(), vec![embd, vocab]));
+    let mut names: Vec<(String, Vec<i64>, String)> = Vec::new();
+    let mut push = |name: &str, shape: Vec<i64>, source: &str| names.push((name.into(), shape, source.into()));
+    if span.first {
+        push("token_embd.weight", vec![embd, vocab], "token_embd.weight");
     }
     if span.last {
-        names.push(("output_norm.weight".into(), vec![embd]));
-        if !tied {
-            names.push(("output.weight".into(), vec![embd, vocab]));
-        }
+        push("output_norm.weight", vec![embd], "output_norm.weight");
+        let tied = gguf.tensor("output.weight").is_none();
+        push("output.weight", vec![embd, vocab], if tied { "token_embd.weight" } else { "output.weight" });
     }
     if hp.arch == Arch::Llama && gguf.tensor("rope_freqs.weight").is_some() {
-        names.push(("rope_freqs.weight".into(), vec![hp.rope.n_dims as i64 / 2]));
+        push("rope_freqs.weight", vec![hp.rope.n_dims as i64 / 2], "rope_freqs.weight");
     }
     for layer in span.layers.clone() {
-        let mut add = |n: &str, shape: Vec<i64>| names.push((format!("blk.{layer}.{n}"), shape));
+        let mut add = |n: &str, shape: Vec<i64>| {
+            let name = format!("blk.{layer}.{n}");
+            names.push((name.clone(), shape, name))
+        };
         add("attn_norm.weight", vec![embd]);
         add("attn_q.weight", vec![embd, q_dim]);
         add("attn_k.weight", vec![embd, k_dim]);
@@ -328,4 +383,8 @@ fn tensor_names(file: &ModelFile, span: &StageSpan) -> Vec<(String, Vec<i64>)> {
         }
     }
     names
+}
+
+fn named<'c>(ctx: &'c Context, name: &str) -> Result<Tensor<'c>, ModelError> {
+    ctx.get_tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
 }

@@ -20,7 +20,9 @@ pub struct LocalRing {
 }
 
 impl LocalRing {
-    /// Loads one stage per range of `ranges` (in parallel) and starts the ring.
+    /// Loads one stage per range of `ranges` (in parallel) and starts the ring. Each
+    /// stage maps the file on its own, as it would on its own machine, so its resident
+    /// memory is its own.
     pub fn start(file: Arc<ModelFile>, ranges: &[Range<usize>], config: &StageConfig) -> Result<LocalRing, NodeError> {
         let n = ranges.len();
         let stages: Vec<Stage> = std::thread::scope(|scope| {
@@ -29,8 +31,8 @@ impl LocalRing {
                 .enumerate()
                 .map(|(i, range)| {
                     let span = StageSpan { layers: range.clone(), first: i == 0, last: i + 1 == n };
-                    let file = file.clone();
-                    scope.spawn(move || Stage::load(file, span, config))
+                    let path = file.path().to_path_buf();
+                    scope.spawn(move || Stage::load(ModelFile::open(&path)?, span, config))
                 })
                 .collect();
             loads.into_iter().map(|h| h.join().expect("stage loader panicked")).collect::<Result<_, _>>()
