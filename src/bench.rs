@@ -37,7 +37,9 @@ fn tokens(n: usize, n_vocab: usize) -> Vec<u32> {
     let mut state = 0x2545_F491_4F6C_DD1Du64;
     (0..n)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 33) % n_vocab as u64) as u32
         })
         .collect()
@@ -50,10 +52,20 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 /// One pp run through the ring: a single batch, the last row sampled.
 fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
-    head.control(Message::StartSeq { seq: 0, params: SamplingParams::greedy(), history: Vec::new(), logprobs: false })?;
+    head.control(Message::StartSeq {
+        seq: 0,
+        params: SamplingParams::greedy(),
+        history: Vec::new(),
+        logprobs: false,
+    })?;
     let start = Instant::now();
     let positions = (0..prompt.len() as i32).collect();
-    head.forward(Payload::Tokens(prompt.to_vec()), positions, vec![0; prompt.len()], vec![prompt.len() as u32 - 1])?;
+    head.forward(
+        Payload::Tokens(prompt.to_vec()),
+        positions,
+        vec![0; prompt.len()],
+        vec![prompt.len() as u32 - 1],
+    )?;
     let elapsed = start.elapsed();
     head.control(Message::EndSeq { seq: 0 })?;
     Ok(elapsed)
@@ -62,7 +74,12 @@ fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
 /// One tg run through the ring: `n` single-token steps from an empty context, each
 /// sampled greedily on the last stage and fed back.
 fn baton_tg(head: &mut Head, first: u32, n: usize) -> anyhow::Result<Duration> {
-    head.control(Message::StartSeq { seq: 0, params: SamplingParams::greedy(), history: Vec::new(), logprobs: false })?;
+    head.control(Message::StartSeq {
+        seq: 0,
+        params: SamplingParams::greedy(),
+        history: Vec::new(),
+        logprobs: false,
+    })?;
     let start = Instant::now();
     let mut token = first;
     for pos in 0..n {
@@ -104,7 +121,15 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let prompt = tokens(args.pp.max(1), n_vocab);
     let reps = args.reps.max(1);
 
-    let mut ring = LocalRing::start(file, &ranges, &StageConfig { n_ctx, n_threads: threads, repack: !args.stages.no_repack })?;
+    let mut ring = LocalRing::start(
+        file,
+        &ranges,
+        &StageConfig {
+            n_ctx,
+            n_threads: threads,
+            repack: !args.stages.no_repack,
+        },
+    )?;
     let oracle = LlamaModel::load_full(path, !args.stages.no_repack)?;
     let mut ctx = LlamaContext::new(&oracle, n_ctx as u32, args.pp.max(1) as u32, threads)?;
 
@@ -121,11 +146,21 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     }
     let rate = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
     let rows = [
-        (format!("pp{}", args.pp), rate(args.pp, median(b_pp)), rate(args.pp, median(l_pp))),
-        (format!("tg{}", args.tg), rate(args.tg, median(b_tg)), rate(args.tg, median(l_tg))),
+        (
+            format!("pp{}", args.pp),
+            rate(args.pp, median(b_pp)),
+            rate(args.pp, median(l_pp)),
+        ),
+        (
+            format!("tg{}", args.tg),
+            rate(args.tg, median(b_tg)),
+            rate(args.tg, median(l_tg)),
+        ),
     ];
 
-    let model_name = path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let model_name = path
+        .file_name()
+        .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     let mut table = format!(
         "model: {model_name}\nstages: {} ({}), {threads} thread(s) per stage; libllama: 1 process, {threads} thread(s); median of {reps}\n\n",
@@ -134,7 +169,10 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     );
     table.push_str("| test | baton tok/s | libllama tok/s | baton / libllama |\n|---|---:|---:|---:|\n");
     for (test, baton, llama) in rows {
-        table.push_str(&format!("| {test} | {baton:.2} | {llama:.2} | {:.3} |\n", baton / llama));
+        table.push_str(&format!(
+            "| {test} | {baton:.2} | {llama:.2} | {:.3} |\n",
+            baton / llama
+        ));
     }
     print!("{table}");
     if let Some(out) = &args.out {

@@ -112,7 +112,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         "stages: {}  threads/stage: {}  split: {}",
         ranges.len(),
         config.n_threads,
-        ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect::<Vec<_>>().join(" ")
+        ranges
+            .iter()
+            .map(|r| format!("{}..{}", r.start, r.end))
+            .collect::<Vec<_>>()
+            .join(" ")
     );
     eprintln!(
         "prompt: {} tokens in {:.3} s ({:.1} tok/s)",
@@ -125,10 +129,18 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     eprintln!(
         "generation: {} tokens, {:.1} tok/s",
         n_gen,
-        if steps > 0 { steps as f64 / generation.gen_time.as_secs_f64() } else { 0.0 }
+        if steps > 0 {
+            steps as f64 / generation.gen_time.as_secs_f64()
+        } else {
+            0.0
+        }
     );
     for (i, bytes) in resident.iter().enumerate() {
-        eprintln!("stage {i} ({:?}): resident {:.1} MiB", ranges[i], *bytes as f64 / (1 << 20) as f64);
+        eprintln!(
+            "stage {i} ({:?}): resident {:.1} MiB",
+            ranges[i],
+            *bytes as f64 / (1 << 20) as f64
+        );
     }
     Ok(())
 }

@@ -41,7 +41,10 @@ fn check_model(name: &str) {
             let logits = chain.logits(0, &prompt, 0);
             let err = nmse(&logits, &ref_logits);
             println!("{name} {n_stages} stage(s) {prompt_text:?}: nmse {err:.3e}");
-            assert!(err <= MAX_NMSE, "{name}, {n_stages} stages, prompt {prompt_text:?}: NMSE {err:e} > {MAX_NMSE:e}");
+            assert!(
+                err <= MAX_NMSE,
+                "{name}, {n_stages} stages, prompt {prompt_text:?}: NMSE {err:e} > {MAX_NMSE:e}"
+            );
             assert_eq!(argmax(&logits), argmax(&ref_logits));
 
             let config = StageConfig::new(512, 1);
@@ -54,7 +57,10 @@ fn check_model(name: &str) {
                 n_batch: 512,
                 logprobs: false,
             };
-            let generation = ring.head.generate(&req, |t| oracle.is_end_of_generation(t), |_| {}).unwrap();
+            let generation = ring
+                .head
+                .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
+                .unwrap();
             assert_eq!(
                 generation.tokens,
                 ref_tokens,
@@ -142,7 +148,11 @@ fn without_repacking_matches_llama_cpp_without_repacking() {
     let prompt = oracle.tokenize(PROMPTS[1], true, true).unwrap();
     let (ref_logits, ref_tokens) = reference(&oracle, &prompt);
     let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
-    let config = StageConfig { n_ctx: 256, n_threads: 2, repack: false };
+    let config = StageConfig {
+        n_ctx: 256,
+        n_threads: 2,
+        repack: false,
+    };
     let mut chain = Chain::load_with(&file, &ranges, &config);
     let err = nmse(&chain.logits(0, &prompt, 0), &ref_logits);
     assert!(err <= MAX_NMSE, "no repack: NMSE {err:e}");
@@ -155,6 +165,9 @@ fn without_repacking_matches_llama_cpp_without_repacking() {
         n_batch: 512,
         logprobs: false,
     };
-    let generation = ring.head.generate(&req, |t| oracle.is_end_of_generation(t), |_| {}).unwrap();
+    let generation = ring
+        .head
+        .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
+        .unwrap();
     assert_eq!(generation.tokens, ref_tokens);
 }

@@ -22,11 +22,23 @@ fn check_middle_third(repack: bool) {
     // Parsing the header touched its pages (metadata and tensor index: a few MB).
     let baseline = mapped_rss(file.map_address()).expect("smaps reports the mapping");
 
-    let span = StageSpan { layers: middle, first: false, last: false };
-    let config = StageConfig { n_ctx: 64, n_threads: 2, repack };
+    let span = StageSpan {
+        layers: middle,
+        first: false,
+        last: false,
+    };
+    let config = StageConfig {
+        n_ctx: 64,
+        n_threads: 2,
+        repack,
+    };
     let mut stage = Stage::load(file.clone(), span, &config).unwrap();
     if !repack {
-        assert_eq!(mapped_rss(file.map_address()), Some(baseline), "loading alone reads no weights");
+        assert_eq!(
+            mapped_rss(file.map_address()),
+            Some(baseline),
+            "loading alone reads no weights"
+        );
     }
     // Run hidden states through it so every weight it owns is touched.
     let hidden = vec![0.01f32; file.hparams().n_embd * 4];
@@ -43,7 +55,13 @@ fn check_middle_third(repack: bool) {
     let resident = mapped_rss(file.map_address()).unwrap() - baseline + repacked;
     let ratio = resident as f64 / all_layers as f64;
     println!("repack {repack}: stage resident {resident} bytes ({repacked} repacked), own layers {own}, all layers {all_layers}, ratio {ratio:.3}");
-    assert!(resident as f64 >= 0.95 * own as f64, "resident {resident} < own layer bytes {own}");
-    assert!(resident as f64 <= 1.10 * own as f64, "resident {resident} far above own {own}");
+    assert!(
+        resident as f64 >= 0.95 * own as f64,
+        "resident {resident} < own layer bytes {own}"
+    );
+    assert!(
+        resident as f64 <= 1.10 * own as f64,
+        "resident {resident} far above own {own}"
+    );
     assert!(stage.resident_bytes() >= resident);
 }

@@ -27,7 +27,11 @@ pub fn model(name: &str) -> PathBuf {
         PathBuf::from,
     );
     let path = dir.join(name);
-    assert!(path.exists(), "{} is missing: run scripts/fetch-models first", path.display());
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models first",
+        path.display()
+    );
     path
 }
 
@@ -47,7 +51,11 @@ impl Chain {
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let span = StageSpan { layers: r.clone(), first: i == 0, last: i + 1 == n };
+                let span = StageSpan {
+                    layers: r.clone(),
+                    first: i == 0,
+                    last: i + 1 == n,
+                };
                 Stage::load(file.clone(), span, config).expect("stage loads")
             })
             .collect();
@@ -63,9 +71,18 @@ impl Chain {
         let mut hidden = Vec::new();
         let n = self.stages.len();
         for (i, stage) in self.stages.iter_mut().enumerate() {
-            let input = if i == 0 { StageInput::Tokens(tokens) } else { StageInput::Hidden(&hidden) };
+            let input = if i == 0 {
+                StageInput::Tokens(tokens)
+            } else {
+                StageInput::Hidden(&hidden)
+            };
             let rows: &[u32] = if i + 1 == n { &last_row } else { &[] };
-            let batch = Batch { input, positions: &positions, seq_ids: &seq_ids, logit_rows: rows };
+            let batch = Batch {
+                input,
+                positions: &positions,
+                seq_ids: &seq_ids,
+                logit_rows: rows,
+            };
             match stage.forward(&batch).expect("forward succeeds") {
                 StageOutput::Hidden(h) => hidden = h,
                 StageOutput::Logits(l) => return l,
@@ -78,7 +95,11 @@ impl Chain {
 /// Normalised mean squared error of `ours` against `reference`.
 pub fn nmse(ours: &[f32], reference: &[f32]) -> f64 {
     assert_eq!(ours.len(), reference.len());
-    let err: f64 = ours.iter().zip(reference).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let err: f64 = ours
+        .iter()
+        .zip(reference)
+        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+        .sum();
     let norm: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
     err / norm
 }

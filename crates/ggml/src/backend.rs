@@ -63,7 +63,9 @@ impl Buffer {
         let buft = unsafe { sys::ggml_backend_cpu_buffer_type() };
         // SAFETY: allocates and places all tensors of a valid context.
         let ptr = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.raw(), buft) };
-        NonNull::new(ptr).map(|ptr| Buffer { ptr }).ok_or(GgmlError::OutOfMemory)
+        NonNull::new(ptr)
+            .map(|ptr| Buffer { ptr })
+            .ok_or(GgmlError::OutOfMemory)
     }
 
     /// Sets every byte of the buffer to `value`.
@@ -118,7 +120,10 @@ impl MappedFile {
             // SAFETY: MADV_DONTNEED on a read-only shared file mapping only unmaps pages;
             // later reads fault them back in from the file, unchanged. Nothing holds
             // references into the range: its tensors were copied out.
-            let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+            let _ = unsafe {
+                self.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
         }
     }
 
@@ -156,13 +161,21 @@ impl MappedBuffer {
         let len = self.file.bytes().len();
         let end = offset.checked_add(tensor.n_bytes()).ok_or(GgmlError::OutOfMemory)?;
         if end > len {
-            return Err(GgmlError::Place { tensor: tensor.name(), offset, len });
+            return Err(GgmlError::Place {
+                tensor: tensor.name(),
+                offset,
+                len,
+            });
         }
         let addr = self.file.bytes()[offset..].as_ptr() as *mut std::ffi::c_void;
         // SAFETY: offset..end is inside the mapping (checked above).
         let status = unsafe { sys::ggml_backend_tensor_alloc(self.ptr.as_ptr(), tensor.raw(), addr) };
         if status != sys::GGML_STATUS_SUCCESS {
-            return Err(GgmlError::Place { tensor: tensor.name(), offset, len });
+            return Err(GgmlError::Place {
+                tensor: tensor.name(),
+                offset,
+                len,
+            });
         }
         Ok(())
     }
@@ -188,7 +201,9 @@ impl Allocator {
     pub fn new_cpu() -> Allocator {
         // SAFETY: static buffer type; null means allocation failure.
         let ptr = unsafe { sys::ggml_gallocr_new(sys::ggml_backend_cpu_buffer_type()) };
-        Allocator { ptr: NonNull::new(ptr).expect("ggml_gallocr_new failed") }
+        Allocator {
+            ptr: NonNull::new(ptr).expect("ggml_gallocr_new failed"),
+        }
     }
 
     /// Allocates every tensor of `graph` that has no data yet (growing the buffer when needed).
@@ -261,7 +276,9 @@ impl ExtraBufferType {
     /// The buffer type's name (e.g. `CPU_REPACK`).
     pub fn name(&self) -> String {
         // SAFETY: static NUL-terminated name of a valid buffer type.
-        unsafe { std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(self.buft)) }.to_string_lossy().into_owned()
+        unsafe { std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(self.buft)) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     /// Whether a weight like `weight` can live in this buffer type and be multiplied
@@ -291,6 +308,8 @@ impl ExtraBufferType {
     pub fn alloc(&self, ctx: &Context) -> Result<Buffer, GgmlError> {
         // SAFETY: allocates and places all tensors of a valid context.
         let ptr = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.raw(), self.buft) };
-        NonNull::new(ptr).map(|ptr| Buffer { ptr }).ok_or(GgmlError::OutOfMemory)
+        NonNull::new(ptr)
+            .map(|ptr| Buffer { ptr })
+            .ok_or(GgmlError::OutOfMemory)
     }
 }

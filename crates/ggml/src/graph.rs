@@ -96,7 +96,11 @@ impl<'a> Tensor<'a> {
     pub fn write<T: Copy>(&self, data: &[T]) -> Result<(), GgmlError> {
         let bytes = std::mem::size_of_val(data);
         if bytes != self.n_bytes() || self.meta().data.is_null() {
-            return Err(GgmlError::Io { tensor: self.name(), bytes, expected: self.n_bytes() });
+            return Err(GgmlError::Io {
+                tensor: self.name(),
+                bytes,
+                expected: self.n_bytes(),
+            });
         }
         // SAFETY: the tensor is allocated (data non-null) and the sizes match exactly.
         unsafe { sys::ggml_backend_tensor_set(self.raw(), data.as_ptr().cast(), 0, bytes) };
@@ -113,7 +117,11 @@ impl<'a> Tensor<'a> {
     pub fn read<T: Copy>(&self, out: &mut [T]) -> Result<(), GgmlError> {
         let bytes = std::mem::size_of_val(out);
         if bytes != self.n_bytes() || self.meta().data.is_null() {
-            return Err(GgmlError::Io { tensor: self.name(), bytes, expected: self.n_bytes() });
+            return Err(GgmlError::Io {
+                tensor: self.name(),
+                bytes,
+                expected: self.n_bytes(),
+            });
         }
         // SAFETY: the tensor is allocated and `out` has exactly its size.
         unsafe { sys::ggml_backend_tensor_get(self.raw(), out.as_mut_ptr().cast(), 0, bytes) };
@@ -211,7 +219,10 @@ impl Context {
 
     /// The id of `tensor`, which must belong to this context.
     pub fn id_of(&self, tensor: Tensor<'_>) -> TensorId {
-        TensorId { ptr: tensor.ptr, ctx: self.id }
+        TensorId {
+            ptr: tensor.ptr,
+            ctx: self.id,
+        }
     }
 
     /// Whether `id` names a tensor of this context.
@@ -231,7 +242,10 @@ impl Context {
         assert!(self.graph_size > 0, "this context was created without room for a graph");
         // SAFETY: the context was created with room for one graph of `graph_size` nodes.
         let graph = unsafe { sys::ggml_new_graph_custom(self.raw(), self.graph_size, false) };
-        Graph { ptr: NonNull::new(graph).expect("graph allocation failed"), _ctx: PhantomData }
+        Graph {
+            ptr: NonNull::new(graph).expect("graph allocation failed"),
+            _ctx: PhantomData,
+        }
     }
 }
 
@@ -378,22 +392,35 @@ impl Context {
 
     /// A strided 3-d view into `a` (`nb1`, `nb2` in bytes; `offset` in bytes).
     #[allow(clippy::too_many_arguments)]
-    pub fn view_3d<'t>(
-        &'t self,
-        a: Tensor<'t>,
-        ne: [i64; 3],
-        nb1: usize,
-        nb2: usize,
-        offset: usize,
-    ) -> Tensor<'t> {
+    pub fn view_3d<'t>(&'t self, a: Tensor<'t>, ne: [i64; 3], nb1: usize, nb2: usize, offset: usize) -> Tensor<'t> {
         // SAFETY: records a view node; ggml asserts the view stays inside `a`.
-        unsafe { self.wrap(sys::ggml_view_3d(self.raw(), a.raw(), ne[0], ne[1], ne[2], nb1, nb2, offset)) }
+        unsafe {
+            self.wrap(sys::ggml_view_3d(
+                self.raw(),
+                a.raw(),
+                ne[0],
+                ne[1],
+                ne[2],
+                nb1,
+                nb2,
+                offset,
+            ))
+        }
     }
 
     /// Dimension permutation (ggml semantics: axis `i` of `a` goes to position `axes[i]`).
     pub fn permute<'t>(&'t self, a: Tensor<'t>, axes: [i32; 4]) -> Tensor<'t> {
         // SAFETY: records a view node (see module docs).
-        unsafe { self.wrap(sys::ggml_permute(self.raw(), a.raw(), axes[0], axes[1], axes[2], axes[3])) }
+        unsafe {
+            self.wrap(sys::ggml_permute(
+                self.raw(),
+                a.raw(),
+                axes[0],
+                axes[1],
+                axes[2],
+                axes[3],
+            ))
+        }
     }
 
     /// Fused attention: `q [d, n_tokens, n_head]`, `k`/`v` `[d, n_kv, n_head_kv]` (f16),

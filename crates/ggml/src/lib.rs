@@ -31,7 +31,12 @@ impl DType {
 
     /// Whether the CPU backend can multiply by a matrix of this type (weights).
     pub fn can_mul_mat(self) -> bool {
-        if self.0 >= sys::GGML_TYPE_COUNT || matches!(self.0, sys::GGML_TYPE_I8 | sys::GGML_TYPE_I16 | sys::GGML_TYPE_I32 | sys::GGML_TYPE_I64) {
+        if self.0 >= sys::GGML_TYPE_COUNT
+            || matches!(
+                self.0,
+                sys::GGML_TYPE_I8 | sys::GGML_TYPE_I16 | sys::GGML_TYPE_I32 | sys::GGML_TYPE_I64
+            )
+        {
             return false;
         }
         // SAFETY: in-range type id; returns a pointer to a static traits table.
@@ -55,7 +60,11 @@ pub enum GgmlError {
     Place { tensor: String, offset: usize, len: usize },
     /// A host copy had the wrong size or the tensor had no memory.
     #[error("copy of {bytes} bytes to/from tensor '{tensor}' of {expected} bytes (or unallocated)")]
-    Io { tensor: String, bytes: usize, expected: usize },
+    Io {
+        tensor: String,
+        bytes: usize,
+        expected: usize,
+    },
     /// libllama refused an operation.
     #[error("libllama: {0}")]
     Llama(String),

@@ -90,7 +90,14 @@ impl LlamaModel {
         loop {
             // SAFETY: `buf` is writable for the length we pass.
             let n = unsafe {
-                sys::llama_token_to_piece(self.vocab(), token as i32, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special)
+                sys::llama_token_to_piece(
+                    self.vocab(),
+                    token as i32,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                    0,
+                    special,
+                )
             };
             if n < 0 {
                 buf.resize((-n) as usize, 0);

@@ -89,10 +89,7 @@ impl Gguf {
 
     /// The tensor named `name`.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
-        let indexed = self
-            .tensor_index
-            .get(name)
-            .and_then(|&i| self.tensors.get(i));
+        let indexed = self.tensor_index.get(name).and_then(|&i| self.tensors.get(i));
         match indexed {
             Some(tensor) if tensor.name == name => Some(tensor),
             Some(_) => self.tensors.iter().find(|t| t.name == name),
@@ -102,8 +99,7 @@ impl Gguf {
 
     /// The tensor named `name`, or [`GgufError::MissingTensor`].
     pub fn require_tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
-        self.tensor(name)
-            .ok_or_else(|| GgufError::MissingTensor(name.into()))
+        self.tensor(name).ok_or_else(|| GgufError::MissingTensor(name.into()))
     }
 
     /// The bytes of tensor `name` within `file`, the slice this was parsed from.
@@ -117,8 +113,7 @@ impl Gguf {
     }
 
     fn value(&self, key: &str) -> Result<&Value, GgufError> {
-        self.get(key)
-            .ok_or_else(|| GgufError::MissingKey(key.into()))
+        self.get(key).ok_or_else(|| GgufError::MissingKey(key.into()))
     }
 
     /// An integer of any GGUF integer type that fits in `u32`.
@@ -173,9 +168,7 @@ impl Gguf {
 
     fn array(&self, key: &str, expected: &'static str) -> Result<&[Value], GgufError> {
         let value = self.value(key)?;
-        value
-            .as_array()
-            .ok_or_else(|| wrong_type(key, expected, value))
+        value.as_array().ok_or_else(|| wrong_type(key, expected, value))
     }
 
     /// An array of integers (of any GGUF integer type), each fitting in `u32`.
@@ -245,14 +238,8 @@ fn wrong_type(key: &str, expected: &'static str, found: &Value) -> GgufError {
 }
 
 /// Converts any integer value to `T`, checked; `expected` names `T` in errors.
-fn integer<T: TryFrom<i128>>(
-    key: &str,
-    value: &Value,
-    expected: &'static str,
-) -> Result<T, GgufError> {
-    let wide = value
-        .as_integer()
-        .ok_or_else(|| wrong_type(key, expected, value))?;
+fn integer<T: TryFrom<i128>>(key: &str, value: &Value, expected: &'static str) -> Result<T, GgufError> {
+    let wide = value.as_integer().ok_or_else(|| wrong_type(key, expected, value))?;
     T::try_from(wide).map_err(|_| GgufError::OutOfRange {
         key: key.into(),
         value: wide,
@@ -265,15 +252,11 @@ fn float(key: &str, value: &Value) -> Result<f32, GgufError> {
 }
 
 fn string<'v>(key: &str, value: &'v Value) -> Result<&'v str, GgufError> {
-    value
-        .as_str()
-        .ok_or_else(|| wrong_type(key, "string", value))
+    value.as_str().ok_or_else(|| wrong_type(key, "string", value))
 }
 
 fn boolean(key: &str, value: &Value) -> Result<bool, GgufError> {
-    value
-        .as_bool()
-        .ok_or_else(|| wrong_type(key, "bool", value))
+    value.as_bool().ok_or_else(|| wrong_type(key, "bool", value))
 }
 
 fn index_keys(metadata: &[(String, Value)]) -> Result<HashMap<String, usize>, GgufError> {

@@ -55,9 +55,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Gguf, GgufError> {
 
     // Checked here rather than with the header so that a file cut inside its metadata is
     // reported as truncated there.
-    check_count(&r, n_tensors, MIN_TENSOR_INFO_BYTES, || {
-        "tensor count".into()
-    })?;
+    check_count(&r, n_tensors, MIN_TENSOR_INFO_BYTES, || "tensor count".into())?;
     let mut tensors = read_tensor_infos(&mut r, n_tensors, alignment)?;
     gguf.data_offset = data_offset(&mut r, alignment)?;
     let file_len = bytes.len() as u64;
@@ -84,12 +82,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Gguf, GgufError> {
 
 /// Fails when `count` items of at least `min_bytes` each cannot fit in the rest of the
 /// file, which also bounds any allocation sized by `count`.
-fn check_count(
-    r: &Reader<'_>,
-    count: u64,
-    min_bytes: u64,
-    what: impl FnOnce() -> String,
-) -> Result<(), GgufError> {
+fn check_count(r: &Reader<'_>, count: u64, min_bytes: u64, what: impl FnOnce() -> String) -> Result<(), GgufError> {
     match count.checked_mul(min_bytes) {
         Some(need) if need <= r.remaining() => Ok(()),
         _ => Err(GgufError::TooLarge {
@@ -103,9 +96,7 @@ fn read_metadata(r: &mut Reader<'_>, n_kv: u64) -> Result<Vec<(String, Value)>, 
     // check_count bounded n_kv by the file size, so it fits in usize.
     let mut metadata = Vec::with_capacity(n_kv as usize);
     for entry in 0..n_kv {
-        let key = r
-            .string()
-            .what(|| format!("the key of metadata entry {entry}"))?;
+        let key = r.string().what(|| format!("the key of metadata entry {entry}"))?;
         let type_id = r.u32().what(|| format!("the value type of key '{key}'"))?;
         let value = read_value(r, &key, type_id, 0)?;
         metadata.push((key, value));
@@ -125,12 +116,7 @@ fn min_value_bytes(type_id: u32) -> Option<u64> {
     }
 }
 
-fn read_value(
-    r: &mut Reader<'_>,
-    key: &str,
-    type_id: u32,
-    depth: usize,
-) -> Result<Value, GgufError> {
+fn read_value(r: &mut Reader<'_>, key: &str, type_id: u32, depth: usize) -> Result<Value, GgufError> {
     let what = || format!("the value of key '{key}'");
     let value = match type_id {
         0 => Value::U8(r.u8().what(what)?),
@@ -164,19 +150,13 @@ fn read_array(r: &mut Reader<'_>, key: &str, depth: usize) -> Result<Value, Gguf
             max: MAX_ARRAY_DEPTH,
         });
     }
-    let type_id = r
-        .u32()
-        .what(|| format!("the element type of array '{key}'"))?;
+    let type_id = r.u32().what(|| format!("the element type of array '{key}'"))?;
     let min_bytes = min_value_bytes(type_id).ok_or_else(|| GgufError::UnknownValueType {
         key: key.into(),
         type_id,
     })?;
-    let count = r
-        .u64()
-        .what(|| format!("the element count of array '{key}'"))?;
-    check_count(r, count, min_bytes, || {
-        format!("element count of array '{key}'")
-    })?;
+    let count = r.u64().what(|| format!("the element count of array '{key}'"))?;
+    check_count(r, count, min_bytes, || format!("element count of array '{key}'"))?;
     let mut items = Vec::with_capacity(count as usize);
     for _ in 0..count {
         items.push(read_value(r, key, type_id, depth + 1)?);
@@ -186,11 +166,7 @@ fn read_array(r: &mut Reader<'_>, key: &str, depth: usize) -> Result<Value, Gguf
 
 /// Reads the tensor index, validating each entry on its own; `offset`s stay relative to
 /// the data section until its start is known.
-fn read_tensor_infos(
-    r: &mut Reader<'_>,
-    n_tensors: u64,
-    alignment: u64,
-) -> Result<Vec<TensorInfo>, GgufError> {
+fn read_tensor_infos(r: &mut Reader<'_>, n_tensors: u64, alignment: u64) -> Result<Vec<TensorInfo>, GgufError> {
     let mut tensors = Vec::with_capacity(n_tensors as usize);
     for index in 0..n_tensors {
         let name = r.string().what(|| format!("the name of tensor {index}"))?;
@@ -198,9 +174,7 @@ fn read_tensor_infos(
             tensor: name.clone(),
             reason,
         };
-        let n_dims = r
-            .u32()
-            .what(|| format!("the dimension count of tensor '{name}'"))?;
+        let n_dims = r.u32().what(|| format!("the dimension count of tensor '{name}'"))?;
         // Checked before reading so that a huge count allocates nothing.
         if n_dims as usize > MAX_DIMS {
             return Err(bad(format!(
@@ -209,18 +183,14 @@ fn read_tensor_infos(
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for axis in 0..n_dims {
-            dims.push(
-                r.u64()
-                    .what(|| format!("dimension {axis} of tensor '{name}'"))?,
-            );
+            dims.push(r.u64().what(|| format!("dimension {axis} of tensor '{name}'"))?);
         }
         let type_id = r.u32().what(|| format!("the type of tensor '{name}'"))?;
         let offset = r.u64().what(|| format!("the offset of tensor '{name}'"))?;
-        let ggml_type =
-            GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnsupportedTensorType {
-                tensor: name.clone(),
-                type_id,
-            })?;
+        let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnsupportedTensorType {
+            tensor: name.clone(),
+            type_id,
+        })?;
         let n_bytes = tensor_n_bytes(&dims, ggml_type).map_err(bad)?;
         if !offset.is_multiple_of(alignment) {
             return Err(bad(format!(
@@ -244,7 +214,6 @@ fn read_tensor_infos(
 fn data_offset(r: &mut Reader<'_>, alignment: u64) -> Result<u64, GgufError> {
     let end = r.position();
     let padding = (alignment - end % alignment) % alignment;
-    r.take(padding)
-        .what(|| "the padding before the tensor data".into())?;
+    r.take(padding).what(|| "the padding before the tensor data".into())?;
     Ok(r.position())
 }

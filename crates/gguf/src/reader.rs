@@ -30,10 +30,7 @@ impl<T> Context<T> for Result<T, ReadError> {
                 need,
                 have,
             },
-            ReadError::Utf8 { offset } => GgufError::BadString {
-                what: what(),
-                offset,
-            },
+            ReadError::Utf8 { offset } => GgufError::BadString { what: what(), offset },
         })
     }
 }

@@ -101,15 +101,21 @@ impl HParams {
         let n_embd = gguf.get_u32(&key("embedding_length"))? as usize;
         let n_ff = gguf.get_u32(&key("feed_forward_length"))? as usize;
         let n_head = gguf.get_u32(&key("attention.head_count"))? as usize;
-        let n_head_kv = gguf.opt_u32(&key("attention.head_count_kv"))?.map_or(n_head, |v| v as usize);
-        if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
+        let n_head_kv = gguf
+            .opt_u32(&key("attention.head_count_kv"))?
+            .map_or(n_head, |v| v as usize);
+        if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
             return Err(ModelError::BadHParams(format!(
                 "n_layer {n_layer}, n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv}: \
                  all must be positive and n_head a multiple of n_head_kv"
             )));
         }
-        let head_dim_k = gguf.opt_u32(&key("attention.key_length"))?.map_or(n_embd / n_head, |v| v as usize);
-        let head_dim_v = gguf.opt_u32(&key("attention.value_length"))?.map_or(n_embd / n_head, |v| v as usize);
+        let head_dim_k = gguf
+            .opt_u32(&key("attention.key_length"))?
+            .map_or(n_embd / n_head, |v| v as usize);
+        let head_dim_v = gguf
+            .opt_u32(&key("attention.value_length"))?
+            .map_or(n_embd / n_head, |v| v as usize);
         let n_ctx_train = gguf.opt_u32(&key("context_length"))?.unwrap_or(2048) as usize;
         let rms_eps = gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
         let n_vocab = gguf
@@ -117,7 +123,9 @@ impl HParams {
             .and_then(|t| t.dims.get(1).copied())
             .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))? as usize;
 
-        let n_rot = gguf.opt_u32(&key("rope.dimension_count"))?.map_or(head_dim_k, |v| v as usize);
+        let n_rot = gguf
+            .opt_u32(&key("rope.dimension_count"))?
+            .map_or(head_dim_k, |v| v as usize);
         let freq_base = gguf.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
         let scaling = gguf.opt_str(&key("rope.scaling.type"))?.unwrap_or("none");
         let factor = gguf.opt_f32(&key("rope.scaling.factor"))?.unwrap_or(0.0);
@@ -125,7 +133,11 @@ impl HParams {
             "none" => 1.0,
             "linear" if factor > 0.0 => 1.0 / factor,
             "linear" => 1.0,
-            other => return Err(ModelError::BadHParams(format!("RoPE scaling type '{other}' is not supported"))),
+            other => {
+                return Err(ModelError::BadHParams(format!(
+                    "RoPE scaling type '{other}' is not supported"
+                )))
+            }
         };
         let n_ctx_orig = gguf
             .opt_u32(&key("rope.scaling.original_context_length"))?

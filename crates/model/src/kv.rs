@@ -43,13 +43,21 @@ impl KvCache {
         }
         let ctx = Context::new(2 * layers.len() + 2, 0);
         for layer in layers.clone() {
-            ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64]).named(&format!("cache_k_l{layer}"));
-            ctx.new_tensor(DType::F16, &[hp.n_embd_v_gqa() as i64, n_ctx as i64]).named(&format!("cache_v_l{layer}"));
+            ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64])
+                .named(&format!("cache_k_l{layer}"));
+            ctx.new_tensor(DType::F16, &[hp.n_embd_v_gqa() as i64, n_ctx as i64])
+                .named(&format!("cache_v_l{layer}"));
         }
         let mut buffer = Buffer::alloc_cpu(&ctx)?;
         // Zeroed so that never-written cells hold finite values (masked, but multiplied).
         buffer.clear(0);
-        Ok(KvCache { ctx, buffer, layers, cells: vec![FREE; n_ctx], n_used: 0 })
+        Ok(KvCache {
+            ctx,
+            buffer,
+            layers,
+            cells: vec![FREE; n_ctx],
+            n_used: 0,
+        })
     }
 
     /// Key cache of global layer `layer` (`[n_embd_k_gqa, n_ctx]`).
@@ -63,8 +71,14 @@ impl KvCache {
     }
 
     fn tensor(&self, kind: &str, layer: usize) -> Tensor<'_> {
-        assert!(self.layers.contains(&layer), "layer {layer} is not in this cache ({:?})", self.layers);
-        self.ctx.get_tensor(&format!("cache_{kind}_l{layer}")).expect("cache tensors are created for every layer")
+        assert!(
+            self.layers.contains(&layer),
+            "layer {layer} is not in this cache ({:?})",
+            self.layers
+        );
+        self.ctx
+            .get_tensor(&format!("cache_{kind}_l{layer}"))
+            .expect("cache tensors are created for every layer")
     }
 
     /// Number of cells.
@@ -92,7 +106,11 @@ impl KvCache {
     pub fn claim(&mut self, seq_ids: &[u32], positions: &[i32]) -> Result<Vec<i64>, ModelError> {
         let free = self.cells.len() - self.n_used;
         if seq_ids.len() > free {
-            return Err(ModelError::CacheFull { need: seq_ids.len(), free, capacity: self.cells.len() });
+            return Err(ModelError::CacheFull {
+                need: seq_ids.len(),
+                free,
+                capacity: self.cells.len(),
+            });
         }
         for (&seq, &pos) in seq_ids.iter().zip(positions) {
             if pos < 0 {
@@ -132,7 +150,10 @@ impl KvCache {
     /// How many cells attention must look at: past the last used cell, padded.
     pub fn n_kv(&self) -> usize {
         let last = self.cells.iter().rposition(|c| c.pos >= 0).map_or(0, |i| i + 1);
-        last.div_ceil(N_KV_PAD).max(1).saturating_mul(N_KV_PAD).min(self.cells.len())
+        last.div_ceil(N_KV_PAD)
+            .max(1)
+            .saturating_mul(N_KV_PAD)
+            .min(self.cells.len())
     }
 
     /// The attention mask `[n_kv, n_tokens]` (f16 bits): a token sees the cells of its

@@ -40,10 +40,18 @@ pub enum ModelError {
     MissingTensor(String),
     /// A tensor has another shape than the hyper-parameters imply.
     #[error("tensor '{tensor}' has shape {found:?}, expected {expected:?}")]
-    WrongShape { tensor: String, expected: Vec<i64>, found: Vec<i64> },
+    WrongShape {
+        tensor: String,
+        expected: Vec<i64>,
+        found: Vec<i64>,
+    },
     /// A tensor's type is one ggml cannot compute with here.
     #[error("tensor '{tensor}' has type {dtype}; baton needs {expected} there")]
-    UnsupportedType { tensor: String, dtype: String, expected: &'static str },
+    UnsupportedType {
+        tensor: String,
+        dtype: String,
+        expected: &'static str,
+    },
     /// The stage configuration is invalid.
     #[error("bad stage configuration: {0}")]
     BadConfig(String),

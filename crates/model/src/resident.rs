@@ -15,7 +15,13 @@ pub fn mapped_rss(address: usize) -> Option<u64> {
         }
         if in_mapping {
             if let Some(kb) = line.strip_prefix("Rss:") {
-                return kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|kb| kb * 1024);
+                return kb
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+                    .map(|kb| kb * 1024);
             }
         }
     }

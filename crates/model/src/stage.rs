@@ -25,7 +25,11 @@ pub struct StageConfig {
 impl StageConfig {
     /// `n_ctx` cells, `n_threads` threads, repacking on (llama.cpp's defaults).
     pub fn new(n_ctx: usize, n_threads: usize) -> StageConfig {
-        StageConfig { n_ctx, n_threads, repack: true }
+        StageConfig {
+            n_ctx,
+            n_threads,
+            repack: true,
+        }
     }
 }
 
@@ -90,7 +94,13 @@ impl Stage {
         let weights = StageWeights::load(file.clone(), &span, config.repack)?;
         let kv = KvCache::new(hp, span.layers.clone(), config.n_ctx)?;
         tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, weight_bytes = weights.bytes(), "stage loaded");
-        Ok(Stage { span, backend: CpuBackend::new(config.n_threads), alloc: Allocator::new_cpu(), kv, weights })
+        Ok(Stage {
+            span,
+            backend: CpuBackend::new(config.n_threads),
+            alloc: Allocator::new_cpu(),
+            kv,
+            weights,
+        })
     }
 
     /// The layers and roles of this stage.
@@ -158,7 +168,11 @@ impl Stage {
                     return bad("the first stage takes tokens, not hidden states".into());
                 }
                 if hidden.len() != n * hp.n_embd {
-                    return bad(format!("hidden state of {} floats, expected {n} x {}", hidden.len(), hp.n_embd));
+                    return bad(format!(
+                        "hidden state of {} floats, expected {n} x {}",
+                        hidden.len(),
+                        hp.n_embd
+                    ));
                 }
             }
         }
@@ -181,23 +195,48 @@ impl Stage {
         let ctx = Context::new(n_nodes, n_nodes);
 
         // Inputs (data written after allocation).
-        let positions = ctx.new_tensor(DType::I32, &[n_tokens as i64]).named("inp_pos").set_input();
-        let kv_slots = ctx.new_tensor(DType::I64, &[n_tokens as i64]).named("kv_slots").set_input();
+        let positions = ctx
+            .new_tensor(DType::I32, &[n_tokens as i64])
+            .named("inp_pos")
+            .set_input();
+        let kv_slots = ctx
+            .new_tensor(DType::I64, &[n_tokens as i64])
+            .named("kv_slots")
+            .set_input();
         // A mask is an input only if some layer of this stage reads it (an input that
         // is not in the graph gets no memory).
         let has_swa = self.span.layers.clone().any(|l| hp.is_swa(l));
         let has_full = self.span.layers.clone().any(|l| !hp.is_swa(l));
-        let new_mask = |name| ctx.new_tensor(DType::F16, &[n_kv as i64, n_tokens as i64]).named(name).set_input();
+        let new_mask = |name| {
+            ctx.new_tensor(DType::F16, &[n_kv as i64, n_tokens as i64])
+                .named(name)
+                .set_input()
+        };
         let mask = has_full.then(|| new_mask("kq_mask"));
         let mask_swa = has_swa.then(|| new_mask("kq_mask_swa"));
         let want_logits = self.span.last && !batch.logit_rows.is_empty();
-        let out_rows = want_logits
-            .then(|| ctx.new_tensor(DType::I32, &[batch.logit_rows.len() as i64]).named("out_rows").set_input());
+        let out_rows = want_logits.then(|| {
+            ctx.new_tensor(DType::I32, &[batch.logit_rows.len() as i64])
+                .named("out_rows")
+                .set_input()
+        });
         let (tokens_in, hidden_in): (Option<Tensor>, Option<Tensor>) = match batch.input {
-            StageInput::Tokens(_) => (Some(ctx.new_tensor(DType::I32, &[n_tokens as i64]).named("inp_tokens").set_input()), None),
-            StageInput::Hidden(_) => {
-                (None, Some(ctx.new_tensor(DType::F32, &[hp.n_embd as i64, n_tokens as i64]).named("inp_hidden").set_input()))
-            }
+            StageInput::Tokens(_) => (
+                Some(
+                    ctx.new_tensor(DType::I32, &[n_tokens as i64])
+                        .named("inp_tokens")
+                        .set_input(),
+                ),
+                None,
+            ),
+            StageInput::Hidden(_) => (
+                None,
+                Some(
+                    ctx.new_tensor(DType::F32, &[hp.n_embd as i64, n_tokens as i64])
+                        .named("inp_hidden")
+                        .set_input(),
+                ),
+            ),
         };
 
         let mut b = Builder {
@@ -206,7 +245,15 @@ impl Stage {
             hp,
             weights: &self.weights,
             kv: &self.kv,
-            inputs: StepInputs { positions, kv_slots, mask, mask_swa, out_rows, n_kv, n_tokens },
+            inputs: StepInputs {
+                positions,
+                kv_slots,
+                mask,
+                mask_swa,
+                out_rows,
+                n_kv,
+                n_tokens,
+            },
         };
         let mut hidden = match (tokens_in, hidden_in) {
             (Some(tokens), _) => {

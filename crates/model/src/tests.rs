@@ -46,7 +46,9 @@ fn tiny_model(arch: &str, edit: impl FnOnce(GgufWriter) -> GgufWriter) -> Vec<u8
         .kv_f32(key("rope.freq_base"), 10000.0);
     if arch == "gemma3" {
         // Window 2 with a pattern of 2: layers 0 and 2 slide, layer 1 is global.
-        w = w.kv_u32("gemma3.attention.sliding_window", 2).kv_u32("gemma3.attention.sliding_window_pattern", 2);
+        w = w
+            .kv_u32("gemma3.attention.sliding_window", 2)
+            .kv_u32("gemma3.attention.sliding_window_pattern", 2);
     }
     let mut seed = 1;
     let mut t = |w: &mut GgufWriter, name: &str, dims: &[u64]| {
@@ -120,12 +122,28 @@ fn chain_logits(file: &Arc<ModelFile>, sizes: &[usize], tokens: &[u32]) -> Vec<f
     let seqs = vec![0; tokens.len()];
     let last_row = [tokens.len() as u32 - 1];
     for (i, &n) in sizes.iter().enumerate() {
-        let span = StageSpan { layers: start..start + n, first: i == 0, last: i + 1 == sizes.len() };
+        let span = StageSpan {
+            layers: start..start + n,
+            first: i == 0,
+            last: i + 1 == sizes.len(),
+        };
         start += n;
         let mut stage = Stage::load(file.clone(), span, &config()).unwrap();
-        let input = if i == 0 { StageInput::Tokens(tokens) } else { StageInput::Hidden(&hidden) };
+        let input = if i == 0 {
+            StageInput::Tokens(tokens)
+        } else {
+            StageInput::Hidden(&hidden)
+        };
         let rows: &[u32] = if i + 1 == sizes.len() { &last_row } else { &[] };
-        match stage.forward(&Batch { input, positions: &positions, seq_ids: &seqs, logit_rows: rows }).unwrap() {
+        match stage
+            .forward(&Batch {
+                input,
+                positions: &positions,
+                seq_ids: &seqs,
+                logit_rows: rows,
+            })
+            .unwrap()
+        {
             StageOutput::Hidden(h) => hidden = h,
             StageOutput::Logits(l) => return l,
         }
@@ -144,7 +162,11 @@ fn every_architecture_runs_and_a_split_chain_equals_one_stage() {
         assert!(whole.iter().any(|&x| x != whole[0]), "{arch}: constant logits");
         for sizes in [&[1, 2][..], &[2, 1], &[1, 1, 1]] {
             let split = chain_logits(&file, sizes, &tokens);
-            let diff = whole.iter().zip(&split).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let diff = whole
+                .iter()
+                .zip(&split)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(diff < 1e-5, "{arch} split {sizes:?}: max diff {diff}");
         }
     }
@@ -158,7 +180,11 @@ fn incremental_decoding_equals_one_batch() {
     for arch in ["llama", "gemma3"] {
         let file = open(&format!("inc-{arch}.gguf"), &tiny_model(arch, |w| w)).unwrap();
         let whole = chain_logits(&file, &[3], &tokens);
-        let span = StageSpan { layers: 0..3, first: true, last: true };
+        let span = StageSpan {
+            layers: 0..3,
+            first: true,
+            last: true,
+        };
         let mut stage = Stage::load(file.clone(), span, &config()).unwrap();
         let mut last = Vec::new();
         for (pos, token) in tokens.iter().enumerate() {
@@ -180,8 +206,15 @@ fn incremental_decoding_equals_one_batch() {
 fn err_text(name: &str, bytes: &[u8]) -> String {
     match open(name, bytes) {
         Ok(file) => {
-            let span = StageSpan { layers: 0..N_LAYER, first: true, last: true };
-            Stage::load(file, span, &config()).err().expect("load must fail").to_string()
+            let span = StageSpan {
+                layers: 0..N_LAYER,
+                first: true,
+                last: true,
+            };
+            Stage::load(file, span, &config())
+                .err()
+                .expect("load must fail")
+                .to_string()
         }
         Err(e) => e.to_string(),
     }
@@ -200,18 +233,24 @@ fn loader_errors_are_clear() {
     assert!(text.contains("not a GGUF file"), "{text}");
 
     let missing = tiny_model("llama", |w| w.without_tensor("blk.1.ffn_up.weight"));
-    assert_eq!(err_text("missing.gguf", &missing), "tensor 'blk.1.ffn_up.weight' is missing from the model file");
+    assert_eq!(
+        err_text("missing.gguf", &missing),
+        "tensor 'blk.1.ffn_up.weight' is missing from the model file"
+    );
 
     let wrong = tiny_model("llama", |w| {
-        w.without_tensor("blk.2.attn_k.weight").tensor_f32("blk.2.attn_k.weight", &[N_EMBD, 8], &[0.0; 256])
+        w.without_tensor("blk.2.attn_k.weight")
+            .tensor_f32("blk.2.attn_k.weight", &[N_EMBD, 8], &[0.0; 256])
     });
     assert_eq!(
         err_text("shape.gguf", &wrong),
         "tensor 'blk.2.attn_k.weight' has shape [32, 8], expected [32, 16]"
     );
 
-    let unknown =
-        tiny_model("llama", |w| w.without_kv("general.architecture").kv("general.architecture", Value::Str("mamba9".into())));
+    let unknown = tiny_model("llama", |w| {
+        w.without_kv("general.architecture")
+            .kv("general.architecture", Value::Str("mamba9".into()))
+    });
     let text = err_text("arch.gguf", &unknown);
     assert!(text.contains("unsupported model architecture 'mamba9'"), "{text}");
 

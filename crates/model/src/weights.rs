@@ -22,10 +22,18 @@ impl ModelFile {
     /// Maps and parses `path`; fails with a clear error for anything that is not a
     /// supported GGUF model.
     pub fn open(path: &Path) -> Result<Arc<ModelFile>, ModelError> {
-        let map = Arc::new(MappedFile::open(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?);
+        let map = Arc::new(MappedFile::open(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?);
         let gguf = Gguf::parse(map.bytes())?;
         let hparams = HParams::from_gguf(&gguf)?;
-        Ok(Arc::new(ModelFile { path: path.to_path_buf(), map, gguf, hparams }))
+        Ok(Arc::new(ModelFile {
+            path: path.to_path_buf(),
+            map,
+            gguf,
+            hparams,
+        }))
     }
 
     /// The hyper-parameters.
@@ -56,7 +64,12 @@ impl ModelFile {
     /// Bytes of the tensors of layer `layer` (`blk.{layer}.*`).
     pub fn layer_bytes(&self, layer: usize) -> u64 {
         let prefix = format!("blk.{layer}.");
-        self.gguf.tensors.iter().filter(|t| t.name.starts_with(&prefix)).map(|t| t.n_bytes).sum()
+        self.gguf
+            .tensors
+            .iter()
+            .filter(|t| t.name.starts_with(&prefix))
+            .map(|t| t.n_bytes)
+            .sum()
     }
 }
 
@@ -152,23 +165,43 @@ impl StageWeights {
         let plan = tensor_names(&file, span);
         let extra = if repack { ExtraBufferType::cpu() } else { Vec::new() };
         let ctx = Context::new(plan.len() + 1, 0);
-        let mut repacked: Vec<Repacked> =
-            extra.iter().map(|_| Repacked { ctx: Context::new(plan.len() + 1, 0), buffer: None }).collect();
+        let mut repacked: Vec<Repacked> = extra
+            .iter()
+            .map(|_| Repacked {
+                ctx: Context::new(plan.len() + 1, 0),
+                buffer: None,
+            })
+            .collect();
         let mut bytes = 0;
         // (tensor, source in the file, group: None = mapped, Some(i) = extra[i])
         let mut placed = Vec::new();
         for (name, shape, source) in &plan {
-            let info = file.gguf.tensor(source).ok_or_else(|| ModelError::MissingTensor(source.clone()))?;
+            let info = file
+                .gguf
+                .tensor(source)
+                .ok_or_else(|| ModelError::MissingTensor(source.clone()))?;
             let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
             if &dims != shape {
-                return Err(ModelError::WrongShape { tensor: source.clone(), expected: shape.clone(), found: dims });
+                return Err(ModelError::WrongShape {
+                    tensor: source.clone(),
+                    expected: shape.clone(),
+                    found: dims,
+                });
             }
             // Vectors (norms, biases, RoPE factors) are f32 in every llama.cpp GGUF and
             // are used in element-wise ops; matrices must be types ggml can multiply by.
             let dtype = DType(info.ggml_type.id());
-            let ok = if dims.len() == 1 { dtype == DType::F32 } else { dtype.can_mul_mat() };
+            let ok = if dims.len() == 1 {
+                dtype == DType::F32
+            } else {
+                dtype.can_mul_mat()
+            };
             if !ok {
-                let expected = if dims.len() == 1 { "f32" } else { "a float or quantized matrix type" };
+                let expected = if dims.len() == 1 {
+                    "f32"
+                } else {
+                    "a float or quantized matrix type"
+                };
                 return Err(ModelError::UnsupportedType {
                     tensor: source.clone(),
                     dtype: info.ggml_type.name().into(),
@@ -197,7 +230,10 @@ impl StageWeights {
             match group {
                 None => mapped.place(named(&ctx, name)?, *offset)?,
                 Some(g) => {
-                    let bytes = file.bytes().get(*offset..offset + n_bytes).ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
+                    let bytes = file
+                        .bytes()
+                        .get(*offset..offset + n_bytes)
+                        .ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
                     named(&repacked[*g].ctx, name)?.write_bytes(bytes)?;
                     file.map.release(*offset, *n_bytes);
                 }
@@ -212,13 +248,21 @@ impl StageWeights {
             bytes,
             file,
         };
-        weights.layers = span.layers.clone().map(|l| weights.layer_ids(l)).collect::<Result<_, _>>()?;
+        weights.layers = span
+            .layers
+            .clone()
+            .map(|l| weights.layer_ids(l))
+            .collect::<Result<_, _>>()?;
         Ok(weights)
     }
 
     /// Bytes held in repacking buffers (copies, not mapped pages).
     pub fn repacked_bytes(&self) -> usize {
-        self.repacked.iter().filter_map(|r| r.buffer.as_ref()).map(|b| b.size()).sum()
+        self.repacked
+            .iter()
+            .filter_map(|r| r.buffer.as_ref())
+            .map(|b| b.size())
+            .sum()
     }
 
     /// The context a tensor named `name` computes from: its repacked copy if any.
@@ -232,7 +276,8 @@ impl StageWeights {
     }
 
     fn get_tensor(&self, name: &str) -> Result<Tensor<'_>, ModelError> {
-        self.opt(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+        self.opt(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
 
     fn opt(&self, name: &str) -> Option<Tensor<'_>> {
@@ -244,10 +289,14 @@ impl StageWeights {
     }
 
     fn resolve(&self, id: TensorId) -> Tensor<'_> {
-        let ctx = self.repacked.iter().map(|g| &g.ctx).find(|c| c.owns(id)).unwrap_or(&self.ctx);
+        let ctx = self
+            .repacked
+            .iter()
+            .map(|g| &g.ctx)
+            .find(|c| c.owns(id))
+            .unwrap_or(&self.ctx);
         ctx.tensor(id)
     }
-
 
     /// The token embedding (first stage, or a last stage with tied output).
     pub fn token_embd(&self) -> Result<Tensor<'_>, ModelError> {
@@ -327,10 +376,18 @@ fn tensor_names(file: &ModelFile, span: &StageSpan) -> Vec<(String, Vec<i64>, St
     if span.last {
         push("output_norm.weight", vec![embd], "output_norm.weight");
         let tied = gguf.tensor("output.weight").is_none();
-        push("output.weight", vec![embd, vocab], if tied { "token_embd.weight" } else { "output.weight" });
+        push(
+            "output.weight",
+            vec![embd, vocab],
+            if tied { "token_embd.weight" } else { "output.weight" },
+        );
     }
     if hp.arch == Arch::Llama && gguf.tensor("rope_freqs.weight").is_some() {
-        push("rope_freqs.weight", vec![hp.rope.n_dims as i64 / 2], "rope_freqs.weight");
+        push(
+            "rope_freqs.weight",
+            vec![hp.rope.n_dims as i64 / 2],
+            "rope_freqs.weight",
+        );
     }
     for layer in span.layers.clone() {
         let mut add = |n: &str, shape: Vec<i64>| {
@@ -386,5 +443,6 @@ fn tensor_names(file: &ModelFile, span: &StageSpan) -> Vec<(String, Vec<i64>, St
 }
 
 fn named<'c>(ctx: &'c Context, name: &str) -> Result<Tensor<'c>, ModelError> {
-    ctx.get_tensor(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+    ctx.get_tensor(name)
+        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
 }

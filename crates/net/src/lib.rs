@@ -42,18 +42,31 @@ pub struct LocalRx {
 /// A one-way in-process link; `peer` names the receiving end in errors.
 pub fn local_link(peer: &str) -> (LocalTx, LocalRx) {
     let (tx, rx) = mpsc::channel();
-    (LocalTx { inner: tx, peer: peer.to_string() }, LocalRx { inner: rx, peer: peer.to_string() })
+    (
+        LocalTx {
+            inner: tx,
+            peer: peer.to_string(),
+        },
+        LocalRx {
+            inner: rx,
+            peer: peer.to_string(),
+        },
+    )
 }
 
 impl Tx for LocalTx {
     fn send(&mut self, msg: Message) -> Result<(), NetError> {
-        self.inner.send(msg).map_err(|_| NetError::Closed { peer: self.peer.clone() })
+        self.inner.send(msg).map_err(|_| NetError::Closed {
+            peer: self.peer.clone(),
+        })
     }
 }
 
 impl Rx for LocalRx {
     fn recv(&mut self) -> Result<Message, NetError> {
-        self.inner.recv().map_err(|_| NetError::Closed { peer: self.peer.clone() })
+        self.inner.recv().map_err(|_| NetError::Closed {
+            peer: self.peer.clone(),
+        })
     }
 }
 

@@ -72,7 +72,13 @@ impl Head {
     ) -> Result<Vec<SampledToken>, NodeError> {
         let step = self.next_step;
         self.next_step += 1;
-        self.tx.send(Message::Forward(Forward { step, payload, positions, seq_ids, sample_rows }))?;
+        self.tx.send(Message::Forward(Forward {
+            step,
+            payload,
+            positions,
+            seq_ids,
+            sample_rows,
+        }))?;
         match self.rx.recv()? {
             Message::Sampled { step: got, tokens } if got == step => Ok(tokens),
             other => Err(unexpected(other)),
@@ -106,7 +112,11 @@ impl Head {
         for (i, chunk) in chunks.enumerate() {
             let first_pos = i * n_batch;
             let positions = (first_pos..first_pos + chunk.len()).map(|p| p as i32).collect();
-            let rows = if i + 1 == n_chunks { vec![chunk.len() as u32 - 1] } else { Vec::new() };
+            let rows = if i + 1 == n_chunks {
+                vec![chunk.len() as u32 - 1]
+            } else {
+                Vec::new()
+            };
             sampled = self.forward(Payload::Tokens(chunk.to_vec()), positions, vec![seq; chunk.len()], rows)?;
         }
         let prompt_time = start.elapsed();

@@ -30,19 +30,30 @@ impl LocalRing {
                 .iter()
                 .enumerate()
                 .map(|(i, range)| {
-                    let span = StageSpan { layers: range.clone(), first: i == 0, last: i + 1 == n };
+                    let span = StageSpan {
+                        layers: range.clone(),
+                        first: i == 0,
+                        last: i + 1 == n,
+                    };
                     let path = file.path().to_path_buf();
                     scope.spawn(move || Stage::load(ModelFile::open(&path)?, span, config))
                 })
                 .collect();
-            loads.into_iter().map(|h| h.join().expect("stage loader panicked")).collect::<Result<_, _>>()
+            loads
+                .into_iter()
+                .map(|h| h.join().expect("stage loader panicked"))
+                .collect::<Result<_, _>>()
         })?;
 
         // Links: head → s0 → s1 → … → s(n-1) → head.
         let (head_tx, mut prev_rx) = local_link("stage 0");
         let mut threads = Vec::new();
         for (i, stage) in stages.into_iter().enumerate() {
-            let peer = if i + 1 == n { "head".to_string() } else { format!("stage {}", i + 1) };
+            let peer = if i + 1 == n {
+                "head".to_string()
+            } else {
+                format!("stage {}", i + 1)
+            };
             let (tx, next_rx) = local_link(&peer);
             let rx = std::mem::replace(&mut prev_rx, next_rx);
             let worker = StageWorker::new(stage, i as u32);
@@ -56,7 +67,10 @@ impl LocalRing {
                 .map_err(|e| NodeError::Protocol(format!("cannot start stage thread: {e}")))?;
             threads.push(thread);
         }
-        Ok(LocalRing { head: Head::new(Box::new(head_tx), Box::new(prev_rx)), threads })
+        Ok(LocalRing {
+            head: Head::new(Box::new(head_tx), Box::new(prev_rx)),
+            threads,
+        })
     }
 }
 

@@ -25,7 +25,11 @@ struct SeqSampler {
 impl StageWorker {
     /// Wraps `stage`, the `index`-th of the ring (used in error reports).
     pub fn new(stage: Stage, index: u32) -> StageWorker {
-        StageWorker { stage, index, samplers: HashMap::new() }
+        StageWorker {
+            stage,
+            index,
+            samplers: HashMap::new(),
+        }
     }
 
     /// The stage.
@@ -39,7 +43,12 @@ impl StageWorker {
     pub fn handle(&mut self, msg: Message) -> Message {
         let last = self.stage.span().last;
         let reply = match msg {
-            Message::StartSeq { seq, params, history, logprobs } => {
+            Message::StartSeq {
+                seq,
+                params,
+                history,
+                logprobs,
+            } => {
                 self.stage.kv_mut().clear_seq(seq);
                 if last {
                     match Sampler::new(params.clone()) {
@@ -50,7 +59,12 @@ impl StageWorker {
                         Err(e) => return self.error(e.to_string()),
                     }
                 }
-                Message::StartSeq { seq, params, history, logprobs }
+                Message::StartSeq {
+                    seq,
+                    params,
+                    history,
+                    logprobs,
+                }
             }
             Message::TruncateSeq { seq, len } => {
                 self.stage.kv_mut().truncate_seq(seq, len as usize);
@@ -70,7 +84,9 @@ impl StageWorker {
                 return Message::Stats { resident };
             }
             // Replies and errors from upstream pass through untouched.
-            other @ (Message::Sampled { .. } | Message::Done | Message::Error { .. } | Message::Shutdown) => return other,
+            other @ (Message::Sampled { .. } | Message::Done | Message::Error { .. } | Message::Shutdown) => {
+                return other
+            }
         };
         if last {
             Message::Done
@@ -80,18 +96,32 @@ impl StageWorker {
     }
 
     fn error(&self, message: String) -> Message {
-        Message::Error { stage: self.index, message }
+        Message::Error {
+            stage: self.index,
+            message,
+        }
     }
 
     fn forward(&mut self, forward: Forward) -> Result<Message, String> {
-        let Forward { step, payload, positions, seq_ids, sample_rows } = forward;
+        let Forward {
+            step,
+            payload,
+            positions,
+            seq_ids,
+            sample_rows,
+        } = forward;
         let input = match &payload {
             Payload::Tokens(tokens) => StageInput::Tokens(tokens),
             Payload::Hidden(hidden) => StageInput::Hidden(hidden),
         };
         let last = self.stage.span().last;
         let logit_rows: &[u32] = if last { &sample_rows } else { &[] };
-        let batch = Batch { input, positions: &positions, seq_ids: &seq_ids, logit_rows };
+        let batch = Batch {
+            input,
+            positions: &positions,
+            seq_ids: &seq_ids,
+            logit_rows,
+        };
         match self.stage.forward(&batch).map_err(|e| e.to_string())? {
             StageOutput::Hidden(hidden) => Ok(Message::Forward(Forward {
                 step,
@@ -101,7 +131,11 @@ impl StageWorker {
                 sample_rows,
             })),
             StageOutput::Logits(logits) => {
-                let n_vocab = if sample_rows.is_empty() { 1 } else { logits.len() / sample_rows.len() };
+                let n_vocab = if sample_rows.is_empty() {
+                    1
+                } else {
+                    logits.len() / sample_rows.len()
+                };
                 let mut tokens = Vec::with_capacity(sample_rows.len());
                 for (&row, row_logits) in sample_rows.iter().zip(logits.chunks_exact(n_vocab)) {
                     let seq = seq_ids[row as usize];

@@ -17,7 +17,11 @@ pub enum PlanError {
     BadSplit(String),
     /// A `--split` list whose counts do not add up to the model's layers.
     #[error("--split {split} covers {covered} layers, but the model has {layers}")]
-    SplitMismatch { split: String, covered: usize, layers: usize },
+    SplitMismatch {
+        split: String,
+        covered: usize,
+        layers: usize,
+    },
 }
 
 /// Splits `n_layers` into `n_stages` contiguous ranges whose sizes differ by at most
@@ -28,7 +32,10 @@ pub fn even_split(n_layers: usize, n_stages: usize) -> Result<Vec<Range<usize>>,
         return Err(PlanError::NoStages);
     }
     if n_stages > n_layers {
-        return Err(PlanError::TooManyStages { stages: n_stages, layers: n_layers });
+        return Err(PlanError::TooManyStages {
+            stages: n_stages,
+            layers: n_layers,
+        });
     }
     let base = n_layers / n_stages;
     let extra = n_layers % n_stages;
@@ -45,7 +52,11 @@ pub fn parse_split(split: &str, n_layers: usize) -> Result<Vec<Range<usize>>, Pl
         .ok_or_else(|| PlanError::BadSplit(split.to_string()))?;
     let covered: usize = sizes.iter().sum();
     if covered != n_layers {
-        return Err(PlanError::SplitMismatch { split: split.to_string(), covered, layers: n_layers });
+        return Err(PlanError::SplitMismatch {
+            split: split.to_string(),
+            covered,
+            layers: n_layers,
+        });
     }
     Ok(ranges(&sizes))
 }
@@ -67,6 +78,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one stage holding every layer is the case
     fn even_split_table() {
         let cases: &[(usize, usize, &[Range<usize>])] = &[
             (24, 1, &[0..24]),
@@ -77,7 +89,11 @@ mod tests {
             (5, 2, &[0..3, 3..5]),
         ];
         for (layers, stages, expected) in cases {
-            assert_eq!(even_split(*layers, *stages).unwrap(), expected.to_vec(), "{layers} layers / {stages} stages");
+            assert_eq!(
+                even_split(*layers, *stages).unwrap(),
+                expected.to_vec(),
+                "{layers} layers / {stages} stages"
+            );
         }
     }
 

@@ -50,7 +50,12 @@ pub enum Message {
     /// creates its sampler with `params`, seeding penalties with `history`, and computes
     /// log-probabilities of sampled tokens only when `logprobs` is set (it costs a pass
     /// over the vocabulary per token).
-    StartSeq { seq: u32, params: SamplingParams, history: Vec<u32>, logprobs: bool },
+    StartSeq {
+        seq: u32,
+        params: SamplingParams,
+        history: Vec<u32>,
+        logprobs: bool,
+    },
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
     /// Forget `seq` on every stage (cache and sampler).

@@ -15,14 +15,8 @@ fn row(n_vocab: usize, seed: u64) -> Vec<f32> {
             state ^= state >> 7;
             state ^= state << 17;
             // Sum of uniforms: roughly normal, sd ≈ 2.
-            let bulk: f32 = (0..4)
-                .map(|i| ((state >> (i * 16)) & 0xffff) as f32 / 65536.0)
-                .sum();
-            let spike = if state.is_multiple_of(20_000) {
-                12.0
-            } else {
-                0.0
-            };
+            let bulk: f32 = (0..4).map(|i| ((state >> (i * 16)) & 0xffff) as f32 / 65536.0).sum();
+            let spike = if state.is_multiple_of(20_000) { 12.0 } else { 0.0 };
             (bulk - 2.0) * 3.5 + spike
         })
         .collect()
@@ -75,10 +69,7 @@ fn main() {
         let bare = time_per_call(200, || {
             black_box(argmax(black_box(&logits)));
         });
-        println!(
-            "{:<28} {:>10} {:>12.1} {:>12}",
-            "argmax (free fn)", n_vocab, bare, "-"
-        );
+        println!("{:<28} {:>10} {:>12.1} {:>12}", "argmax (free fn)", n_vocab, bare, "-");
         for (name, params) in &cases {
             let mut sampler = Sampler::new(params.clone()).unwrap();
             for token in 0..64u32 {

@@ -13,9 +13,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     // x = n ln 2 + r with |r| <= ln 2 / 2, then e^x = 2^n e^r.
     let n = (clamped * std::f32::consts::LOG2_E + 0.5).floor();
     let r = clamped - n * LN2_HI - n * LN2_LO;
-    let poly = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
-        * r
-        + 1.666_666_5e-1)
+    let poly = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1)
         * r
         + 0.5;
     let e_r = poly * r * r + r + 1.0;
@@ -34,13 +32,7 @@ const LANES: usize = 8;
 
 /// `Σ exp(value - max)` over `values`, NaN counting as 0, accumulated in f64.
 pub(crate) fn sum_exp(values: &[f32], max: f32) -> f64 {
-    sum_mapped(values, |value| {
-        if value.is_nan() {
-            0.0
-        } else {
-            exp(value - max)
-        }
-    })
+    sum_mapped(values, |value| if value.is_nan() { 0.0 } else { exp(value - max) })
 }
 
 /// `Σ f(value)` in f64, in a fixed order so the result is the same on every call.
@@ -78,10 +70,7 @@ pub(crate) fn draw(weights: &[f32], u: f64) -> usize {
     // same block sums in the same order, so the walk reaches it exactly.
     const BLOCK: usize = 64;
     let block_sum = |block: &[f32]| sum_mapped(block, |weight| weight);
-    let total: f64 = weights
-        .chunks(BLOCK)
-        .map(block_sum)
-        .fold(0.0, |sum, block| sum + block);
+    let total: f64 = weights.chunks(BLOCK).map(block_sum).fold(0.0, |sum, block| sum + block);
     let target = u * total;
     let mut before = 0.0f64;
     for (index, block) in weights.chunks(BLOCK).enumerate() {
@@ -139,9 +128,7 @@ mod tests {
         weights[5] = 1.0;
         weights[130] = 2.0;
         weights[299] = 1.0;
-        let picks: Vec<usize> = (0..1000)
-            .map(|i| draw(&weights, f64::from(i) / 1000.0))
-            .collect();
+        let picks: Vec<usize> = (0..1000).map(|i| draw(&weights, f64::from(i) / 1000.0)).collect();
         let count = |at: usize| picks.iter().filter(|&&pick| pick == at).count();
         assert_eq!(count(5) + count(130) + count(299), 1000);
         assert_eq!((count(5), count(130), count(299)), (250, 500, 250));
@@ -152,18 +139,7 @@ mod tests {
 
     #[test]
     fn sums_skip_nan() {
-        let values = [
-            0.0f32,
-            f32::NAN,
-            0.0,
-            f32::NEG_INFINITY,
-            0.0,
-            0.0,
-            0.0,
-            0.0,
-            0.0,
-            0.0,
-        ];
+        let values = [0.0f32, f32::NAN, 0.0, f32::NEG_INFINITY, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
         assert!((sum_exp(&values, 0.0) - 8.0).abs() < 1e-12);
     }
 }

@@ -65,9 +65,7 @@ impl SamplingParams {
     /// Whether any penalty would change a logit.
     pub(crate) fn has_penalties(&self) -> bool {
         self.repeat_last_n > 0
-            && (self.repeat_penalty != 1.0
-                || self.frequency_penalty != 0.0
-                || self.presence_penalty != 0.0)
+            && (self.repeat_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0)
     }
 
     /// Checks every field against the ranges llama.cpp accepts. The error names the
@@ -113,20 +111,11 @@ impl SamplingParams {
     }
 }
 
-fn check(
-    field: &'static str,
-    value: f32,
-    accepted: bool,
-    expected: &'static str,
-) -> Result<(), SamplingError> {
+fn check(field: &'static str, value: f32, accepted: bool, expected: &'static str) -> Result<(), SamplingError> {
     if accepted {
         Ok(())
     } else {
-        Err(SamplingError::InvalidParameter {
-            field,
-            value,
-            expected,
-        })
+        Err(SamplingError::InvalidParameter { field, value, expected })
     }
 }
 
@@ -277,10 +266,7 @@ mod tests {
         ];
         for (params, needle) in bad {
             let message = params.validate().unwrap_err().to_string();
-            assert!(
-                message.contains(needle),
-                "{message:?} should contain {needle:?}"
-            );
+            assert!(message.contains(needle), "{message:?} should contain {needle:?}");
         }
         let message = SamplingParams {
             top_p: 1.5,

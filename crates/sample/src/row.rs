@@ -23,9 +23,7 @@ impl<'a> PenalizedRow<'a> {
     /// builds them from an ordered map, so this only guards against refactoring slips.
     pub(crate) fn new(logits: &'a [f32], overrides: &'a [(u32, f32)]) -> Self {
         debug_assert!(overrides.windows(2).all(|pair| pair[0].0 < pair[1].0));
-        debug_assert!(overrides
-            .iter()
-            .all(|&(token, _)| (token as usize) < logits.len()));
+        debug_assert!(overrides.iter().all(|&(token, _)| (token as usize) < logits.len()));
         Self { logits, overrides }
     }
 
@@ -62,20 +60,14 @@ impl<'a> PenalizedRow<'a> {
                         Some(Piece::One { token, logit })
                     } else {
                         pending = Some((token, logit));
-                        Some(Piece::Stretch {
-                            first,
-                            logits: stretch,
-                        })
+                        Some(Piece::Stretch { first, logits: stretch })
                     }
                 }
                 None if start < logits.len() => {
                     let first = start as u32;
                     let stretch = &logits[start..];
                     start = logits.len();
-                    Some(Piece::Stretch {
-                        first,
-                        logits: stretch,
-                    })
+                    Some(Piece::Stretch { first, logits: stretch })
                 }
                 None => None,
             }
@@ -102,9 +94,7 @@ impl<'a> PenalizedRow<'a> {
         let mut best: Option<(u32, f32)> = None;
         for piece in self.pieces() {
             let found = match piece {
-                Piece::Stretch { first, logits } => {
-                    argmax_slice(logits).map(|(at, logit)| (first + at as u32, logit))
-                }
+                Piece::Stretch { first, logits } => argmax_slice(logits).map(|(at, logit)| (first + at as u32, logit)),
                 Piece::One { token, logit } => (!logit.is_nan()).then_some((token, logit)),
             };
             // Pieces come in ascending token order, so a strict comparison keeps the
@@ -145,10 +135,7 @@ impl<'a> PenalizedRow<'a> {
             });
         }
         let sum = self.sum_exp(max);
-        Some(LogSoftmax {
-            max,
-            log_sum: sum.ln(),
-        })
+        Some(LogSoftmax { max, log_sum: sum.ln() })
     }
 }
 
@@ -264,14 +251,8 @@ mod tests {
     fn argmax_ignores_nan() {
         assert_eq!(argmax(&[f32::NAN, 1.0, f32::NAN, 0.5]), Some(1));
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), None);
-        assert_eq!(
-            argmax(&[f32::NAN, f32::NEG_INFINITY, f32::NEG_INFINITY]),
-            Some(1)
-        );
-        assert_eq!(
-            argmax(&[f32::NEG_INFINITY, f32::INFINITY, f32::INFINITY]),
-            Some(1)
-        );
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, f32::NEG_INFINITY]), Some(1));
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::INFINITY, f32::INFINITY]), Some(1));
     }
 
     #[test]
@@ -280,8 +261,7 @@ mod tests {
         for len in 0..70usize {
             for max_at in 0..len {
                 for tie_at in [None, Some((max_at + 17) % len), Some((max_at + 1) % len)] {
-                    let mut logits: Vec<f32> =
-                        (0..len).map(|i| ((i * 7919) % 13) as f32 * 0.1).collect();
+                    let mut logits: Vec<f32> = (0..len).map(|i| ((i * 7919) % 13) as f32 * 0.1).collect();
                     if len > 3 {
                         logits[(max_at + 3) % len] = f32::NAN;
                     }
@@ -312,8 +292,7 @@ mod tests {
             let row = PenalizedRow::new(&logits, &overrides);
             let mut seen = Vec::new();
             row.for_each(|token, logit| seen.push((token, logit)));
-            let expected: Vec<(u32, f32)> =
-                (0..logits.len() as u32).map(|t| (t, row.get(t))).collect();
+            let expected: Vec<(u32, f32)> = (0..logits.len() as u32).map(|t| (t, row.get(t))).collect();
             assert_eq!(seen, expected);
             for &(token, logit) in &overrides {
                 assert_eq!(seen[token as usize].1, logit);
@@ -329,10 +308,7 @@ mod tests {
         // Token 1 now ties with 2 and 3 at 2.0; it is the lowest.
         assert_eq!(row.argmax(), Some((1, 2.0)));
         let overrides = [(1, 0.0)];
-        assert_eq!(
-            PenalizedRow::new(&logits, &overrides).argmax(),
-            Some((2, 2.0))
-        );
+        assert_eq!(PenalizedRow::new(&logits, &overrides).argmax(), Some((2, 2.0)));
     }
 
     #[test]

@@ -112,11 +112,7 @@ impl Sampler {
     /// Like [`sample`](Self::sample), also returning the chosen token's log-probability
     /// and the `n_top` most likely tokens, from the log-softmax of the penalized logits
     /// before truncation and temperature (the model's distribution, as OpenAI reports).
-    pub fn sample_with_logprobs(
-        &mut self,
-        logits: &[f32],
-        n_top: usize,
-    ) -> Result<Sampled, SamplingError> {
+    pub fn sample_with_logprobs(&mut self, logits: &[f32], n_top: usize) -> Result<Sampled, SamplingError> {
         check_row(logits)?;
         self.penalize(logits);
         let row = PenalizedRow::new(logits, &self.overrides);
@@ -127,9 +123,9 @@ impl Sampler {
             &mut self.candidates,
             &mut self.weights,
         )?;
-        let norm = row.log_softmax().ok_or(SamplingError::AllNan {
-            n_vocab: logits.len(),
-        })?;
+        let norm = row
+            .log_softmax()
+            .ok_or(SamplingError::AllNan { n_vocab: logits.len() })?;
         select::top_k(&row, n_top, f32::NEG_INFINITY, &mut self.candidates);
         self.candidates.sort_unstable_by(select::rank);
         let top = self
@@ -162,8 +158,7 @@ impl Sampler {
             } else {
                 logit / params.repeat_penalty
             };
-            let penalized =
-                repeated - count as f32 * params.frequency_penalty - params.presence_penalty;
+            let penalized = repeated - count as f32 * params.frequency_penalty - params.presence_penalty;
             self.overrides.push((token, penalized));
         }
     }
@@ -174,9 +169,7 @@ fn check_row(logits: &[f32]) -> Result<(), SamplingError> {
         return Err(SamplingError::EmptyLogits);
     }
     if u32::try_from(logits.len()).is_err() {
-        return Err(SamplingError::VocabTooLarge {
-            n_vocab: logits.len(),
-        });
+        return Err(SamplingError::VocabTooLarge { n_vocab: logits.len() });
     }
     Ok(())
 }
@@ -191,9 +184,7 @@ fn choose(
     weights: &mut Vec<f32>,
 ) -> Result<u32, SamplingError> {
     if params.is_greedy() {
-        let (token, _) = row
-            .argmax()
-            .ok_or(SamplingError::AllNan { n_vocab: row.len() })?;
+        let (token, _) = row.argmax().ok_or(SamplingError::AllNan { n_vocab: row.len() })?;
         return Ok(token);
     }
     let temperature = params.temperature;
@@ -203,9 +194,7 @@ fn choose(
 
     if top_k_len(params) >= row.len() && params.top_p >= 1.0 && params.min_p <= 0.0 {
         // Nothing to truncate: weigh the row in place, token id = index into `weights`.
-        let (_, max) = row
-            .argmax()
-            .ok_or(SamplingError::AllNan { n_vocab: row.len() })?;
+        let (_, max) = row.argmax().ok_or(SamplingError::AllNan { n_vocab: row.len() })?;
         if max.is_finite() {
             let weight = |logit: f32| {
                 // Computed before the test, so the loop is a select the compiler can
@@ -289,10 +278,7 @@ fn truncate(
     if candidates.is_empty() {
         return Err(all_nan());
     }
-    let mut max = candidates
-        .iter()
-        .map(|c| c.logit)
-        .fold(f32::NEG_INFINITY, f32::max);
+    let mut max = candidates.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max);
     if max.is_infinite() {
         // `logit - max` would be NaN at the maximum; the limiting distribution is
         // uniform over the tokens holding it (for -inf: over everything left).
@@ -391,8 +377,7 @@ mod tests {
                 } else if roll < 0.02 {
                     f32::NEG_INFINITY
                 } else {
-                    let logit =
-                        (next() * 2.0 - 1.0) * scale + if next() < 0.001 { 10.0 } else { 0.0 };
+                    let logit = (next() * 2.0 - 1.0) * scale + if next() < 0.001 { 10.0 } else { 0.0 };
                     if quantised {
                         ((logit * 4.0).round() / 4.0) as f32
                     } else {
@@ -418,15 +403,10 @@ mod tests {
                             min_p,
                             ..Default::default()
                         };
-                        truncate(&PenalizedRow::new(&logits, &[]), &params, &mut candidates)
-                            .unwrap();
+                        truncate(&PenalizedRow::new(&logits, &[]), &params, &mut candidates).unwrap();
                         candidates.sort_by(select::rank);
                         let ours: Vec<u32> = candidates.iter().map(|c| c.token).collect();
-                        assert_eq!(
-                            ours,
-                            reference_survivors(&logits, &params),
-                            "seed {seed} {params:?}"
-                        );
+                        assert_eq!(ours, reference_survivors(&logits, &params), "seed {seed} {params:?}");
                         checked += 1;
                     }
                 }
@@ -456,12 +436,7 @@ mod tests {
                 ..Default::default()
             },
         ] {
-            truncate(
-                &PenalizedRow::new(&logits, &overrides),
-                &params,
-                &mut candidates,
-            )
-            .unwrap();
+            truncate(&PenalizedRow::new(&logits, &overrides), &params, &mut candidates).unwrap();
             candidates.sort_by(select::rank);
             let ours: Vec<u32> = candidates.iter().map(|c| c.token).collect();
             assert_eq!(ours, reference_survivors(&penalized, &params), "{params:?}");
@@ -715,25 +690,19 @@ mod tests {
         let flat = vec![0.0f32; 1000];
         let draws = |seed: u64| {
             let mut sampler = Sampler::new(unfiltered(1.0, seed)).unwrap();
-            (0..200)
-                .map(|_| sampler.sample(&flat).unwrap())
-                .collect::<Vec<_>>()
+            (0..200).map(|_| sampler.sample(&flat).unwrap()).collect::<Vec<_>>()
         };
         assert_eq!(draws(42), draws(42));
         assert_ne!(draws(42), draws(43));
         // Default chain (top-k 40 etc.) is also deterministic.
-        let row: Vec<f32> = (0..5000)
-            .map(|i| ((i * 7919) % 1000) as f32 * 0.005)
-            .collect();
+        let row: Vec<f32> = (0..5000).map(|i| ((i * 7919) % 1000) as f32 * 0.005).collect();
         let draws = |seed: u64| {
             let mut sampler = Sampler::new(SamplingParams {
                 seed,
                 ..Default::default()
             })
             .unwrap();
-            (0..200)
-                .map(|_| sampler.sample(&row).unwrap())
-                .collect::<Vec<_>>()
+            (0..200).map(|_| sampler.sample(&row).unwrap()).collect::<Vec<_>>()
         };
         assert_eq!(draws(7), draws(7));
     }
@@ -758,18 +727,12 @@ mod tests {
         let row = [0.0, 1.0];
         let frequency_of_1 = |temperature: f32| {
             let mut sampler = Sampler::new(unfiltered(temperature, 77)).unwrap();
-            (0..10_000)
-                .filter(|_| sampler.sample(&row).unwrap() == 1)
-                .count() as f64
-                / 10_000.0
+            (0..10_000).filter(|_| sampler.sample(&row).unwrap() == 1).count() as f64 / 10_000.0
         };
         // p(1) = 1 / (1 + e^(-1/T)).
         for temperature in [0.5f32, 1.0, 2.0] {
             let expected = 1.0 / (1.0 + (-1.0 / f64::from(temperature)).exp());
-            assert!(
-                (frequency_of_1(temperature) - expected).abs() < 0.02,
-                "T {temperature}"
-            );
+            assert!((frequency_of_1(temperature) - expected).abs() < 0.02, "T {temperature}");
         }
     }
 
@@ -782,20 +745,13 @@ mod tests {
                 .sample(&[f32::NEG_INFINITY, f32::NAN, f32::NEG_INFINITY])
                 .unwrap();
             assert!(token == 0 || token == 2);
-            assert_eq!(
-                sampler
-                    .sample(&[f32::NEG_INFINITY, 2.0, f32::NEG_INFINITY])
-                    .unwrap(),
-                1
-            );
+            assert_eq!(sampler.sample(&[f32::NEG_INFINITY, 2.0, f32::NEG_INFINITY]).unwrap(), 1);
         }
     }
 
     #[test]
     fn logprobs_are_normalised_and_the_top_list_is_sorted() {
-        let row: Vec<f32> = (0..50_000)
-            .map(|i| ((i * 7919) % 997) as f32 * 0.01 - 5.0)
-            .collect();
+        let row: Vec<f32> = (0..50_000).map(|i| ((i * 7919) % 997) as f32 * 0.01 - 5.0).collect();
         for params in [
             SamplingParams::greedy(),
             SamplingParams {
@@ -835,11 +791,7 @@ mod tests {
         assert_eq!(tokens, [2, 1, 0]);
         let sum: f32 = sampled.top.iter().map(|&(_, lp)| lp.exp()).sum();
         assert!((sum - 1.0).abs() < 1e-6);
-        assert!(sampler
-            .sample_with_logprobs(&row, 0)
-            .unwrap()
-            .top
-            .is_empty());
+        assert!(sampler.sample_with_logprobs(&row, 0).unwrap().top.is_empty());
     }
 
     #[test]

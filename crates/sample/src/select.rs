@@ -93,10 +93,7 @@ impl<'a> TopK<'a> {
             // `|` rather than `any` so the test has no early exit and vectorises. `>=`
             // in both phases lets through a superset of what `offer` keeps.
             let threshold = self.threshold;
-            if block
-                .iter()
-                .fold(false, |seen, &logit| seen | (logit >= threshold))
-            {
+            if block.iter().fold(false, |seen, &logit| seen | (logit >= threshold)) {
                 for (offset, &logit) in block.iter().enumerate() {
                     self.offer(first + (at + offset) as u32, logit);
                 }
@@ -185,9 +182,7 @@ mod tests {
 
     /// Small deterministic pseudo-random logits with many ties.
     fn logits(len: usize, levels: u64, seed: u64) -> Vec<f32> {
-        let mut state = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (0..len)
             .map(|_| {
                 state = state
@@ -209,18 +204,9 @@ mod tests {
             let logits = logits(len, levels, len as u64);
             for k in [1, 2, 5, 40, 300, len - 1, len, len + 5] {
                 let mut out = Vec::new();
-                top_k(
-                    &PenalizedRow::new(&logits, &[]),
-                    k,
-                    f32::NEG_INFINITY,
-                    &mut out,
-                );
+                top_k(&PenalizedRow::new(&logits, &[]), k, f32::NEG_INFINITY, &mut out);
                 out.sort_by(rank);
-                assert_eq!(
-                    out,
-                    sorted_top(&logits, k),
-                    "len {len} levels {levels} k {k}"
-                );
+                assert_eq!(out, sorted_top(&logits, k), "len {len} levels {levels} k {k}");
             }
         }
     }
@@ -230,25 +216,11 @@ mod tests {
         let logits = [5.0, 4.0, 3.0, 2.0];
         let overrides = [(0, 1.0)];
         let mut out = Vec::new();
-        top_k(
-            &PenalizedRow::new(&logits, &overrides),
-            2,
-            f32::NEG_INFINITY,
-            &mut out,
-        );
+        top_k(&PenalizedRow::new(&logits, &overrides), 2, f32::NEG_INFINITY, &mut out);
         out.sort_by(rank);
         assert_eq!(
             out,
-            [
-                Candidate {
-                    token: 1,
-                    logit: 4.0
-                },
-                Candidate {
-                    token: 2,
-                    logit: 3.0
-                }
-            ]
+            [Candidate { token: 1, logit: 4.0 }, Candidate { token: 2, logit: 3.0 }]
         );
     }
 
@@ -257,10 +229,7 @@ mod tests {
         // Probabilities 0.5, 0.3, 0.2 (in scrambled order).
         let mut candidates: Vec<Candidate> = [(0, 0.2f32), (1, 0.5), (2, 0.3)]
             .iter()
-            .map(|&(token, p)| Candidate {
-                token,
-                logit: p.ln(),
-            })
+            .map(|&(token, p)| Candidate { token, logit: p.ln() })
             .collect();
         let max = 0.5f32.ln();
         let sum = exp_sum(&candidates, max);
@@ -271,10 +240,7 @@ mod tests {
         top_p(&mut kept, 0.6, max, sum);
         assert_eq!(kept.iter().map(|c| c.token).collect::<Vec<_>>(), [1, 2]);
         top_p(&mut candidates, 0.95, max, sum);
-        assert_eq!(
-            candidates.iter().map(|c| c.token).collect::<Vec<_>>(),
-            [1, 2, 0]
-        );
+        assert_eq!(candidates.iter().map(|c| c.token).collect::<Vec<_>>(), [1, 2, 0]);
     }
 
     #[test]
@@ -287,10 +253,7 @@ mod tests {
             f32::NEG_INFINITY,
             &mut all,
         );
-        let max = all
-            .iter()
-            .map(|c| c.logit)
-            .fold(f32::NEG_INFINITY, f32::max);
+        let max = all.iter().map(|c| c.logit).fold(f32::NEG_INFINITY, f32::max);
         let sum = exp_sum(&all, max);
         for p in [0.01, 0.3, 0.9, 0.999, 1.0] {
             let mut expected = all.clone();
@@ -322,14 +285,8 @@ mod tests {
             })
             .collect();
         min_p(&mut candidates, 0.05, 0.0);
-        assert_eq!(
-            candidates.iter().map(|c| c.token).collect::<Vec<_>>(),
-            [0, 1, 2]
-        );
+        assert_eq!(candidates.iter().map(|c| c.token).collect::<Vec<_>>(), [0, 1, 2]);
         min_p(&mut candidates, 0.4, 0.0);
-        assert_eq!(
-            candidates.iter().map(|c| c.token).collect::<Vec<_>>(),
-            [0, 1]
-        );
+        assert_eq!(candidates.iter().map(|c| c.token).collect::<Vec<_>>(), [0, 1]);
     }
 }

@@ -60,19 +60,10 @@ fn truncated_tensor_data_names_the_tensor() {
 fn every_prefix_fails_without_panicking() {
     let bytes = sample().to_bytes();
     let gguf = Gguf::parse(&bytes).unwrap();
-    let data_end = gguf
-        .tensors
-        .iter()
-        .map(|t| t.offset + t.n_bytes)
-        .max()
-        .unwrap() as usize;
+    let data_end = gguf.tensors.iter().map(|t| t.offset + t.n_bytes).max().unwrap() as usize;
     for len in 0..=bytes.len() {
         let result = Gguf::parse(&bytes[..len]);
-        assert_eq!(
-            result.is_ok(),
-            len >= data_end,
-            "prefix of {len} bytes: {result:?}"
-        );
+        assert_eq!(result.is_ok(), len >= data_end, "prefix of {len} bytes: {result:?}");
     }
 }
 
@@ -140,12 +131,7 @@ fn huge_string_length() {
 #[test]
 fn huge_array_count() {
     for count in [u64::MAX, 1 << 40] {
-        let raw = Raw::header(3, 0, 1)
-            .str("arr")
-            .u32(9)
-            .u32(4)
-            .u64(count)
-            .u32(1);
+        let raw = Raw::header(3, 0, 1).str("arr").u32(9).u32(4).u64(count).u32(1);
         assert_eq!(
             parse_err(&raw.0),
             format!(
@@ -175,15 +161,9 @@ fn huge_counts_in_header() {
 #[test]
 fn unknown_value_type() {
     let raw = Raw::header(3, 0, 1).str("k").u32(13).u32(0);
-    assert_eq!(
-        parse_err(&raw.0),
-        "GGUF metadata key 'k' has unknown value type id 13"
-    );
+    assert_eq!(parse_err(&raw.0), "GGUF metadata key 'k' has unknown value type id 13");
     let raw = Raw::header(3, 0, 1).str("k").u32(9).u32(200).u64(1).u32(0);
-    assert_eq!(
-        parse_err(&raw.0),
-        "GGUF metadata key 'k' has unknown value type id 200"
-    );
+    assert_eq!(parse_err(&raw.0), "GGUF metadata key 'k' has unknown value type id 200");
 }
 
 #[test]
@@ -204,11 +184,7 @@ fn arrays_nested_too_deep() {
 
 #[test]
 fn invalid_utf8_key() {
-    let raw = Raw::header(3, 0, 1)
-        .u64(2)
-        .bytes(&[0xff, 0xfe])
-        .u32(4)
-        .u32(0);
+    let raw = Raw::header(3, 0, 1).u64(2).bytes(&[0xff, 0xfe]).u32(4).u32(0);
     assert_eq!(
         parse_err(&raw.0),
         "GGUF string at offset 32 (the key of metadata entry 0) is not valid UTF-8"
@@ -218,26 +194,19 @@ fn invalid_utf8_key() {
 #[test]
 fn duplicate_key() {
     let bytes = GgufWriter::new().kv_u32("a", 1).kv_u32("a", 2).to_bytes();
-    assert_eq!(
-        parse_err(&bytes),
-        "GGUF metadata key 'a' appears more than once"
-    );
+    assert_eq!(parse_err(&bytes), "GGUF metadata key 'a' appears more than once");
 }
 
 #[test]
 fn bad_alignment() {
     for alignment in [0, 3, 48] {
-        let raw = Raw::header(3, 0, 1)
-            .kv_u32("general.alignment", alignment)
-            .data(0);
+        let raw = Raw::header(3, 0, 1).kv_u32("general.alignment", alignment).data(0);
         assert_eq!(
             parse_err(&raw.0),
             format!("GGUF general.alignment is {alignment}, which is not a power of two")
         );
     }
-    let bytes = GgufWriter::new()
-        .kv_str("general.alignment", "32")
-        .to_bytes();
+    let bytes = GgufWriter::new().kv_str("general.alignment", "32").to_bytes();
     assert_eq!(
         parse_err(&bytes),
         "GGUF metadata key 'general.alignment' has type string, expected u64"
@@ -246,10 +215,7 @@ fn bad_alignment() {
 
 /// A file with one tensor info and 64 bytes of data.
 fn one_tensor(dims: &[u64], type_id: u32, offset: u64) -> Vec<u8> {
-    Raw::header(3, 1, 0)
-        .tensor_info("x", dims, type_id, offset)
-        .data(64)
-        .0
+    Raw::header(3, 1, 0).tensor_info("x", dims, type_id, offset).data(64).0
 }
 
 #[test]
@@ -333,13 +299,7 @@ fn tensor_beyond_end_of_file() {
     // data_offset + offset overflows u64.
     let err = Gguf::parse(&one_tensor(&[4], 0, u64::MAX - 31)).unwrap_err();
     assert!(
-        matches!(
-            err,
-            GgufError::TensorOutOfBounds {
-                offset: u64::MAX,
-                ..
-            }
-        ),
+        matches!(err, GgufError::TensorOutOfBounds { offset: u64::MAX, .. }),
         "{err}"
     );
 }

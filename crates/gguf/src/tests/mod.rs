@@ -26,17 +26,8 @@ fn sample() -> GgufWriter {
         .kv("heads", vec![4i32, 8])
         .kv("nested", vec![vec![1u8, 2], vec![]])
         .kv("empty", Value::Array(vec![]))
-        .tensor_f32(
-            "output_norm.weight",
-            &[4, 2],
-            &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
-        )
-        .tensor_raw(
-            "blk.0.attn_q.weight",
-            &[32, 2],
-            GgmlType::Q4_0,
-            vec![0xAB; 36],
-        )
+        .tensor_f32("output_norm.weight", &[4, 2], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+        .tensor_raw("blk.0.attn_q.weight", &[32, 2], GgmlType::Q4_0, vec![0xAB; 36])
 }
 
 /// The error text `Gguf::parse` gives for `bytes`.

@@ -30,21 +30,12 @@ fn qwen2_5_coder_0_5b() {
     assert_eq!(wq.dims, [896, 896]);
     assert!(wq.ggml_type.is_quantized());
     assert_eq!(
-        gguf.tensors
-            .iter()
-            .filter(|t| t.name.starts_with("blk.23."))
-            .count(),
+        gguf.tensors.iter().filter(|t| t.name.starts_with("blk.23.")).count(),
         12
     );
     let tokens = gguf.get_str_array("tokenizer.ggml.tokens").unwrap();
-    assert_eq!(
-        tokens.len() as u64,
-        gguf.tensor("token_embd.weight").unwrap().dims[1]
-    );
-    assert_eq!(
-        gguf.tensor("output_norm.weight").unwrap().ggml_type,
-        GgmlType::F32
-    );
+    assert_eq!(tokens.len() as u64, gguf.tensor("token_embd.weight").unwrap().dims[1]);
+    assert_eq!(gguf.tensor("output_norm.weight").unwrap().ggml_type, GgmlType::F32);
 }
 
 #[test]
@@ -55,10 +46,6 @@ fn gemma3_270m() {
     let gguf = Gguf::parse(&bytes).unwrap();
     assert_eq!(gguf.architecture().unwrap(), "gemma3");
     let n_layer = gguf.get_u32("gemma3.block_count").unwrap();
-    assert!(gguf
-        .tensor(&format!("blk.{}.attn_q.weight", n_layer - 1))
-        .is_some());
-    assert!(gguf
-        .tensor(&format!("blk.{n_layer}.attn_q.weight"))
-        .is_none());
+    assert!(gguf.tensor(&format!("blk.{}.attn_q.weight", n_layer - 1)).is_some());
+    assert!(gguf.tensor(&format!("blk.{n_layer}.attn_q.weight")).is_none());
 }

@@ -62,16 +62,11 @@ fn round_trip_keeps_tensors_and_their_bytes() {
     assert_eq!(values, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
 
     let q = gguf.tensor("blk.0.attn_q.weight").unwrap();
-    assert_eq!(
-        (q.ggml_type, q.n_bytes, q.offset % 32),
-        (GgmlType::Q4_0, 36, 0)
-    );
+    assert_eq!((q.ggml_type, q.n_bytes, q.offset % 32), (GgmlType::Q4_0, 36, 0));
     assert_eq!(q.data(&bytes).unwrap(), [0xAB; 36]);
     assert!(gguf.tensor("output.weight").is_none());
     assert_eq!(
-        gguf.require_tensor("output.weight")
-            .unwrap_err()
-            .to_string(),
+        gguf.require_tensor("output.weight").unwrap_err().to_string(),
         "tensor 'output.weight' is missing from the GGUF file"
     );
 }
@@ -80,9 +75,7 @@ fn round_trip_keeps_tensors_and_their_bytes() {
 fn tensor_data_checks_the_slice_it_is_given() {
     let bytes = sample().to_bytes();
     let gguf = Gguf::parse(&bytes).unwrap();
-    let err = gguf
-        .tensor_data(&bytes[..100], "output_norm.weight")
-        .unwrap_err();
+    let err = gguf.tensor_data(&bytes[..100], "output_norm.weight").unwrap_err();
     assert!(matches!(err, GgufError::TensorOutOfBounds { .. }), "{err}");
 }
 
@@ -150,11 +143,7 @@ fn integer_getters_accept_any_integer_type_that_fits() {
 #[test]
 fn float_getters_accept_f32_and_f64() {
     let gguf = Gguf::parse(&sample().to_bytes()).unwrap();
-    assert_eq!(
-        gguf.get_f32("llama.attention.layer_norm_rms_epsilon")
-            .unwrap(),
-        1e-5
-    );
+    assert_eq!(gguf.get_f32("llama.attention.layer_norm_rms_epsilon").unwrap(), 1e-5);
     assert_eq!(gguf.get_f32("f64").unwrap(), 0.25);
     assert_eq!(gguf.opt_f32("absent").unwrap(), None);
 }
@@ -162,10 +151,7 @@ fn float_getters_accept_f32_and_f64() {
 #[test]
 fn per_layer_values_come_as_scalar_or_array() {
     let gguf = Gguf::parse(&sample().to_bytes()).unwrap();
-    assert_eq!(
-        gguf.get_u32_per_layer("llama.block_count", 3).unwrap(),
-        [2, 2, 2]
-    );
+    assert_eq!(gguf.get_u32_per_layer("llama.block_count", 3).unwrap(), [2, 2, 2]);
     assert_eq!(gguf.get_u32_per_layer("heads", 2).unwrap(), [4, 8]);
     assert_eq!(
         gguf.get_u32_per_layer("heads", 3).unwrap_err().to_string(),
@@ -211,18 +197,12 @@ fn wrong_type_getter_names_key_and_types() {
 fn missing_key_is_named() {
     let gguf = Gguf::parse(&sample().to_bytes()).unwrap();
     assert_eq!(
-        gguf.get_u32("llama.context_length")
-            .unwrap_err()
-            .to_string(),
+        gguf.get_u32("llama.context_length").unwrap_err().to_string(),
         "GGUF metadata key 'llama.context_length' is missing"
     );
     let bytes = GgufWriter::new().to_bytes();
     assert_eq!(
-        Gguf::parse(&bytes)
-            .unwrap()
-            .architecture()
-            .unwrap_err()
-            .to_string(),
+        Gguf::parse(&bytes).unwrap().architecture().unwrap_err().to_string(),
         "GGUF metadata key 'general.architecture' is missing"
     );
 }

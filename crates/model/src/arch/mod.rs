@@ -101,8 +101,12 @@ impl<'g> Builder<'g> {
         let swa = hp.is_swa(layer);
         let rope = if swa { &hp.rope_swa } else { &hp.rope };
         let factors = self.weights.rope_freqs();
-        let mut q = ctx.rope(q, self.inputs.positions, factors, rope).named(&format!("Qcur-{layer}"));
-        let k = ctx.rope(k, self.inputs.positions, factors, rope).named(&format!("Kcur-{layer}"));
+        let mut q = ctx
+            .rope(q, self.inputs.positions, factors, rope)
+            .named(&format!("Qcur-{layer}"));
+        let k = ctx
+            .rope(k, self.inputs.positions, factors, rope)
+            .named(&format!("Kcur-{layer}"));
         if hp.query_scale != 1.0 {
             q = ctx.scale(q, hp.query_scale);
         }
@@ -120,8 +124,20 @@ impl<'g> Builder<'g> {
 
         let n_kv = self.inputs.n_kv as i64;
         let elt = k_cache.nb()[0];
-        let keys = ctx.view_3d(k_cache, [d_k, hp.n_head_kv as i64, n_kv], elt * d_k as usize, k_cache.nb()[1], 0);
-        let values = ctx.view_3d(v_cache, [d_v, hp.n_head_kv as i64, n_kv], elt * d_v as usize, v_cache.nb()[1], 0);
+        let keys = ctx.view_3d(
+            k_cache,
+            [d_k, hp.n_head_kv as i64, n_kv],
+            elt * d_k as usize,
+            k_cache.nb()[1],
+            0,
+        );
+        let values = ctx.view_3d(
+            v_cache,
+            [d_v, hp.n_head_kv as i64, n_kv],
+            elt * d_v as usize,
+            v_cache.nb()[1],
+            0,
+        );
         let keys = ctx.permute(keys, [0, 2, 1, 3]); // [d_k, n_kv, n_head_kv]
         let values = ctx.permute(values, [0, 2, 1, 3]); // [d_v, n_kv, n_head_kv]
         let q = ctx.permute(q, [0, 2, 1, 3]); // [d_k, n_tokens, n_head]
@@ -136,7 +152,9 @@ impl<'g> Builder<'g> {
     /// block output and the residual), so the rest of the graph skips the others.
     pub fn select_outputs(&self, layer: usize, cur: Tensor<'g>, residual: Tensor<'g>) -> (Tensor<'g>, Tensor<'g>) {
         match self.inputs.out_rows {
-            Some(rows) if layer + 1 == self.hp.n_layer => (self.ctx.get_rows(cur, rows), self.ctx.get_rows(residual, rows)),
+            Some(rows) if layer + 1 == self.hp.n_layer => {
+                (self.ctx.get_rows(cur, rows), self.ctx.get_rows(residual, rows))
+            }
             _ => (cur, residual),
         }
     }
