@@ -174,20 +174,6 @@ impl Head {
 fn unexpected(msg: Message) -> NodeError {
     match msg {
         Message::Error { stage, message } => NodeError::Stage { stage, message },
-        other => NodeError::Protocol(format!("unexpected reply {:?}", kind(&other))),
-    }
-}
-
-fn kind(msg: &Message) -> &'static str {
-    match msg {
-        Message::StartSeq { .. } => "StartSeq",
-        Message::TruncateSeq { .. } => "TruncateSeq",
-        Message::EndSeq { .. } => "EndSeq",
-        Message::Forward(_) => "Forward",
-        Message::Sampled { .. } => "Sampled",
-        Message::Done => "Done",
-        Message::Stats { .. } => "Stats",
-        Message::Error { .. } => "Error",
-        Message::Shutdown => "Shutdown",
+        other => NodeError::Protocol(format!("unexpected reply {}", other.kind())),
     }
 }

@@ -87,6 +87,8 @@ impl StageWorker {
             other @ (Message::Sampled { .. } | Message::Done | Message::Error { .. } | Message::Shutdown) => {
                 return other
             }
+            // Handshake and control messages never travel the ring.
+            other => return self.error(format!("{} is not a ring message", other.kind())),
         };
         if last {
             Message::Done
@@ -113,6 +115,7 @@ impl StageWorker {
         let input = match &payload {
             Payload::Tokens(tokens) => StageInput::Tokens(tokens),
             Payload::Hidden(hidden) => StageInput::Hidden(hidden),
+            Payload::HiddenF16(_) => return Err("f16 hidden states must be widened by the transport".into()),
         };
         let last = self.stage.span().last;
         let logit_rows: &[u32] = if last { &sample_rows } else { &[] };

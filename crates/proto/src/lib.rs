@@ -1,8 +1,18 @@
-//! Messages that travel around the ring: head → first stage → … → last stage → head.
-//! This crate holds their types only; no I/O (transports live in `baton-net`).
+//! Messages that travel between baton's nodes. This crate holds their types, their
+//! encoding into frames and the authentication arithmetic; no I/O (transports live
+//! in `baton-net`, which drives what is defined here).
+//!
+//! Two kinds of traffic share one frame format:
+//! - the **ring**: head → first stage → … → last stage → head (`StartSeq`, `Forward`,
+//!   `Sampled`, …), one frame per step per hop;
+//! - the **control** conversation between the head and each worker when a cluster
+//!   forms (`Describe`, `Capabilities`, `LoadPlan`, tensor streaming, `Loaded`).
 #![deny(unsafe_code)]
 
 use baton_sample::SamplingParams;
+
+/// Version of the wire protocol; peers with another version are refused.
+pub const PROTOCOL_VERSION: u32 = 1;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -14,6 +24,8 @@ pub enum Payload {
     Tokens(Vec<u32>),
     /// Hidden states `[n_embd, n_tokens]`, f32, row-major by token.
     Hidden(Vec<f32>),
+    /// Hidden states as f16 bit patterns (`--wire-dtype f16`: half the bytes).
+    HiddenF16(Vec<u16>),
 }
 
 /// One batch going through the stages.
@@ -43,19 +55,131 @@ pub struct SampledToken {
     pub logprob: f32,
 }
 
-/// Every message of the ring protocol.
+/// Who opens a connection, announced in `Hello`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The head, connecting to a worker to plan and drive it.
+    Head,
+    /// A worker, answering a connection.
+    Worker,
+    /// A stage connecting to the next stage of the ring (hidden states flow on it).
+    Ring,
+}
+
+/// A model as the head names it to workers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelRef {
+    /// File name (no directories: workers resolve it inside their models directory).
+    pub file_name: String,
+    /// Hash over the GGUF header and tensor index (cheap, identifies the model).
+    pub identity: [u8; 32],
+    /// Size of the file in bytes.
+    pub size: u64,
+}
+
+/// A GGUF file a worker holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldModel {
+    /// File name inside the worker's models directory.
+    pub file_name: String,
+    /// Header-and-index hash (see [`ModelRef::identity`]).
+    pub identity: [u8; 32],
+    /// Size in bytes.
+    pub size: u64,
+    /// Whether every tensor is present (a file received by streaming may hold only
+    /// the tensors of the stage the worker ran before).
+    pub complete: bool,
+}
+
+/// What a worker offers, sent once in answer to `Describe`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Capabilities {
+    /// Backend devices, e.g. `["CPU"]`.
+    pub devices: Vec<String>,
+    /// Bytes of memory the worker offers.
+    pub memory: u64,
+    /// Compute threads.
+    pub threads: u32,
+    /// Measured seconds per token per layer for the described model (generation, one
+    /// token), when the worker holds it; cached on the worker's disk.
+    pub secs_per_layer: Option<f32>,
+    /// GGUF files in the worker's models directory.
+    pub models: Vec<HeldModel>,
+    /// Address other stages reach this worker's ring port at.
+    pub ring_addr: String,
+}
+
+/// What the head tells a worker to load.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadPlan {
+    /// The model.
+    pub model: ModelRef,
+    /// First global layer of the stage.
+    pub layer_start: u32,
+    /// One past its last layer.
+    pub layer_end: u32,
+    /// Whether the stage embeds tokens.
+    pub first: bool,
+    /// Whether the stage produces logits and samples.
+    pub last: bool,
+    /// KV cache cells.
+    pub n_ctx: u32,
+    /// Ring address of the next stage; `None` for the last stage (it answers the head).
+    pub next: Option<String>,
+    /// Whether the head streams the stage's tensors (the worker lacks them).
+    pub stream: bool,
+    /// Send hidden states as f16.
+    pub wire_f16: bool,
+    /// Copy repackable weights (llama.cpp's default).
+    pub repack: bool,
+}
+
+/// One tensor the head will stream, with the hash the worker must verify.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// Tensor name.
+    pub name: String,
+    /// Absolute offset of its bytes in the GGUF file.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// SHA-256 of its bytes.
+    pub sha256: [u8; 32],
+}
+
+/// Every message of the protocol.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {
+    // --- handshake (first frames on every connection) ---
+    /// Opens a connection: protocol version, role, and a fresh random challenge.
+    Hello { version: u32, role: Role, nonce: [u8; 32] },
+    /// Proof of the cluster secret: HMAC over the peer's challenge (see [`auth`]).
+    Auth { proof: [u8; 32] },
+    /// The peer refuses the connection and says why (then closes it).
+    Refused { reason: String },
+
+    // --- control: head ↔ worker ---
+    /// Head → worker: describe yourself for this model.
+    Describe { model: ModelRef },
+    /// Worker → head.
+    Capabilities(Capabilities),
+    /// Head → worker: load this.
+    LoadPlan(LoadPlan),
+    /// Head → worker (streaming): the file's header and tensor index, and the tensors
+    /// that will follow.
+    StreamStart { header: Vec<u8>, tensors: Vec<TensorEntry> },
+    /// Head → worker (streaming): bytes of tensor `index` of `StreamStart`, at `offset`
+    /// within that tensor.
+    TensorChunk { index: u32, offset: u64, data: Vec<u8> },
+    /// Worker → head: the stage is loaded and its ring links are up.
+    Loaded { resident: u64, received: u64 },
+
+    // --- ring ---
     /// Start (or restart) sequence `seq`: forget its cache on every stage; the last stage
     /// creates its sampler with `params`, seeding penalties with `history`, and computes
     /// log-probabilities of sampled tokens only when `logprobs` is set (it costs a pass
     /// over the vocabulary per token).
-    StartSeq {
-        seq: u32,
-        params: SamplingParams,
-        history: Vec<u32>,
-        logprobs: bool,
-    },
+    StartSeq { seq: u32, params: SamplingParams, history: Vec<u32>, logprobs: bool },
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
     /// Forget `seq` on every stage (cache and sampler).
@@ -73,4 +197,30 @@ pub enum Message {
     Stats { resident: Vec<u64> },
     /// Stop the stage's loop.
     Shutdown,
+}
+
+impl Message {
+    /// The message's name, for logs and errors.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Message::Hello { .. } => "Hello",
+            Message::Auth { .. } => "Auth",
+            Message::Refused { .. } => "Refused",
+            Message::Describe { .. } => "Describe",
+            Message::Capabilities(_) => "Capabilities",
+            Message::LoadPlan(_) => "LoadPlan",
+            Message::StreamStart { .. } => "StreamStart",
+            Message::TensorChunk { .. } => "TensorChunk",
+            Message::Loaded { .. } => "Loaded",
+            Message::StartSeq { .. } => "StartSeq",
+            Message::TruncateSeq { .. } => "TruncateSeq",
+            Message::EndSeq { .. } => "EndSeq",
+            Message::Forward(_) => "Forward",
+            Message::Sampled { .. } => "Sampled",
+            Message::Done => "Done",
+            Message::Error { .. } => "Error",
+            Message::Stats { .. } => "Stats",
+            Message::Shutdown => "Shutdown",
+        }
+    }
 }
