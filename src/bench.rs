@@ -5,12 +5,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use baton_ggml::{LlamaContext, LlamaModel};
-use baton_model::{ModelFile, StageConfig};
-use baton_node::{Head, LocalRing};
+use baton_model::ModelFile;
+use baton_node::Head;
 use baton_proto::{Message, Payload};
 use baton_sample::{argmax, SamplingParams};
 use clap::Args;
 
+use crate::ring::{ClusterArgs, Ring};
 use crate::StageArgs;
 
 /// Arguments of `baton bench`.
@@ -18,6 +19,8 @@ use crate::StageArgs;
 pub struct BenchArgs {
     #[command(flatten)]
     stages: StageArgs,
+    #[command(flatten)]
+    cluster: ClusterArgs,
     /// Prompt tokens for the pp test (one batch).
     #[arg(long, default_value_t = 128)]
     pp: usize,
@@ -115,33 +118,33 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let path = &args.stages.model;
     let file = ModelFile::open(path).with_context(|| format!("loading {}", path.display()))?;
     let n_vocab = file.hparams().n_vocab;
-    let ranges = args.stages.ranges(file.hparams().n_layer)?;
-    let threads = args.stages.threads();
+    drop(file);
     let n_ctx = (args.pp.max(args.tg) + 16).next_power_of_two();
+    let mut stage_args = args.stages.clone();
+    stage_args.ctx_size = n_ctx;
+    let threads = match args.cluster.local_workers {
+        Some(n) => stage_args.threads_for(n),
+        None => stage_args.threads(),
+    };
     let prompt = tokens(args.pp.max(1), n_vocab);
     let reps = args.reps.max(1);
 
-    let mut ring = LocalRing::start(
-        file,
-        &ranges,
-        &StageConfig {
-            n_ctx,
-            n_threads: threads,
-            repack: !args.stages.no_repack,
-        },
-    )?;
+    let started = Instant::now();
+    let mut ring = Ring::start(path, &stage_args, &args.cluster)?;
+    let ready = started.elapsed();
+    let ranges = ring.ranges();
     let oracle = LlamaModel::load_full(path, !args.stages.no_repack)?;
     let mut ctx = LlamaContext::new(&oracle, n_ctx as u32, args.pp.max(1) as u32, threads)?;
 
     // Warm-up: fault in the weights of both and size the compute buffers.
-    baton_pp(&mut ring.head, &prompt)?;
+    baton_pp(ring.head(), &prompt)?;
     llama_pp(&mut ctx, &prompt)?;
 
     let (mut b_pp, mut l_pp, mut b_tg, mut l_tg) = (vec![], vec![], vec![], vec![]);
     for _ in 0..reps {
-        b_pp.push(baton_pp(&mut ring.head, &prompt)?);
+        b_pp.push(baton_pp(ring.head(), &prompt)?);
         l_pp.push(llama_pp(&mut ctx, &prompt)?);
-        b_tg.push(baton_tg(&mut ring.head, prompt[0], args.tg)?);
+        b_tg.push(baton_tg(ring.head(), prompt[0], args.tg)?);
         l_tg.push(llama_tg(&mut ctx, prompt[0], args.tg)?);
     }
     let rate = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
@@ -162,10 +165,16 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .file_name()
         .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
+    let place = match &ring {
+        Ring::Local(_) => "in-process stages",
+        Ring::Remote { .. } => "worker processes over TCP",
+    };
     let mut table = format!(
-        "model: {model_name}\nstages: {} ({}), {threads} thread(s) per stage; libllama: 1 process, {threads} thread(s); median of {reps}\n\n",
+        "model: {model_name}\nstages: {} ({}), {place}, {threads} thread(s) per stage, ready in {:.2} s; \
+         libllama: 1 process, {threads} thread(s); median of {reps}\n\n",
         ranges.len(),
-        split.join(" ")
+        split.join(" "),
+        ready.as_secs_f64()
     );
     table.push_str("| test | baton tok/s | libllama tok/s | baton / libllama |\n|---|---:|---:|---:|\n");
     for (test, baton, llama) in rows {

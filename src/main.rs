@@ -1,7 +1,10 @@
 //! The `baton` binary: parses arguments, starts things, nothing else.
 
 mod bench;
+mod local_workers;
+mod ring;
 mod run;
+mod worker;
 
 use std::path::PathBuf;
 
@@ -21,6 +24,8 @@ enum Command {
     Run(run::RunArgs),
     /// Compare baton's stages with libllama single-process (prompt and generation speed).
     Bench(bench::BenchArgs),
+    /// Serve stages of a cluster: load the layers a head asks for, join its ring.
+    Worker(worker::WorkerArgs),
 }
 
 /// How the model is split into in-process stages.
@@ -50,9 +55,14 @@ pub struct StageArgs {
 impl StageArgs {
     /// Threads per stage.
     pub fn threads(&self) -> usize {
+        self.threads_for(self.stages)
+    }
+
+    /// Threads per stage when `n` stages share this machine.
+    pub fn threads_for(&self, n: usize) -> usize {
         self.threads.unwrap_or_else(|| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / self.stages.max(1)).max(1)
+            (cores / n.max(1)).max(1)
         })
     }
 
@@ -74,6 +84,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Bench(args) => bench::bench(args),
+        Command::Worker(args) => worker::worker(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -4,11 +4,11 @@ use std::io::Write;
 
 use anyhow::Context as _;
 use baton_ggml::LlamaModel;
-use baton_model::{ModelFile, StageConfig};
-use baton_node::{GenerateRequest, LocalRing};
+use baton_node::GenerateRequest;
 use baton_sample::SamplingParams;
 use clap::Args;
 
+use crate::ring::{ClusterArgs, Ring};
 use crate::StageArgs;
 
 /// Arguments of `baton run`.
@@ -16,6 +16,8 @@ use crate::StageArgs;
 pub struct RunArgs {
     #[command(flatten)]
     stages: StageArgs,
+    #[command(flatten)]
+    cluster: ClusterArgs,
     /// The prompt (raw text; no chat template is applied).
     #[arg(long, short = 'p', default_value = "The capital of France is")]
     prompt: String,
@@ -54,14 +56,7 @@ pub struct RunArgs {
 /// Runs the prompt and prints the text as it is generated, then timings on stderr.
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let model_path = &args.stages.model;
-    let file = ModelFile::open(model_path).with_context(|| format!("loading {}", model_path.display()))?;
     let vocab = LlamaModel::load_vocab(model_path).context("loading the tokenizer")?;
-    let ranges = args.stages.ranges(file.hparams().n_layer)?;
-    let config = StageConfig {
-        n_ctx: args.stages.ctx_size,
-        n_threads: args.stages.threads(),
-        repack: !args.stages.no_repack,
-    };
     let params = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -76,7 +71,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     params.validate()?;
 
     let prompt = vocab.tokenize(&args.prompt, true, true)?;
-    let mut ring = LocalRing::start(file, &ranges, &config)?;
+    let started = std::time::Instant::now();
+    let mut ring = Ring::start(model_path, &args.stages, &args.cluster)?;
+    let ready = started.elapsed();
+    let ranges = ring.ranges();
     let req = GenerateRequest {
         seq: 0,
         prompt: &prompt,
@@ -88,7 +86,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     print!("{}", args.prompt);
     let mut pending = Vec::new();
-    let generation = ring.head.generate(
+    let generation = ring.head().generate(
         &req,
         |t| vocab.is_end_of_generation(t),
         |t| {
@@ -105,18 +103,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     )?;
     println!("{}", String::from_utf8_lossy(&pending));
 
-    let resident = ring.head.resident_bytes()?;
+    let resident = ring.head().resident_bytes()?;
     let n_gen = generation.tokens.len();
     eprintln!();
+    let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     eprintln!(
-        "stages: {}  threads/stage: {}  split: {}",
+        "stages: {}  split: {}  ready in {:.2} s",
         ranges.len(),
-        config.n_threads,
-        ranges
-            .iter()
-            .map(|r| format!("{}..{}", r.start, r.end))
-            .collect::<Vec<_>>()
-            .join(" ")
+        split.join(" "),
+        ready.as_secs_f64()
     );
     eprintln!(
         "prompt: {} tokens in {:.3} s ({:.1} tok/s)",

@@ -18,7 +18,7 @@ pub use hparams::{Arch, HParams};
 pub use kv::KvCache;
 pub use resident::mapped_rss;
 pub use stage::{Batch, Stage, StageConfig, StageInput, StageOutput};
-pub use weights::{LayerTensors, LayerWeights, ModelFile, StageSpan, StageWeights};
+pub use weights::{stage_tensor_sources, LayerTensors, LayerWeights, ModelFile, StageSpan, StageWeights};
 
 /// Everything that can go wrong loading or running a stage.
 #[derive(Debug, thiserror::Error)]

@@ -358,6 +358,17 @@ impl StageWeights {
     }
 }
 
+/// The file tensors a stage reads (what a worker without the file must receive).
+pub fn stage_tensor_sources(file: &ModelFile, span: &StageSpan) -> Vec<String> {
+    let mut sources: Vec<String> = tensor_names(file, span)
+        .into_iter()
+        .map(|(_, _, source)| source)
+        .collect();
+    sources.sort();
+    sources.dedup();
+    sources
+}
+
 /// Every tensor a stage needs: its name in the stage, the shape it must have (`ne[0]`
 /// first) and the file tensor it reads (a tied output reads `token_embd.weight`).
 fn tensor_names(file: &ModelFile, span: &StageSpan) -> Vec<(String, Vec<i64>, String)> {

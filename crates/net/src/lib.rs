@@ -1,18 +1,53 @@
-//! Transports that carry ring messages between stages. Every transport implements the
-//! same two halves, [`Tx`] and [`Rx`], so stage code does not know what carries it.
-//! This crate has the in-process transport; TCP joins it later behind the same traits.
+//! Transports that carry messages between nodes. Every transport implements the same
+//! two halves, [`Tx`] and [`Rx`], so stage code does not know what carries it:
+//! in-process channels (tests, co-located stages) and TCP.
+//!
+//! The TCP side uses blocking sockets and a thread per link rather than async I/O:
+//! a ring link carries one frame per step in strict order, so there is nothing for
+//! an executor to interleave, and a blocking read has the lowest latency.
 #![deny(unsafe_code)]
+
+mod handshake;
+mod tcp;
 
 use std::sync::mpsc;
 
-use baton_proto::Message;
+use baton_proto::{Message, ProtoError};
 
-/// Transport failures.
+pub use handshake::{client_handshake, refuse_unexpected_auth, server_handshake};
+pub use tcp::{Counters, LinkOptions, TcpLink, TcpRx, TcpTx};
+
+/// Transport failures; each names the peer.
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
     /// The other end is gone.
     #[error("link to {peer} is closed")]
     Closed { peer: String },
+    /// A socket operation failed.
+    #[error("I/O error on the link to {peer}: {source}")]
+    Io { peer: String, source: std::io::Error },
+    /// Nothing arrived in time.
+    #[error("timed out waiting for {peer}")]
+    Timeout { peer: String },
+    /// The peer sent a malformed frame.
+    #[error("bad frame from {peer}: {error}")]
+    Protocol { peer: String, error: ProtoError },
+    /// Authentication failed (wrong or missing token).
+    #[error("authentication with {peer} failed: {reason}")]
+    Auth { peer: String, reason: String },
+    /// The peer speaks another protocol version.
+    #[error("{peer}: {reason}")]
+    Version { peer: String, reason: String },
+    /// The peer refused us and said why.
+    #[error("{peer} refused the connection: {reason}")]
+    Refused { peer: String, reason: String },
+    /// The peer sent a valid message that does not belong here.
+    #[error("{peer} sent {got} where {expected} was expected")]
+    Unexpected {
+        peer: String,
+        expected: String,
+        got: String,
+    },
 }
 
 /// The sending half of a link.

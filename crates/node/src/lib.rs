@@ -2,6 +2,7 @@
 //! and an in-process ring of several stages.
 #![deny(unsafe_code)]
 
+pub mod cluster;
 mod head;
 mod local;
 mod worker;
@@ -28,4 +29,7 @@ pub enum NodeError {
     /// The request cannot be served.
     #[error("{0}")]
     Request(String),
+    /// No plan fits the cluster.
+    #[error(transparent)]
+    Plan(#[from] baton_plan::PlanError),
 }

@@ -17,6 +17,7 @@ pub struct LocalRing {
     /// The head end of the ring.
     pub head: Head,
     threads: Vec<JoinHandle<()>>,
+    ranges: Vec<Range<usize>>,
 }
 
 impl LocalRing {
@@ -70,7 +71,13 @@ impl LocalRing {
         Ok(LocalRing {
             head: Head::new(Box::new(head_tx), Box::new(prev_rx)),
             threads,
+            ranges: ranges.to_vec(),
         })
+    }
+
+    /// The layers of each stage, in ring order.
+    pub fn ranges(&self) -> &[Range<usize>] {
+        &self.ranges
     }
 }
 

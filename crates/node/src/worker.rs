@@ -14,6 +14,7 @@ pub struct StageWorker {
     stage: Stage,
     index: u32,
     samplers: HashMap<u32, SeqSampler>,
+    wire_f16: bool,
 }
 
 /// A sequence's sampler and whether it wants log-probabilities.
@@ -29,7 +30,14 @@ impl StageWorker {
             stage,
             index,
             samplers: HashMap::new(),
+            wire_f16: false,
         }
+    }
+
+    /// Sends hidden states on as f16 (half the bytes; the next stage widens them back).
+    pub fn with_wire_f16(mut self, wire_f16: bool) -> StageWorker {
+        self.wire_f16 = wire_f16;
+        self
     }
 
     /// The stage.
@@ -112,10 +120,14 @@ impl StageWorker {
             seq_ids,
             sample_rows,
         } = forward;
+        let widened: Vec<f32>;
         let input = match &payload {
             Payload::Tokens(tokens) => StageInput::Tokens(tokens),
             Payload::Hidden(hidden) => StageInput::Hidden(hidden),
-            Payload::HiddenF16(_) => return Err("f16 hidden states must be widened by the transport".into()),
+            Payload::HiddenF16(hidden) => {
+                widened = hidden.iter().map(|&bits| half::f16::from_bits(bits).to_f32()).collect();
+                StageInput::Hidden(&widened)
+            }
         };
         let last = self.stage.span().last;
         let logit_rows: &[u32] = if last { &sample_rows } else { &[] };
@@ -128,7 +140,11 @@ impl StageWorker {
         match self.stage.forward(&batch).map_err(|e| e.to_string())? {
             StageOutput::Hidden(hidden) => Ok(Message::Forward(Forward {
                 step,
-                payload: Payload::Hidden(hidden),
+                payload: if self.wire_f16 {
+                    Payload::HiddenF16(hidden.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect())
+                } else {
+                    Payload::Hidden(hidden)
+                },
                 positions,
                 seq_ids,
                 sample_rows,

@@ -22,6 +22,24 @@ pub enum PlanError {
         covered: usize,
         layers: usize,
     },
+    /// A `--split` list longer than the list of nodes.
+    #[error("--split has {stages} entries but there are only {nodes} nodes")]
+    SplitTooLong { stages: usize, nodes: usize },
+    /// A `--split` that gives a node more than it offers.
+    #[error("--split gives {node} layers {first}..{end} needing {needed} bytes, but it offers {offered}")]
+    SplitTooBig {
+        node: String,
+        first: usize,
+        end: usize,
+        needed: u64,
+        offered: u64,
+    },
+    /// The nodes together cannot hold the model.
+    #[error(
+        "the nodes cannot hold the model: it needs {needed} bytes (layers, ends and KV cache); \
+         the nodes offer {offered} in all{detail}"
+    )]
+    NotEnoughMemory { needed: u64, offered: u64, detail: String },
 }
 
 /// Splits `n_layers` into `n_stages` contiguous ranges whose sizes differ by at most
@@ -59,6 +77,263 @@ pub fn parse_split(split: &str, n_layers: usize) -> Result<Vec<Range<usize>>, Pl
         });
     }
     Ok(ranges(&sizes))
+}
+
+/// What a model costs, per layer and at its two ends.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelCost {
+    /// Weight bytes of each layer.
+    pub layer_bytes: Vec<u64>,
+    /// Bytes only the first stage holds (token embeddings).
+    pub first_bytes: u64,
+    /// Bytes only the last stage holds (output norm and output projection).
+    pub last_bytes: u64,
+    /// KV cache bytes per layer at the planned context size.
+    pub kv_bytes_per_layer: u64,
+}
+
+impl ModelCost {
+    fn n_layers(&self) -> usize {
+        self.layer_bytes.len()
+    }
+
+    /// Memory a stage holding `layers` needs.
+    pub fn stage_bytes(&self, layers: &Range<usize>) -> u64 {
+        let weights: u64 = self.layer_bytes[layers.clone()].iter().sum();
+        let ends = if layers.start == 0 { self.first_bytes } else { 0 }
+            + if layers.end == self.n_layers() {
+                self.last_bytes
+            } else {
+                0
+            };
+        weights + ends + self.kv_bytes_per_layer * layers.len() as u64
+    }
+
+    /// Work of a stage per token, in units of an average layer. Generating one token
+    /// streams every weight once, so work follows bytes; the last stage's output
+    /// projection counts (it can weigh as much as several layers), the first stage's
+    /// embedding lookup reads one row and does not.
+    fn stage_work(&self, layers: &Range<usize>) -> f64 {
+        let mean = self.layer_bytes.iter().sum::<u64>() as f64 / self.n_layers().max(1) as f64;
+        let weights: u64 = self.layer_bytes[layers.clone()].iter().sum();
+        let last = if layers.end == self.n_layers() {
+            self.last_bytes
+        } else {
+            0
+        };
+        (weights + last) as f64 / mean.max(1.0)
+    }
+}
+
+/// What a node offers the cluster.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeOffer {
+    /// How the node is named in messages (its address).
+    pub name: String,
+    /// Bytes it can hold.
+    pub memory: u64,
+    /// Seconds it takes per average layer per generated token.
+    pub secs_per_layer: f64,
+}
+
+/// One stage of a plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedStage {
+    /// Index into the offers.
+    pub node: usize,
+    /// Its layers.
+    pub layers: Range<usize>,
+    /// Memory it needs.
+    pub bytes: u64,
+    /// Its expected time per generated token.
+    pub secs_per_token: f64,
+}
+
+/// Stages in ring order, and the nodes the plan does not use with the reason.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// Stages in ring order (nodes keep the order they were given in).
+    pub stages: Vec<PlannedStage>,
+    /// `(node name, why)` for every node without a stage.
+    pub left_out: Vec<(String, String)>,
+}
+
+impl Plan {
+    /// The slowest stage's time per token: what bounds throughput.
+    pub fn bottleneck(&self) -> f64 {
+        self.stages.iter().map(|s| s.secs_per_token).fold(0.0, f64::max)
+    }
+}
+
+/// Plans stages over `nodes`, kept in the given order: every layer lands on a node
+/// with the memory for it (memory limits come first), and among the plans that fit,
+/// the one whose slowest stage is fastest wins; ties go to the lower total time, then
+/// to fewer stages (fewer hops). A node that cannot hold even one layer is left out,
+/// and so is a node the best plan does not need.
+pub fn partition(cost: &ModelCost, nodes: &[NodeOffer]) -> Result<Plan, PlanError> {
+    let n_layers = cost.n_layers();
+    if nodes.is_empty() {
+        return Err(PlanError::NoStages);
+    }
+    // best[i][l]: the best way to place layers 0..l on nodes 0..i, as
+    // (bottleneck, total, stages) plus the choice made for node i-1.
+    #[derive(Clone, Copy)]
+    struct Cell {
+        score: (f64, f64, usize),
+        from: usize,
+        used: bool,
+    }
+    let better = |a: (f64, f64, usize), b: (f64, f64, usize)| {
+        let eps = 1e-12;
+        if (a.0 - b.0).abs() > eps * a.0.max(b.0).max(1.0) {
+            return a.0 < b.0;
+        }
+        if (a.1 - b.1).abs() > eps * a.1.max(b.1).max(1.0) {
+            return a.1 < b.1;
+        }
+        a.2 < b.2
+    };
+    let mut best: Vec<Vec<Option<Cell>>> = vec![vec![None; n_layers + 1]; nodes.len() + 1];
+    best[0][0] = Some(Cell {
+        score: (0.0, 0.0, 0),
+        from: 0,
+        used: false,
+    });
+    for (i, node) in nodes.iter().enumerate() {
+        for l in 0..=n_layers {
+            // Node i holds nothing.
+            let mut cell = best[i][l].map(|c| Cell {
+                score: c.score,
+                from: l,
+                used: false,
+            });
+            // Node i holds layers s..l.
+            for s in 0..l {
+                let Some(prev) = best[i][s] else { continue };
+                if cost.stage_bytes(&(s..l)) > node.memory {
+                    continue;
+                }
+                let secs = node.secs_per_layer * cost.stage_work(&(s..l));
+                let score = (prev.score.0.max(secs), prev.score.1 + secs, prev.score.2 + 1);
+                if cell.is_none_or(|c| better(score, c.score)) {
+                    cell = Some(Cell {
+                        score,
+                        from: s,
+                        used: true,
+                    });
+                }
+            }
+            best[i + 1][l] = cell;
+        }
+    }
+    if best[nodes.len()][n_layers].is_none() || n_layers == 0 {
+        return Err(not_enough_memory(cost, nodes));
+    }
+
+    let mut stages = Vec::new();
+    let mut l = n_layers;
+    for i in (0..nodes.len()).rev() {
+        let cell = best[i + 1][l].expect("a reachable cell has a reachable predecessor");
+        if cell.used {
+            let layers = cell.from..l;
+            stages.push(PlannedStage {
+                node: i,
+                bytes: cost.stage_bytes(&layers),
+                secs_per_token: nodes[i].secs_per_layer * cost.stage_work(&layers),
+                layers,
+            });
+        }
+        l = cell.from;
+    }
+    stages.reverse();
+    let min_layer = (0..n_layers).map(|l| cost.stage_bytes(&(l..l + 1))).min().unwrap_or(0);
+    let left_out = nodes
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !stages.iter().any(|s| s.node == *i))
+        .map(|(_, node)| {
+            let why = if node.memory < min_layer {
+                format!(
+                    "it offers {} bytes, but the smallest layer needs {min_layer}",
+                    node.memory
+                )
+            } else {
+                "the plan is no faster with it".to_string()
+            };
+            (node.name.clone(), why)
+        })
+        .collect();
+    Ok(Plan { stages, left_out })
+}
+
+/// A plan from `--split`: `sizes[i]` layers on node `i` (0 leaves the node out); every
+/// stage must fit its node's memory.
+pub fn plan_with_split(cost: &ModelCost, nodes: &[NodeOffer], sizes: &[usize]) -> Result<Plan, PlanError> {
+    let n_layers = cost.n_layers();
+    let split = sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    if sizes.len() > nodes.len() {
+        return Err(PlanError::SplitTooLong {
+            stages: sizes.len(),
+            nodes: nodes.len(),
+        });
+    }
+    let covered: usize = sizes.iter().sum();
+    if covered != n_layers {
+        return Err(PlanError::SplitMismatch {
+            split,
+            covered,
+            layers: n_layers,
+        });
+    }
+    let mut stages = Vec::new();
+    let mut left_out = Vec::new();
+    let mut start = 0;
+    for (i, node) in nodes.iter().enumerate() {
+        let n = sizes.get(i).copied().unwrap_or(0);
+        if n == 0 {
+            left_out.push((node.name.clone(), "--split gives it no layers".to_string()));
+            continue;
+        }
+        let layers = start..start + n;
+        start += n;
+        let bytes = cost.stage_bytes(&layers);
+        if bytes > node.memory {
+            return Err(PlanError::SplitTooBig {
+                node: node.name.clone(),
+                first: layers.start,
+                end: layers.end,
+                needed: bytes,
+                offered: node.memory,
+            });
+        }
+        let secs_per_token = node.secs_per_layer * cost.stage_work(&layers);
+        stages.push(PlannedStage {
+            node: i,
+            layers,
+            bytes,
+            secs_per_token,
+        });
+    }
+    Ok(Plan { stages, left_out })
+}
+
+fn not_enough_memory(cost: &ModelCost, nodes: &[NodeOffer]) -> PlanError {
+    let needed = cost.stage_bytes(&(0..cost.n_layers()));
+    let offered = nodes.iter().map(|n| n.memory).sum();
+    let largest = (0..cost.n_layers())
+        .map(|l| cost.stage_bytes(&(l..l + 1)))
+        .max()
+        .unwrap_or(0);
+    let detail = if needed <= offered {
+        format!(" (enough in sum, but not in layer-sized pieces: one layer needs up to {largest})")
+    } else {
+        String::new()
+    };
+    PlanError::NotEnoughMemory {
+        needed,
+        offered,
+        detail,
+    }
 }
 
 fn ranges(sizes: &[usize]) -> Vec<Range<usize>> {
@@ -101,6 +376,157 @@ mod tests {
     fn even_split_errors() {
         assert_eq!(even_split(24, 0), Err(PlanError::NoStages));
         assert_eq!(even_split(2, 3), Err(PlanError::TooManyStages { stages: 3, layers: 2 }));
+    }
+
+    const MB: u64 = 1 << 20;
+
+    /// 24 layers of 10 MB, 5 MB embeddings, a 20 MB head (two layers of work), no KV.
+    fn cost() -> ModelCost {
+        ModelCost {
+            layer_bytes: vec![10 * MB; 24],
+            first_bytes: 5 * MB,
+            last_bytes: 20 * MB,
+            kv_bytes_per_layer: 0,
+        }
+    }
+
+    fn node(name: &str, memory_mb: u64, secs_per_layer: f64) -> NodeOffer {
+        NodeOffer {
+            name: name.into(),
+            memory: memory_mb * MB,
+            secs_per_layer,
+        }
+    }
+
+    fn layers(plan: &Plan) -> Vec<(usize, Range<usize>)> {
+        plan.stages.iter().map(|s| (s.node, s.layers.clone())).collect()
+    }
+
+    #[test]
+    fn partition_table() {
+        let big = 10_000;
+        let cases: Vec<(&str, ModelCost, Vec<NodeOffer>, Vec<(usize, Range<usize>)>, usize)> = vec![
+            // Equal nodes share the work of 24 layers plus the two-layer head evenly:
+            // 13 + 13 (11 layers and the head).
+            (
+                "two equal nodes",
+                cost(),
+                vec![node("a", big, 1.0), node("b", big, 1.0)],
+                vec![(0, 0..13), (1, 13..24)],
+                0,
+            ),
+            (
+                "three equal nodes",
+                cost(),
+                vec![node("a", big, 1.0), node("b", big, 1.0), node("c", big, 1.0)],
+                vec![(0, 0..8), (1, 8..17), (2, 17..24)],
+                0,
+            ),
+            // A node twice as slow gets about half the work.
+            (
+                "one slow node",
+                cost(),
+                vec![node("a", big, 1.0), node("slow", big, 2.0), node("c", big, 1.0)],
+                vec![(0, 0..10), (1, 10..15), (2, 15..24)],
+                0,
+            ),
+            // A small node takes what fits (5 MB embeddings + 3 layers), the rest goes on.
+            (
+                "one small node",
+                cost(),
+                vec![node("small", 35, 1.0), node("b", big, 1.0)],
+                vec![(0, 0..3), (1, 3..24)],
+                0,
+            ),
+            // A node that cannot hold one layer is left out, with the reason.
+            (
+                "node too small for a layer",
+                cost(),
+                vec![node("a", big, 1.0), node("tiny", 9, 1.0), node("b", big, 1.0)],
+                vec![(0, 0..13), (2, 13..24)],
+                1,
+            ),
+            // Four layers, six nodes: one layer each on the nodes that help.
+            (
+                "more nodes than layers",
+                ModelCost {
+                    layer_bytes: vec![10 * MB; 4],
+                    first_bytes: 0,
+                    last_bytes: 0,
+                    kv_bytes_per_layer: 0,
+                },
+                (0..6).map(|i| node(&format!("n{i}"), big, 1.0)).collect(),
+                vec![(0, 0..1), (1, 1..2), (2, 2..3), (3, 3..4)],
+                2,
+            ),
+            // KV cache counts: 10 MB of weights + 10 MB of cache per layer.
+            (
+                "kv cache counts against memory",
+                ModelCost {
+                    kv_bytes_per_layer: 10 * MB,
+                    ..cost()
+                },
+                vec![node("a", 205, 1.0), node("b", big, 1.0)],
+                vec![(0, 0..10), (1, 10..24)],
+                0,
+            ),
+        ];
+        for (name, cost, nodes, expected, n_left_out) in cases {
+            let plan = partition(&cost, &nodes).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(layers(&plan), expected, "{name}");
+            assert_eq!(plan.left_out.len(), n_left_out, "{name}: {:?}", plan.left_out);
+            for stage in &plan.stages {
+                assert!(stage.bytes <= nodes[stage.node].memory, "{name}: stage over memory");
+            }
+        }
+    }
+
+    #[test]
+    fn left_out_nodes_say_why() {
+        let plan = partition(&cost(), &[node("a", 10_000, 1.0), node("tiny", 9, 1.0)]).unwrap();
+        assert_eq!(plan.left_out.len(), 1);
+        assert_eq!(plan.left_out[0].0, "tiny");
+        assert!(
+            plan.left_out[0].1.contains("smallest layer needs 10485760"),
+            "{}",
+            plan.left_out[0].1
+        );
+    }
+
+    #[test]
+    fn too_little_memory_is_an_error() {
+        let err = partition(&cost(), &[node("a", 100, 1.0), node("b", 100, 1.0)]).unwrap_err();
+        assert!(matches!(err, PlanError::NotEnoughMemory { .. }), "{err}");
+        assert!(err.to_string().contains("needs 277872640 bytes"), "{err}");
+        // Enough in sum, but every node is smaller than one layer.
+        let err = partition(
+            &cost(),
+            &(0..40).map(|i| node(&format!("n{i}"), 9, 1.0)).collect::<Vec<_>>(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("not in layer-sized pieces"), "{err}");
+    }
+
+    #[test]
+    fn split_overrides_the_planner() {
+        let nodes = [node("a", 10_000, 1.0), node("b", 10_000, 5.0), node("c", 10_000, 1.0)];
+        let plan = plan_with_split(&cost(), &nodes, &[0, 20, 4]).unwrap();
+        assert_eq!(layers(&plan), vec![(1, 0..20), (2, 20..24)]);
+        assert_eq!(
+            plan.left_out,
+            vec![("a".to_string(), "--split gives it no layers".to_string())]
+        );
+        assert!(matches!(
+            plan_with_split(&cost(), &nodes, &[12, 11]),
+            Err(PlanError::SplitMismatch { covered: 23, .. })
+        ));
+        assert!(matches!(
+            plan_with_split(&cost(), &nodes, &[6; 4]),
+            Err(PlanError::SplitTooLong { .. })
+        ));
+        let small = [node("a", 50, 1.0), node("b", 10_000, 1.0)];
+        let err = plan_with_split(&cost(), &small, &[12, 12]).unwrap_err();
+        assert!(err.to_string().contains("gives a layers 0..12"), "{err}");
     }
 
     #[test]

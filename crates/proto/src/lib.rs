@@ -9,6 +9,11 @@
 //!   forms (`Describe`, `Capabilities`, `LoadPlan`, tensor streaming, `Loaded`).
 #![deny(unsafe_code)]
 
+pub mod auth;
+mod codec;
+
+pub use codec::{decode, encode, encode_payload, header, parse_header, ProtoError, DEFAULT_MAX_FRAME, HEADER_LEN};
+
 use baton_sample::SamplingParams;
 
 /// Version of the wire protocol; peers with another version are refused.
@@ -179,7 +184,12 @@ pub enum Message {
     /// creates its sampler with `params`, seeding penalties with `history`, and computes
     /// log-probabilities of sampled tokens only when `logprobs` is set (it costs a pass
     /// over the vocabulary per token).
-    StartSeq { seq: u32, params: SamplingParams, history: Vec<u32>, logprobs: bool },
+    StartSeq {
+        seq: u32,
+        params: SamplingParams,
+        history: Vec<u32>,
+        logprobs: bool,
+    },
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
     /// Forget `seq` on every stage (cache and sampler).

@@ -1,0 +1,39 @@
+//! The worker's self-benchmark: seconds per layer for one generated token.
+
+use std::path::Path;
+use std::time::Instant;
+
+use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageSpan};
+
+use crate::NodeError;
+
+/// Times single-token steps through one middle layer of the model at `path`.
+pub fn measure(path: &Path, threads: usize) -> Result<f32, NodeError> {
+    let file = ModelFile::open(path)?;
+    let n_embd = file.hparams().n_embd;
+    let layer = file.hparams().n_layer / 2;
+    let span = StageSpan {
+        layers: layer..layer + 1,
+        first: false,
+        last: false,
+    };
+    let mut stage = Stage::load(file, span, &StageConfig::new(64, threads))?;
+    let hidden = vec![0.01f32; n_embd];
+    let mut step = |pos: i32| {
+        let batch = Batch {
+            input: StageInput::Hidden(&hidden),
+            positions: &[pos],
+            seq_ids: &[0],
+            logit_rows: &[],
+        };
+        stage.forward(&batch).map(|_| ())
+    };
+    // The first step faults the layer's weights in; time the ones after it.
+    step(0)?;
+    const STEPS: i32 = 8;
+    let start = Instant::now();
+    for pos in 1..=STEPS {
+        step(pos)?;
+    }
+    Ok(start.elapsed().as_secs_f32() / STEPS as f32)
+}

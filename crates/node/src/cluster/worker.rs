@@ -1,0 +1,290 @@
+//! `baton worker`: answers one head at a time. It describes itself, loads the layer
+//! range it is told to from its own copy of the model (or receives just those tensors
+//! once), links into the ring, and runs its stage until the head goes away.
+//!
+//! Every connection runs on its own thread. Anything malformed, unauthenticated or
+//! out of place ends that connection with one log line; the listener keeps serving.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
+use baton_net::{client_handshake, refuse_unexpected_auth, server_handshake, LinkOptions, NetError, TcpLink};
+use baton_proto::{Capabilities, LoadPlan, Message, Role};
+
+use super::models::ModelDir;
+use super::stream::receive_stage_tensors;
+use crate::worker::{run, StageWorker};
+use crate::NodeError;
+
+/// How a worker is set up.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// Address to listen on.
+    pub listen: String,
+    /// Directory of GGUF files (and baton's cache of streamed tensors).
+    pub models: PathBuf,
+    /// Cluster secret; `None` accepts any peer (loopback or `--insecure` only).
+    pub token: Option<String>,
+    /// Compute threads.
+    pub threads: usize,
+    /// Memory offered; `None`: what the machine has available.
+    pub memory: Option<u64>,
+    /// Address other stages should use to reach this worker (default: the address the
+    /// head reached it at).
+    pub advertise: Option<String>,
+    /// Socket settings.
+    pub link: LinkOptions,
+    /// Longest a peer may take to complete the handshake.
+    pub handshake_timeout: Duration,
+}
+
+/// A bound, not yet serving, worker.
+pub struct Worker {
+    listener: TcpListener,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    config: WorkerConfig,
+    models: ModelDir,
+    /// Port actually bound (`--listen` may say 0).
+    port: u16,
+    busy: AtomicBool,
+    upstream: Mutex<Option<TcpLink>>,
+    upstream_ready: Condvar,
+}
+
+impl Worker {
+    /// Binds the listening socket and opens the models directory.
+    pub fn bind(config: WorkerConfig) -> Result<Worker, NodeError> {
+        let listener = TcpListener::bind(&config.listen)
+            .map_err(|e| NodeError::Request(format!("cannot listen on {}: {e}", config.listen)))?;
+        let models = ModelDir::new(&config.models)?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| NodeError::Request(format!("cannot read the bound address: {e}")))?
+            .port();
+        let shared = Arc::new(Shared {
+            config,
+            models,
+            port,
+            busy: AtomicBool::new(false),
+            upstream: Mutex::new(None),
+            upstream_ready: Condvar::new(),
+        });
+        Ok(Worker { listener, shared })
+    }
+
+    /// The address actually bound (port 0 resolved).
+    pub fn local_addr(&self) -> Result<SocketAddr, NodeError> {
+        self.listener
+            .local_addr()
+            .map_err(|e| NodeError::Request(e.to_string()))
+    }
+
+    /// Serves connections until the process ends.
+    pub fn serve(self) {
+        for stream in self.listener.incoming() {
+            let Ok(stream) = stream else { continue };
+            let shared = self.shared.clone();
+            let _ = std::thread::Builder::new()
+                .name("conn".into())
+                .spawn(move || handle(shared, stream));
+        }
+    }
+}
+
+fn handle(shared: Arc<Shared>, stream: TcpStream) {
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
+    let local = stream.local_addr().ok();
+    let mut opts = shared.config.link.clone();
+    opts.read_timeout = Some(shared.config.handshake_timeout);
+    let result = TcpLink::new(stream, peer.clone(), &opts)
+        .map_err(NodeError::from)
+        .and_then(|mut link| {
+            let token = shared.config.token.as_deref().map(str::as_bytes);
+            let role = server_handshake(&mut link, token)?;
+            match role {
+                Role::Head => {
+                    if shared.busy.swap(true, Ordering::SeqCst) {
+                        let reason = "another head is already connected to this worker".to_string();
+                        let _ = link.send(&Message::Refused { reason: reason.clone() });
+                        return Err(NodeError::Request(reason));
+                    }
+                    let result = session(&shared, link, local);
+                    shared.busy.store(false, Ordering::SeqCst);
+                    result
+                }
+                Role::Ring => {
+                    link.set_read_timeout(None)?;
+                    *shared.upstream.lock().unwrap_or_else(|p| p.into_inner()) = Some(link);
+                    shared.upstream_ready.notify_all();
+                    Ok(())
+                }
+                Role::Worker => {
+                    let _ = link.send(&Message::Refused {
+                        reason: "workers do not connect to workers as workers".into(),
+                    });
+                    Err(NodeError::Request("a peer announced itself as a worker".into()))
+                }
+            }
+        });
+    match result {
+        Ok(()) => tracing::info!(%peer, "connection finished"),
+        Err(e) => tracing::warn!(%peer, "dropping connection: {e}"),
+    }
+}
+
+/// One head's session: describe, load, then run the stage until the ring closes.
+fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>) -> Result<(), NodeError> {
+    // The head may take its time between messages (planning, other workers loading).
+    link.set_read_timeout(None)?;
+    let plan = loop {
+        match link.recv()? {
+            Message::Describe { model } => {
+                let caps = describe(shared, &model.file_name, &model.identity, local);
+                link.send(&Message::Capabilities(caps))?;
+            }
+            Message::LoadPlan(plan) => break plan,
+            Message::Auth { .. } => return Err(refuse_unexpected_auth(&mut link).into()),
+            other => {
+                let reason = format!("{} is not expected before a load plan", other.kind());
+                let _ = link.send(&Message::Refused { reason: reason.clone() });
+                return Err(NodeError::Protocol(reason));
+            }
+        }
+    };
+    let started = Instant::now();
+    let (stage, received) = match load(shared, &plan, &mut link) {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            let _ = link.send(&Message::Refused { reason: e.to_string() });
+            return Err(e);
+        }
+    };
+    let index = plan.layer_start;
+    tracing::info!(layers = ?(plan.layer_start..plan.layer_end), received, secs = started.elapsed().as_secs_f32(), "stage loaded");
+
+    let token = shared.config.token.as_deref().map(str::as_bytes);
+    let downstream = match &plan.next {
+        Some(next) => {
+            let mut down = TcpLink::connect(next, &shared.config.link)?;
+            client_handshake(&mut down, Role::Ring, token)?;
+            Some(down)
+        }
+        None => None,
+    };
+    let upstream = if plan.first { None } else { Some(wait_upstream(shared)?) };
+    link.send(&Message::Loaded {
+        resident: stage.resident_bytes(),
+        received,
+    })?;
+
+    let worker = StageWorker::new(stage, index).with_wire_f16(plan.wire_f16);
+    let (control_tx, control_rx) = link.split()?;
+    let result = match (upstream, downstream) {
+        (None, None) => run(worker, control_rx, control_tx),
+        (None, Some(down)) => run(worker, control_rx, down.split()?.0),
+        (Some(up), None) => run(worker, up.split()?.1, control_tx),
+        (Some(up), Some(down)) => run(worker, up.split()?.1, down.split()?.0),
+    };
+    match result {
+        Ok(()) | Err(NetError::Closed { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn wait_upstream(shared: &Shared) -> Result<TcpLink, NodeError> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut slot = shared.upstream.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        if let Some(link) = slot.take() {
+            return Ok(link);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(NodeError::Request(
+                "the previous stage did not connect within 60 s".into(),
+            ));
+        }
+        slot = shared
+            .upstream_ready
+            .wait_timeout(slot, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+}
+
+fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: Option<SocketAddr>) -> Capabilities {
+    let config = &shared.config;
+    let secs_per_layer = shared.models.find_complete(file_name, identity).and_then(|path| {
+        if let Some(secs) = shared.models.cached_speed(identity, config.threads) {
+            return Some(secs);
+        }
+        let secs = super::speed::measure(&path, config.threads).ok()?;
+        shared.models.store_speed(identity, config.threads, secs);
+        Some(secs)
+    });
+    // Other stages reach this worker where the head did, unless told otherwise.
+    let ring_addr = config.advertise.clone().unwrap_or_else(|| match local {
+        Some(local) => SocketAddr::new(local.ip(), shared.port).to_string(),
+        None => config.listen.clone(),
+    });
+    Capabilities {
+        devices: vec!["CPU".into()],
+        memory: config.memory.unwrap_or_else(available_memory),
+        threads: config.threads as u32,
+        secs_per_layer,
+        models: shared.models.list(),
+        ring_addr,
+    }
+}
+
+/// Loads the planned stage from a local file, or from tensors the head streams.
+fn load(shared: &Shared, plan: &LoadPlan, link: &mut TcpLink) -> Result<(Stage, u64), NodeError> {
+    let (path, received) = if plan.stream {
+        receive_stage_tensors(&shared.models, &plan.model, link)?
+    } else {
+        let path = shared
+            .models
+            .find_complete(&plan.model.file_name, &plan.model.identity)
+            .ok_or_else(|| {
+                NodeError::Request(format!(
+                    "model {} with the head's identity is not in {}",
+                    plan.model.file_name,
+                    shared.config.models.display()
+                ))
+            })?;
+        (path, 0)
+    };
+    let file = ModelFile::open(&path)?;
+    let span = StageSpan {
+        layers: plan.layer_start as usize..plan.layer_end as usize,
+        first: plan.first,
+        last: plan.last,
+    };
+    let config = StageConfig {
+        n_ctx: plan.n_ctx as usize,
+        n_threads: shared.config.threads,
+        repack: plan.repack,
+    };
+    Ok((Stage::load(file, span, &config)?, received))
+}
+
+/// `MemAvailable` from /proc/meminfo (Linux); a conservative 1 GiB elsewhere.
+fn available_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(1 << 30, |kb| kb * 1024)
+}

@@ -1,0 +1,245 @@
+//! Frames and the byte layout of every message. No I/O: transports call [`encode_payload`]
+//! and [`header`] to send, [`parse_header`] and [`decode`] to receive.
+//!
+//! # Frame
+//!
+//! | bytes | field                           |
+//! |-------|---------------------------------|
+//! | 0..4  | payload length, u32             |
+//! | 4..6  | message kind, u16 (table below) |
+//! | 6..8  | flags, u16, always 0 (reserved) |
+//! | 8..   | payload                         |
+//!
+//! # Primitives
+//!
+//! Every integer and float is little-endian; f32 travels as its bit pattern. `bool` is one
+//! byte, 0 or 1. `role` is one byte: 0 Head, 1 Worker, 2 Ring. `[32]` is 32 raw bytes.
+//! `str` is a u32 byte length then UTF-8 (at most 64 KiB); `bytes` a u32 length then the
+//! bytes; `opt<T>` a byte 0 (absent) or 1 followed by `T`; `[T]` a u32 count then the
+//! elements. Nothing is padded or aligned. Decoding is strict: any other byte value,
+//! a short payload and trailing bytes are all errors, so each message has exactly one
+//! encoding (decode followed by encode gives back the same bytes).
+//!
+//! # Messages
+//!
+//! Kind numbers are stable: a new message takes a new number and a retired one is never
+//! reused. `Hello` and `Refused` must keep their layout in every version, so that a peer
+//! can always read which version the other speaks and why it was refused.
+//!
+//! ```text
+//! | kind | message      | payload, in order                                                       |
+//! |------|--------------|-------------------------------------------------------------------------|
+//! | 1    | Hello        | version u32, role, nonce [32]                                           |
+//! | 2    | Auth         | proof [32]                                                              |
+//! | 3    | Refused      | reason str                                                              |
+//! | 4    | Describe     | model: ModelRef                                                         |
+//! | 5    | Capabilities | devices [str], memory u64, threads u32, secs_per_layer opt<f32>,        |
+//! |      |              | models [HeldModel], ring_addr str                                       |
+//! | 6    | LoadPlan     | model: ModelRef, layer_start u32, layer_end u32, first bool, last bool, |
+//! |      |              | n_ctx u32, next opt<str>, stream bool, wire_f16 bool, repack bool       |
+//! | 7    | StreamStart  | header bytes, tensors [TensorEntry]                                     |
+//! | 8    | TensorChunk  | index u32, offset u64, data bytes                                       |
+//! | 9    | Loaded       | resident u64, received u64                                              |
+//! | 10   | StartSeq     | seq u32, params: SamplingParams, history [u32], logprobs bool           |
+//! | 11   | TruncateSeq  | seq u32, len u32                                                        |
+//! | 12   | EndSeq       | seq u32                                                                 |
+//! | 13   | Forward      | step u64, payload: Payload, positions [i32], seq_ids [u32],             |
+//! |      |              | sample_rows [u32]                                                       |
+//! | 14   | Sampled      | step u64, tokens [SampledToken]                                         |
+//! | 15   | Done         | (empty)                                                                 |
+//! | 16   | Error        | stage u32, message str                                                  |
+//! | 17   | Stats        | resident [u64]                                                          |
+//! | 18   | Shutdown     | (empty)                                                                 |
+//!
+//! | structure      | fields, in order                                                         |
+//! |----------------|--------------------------------------------------------------------------|
+//! | ModelRef       | file_name str, identity [32], size u64                                   |
+//! | HeldModel      | file_name str, identity [32], size u64, complete bool                    |
+//! | TensorEntry    | name str, offset u64, len u64, sha256 [32]                               |
+//! | SamplingParams | temperature f32, top_k i32, top_p f32, min_p f32, repeat_penalty f32,    |
+//! |                | repeat_last_n u64, frequency_penalty f32, presence_penalty f32, seed u64 |
+//! | Payload        | tag u8, then 0: Tokens [u32], 1: Hidden [f32], 2: HiddenF16 [u16]        |
+//! | SampledToken   | seq u32, token u32, logprob f32                                          |
+//! ```
+//!
+//! Checks beyond the layout: a `Forward` has at least one row, as many positions as
+//! sequence ids, a payload of one token per row or a whole number of hidden values per
+//! row, and sample rows that exist; sampling parameters pass
+//! [`SamplingParams::validate`](baton_sample::SamplingParams::validate); no f32 is NaN
+//! except a log-probability (a NaN hidden state would silently poison every later
+//! stage, so it is stopped at the first hop); a tensor's offset plus length fits in u64.
+
+mod read;
+mod write;
+
+#[cfg(test)]
+mod tests;
+
+pub use read::decode;
+pub use write::{encode, encode_payload, header};
+
+use crate::Role;
+
+/// Length of a frame header in bytes.
+pub const HEADER_LEN: usize = 8;
+
+/// A sensible frame-size limit (64 MiB) for transports that are not told otherwise; it
+/// bounds what a peer can make us allocate.
+pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
+
+/// Longest string accepted in any field; names, addresses and error texts are far shorter.
+const MAX_STRING: usize = 64 << 10;
+
+/// Message names indexed by kind number − 1 (kind 0 is never used, so a zeroed header
+/// is rejected).
+const KIND_NAMES: [&str; 18] = [
+    "Hello",
+    "Auth",
+    "Refused",
+    "Describe",
+    "Capabilities",
+    "LoadPlan",
+    "StreamStart",
+    "TensorChunk",
+    "Loaded",
+    "StartSeq",
+    "TruncateSeq",
+    "EndSeq",
+    "Forward",
+    "Sampled",
+    "Done",
+    "Error",
+    "Stats",
+    "Shutdown",
+];
+
+/// Kind numbers (see the table at the top); `KIND_NAMES` lists them in the same order.
+mod kind {
+    pub const HELLO: u16 = 1;
+    pub const AUTH: u16 = 2;
+    pub const REFUSED: u16 = 3;
+    pub const DESCRIBE: u16 = 4;
+    pub const CAPABILITIES: u16 = 5;
+    pub const LOAD_PLAN: u16 = 6;
+    pub const STREAM_START: u16 = 7;
+    pub const TENSOR_CHUNK: u16 = 8;
+    pub const LOADED: u16 = 9;
+    pub const START_SEQ: u16 = 10;
+    pub const TRUNCATE_SEQ: u16 = 11;
+    pub const END_SEQ: u16 = 12;
+    pub const FORWARD: u16 = 13;
+    pub const SAMPLED: u16 = 14;
+    pub const DONE: u16 = 15;
+    pub const ERROR: u16 = 16;
+    pub const STATS: u16 = 17;
+    pub const SHUTDOWN: u16 = 18;
+}
+
+/// The name of message kind `kind`, or `None` when no message has that number.
+fn kind_name(kind: u16) -> Option<&'static str> {
+    KIND_NAMES.get(usize::from(kind).checked_sub(1)?).copied()
+}
+
+/// Why a frame or message was refused. Each names the message and the field at fault,
+/// since these end up in the log of whoever dropped the connection.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ProtoError {
+    /// The header announces more payload than the transport accepts.
+    #[error("frame of {len} bytes exceeds the maximum of {max}")]
+    FrameTooLarge {
+        /// Announced payload length.
+        len: usize,
+        /// The transport's maximum.
+        max: usize,
+    },
+    /// No message has this kind number (a newer or a confused peer).
+    #[error("unknown message kind {0}")]
+    UnknownKind(u16),
+    /// The header's flags are not zero; this version defines no flags.
+    #[error("frame flags {0:#06x} are not zero (this protocol version defines no flags)")]
+    BadFlags(u16),
+    /// The payload ended, or a count promised more elements than bytes remain.
+    #[error("message {kind} is truncated while reading {what}")]
+    Truncated {
+        /// The message being decoded.
+        kind: &'static str,
+        /// The field being read.
+        what: &'static str,
+    },
+    /// Bytes remained after the last field.
+    #[error("message {kind} has {extra} trailing bytes")]
+    TrailingBytes {
+        /// The message decoded.
+        kind: &'static str,
+        /// How many bytes were left over.
+        extra: usize,
+    },
+    /// A string field is not UTF-8.
+    #[error("message {kind}: {what} is not valid UTF-8")]
+    BadUtf8 {
+        /// The message being decoded.
+        kind: &'static str,
+        /// The field.
+        what: &'static str,
+    },
+    /// A string field is longer than allowed.
+    #[error("message {kind}: {what} is {len} bytes long, more than the maximum of {max}")]
+    TooLong {
+        /// The message being decoded.
+        kind: &'static str,
+        /// The field.
+        what: &'static str,
+        /// Its announced length.
+        len: usize,
+        /// The maximum.
+        max: usize,
+    },
+    /// A field is well-formed but its value is not allowed (or fields disagree).
+    #[error("message {kind}: invalid {what}: {reason}")]
+    Invalid {
+        /// The message being decoded.
+        kind: &'static str,
+        /// The field or structure.
+        what: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// Parses a frame header; returns the message kind and the payload length. Refuses a
+/// payload longer than `max_frame` before the caller allocates for it.
+pub fn parse_header(bytes: &[u8; HEADER_LEN], max_frame: usize) -> Result<(u16, usize), ProtoError> {
+    let [l0, l1, l2, l3, k0, k1, f0, f1] = *bytes;
+    let len = u32::from_le_bytes([l0, l1, l2, l3]) as usize;
+    let kind = u16::from_le_bytes([k0, k1]);
+    let flags = u16::from_le_bytes([f0, f1]);
+    if len > max_frame {
+        return Err(ProtoError::FrameTooLarge { len, max: max_frame });
+    }
+    if flags != 0 {
+        return Err(ProtoError::BadFlags(flags));
+    }
+    if kind_name(kind).is_none() {
+        return Err(ProtoError::UnknownKind(kind));
+    }
+    Ok((kind, len))
+}
+
+/// The wire byte of a role (shared with the authentication, which signs it).
+pub(crate) fn role_byte(role: Role) -> u8 {
+    match role {
+        Role::Head => 0,
+        Role::Worker => 1,
+        Role::Ring => 2,
+    }
+}
+
+/// The role of a wire byte, if any.
+fn role_from_byte(byte: u8) -> Option<Role> {
+    match byte {
+        0 => Some(Role::Head),
+        1 => Some(Role::Worker),
+        2 => Some(Role::Ring),
+        _ => None,
+    }
+}

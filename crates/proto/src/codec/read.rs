@@ -1,0 +1,400 @@
+//! Decoding. The payload comes from a peer, so every read is bounds-checked, every count
+//! is compared with the bytes that remain before anything is allocated, and nothing here
+//! may panic.
+
+use baton_sample::SamplingParams;
+
+use super::{kind, kind_name, role_from_byte, ProtoError, MAX_STRING};
+use crate::{Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken, TensorEntry};
+
+/// Decodes the payload of one frame of message `kind` (as returned by
+/// [`parse_header`](super::parse_header)).
+pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
+    let name = kind_name(kind).ok_or(ProtoError::UnknownKind(kind))?;
+    let mut r = Reader {
+        rest: payload,
+        kind: name,
+    };
+    let msg = match kind {
+        kind::HELLO => Message::Hello {
+            version: r.u32("version")?,
+            role: r.role()?,
+            nonce: r.array32("nonce")?,
+        },
+        kind::AUTH => Message::Auth {
+            proof: r.array32("proof")?,
+        },
+        kind::REFUSED => Message::Refused {
+            reason: r.str("reason")?,
+        },
+        kind::DESCRIBE => Message::Describe { model: r.model_ref()? },
+        kind::CAPABILITIES => Message::Capabilities(r.capabilities()?),
+        kind::LOAD_PLAN => Message::LoadPlan(r.load_plan()?),
+        kind::STREAM_START => {
+            let header = r.bytes("header")?;
+            let n = r.count("tensors", TENSOR_ENTRY_MIN)?;
+            let tensors = (0..n).map(|_| r.tensor_entry()).collect::<Result<_, _>>()?;
+            Message::StreamStart { header, tensors }
+        }
+        kind::TENSOR_CHUNK => Message::TensorChunk {
+            index: r.u32("index")?,
+            offset: r.u64("offset")?,
+            data: r.bytes("data")?,
+        },
+        kind::LOADED => Message::Loaded {
+            resident: r.u64("resident")?,
+            received: r.u64("received")?,
+        },
+        kind::START_SEQ => Message::StartSeq {
+            seq: r.u32("seq")?,
+            params: r.sampling()?,
+            history: r.array("history", u32::from_le_bytes)?,
+            logprobs: r.bool("logprobs")?,
+        },
+        kind::TRUNCATE_SEQ => Message::TruncateSeq {
+            seq: r.u32("seq")?,
+            len: r.u32("len")?,
+        },
+        kind::END_SEQ => Message::EndSeq { seq: r.u32("seq")? },
+        kind::FORWARD => Message::Forward(r.forward()?),
+        kind::SAMPLED => {
+            let step = r.u64("step")?;
+            let n = r.count("tokens", SAMPLED_TOKEN_LEN)?;
+            let tokens = (0..n).map(|_| r.sampled_token()).collect::<Result<_, _>>()?;
+            Message::Sampled { step, tokens }
+        }
+        kind::DONE => Message::Done,
+        kind::ERROR => Message::Error {
+            stage: r.u32("stage")?,
+            message: r.str("message")?,
+        },
+        kind::STATS => Message::Stats {
+            resident: r.array("resident", u64::from_le_bytes)?,
+        },
+        kind::SHUTDOWN => Message::Shutdown,
+        // `kind_name` accepted it, so a number is missing above.
+        _ => return Err(ProtoError::UnknownKind(kind)),
+    };
+    r.finish()?;
+    Ok(msg)
+}
+
+/// Smallest encodings, used to cap counts: a hostile count must fail before it allocates.
+const STR_MIN: usize = 4;
+const HELD_MODEL_MIN: usize = STR_MIN + 32 + 8 + 1;
+const TENSOR_ENTRY_MIN: usize = STR_MIN + 8 + 8 + 32;
+const SAMPLED_TOKEN_LEN: usize = 12;
+
+/// A cursor over the unread part of a payload; its errors name the message and field.
+struct Reader<'a> {
+    rest: &'a [u8],
+    kind: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn truncated(&self, what: &'static str) -> ProtoError {
+        ProtoError::Truncated { kind: self.kind, what }
+    }
+
+    fn invalid(&self, what: &'static str, reason: String) -> ProtoError {
+        ProtoError::Invalid {
+            kind: self.kind,
+            what,
+            reason,
+        }
+    }
+
+    fn finish(&self) -> Result<(), ProtoError> {
+        match self.rest.len() {
+            0 => Ok(()),
+            extra => Err(ProtoError::TrailingBytes { kind: self.kind, extra }),
+        }
+    }
+
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], ProtoError> {
+        let Some((head, rest)) = self.rest.split_at_checked(n) else {
+            return Err(self.truncated(what));
+        };
+        self.rest = rest;
+        Ok(head)
+    }
+
+    fn fixed<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], ProtoError> {
+        let Some((head, rest)) = self.rest.split_first_chunk::<N>() else {
+            return Err(self.truncated(what));
+        };
+        self.rest = rest;
+        Ok(*head)
+    }
+
+    fn u8(&mut self, what: &'static str) -> Result<u8, ProtoError> {
+        Ok(self.fixed::<1>(what)?[0])
+    }
+
+    fn u32(&mut self, what: &'static str) -> Result<u32, ProtoError> {
+        self.fixed(what).map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self, what: &'static str) -> Result<u64, ProtoError> {
+        self.fixed(what).map(u64::from_le_bytes)
+    }
+
+    fn i32(&mut self, what: &'static str) -> Result<i32, ProtoError> {
+        self.fixed(what).map(i32::from_le_bytes)
+    }
+
+    fn f32(&mut self, what: &'static str) -> Result<f32, ProtoError> {
+        self.fixed(what).map(f32::from_le_bytes)
+    }
+
+    /// A float that may not be NaN (only log-probabilities may).
+    fn number(&mut self, what: &'static str) -> Result<f32, ProtoError> {
+        let value = self.f32(what)?;
+        if value.is_nan() {
+            return Err(self.invalid(what, "NaN is not allowed here".into()));
+        }
+        Ok(value)
+    }
+
+    fn array32(&mut self, what: &'static str) -> Result<[u8; 32], ProtoError> {
+        self.fixed(what)
+    }
+
+    fn bool(&mut self, what: &'static str) -> Result<bool, ProtoError> {
+        match self.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(self.invalid(what, format!("boolean byte {other} is neither 0 nor 1"))),
+        }
+    }
+
+    /// The presence byte of an `opt<T>`.
+    fn present(&mut self, what: &'static str) -> Result<bool, ProtoError> {
+        match self.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(self.invalid(what, format!("option tag {other} is neither 0 nor 1"))),
+        }
+    }
+
+    fn role(&mut self) -> Result<crate::Role, ProtoError> {
+        let byte = self.u8("role")?;
+        role_from_byte(byte).ok_or_else(|| self.invalid("role", format!("unknown role byte {byte}")))
+    }
+
+    /// An element count, refused when even the smallest `min_size`-byte elements could
+    /// not fit in what remains.
+    fn count(&mut self, what: &'static str, min_size: usize) -> Result<usize, ProtoError> {
+        let n = self.u32(what)? as usize;
+        match n.checked_mul(min_size) {
+            Some(bytes) if bytes <= self.rest.len() => Ok(n),
+            _ => Err(self.truncated(what)),
+        }
+    }
+
+    fn bytes(&mut self, what: &'static str) -> Result<Vec<u8>, ProtoError> {
+        let n = self.count(what, 1)?;
+        Ok(self.take(n, what)?.to_vec())
+    }
+
+    fn str(&mut self, what: &'static str) -> Result<String, ProtoError> {
+        let len = self.u32(what)? as usize;
+        if len > MAX_STRING {
+            return Err(ProtoError::TooLong {
+                kind: self.kind,
+                what,
+                len,
+                max: MAX_STRING,
+            });
+        }
+        let bytes = self.take(len, what)?;
+        match std::str::from_utf8(bytes) {
+            Ok(text) => Ok(text.to_owned()),
+            Err(_) => Err(ProtoError::BadUtf8 { kind: self.kind, what }),
+        }
+    }
+
+    /// A count and `N`-byte elements, converted in one pass into an exactly sized Vec.
+    fn array<T, const N: usize>(
+        &mut self,
+        what: &'static str,
+        from_le: impl Fn([u8; N]) -> T,
+    ) -> Result<Vec<T>, ProtoError> {
+        let n = self.count(what, N)?;
+        let (chunks, _) = self.take(n * N, what)?.as_chunks::<N>();
+        Ok(chunks.iter().map(|&chunk| from_le(chunk)).collect())
+    }
+
+    fn model_ref(&mut self) -> Result<ModelRef, ProtoError> {
+        Ok(ModelRef {
+            file_name: self.str("file_name")?,
+            identity: self.array32("identity")?,
+            size: self.u64("size")?,
+        })
+    }
+
+    fn held_model(&mut self) -> Result<HeldModel, ProtoError> {
+        Ok(HeldModel {
+            file_name: self.str("file_name")?,
+            identity: self.array32("identity")?,
+            size: self.u64("size")?,
+            complete: self.bool("complete")?,
+        })
+    }
+
+    fn capabilities(&mut self) -> Result<Capabilities, ProtoError> {
+        let n = self.count("devices", STR_MIN)?;
+        let devices = (0..n).map(|_| self.str("devices")).collect::<Result<_, _>>()?;
+        let memory = self.u64("memory")?;
+        let threads = self.u32("threads")?;
+        let secs_per_layer = match self.present("secs_per_layer")? {
+            false => None,
+            true => {
+                let secs = self.number("secs_per_layer")?;
+                // The planner divides work by speed; a negative or infinite time would
+                // hand this worker everything or nothing.
+                if !(secs.is_finite() && secs >= 0.0) {
+                    return Err(self.invalid("secs_per_layer", format!("{secs} is not a finite, non-negative time")));
+                }
+                Some(secs)
+            }
+        };
+        let n = self.count("models", HELD_MODEL_MIN)?;
+        let models = (0..n).map(|_| self.held_model()).collect::<Result<_, _>>()?;
+        let ring_addr = self.str("ring_addr")?;
+        Ok(Capabilities {
+            devices,
+            memory,
+            threads,
+            secs_per_layer,
+            models,
+            ring_addr,
+        })
+    }
+
+    fn load_plan(&mut self) -> Result<LoadPlan, ProtoError> {
+        let model = self.model_ref()?;
+        let layer_start = self.u32("layer_start")?;
+        let layer_end = self.u32("layer_end")?;
+        let first = self.bool("first")?;
+        let last = self.bool("last")?;
+        let n_ctx = self.u32("n_ctx")?;
+        let next = match self.present("next")? {
+            false => None,
+            true => Some(self.str("next")?),
+        };
+        let plan = LoadPlan {
+            model,
+            layer_start,
+            layer_end,
+            first,
+            last,
+            n_ctx,
+            next,
+            stream: self.bool("stream")?,
+            wire_f16: self.bool("wire_f16")?,
+            repack: self.bool("repack")?,
+        };
+        if plan.layer_start > plan.layer_end {
+            let reason = format!("layer_start {} is after layer_end {}", plan.layer_start, plan.layer_end);
+            return Err(self.invalid("layers", reason));
+        }
+        Ok(plan)
+    }
+
+    fn tensor_entry(&mut self) -> Result<TensorEntry, ProtoError> {
+        let entry = TensorEntry {
+            name: self.str("tensor name")?,
+            offset: self.u64("tensor offset")?,
+            len: self.u64("tensor length")?,
+            sha256: self.array32("tensor sha256")?,
+        };
+        if entry.offset.checked_add(entry.len).is_none() {
+            let reason = format!(
+                "{}: offset {} plus length {} overflows",
+                entry.name, entry.offset, entry.len
+            );
+            return Err(self.invalid("tensor entry", reason));
+        }
+        Ok(entry)
+    }
+
+    fn sampling(&mut self) -> Result<SamplingParams, ProtoError> {
+        let params = SamplingParams {
+            temperature: self.f32("temperature")?,
+            top_k: self.i32("top_k")?,
+            top_p: self.f32("top_p")?,
+            min_p: self.f32("min_p")?,
+            repeat_penalty: self.f32("repeat_penalty")?,
+            repeat_last_n: {
+                let n = self.u64("repeat_last_n")?;
+                usize::try_from(n).map_err(|_| self.invalid("repeat_last_n", format!("{n} does not fit in usize")))?
+            },
+            frequency_penalty: self.f32("frequency_penalty")?,
+            presence_penalty: self.f32("presence_penalty")?,
+            seed: self.u64("seed")?,
+        };
+        // `validate` refuses NaN in every float field.
+        params
+            .validate()
+            .map_err(|e| self.invalid("sampling parameters", e.to_string()))?;
+        Ok(params)
+    }
+
+    fn forward(&mut self) -> Result<Forward, ProtoError> {
+        let step = self.u64("step")?;
+        let payload = match self.u8("payload tag")? {
+            0 => Payload::Tokens(self.array("tokens", u32::from_le_bytes)?),
+            1 => Payload::Hidden(self.array("hidden", f32::from_le_bytes)?),
+            2 => Payload::HiddenF16(self.array("hidden", u16::from_le_bytes)?),
+            tag => return Err(self.invalid("payload", format!("unknown payload tag {tag}"))),
+        };
+        let forward = Forward {
+            step,
+            payload,
+            positions: self.array("positions", i32::from_le_bytes)?,
+            seq_ids: self.array("seq_ids", u32::from_le_bytes)?,
+            sample_rows: self.array("sample_rows", u32::from_le_bytes)?,
+        };
+        check_forward(&forward).map_err(|reason| self.invalid("batch", reason))?;
+        Ok(forward)
+    }
+
+    fn sampled_token(&mut self) -> Result<SampledToken, ProtoError> {
+        Ok(SampledToken {
+            seq: self.u32("token seq")?,
+            token: self.u32("token id")?,
+            logprob: self.f32("logprob")?,
+        })
+    }
+}
+
+/// The rows of a batch must agree with each other; stages index by them.
+fn check_forward(forward: &Forward) -> Result<(), String> {
+    let rows = forward.positions.len();
+    if rows == 0 {
+        return Err("a batch needs at least one row".into());
+    }
+    if forward.seq_ids.len() != rows {
+        return Err(format!("{rows} positions but {} sequence ids", forward.seq_ids.len()));
+    }
+    let (values, nan) = match &forward.payload {
+        Payload::Tokens(tokens) if tokens.len() != rows => {
+            return Err(format!("{} tokens for {rows} rows", tokens.len()));
+        }
+        Payload::Tokens(_) => (rows, false),
+        Payload::Hidden(hidden) => (hidden.len(), hidden.iter().any(|x| x.is_nan())),
+        // f16 NaN: all exponent bits set and a non-zero mantissa.
+        Payload::HiddenF16(hidden) => (hidden.len(), hidden.iter().any(|&x| x & 0x7fff > 0x7c00)),
+    };
+    if values == 0 || values % rows != 0 {
+        return Err(format!("{values} hidden values do not divide into {rows} rows"));
+    }
+    if nan {
+        return Err("hidden states contain NaN".into());
+    }
+    if let Some(row) = forward.sample_rows.iter().find(|&&row| row as usize >= rows) {
+        return Err(format!("sample row {row} is out of range for {rows} rows"));
+    }
+    Ok(())
+}

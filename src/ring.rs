@@ -1,0 +1,113 @@
+//! Where a command's stages run: in this process, on given workers, or on local worker
+//! processes started for the occasion.
+
+use std::path::Path;
+
+use anyhow::Context as _;
+use baton_model::{ModelFile, StageConfig};
+use baton_node::cluster::{connect_cluster, ClusterOptions, RemoteRing};
+use baton_node::{Head, LocalRing};
+use clap::{Args, ValueEnum};
+
+use crate::local_workers::LocalWorkers;
+use crate::StageArgs;
+
+/// Element type of hidden states between stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WireDtype {
+    /// 4 bytes per value (exact).
+    F32,
+    /// 2 bytes per value.
+    F16,
+}
+
+/// Where the stages run.
+#[derive(Args, Clone, Debug)]
+pub struct ClusterArgs {
+    /// Run the stages on these workers (HOST:PORT,...) instead of in this process.
+    #[arg(long, value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// Start N local worker processes on loopback and run the stages there.
+    #[arg(long)]
+    pub local_workers: Option<usize>,
+    /// Cluster secret for --workers (or the BATON_TOKEN environment variable).
+    #[arg(long, env = "BATON_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Element type of hidden states on the wire between workers.
+    #[arg(long, value_enum, default_value_t = WireDtype::F32)]
+    pub wire_dtype: WireDtype,
+}
+
+/// A running ring of one of the three kinds.
+pub enum Ring {
+    /// Stages on threads of this process.
+    Local(LocalRing),
+    /// Stages on workers; the local worker processes, if we started them, die with it.
+    Remote {
+        /// The ring through the workers.
+        ring: Box<RemoteRing>,
+        /// Worker processes this command started (dropped after the ring).
+        _local: Option<LocalWorkers>,
+    },
+}
+
+impl Ring {
+    /// Starts the stages the arguments ask for.
+    pub fn start(model: &Path, stages: &StageArgs, cluster: &ClusterArgs) -> anyhow::Result<Ring> {
+        let file = ModelFile::open(model).with_context(|| format!("loading {}", model.display()))?;
+        let n_layer = file.hparams().n_layer;
+        let (workers, token, local) = match cluster.local_workers {
+            Some(n) => {
+                let local = LocalWorkers::start(n, model, stages.threads_for(n))?;
+                (local.addrs.clone(), Some(local.token.clone()), Some(local))
+            }
+            None if !cluster.workers.is_empty() => (cluster.workers.clone(), cluster.token.clone(), None),
+            None => {
+                let config = StageConfig {
+                    n_ctx: stages.ctx_size,
+                    n_threads: stages.threads(),
+                    repack: !stages.no_repack,
+                };
+                return Ok(Ring::Local(LocalRing::start(file, &stages.ranges(n_layer)?, &config)?));
+            }
+        };
+        let split = match &stages.split {
+            Some(split) => Some(
+                baton_plan::parse_split(split, n_layer)?
+                    .iter()
+                    .map(|r| r.len())
+                    .collect(),
+            ),
+            None => None,
+        };
+        let opts = ClusterOptions {
+            token,
+            split,
+            n_ctx: stages.ctx_size,
+            wire_f16: cluster.wire_dtype == WireDtype::F16,
+            repack: !stages.no_repack,
+            link: Default::default(),
+        };
+        let remote = connect_cluster(model, &workers, &opts)?;
+        Ok(Ring::Remote {
+            ring: Box::new(remote),
+            _local: local,
+        })
+    }
+
+    /// The head end.
+    pub fn head(&mut self) -> &mut Head {
+        match self {
+            Ring::Local(ring) => &mut ring.head,
+            Ring::Remote { ring, .. } => &mut ring.head,
+        }
+    }
+
+    /// The layer range of each stage, in ring order.
+    pub fn ranges(&self) -> Vec<std::ops::Range<usize>> {
+        match self {
+            Ring::Local(ring) => ring.ranges().to_vec(),
+            Ring::Remote { ring, .. } => ring.plan.stages.iter().map(|s| s.layers.clone()).collect(),
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! `baton worker`: serve one stage of a cluster.
+
+use std::net::ToSocketAddrs;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use baton_net::LinkOptions;
+use baton_node::cluster::{Worker, WorkerConfig};
+use clap::Args;
+
+/// Arguments of `baton worker`.
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: String,
+    /// Directory of GGUF models (streamed tensors are cached under DIR/.baton).
+    #[arg(long)]
+    models: PathBuf,
+    /// Cluster secret (or the BATON_TOKEN environment variable).
+    #[arg(long, env = "BATON_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Listen on a non-loopback address without a token (anyone who can connect can use it).
+    #[arg(long)]
+    insecure: bool,
+    /// Compute threads.
+    #[arg(long, short = 't')]
+    threads: Option<usize>,
+    /// Bytes of memory to offer (default: what the machine has available).
+    #[arg(long)]
+    memory: Option<u64>,
+    /// Address other stages reach this worker at (default: the one the head used).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Largest frame accepted from a peer, in bytes.
+    #[arg(long, default_value_t = baton_proto::DEFAULT_MAX_FRAME)]
+    max_frame: usize,
+    /// Kernel socket buffer sizes in bytes (SO_SNDBUF and SO_RCVBUF).
+    #[arg(long)]
+    socket_buffer: Option<usize>,
+}
+
+/// Runs the worker until killed.
+pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
+    let loopback = args
+        .listen
+        .to_socket_addrs()
+        .with_context(|| format!("bad --listen address {}", args.listen))?
+        .all(|a| a.ip().is_loopback());
+    if !loopback && args.token.is_none() && !args.insecure {
+        anyhow::bail!(
+            "refusing to listen on {} without --token: any machine that can reach it could drive this \
+             worker. Set a cluster token (--token or BATON_TOKEN), or pass --insecure to accept that.",
+            args.listen
+        );
+    }
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let config = WorkerConfig {
+        listen: args.listen.clone(),
+        models: args.models,
+        token: args.token,
+        threads,
+        memory: args.memory,
+        advertise: args.advertise,
+        link: LinkOptions {
+            max_frame: args.max_frame,
+            send_buffer: args.socket_buffer,
+            recv_buffer: args.socket_buffer,
+            read_timeout: None,
+        },
+        handshake_timeout: Duration::from_secs(10),
+    };
+    let worker = Worker::bind(config)?;
+    // The first line on stdout is the bound address: `--local-workers` and tests read it.
+    println!("listening on {}", worker.local_addr()?);
+    worker.serve();
+    Ok(())
+}

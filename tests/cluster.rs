@@ -1,0 +1,388 @@
+//! Head and workers as real processes on loopback: the ring reproduces llama.cpp, only
+//! activations and token ids cross the wire, weights stream once to a worker that
+//! lacks them, and bad peers never take a worker down.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_ggml::{LlamaContext, LlamaModel};
+use baton_node::cluster::{connect_cluster, ClusterOptions, RemoteRing};
+use baton_node::GenerateRequest;
+use baton_proto::{Message, Payload};
+use baton_sample::{argmax, SamplingParams};
+use common::{model, GEMMA3, PROMPTS, QWEN2};
+
+const TOKEN: &str = "test-cluster-secret";
+
+/// A `baton worker` child process; killed on drop. Its stderr is collected.
+struct WorkerProc {
+    child: Child,
+    addr: String,
+    log: Arc<std::sync::Mutex<String>>,
+}
+
+impl WorkerProc {
+    fn start(models: &Path, token: Option<&str>, extra: &[&str]) -> WorkerProc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
+        cmd.args(["worker", "--listen", "127.0.0.1:0", "--threads", "1", "--models"])
+            .arg(models)
+            .args(extra)
+            .env("BATON_LOG", "info")
+            .env_remove("BATON_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(token) = token {
+            cmd.args(["--token", token]);
+        }
+        let mut child = cmd.spawn().expect("worker starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .expect("worker prints its address")
+            .to_string();
+        let log = Arc::new(std::sync::Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        WorkerProc { child, addr, log }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn models_dir() -> PathBuf {
+    model(QWEN2).parent().unwrap().to_path_buf()
+}
+
+fn options() -> ClusterOptions {
+    ClusterOptions {
+        token: Some(TOKEN.into()),
+        n_ctx: 512,
+        repack: true,
+        ..Default::default()
+    }
+}
+
+fn greedy(ring: &mut RemoteRing, prompt: &[u32], n: usize, oracle: &LlamaModel) -> Vec<u32> {
+    let req = GenerateRequest {
+        seq: 0,
+        prompt,
+        params: SamplingParams::greedy(),
+        max_tokens: n,
+        n_batch: 512,
+        logprobs: false,
+    };
+    ring.head
+        .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
+        .unwrap()
+        .tokens
+}
+
+fn reference(oracle: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut ctx = LlamaContext::new(oracle, 512, 512, 1).unwrap();
+    let mut next = argmax(&ctx.decode(prompt).unwrap()).unwrap();
+    let mut out = Vec::new();
+    while out.len() < n && !oracle.is_end_of_generation(next) {
+        out.push(next);
+        next = argmax(&ctx.decode(&[next]).unwrap()).unwrap();
+    }
+    out
+}
+
+/// Counts the bytes TCP connections carry each way; forwards them to a target given
+/// after binding (so a worker can advertise the proxy before it starts).
+struct CountingProxy {
+    listener: Option<TcpListener>,
+    addr: String,
+    up: Arc<AtomicU64>,
+    down: Arc<AtomicU64>,
+}
+
+impl CountingProxy {
+    fn bind() -> CountingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        CountingProxy {
+            listener: Some(listener),
+            addr,
+            up: Arc::default(),
+            down: Arc::default(),
+        }
+    }
+
+    fn forward_to(&mut self, target: String) {
+        let listener = self.listener.take().unwrap();
+        let (u, d) = (self.up.clone(), self.down.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming().map_while(Result::ok) {
+                let server = TcpStream::connect(&target).unwrap();
+                client.set_nodelay(true).unwrap();
+                server.set_nodelay(true).unwrap();
+                pipe(client.try_clone().unwrap(), server.try_clone().unwrap(), u.clone());
+                pipe(server, client, d.clone());
+            }
+        });
+    }
+}
+
+fn pipe(mut from: TcpStream, mut to: TcpStream, count: Arc<AtomicU64>) {
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n) = from.read(&mut buf) {
+            if n == 0 || to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+            count.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        let _ = to.shutdown(std::net::Shutdown::Both);
+    });
+}
+
+fn check_model_on_two_workers(name: &str) {
+    let path = model(name);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let w0 = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let w1 = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options()).unwrap();
+    assert_eq!(ring.plan.stages.len(), 2);
+    assert!(
+        ring.workers.iter().all(|w| w.streamed == 0),
+        "both workers hold the file: no weights on the wire"
+    );
+    for prompt_text in PROMPTS {
+        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
+        let expected = reference(&oracle, &prompt, 32);
+        assert_eq!(
+            greedy(&mut ring, &prompt, 32, &oracle),
+            expected,
+            "{name}: {prompt_text:?}"
+        );
+    }
+}
+
+#[test]
+fn qwen2_on_two_workers_matches_llama_cpp() {
+    check_model_on_two_workers(QWEN2);
+}
+
+#[test]
+fn gemma3_on_two_workers_matches_llama_cpp() {
+    check_model_on_two_workers(GEMMA3);
+}
+
+#[test]
+fn per_token_traffic_is_one_hidden_state_per_hop_and_a_token_id_back() {
+    let path = model(QWEN2);
+    let n_embd = baton_model::ModelFile::open(&path).unwrap().hparams().n_embd as u64;
+    // Worker 0 reaches worker 1 through a counting proxy that worker 1 advertises.
+    let mut proxy = CountingProxy::bind();
+    let w0 = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let w1 = WorkerProc::start(&models_dir(), Some(TOKEN), &["--advertise", &proxy.addr]);
+    proxy.forward_to(w1.addr.clone());
+    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options()).unwrap();
+    let head = &mut ring.head;
+    head.control(Message::StartSeq {
+        seq: 0,
+        params: SamplingParams::greedy(),
+        history: vec![],
+        logprobs: false,
+    })
+    .unwrap();
+    let mut token = head
+        .forward(Payload::Tokens(vec![1, 2, 3]), vec![0, 1, 2], vec![0; 3], vec![2])
+        .unwrap()[0]
+        .token;
+    let (up0, back0) = (proxy.up.load(Ordering::Relaxed), ring.from_last.received());
+    const STEPS: u64 = 20;
+    for pos in 3..3 + STEPS as i32 {
+        token = ring
+            .head
+            .forward(Payload::Tokens(vec![token]), vec![pos], vec![0], vec![0])
+            .unwrap()[0]
+            .token;
+    }
+    let hop = (proxy.up.load(Ordering::Relaxed) - up0) / STEPS;
+    let back = (ring.from_last.received() - back0) / STEPS;
+    println!(
+        "per token: worker 0 -> worker 1 {hop} bytes (n_embd x 4 = {}), last stage -> head {back} bytes",
+        n_embd * 4
+    );
+    assert!(hop <= n_embd * 4 + 256, "worker link carries {hop} bytes per token");
+    assert!(hop >= n_embd * 4, "the hidden state itself must cross ({hop})");
+    assert!(back <= 64, "head receives {back} bytes per token");
+}
+
+#[test]
+fn a_worker_without_the_file_receives_its_tensors_once() {
+    let path = model(GEMMA3);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let empty = tempdir("stream");
+    let prompt = oracle.tokenize(PROMPTS[0], true, true).unwrap();
+    let expected = reference(&oracle, &prompt, 16);
+    let holder = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    for attempt in 0..2 {
+        let lacking = WorkerProc::start(&empty, Some(TOKEN), &[]);
+        let mut ring = connect_cluster(&path, &[holder.addr.clone(), lacking.addr.clone()], &options()).unwrap();
+        let streamed = ring.workers[1].streamed;
+        if attempt == 0 {
+            assert!(
+                streamed > 10 << 20,
+                "first start streams the stage's weights ({streamed} bytes)"
+            );
+        } else {
+            assert_eq!(streamed, 0, "a restarted worker loads from its cache");
+        }
+        assert_eq!(ring.workers[0].streamed, 0);
+        assert_eq!(greedy(&mut ring, &prompt, 16, &oracle), expected);
+    }
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("baton-{tag}-{}-{}", std::process::id(), rand_suffix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+#[test]
+fn wrong_or_missing_token_is_refused_on_both_sides() {
+    let path = model(GEMMA3);
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let wrong = ClusterOptions {
+        token: Some("not-the-secret".into()),
+        ..options()
+    };
+    let err = connect_cluster(&path, &[worker.addr.clone()], &wrong)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("wrong token"), "{err}");
+    let missing = ClusterOptions {
+        token: None,
+        ..options()
+    };
+    let err = connect_cluster(&path, &[worker.addr.clone()], &missing)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("requires a token"), "{err}");
+    std::thread::sleep(Duration::from_millis(200));
+    let log = worker.log();
+    assert!(log.contains("wrong token"), "worker log: {log}");
+    assert!(log.contains("requires a token"), "worker log: {log}");
+
+    let open = WorkerProc::start(&models_dir(), None, &[]);
+    let err = connect_cluster(&path, &[open.addr.clone()], &options())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("without a token"), "{err}");
+}
+
+/// Sends raw bytes to the worker, then reads until it closes (or 5 s pass).
+fn poke(addr: &str, bytes: &[u8], then_close: bool) -> Vec<u8> {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = stream.write_all(bytes);
+    if then_close {
+        return Vec::new();
+    }
+    let mut reply = Vec::new();
+    let _ = stream.read_to_end(&mut reply);
+    reply
+}
+
+fn frame(kind: u16, payload: &[u8]) -> Vec<u8> {
+    let mut out = baton_proto::header(kind, payload.len()).to_vec();
+    out.extend_from_slice(payload);
+    out
+}
+
+#[test]
+fn bad_peers_are_dropped_and_the_worker_keeps_serving() {
+    let path = model(GEMMA3);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let mut worker = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let addr = worker.addr.clone();
+
+    // Garbage, HTTP, an oversized length field, an unknown kind, a truncated frame.
+    poke(&addr, b"\x00\x01garbage that is not a frame at all\xff\xfe", false);
+    poke(&addr, b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n", false);
+    poke(&addr, &[0xff, 0xff, 0xff, 0xff, 1, 0, 0, 0], false);
+    poke(&addr, &frame(999, b"whatever"), false);
+    poke(&addr, &frame(1, &[1, 2, 3]), false);
+    // A frame announcing 1000 bytes, of which 10 arrive before the peer vanishes.
+    let mut partial = baton_proto::header(1, 1000).to_vec();
+    partial.extend_from_slice(&[0; 10]);
+    poke(&addr, &partial, true);
+    // A Hello with a wrong protocol version gets a Refused that says so.
+    let mut hello = Vec::new();
+    baton_proto::encode(
+        &baton_proto::Message::Hello {
+            version: 99,
+            role: baton_proto::Role::Head,
+            nonce: [7; 32],
+        },
+        &mut hello,
+    );
+    let reply = poke(&addr, &hello, false);
+    assert!(
+        String::from_utf8_lossy(&reply).contains("protocol version 99"),
+        "reply: {reply:?}"
+    );
+
+    // A real head works, and a second head is refused while it is connected.
+    let prompt = oracle.tokenize(PROMPTS[0], true, true).unwrap();
+    let expected = reference(&oracle, &prompt, 8);
+    let mut ring = connect_cluster(&path, &[addr.clone()], &options()).unwrap();
+    let second = connect_cluster(&path, &[addr.clone()], &options())
+        .err()
+        .expect("second head refused")
+        .to_string();
+    assert!(second.contains("another head"), "{second}");
+    assert_eq!(greedy(&mut ring, &prompt, 8, &oracle), expected);
+    drop(ring);
+
+    // The first head left: a new one is served again.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut ring = connect_cluster(&path, &[addr.clone()], &options()).unwrap();
+    assert_eq!(greedy(&mut ring, &prompt, 8, &oracle), expected);
+    assert!(worker.is_running());
+    let log = worker.log();
+    let drops = log.matches("dropping connection").count();
+    assert!(drops >= 8, "each bad peer gets one log line ({drops}):\n{log}");
+}
