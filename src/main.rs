@@ -37,7 +37,8 @@ pub struct StageArgs {
     /// Number of stages (layers are split evenly unless --split is given).
     #[arg(long, default_value_t = 2)]
     pub stages: usize,
-    /// Layers per stage, e.g. 8,8,8 (overrides the even split).
+    /// Layers per stage, e.g. 8,8,8 (overrides the even split). With workers: layers per
+    /// node in order, the head first unless --no-head-stage; 0 leaves a node out.
     #[arg(long)]
     pub split: Option<String>,
     /// CPU threads per stage (default: the machine's cores divided among the stages).

@@ -36,6 +36,13 @@ pub struct ClusterArgs {
     /// Element type of hidden states on the wire between workers.
     #[arg(long, value_enum, default_value_t = WireDtype::F32)]
     pub wire_dtype: WireDtype,
+    /// Keep every layer on the workers (by default the head runs the first stage
+    /// itself when it has the memory and the planner finds that faster).
+    #[arg(long)]
+    pub no_head_stage: bool,
+    /// Bytes of memory the head offers for its own stage (default: what is available).
+    #[arg(long)]
+    pub head_memory: Option<u64>,
 }
 
 /// A running ring of one of the three kinds.
@@ -56,12 +63,20 @@ impl Ring {
     pub fn start(model: &Path, stages: &StageArgs, cluster: &ClusterArgs) -> anyhow::Result<Ring> {
         let file = ModelFile::open(model).with_context(|| format!("loading {}", model.display()))?;
         let n_layer = file.hparams().n_layer;
-        let (workers, token, local) = match cluster.local_workers {
+        let head_stage = !cluster.no_head_stage;
+        let (workers, token, local, threads) = match cluster.local_workers {
             Some(n) => {
-                let local = LocalWorkers::start(n, model, stages.threads_for(n))?;
-                (local.addrs.clone(), Some(local.token.clone()), Some(local))
+                // Head and workers share this machine's cores.
+                let threads = stages.threads_for(n + usize::from(head_stage));
+                let local = LocalWorkers::start(n, model, threads)?;
+                (local.addrs.clone(), Some(local.token.clone()), Some(local), threads)
             }
-            None if !cluster.workers.is_empty() => (cluster.workers.clone(), cluster.token.clone(), None),
+            None if !cluster.workers.is_empty() => (
+                cluster.workers.clone(),
+                cluster.token.clone(),
+                None,
+                stages.threads_for(1),
+            ),
             None => {
                 let config = StageConfig {
                     n_ctx: stages.ctx_size,
@@ -71,15 +86,7 @@ impl Ring {
                 return Ok(Ring::Local(LocalRing::start(file, &stages.ranges(n_layer)?, &config)?));
             }
         };
-        let split = match &stages.split {
-            Some(split) => Some(
-                baton_plan::parse_split(split, n_layer)?
-                    .iter()
-                    .map(|r| r.len())
-                    .collect(),
-            ),
-            None => None,
-        };
+        let split = stages.split.as_deref().map(baton_plan::parse_node_split).transpose()?;
         let opts = ClusterOptions {
             token,
             split,
@@ -87,6 +94,9 @@ impl Ring {
             wire_f16: cluster.wire_dtype == WireDtype::F16,
             repack: !stages.no_repack,
             link: Default::default(),
+            head_stage,
+            threads,
+            head_memory: cluster.head_memory,
         };
         let remote = connect_cluster(model, &workers, &opts)?;
         Ok(Ring::Remote {

@@ -386,3 +386,63 @@ fn bad_peers_are_dropped_and_the_worker_keeps_serving() {
     let drops = log.matches("dropping connection").count();
     assert!(drops >= 8, "each bad peer gets one log line ({drops}):\n{log}");
 }
+
+#[test]
+fn the_head_runs_the_first_stage_when_planned() {
+    let path = model(QWEN2);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let w0 = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let w1 = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let opts = ClusterOptions {
+        head_stage: true,
+        threads: 1,
+        ..options()
+    };
+    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &opts).unwrap();
+    let nodes: Vec<&str> = ring
+        .plan
+        .stages
+        .iter()
+        .map(|s| ring.node_names[s.node].as_str())
+        .collect();
+    assert_eq!(
+        nodes,
+        ["head", w0.addr.as_str(), w1.addr.as_str()],
+        "plan: {:?}",
+        ring.plan
+    );
+    for prompt_text in PROMPTS {
+        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
+        assert_eq!(
+            greedy(&mut ring, &prompt, 32, &oracle),
+            reference(&oracle, &prompt, 32),
+            "{prompt_text:?}"
+        );
+    }
+    drop(ring);
+    std::thread::sleep(Duration::from_millis(300));
+    // Forced onto the head alone, the ring never leaves the process.
+    let opts = ClusterOptions {
+        split: Some(vec![24, 0, 0]),
+        ..opts
+    };
+    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &opts).unwrap();
+    assert_eq!(ring.plan.stages.len(), 1);
+    assert_eq!(ring.plan.left_out.len(), 2);
+    let prompt = oracle.tokenize(PROMPTS[0], true, true).unwrap();
+    assert_eq!(greedy(&mut ring, &prompt, 16, &oracle), reference(&oracle, &prompt, 16));
+}
+
+#[test]
+fn a_worker_holding_a_different_file_of_that_name_is_named_in_the_error() {
+    let dir = tempdir("mismatch");
+    // Another model under the qwen2 file's name.
+    std::os::unix::fs::symlink(model(GEMMA3), dir.join(QWEN2)).unwrap();
+    let worker = WorkerProc::start(&dir, Some(TOKEN), &[]);
+    let err = connect_cluster(&model(QWEN2), &[worker.addr.clone()], &options())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains(&worker.addr) && err.contains("different"), "{err}");
+    assert!(err.contains("header hash"), "{err}");
+}

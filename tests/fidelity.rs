@@ -171,3 +171,30 @@ fn without_repacking_matches_llama_cpp_without_repacking() {
         .unwrap();
     assert_eq!(generation.tokens, ref_tokens);
 }
+
+/// What `--wire-dtype f16` costs: hidden states rounded to f16 between 3 stages.
+/// The bound is the measured worst case (docs/fidelity.md) with a margin.
+#[test]
+fn f16_wire_costs_little_fidelity() {
+    const MAX_F16_NMSE: f64 = 5e-3;
+    for name in [QWEN2, GEMMA3] {
+        let path = model(name);
+        let file = ModelFile::open(&path).unwrap();
+        let oracle = LlamaModel::load_full(&path, true).unwrap();
+        let ranges = baton_plan::even_split(file.hparams().n_layer, 3).unwrap();
+        let mut chain = Chain::load(&file, &ranges, 512);
+        chain.wire_f16 = true;
+        for prompt_text in PROMPTS {
+            let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
+            let (ref_logits, _) = reference(&oracle, &prompt);
+            chain.stages.iter_mut().for_each(|s| s.kv_mut().clear_seq(0));
+            let err = nmse(&chain.logits(0, &prompt, 0), &ref_logits);
+            println!("{name} f16 wire {prompt_text:?}: nmse {err:.3e}");
+            assert!(err > 0.0, "rounding to f16 must change something");
+            assert!(
+                err <= MAX_F16_NMSE,
+                "{name} {prompt_text:?}: f16 wire NMSE {err:e} > {MAX_F16_NMSE:e}"
+            );
+        }
+    }
+}

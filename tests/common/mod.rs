@@ -38,6 +38,8 @@ pub fn model(name: &str) -> PathBuf {
 /// Stages for `ranges`, chained in this thread.
 pub struct Chain {
     pub stages: Vec<Stage>,
+    /// Round hidden states to f16 between stages, as `--wire-dtype f16` does.
+    pub wire_f16: bool,
 }
 
 impl Chain {
@@ -59,7 +61,10 @@ impl Chain {
                 Stage::load(file.clone(), span, config).expect("stage loads")
             })
             .collect();
-        Chain { stages }
+        Chain {
+            stages,
+            wire_f16: false,
+        }
     }
 
     /// Runs `tokens` at positions `start..` of sequence `seq` through every stage;
@@ -84,6 +89,11 @@ impl Chain {
                 logit_rows: rows,
             };
             match stage.forward(&batch).expect("forward succeeds") {
+                StageOutput::Hidden(h) if self.wire_f16 => {
+                    hidden = baton_proto::Payload::f16_rows(&h, tokens.len())
+                        .widen_f16()
+                        .expect("f16 payload")
+                }
                 StageOutput::Hidden(h) => hidden = h,
                 StageOutput::Logits(l) => return l,
             }

@@ -124,8 +124,8 @@ impl StageWorker {
         let input = match &payload {
             Payload::Tokens(tokens) => StageInput::Tokens(tokens),
             Payload::Hidden(hidden) => StageInput::Hidden(hidden),
-            Payload::HiddenF16(hidden) => {
-                widened = hidden.iter().map(|&bits| half::f16::from_bits(bits).to_f32()).collect();
+            Payload::HiddenF16 { .. } => {
+                widened = payload.widen_f16().unwrap_or_default();
                 StageInput::Hidden(&widened)
             }
         };
@@ -141,7 +141,7 @@ impl StageWorker {
             StageOutput::Hidden(hidden) => Ok(Message::Forward(Forward {
                 step,
                 payload: if self.wire_f16 {
-                    Payload::HiddenF16(hidden.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect())
+                    Payload::f16_rows(&hidden, positions.len())
                 } else {
                     Payload::Hidden(hidden)
                 },

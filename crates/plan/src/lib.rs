@@ -336,6 +336,17 @@ fn not_enough_memory(cost: &ModelCost, nodes: &[NodeOffer]) -> PlanError {
     }
 }
 
+/// Parses a cluster's `--split` (layer counts per node, in node order; 0 leaves a node
+/// out). [`plan_with_split`] checks the counts against the model and the nodes.
+pub fn parse_node_split(split: &str) -> Result<Vec<usize>, PlanError> {
+    split
+        .split(',')
+        .map(|s| s.trim().parse::<usize>().ok())
+        .collect::<Option<Vec<usize>>>()
+        .filter(|sizes| sizes.iter().any(|&n| n > 0))
+        .ok_or_else(|| PlanError::BadSplit(split.to_string()))
+}
+
 fn ranges(sizes: &[usize]) -> Vec<Range<usize>> {
     let mut start = 0;
     sizes

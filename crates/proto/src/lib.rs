@@ -29,8 +29,56 @@ pub enum Payload {
     Tokens(Vec<u32>),
     /// Hidden states `[n_embd, n_tokens]`, f32, row-major by token.
     Hidden(Vec<f32>),
-    /// Hidden states as f16 bit patterns (`--wire-dtype f16`: half the bytes).
-    HiddenF16(Vec<u16>),
+    /// Hidden states as f16 (`--wire-dtype f16`: half the bytes). Row `r` holds
+    /// `x / 2^row_exps[r]` so that rows beyond f16's range (gemma3's residual stream
+    /// passes 65504) stay finite; built by [`Payload::f16_rows`].
+    HiddenF16 {
+        /// f16 bit patterns, row-major by token.
+        values: Vec<u16>,
+        /// Power-of-two scale of each row (0 for rows that fit f16 as they are).
+        row_exps: Vec<u8>,
+    },
+}
+
+/// Largest row scale accepted (2^40 × 65504 is far beyond any activation).
+pub const MAX_ROW_EXP: u8 = 40;
+
+impl Payload {
+    /// Hidden states `[n_embd, n_rows]` as scaled f16 rows. A row whose largest
+    /// magnitude fits below 2^15 goes unscaled (bit-identical to plain f16); a larger
+    /// one is divided by the power of two that brings it there, which costs no
+    /// precision beyond f16's own.
+    pub fn f16_rows(hidden: &[f32], n_rows: usize) -> Payload {
+        let n_embd = hidden.len() / n_rows.max(1);
+        let mut values = Vec::with_capacity(hidden.len());
+        let mut row_exps = Vec::with_capacity(n_rows);
+        for row in hidden.chunks(n_embd.max(1)) {
+            let max = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let exp = if max.is_finite() && max > 32768.0 {
+                ((max / 32768.0).log2().ceil() as u8).min(MAX_ROW_EXP)
+            } else {
+                0
+            };
+            let scale = (-(exp as f32)).exp2();
+            values.extend(row.iter().map(|&x| half::f16::from_f32(x * scale).to_bits()));
+            row_exps.push(exp);
+        }
+        Payload::HiddenF16 { values, row_exps }
+    }
+
+    /// Widens `HiddenF16` rows back to f32 (`None` for other payloads).
+    pub fn widen_f16(&self) -> Option<Vec<f32>> {
+        let Payload::HiddenF16 { values, row_exps } = self else {
+            return None;
+        };
+        let n_embd = values.len() / row_exps.len().max(1);
+        let mut out = Vec::with_capacity(values.len());
+        for (row, &exp) in values.chunks(n_embd.max(1)).zip(row_exps) {
+            let scale = (exp as f32).exp2();
+            out.extend(row.iter().map(|&bits| half::f16::from_bits(bits).to_f32() * scale));
+        }
+        Some(out)
+    }
 }
 
 /// One batch going through the stages.

@@ -5,15 +5,17 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
-use baton_model::{ModelFile, StageSpan};
-use baton_net::{client_handshake, Counters, LinkOptions, TcpLink};
+use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
+use baton_net::{client_handshake, local_link, Counters, LinkOptions, NetError, Rx, TcpLink, Tx};
 use baton_plan::{ModelCost, NodeOffer, Plan};
 use baton_proto::auth::identity_hash;
 use baton_proto::{Capabilities, LoadPlan, Message, ModelRef, Role};
 
 use super::stream::send_stage_tensors;
 use crate::head::Head;
+use crate::worker::{run, StageWorker};
 use crate::NodeError;
 
 /// How the head forms the cluster.
@@ -31,6 +33,13 @@ pub struct ClusterOptions {
     pub repack: bool,
     /// Socket settings.
     pub link: LinkOptions,
+    /// Offer the head itself as the first node: it runs the first stage when the
+    /// planner gives it layers.
+    pub head_stage: bool,
+    /// Compute threads of the head's own stage.
+    pub threads: usize,
+    /// Memory the head offers (default: what the machine has available).
+    pub head_memory: Option<u64>,
 }
 
 /// A worker as the head sees it.
@@ -51,14 +60,28 @@ pub struct RemoteRing {
     pub head: Head,
     /// The workers, in the order given.
     pub workers: Vec<RemoteWorker>,
-    /// The plan that was applied.
+    /// The plan that was applied; node 0 is the head when it was offered, the
+    /// workers follow in the order given.
     pub plan: Plan,
+    /// The name of every planned node, in the plan's numbering.
+    pub node_names: Vec<String>,
     /// Bytes the head sent to the first stage.
     pub to_first: Arc<Counters>,
     /// Bytes the head received from the last stage.
     pub from_last: Arc<Counters>,
     // Control links of the middle stages stay open for the session's lifetime.
     _idle: Vec<TcpLink>,
+    // The head's own stage, when it runs one.
+    head_stage: Option<JoinHandle<()>>,
+}
+
+impl Drop for RemoteRing {
+    fn drop(&mut self) {
+        let _ = self.head.shutdown();
+        if let Some(thread) = self.head_stage.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// The cheap identity of a model file (hash of header and tensor index).
@@ -144,39 +167,64 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     }
 
     let cost = model_cost(&file, opts.n_ctx);
-    let known: Vec<f32> = remote.iter().filter_map(|w| w.caps.secs_per_layer).collect();
+    let mut offers = Vec::new();
+    if opts.head_stage {
+        let secs_per_layer = super::speed::measure(model, opts.threads)? as f64;
+        let memory = opts.head_memory.unwrap_or_else(super::available_memory);
+        offers.push(NodeOffer {
+            name: "head".into(),
+            memory,
+            secs_per_layer,
+        });
+    }
+    let known: Vec<f64> = offers
+        .iter()
+        .map(|o| o.secs_per_layer)
+        .chain(remote.iter().filter_map(|w| w.caps.secs_per_layer.map(f64::from)))
+        .collect();
     // A worker without the file cannot measure itself on it: assume the average.
     let fallback = if known.is_empty() {
         1e-3
     } else {
-        known.iter().sum::<f32>() / known.len() as f32
+        known.iter().sum::<f64>() / known.len() as f64
     };
-    let offers: Vec<NodeOffer> = remote
-        .iter()
-        .map(|w| NodeOffer {
-            name: w.addr.clone(),
-            memory: w.caps.memory,
-            secs_per_layer: w.caps.secs_per_layer.unwrap_or(fallback) as f64,
-        })
-        .collect();
+    offers.extend(remote.iter().map(|w| NodeOffer {
+        name: w.addr.clone(),
+        memory: w.caps.memory,
+        secs_per_layer: w.caps.secs_per_layer.map_or(fallback, f64::from),
+    }));
     let plan = match &opts.split {
         Some(split) => baton_plan::plan_with_split(&cost, &offers, split)?,
         None => baton_plan::partition(&cost, &offers)?,
     };
     for (name, why) in &plan.left_out {
-        tracing::warn!(worker = %name, "left out of the plan: {why}");
+        tracing::warn!(node = %name, "left out of the plan: {why}");
     }
+    let node_names: Vec<String> = offers.iter().map(|o| o.name.clone()).collect();
+    // Plan node → worker index (`None`: the head itself).
+    let shift = usize::from(opts.head_stage);
+    let worker_of = |node: usize| node.checked_sub(shift);
 
+    // Workers the plan leaves out are released now, not held for the session.
+    for (w, link) in links.iter_mut().enumerate() {
+        if !plan.stages.iter().any(|s| worker_of(s.node) == Some(w)) {
+            link.send(&Message::Shutdown)?;
+        }
+    }
     let n = plan.stages.len();
+    let ring_addr = |node: usize| worker_of(node).map(|w| remote[w].caps.ring_addr.clone());
+    let nexts: Vec<Option<String>> = (0..n)
+        .map(|i| plan.stages.get(i + 1).and_then(|s| ring_addr(s.node)))
+        .collect();
     for (i, stage) in plan.stages.iter().enumerate() {
-        let worker = &mut remote[stage.node];
+        let Some(w) = worker_of(stage.node) else { continue };
+        let worker = &mut remote[w];
         worker.layers = Some(stage.layers.clone());
         let holds = worker
             .caps
             .models
             .iter()
             .any(|m| m.identity == model_ref.identity && m.complete);
-        let next = plan.stages.get(i + 1).map(|s| remote_ring_addr(&remote, s.node));
         let load = LoadPlan {
             model: model_ref.clone(),
             layer_start: stage.layers.start as u32,
@@ -184,12 +232,12 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
             first: i == 0,
             last: i + 1 == n,
             n_ctx: opts.n_ctx as u32,
-            next,
+            next: nexts[i].clone(),
             stream: !holds,
             wire_f16: opts.wire_f16,
             repack: opts.repack,
         };
-        let link = &mut links[stage.node];
+        let link = &mut links[w];
         link.send(&Message::LoadPlan(load))?;
         if !holds {
             let span = StageSpan {
@@ -197,16 +245,45 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
                 first: i == 0,
                 last: i + 1 == n,
             };
-            let addr = remote[stage.node].addr.clone();
-            let sent = send_stage_tensors(&file, &span, link, |done, total| {
-                tracing::debug!(worker = %addr, done, total, "streaming weights");
-            })?;
-            remote[stage.node].streamed = sent;
+            let addr = worker.addr.clone();
+            let sent = send_stage_tensors(&file, &span, link, &addr)?;
+            remote[w].streamed = sent;
             tracing::info!(worker = %addr, bytes = sent, "streamed weights");
         }
     }
+
+    // The head's own stage (always the first when it has one) loads while the workers
+    // load, then links to the second stage.
+    let head_stage = match plan.stages.first() {
+        Some(stage) if worker_of(stage.node).is_none() => {
+            let span = StageSpan {
+                layers: stage.layers.clone(),
+                first: true,
+                last: n == 1,
+            };
+            let config = StageConfig {
+                n_ctx: opts.n_ctx,
+                n_threads: opts.threads,
+                repack: opts.repack,
+            };
+            let loaded = Stage::load(ModelFile::open(model)?, span, &config)?;
+            tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");
+            Some(StageWorker::new(loaded, 0).with_wire_f16(opts.wire_f16))
+        }
+        _ => None,
+    };
+    let head_next = match (&head_stage, nexts.first()) {
+        (Some(_), Some(Some(next))) => {
+            let mut down = TcpLink::connect(next, &opts.link)?;
+            client_handshake(&mut down, Role::Ring, token)?;
+            Some(down)
+        }
+        _ => None,
+    };
+
     for stage in &plan.stages {
-        let link = &mut links[stage.node];
+        let Some(w) = worker_of(stage.node) else { continue };
+        let link = &mut links[w];
         match link.recv()? {
             Message::Loaded { resident, received } => {
                 tracing::info!(worker = %link.peer(), resident, received, "stage ready");
@@ -221,29 +298,75 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
         }
     }
 
-    // The ring: head → first stage's control link; last stage's control link → head.
-    let first = plan.stages[0].node;
+    // The ring: head → first stage; last stage → head. Control links of the middle
+    // stages stay open (a worker's session lives as long as its control link).
     let last = plan.stages[n - 1].node;
     let mut slots: Vec<Option<TcpLink>> = links.into_iter().map(Some).collect();
-    let (tx, rx, idle) = if first == last {
-        let (tx, rx) = slots[first].take().expect("each node appears once").split()?;
-        (tx, rx, Vec::new())
-    } else {
-        let (tx, _) = slots[first].take().expect("each node appears once").split()?;
-        let (_, rx) = slots[last].take().expect("each node appears once").split()?;
-        (tx, rx, slots.into_iter().flatten().collect())
+    let mut take = |node: usize| {
+        let link = worker_of(node).and_then(|w| slots[w].take());
+        link.ok_or_else(|| NodeError::Protocol("a worker appears twice in the plan".into()))
     };
-    let (to_first, from_last) = (tx.counters(), rx.counters());
+    let (tx, rx, to_first, from_last, thread): (Box<dyn Tx>, Box<dyn Rx>, _, _, _) = match head_stage {
+        Some(worker) => {
+            let (head_tx, stage_rx) = local_link("head stage");
+            match head_next {
+                // The head holds every layer: its stage answers it directly.
+                None => {
+                    let (stage_tx, head_rx) = local_link("head");
+                    let thread = spawn_stage(worker, stage_rx, stage_tx)?;
+                    (
+                        Box::new(head_tx),
+                        Box::new(head_rx),
+                        Arc::default(),
+                        Arc::default(),
+                        Some(thread),
+                    )
+                }
+                Some(down) => {
+                    let (down_tx, _) = down.split()?;
+                    let (_, rx) = take(last)?.split()?;
+                    let (to_first, from_last) = (down_tx.counters(), rx.counters());
+                    let thread = spawn_stage(worker, stage_rx, down_tx)?;
+                    (Box::new(head_tx), Box::new(rx), to_first, from_last, Some(thread))
+                }
+            }
+        }
+        None => {
+            let first = plan.stages[0].node;
+            let (tx, rx) = if first == last {
+                take(first)?.split()?
+            } else {
+                let (tx, _) = take(first)?.split()?;
+                let (_, rx) = take(last)?.split()?;
+                (tx, rx)
+            };
+            let (to_first, from_last) = (tx.counters(), rx.counters());
+            (Box::new(tx), Box::new(rx), to_first, from_last, None)
+        }
+    };
     Ok(RemoteRing {
-        head: Head::new(Box::new(tx), Box::new(rx)),
+        head: Head::new(tx, rx),
         workers: remote,
         plan,
+        node_names,
         to_first,
         from_last,
-        _idle: idle,
+        _idle: slots.into_iter().flatten().collect(),
+        head_stage: thread,
     })
 }
 
-fn remote_ring_addr(remote: &[RemoteWorker], node: usize) -> String {
-    remote[node].caps.ring_addr.clone()
+/// Runs the head's own stage on a thread of its own, like a worker would.
+fn spawn_stage(
+    worker: StageWorker,
+    rx: impl Rx + Send + 'static,
+    tx: impl Tx + Send + 'static,
+) -> Result<JoinHandle<()>, NodeError> {
+    std::thread::Builder::new()
+        .name("head-stage".into())
+        .spawn(move || match run(worker, rx, tx) {
+            Ok(()) | Err(NetError::Closed { .. }) => {}
+            Err(e) => tracing::warn!("the head's stage stopped: {e}"),
+        })
+        .map_err(|e| NodeError::Protocol(format!("cannot start the head's stage thread: {e}")))
 }

@@ -10,3 +10,15 @@ mod worker;
 pub use head::{connect_cluster, model_cost, model_ref, ClusterOptions, RemoteRing, RemoteWorker};
 pub use models::{identity_of, ModelDir};
 pub use worker::{Worker, WorkerConfig};
+
+/// `MemAvailable` from /proc/meminfo (Linux); a conservative 1 GiB elsewhere.
+pub fn available_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(1 << 30, |kb| kb * 1024)
+}

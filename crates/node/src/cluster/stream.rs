@@ -24,6 +24,7 @@ use baton_model::{ModelFile, StageSpan};
 use baton_net::TcpLink;
 use baton_proto::auth::identity_hash;
 use baton_proto::{Message, ModelRef, TensorEntry};
+use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 
 use super::models::ModelDir;
@@ -146,12 +147,12 @@ fn log_progress(done: u64, total: u64, started: Instant) {
 }
 
 /// Head side: offers a stage's tensors and sends the ones the worker asks for; returns
-/// the bytes sent. `progress` sees (bytes sent, bytes to send).
+/// the bytes sent. A progress bar (bytes, rate, ETA) shows on a terminal.
 pub fn send_stage_tensors(
     file: &ModelFile,
     span: &StageSpan,
     link: &mut TcpLink,
-    mut progress: impl FnMut(u64, u64),
+    worker: &str,
 ) -> Result<u64, NodeError> {
     let bytes = file.bytes();
     let header = bytes[..file.gguf().data_offset as usize].to_vec();
@@ -186,6 +187,13 @@ pub fn send_stage_tensors(
         }
     };
     let total: u64 = wanted.iter().map(|e| e.len).sum();
+    let bar = ProgressBar::new(total).with_message(format!("weights to {worker}"));
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}")
+            .expect("the template is valid")
+            .progress_chars("=> "),
+    );
+    let started = Instant::now();
     let mut sent = 0u64;
     for want in &wanted {
         let index = entries
@@ -202,8 +210,13 @@ pub fn send_stage_tensors(
                 data: chunk.to_vec(),
             })?;
             sent += chunk.len() as u64;
-            progress(sent, total);
+            bar.set_position(sent);
         }
+    }
+    bar.finish_and_clear();
+    if sent > 0 {
+        let secs = started.elapsed().as_secs_f64();
+        tracing::info!(%worker, "sent {:.1} MiB of weights in {secs:.1} s", sent as f64 / 1048576.0);
     }
     Ok(sent)
 }

@@ -152,6 +152,11 @@ fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>) -> Res
                 link.send(&Message::Capabilities(caps))?;
             }
             Message::LoadPlan(plan) => break plan,
+            // The head planned without this worker.
+            Message::Shutdown => {
+                tracing::info!("the head's plan leaves this worker out");
+                return Ok(());
+            }
             Message::Auth { .. } => return Err(refuse_unexpected_auth(&mut link).into()),
             other => {
                 let reason = format!("{} is not expected before a load plan", other.kind());
@@ -238,7 +243,7 @@ fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: Option
     });
     Capabilities {
         devices: vec!["CPU".into()],
-        memory: config.memory.unwrap_or_else(available_memory),
+        memory: config.memory.unwrap_or_else(super::available_memory),
         threads: config.threads as u32,
         secs_per_layer,
         models: shared.models.list(),
@@ -275,16 +280,4 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut TcpLink) -> Result<(Stage, 
         repack: plan.repack,
     };
     Ok((Stage::load(file, span, &config)?, received))
-}
-
-/// `MemAvailable` from /proc/meminfo (Linux); a conservative 1 GiB elsewhere.
-fn available_memory() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find_map(|l| l.strip_prefix("MemAvailable:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(1 << 30, |kb| kb * 1024)
 }

@@ -346,7 +346,10 @@ impl<'a> Reader<'a> {
         let payload = match self.u8("payload tag")? {
             0 => Payload::Tokens(self.array("tokens", u32::from_le_bytes)?),
             1 => Payload::Hidden(self.array("hidden", f32::from_le_bytes)?),
-            2 => Payload::HiddenF16(self.array("hidden", u16::from_le_bytes)?),
+            2 => Payload::HiddenF16 {
+                values: self.array("hidden", u16::from_le_bytes)?,
+                row_exps: self.array("row scales", u8::from_le_bytes)?,
+            },
             tag => return Err(self.invalid("payload", format!("unknown payload tag {tag}"))),
         };
         let forward = Forward {
@@ -384,8 +387,14 @@ fn check_forward(forward: &Forward) -> Result<(), String> {
         }
         Payload::Tokens(_) => (rows, false),
         Payload::Hidden(hidden) => (hidden.len(), hidden.iter().any(|x| x.is_nan())),
+        Payload::HiddenF16 { row_exps, .. } if row_exps.len() != rows => {
+            return Err(format!("{} row scales for {rows} rows", row_exps.len()));
+        }
+        Payload::HiddenF16 { row_exps, .. } if row_exps.iter().any(|&e| e > crate::MAX_ROW_EXP) => {
+            return Err(format!("a row scale beyond 2^{}", crate::MAX_ROW_EXP));
+        }
         // f16 NaN: all exponent bits set and a non-zero mantissa.
-        Payload::HiddenF16(hidden) => (hidden.len(), hidden.iter().any(|&x| x & 0x7fff > 0x7c00)),
+        Payload::HiddenF16 { values, .. } => (values.len(), values.iter().any(|&x| x & 0x7fff > 0x7c00)),
     };
     if values == 0 || values % rows != 0 {
         return Err(format!("{values} hidden values do not divide into {rows} rows"));

@@ -153,7 +153,13 @@ fn samples() -> Vec<Message> {
             2,
         )),
         Message::Forward(forward(Payload::Hidden(vec![f32::INFINITY; 1024]), 1)),
-        Message::Forward(forward(Payload::HiddenF16(vec![0x3c00, 0x8000, 0x7bff]), 1)),
+        Message::Forward(forward(
+            Payload::HiddenF16 {
+                values: vec![0x3c00, 0x8000, 0x7bff],
+                row_exps: vec![3],
+            },
+            1,
+        )),
         Message::Sampled {
             step: 77,
             tokens: vec![
@@ -467,10 +473,33 @@ fn inconsistent_forwards_are_refused() {
         ),
         (
             Forward {
-                payload: Payload::HiddenF16(vec![0; 3]),
+                payload: Payload::HiddenF16 {
+                    values: vec![0; 3],
+                    row_exps: vec![0; 2],
+                },
                 ..base()
             },
             "3 hidden values",
+        ),
+        (
+            Forward {
+                payload: Payload::HiddenF16 {
+                    values: vec![0; 4],
+                    row_exps: vec![0],
+                },
+                ..base()
+            },
+            "1 row scales for 2 rows",
+        ),
+        (
+            Forward {
+                payload: Payload::HiddenF16 {
+                    values: vec![0; 4],
+                    row_exps: vec![0, 41],
+                },
+                ..base()
+            },
+            "row scale beyond",
         ),
         (
             Forward {
@@ -481,7 +510,10 @@ fn inconsistent_forwards_are_refused() {
         ),
         (
             Forward {
-                payload: Payload::HiddenF16(vec![0, 0x7e00]),
+                payload: Payload::HiddenF16 {
+                    values: vec![0, 0x7e00],
+                    row_exps: vec![0, 0],
+                },
                 ..base()
             },
             "NaN",
@@ -494,7 +526,10 @@ fn inconsistent_forwards_are_refused() {
     }
     // f16 infinities are numbers, not NaN.
     let inf = Forward {
-        payload: Payload::HiddenF16(vec![0x7c00, 0xfc00]),
+        payload: Payload::HiddenF16 {
+            values: vec![0x7c00, 0xfc00],
+            row_exps: vec![0, 0],
+        },
         ..base()
     };
     let (kind, payload) = payload_of(&Message::Forward(inf));
@@ -625,5 +660,27 @@ fn mutated_samples_never_panic_and_stay_canonical() {
                 assert_eq!(payload_of(&decoded), (kind, mutated), "{decoded:?}");
             }
         }
+    }
+}
+
+#[test]
+fn f16_rows_keep_large_rows_finite_and_small_rows_exact_to_f16() {
+    let small = [1.5f32, -0.25, 1000.0, 3.0e-3];
+    let large = [98407.5f32, -1.0, 12.0, 40000.0];
+    let hidden: Vec<f32> = small.iter().chain(&large).copied().collect();
+    let payload = Payload::f16_rows(&hidden, 2);
+    let Payload::HiddenF16 { row_exps, .. } = &payload else {
+        panic!("f16 payload")
+    };
+    assert_eq!(row_exps, &vec![0, 2]);
+    let back = payload.widen_f16().unwrap();
+    for (x, y) in small.iter().zip(&back[..4]) {
+        assert_eq!(half::f16::from_f32(*x).to_f32(), *y, "an unscaled row is plain f16");
+    }
+    for (x, y) in large.iter().zip(&back[4..]) {
+        assert!(
+            y.is_finite() && (x - y).abs() <= x.abs() / 1024.0,
+            "{x} came back as {y}"
+        );
     }
 }

@@ -259,9 +259,10 @@ impl Writer<'_> {
                 self.u8(1);
                 self.array(hidden, f32::to_le_bytes);
             }
-            Payload::HiddenF16(hidden) => {
+            Payload::HiddenF16 { values, row_exps } => {
                 self.u8(2);
-                self.array(hidden, u16::to_le_bytes);
+                self.array(values, u16::to_le_bytes);
+                self.array(row_exps, u8::to_le_bytes);
             }
         }
         self.array(&forward.positions, i32::to_le_bytes);
