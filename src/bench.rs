@@ -56,7 +56,7 @@ fn median(mut times: Vec<Duration>) -> Duration {
 /// One pp run through the ring: a single batch, the last row sampled.
 fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
     head.control(Message::StartSeq {
-        seq: 0,
+        seq: 0, keep: 0, top_logprobs: 0,
         params: SamplingParams::greedy(),
         history: Vec::new(),
         logprobs: false,
@@ -78,7 +78,7 @@ fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
 /// sampled greedily on the last stage and fed back.
 fn baton_tg(head: &mut Head, first: u32, n: usize) -> anyhow::Result<Duration> {
     head.control(Message::StartSeq {
-        seq: 0,
+        seq: 0, keep: 0, top_logprobs: 0,
         params: SamplingParams::greedy(),
         history: Vec::new(),
         logprobs: false,

@@ -10,6 +10,9 @@ use anyhow::{bail, Context as _};
 /// Running child workers; killed on drop.
 pub struct LocalWorkers {
     children: Vec<Child>,
+    // Each worker exits when its stdin closes: if this process dies, even by SIGKILL,
+    // the kernel closes these and the workers follow.
+    _lifelines: Vec<std::process::ChildStdin>,
     /// Their addresses, in start order.
     pub addrs: Vec<String>,
     /// The token they require.
@@ -27,6 +30,7 @@ impl LocalWorkers {
         let token = baton_proto::auth::hex(&baton_proto::auth::new_nonce());
         let mut workers = LocalWorkers {
             children: Vec::new(),
+            _lifelines: Vec::new(),
             addrs: Vec::new(),
             token,
         };
@@ -36,6 +40,7 @@ impl LocalWorkers {
                     "worker",
                     "--listen",
                     "127.0.0.1:0",
+                    "--exit-on-stdin-close",
                     "--threads",
                     &threads.to_string(),
                     "--models",
@@ -43,10 +48,11 @@ impl LocalWorkers {
                 .arg(dir)
                 .env("BATON_TOKEN", &workers.token)
                 .stdout(Stdio::piped())
-                .stdin(Stdio::null())
+                .stdin(Stdio::piped())
                 .spawn()
                 .with_context(|| format!("cannot start worker {i}"))?;
             let stdout = child.stdout.take().context("worker stdout")?;
+            workers._lifelines.extend(child.stdin.take());
             workers.children.push(child);
             let mut line = String::new();
             BufReader::new(stdout)

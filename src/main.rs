@@ -4,6 +4,7 @@ mod bench;
 mod local_workers;
 mod ring;
 mod run;
+mod serve;
 mod worker;
 
 use std::path::PathBuf;
@@ -24,6 +25,8 @@ enum Command {
     Run(run::RunArgs),
     /// Compare baton's stages with libllama single-process (prompt and generation speed).
     Bench(bench::BenchArgs),
+    /// Serve the OpenAI-compatible API, computing on in-process stages or workers.
+    Serve(serve::ServeArgs),
     /// Serve stages of a cluster: load the layers a head asks for, join its ring.
     Worker(worker::WorkerArgs),
 }
@@ -85,6 +88,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Bench(args) => bench::bench(args),
+        Command::Serve(args) => serve::serve(args),
         Command::Worker(args) => worker::worker(args),
     };
     match result {

@@ -39,6 +39,9 @@ pub struct WorkerArgs {
     /// Kernel socket buffer sizes in bytes (SO_SNDBUF and SO_RCVBUF).
     #[arg(long)]
     socket_buffer: Option<usize>,
+    /// Exit when standard input closes (how `--local-workers` ties workers to the head).
+    #[arg(long, hide = true)]
+    exit_on_stdin_close: bool,
 }
 
 /// Runs the worker until killed.
@@ -74,6 +77,12 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         handshake_timeout: Duration::from_secs(10),
     };
     let worker = Worker::bind(config)?;
+    if args.exit_on_stdin_close {
+        std::thread::spawn(|| {
+            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+            std::process::exit(0);
+        });
+    }
     // The first line on stdout is the bound address: `--local-workers` and tests read it.
     println!("listening on {}", worker.local_addr()?);
     worker.serve();

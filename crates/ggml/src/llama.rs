@@ -126,6 +126,26 @@ impl LlamaModel {
         unsafe { sys::llama_vocab_is_eog(self.vocab(), token as i32) }
     }
 
+    /// The beginning-of-sequence token, if the vocabulary has one.
+    pub fn bos_token(&self) -> Option<u32> {
+        // SAFETY: valid vocab.
+        let token = unsafe { sys::llama_vocab_bos(self.vocab()) };
+        u32::try_from(token).ok()
+    }
+
+    /// The end-of-sequence token, if the vocabulary has one.
+    pub fn eos_token(&self) -> Option<u32> {
+        // SAFETY: valid vocab.
+        let token = unsafe { sys::llama_vocab_eos(self.vocab()) };
+        u32::try_from(token).ok()
+    }
+
+    /// Whether tokenizing with `add_special` puts the BOS token first.
+    pub fn adds_bos(&self) -> bool {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_get_add_bos(self.vocab()) }
+    }
+
     /// The model's embedded chat template, if any.
     pub fn chat_template(&self) -> Option<String> {
         // SAFETY: valid model; null name selects the default template; the returned

@@ -101,6 +101,8 @@ impl Head {
         let start = Instant::now();
         self.control(Message::StartSeq {
             seq,
+            keep: 0,
+            top_logprobs: 0,
             params: req.params.clone(),
             history: req.prompt.to_vec(),
             logprobs: req.logprobs,
@@ -131,7 +133,7 @@ impl Head {
         };
         let mut pos = req.prompt.len();
         while out.tokens.len() < req.max_tokens {
-            let Some(next) = sampled.first().copied() else {
+            let Some(next) = sampled.first().cloned() else {
                 return Err(NodeError::Request("the last stage sampled no token".into()));
             };
             if is_end(next.token) {
@@ -154,11 +156,29 @@ impl Head {
 
     /// Resident bytes of each stage, in ring order.
     pub fn resident_bytes(&mut self) -> Result<Vec<u64>, NodeError> {
-        self.tx.send(Message::Stats { resident: Vec::new() })?;
+        Ok(self.stats()?.0)
+    }
+
+    /// Resident bytes and KV cache cells in use of each stage, in ring order.
+    pub fn stats(&mut self) -> Result<(Vec<u64>, Vec<u32>), NodeError> {
+        self.tx.send(Message::Stats { resident: Vec::new(), kv_used: Vec::new() })?;
         match self.rx.recv()? {
-            Message::Stats { resident } => Ok(resident),
+            Message::Stats { resident, kv_used } => Ok((resident, kv_used)),
             other => Err(unexpected(other)),
         }
+    }
+
+    /// The two ends of the ring, for a driver that keeps several steps in flight.
+    pub fn into_parts(self) -> (Box<dyn Tx>, Box<dyn Rx>) {
+        (self.tx, self.rx)
+    }
+
+    /// Moves the ring's ends out, leaving a head whose links are closed (so whoever
+    /// owns the ring keeps it, and its threads, alive while another driver runs it).
+    pub fn take(&mut self) -> Head {
+        let (tx, _) = baton_net::local_link("detached");
+        let (_, rx) = baton_net::local_link("detached");
+        std::mem::replace(self, Head::new(Box::new(tx), Box::new(rx)))
     }
 
     /// Stops every stage of the ring.

@@ -3,6 +3,7 @@
 #![deny(unsafe_code)]
 
 pub mod cluster;
+pub mod engine;
 mod head;
 mod local;
 mod worker;

@@ -21,6 +21,8 @@ pub struct StageWorker {
 struct SeqSampler {
     sampler: Sampler,
     logprobs: bool,
+    /// Alternatives to report with each token.
+    n_top: usize,
 }
 
 impl StageWorker {
@@ -53,24 +55,29 @@ impl StageWorker {
         let reply = match msg {
             Message::StartSeq {
                 seq,
+                keep,
                 params,
                 history,
+                top_logprobs,
                 logprobs,
             } => {
-                self.stage.kv_mut().clear_seq(seq);
+                self.stage.kv_mut().truncate_seq(seq, keep as usize);
                 if last {
                     match Sampler::new(params.clone()) {
                         Ok(mut sampler) => {
                             history.iter().for_each(|&t| sampler.accept(t));
-                            self.samplers.insert(seq, SeqSampler { sampler, logprobs });
+                            let n_top = if logprobs { top_logprobs as usize } else { 0 };
+                            self.samplers.insert(seq, SeqSampler { sampler, logprobs, n_top });
                         }
                         Err(e) => return self.error(e.to_string()),
                     }
                 }
                 Message::StartSeq {
                     seq,
+                    keep,
                     params,
                     history,
+                    top_logprobs,
                     logprobs,
                 }
             }
@@ -87,9 +94,10 @@ impl StageWorker {
                 Ok(msg) => return msg,
                 Err(message) => return self.error(message),
             },
-            Message::Stats { mut resident } => {
+            Message::Stats { mut resident, mut kv_used } => {
                 resident.push(self.stage.resident_bytes());
-                return Message::Stats { resident };
+                kv_used.push(self.stage.kv().n_used() as u32);
+                return Message::Stats { resident, kv_used };
             }
             // Replies and errors from upstream pass through untouched.
             other @ (Message::Sampled { .. } | Message::Done | Message::Error { .. } | Message::Shutdown) => {
@@ -163,14 +171,15 @@ impl StageWorker {
                         .get_mut(&seq)
                         .ok_or_else(|| format!("sequence {seq} has no sampler: StartSeq must come first"))?;
                     let sampler = &mut seq_sampler.sampler;
-                    let (token, logprob) = if seq_sampler.logprobs {
-                        let sampled = sampler.sample_with_logprobs(row_logits, 0).map_err(|e| e.to_string())?;
-                        (sampled.token, sampled.logprob)
+                    let (token, logprob, top) = if seq_sampler.logprobs {
+                        let n_top = seq_sampler.n_top;
+                        let sampled = sampler.sample_with_logprobs(row_logits, n_top).map_err(|e| e.to_string())?;
+                        (sampled.token, sampled.logprob, sampled.top)
                     } else {
-                        (sampler.sample(row_logits).map_err(|e| e.to_string())?, f32::NAN)
+                        (sampler.sample(row_logits).map_err(|e| e.to_string())?, f32::NAN, Vec::new())
                     };
                     sampler.accept(token);
-                    tokens.push(SampledToken { seq, token, logprob });
+                    tokens.push(SampledToken { seq, token, logprob, top });
                 }
                 Ok(Message::Sampled { step, tokens })
             }

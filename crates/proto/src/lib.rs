@@ -97,7 +97,7 @@ pub struct Forward {
 }
 
 /// A token chosen by the last stage for one sampled row.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SampledToken {
     /// Sequence the token belongs to.
     pub seq: u32,
@@ -106,6 +106,9 @@ pub struct SampledToken {
     /// Log-probability of the token under the model (before truncation and temperature);
     /// NaN unless the sequence asked for log-probabilities.
     pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, best first (as many as the
+    /// sequence's `top_logprobs`; empty otherwise).
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Who opens a connection, announced in `Hello`.
@@ -228,14 +231,17 @@ pub enum Message {
     Loaded { resident: u64, received: u64 },
 
     // --- ring ---
-    /// Start (or restart) sequence `seq`: forget its cache on every stage; the last stage
-    /// creates its sampler with `params`, seeding penalties with `history`, and computes
-    /// log-probabilities of sampled tokens only when `logprobs` is set (it costs a pass
-    /// over the vocabulary per token).
+    /// Start (or restart) sequence `seq`: keep only the first `keep` tokens of its cache
+    /// on every stage (0 forgets it; more reuses a prefix); the last stage creates its
+    /// sampler with `params`, seeding penalties with `history`, and computes
+    /// log-probabilities of sampled tokens (and the `top_logprobs` best alternatives)
+    /// only when `logprobs` is set (it costs a pass over the vocabulary per token).
     StartSeq {
         seq: u32,
+        keep: u32,
         params: SamplingParams,
         history: Vec<u32>,
+        top_logprobs: u8,
         logprobs: bool,
     },
     /// Keep only the first `len` tokens of `seq` on every stage.
@@ -250,9 +256,9 @@ pub enum Message {
     Done,
     /// A stage failed to handle a message; the ring drops it and reports this.
     Error { stage: u32, message: String },
-    /// Each stage appends its resident bytes and passes the message on; the head gets
-    /// one entry per stage, in ring order.
-    Stats { resident: Vec<u64> },
+    /// Each stage appends its resident bytes and the KV cache cells in use and passes the
+    /// message on; the head gets one entry per stage, in ring order.
+    Stats { resident: Vec<u64>, kv_used: Vec<u32> },
     /// Stop the stage's loop.
     Shutdown,
 }

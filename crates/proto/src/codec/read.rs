@@ -47,8 +47,10 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         },
         kind::START_SEQ => Message::StartSeq {
             seq: r.u32("seq")?,
+            keep: r.u32("keep")?,
             params: r.sampling()?,
             history: r.array("history", u32::from_le_bytes)?,
+            top_logprobs: r.u8("top_logprobs")?,
             logprobs: r.bool("logprobs")?,
         },
         kind::TRUNCATE_SEQ => Message::TruncateSeq {
@@ -70,6 +72,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         },
         kind::STATS => Message::Stats {
             resident: r.array("resident", u64::from_le_bytes)?,
+            kv_used: r.array("kv_used", u32::from_le_bytes)?,
         },
         kind::SHUTDOWN => Message::Shutdown,
         // `kind_name` accepted it, so a number is missing above.
@@ -83,7 +86,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
 const STR_MIN: usize = 4;
 const HELD_MODEL_MIN: usize = STR_MIN + 32 + 8 + 1;
 const TENSOR_ENTRY_MIN: usize = STR_MIN + 8 + 8 + 32;
-const SAMPLED_TOKEN_LEN: usize = 12;
+const SAMPLED_TOKEN_LEN: usize = 16;
 
 /// A cursor over the unread part of a payload; its errors name the message and field.
 struct Reader<'a> {
@@ -368,6 +371,12 @@ impl<'a> Reader<'a> {
             seq: self.u32("token seq")?,
             token: self.u32("token id")?,
             logprob: self.f32("logprob")?,
+            top: {
+                let n = self.count("top logprobs", 8)?;
+                (0..n)
+                    .map(|_| Ok((self.u32("top token")?, self.f32("top logprob")?)))
+                    .collect::<Result<_, ProtoError>>()?
+            },
         })
     }
 }

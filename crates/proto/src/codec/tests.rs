@@ -134,13 +134,13 @@ fn samples() -> Vec<Message> {
             received: 5,
         },
         Message::StartSeq {
-            seq: 9,
+            seq: 9, keep: 7, top_logprobs: 5,
             params: params(),
             history: vec![1, 2, u32::MAX],
             logprobs: true,
         },
         Message::StartSeq {
-            seq: 0,
+            seq: 0, keep: 0, top_logprobs: 0,
             params: SamplingParams::greedy(),
             history: vec![],
             logprobs: false,
@@ -167,11 +167,13 @@ fn samples() -> Vec<Message> {
                     seq: 1,
                     token: 2,
                     logprob: f32::NAN,
+                    top: vec![],
                 },
                 SampledToken {
                     seq: 3,
                     token: 4,
                     logprob: -0.125,
+                    top: vec![(4, -0.125), (u32::MAX, -7.5)],
                 },
             ],
         },
@@ -186,6 +188,7 @@ fn samples() -> Vec<Message> {
         },
         Message::Stats {
             resident: vec![1, u64::MAX, 0],
+            kv_used: vec![0, 4096, u32::MAX],
         },
         Message::Shutdown,
     ]
@@ -399,7 +402,7 @@ fn unknown_role_and_tags_are_refused() {
     assert_eq!(invalid_reason(decode(kind::HELLO, &hello.0)), "unknown role byte 3");
 
     let (kind, mut payload) = payload_of(&Message::StartSeq {
-        seq: 1,
+        seq: 1, keep: 0, top_logprobs: 0,
         params: params(),
         history: vec![],
         logprobs: true,
@@ -543,7 +546,7 @@ fn invalid_values_are_refused() {
         ..params()
     };
     let msg = Message::StartSeq {
-        seq: 1,
+        seq: 1, keep: 0, top_logprobs: 0,
         params: nan_temperature,
         history: vec![],
         logprobs: false,
@@ -564,7 +567,7 @@ fn invalid_values_are_refused() {
     assert!(err.to_string().contains("temperature"), "{err}");
 
     let top_p = Message::StartSeq {
-        seq: 1,
+        seq: 1, keep: 0, top_logprobs: 0,
         params: SamplingParams { top_p: 0.0, ..params() },
         history: vec![],
         logprobs: false,

@@ -80,13 +80,17 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
         }
         Message::StartSeq {
             seq,
+            keep,
             params,
             history,
+            top_logprobs,
             logprobs,
         } => {
             w.u32(*seq);
+            w.u32(*keep);
             w.sampling(params);
             w.array(history, u32::to_le_bytes);
+            w.u8(*top_logprobs);
             w.bool(*logprobs);
             kind::START_SEQ
         }
@@ -115,8 +119,9 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.str(message);
             kind::ERROR
         }
-        Message::Stats { resident } => {
+        Message::Stats { resident, kv_used } => {
             w.array(resident, u64::to_le_bytes);
+            w.array(kv_used, u32::to_le_bytes);
             kind::STATS
         }
         Message::Shutdown => kind::SHUTDOWN,
@@ -274,5 +279,10 @@ impl Writer<'_> {
         self.u32(token.seq);
         self.u32(token.token);
         self.raw(&token.logprob.to_le_bytes());
+        self.count(token.top.len());
+        for &(id, logprob) in &token.top {
+            self.u32(id);
+            self.raw(&logprob.to_le_bytes());
+        }
     }
 }

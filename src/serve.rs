@@ -1,0 +1,141 @@
+//! `baton serve`: the OpenAI-compatible API on the head of a ring.
+
+use std::net::ToSocketAddrs;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use baton_ggml::LlamaModel;
+use baton_node::engine::{Engine, EngineConfig};
+use baton_server::template::ChatTemplate;
+use baton_server::{AppState, ServerConfig};
+use clap::Args;
+
+use crate::ring::{ClusterArgs, Ring};
+use crate::StageArgs;
+
+/// Arguments of `baton serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    stages: StageArgs,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/* (or the BATON_API_KEY variable).
+    #[arg(long, env = "BATON_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Serve on a non-loopback address without --api-key.
+    #[arg(long)]
+    insecure: bool,
+    /// Sequences computed at once; --ctx-size is shared among them.
+    #[arg(long, default_value_t = 4)]
+    parallel: usize,
+    /// Most prompt tokens per micro-batch (longer prompts go in pipelined chunks).
+    #[arg(long, default_value_t = 128)]
+    chunk: usize,
+    /// Requests that may wait for a free sequence before new ones are refused.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Model id for clients (default: the file name without .gguf).
+    #[arg(long)]
+    alias: Option<String>,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 8 << 20)]
+    max_body: usize,
+}
+
+/// Starts the ring and serves until interrupted.
+pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let loopback = (args.host.as_str(), args.port)
+        .to_socket_addrs()
+        .with_context(|| format!("bad --host {}", args.host))?
+        .all(|a| a.ip().is_loopback());
+    if !loopback && args.api_key.is_none() && !args.insecure {
+        anyhow::bail!(
+            "refusing to serve on {} without --api-key: anyone who can reach it could use the cluster. \
+             Set an API key (--api-key or BATON_API_KEY), or pass --insecure to accept that.",
+            args.host
+        );
+    }
+    anyhow::ensure!(args.parallel > 0, "--parallel must be at least 1");
+    anyhow::ensure!(
+        args.stages.ctx_size / args.parallel >= 16,
+        "--ctx-size {} shared by --parallel {} leaves under 16 tokens per sequence",
+        args.stages.ctx_size,
+        args.parallel
+    );
+    let model_path = args.stages.model.clone();
+    let vocab = Arc::new(LlamaModel::load_vocab(&model_path).context("loading the tokenizer")?);
+    let eos = vocab.eos_token().map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
+    let bos = vocab.bos_token().map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
+    let template = ChatTemplate::new(
+        vocab.chat_template().as_deref(),
+        bos.as_deref().unwrap_or_default(),
+        eos.as_deref().unwrap_or_default(),
+    )
+    .context("the model's chat template")?;
+    if template.is_default() {
+        tracing::warn!("the model has no chat template: using ChatML");
+    }
+
+    let mut ring = Ring::start(&model_path, &args.stages, &args.cluster)?;
+    let ranges = ring.ranges();
+    let config = EngineConfig {
+        n_slots: args.parallel,
+        slot_ctx: args.stages.ctx_size / args.parallel,
+        chunk: args.chunk.max(1),
+        n_stages: ranges.len(),
+        max_queue: args.max_queue,
+    };
+    let engine = Engine::start(ring.head().take(), vocab.clone(), config);
+    let model_id = args.alias.clone().unwrap_or_else(|| {
+        model_path.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
+    });
+    let state = Arc::new(AppState::new(
+        engine,
+        vocab,
+        template,
+        ServerConfig { model_id, api_key: args.api_key.clone(), max_body: args.max_body },
+    ));
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
+        eprintln!("serving {} on {} stage(s) [{}]", model_path.display(), ranges.len(), split.join(" "));
+        // The first stdout line is the address: scripts and tests read it.
+        println!("listening on http://{addr}");
+        axum::serve(listener, baton_server::router(state.clone()))
+            .with_graceful_shutdown(stop_signal())
+            .await
+            .context("serving HTTP")
+    })?;
+    // The engine stops the ring before the ring's owner (and any local workers) go.
+    drop(state);
+    drop(ring);
+    Ok(())
+}
+
+/// SIGINT or SIGTERM.
+async fn stop_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

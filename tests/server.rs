@@ -1,0 +1,362 @@
+//! `baton serve` as a real process, on a head + 2 local workers: the official `openai`
+//! Python client against it, curl streaming, concurrent requests, prefix reuse across
+//! chat turns, cancellation on disconnect, and errors in OpenAI's shape.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::{model, QWEN2};
+use serde_json::{json, Value};
+
+const KEY: &str = "test-api-key";
+
+/// One server at a time: they share two cores, and counters are read per server.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// A `baton serve --local-workers 2` process; killed on drop (its workers follow).
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+            .args(["serve", "--local-workers", "2", "--port", "0", "--api-key", KEY, "--threads", "1", "--model"])
+            .arg(model(QWEN2))
+            .args(extra)
+            .env_remove("BATON_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("baton serve starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr = line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("got {line:?}")).to_string();
+        Server { child, addr }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn model_id(&self) -> String {
+        QWEN2.trim_end_matches(".gguf").to_string()
+    }
+
+    /// One request (HTTP/1.0, so the body ends when the server closes).
+    fn request(&self, method: &str, path: &str, body: Option<&Value>, key: Option<&str>) -> (u16, String) {
+        let mut stream = self.send(method, path, body.map(|b| b.to_string()).as_deref(), key);
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        split_response(&response)
+    }
+
+    fn send(&self, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> TcpStream {
+        let mut stream = TcpStream::connect(&self.addr).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let body = body.unwrap_or("");
+        let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.0\r\nHost: test\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        stream
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Value {
+        let (status, text) = self.request("POST", path, Some(body), Some(KEY));
+        assert_eq!(status, 200, "{path}: {text}");
+        serde_json::from_str(&text).unwrap()
+    }
+
+    fn stats(&self) -> Value {
+        let (status, text) = self.request("GET", "/stats", None, None);
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// A streaming request; returns the `data:` payloads in order.
+    fn stream(&self, path: &str, body: &Value) -> Vec<String> {
+        let stream = self.send("POST", path, Some(&body.to_string()), Some(KEY));
+        let mut events = Vec::new();
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        while reader.read_line(&mut line).unwrap() > 0 {
+            if let Some(data) = line.trim_end().strip_prefix("data: ") {
+                events.push(data.to_string());
+            }
+            line.clear();
+        }
+        events
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn split_response(response: &str) -> (u16, String) {
+    let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+    (status, body)
+}
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[test]
+fn the_openai_python_client_works_against_the_server() {
+    let _serial = lock();
+    let server = Server::start(&["--parallel", "4", "-c", "4096"]);
+    let status = Command::new("python3")
+        .args(["-m", "pytest", "tests/openai", "-q", "-x"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("BATON_URL", server.url())
+        .env("BATON_API_KEY", KEY)
+        .env("BATON_MODEL", server.model_id())
+        .status()
+        .expect("python3 runs (scripts/setup installs tests/openai/requirements.txt)");
+    assert!(status.success(), "the openai client tests failed (output above)");
+}
+
+#[test]
+fn curl_streams_a_chat_completion() {
+    let _serial = lock();
+    let server = Server::start(&[]);
+    let body = json!({
+        "model": server.model_id(),
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8, "temperature": 0, "stream": true,
+    });
+    let output = Command::new("curl")
+        .args(["-sN", "--fail-with-body", "-H", "Content-Type: application/json"])
+        .args(["-H", &format!("Authorization: Bearer {KEY}"), "-d", &body.to_string()])
+        .arg(format!("{}/v1/chat/completions", server.url()))
+        .output()
+        .expect("curl runs");
+    assert!(output.status.success(), "curl: {}", String::from_utf8_lossy(&output.stderr));
+    let text = String::from_utf8(output.stdout).unwrap();
+    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let content: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
+    assert!(!content.is_empty(), "{text}");
+    let finished: Vec<&Value> = chunks.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null()).collect();
+    assert_eq!(finished.len(), 1, "{text}");
+}
+
+/// Generated tokens with the top two log-probabilities at each position.
+struct Streamed {
+    text: String,
+    tokens: Vec<(String, f64, f64)>,
+}
+
+fn stream_greedy(server: &Server, prompt: &str, n: usize) -> Streamed {
+    let body = json!({
+        "model": server.model_id(), "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "stream": true, "logprobs": 2,
+    });
+    let events = server.stream("/v1/completions", &body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    let mut out = Streamed { text: String::new(), tokens: Vec::new() };
+    for event in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        let choice = &chunk["choices"][0];
+        out.text.push_str(choice["text"].as_str().unwrap_or(""));
+        let logprobs = &choice["logprobs"];
+        if let Some(tokens) = logprobs["tokens"].as_array() {
+            for (i, token) in tokens.iter().enumerate() {
+                let mut top: Vec<f64> =
+                    logprobs["top_logprobs"][i].as_object().unwrap().values().map(|v| v.as_f64().unwrap()).collect();
+                top.sort_by(|a, b| b.total_cmp(a));
+                out.tokens.push((token.as_str().unwrap().to_string(), top[0], top.get(1).copied().unwrap_or(f64::MIN)));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn concurrent_streams_produce_what_they_produce_alone() {
+    let _serial = lock();
+    let server = Server::start(&["--parallel", "8", "-c", "4096"]);
+    let prompts: Vec<String> = (0..8)
+        .map(|i| {
+            [
+                "The capital of France is",
+                "def fibonacci(n):",
+                "Once upon a time",
+                "The three primary colors are",
+                "import numpy as np\n",
+                "Water boils at",
+                "My favourite book is",
+                "SELECT * FROM",
+            ][i]
+                .to_string()
+        })
+        .collect();
+    const N: usize = 24;
+    let alone: Vec<Streamed> = prompts.iter().map(|p| stream_greedy(&server, p, N)).collect();
+    let steps_before = server.stats()["steps"].as_u64().unwrap();
+    let together: Vec<Streamed> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts.iter().map(|p| scope.spawn(|| stream_greedy(&server, p, N))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let steps = server.stats()["steps"].as_u64().unwrap() - steps_before;
+    println!("8 concurrent streams of {N} tokens took {steps} micro-batches");
+    assert!(steps < 8 * N as u64, "concurrent sequences must share micro-batches ({steps} steps)");
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        if a.text == t.text {
+            continue;
+        }
+        // Batching may round differently; then the two best tokens must be near-ties.
+        let at = a.tokens.iter().zip(&t.tokens).position(|(x, y)| x.0 != y.0).expect("texts differ, so tokens do");
+        let (_, best, second) = &a.tokens[at];
+        println!("prompt {i}: diverges at token {at}: alone {:?}, together {:?}", a.text, t.text);
+        assert!(best - second <= 1e-3, "prompt {i}: token {at} differs but its top two are {best} vs {second}");
+    }
+}
+
+#[test]
+fn a_second_chat_turn_computes_only_the_new_tokens() {
+    let _serial = lock();
+    let server = Server::start(&[]);
+    let mut messages = vec![json!({"role": "user", "content": "Name a colour of the rainbow."})];
+    let first = server.post(
+        "/v1/chat/completions",
+        &json!({"model": server.model_id(), "messages": messages, "max_tokens": 12, "temperature": 0}),
+    );
+    let reply = first["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let first_prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    messages.push(json!({"role": "assistant", "content": reply}));
+    messages.push(json!({"role": "user", "content": "And another one?"}));
+    let computed_before = server.stats()["prompt_tokens_computed"].as_u64().unwrap();
+    let second = server.post(
+        "/v1/chat/completions",
+        &json!({"model": server.model_id(), "messages": messages, "max_tokens": 12, "temperature": 0}),
+    );
+    let computed = server.stats()["prompt_tokens_computed"].as_u64().unwrap() - computed_before;
+    let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    println!("turn 2: {prompt} prompt tokens, {cached} reused, {computed} computed (turn 1 had {first_prompt})");
+    assert!(cached >= first_prompt, "the whole first prompt is reused ({cached} < {first_prompt})");
+    assert_eq!(computed, prompt - cached, "only the new tokens are computed");
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_sequence_on_every_stage() {
+    let _serial = lock();
+    let server = Server::start(&[]);
+    let body = json!({"model": server.model_id(), "prompt": "Write a long story about a dragon.",
+                      "max_tokens": 400, "temperature": 0, "stream": true});
+    let stream = server.send("POST", "/v1/completions", Some(&body.to_string()), Some(KEY));
+    let mut reader = BufReader::new(stream);
+    let mut seen = 0;
+    let mut line = String::new();
+    while seen < 5 && reader.read_line(&mut line).unwrap() > 0 {
+        seen += usize::from(line.starts_with("data: "));
+        line.clear();
+    }
+    assert_eq!(seen, 5);
+    let busy = server.stats();
+    assert_eq!(busy["active"], 1, "{busy}");
+    assert!(busy["stages"].as_array().unwrap().iter().all(|s| s["kv_cells_used"].as_u64().unwrap() > 0), "{busy}");
+    drop(reader);
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats = server.stats();
+        let stages = stats["stages"].as_array().unwrap();
+        if stats["requests_cancelled"] == 1 && stages.iter().all(|s| s["kv_cells_used"] == 0) {
+            assert_eq!(stats["active"], 0);
+            assert!(stats["completion_tokens"].as_u64().unwrap() < 400);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the sequence was not freed: {stats}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn bad_requests_get_openai_shaped_errors() {
+    let _serial = lock();
+    let server = Server::start(&["--parallel", "1", "--max-queue", "0", "-c", "512"]);
+    let model = server.model_id();
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v1/chat/completions", "{not json".into(), 400, "malformed JSON"),
+        ("/v1/chat/completions", json!({"model": model, "messages": "hi"}).to_string(), 400, "invalid"),
+        ("/v1/chat/completions", json!({"model": model, "messages": []}).to_string(), 400, "messages"),
+        (
+            "/v1/chat/completions",
+            json!({"model": model, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).to_string(),
+            400,
+            "invalid type",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}).to_string(),
+            404,
+            "gpt-4",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": model, "messages": [{"role": "user", "content": "x"}], "n": 3}).to_string(),
+            400,
+            "n = 1",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": model, "prompt": "word ".repeat(600)}).to_string(),
+            400,
+            "context",
+        ),
+        ("/v1/completions", json!({"model": model, "prompt": [999999999]}).to_string(), 400, "vocabulary"),
+        ("/v1/nothing", "{}".into(), 404, "Unknown request URL"),
+    ];
+    for (path, body, status, needle) in cases {
+        let mut stream = server.send("POST", path, Some(&body), Some(KEY));
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let (got, text) = split_response(&response);
+        assert_eq!(got, status, "{path} {body}: {text}");
+        let error: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+        let message = error["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(needle), "{body}: {message}");
+        assert!(error["error"]["type"].is_string(), "{text}");
+    }
+    let (status, text) = server.request("GET", "/v1/models", None, Some("wrong"));
+    assert_eq!(status, 401, "{text}");
+    let (status, _) = server.request("GET", "/v1/models", None, None);
+    assert_eq!(status, 401);
+
+    // One slot, no queue: a second request while the first runs is refused, not queued.
+    let long = json!({"model": model, "prompt": "Write a long story.", "max_tokens": 200, "stream": true});
+    let mut first = BufReader::new(server.send("POST", "/v1/completions", Some(&long.to_string()), Some(KEY)));
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        first.read_line(&mut line).unwrap();
+    }
+    let (status, text) =
+        server.request("POST", "/v1/completions", Some(&json!({"model": model, "prompt": "Hi", "max_tokens": 2})), Some(KEY));
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains("overloaded"), "{text}");
+    drop(first);
+
+    let (status, text) = server.request("GET", "/health", None, None);
+    assert_eq!(status, 200, "{text}");
+}
