@@ -56,7 +56,9 @@ fn median(mut times: Vec<Duration>) -> Duration {
 /// One pp run through the ring: a single batch, the last row sampled.
 fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
     head.control(Message::StartSeq {
-        seq: 0, keep: 0, top_logprobs: 0,
+        seq: 0,
+        keep: 0,
+        top_logprobs: 0,
         params: SamplingParams::greedy(),
         history: Vec::new(),
         logprobs: false,
@@ -78,7 +80,9 @@ fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
 /// sampled greedily on the last stage and fed back.
 fn baton_tg(head: &mut Head, first: u32, n: usize) -> anyhow::Result<Duration> {
     head.control(Message::StartSeq {
-        seq: 0, keep: 0, top_logprobs: 0,
+        seq: 0,
+        keep: 0,
+        top_logprobs: 0,
         params: SamplingParams::greedy(),
         history: Vec::new(),
         logprobs: false,
@@ -130,7 +134,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let reps = args.reps.max(1);
 
     let started = Instant::now();
-    let mut ring = Ring::start(path, &stage_args, &args.cluster)?;
+    let mut ring = Ring::start(path, &stage_args, &args.cluster, 0)?;
     let ready = started.elapsed();
     let ranges = ring.ranges();
     let oracle = LlamaModel::load_full(path, !args.stages.no_repack)?;

@@ -60,7 +60,9 @@ pub enum Ring {
 
 impl Ring {
     /// Starts the stages the arguments ask for.
-    pub fn start(model: &Path, stages: &StageArgs, cluster: &ClusterArgs) -> anyhow::Result<Ring> {
+    /// `n_seq > 0` gives each of that many sequences its own region of every stage's
+    /// KV cache (see `baton_model::KvCache::new`).
+    pub fn start(model: &Path, stages: &StageArgs, cluster: &ClusterArgs, n_seq: usize) -> anyhow::Result<Ring> {
         let file = ModelFile::open(model).with_context(|| format!("loading {}", model.display()))?;
         let n_layer = file.hparams().n_layer;
         let head_stage = !cluster.no_head_stage;
@@ -82,6 +84,7 @@ impl Ring {
                     n_ctx: stages.ctx_size,
                     n_threads: stages.threads(),
                     repack: !stages.no_repack,
+                    n_seq,
                 };
                 return Ok(Ring::Local(LocalRing::start(file, &stages.ranges(n_layer)?, &config)?));
             }
@@ -91,6 +94,7 @@ impl Ring {
             token,
             split,
             n_ctx: stages.ctx_size,
+            n_seq,
             wire_f16: cluster.wire_dtype == WireDtype::F16,
             repack: !stages.no_repack,
             link: Default::default(),

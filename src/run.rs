@@ -72,7 +72,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let prompt = vocab.tokenize(&args.prompt, true, true)?;
     let started = std::time::Instant::now();
-    let mut ring = Ring::start(model_path, &args.stages, &args.cluster)?;
+    let mut ring = Ring::start(model_path, &args.stages, &args.cluster, 0)?;
     let ready = started.elapsed();
     let ranges = ring.ranges();
     let req = GenerateRequest {

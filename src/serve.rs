@@ -71,8 +71,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     let model_path = args.stages.model.clone();
     let vocab = Arc::new(LlamaModel::load_vocab(&model_path).context("loading the tokenizer")?);
-    let eos = vocab.eos_token().map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
-    let bos = vocab.bos_token().map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
+    let eos = vocab
+        .eos_token()
+        .map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
+    let bos = vocab
+        .bos_token()
+        .map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
     let template = ChatTemplate::new(
         vocab.chat_template().as_deref(),
         bos.as_deref().unwrap_or_default(),
@@ -83,7 +87,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing::warn!("the model has no chat template: using ChatML");
     }
 
-    let mut ring = Ring::start(&model_path, &args.stages, &args.cluster)?;
+    let mut ring = Ring::start(&model_path, &args.stages, &args.cluster, args.parallel)?;
     let ranges = ring.ranges();
     let config = EngineConfig {
         n_slots: args.parallel,
@@ -94,13 +98,19 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let engine = Engine::start(ring.head().take(), vocab.clone(), config);
     let model_id = args.alias.clone().unwrap_or_else(|| {
-        model_path.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
+        model_path
+            .file_stem()
+            .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
     });
     let state = Arc::new(AppState::new(
         engine,
         vocab,
         template,
-        ServerConfig { model_id, api_key: args.api_key.clone(), max_body: args.max_body },
+        ServerConfig {
+            model_id,
+            api_key: args.api_key.clone(),
+            max_body: args.max_body,
+        },
     ));
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -114,7 +124,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
         let addr = listener.local_addr()?;
         let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
-        eprintln!("serving {} on {} stage(s) [{}]", model_path.display(), ranges.len(), split.join(" "));
+        eprintln!(
+            "serving {} on {} stage(s) [{}]",
+            model_path.display(),
+            ranges.len(),
+            split.join(" ")
+        );
         // The first stdout line is the address: scripts and tests read it.
         println!("listening on http://{addr}");
         axum::serve(listener, baton_server::router(state.clone()))

@@ -210,7 +210,9 @@ fn per_token_traffic_is_one_hidden_state_per_hop_and_a_token_id_back() {
     let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options()).unwrap();
     let head = &mut ring.head;
     head.control(Message::StartSeq {
-        seq: 0, keep: 0, top_logprobs: 0,
+        seq: 0,
+        keep: 0,
+        top_logprobs: 0,
         params: SamplingParams::greedy(),
         history: vec![],
         logprobs: false,

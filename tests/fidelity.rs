@@ -152,6 +152,7 @@ fn without_repacking_matches_llama_cpp_without_repacking() {
         n_ctx: 256,
         n_threads: 2,
         repack: false,
+        n_seq: 0,
     };
     let mut chain = Chain::load_with(&file, &ranges, &config);
     let err = nmse(&chain.logits(0, &prompt, 0), &ref_logits);
@@ -195,6 +196,92 @@ fn f16_wire_costs_little_fidelity() {
                 err <= MAX_F16_NMSE,
                 "{name} {prompt_text:?}: f16 wire NMSE {err:e} > {MAX_F16_NMSE:e}"
             );
+        }
+    }
+}
+
+/// Runs one batch through every stage of `chain`; returns the logits of `rows`.
+fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
+    use baton_model::{Batch, StageInput, StageOutput};
+    let mut hidden = Vec::new();
+    let n = chain.stages.len();
+    for (i, stage) in chain.stages.iter_mut().enumerate() {
+        let input = if i == 0 {
+            StageInput::Tokens(tokens)
+        } else {
+            StageInput::Hidden(&hidden)
+        };
+        let logit_rows: &[u32] = if i + 1 == n { rows } else { &[] };
+        match stage
+            .forward(&Batch {
+                input,
+                positions,
+                seq_ids,
+                logit_rows,
+            })
+            .unwrap()
+        {
+            baton_model::StageOutput::Hidden(h) => hidden = h,
+            baton_model::StageOutput::Logits(l) => return l,
+        }
+    }
+    unreachable!("the last stage returns logits")
+}
+
+/// A decode step computed alone, or in one batch with other sequences' steps: without
+/// repacked weights the logits are bit-identical, so concurrent requests generate what
+/// they generate alone. With repacking, ggml switches to a different q4_K kernel for
+/// batches of 4 rows or more, and results move by far more than rounding (measured
+/// below; llama.cpp's own server has the same property). See docs/fidelity.md.
+#[test]
+fn batching_with_other_sequences_changes_nothing_without_repacking() {
+    let path = model(QWEN2);
+    let file = ModelFile::open(&path).unwrap();
+    let oracle = LlamaModel::load_vocab(&path).unwrap();
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| oracle.tokenize(p, true, true).unwrap())
+        .collect();
+    for repack in [false, true] {
+        let config = StageConfig {
+            n_ctx: 512,
+            n_threads: 1,
+            repack,
+            n_seq: 0,
+        };
+        let mut chain = Chain::load_with(&file, &[0..12, 12..24], &config);
+        for (seq, prompt) in prompts.iter().enumerate() {
+            chain.logits(seq as u32, prompt, 0);
+        }
+        let lens: Vec<i32> = prompts.iter().map(|p| p.len() as i32).collect();
+        let reset = |chain: &mut Chain| {
+            for stage in &mut chain.stages {
+                for (seq, &len) in lens.iter().enumerate() {
+                    stage.kv_mut().truncate_seq(seq as u32, len as usize);
+                }
+            }
+        };
+        let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
+        reset(&mut chain);
+        for rows in [2usize, 3, 4, 8] {
+            // Rows round-robin over the three sequences, each continuing where it is.
+            let seq_ids: Vec<u32> = (0..rows as u32).map(|r| r % 3).collect();
+            let mut next = lens.clone();
+            let positions: Vec<i32> = seq_ids
+                .iter()
+                .map(|&s| {
+                    next[s as usize] += 1;
+                    next[s as usize] - 1
+                })
+                .collect();
+            let tokens: Vec<u32> = (0..rows as u32).map(|r| 42 + 7 * r).collect();
+            let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &[0]);
+            reset(&mut chain);
+            let err = nmse(&batched, &alone);
+            println!("repack {repack}, batch of {rows}: NMSE {err:.3e} against the step alone");
+            if !repack {
+                assert_eq!(err, 0.0, "batch of {rows} without repacking");
+            }
         }
     }
 }

@@ -31,6 +31,7 @@ fn check_middle_third(repack: bool) {
         n_ctx: 64,
         n_threads: 2,
         repack,
+        n_seq: 0,
     };
     let mut stage = Stage::load(file.clone(), span, &config).unwrap();
     if !repack {

@@ -33,13 +33,25 @@ pub struct KvCache {
     layers: Range<usize>,
     cells: Vec<Cell>,
     n_used: usize,
+    /// Cells per sequence when each sequence has a region of its own; 0: any sequence
+    /// takes any free cell.
+    region: usize,
 }
 
 impl KvCache {
-    /// A cache of `n_ctx` cells for global layers `layers`.
-    pub fn new(hp: &HParams, layers: Range<usize>, n_ctx: usize) -> Result<KvCache, ModelError> {
+    /// A cache of `n_ctx` cells for global layers `layers`. With `n_seq > 0`, sequence
+    /// `s` owns cells `s × n_ctx/n_seq ..`, position `p` in cell `s × n_ctx/n_seq + p`:
+    /// attention then visits a sequence's cells in position order whatever else runs,
+    /// so a sequence computes the same in any batch (ggml accumulates attention in f16,
+    /// where order shows). With `n_seq = 0` any free cell is taken.
+    pub fn new(hp: &HParams, layers: Range<usize>, n_ctx: usize, n_seq: usize) -> Result<KvCache, ModelError> {
         if n_ctx == 0 {
             return Err(ModelError::BadConfig("context size must be at least 1".into()));
+        }
+        if n_seq > n_ctx {
+            return Err(ModelError::BadConfig(format!(
+                "{n_seq} sequences cannot share {n_ctx} cells"
+            )));
         }
         let ctx = Context::new(2 * layers.len() + 2, 0);
         for layer in layers.clone() {
@@ -57,6 +69,7 @@ impl KvCache {
             layers,
             cells: vec![FREE; n_ctx],
             n_used: 0,
+            region: if n_seq == 0 { 0 } else { n_ctx / n_seq },
         })
     }
 
@@ -122,6 +135,9 @@ impl KvCache {
                 )));
             }
         }
+        if self.region > 0 {
+            return self.claim_in_regions(seq_ids, positions);
+        }
         let mut slots = Vec::with_capacity(seq_ids.len());
         let mut next = 0;
         for (&seq, &pos) in seq_ids.iter().zip(positions) {
@@ -132,6 +148,36 @@ impl KvCache {
             slots.push(next as i64);
         }
         self.n_used += seq_ids.len();
+        Ok(slots)
+    }
+
+    fn claim_in_regions(&mut self, seq_ids: &[u32], positions: &[i32]) -> Result<Vec<i64>, ModelError> {
+        let n_seq = self.cells.len() / self.region;
+        let mut slots = Vec::with_capacity(seq_ids.len());
+        for (&seq, &pos) in seq_ids.iter().zip(positions) {
+            if seq as usize >= n_seq {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence id {seq} is out of range: the cache holds {n_seq}"
+                )));
+            }
+            if pos as usize >= self.region {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} is full: position {pos} is beyond its {} cells",
+                    self.region
+                )));
+            }
+            let cell = seq as usize * self.region + pos as usize;
+            if slots.contains(&(cell as i64)) {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} has position {pos} twice in the batch"
+                )));
+            }
+            slots.push(cell as i64);
+        }
+        for ((&seq, &pos), &cell) in seq_ids.iter().zip(positions).zip(&slots) {
+            self.cells[cell as usize] = Cell { pos, seq };
+        }
+        self.n_used += slots.len();
         Ok(slots)
     }
 
@@ -233,7 +279,7 @@ mod tests {
 
     #[test]
     fn claims_masks_and_truncates() {
-        let mut kv = KvCache::new(&tiny(), 0..2, 8).unwrap();
+        let mut kv = KvCache::new(&tiny(), 0..2, 8, 0).unwrap();
         let slots = kv.claim(&[0, 0, 1], &[0, 1, 0]).unwrap();
         assert_eq!(slots, vec![0, 1, 2]);
         assert_eq!(kv.n_kv(), 8);
@@ -252,12 +298,29 @@ mod tests {
 
     #[test]
     fn overflow_and_duplicate_positions_are_errors() {
-        let mut kv = KvCache::new(&tiny(), 0..1, 2).unwrap();
+        let mut kv = KvCache::new(&tiny(), 0..1, 2, 0).unwrap();
         kv.claim(&[0], &[0]).unwrap();
         let dup = kv.claim(&[0], &[0]).unwrap_err().to_string();
         assert!(dup.contains("already holds position 0"), "{dup}");
         let full = kv.claim(&[0, 0], &[1, 2]).unwrap_err().to_string();
         assert!(full.contains("KV cache is full"), "{full}");
         assert_eq!(kv.n_used(), 1, "a refused claim changes nothing");
+    }
+
+    #[test]
+    fn sequences_with_regions_keep_their_cells_in_position_order() {
+        let mut kv = KvCache::new(&tiny(), 0..1, 8, 2).unwrap();
+        assert_eq!(kv.claim(&[1, 0, 1], &[0, 0, 1]).unwrap(), vec![4, 0, 5]);
+        assert_eq!(kv.claim(&[0], &[1]).unwrap(), vec![1]);
+        kv.truncate_seq(1, 1);
+        assert_eq!(kv.n_used(), 3);
+        assert_eq!(kv.claim(&[1], &[1]).unwrap(), vec![5]);
+        let err = kv.claim(&[2], &[0]).unwrap_err().to_string();
+        assert!(err.contains("out of range"), "{err}");
+        let err = kv.claim(&[0], &[4]).unwrap_err().to_string();
+        assert!(err.contains("sequence 0 is full"), "{err}");
+        let err = kv.claim(&[0], &[1]).unwrap_err().to_string();
+        assert!(err.contains("already holds position 1"), "{err}");
+        assert_eq!(kv.n_used(), 4, "failed claims change nothing");
     }
 }

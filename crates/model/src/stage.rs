@@ -20,6 +20,9 @@ pub struct StageConfig {
     /// Copy the weights ggml can repack into its faster layouts (llama.cpp's default;
     /// off = every weight read straight from the mapping, like llama.cpp `--no-repack`).
     pub repack: bool,
+    /// Sequences with a region of the cache each (`n_ctx / n_seq` cells); 0: all
+    /// sequences share every cell (see [`crate::KvCache::new`]).
+    pub n_seq: usize,
 }
 
 impl StageConfig {
@@ -29,6 +32,7 @@ impl StageConfig {
             n_ctx,
             n_threads,
             repack: true,
+            n_seq: 0,
         }
     }
 }
@@ -92,7 +96,7 @@ impl Stage {
             )));
         }
         let weights = StageWeights::load(file.clone(), &span, config.repack)?;
-        let kv = KvCache::new(hp, span.layers.clone(), config.n_ctx)?;
+        let kv = KvCache::new(hp, span.layers.clone(), config.n_ctx, config.n_seq)?;
         tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, weight_bytes = weights.bytes(), "stage loaded");
         Ok(Stage {
             span,

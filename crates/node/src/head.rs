@@ -161,7 +161,10 @@ impl Head {
 
     /// Resident bytes and KV cache cells in use of each stage, in ring order.
     pub fn stats(&mut self) -> Result<(Vec<u64>, Vec<u32>), NodeError> {
-        self.tx.send(Message::Stats { resident: Vec::new(), kv_used: Vec::new() })?;
+        self.tx.send(Message::Stats {
+            resident: Vec::new(),
+            kv_used: Vec::new(),
+        })?;
         match self.rx.recv()? {
             Message::Stats { resident, kv_used } => Ok((resident, kv_used)),
             other => Err(unexpected(other)),

@@ -67,7 +67,14 @@ impl StageWorker {
                         Ok(mut sampler) => {
                             history.iter().for_each(|&t| sampler.accept(t));
                             let n_top = if logprobs { top_logprobs as usize } else { 0 };
-                            self.samplers.insert(seq, SeqSampler { sampler, logprobs, n_top });
+                            self.samplers.insert(
+                                seq,
+                                SeqSampler {
+                                    sampler,
+                                    logprobs,
+                                    n_top,
+                                },
+                            );
                         }
                         Err(e) => return self.error(e.to_string()),
                     }
@@ -94,7 +101,10 @@ impl StageWorker {
                 Ok(msg) => return msg,
                 Err(message) => return self.error(message),
             },
-            Message::Stats { mut resident, mut kv_used } => {
+            Message::Stats {
+                mut resident,
+                mut kv_used,
+            } => {
                 resident.push(self.stage.resident_bytes());
                 kv_used.push(self.stage.kv().n_used() as u32);
                 return Message::Stats { resident, kv_used };
@@ -173,13 +183,24 @@ impl StageWorker {
                     let sampler = &mut seq_sampler.sampler;
                     let (token, logprob, top) = if seq_sampler.logprobs {
                         let n_top = seq_sampler.n_top;
-                        let sampled = sampler.sample_with_logprobs(row_logits, n_top).map_err(|e| e.to_string())?;
+                        let sampled = sampler
+                            .sample_with_logprobs(row_logits, n_top)
+                            .map_err(|e| e.to_string())?;
                         (sampled.token, sampled.logprob, sampled.top)
                     } else {
-                        (sampler.sample(row_logits).map_err(|e| e.to_string())?, f32::NAN, Vec::new())
+                        (
+                            sampler.sample(row_logits).map_err(|e| e.to_string())?,
+                            f32::NAN,
+                            Vec::new(),
+                        )
                     };
                     sampler.accept(token);
-                    tokens.push(SampledToken { seq, token, logprob, top });
+                    tokens.push(SampledToken {
+                        seq,
+                        token,
+                        logprob,
+                        top,
+                    });
                 }
                 Ok(Message::Sampled { step, tokens })
             }

@@ -180,6 +180,8 @@ pub struct LoadPlan {
     pub last: bool,
     /// KV cache cells.
     pub n_ctx: u32,
+    /// Sequences with a region of `n_ctx / n_seq` cells each; 0: shared cells.
+    pub n_seq: u32,
     /// Ring address of the next stage; `None` for the last stage (it answers the head).
     pub next: Option<String>,
     /// Whether the head streams the stage's tensors (the worker lacks them).

@@ -50,11 +50,22 @@ pub struct AppState {
 impl AppState {
     /// Serves `engine`'s model; `vocab` tokenizes, `template` renders chats.
     pub fn new(engine: Engine, vocab: Arc<LlamaModel>, template: ChatTemplate, config: ServerConfig) -> AppState {
-        AppState { engine, vocab, template, config, created: unix_time(), next_id: AtomicU64::new(1) }
+        AppState {
+            engine,
+            vocab,
+            template,
+            config,
+            created: unix_time(),
+            next_id: AtomicU64::new(1),
+        }
     }
 
     fn new_id(&self, prefix: &str) -> String {
-        format!("{prefix}-{:x}{:06x}", self.created, self.next_id.fetch_add(1, Ordering::Relaxed))
+        format!(
+            "{prefix}-{:x}{:06x}",
+            self.created,
+            self.next_id.fetch_add(1, Ordering::Relaxed)
+        )
     }
 }
 
@@ -81,7 +92,17 @@ pub struct ApiError {
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> ApiError {
-        ApiError { status, body: ErrorBody { error: ErrorDetail { message: message.into(), kind, param: None, code } } }
+        ApiError {
+            status,
+            body: ErrorBody {
+                error: ErrorDetail {
+                    message: message.into(),
+                    kind,
+                    param: None,
+                    code,
+                },
+            },
+        }
     }
 
     fn invalid(message: impl Into<String>) -> ApiError {
@@ -115,12 +136,18 @@ impl From<SubmitError> for ApiError {
             )
             .param("messages"),
             SubmitError::EmptyPrompt => ApiError::invalid(e.to_string()).param("prompt"),
-            SubmitError::Overloaded { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", Some("server_overloaded"), e.to_string())
-            }
-            SubmitError::Unavailable(_) => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", Some("unavailable"), e.to_string())
-            }
+            SubmitError::Overloaded { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Some("server_overloaded"),
+                e.to_string(),
+            ),
+            SubmitError::Unavailable(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Some("unavailable"),
+                e.to_string(),
+            ),
         }
     }
 }
@@ -188,7 +215,11 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let counters = state.engine.counters();
     match state.engine.failure() {
-        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "status": "error", "error": reason }))).into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "error", "error": reason })),
+        )
+            .into_response(),
         None => Json(json!({
             "status": "ok",
             "active": counters.active.load(Ordering::Relaxed),
@@ -228,11 +259,18 @@ async fn read_json<T: serde::de::DeserializeOwned>(state: &AppState, body: Body)
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
             Some("request_too_large"),
-            format!("the request body is larger than {} bytes (or could not be read)", state.config.max_body),
+            format!(
+                "the request body is larger than {} bytes (or could not be read)",
+                state.config.max_body
+            ),
         )
     })?;
     serde_json::from_slice(&bytes).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() { "malformed JSON" } else { "invalid request" };
+        let what = if e.is_syntax() || e.is_eof() {
+            "malformed JSON"
+        } else {
+            "invalid request"
+        };
         ApiError::invalid(format!("{what}: {e}"))
     })
 }
@@ -258,7 +296,10 @@ fn prepare(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 Some("model_not_found"),
-                format!("The model '{model}' does not exist; this server serves '{}'.", state.config.model_id),
+                format!(
+                    "The model '{model}' does not exist; this server serves '{}'.",
+                    state.config.model_id
+                ),
             )
             .param("model"));
         }
@@ -274,14 +315,30 @@ fn prepare(
         }
     };
     let temperature = sampling.temperature.unwrap_or(1.0);
-    check((0.0..=2.0).contains(&temperature), "temperature", "temperature must be between 0 and 2")?;
+    check(
+        (0.0..=2.0).contains(&temperature),
+        "temperature",
+        "temperature must be between 0 and 2",
+    )?;
     let top_p = sampling.top_p.unwrap_or(1.0);
     check(top_p > 0.0 && top_p <= 1.0, "top_p", "top_p must be in (0, 1]")?;
     let presence_penalty = sampling.presence_penalty.unwrap_or(0.0);
-    check((-2.0..=2.0).contains(&presence_penalty), "presence_penalty", "presence_penalty must be between -2 and 2")?;
+    check(
+        (-2.0..=2.0).contains(&presence_penalty),
+        "presence_penalty",
+        "presence_penalty must be between -2 and 2",
+    )?;
     let frequency_penalty = sampling.frequency_penalty.unwrap_or(0.0);
-    check((-2.0..=2.0).contains(&frequency_penalty), "frequency_penalty", "frequency_penalty must be between -2 and 2")?;
-    check(top_logprobs <= 20, "top_logprobs", "top_logprobs must be between 0 and 20")?;
+    check(
+        (-2.0..=2.0).contains(&frequency_penalty),
+        "frequency_penalty",
+        "frequency_penalty must be between -2 and 2",
+    )?;
+    check(
+        top_logprobs <= 20,
+        "top_logprobs",
+        "top_logprobs must be between 0 and 20",
+    )?;
     let stop = sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     check(stop.len() <= 4, "stop", "at most 4 stop strings are allowed")?;
     let params = SamplingParams {
@@ -299,7 +356,12 @@ fn prepare(
 
     let slot_ctx = state.engine.slot_ctx();
     if prompt.len() >= slot_ctx {
-        return Err(SubmitError::TooLong { slot_ctx, prompt: prompt.len(), max_tokens: 1 }.into());
+        return Err(SubmitError::TooLong {
+            slot_ctx,
+            prompt: prompt.len(),
+            max_tokens: 1,
+        }
+        .into());
     }
     let max_tokens = match sampling.max_completion_tokens.or(sampling.max_tokens) {
         Some(0) => return Err(ApiError::invalid("max_tokens must be at least 1").param("max_tokens")),
@@ -307,7 +369,15 @@ fn prepare(
         None => slot_ctx - prompt.len(),
     };
     let (tx, events) = unbounded_channel();
-    let job = Job { prompt, params, max_tokens, logprobs, top_logprobs, stop, events: tx };
+    let job = Job {
+        prompt,
+        params,
+        max_tokens,
+        logprobs,
+        top_logprobs,
+        stop,
+        events: tx,
+    };
     Ok(Prepared {
         job,
         events,
@@ -317,7 +387,9 @@ fn prepare(
 }
 
 fn random_seed() -> u64 {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
     nanos ^ (std::process::id() as u64).rotate_left(32)
 }
 
@@ -351,7 +423,11 @@ async fn chat(State(state): State<Arc<AppState>>, _headers: HeaderMap, body: Bod
                 text
             }
         };
-        let role = if message.role == "developer" { "system".to_string() } else { message.role.clone() };
+        let role = if message.role == "developer" {
+            "system".to_string()
+        } else {
+            message.role.clone()
+        };
         messages.push(ChatMessage { role, content });
     }
     let rendered = state
@@ -360,12 +436,18 @@ async fn chat(State(state): State<Arc<AppState>>, _headers: HeaderMap, body: Bod
         .map_err(|e| ApiError::invalid(format!("the chat template refused the messages: {e}")).param("messages"))?;
     // The template writes the BOS text itself where the model wants it; the tokenizer
     // would add a second one.
-    let bos = state.vocab.bos_token().map(|t| String::from_utf8_lossy(&state.vocab.token_bytes(t, true)).into_owned());
+    let bos = state
+        .vocab
+        .bos_token()
+        .map(|t| String::from_utf8_lossy(&state.vocab.token_bytes(t, true)).into_owned());
     let text = match bos {
         Some(bos) if state.vocab.adds_bos() && !bos.is_empty() => rendered.strip_prefix(&bos).unwrap_or(&rendered),
         _ => &rendered,
     };
-    let prompt = state.vocab.tokenize(text, true, true).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let prompt = state
+        .vocab
+        .tokenize(text, true, true)
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
     let top = if req.logprobs { req.top_logprobs.unwrap_or(0) } else { 0 };
     if req.top_logprobs.is_some_and(|n| n > 0) && !req.logprobs {
         return Err(ApiError::invalid("top_logprobs requires logprobs: true").param("top_logprobs"));
@@ -380,15 +462,21 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
         return Err(ApiError::invalid("echo is not supported").param("echo"));
     }
     let prompt = match req.prompt {
-        Prompt::Text(text) => state.vocab.tokenize(&text, true, true).map_err(|e| ApiError::invalid(e.to_string()))?,
-        Prompt::Texts(texts) if texts.len() == 1 => {
-            state.vocab.tokenize(&texts[0], true, true).map_err(|e| ApiError::invalid(e.to_string()))?
-        }
+        Prompt::Text(text) => state
+            .vocab
+            .tokenize(&text, true, true)
+            .map_err(|e| ApiError::invalid(e.to_string()))?,
+        Prompt::Texts(texts) if texts.len() == 1 => state
+            .vocab
+            .tokenize(&texts[0], true, true)
+            .map_err(|e| ApiError::invalid(e.to_string()))?,
         Prompt::Texts(_) => return Err(ApiError::invalid("only one prompt per request is supported").param("prompt")),
         Prompt::Tokens(tokens) => {
             let n_vocab = state.vocab.n_vocab();
             if let Some(bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
-                return Err(ApiError::invalid(format!("token {bad} is outside the vocabulary of {n_vocab}")).param("prompt"));
+                return Err(
+                    ApiError::invalid(format!("token {bad} is outside the vocabulary of {n_vocab}")).param("prompt"),
+                );
             }
             tokens
         }
@@ -411,12 +499,30 @@ enum Kind {
 }
 
 async fn respond(state: Arc<AppState>, prepared: Prepared, kind: Kind, logprobs: bool) -> Result<Response, ApiError> {
-    let Prepared { job, events, stream, include_usage } = prepared;
+    let Prepared {
+        job,
+        events,
+        stream,
+        include_usage,
+    } = prepared;
     state.engine.submit(job)?;
     let id = state.new_id(if kind == Kind::Chat { "chatcmpl" } else { "cmpl" });
-    let writer = Writer { state: state.clone(), id, kind, logprobs, created: unix_time() };
+    let writer = Writer {
+        state: state.clone(),
+        id,
+        kind,
+        logprobs,
+        created: unix_time(),
+    };
     if stream {
-        let stream = SseStream { writer, events, queue: VecDeque::new(), include_usage, started: false, done: false };
+        let stream = SseStream {
+            writer,
+            events,
+            queue: VecDeque::new(),
+            include_usage,
+            started: false,
+            done: false,
+        };
         let body = futures_util::stream::unfold(stream, |mut s| async move { s.next().await.map(|e| (e, s)) });
         return Ok(Sse::new(body).keep_alive(KeepAlive::default()).into_response());
     }
@@ -446,7 +552,9 @@ fn usage(finish: &baton_node::engine::Finish) -> Usage {
         prompt_tokens: finish.prompt_tokens,
         completion_tokens: finish.completion_tokens,
         total_tokens: finish.prompt_tokens + finish.completion_tokens,
-        prompt_tokens_details: PromptTokensDetails { cached_tokens: finish.cached_tokens },
+        prompt_tokens_details: PromptTokensDetails {
+            cached_tokens: finish.cached_tokens,
+        },
     }
 }
 
@@ -542,7 +650,11 @@ impl Writer {
 
     /// One streamed chunk: `text` (and `role` on the first chat chunk), or the end.
     fn chunk(&self, text: Option<&str>, role: bool, tokens: &[TokenOut], offset: usize, reason: Option<&str>) -> Value {
-        let logprobs = if tokens.is_empty() { Value::Null } else { self.logprobs_value(tokens, offset) };
+        let logprobs = if tokens.is_empty() {
+            Value::Null
+        } else {
+            self.logprobs_value(tokens, offset)
+        };
         let choice = match self.kind {
             Kind::Chat => {
                 let mut delta = json!({});
@@ -628,7 +740,9 @@ impl SseStream {
                 if token.text.is_empty() && !self.writer.logprobs {
                     return;
                 }
-                let chunk = self.writer.chunk(Some(&token.text), false, std::slice::from_ref(&token), 0, None);
+                let chunk = self
+                    .writer
+                    .chunk(Some(&token.text), false, std::slice::from_ref(&token), 0, None);
                 self.push(&chunk);
             }
             Event::Finished(finish) => {
@@ -636,7 +750,9 @@ impl SseStream {
                     let chunk = self.writer.chunk(Some(&finish.tail), false, &[], 0, None);
                     self.push(&chunk);
                 }
-                let last = self.writer.chunk(None, false, &[], 0, Some(finish_reason(finish.reason)));
+                let last = self
+                    .writer
+                    .chunk(None, false, &[], 0, Some(finish_reason(finish.reason)));
                 self.push(&last);
                 if self.include_usage {
                     let usage = self.writer.usage_chunk(usage(&finish));

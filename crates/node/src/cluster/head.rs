@@ -27,6 +27,8 @@ pub struct ClusterOptions {
     pub split: Option<Vec<usize>>,
     /// KV cells per stage.
     pub n_ctx: usize,
+    /// Sequences with a region of the KV cache each (0: shared cells).
+    pub n_seq: usize,
     /// Send hidden states between stages as f16.
     pub wire_f16: bool,
     /// Repack weights like llama.cpp's default.
@@ -232,6 +234,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
             first: i == 0,
             last: i + 1 == n,
             n_ctx: opts.n_ctx as u32,
+            n_seq: opts.n_seq as u32,
             next: nexts[i].clone(),
             stream: !holds,
             wire_f16: opts.wire_f16,
@@ -265,6 +268,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
                 n_ctx: opts.n_ctx,
                 n_threads: opts.threads,
                 repack: opts.repack,
+                n_seq: opts.n_seq,
             };
             let loaded = Stage::load(ModelFile::open(model)?, span, &config)?;
             tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");

@@ -278,6 +278,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut TcpLink) -> Result<(Stage, 
         n_ctx: plan.n_ctx as usize,
         n_threads: shared.config.threads,
         repack: plan.repack,
+        n_seq: plan.n_seq as usize,
     };
     Ok((Stage::load(file, span, &config)?, received))
 }

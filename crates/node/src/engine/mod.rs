@@ -121,7 +121,11 @@ pub enum SubmitError {
         "this model's context per sequence is {slot_ctx} tokens, but the request needs {prompt} prompt \
          tokens plus {max_tokens} to generate"
     )]
-    TooLong { slot_ctx: usize, prompt: usize, max_tokens: usize },
+    TooLong {
+        slot_ctx: usize,
+        prompt: usize,
+        max_tokens: usize,
+    },
     /// The prompt has no tokens.
     #[error("the prompt is empty")]
     EmptyPrompt,
@@ -205,7 +209,14 @@ impl Engine {
             .name("engine".into())
             .spawn(move || sched.run(receiver))
             .expect("a thread can be started");
-        Engine { inbox, counters, config, failed, thread: Some(thread), reader: Some(reader) }
+        Engine {
+            inbox,
+            counters,
+            config,
+            failed,
+            thread: Some(thread),
+            reader: Some(reader),
+        }
     }
 
     /// Queues a request; its events arrive on `job.events`.
@@ -237,7 +248,9 @@ impl Engine {
     /// Asks every stage for its resident bytes and KV cache use.
     pub async fn stage_stats(&self) -> Result<StageStats, String> {
         let (reply, answer) = oneshot::channel();
-        self.inbox.send(Inbox::Stats(reply)).map_err(|_| "the engine has stopped".to_string())?;
+        self.inbox
+            .send(Inbox::Stats(reply))
+            .map_err(|_| "the engine has stopped".to_string())?;
         answer.await.map_err(|_| "the engine has stopped".to_string())?
     }
 
@@ -339,7 +352,13 @@ impl Sched {
         counters: Arc<Counters>,
         failed: Arc<std::sync::Mutex<Option<String>>>,
     ) -> Sched {
-        let slots = (0..config.n_slots).map(|_| Slot { cached: Vec::new(), last_used: 0, active: None }).collect();
+        let slots = (0..config.n_slots)
+            .map(|_| Slot {
+                cached: Vec::new(),
+                last_used: 0,
+                active: None,
+            })
+            .collect();
         Sched {
             tx,
             vocab,
@@ -366,7 +385,10 @@ impl Sched {
             match msg {
                 Some(Inbox::Job(job)) => self.queue.push_back(job),
                 Some(Inbox::Stats(reply)) => {
-                    let msg = Message::Stats { resident: Vec::new(), kv_used: Vec::new() };
+                    let msg = Message::Stats {
+                        resident: Vec::new(),
+                        kv_used: Vec::new(),
+                    };
                     if self.send(msg, Pending::Stats(reply)).is_err() {
                         continue;
                     }
@@ -449,10 +471,16 @@ impl Sched {
         let dropped = before - self.queue.len();
         if dropped > 0 {
             self.counters.queued.fetch_sub(dropped, Ordering::Relaxed);
-            self.counters.requests_cancelled.fetch_add(dropped as u64, Ordering::Relaxed);
+            self.counters
+                .requests_cancelled
+                .fetch_add(dropped as u64, Ordering::Relaxed);
         }
         for seq in 0..self.slots.len() {
-            if self.slots[seq].active.as_ref().is_some_and(|a| a.job.events.is_closed()) {
+            if self.slots[seq]
+                .active
+                .as_ref()
+                .is_some_and(|a| a.job.events.is_closed())
+            {
                 self.cancel(seq);
             }
         }
@@ -478,7 +506,10 @@ impl Sched {
             let free = (0..self.slots.len()).filter(|&i| self.slots[i].active.is_none());
             let best = free.max_by_key(|&i| {
                 let slot = &self.slots[i];
-                (common_prefix(&slot.cached, &job.prompt), std::cmp::Reverse(slot.last_used))
+                (
+                    common_prefix(&slot.cached, &job.prompt),
+                    std::cmp::Reverse(slot.last_used),
+                )
             });
             let Some(seq) = best else { break };
             let job = self.queue.pop_front().expect("the queue is not empty");
@@ -486,7 +517,9 @@ impl Sched {
             self.counters.active.fetch_add(1, Ordering::Relaxed);
             // At least the last prompt token is computed: its logits are needed.
             let n_reused = common_prefix(&self.slots[seq].cached, &job.prompt).min(job.prompt.len() - 1);
-            self.counters.prompt_tokens_reused.fetch_add(n_reused as u64, Ordering::Relaxed);
+            self.counters
+                .prompt_tokens_reused
+                .fetch_add(n_reused as u64, Ordering::Relaxed);
             self.counters
                 .prompt_tokens_computed
                 .fetch_add((job.prompt.len() - n_reused) as u64, Ordering::Relaxed);
@@ -533,7 +566,12 @@ impl Sched {
     /// Builds and sends one micro-batch; false when nothing is ready.
     fn send_batch(&mut self) -> bool {
         let step = self.next_step;
-        let n_decoding = self.slots.iter().filter_map(|s| s.active.as_ref()).filter(|a| a.decoding()).count();
+        let n_decoding = self
+            .slots
+            .iter()
+            .filter_map(|s| s.active.as_ref())
+            .filter(|a| a.decoding())
+            .count();
         let group = n_decoding.div_ceil(self.config.n_stages.max(1)).max(1);
 
         let mut decoding: Vec<usize> = (0..self.slots.len())
@@ -542,7 +580,12 @@ impl Sched {
         decoding.sort_by_key(|&i| self.slots[i].active.as_ref().map_or(0, |a| a.last_batch));
         decoding.truncate(group);
         let mut prefilling: Vec<usize> = (0..self.slots.len())
-            .filter(|&i| self.slots[i].active.as_ref().is_some_and(|a| a.ready() && !a.decoding()))
+            .filter(|&i| {
+                self.slots[i]
+                    .active
+                    .as_ref()
+                    .is_some_and(|a| a.ready() && !a.decoding())
+            })
             .collect();
         prefilling.sort_by_key(|&i| self.slots[i].active.as_ref().map_or(0, |a| a.epoch));
 
@@ -558,7 +601,11 @@ impl Sched {
             budget -= n;
             Some((seq, n))
         });
-        let work: Vec<(usize, usize)> = decoding.iter().map(|&seq| (seq, 1)).chain(take_prefill.collect::<Vec<_>>()).collect();
+        let work: Vec<(usize, usize)> = decoding
+            .iter()
+            .map(|&seq| (seq, 1))
+            .chain(take_prefill.collect::<Vec<_>>())
+            .collect();
         if work.is_empty() {
             return false;
         }
@@ -580,7 +627,13 @@ impl Sched {
         self.next_step += 1;
         self.steps_in_flight += 1;
         self.counters.steps.fetch_add(1, Ordering::Relaxed);
-        let forward = Forward { step, payload: Payload::Tokens(tokens), positions, seq_ids, sample_rows };
+        let forward = Forward {
+            step,
+            payload: Payload::Tokens(tokens),
+            positions,
+            seq_ids,
+            sample_rows,
+        };
         self.send(Message::Forward(forward), Pending::Step(members)).is_ok()
     }
 
@@ -652,7 +705,12 @@ impl Sched {
                 Piece::Text(text) => (text, false),
                 Piece::Stop(text) => (text, true),
             };
-            let out = TokenOut { id: sampled.token, text, logprob: sampled.logprob, top: sampled.top.clone() };
+            let out = TokenOut {
+                id: sampled.token,
+                text,
+                logprob: sampled.logprob,
+                top: sampled.top.clone(),
+            };
             if active.job.events.send(Event::Token(out)).is_err() {
                 self.cancel(seq);
                 return;
@@ -678,7 +736,9 @@ impl Sched {
         slot.cached = active.tokens;
         self.counters.active.fetch_sub(1, Ordering::Relaxed);
         self.counters.requests_finished.fetch_add(1, Ordering::Relaxed);
-        self.counters.completion_tokens.fetch_add(active.generated as u64, Ordering::Relaxed);
+        self.counters
+            .completion_tokens
+            .fetch_add(active.generated as u64, Ordering::Relaxed);
         let _ = active.job.events.send(Event::Finished(Finish {
             reason,
             tail,

@@ -66,7 +66,8 @@ impl TextStream {
                 }
                 Err(e) => {
                     let valid = e.valid_up_to();
-                    self.held.push_str(std::str::from_utf8(&self.partial[..valid]).unwrap_or_default());
+                    self.held
+                        .push_str(std::str::from_utf8(&self.partial[..valid]).unwrap_or_default());
                     match e.error_len() {
                         Some(bad) => {
                             self.held.push('\u{FFFD}');

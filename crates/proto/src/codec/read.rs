@@ -282,6 +282,7 @@ impl<'a> Reader<'a> {
         let first = self.bool("first")?;
         let last = self.bool("last")?;
         let n_ctx = self.u32("n_ctx")?;
+        let n_seq = self.u32("n_seq")?;
         let next = match self.present("next")? {
             false => None,
             true => Some(self.str("next")?),
@@ -293,6 +294,7 @@ impl<'a> Reader<'a> {
             first,
             last,
             n_ctx,
+            n_seq,
             next,
             stream: self.bool("stream")?,
             wire_f16: self.bool("wire_f16")?,

@@ -60,6 +60,7 @@ fn samples() -> Vec<Message> {
         first: false,
         last: true,
         n_ctx: 4096,
+        n_seq: 8,
         next: None,
         stream: true,
         wire_f16: false,
@@ -134,13 +135,17 @@ fn samples() -> Vec<Message> {
             received: 5,
         },
         Message::StartSeq {
-            seq: 9, keep: 7, top_logprobs: 5,
+            seq: 9,
+            keep: 7,
+            top_logprobs: 5,
             params: params(),
             history: vec![1, 2, u32::MAX],
             logprobs: true,
         },
         Message::StartSeq {
-            seq: 0, keep: 0, top_logprobs: 0,
+            seq: 0,
+            keep: 0,
+            top_logprobs: 0,
             params: SamplingParams::greedy(),
             history: vec![],
             logprobs: false,
@@ -402,7 +407,9 @@ fn unknown_role_and_tags_are_refused() {
     assert_eq!(invalid_reason(decode(kind::HELLO, &hello.0)), "unknown role byte 3");
 
     let (kind, mut payload) = payload_of(&Message::StartSeq {
-        seq: 1, keep: 0, top_logprobs: 0,
+        seq: 1,
+        keep: 0,
+        top_logprobs: 0,
         params: params(),
         history: vec![],
         logprobs: true,
@@ -546,7 +553,9 @@ fn invalid_values_are_refused() {
         ..params()
     };
     let msg = Message::StartSeq {
-        seq: 1, keep: 0, top_logprobs: 0,
+        seq: 1,
+        keep: 0,
+        top_logprobs: 0,
         params: nan_temperature,
         history: vec![],
         logprobs: false,
@@ -567,7 +576,9 @@ fn invalid_values_are_refused() {
     assert!(err.to_string().contains("temperature"), "{err}");
 
     let top_p = Message::StartSeq {
-        seq: 1, keep: 0, top_logprobs: 0,
+        seq: 1,
+        keep: 0,
+        top_logprobs: 0,
         params: SamplingParams { top_p: 0.0, ..params() },
         history: vec![],
         logprobs: false,
@@ -615,6 +626,7 @@ fn invalid_values_are_refused() {
         first: true,
         last: true,
         n_ctx: 1,
+        n_seq: 0,
         next: None,
         stream: false,
         wire_f16: false,

@@ -227,6 +227,7 @@ impl Writer<'_> {
         self.bool(plan.first);
         self.bool(plan.last);
         self.u32(plan.n_ctx);
+        self.u32(plan.n_seq);
         self.opt_str(plan.next.as_deref());
         self.bool(plan.stream);
         self.bool(plan.wire_f16);
