@@ -202,7 +202,7 @@ fn f16_wire_costs_little_fidelity() {
 
 /// Runs one batch through every stage of `chain`; returns the logits of `rows`.
 fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
-    use baton_model::{Batch, StageInput, StageOutput};
+    use baton_model::{Batch, StageInput};
     let mut hidden = Vec::new();
     let n = chain.stages.len();
     for (i, stage) in chain.stages.iter_mut().enumerate() {
@@ -229,27 +229,47 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 }
 
 /// A decode step computed alone, or in one batch with other sequences' steps: without
-/// repacked weights the logits are bit-identical, so concurrent requests generate what
-/// they generate alone. With repacking, ggml switches to a different q4_K kernel for
-/// batches of 4 rows or more, and results move by far more than rounding (measured
-/// below; llama.cpp's own server has the same property). See docs/fidelity.md.
+/// repacked weights the logits are bit-identical for batches of up to 7 rows, so
+/// concurrent requests generate what they generate alone (the server's scheduler keeps
+/// decode batches that small and never mixes them with prompt chunks). From 8 rows
+/// ggml multiplies by K-quant weights with a tiled kernel, and with repacking a
+/// different kernel from 4 rows: results move (measured below; llama.cpp's own server
+/// has the same property). See docs/fidelity.md.
+///
+/// With a region per sequence (as `baton serve` runs) the sequences here are long
+/// enough to attend over 512 cells, where ggml's attention kernel for a lone row
+/// differs from the one for several rows: the stage attends per sequence.
 #[test]
 fn batching_with_other_sequences_changes_nothing_without_repacking() {
-    let path = model(QWEN2);
-    let file = ModelFile::open(&path).unwrap();
-    let oracle = LlamaModel::load_vocab(&path).unwrap();
-    let prompts: Vec<Vec<u32>> = PROMPTS
-        .iter()
-        .map(|p| oracle.tokenize(p, true, true).unwrap())
-        .collect();
-    for repack in [false, true] {
+    let cases = [
+        (QWEN2, false, 0),
+        (QWEN2, false, 4),
+        (GEMMA3, false, 4),
+        (QWEN2, true, 0),
+    ];
+    for (name, repack, n_seq) in cases {
+        let path = model(name);
+        let file = ModelFile::open(&path).unwrap();
+        let oracle = LlamaModel::load_vocab(&path).unwrap();
+        let prompts: Vec<Vec<u32>> = PROMPTS
+            .iter()
+            .map(|p| {
+                // With regions, about 300 tokens each: past 256 cells, so each sequence
+                // attends over 512.
+                let text = if n_seq == 0 { p.to_string() } else { p.repeat(40) };
+                let mut tokens = oracle.tokenize(&text, true, true).unwrap();
+                tokens.truncate(300);
+                tokens
+            })
+            .collect();
         let config = StageConfig {
-            n_ctx: 512,
-            n_threads: 1,
+            n_ctx: if n_seq == 0 { 512 } else { 2048 },
+            n_threads: 2,
             repack,
-            n_seq: 0,
+            n_seq,
         };
-        let mut chain = Chain::load_with(&file, &[0..12, 12..24], &config);
+        let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+        let mut chain = Chain::load_with(&file, &ranges, &config);
         for (seq, prompt) in prompts.iter().enumerate() {
             chain.logits(seq as u32, prompt, 0);
         }
@@ -263,7 +283,7 @@ fn batching_with_other_sequences_changes_nothing_without_repacking() {
         };
         let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
         reset(&mut chain);
-        for rows in [2usize, 3, 4, 8] {
+        for rows in [2usize, 3, 4, 7, 8] {
             // Rows round-robin over the three sequences, each continuing where it is.
             let seq_ids: Vec<u32> = (0..rows as u32).map(|r| r % 3).collect();
             let mut next = lens.clone();
@@ -278,9 +298,11 @@ fn batching_with_other_sequences_changes_nothing_without_repacking() {
             let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &[0]);
             reset(&mut chain);
             let err = nmse(&batched, &alone);
-            println!("repack {repack}, batch of {rows}: NMSE {err:.3e} against the step alone");
-            if !repack {
-                assert_eq!(err, 0.0, "batch of {rows} without repacking");
+            println!(
+                "{name}, repack {repack}, {n_seq} regions, batch of {rows}: NMSE {err:.3e} against the step alone"
+            );
+            if !repack && rows < 8 {
+                assert_eq!(err, 0.0, "{name}: batch of {rows} without repacking, {n_seq} regions");
             }
         }
     }

@@ -203,21 +203,27 @@ fn curl_streams_a_chat_completion() {
 struct Streamed {
     text: String,
     tokens: Vec<(String, f64, f64)>,
+    /// Prompt tokens the server took from its cache.
+    cached: u64,
 }
 
 fn stream_greedy(server: &Server, prompt: &str, n: usize) -> Streamed {
     let body = json!({
         "model": server.model_id(), "prompt": prompt, "max_tokens": n, "temperature": 0,
-        "stream": true, "logprobs": 2,
+        "stream": true, "logprobs": 2, "stream_options": {"include_usage": true},
     });
     let events = server.stream("/v1/completions", &body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
     let mut out = Streamed {
         text: String::new(),
         tokens: Vec::new(),
+        cached: 0,
     };
     for event in &events[..events.len() - 1] {
         let chunk: Value = serde_json::from_str(event).unwrap();
+        if let Some(cached) = chunk["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
+            out.cached = cached;
+        }
         let choice = &chunk["choices"][0];
         out.text.push_str(choice["text"].as_str().unwrap_or(""));
         let logprobs = &choice["logprobs"];
@@ -302,8 +308,8 @@ fn concurrent_streams_produce_what_they_produce_alone() {
             .expect("texts differ, so tokens do");
         let (_, best, second) = &a.tokens[at];
         println!(
-            "prompt {i}: diverges at token {at}: alone {:?}, together {:?}",
-            a.text, t.text
+            "prompt {i}: diverges at token {at}: alone {:?} ({} prompt tokens cached), together {:?} ({} cached)",
+            a.text, a.cached, t.text, t.cached
         );
         assert!(
             best - second <= 1e-3,

@@ -408,6 +408,12 @@ impl Context {
         }
     }
 
+    /// `a` and `b` joined along dimension `dim` (other dimensions equal).
+    pub fn concat<'t>(&'t self, a: Tensor<'t>, b: Tensor<'t>, dim: i32) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs); ggml asserts the shapes match.
+        unsafe { self.wrap(sys::ggml_concat(self.raw(), a.raw(), b.raw(), dim)) }
+    }
+
     /// Dimension permutation (ggml semantics: axis `i` of `a` goes to position `axes[i]`).
     pub fn permute<'t>(&'t self, a: Tensor<'t>, axes: [i32; 4]) -> Tensor<'t> {
         // SAFETY: records a view node (see module docs).

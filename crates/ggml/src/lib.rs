@@ -6,6 +6,8 @@
 mod backend;
 mod graph;
 mod llama;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Once;
 

@@ -16,6 +16,20 @@ const MASK_DROP: u16 = 0xFC00;
 /// same (masked cells cost nothing in flash attention, and results stay identical).
 const N_KV_PAD: usize = 256;
 
+/// `used` cells padded to [`N_KV_PAD`] (at least one pad), at most `max`.
+fn pad_cells(used: usize, max: usize) -> usize {
+    used.div_ceil(N_KV_PAD).max(1).saturating_mul(N_KV_PAD).min(max)
+}
+
+/// Rows of a batch that attend together, and the cells they attend over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttnSpan {
+    /// Consecutive rows of the batch.
+    pub rows: Range<usize>,
+    /// Consecutive cells of the cache.
+    pub cells: Range<usize>,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Cell {
     /// Position of the token, or -1 when the cell is free.
@@ -69,7 +83,7 @@ impl KvCache {
             layers,
             cells: vec![FREE; n_ctx],
             n_used: 0,
-            region: if n_seq == 0 { 0 } else { n_ctx / n_seq },
+            region: n_ctx.checked_div(n_seq).unwrap_or(0),
         })
     }
 
@@ -196,19 +210,51 @@ impl KvCache {
     /// How many cells attention must look at: past the last used cell, padded.
     pub fn n_kv(&self) -> usize {
         let last = self.cells.iter().rposition(|c| c.pos >= 0).map_or(0, |i| i + 1);
-        last.div_ceil(N_KV_PAD)
-            .max(1)
-            .saturating_mul(N_KV_PAD)
-            .min(self.cells.len())
+        pad_cells(last, self.cells.len())
     }
 
-    /// The attention mask `[n_kv, n_tokens]` (f16 bits): a token sees the cells of its
-    /// own sequence at positions not after its own, and, with a sliding window
-    /// `window`, only those less than `window` positions back.
-    pub fn mask(&self, seq_ids: &[u32], positions: &[i32], n_kv: usize, window: Option<usize>) -> Vec<u16> {
+    /// How the rows of a batch attend: one span per run of consecutive rows of the
+    /// same sequence when sequences have regions, each over its own region's used
+    /// cells (padded); otherwise one span of every row over every used cell.
+    ///
+    /// With regions, a sequence's attention then costs what its own length costs, not
+    /// what the highest used cell of any sequence does (decoding sequence 7 of 8 with
+    /// 1024-cell regions: 38-43 tok/s over all cells, 40-50 over its own, qwen2 0.5B),
+    /// and a sequence attends over the same cells alone or in any batch.
+    pub fn attention_spans(&self, seq_ids: &[u32]) -> Vec<AttnSpan> {
+        if self.region == 0 {
+            return vec![AttnSpan {
+                rows: 0..seq_ids.len(),
+                cells: 0..self.n_kv(),
+            }];
+        }
+        let mut spans: Vec<AttnSpan> = Vec::new();
+        for (row, &seq) in seq_ids.iter().enumerate() {
+            match spans.last_mut() {
+                Some(span) if seq_ids[span.rows.start] == seq => span.rows.end = row + 1,
+                _ => {
+                    let start = seq as usize * self.region;
+                    let region = &self.cells[start..start + self.region];
+                    let last = region.iter().rposition(|c| c.pos >= 0).map_or(0, |i| i + 1);
+                    spans.push(AttnSpan {
+                        rows: row..row + 1,
+                        cells: start..start + pad_cells(last, self.region),
+                    });
+                }
+            }
+        }
+        spans
+    }
+
+    /// The attention mask `[cells.len(), n_tokens]` (f16 bits) of the tokens of
+    /// `seq_ids` at `positions` over `cells`: a token sees the cells of its own
+    /// sequence at positions not after its own, and, with a sliding window `window`,
+    /// only those less than `window` positions back.
+    pub fn mask(&self, seq_ids: &[u32], positions: &[i32], cells: Range<usize>, window: Option<usize>) -> Vec<u16> {
+        let n_kv = cells.len();
         let mut mask = vec![MASK_DROP; n_kv * seq_ids.len()];
         for (row, (&seq, &pos)) in mask.chunks_exact_mut(n_kv).zip(seq_ids.iter().zip(positions)) {
-            for (value, cell) in row.iter_mut().zip(&self.cells) {
+            for (value, cell) in row.iter_mut().zip(&self.cells[cells.clone()]) {
                 let visible = cell.pos >= 0
                     && cell.seq == seq
                     && cell.pos <= pos
@@ -283,10 +329,10 @@ mod tests {
         let slots = kv.claim(&[0, 0, 1], &[0, 1, 0]).unwrap();
         assert_eq!(slots, vec![0, 1, 2]);
         assert_eq!(kv.n_kv(), 8);
-        let mask = kv.mask(&[0, 1], &[1, 0], 4, None);
+        let mask = kv.mask(&[0, 1], &[1, 0], 0..4, None);
         assert_eq!(&mask[..4], &[MASK_KEEP, MASK_KEEP, MASK_DROP, MASK_DROP]);
         assert_eq!(&mask[4..], &[MASK_DROP, MASK_DROP, MASK_KEEP, MASK_DROP]);
-        let swa = kv.mask(&[0], &[1], 4, Some(1));
+        let swa = kv.mask(&[0], &[1], 0..4, Some(1));
         assert_eq!(&swa, &[MASK_DROP, MASK_KEEP, MASK_DROP, MASK_DROP]);
         kv.truncate_seq(0, 1);
         assert_eq!(kv.seq_len(0), 1);
@@ -305,6 +351,21 @@ mod tests {
         let full = kv.claim(&[0, 0], &[1, 2]).unwrap_err().to_string();
         assert!(full.contains("KV cache is full"), "{full}");
         assert_eq!(kv.n_used(), 1, "a refused claim changes nothing");
+    }
+
+    #[test]
+    fn rows_of_each_sequence_attend_over_their_own_region() {
+        let mut kv = KvCache::new(&tiny(), 0..1, 2048, 2).unwrap();
+        let positions: Vec<i32> = (0..300).collect();
+        kv.claim(&[1; 300], &positions).unwrap();
+        kv.claim(&[0, 0], &[0, 1]).unwrap();
+        let span = |rows, cells| AttnSpan { rows, cells };
+        assert_eq!(
+            kv.attention_spans(&[0, 0, 1, 1, 0]),
+            vec![span(0..2, 0..256), span(2..4, 1024..1536), span(4..5, 0..256)]
+        );
+        let shared = KvCache::new(&tiny(), 0..1, 2048, 0).unwrap();
+        assert_eq!(shared.attention_spans(&[0, 1, 0]), vec![span(0..3, 0..256)]);
     }
 
     #[test]

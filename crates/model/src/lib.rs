@@ -15,7 +15,7 @@ mod tests;
 use std::path::PathBuf;
 
 pub use hparams::{Arch, HParams};
-pub use kv::KvCache;
+pub use kv::{AttnSpan, KvCache};
 pub use resident::mapped_rss;
 pub use stage::{Batch, Stage, StageConfig, StageInput, StageOutput};
 pub use weights::{stage_tensor_sources, LayerTensors, LayerWeights, ModelFile, StageSpan, StageWeights};

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use baton_ggml::{Allocator, Context, CpuBackend, DType, Tensor};
 
-use crate::arch::{Builder, StepInputs};
-use crate::kv::KvCache;
+use crate::arch::{Builder, SpanInputs, StepInputs};
+use crate::kv::{AttnSpan, KvCache};
 use crate::weights::{ModelFile, StageSpan, StageWeights};
 use crate::ModelError;
 
@@ -193,9 +193,10 @@ impl Stage {
         let file = self.weights.file().clone();
         let hp = file.hparams();
         let n_tokens = batch.n_tokens();
-        let n_kv = self.kv.n_kv();
-        // About 40 nodes per layer (views included); generous so no model runs short.
-        let n_nodes = 64 * self.span.layers.len() + 64;
+        let spans = self.kv.attention_spans(batch.seq_ids);
+        // About 40 nodes per layer plus 10 per span and layer (views included);
+        // generous so no model runs short.
+        let n_nodes = (64 + 16 * spans.len()) * self.span.layers.len() + 64 + 4 * spans.len();
         let ctx = Context::new(n_nodes, n_nodes);
 
         // Inputs (data written after allocation).
@@ -211,13 +212,19 @@ impl Stage {
         // is not in the graph gets no memory).
         let has_swa = self.span.layers.clone().any(|l| hp.is_swa(l));
         let has_full = self.span.layers.clone().any(|l| !hp.is_swa(l));
-        let new_mask = |name| {
-            ctx.new_tensor(DType::F16, &[n_kv as i64, n_tokens as i64])
-                .named(name)
+        let new_mask = |span: &AttnSpan, name: &str| {
+            ctx.new_tensor(DType::F16, &[span.cells.len() as i64, span.rows.len() as i64])
+                .named(&format!("{name}-{}", span.rows.start))
                 .set_input()
         };
-        let mask = has_full.then(|| new_mask("kq_mask"));
-        let mask_swa = has_swa.then(|| new_mask("kq_mask_swa"));
+        let spans: Vec<SpanInputs> = spans
+            .into_iter()
+            .map(|span| SpanInputs {
+                mask: has_full.then(|| new_mask(&span, "kq_mask")),
+                mask_swa: has_swa.then(|| new_mask(&span, "kq_mask_swa")),
+                span,
+            })
+            .collect();
         let want_logits = self.span.last && !batch.logit_rows.is_empty();
         let out_rows = want_logits.then(|| {
             ctx.new_tensor(DType::I32, &[batch.logit_rows.len() as i64])
@@ -252,10 +259,8 @@ impl Stage {
             inputs: StepInputs {
                 positions,
                 kv_slots,
-                mask,
-                mask_swa,
+                spans,
                 out_rows,
-                n_kv,
                 n_tokens,
             },
         };
@@ -289,16 +294,21 @@ impl Stage {
         };
         let out = out.named("stage_out").set_output();
         let mut graph = b.graph;
+        let spans = b.inputs.spans;
         graph.expand(out);
 
         self.alloc.alloc(&graph)?;
         positions.write(batch.positions)?;
         kv_slots.write(slots)?;
-        if let Some(m) = mask {
-            m.write(&self.kv.mask(batch.seq_ids, batch.positions, n_kv, None))?;
-        }
-        if let Some(m) = mask_swa {
-            m.write(&self.kv.mask(batch.seq_ids, batch.positions, n_kv, Some(hp.n_swa)))?;
+        for span in &spans {
+            let (rows, cells) = (span.span.rows.clone(), span.span.cells.clone());
+            let (seq_ids, positions) = (&batch.seq_ids[rows.clone()], &batch.positions[rows]);
+            if let Some(m) = span.mask {
+                m.write(&self.kv.mask(seq_ids, positions, cells.clone(), None))?;
+            }
+            if let Some(m) = span.mask_swa {
+                m.write(&self.kv.mask(seq_ids, positions, cells, Some(hp.n_swa)))?;
+            }
         }
         if let Some(rows) = out_rows {
             let ids: Vec<i32> = batch.logit_rows.iter().map(|&r| r as i32).collect();

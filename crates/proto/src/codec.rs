@@ -54,7 +54,8 @@
 //! | structure      | fields, in order                                                         |
 //! |----------------|--------------------------------------------------------------------------|
 //! | ModelRef       | file_name str, identity [32], size u64                                   |
-//! | HeldModel      | file_name str, identity [32], size u64, complete bool                    |
+//! | HeldModel      | file_name str, identity [32], size u64, complete bool, has_content bool, |
+//! |                | then content [32] when has_content                                       |
 //! | TensorEntry    | name str, offset u64, len u64, sha256 [32]                               |
 //! | SamplingParams | temperature f32, top_k i32, top_p f32, min_p f32, repeat_penalty f32,    |
 //! |                | repeat_last_n u64, frequency_penalty f32, presence_penalty f32, seed u64 |

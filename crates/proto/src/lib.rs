@@ -17,7 +17,7 @@ pub use codec::{decode, encode, encode_payload, header, parse_header, ProtoError
 use baton_sample::SamplingParams;
 
 /// Version of the wire protocol; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -145,6 +145,9 @@ pub struct HeldModel {
     /// Whether every tensor is present (a file received by streaming may hold only
     /// the tensors of the stage the worker ran before).
     pub complete: bool,
+    /// SHA-256 of the whole file, once the worker has computed it: it hashes a file in
+    /// the background the first time it lists it, and keeps the result on its disk.
+    pub content: Option<[u8; 32]>,
 }
 
 /// What a worker offers, sent once in answer to `Describe`.

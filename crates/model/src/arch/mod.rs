@@ -10,7 +10,7 @@ mod llama;
 use baton_ggml::{Context, Graph, Tensor};
 
 use crate::hparams::{Arch, HParams};
-use crate::kv::KvCache;
+use crate::kv::{AttnSpan, KvCache};
 use crate::weights::{LayerTensors, StageWeights};
 
 /// The per-step inputs every layer reads.
@@ -19,16 +19,22 @@ pub struct StepInputs<'g> {
     pub positions: Tensor<'g>,
     /// Cells the new keys/values go to, i64 `[n_tokens]`.
     pub kv_slots: Tensor<'g>,
-    /// Causal mask, f16 `[n_kv, n_tokens]`, when the stage has full-attention layers.
+    /// Rows that attend together, in row order, with their masks.
+    pub spans: Vec<SpanInputs<'g>>,
+    /// Rows that need logits, i32 `[n_out]`, on the stage that owns the model's last layer.
+    pub out_rows: Option<Tensor<'g>>,
+    /// Tokens in the batch.
+    pub n_tokens: usize,
+}
+
+/// Rows of the batch that attend together over a range of cache cells.
+pub struct SpanInputs<'g> {
+    /// The rows and cells.
+    pub span: AttnSpan,
+    /// Causal mask, f16 `[cells, rows]`, when the stage has full-attention layers.
     pub mask: Option<Tensor<'g>>,
     /// Sliding-window mask (same shape), when the stage has sliding-window layers.
     pub mask_swa: Option<Tensor<'g>>,
-    /// Rows that need logits, i32 `[n_out]`, on the stage that owns the model's last layer.
-    pub out_rows: Option<Tensor<'g>>,
-    /// Cells attention looks at.
-    pub n_kv: usize,
-    /// Tokens in the batch.
-    pub n_tokens: usize,
 }
 
 /// Builds one step's graph: holds the graph context and everything layers share.
@@ -122,28 +128,47 @@ impl<'g> Builder<'g> {
         self.graph.expand(k_store);
         self.graph.expand(v_store);
 
-        let n_kv = self.inputs.n_kv as i64;
-        let elt = k_cache.nb()[0];
-        let keys = ctx.view_3d(
-            k_cache,
-            [d_k, hp.n_head_kv as i64, n_kv],
-            elt * d_k as usize,
-            k_cache.nb()[1],
-            0,
-        );
-        let values = ctx.view_3d(
-            v_cache,
-            [d_v, hp.n_head_kv as i64, n_kv],
-            elt * d_v as usize,
-            v_cache.nb()[1],
-            0,
-        );
-        let keys = ctx.permute(keys, [0, 2, 1, 3]); // [d_k, n_kv, n_head_kv]
-        let values = ctx.permute(values, [0, 2, 1, 3]); // [d_v, n_kv, n_head_kv]
-        let q = ctx.permute(q, [0, 2, 1, 3]); // [d_k, n_tokens, n_head]
-        let mask = if swa { self.inputs.mask_swa } else { self.inputs.mask };
-        let mask = mask.expect("the stage creates the mask of every kind of layer it has");
-        let out = ctx.flash_attn(q, keys, values, mask, hp.attn_scale, hp.attn_logit_softcap); // [d_v, n_head, n_tokens]
+        // Each span attends on its own (see `KvCache::attention_spans`); the outputs
+        // `[d_v, n_head, rows]` join back in row order.
+        let row_bytes = q.nb()[2];
+        let mut out: Option<Tensor<'g>> = None;
+        for span in &self.inputs.spans {
+            let (rows, cells) = (&span.span.rows, &span.span.cells);
+            let n_kv = cells.len() as i64;
+            let cache_view = |cache: Tensor<'g>, d: i64| {
+                let view = ctx.view_3d(
+                    cache,
+                    [d, hp.n_head_kv as i64, n_kv],
+                    cache.nb()[0] * d as usize,
+                    cache.nb()[1],
+                    cells.start * cache.nb()[1],
+                );
+                ctx.permute(view, [0, 2, 1, 3]) // [d, n_kv, n_head_kv]
+            };
+            let q_rows = ctx.view_3d(
+                q,
+                [d_k, hp.n_head as i64, rows.len() as i64],
+                q.nb()[1],
+                row_bytes,
+                rows.start * row_bytes,
+            );
+            let q_rows = ctx.permute(q_rows, [0, 2, 1, 3]); // [d_k, rows, n_head]
+            let mask = if swa { span.mask_swa } else { span.mask };
+            let mask = mask.expect("the stage creates the mask of every kind of layer it has");
+            let part = ctx.flash_attn(
+                q_rows,
+                cache_view(k_cache, d_k),
+                cache_view(v_cache, d_v),
+                mask,
+                hp.attn_scale,
+                hp.attn_logit_softcap,
+            ); // [d_v, n_head, rows]
+            out = Some(match out {
+                Some(done) => ctx.concat(done, part, 2),
+                None => part,
+            });
+        }
+        let out = out.expect("a batch has at least one row, so one span");
         let out = ctx.reshape_2d(out, d_v * hp.n_head as i64, n_tokens);
         self.linear(w.wo, w.bo, out)
     }

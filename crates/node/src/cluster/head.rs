@@ -3,7 +3,7 @@
 //! trips), tell each worker its range, stream tensors to workers that lack the file,
 //! and hand back a [`Head`] whose ring runs through the workers.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -11,7 +11,7 @@ use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
 use baton_net::{client_handshake, local_link, Counters, LinkOptions, NetError, Rx, TcpLink, Tx};
 use baton_plan::{ModelCost, NodeOffer, Plan};
 use baton_proto::auth::identity_hash;
-use baton_proto::{Capabilities, LoadPlan, Message, ModelRef, Role};
+use baton_proto::{Capabilities, HeldModel, LoadPlan, Message, ModelRef, Role};
 
 use super::stream::send_stage_tensors;
 use crate::head::Head;
@@ -100,6 +100,52 @@ pub fn model_ref(file: &ModelFile) -> ModelRef {
     }
 }
 
+/// Where the head keeps what it computes about model files (their content hashes).
+fn head_cache_dir() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    let dir = base.join("baton");
+    let _ = std::fs::create_dir_all(&dir);
+    dir
+}
+
+/// Refuses a worker that holds a file of the model's name with another header hash, or
+/// a file with the model's header hash but other content (when both sides know the
+/// content hash: each computes it once, in the background, and keeps it).
+fn check_held(
+    addr: &str,
+    model_ref: &ModelRef,
+    own_content: Option<[u8; 32]>,
+    held: &[HeldModel],
+) -> Result<(), NodeError> {
+    let short = |hash: &[u8; 32]| baton_proto::auth::hex(&hash[..6]);
+    for other in held {
+        if other.file_name == model_ref.file_name && other.identity != model_ref.identity {
+            return Err(NodeError::Request(format!(
+                "worker {addr} holds a different {}: its header hash {} differs from the head's {} (size {} vs {})",
+                other.file_name,
+                short(&other.identity),
+                short(&model_ref.identity),
+                other.size,
+                model_ref.size,
+            )));
+        }
+        if let (Some(theirs), Some(ours)) = (other.content, own_content) {
+            if other.identity == model_ref.identity && theirs != ours {
+                return Err(NodeError::Request(format!(
+                    "worker {addr} holds a damaged or altered {}: same header, but its content hash {} differs from the head's {}",
+                    other.file_name,
+                    short(&theirs),
+                    short(&ours),
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// What each layer and each end of the model costs in memory, for the planner.
 pub fn model_cost(file: &ModelFile, n_ctx: usize) -> ModelCost {
     let hp = file.hparams();
@@ -124,6 +170,8 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     }
     let file = ModelFile::open(model)?;
     let model_ref = model_ref(&file);
+    // Known from an earlier start (or `None`, and computed in the background for the next).
+    let own_content = super::models::content_hash(model, &model_ref.identity, &head_cache_dir());
     let token = opts.token.as_deref().map(str::as_bytes);
 
     let mut links = Vec::new();
@@ -144,20 +192,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
                 )))
             }
         };
-        if let Some(other) = caps
-            .models
-            .iter()
-            .find(|m| m.file_name == model_ref.file_name && m.identity != model_ref.identity)
-        {
-            return Err(NodeError::Request(format!(
-                "worker {addr} holds a different {}: its header hash {} differs from the head's {} (size {} vs {})",
-                other.file_name,
-                baton_proto::auth::hex(&other.identity[..6]),
-                baton_proto::auth::hex(&model_ref.identity[..6]),
-                other.size,
-                model_ref.size,
-            )));
-        }
+        check_held(addr, &model_ref, own_content, &caps.models)?;
         tracing::info!(worker = %addr, memory = caps.memory, secs_per_layer = ?caps.secs_per_layer, "worker described itself");
         links.push(link);
         remote.push(RemoteWorker {
@@ -361,11 +396,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
 }
 
 /// Runs the head's own stage on a thread of its own, like a worker would.
-fn spawn_stage(
-    worker: StageWorker,
-    rx: impl Rx + Send + 'static,
-    tx: impl Tx + Send + 'static,
-) -> Result<JoinHandle<()>, NodeError> {
+fn spawn_stage(worker: StageWorker, rx: impl Rx + 'static, tx: impl Tx + 'static) -> Result<JoinHandle<()>, NodeError> {
     std::thread::Builder::new()
         .name("head-stage".into())
         .spawn(move || match run(worker, rx, tx) {
@@ -373,4 +404,42 @@ fn spawn_stage(
             Err(e) => tracing::warn!("the head's stage stopped: {e}"),
         })
         .map_err(|e| NodeError::Protocol(format!("cannot start the head's stage thread: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workers_with_another_or_a_damaged_copy_are_refused() {
+        let model = ModelRef {
+            file_name: "m.gguf".into(),
+            identity: [1; 32],
+            size: 100,
+        };
+        let held = |name: &str, identity: u8, content: Option<u8>| HeldModel {
+            file_name: name.into(),
+            identity: [identity; 32],
+            size: 100,
+            complete: true,
+            content: content.map(|c| [c; 32]),
+        };
+        let check = |own: Option<u8>, worker: HeldModel| {
+            check_held("w:1", &model, own.map(|c| [c; 32]), &[worker]).map_err(|e| e.to_string())
+        };
+        assert!(check(Some(5), held("m.gguf", 1, Some(5))).is_ok());
+        assert!(
+            check(None, held("m.gguf", 1, Some(5))).is_ok(),
+            "the head's hash is not known yet"
+        );
+        assert!(
+            check(Some(5), held("m.gguf", 1, None)).is_ok(),
+            "the worker's hash is not known yet"
+        );
+        assert!(check(Some(5), held("other.gguf", 2, Some(6))).is_ok(), "another model");
+        let err = check(Some(5), held("m.gguf", 2, None)).unwrap_err();
+        assert!(err.contains("holds a different m.gguf") && err.contains("w:1"), "{err}");
+        let err = check(Some(5), held("copy.gguf", 1, Some(6))).unwrap_err();
+        assert!(err.contains("damaged or altered copy.gguf"), "{err}");
+    }
 }

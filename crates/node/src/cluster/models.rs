@@ -5,10 +5,13 @@
 use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::UNIX_EPOCH;
 
 use baton_gguf::Gguf;
 use baton_proto::auth::{hex, identity_hash};
 use baton_proto::HeldModel;
+use sha2::{Digest, Sha256};
 
 use crate::NodeError;
 
@@ -24,6 +27,76 @@ pub fn identity_of(path: &Path) -> Result<([u8; 32], u64), NodeError> {
     let bytes = file.bytes();
     let gguf = Gguf::parse(bytes).map_err(|e| NodeError::Request(format!("{}: {e}", path.display())))?;
     Ok((identity_hash(&bytes[..gguf.data_offset as usize]), bytes.len() as u64))
+}
+
+/// Files being hashed in the background now (each is hashed by one thread at a time).
+static HASHING: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
+
+/// SHA-256 of the whole file at `path`, when known. The result is kept in
+/// `cache/<identity>.content` with the file's size and modification time, and read from
+/// there while both are unchanged. When it is not known, a background thread computes
+/// and stores it, and this returns `None`: hashing gigabytes takes a while, and nothing
+/// waits for it (the cheap identity already tells models apart; the content hash finds
+/// a copy whose tensor data differs, e.g. a corrupted one).
+pub fn content_hash(path: &Path, identity: &[u8; 32], cache: &Path) -> Option<[u8; 32]> {
+    let record = cache.join(format!("{}.content", hex(identity)));
+    let stamp = file_stamp(path)?;
+    if let Some(hash) = fs::read_to_string(&record)
+        .ok()
+        .and_then(|text| parse_record(&text, &stamp))
+    {
+        return Some(hash);
+    }
+    if !HASHING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(path.to_path_buf())
+    {
+        return None;
+    }
+    let path = path.to_path_buf();
+    std::thread::spawn(move || {
+        match hash_file(&path) {
+            // Stored only if the file did not change while it was read.
+            Ok(hash) if file_stamp(&path).as_ref() == Some(&stamp) => {
+                let temp = record.with_extension("content.tmp");
+                let text = format!("{stamp} {}\n", hex(&hash));
+                if let Err(e) = fs::write(&temp, text).and_then(|()| fs::rename(&temp, &record)) {
+                    tracing::warn!("cannot store the content hash of {}: {e}", path.display());
+                }
+            }
+            Ok(_) => tracing::debug!("{} changed while it was hashed", path.display()),
+            Err(e) => tracing::warn!("cannot hash {}: {e}", path.display()),
+        }
+        HASHING.lock().unwrap_or_else(|e| e.into_inner()).remove(&path);
+    });
+    None
+}
+
+/// `size mtime_ns` of a file: what must stay the same for a stored hash to hold.
+fn file_stamp(path: &Path) -> Option<String> {
+    let meta = fs::metadata(path).ok()?;
+    let mtime = meta.modified().ok()?.duration_since(UNIX_EPOCH).ok()?.as_nanos();
+    Some(format!("{} {mtime}", meta.len()))
+}
+
+/// The hash in a `size mtime_ns hex` record, if the stamp matches.
+fn parse_record(text: &str, stamp: &str) -> Option<[u8; 32]> {
+    let hex_hash = text.trim().strip_prefix(stamp)?.strip_prefix(' ')?;
+    if hex_hash.len() != 64 {
+        return None;
+    }
+    let mut hash = [0u8; 32];
+    for (byte, pair) in hash.iter_mut().zip(hex_hash.as_bytes().chunks(2)) {
+        *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(hash)
+}
+
+fn hash_file(path: &Path) -> std::io::Result<[u8; 32]> {
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut fs::File::open(path)?, &mut hasher)?;
+    Ok(hasher.finalize().into())
 }
 
 /// A worker's view of its models directory.
@@ -54,11 +127,15 @@ impl ModelDir {
                             .file_name()
                             .map(|n| n.to_string_lossy().into_owned())
                             .unwrap_or_default();
+                        let content = (!partial)
+                            .then(|| content_hash(&path, &identity, &self.root.join(STATE_DIR)))
+                            .flatten();
                         held.push(HeldModel {
                             file_name,
                             identity,
                             size,
                             complete: !partial,
+                            content,
                         });
                     }
                 }
@@ -150,5 +227,43 @@ mod tests {
             let err = models.resolve(bad).unwrap_err().to_string();
             assert!(err.contains("not a plain file name"), "{bad:?}: {err}");
         }
+    }
+
+    #[test]
+    fn content_hash_is_computed_in_the_background_and_kept_while_the_file_is_unchanged() {
+        let dir = std::env::temp_dir().join(format!("baton-content-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("m.gguf");
+        let data: Vec<u8> = (0..(9u32 << 20)).map(|i| (i % 251) as u8).collect();
+        fs::write(&file, &data).unwrap();
+        let identity = [7u8; 32];
+        let wait = || {
+            for _ in 0..200 {
+                if let Some(hash) = content_hash(&file, &identity, &dir) {
+                    return hash;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            panic!("the content hash never arrived");
+        };
+        let expected: [u8; 32] = Sha256::digest(&data).into();
+        assert_eq!(wait(), expected);
+        let record = dir.join(format!("{}.content", hex(&identity)));
+        assert!(record.exists(), "the hash is stored");
+        assert_eq!(
+            content_hash(&file, &identity, &dir),
+            Some(expected),
+            "and read back at once"
+        );
+
+        // A changed file (other size) is hashed again, not taken from the record.
+        fs::write(&file, &data[1..]).unwrap();
+        let expected: [u8; 32] = Sha256::digest(&data[1..]).into();
+        assert_eq!(wait(), expected);
+
+        // A damaged record is ignored.
+        fs::write(&record, "garbage").unwrap();
+        assert_eq!(wait(), expected);
+        fs::remove_dir_all(&dir).unwrap();
     }
 }

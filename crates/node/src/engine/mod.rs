@@ -2,7 +2,7 @@
 //!
 //! Requests wait in a queue for a *slot* (a sequence id with its own share of every
 //! stage's KV cache). Each step gathers work into a micro-batch: the next token of some
-//! decoding sequences, plus a chunk of a prompt. Several micro-batches travel the ring
+//! decoding sequences, or a chunk of a prompt. Several micro-batches travel the ring
 //! at once, one per stage, so every stage has work: while the last stage samples for one
 //! group of sequences, the first stage computes the next group, or the next chunk of a
 //! long prompt. The ring is FIFO, so replies come back in the order steps were sent and
@@ -320,6 +320,11 @@ impl Active {
     }
 }
 
+/// Most decode rows in one micro-batch: from 8 rows on, ggml multiplies by K-quant
+/// weights with a tiled kernel whose rounding differs from the one-row kernel's, so a
+/// sequence would generate differently in a big batch than alone.
+const MAX_DECODE_ROWS: usize = 7;
+
 /// A message in the ring, waiting for its reply.
 enum Pending {
     Control,
@@ -339,6 +344,8 @@ struct Sched {
     queue: VecDeque<Box<Job>>,
     pending: VecDeque<Pending>,
     steps_in_flight: usize,
+    /// The last micro-batch carried decode rows (the next goes to a waiting prompt).
+    last_batch_decoded: bool,
     next_step: u64,
     next_epoch: u64,
     stopping: bool,
@@ -369,6 +376,7 @@ impl Sched {
             queue: VecDeque::new(),
             pending: VecDeque::new(),
             steps_in_flight: 0,
+            last_batch_decoded: false,
             next_step: 0,
             next_epoch: 1,
             stopping: false,
@@ -563,7 +571,13 @@ impl Sched {
         }
     }
 
-    /// Builds and sends one micro-batch; false when nothing is ready.
+    /// Builds and sends one micro-batch; false when nothing is ready. A micro-batch is
+    /// either the next token of some decoding sequences or one chunk of one prompt,
+    /// alternating when both wait: mixed into one batch, a sequence's rows would meet
+    /// kernels that round differently from those it meets alone (ggml multiplies 8+
+    /// rows by K-quant weights with a tiled kernel), and a request would generate
+    /// differently in company. Chunks start where the prompt's last chunk ended, so a
+    /// prompt is cut the same way whatever else runs.
     fn send_batch(&mut self) -> bool {
         let step = self.next_step;
         let n_decoding = self
@@ -572,43 +586,37 @@ impl Sched {
             .filter_map(|s| s.active.as_ref())
             .filter(|a| a.decoding())
             .count();
-        let group = n_decoding.div_ceil(self.config.n_stages.max(1)).max(1);
+        let group = n_decoding
+            .div_ceil(self.config.n_stages.max(1))
+            .clamp(1, MAX_DECODE_ROWS);
 
         let mut decoding: Vec<usize> = (0..self.slots.len())
             .filter(|&i| self.slots[i].active.as_ref().is_some_and(|a| a.ready() && a.decoding()))
             .collect();
         decoding.sort_by_key(|&i| self.slots[i].active.as_ref().map_or(0, |a| a.last_batch));
         decoding.truncate(group);
-        let mut prefilling: Vec<usize> = (0..self.slots.len())
-            .filter(|&i| {
-                self.slots[i]
-                    .active
-                    .as_ref()
-                    .is_some_and(|a| a.ready() && !a.decoding())
+        let prefilling = (0..self.slots.len())
+            .filter_map(|i| {
+                let active = self.slots[i].active.as_ref()?;
+                (active.ready() && !active.decoding()).then_some((active.epoch, i))
             })
-            .collect();
-        prefilling.sort_by_key(|&i| self.slots[i].active.as_ref().map_or(0, |a| a.epoch));
+            .min()
+            .map(|(_, seq)| seq);
 
+        let work: Vec<(usize, usize)> = match prefilling {
+            Some(seq) if decoding.is_empty() || self.last_batch_decoded => {
+                let active = self.slots[seq].active.as_ref().expect("chosen slots are active");
+                self.last_batch_decoded = false;
+                vec![(seq, self.config.chunk.max(1).min(active.n_prompt - active.n_sent))]
+            }
+            _ if !decoding.is_empty() => {
+                self.last_batch_decoded = true;
+                decoding.iter().map(|&seq| (seq, 1)).collect()
+            }
+            _ => return false,
+        };
         let (mut tokens, mut positions, mut seq_ids, mut sample_rows) = (vec![], vec![], vec![], vec![]);
         let mut members = Vec::new();
-        let mut budget = self.config.chunk.max(1).saturating_sub(decoding.len());
-        let take_prefill = prefilling.into_iter().map_while(|seq| {
-            if budget == 0 {
-                return None;
-            }
-            let active = self.slots[seq].active.as_ref()?;
-            let n = budget.min(active.n_prompt - active.n_sent);
-            budget -= n;
-            Some((seq, n))
-        });
-        let work: Vec<(usize, usize)> = decoding
-            .iter()
-            .map(|&seq| (seq, 1))
-            .chain(take_prefill.collect::<Vec<_>>())
-            .collect();
-        if work.is_empty() {
-            return false;
-        }
         for (seq, n) in work {
             let active = self.slots[seq].active.as_mut().expect("chosen slots are active");
             let start = active.n_sent;

@@ -242,6 +242,10 @@ impl<'a> Reader<'a> {
             identity: self.array32("identity")?,
             size: self.u64("size")?,
             complete: self.bool("complete")?,
+            content: match self.bool("has_content")? {
+                true => Some(self.array32("content")?),
+                false => None,
+            },
         })
     }
 

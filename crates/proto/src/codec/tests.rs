@@ -47,11 +47,12 @@ fn forward(payload: Payload, rows: usize) -> Forward {
 /// At least one sample of every variant, with values that would show a swapped or
 /// truncated field (extremes, non-ASCII text, empty and non-empty collections, NaN).
 fn samples() -> Vec<Message> {
-    let held = |name: &str, complete| HeldModel {
+    let held = |name: &str, complete: bool| HeldModel {
         file_name: name.into(),
         identity: nonce(9),
         size: 12,
         complete,
+        content: complete.then(|| nonce(3)),
     };
     let plan = LoadPlan {
         model: model_ref(),

@@ -201,6 +201,10 @@ impl Writer<'_> {
         self.raw(&model.identity);
         self.u64(model.size);
         self.bool(model.complete);
+        self.bool(model.content.is_some());
+        if let Some(content) = &model.content {
+            self.raw(content);
+        }
     }
 
     fn capabilities(&mut self, caps: &Capabilities) {
