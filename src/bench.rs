@@ -62,6 +62,7 @@ fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
         params: SamplingParams::greedy(),
         history: Vec::new(),
         logprobs: false,
+        drawn: 0,
     })?;
     let start = Instant::now();
     let positions = (0..prompt.len() as i32).collect();
@@ -86,6 +87,7 @@ fn baton_tg(head: &mut Head, first: u32, n: usize) -> anyhow::Result<Duration> {
         params: SamplingParams::greedy(),
         history: Vec::new(),
         logprobs: false,
+        drawn: 0,
     })?;
     let start = Instant::now();
     let mut token = first;
@@ -171,7 +173,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     let place = match &ring {
         Ring::Local(_) => "in-process stages",
-        Ring::Remote { .. } => "worker processes over TCP",
+        Ring::Remote { .. } | Ring::Supervised { .. } => "worker processes over TCP",
     };
     let mut table = format!(
         "model: {model_name}\nstages: {} ({}), {place}, {threads} thread(s) per stage, ready in {:.2} s; \

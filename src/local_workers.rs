@@ -1,11 +1,13 @@
 //! `--local-workers N`: N `baton worker` child processes on loopback, with a random
-//! token, stopped when the head exits.
+//! token (and the head's cluster certificate, with TLS), stopped when the head exits.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
 use anyhow::{bail, Context as _};
+
+use crate::cert::TlsArgs;
 
 /// Running child workers; killed on drop.
 pub struct LocalWorkers {
@@ -20,8 +22,9 @@ pub struct LocalWorkers {
 }
 
 impl LocalWorkers {
-    /// Starts `n` workers serving the directory of `model`, `threads` threads each.
-    pub fn start(n: usize, model: &Path, threads: usize) -> anyhow::Result<LocalWorkers> {
+    /// Starts `n` workers serving the directory of `model`, `threads` threads each, with
+    /// the head's TLS certificate and key if it has them.
+    pub fn start(n: usize, model: &Path, threads: usize, tls: &TlsArgs) -> anyhow::Result<LocalWorkers> {
         let exe = std::env::current_exe().context("cannot find the baton executable")?;
         let dir = model
             .parent()
@@ -46,6 +49,7 @@ impl LocalWorkers {
                     "--models",
                 ])
                 .arg(dir)
+                .args(tls.to_args())
                 .env("BATON_TOKEN", &workers.token)
                 .stdout(Stdio::piped())
                 .stdin(Stdio::piped())

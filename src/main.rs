@@ -1,6 +1,7 @@
 //! The `baton` binary: parses arguments, starts things, nothing else.
 
 mod bench;
+mod cert;
 mod local_workers;
 mod ring;
 mod run;
@@ -29,6 +30,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Serve stages of a cluster: load the layers a head asks for, join its ring.
     Worker(worker::WorkerArgs),
+    /// Make a cluster certificate for TLS on every link (cluster.crt, cluster.key).
+    Cert(cert::CertArgs),
 }
 
 /// How the model is split into in-process stages.
@@ -90,6 +93,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => bench::bench(args),
         Command::Serve(args) => serve::serve(args),
         Command::Worker(args) => worker::worker(args),
+        Command::Cert(args) => cert::cert(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -5,10 +5,13 @@ use std::path::Path;
 
 use anyhow::Context as _;
 use baton_model::{ModelFile, StageConfig};
-use baton_node::cluster::{connect_cluster, ClusterOptions, RemoteRing};
+use baton_net::LinkOptions;
+use baton_node::cluster::{connect_cluster, ClusterOptions, RemoteRing, Supervisor};
+use baton_node::engine::{Engine, EngineConfig, FormError};
 use baton_node::{Head, LocalRing};
 use clap::{Args, ValueEnum};
 
+use crate::cert::TlsArgs;
 use crate::local_workers::LocalWorkers;
 use crate::StageArgs;
 
@@ -43,6 +46,23 @@ pub struct ClusterArgs {
     /// Bytes of memory the head offers for its own stage (default: what is available).
     #[arg(long)]
     pub head_memory: Option<u64>,
+    /// TLS on every link (with --local-workers, the workers get the same files).
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    /// Seconds without an answer to the head's heartbeat after which a worker is lost
+    /// (`baton serve` then forms a new ring over the workers that remain).
+    #[arg(long, default_value_t = 2.0, value_parser = positive_secs)]
+    pub heartbeat_timeout: f64,
+    /// Seconds a worker may take to answer the handshake and describe itself.
+    #[arg(long, default_value_t = 10.0, value_parser = positive_secs)]
+    pub handshake_timeout: f64,
+}
+
+fn positive_secs(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= 86_400.0 => Ok(secs),
+        _ => Err(format!("'{s}' is not a number of seconds between 0 and 86400")),
+    }
 }
 
 /// A running ring of one of the three kinds.
@@ -56,6 +76,24 @@ pub enum Ring {
         /// Worker processes this command started (dropped after the ring).
         _local: Option<LocalWorkers>,
     },
+    /// Stages on workers, formed (and formed again when one is lost) by a supervisor
+    /// that the engine takes over.
+    Supervised {
+        /// Moves into the engine.
+        supervisor: Option<Box<Supervisor>>,
+        /// Worker processes this command started (they outlive the engine).
+        _local: Option<LocalWorkers>,
+    },
+}
+
+/// What forming a remote ring needs, or the in-process ring when no workers are given.
+enum Setup {
+    Local(LocalRing),
+    Remote {
+        workers: Vec<String>,
+        opts: ClusterOptions,
+        local: Option<LocalWorkers>,
+    },
 }
 
 impl Ring {
@@ -63,14 +101,67 @@ impl Ring {
     /// `n_seq > 0` gives each of that many sequences its own region of every stage's
     /// KV cache (see `baton_model::KvCache::new`).
     pub fn start(model: &Path, stages: &StageArgs, cluster: &ClusterArgs, n_seq: usize) -> anyhow::Result<Ring> {
+        match Ring::setup(model, stages, cluster, n_seq)? {
+            Setup::Local(ring) => Ok(Ring::Local(ring)),
+            Setup::Remote { workers, opts, local } => {
+                let remote = connect_cluster(model, &workers, &opts)?;
+                Ok(Ring::Remote {
+                    ring: Box::new(remote),
+                    _local: local,
+                })
+            }
+        }
+    }
+
+    /// Like [`start`](Self::start), but a remote ring is formed by a [`Supervisor`],
+    /// for an engine that forms it again when a worker is lost.
+    pub fn start_supervised(
+        model: &Path,
+        stages: &StageArgs,
+        cluster: &ClusterArgs,
+        n_seq: usize,
+    ) -> anyhow::Result<Ring> {
+        match Ring::setup(model, stages, cluster, n_seq)? {
+            Setup::Local(ring) => Ok(Ring::Local(ring)),
+            Setup::Remote { workers, opts, local } => {
+                let heartbeat = std::time::Duration::from_secs_f64(cluster.heartbeat_timeout);
+                let supervisor = Box::new(Supervisor::new(model, &workers, opts, heartbeat));
+                Ok(Ring::Supervised {
+                    supervisor: Some(supervisor),
+                    _local: local,
+                })
+            }
+        }
+    }
+
+    /// Hands the ring to an engine (a supervised ring is formed now).
+    pub fn engine(
+        &mut self,
+        vocab: std::sync::Arc<baton_ggml::LlamaModel>,
+        config: EngineConfig,
+    ) -> anyhow::Result<Engine> {
+        match self {
+            Ring::Supervised { supervisor, .. } => {
+                let supervisor = supervisor.take().context("a supervised ring goes to one engine")?;
+                Engine::start_supervised(supervisor, vocab, config).map_err(|e| match e {
+                    FormError::Capacity(why) | FormError::Retry(why) => anyhow::anyhow!(why),
+                })
+            }
+            ring => Ok(Engine::start(ring.head().take(), vocab, config)),
+        }
+    }
+
+    fn setup(model: &Path, stages: &StageArgs, cluster: &ClusterArgs, n_seq: usize) -> anyhow::Result<Setup> {
         let file = ModelFile::open(model).with_context(|| format!("loading {}", model.display()))?;
         let n_layer = file.hparams().n_layer;
         let head_stage = !cluster.no_head_stage;
+        // Bad certificate files fail here, before any worker is started or reached.
+        let tls = cluster.tls.load()?;
         let (workers, token, local, threads) = match cluster.local_workers {
             Some(n) => {
                 // Head and workers share this machine's cores.
                 let threads = stages.threads_for(n + usize::from(head_stage));
-                let local = LocalWorkers::start(n, model, threads)?;
+                let local = LocalWorkers::start(n, model, threads, &cluster.tls)?;
                 (local.addrs.clone(), Some(local.token.clone()), Some(local), threads)
             }
             None if !cluster.workers.is_empty() => (
@@ -86,7 +177,7 @@ impl Ring {
                     repack: !stages.no_repack,
                     n_seq,
                 };
-                return Ok(Ring::Local(LocalRing::start(file, &stages.ranges(n_layer)?, &config)?));
+                return Ok(Setup::Local(LocalRing::start(file, &stages.ranges(n_layer)?, &config)?));
             }
         };
         let split = stages.split.as_deref().map(baton_plan::parse_node_split).transpose()?;
@@ -97,23 +188,29 @@ impl Ring {
             n_seq,
             wire_f16: cluster.wire_dtype == WireDtype::F16,
             repack: !stages.no_repack,
-            link: Default::default(),
+            link: LinkOptions {
+                tls,
+                ..Default::default()
+            },
             head_stage,
             threads,
             head_memory: cluster.head_memory,
+            head_secs_per_layer: None,
+            skip_unreachable: false,
+            handshake_timeout: Some(std::time::Duration::from_secs_f64(cluster.handshake_timeout)),
         };
-        let remote = connect_cluster(model, &workers, &opts)?;
-        Ok(Ring::Remote {
-            ring: Box::new(remote),
-            _local: local,
-        })
+        Ok(Setup::Remote { workers, opts, local })
     }
 
     /// The head end.
+    ///
+    /// # Panics
+    /// On a supervised ring, whose head belongs to its engine.
     pub fn head(&mut self) -> &mut Head {
         match self {
             Ring::Local(ring) => &mut ring.head,
             Ring::Remote { ring, .. } => &mut ring.head,
+            Ring::Supervised { .. } => panic!("a supervised ring's head belongs to its engine"),
         }
     }
 
@@ -122,6 +219,7 @@ impl Ring {
         match self {
             Ring::Local(ring) => ring.ranges().to_vec(),
             Ring::Remote { ring, .. } => ring.plan.stages.iter().map(|s| s.layers.clone()).collect(),
+            Ring::Supervised { .. } => Vec::new(),
         }
     }
 }

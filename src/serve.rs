@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use baton_ggml::LlamaModel;
-use baton_node::engine::{Engine, EngineConfig};
+use baton_node::engine::{EngineConfig, Health};
 use baton_server::template::ChatTemplate;
 use baton_server::{AppState, ServerConfig};
 use clap::Args;
@@ -47,6 +47,10 @@ pub struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 8 << 20)]
     max_body: usize,
+    /// Seconds running requests wait for a new ring after a worker is lost before they
+    /// fail (they fail at once when the workers left cannot hold the model).
+    #[arg(long, default_value_t = 30.0)]
+    recovery_timeout: f64,
 }
 
 /// Starts the ring and serves until interrupted.
@@ -87,16 +91,25 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing::warn!("the model has no chat template: using ChatML");
     }
 
-    let mut ring = Ring::start(&model_path, &args.stages, &args.cluster, args.parallel)?;
+    let mut ring = Ring::start_supervised(&model_path, &args.stages, &args.cluster, args.parallel)?;
+    // A supervised ring is formed by the engine; it tells its own number of stages.
     let ranges = ring.ranges();
     let config = EngineConfig {
         n_slots: args.parallel,
         slot_ctx: args.stages.ctx_size / args.parallel,
         chunk: args.chunk.max(1),
-        n_stages: ranges.len(),
+        n_stages: ranges.len().max(1),
         max_queue: args.max_queue,
+        recovery_timeout: std::time::Duration::from_secs_f64(args.recovery_timeout),
     };
-    let engine = Engine::start(ring.head().take(), vocab.clone(), config);
+    let engine = ring.engine(vocab.clone(), config)?;
+    let stages = match engine.health() {
+        Health::Serving { stages, .. } if !stages.is_empty() => stages,
+        _ => ranges
+            .iter()
+            .map(|r| format!("layers {}..{}", r.start, r.end))
+            .collect(),
+    };
     let model_id = args.alias.clone().unwrap_or_else(|| {
         model_path
             .file_stem()
@@ -123,12 +136,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
         let addr = listener.local_addr()?;
-        let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
         eprintln!(
             "serving {} on {} stage(s) [{}]",
             model_path.display(),
-            ranges.len(),
-            split.join(" ")
+            stages.len(),
+            stages.join(", ")
         );
         // The first stdout line is the address: scripts and tests read it.
         println!("listening on http://{addr}");

@@ -33,12 +33,21 @@ pub struct WorkerArgs {
     /// Address other stages reach this worker at (default: the one the head used).
     #[arg(long)]
     advertise: Option<String>,
-    /// Largest frame accepted from a peer, in bytes.
+    /// Largest frame accepted from an authenticated peer, in bytes (before it has
+    /// authenticated, 64 KiB).
     #[arg(long, default_value_t = baton_proto::DEFAULT_MAX_FRAME)]
     max_frame: usize,
+    /// Seconds a peer may take to complete the handshake.
+    #[arg(long, default_value_t = 10.0)]
+    handshake_timeout: f64,
+    /// Most connections served at once; more are closed at once, with a log line.
+    #[arg(long, default_value_t = 64)]
+    max_connections: usize,
     /// Kernel socket buffer sizes in bytes (SO_SNDBUF and SO_RCVBUF).
     #[arg(long)]
     socket_buffer: Option<usize>,
+    #[command(flatten)]
+    tls: crate::cert::TlsArgs,
     /// Exit when standard input closes (how `--local-workers` ties workers to the head).
     #[arg(long, hide = true)]
     exit_on_stdin_close: bool,
@@ -58,6 +67,19 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
             args.listen
         );
     }
+    anyhow::ensure!(
+        args.handshake_timeout.is_finite() && args.handshake_timeout > 0.0 && args.handshake_timeout <= 3600.0,
+        "--handshake-timeout must be between 0 and 3600 seconds"
+    );
+    anyhow::ensure!(
+        args.max_connections >= 4,
+        "--max-connections must be at least 4 (a head, its heartbeat, a ring link and a spare)"
+    );
+    anyhow::ensure!(
+        args.max_frame >= 1 << 20,
+        "--max-frame must be at least 1 MiB (a prompt chunk's hidden states must fit)"
+    );
+    let tls = args.tls.load()?;
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -73,8 +95,10 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
             send_buffer: args.socket_buffer,
             recv_buffer: args.socket_buffer,
             read_timeout: None,
+            tls,
         },
-        handshake_timeout: Duration::from_secs(10),
+        handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
+        max_connections: args.max_connections,
     };
     let worker = Worker::bind(config)?;
     if args.exit_on_stdin_close {

@@ -216,6 +216,7 @@ fn per_token_traffic_is_one_hidden_state_per_hop_and_a_token_id_back() {
         params: SamplingParams::greedy(),
         history: vec![],
         logprobs: false,
+        drawn: 0,
     })
     .unwrap();
     let mut token = head
@@ -387,6 +388,51 @@ fn bad_peers_are_dropped_and_the_worker_keeps_serving() {
     let log = worker.log();
     let drops = log.matches("dropping connection").count();
     assert!(drops >= 8, "each bad peer gets one log line ({drops}):\n{log}");
+}
+
+#[test]
+fn strangers_get_small_frames_few_connections_and_little_time() {
+    let path = model(GEMMA3);
+    let worker = WorkerProc::start(
+        &models_dir(),
+        Some(TOKEN),
+        &["--max-connections", "4", "--handshake-timeout", "2"],
+    );
+    let addr = worker.addr.clone();
+
+    // Before the handshake, a frame of 1 MiB is too large (the worker would not even
+    // allocate it), though authenticated peers may send up to --max-frame.
+    let mut big = baton_proto::header(1, 1 << 20).to_vec();
+    big.extend_from_slice(&[0; 64]);
+    poke(&addr, &big, false);
+
+    // Four silent peers hold every connection; a fifth is closed at once; once the
+    // handshake time has passed the silent ones are gone and a head is served again.
+    std::thread::sleep(Duration::from_millis(300));
+    let silent: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let reply = poke(&addr, b"", false);
+    assert!(
+        reply.is_empty() && started.elapsed() < Duration::from_secs(1),
+        "{:?} {reply:?}\n{}",
+        started.elapsed(),
+        worker.log()
+    );
+    for mut stream in silent {
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest);
+    }
+    let ring = connect_cluster(&path, &[addr.clone()], &options());
+    assert!(ring.is_ok(), "{:?}", ring.err());
+    let log = worker.log();
+    assert!(log.contains("exceeds the maximum of 65536"), "{log}");
+    assert!(log.contains("the most allowed (--max-connections)"), "{log}");
+    assert!(
+        log.matches("timed out waiting for").count() >= 4,
+        "silent peers time out: {log}"
+    );
 }
 
 #[test]

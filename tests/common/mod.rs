@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
 
+pub mod worker;
+
 /// The qwen2 test model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M).
 pub const QWEN2: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 /// The gemma3 test model (gemma-3-270m, Q4_K_M).

@@ -1,6 +1,6 @@
 //! Transports that carry messages between nodes. Every transport implements the same
 //! two halves, [`Tx`] and [`Rx`], so stage code does not know what carries it:
-//! in-process channels (tests, co-located stages) and TCP.
+//! in-process channels (tests, co-located stages) and TCP, optionally inside TLS.
 //!
 //! The TCP side uses blocking sockets and a thread per link rather than async I/O:
 //! a ring link carries one frame per step in strict order, so there is nothing for
@@ -9,6 +9,7 @@
 
 mod handshake;
 mod tcp;
+mod tls;
 
 use std::sync::mpsc;
 
@@ -16,6 +17,7 @@ use baton_proto::{Message, ProtoError};
 
 pub use handshake::{client_handshake, refuse_unexpected_auth, server_handshake};
 pub use tcp::{Counters, LinkOptions, TcpLink, TcpRx, TcpTx};
+pub use tls::{TlsConfig, TlsError};
 
 /// Transport failures; each names the peer.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +40,9 @@ pub enum NetError {
     /// The peer speaks another protocol version.
     #[error("{peer}: {reason}")]
     Version { peer: String, reason: String },
+    /// TLS could not be set up or broke (another certificate, no TLS on one end).
+    #[error("TLS with {peer} failed: {reason}")]
+    Tls { peer: String, reason: String },
     /// The peer refused us and said why.
     #[error("{peer} refused the connection: {reason}")]
     Refused { peer: String, reason: String },

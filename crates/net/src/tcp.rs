@@ -1,5 +1,6 @@
 //! TCP links: one frame per message, written with one vectored write (header and
 //! payload together), `TCP_NODELAY` so a hidden state leaves at once, bounded reads.
+//! With [`LinkOptions::tls`] the same frames travel inside TLS (see `tls.rs`).
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use baton_proto::{decode, encode_payload, header, parse_header, Message, DEFAULT_MAX_FRAME, HEADER_LEN};
 
+use crate::tls::{close_gently, looks_like_tls, TlsConfig, TlsSession};
 use crate::{NetError, Rx, Tx};
 
 /// Settings of a TCP link.
@@ -22,6 +24,9 @@ pub struct LinkOptions {
     pub recv_buffer: Option<usize>,
     /// How long a read may wait (`None`: forever).
     pub read_timeout: Option<Duration>,
+    /// TLS with the cluster certificate on every link (`None`: plain TCP). A node with
+    /// TLS refuses peers without it, and the other way round.
+    pub tls: Option<Arc<TlsConfig>>,
 }
 
 impl Default for LinkOptions {
@@ -31,11 +36,13 @@ impl Default for LinkOptions {
             send_buffer: None,
             recv_buffer: None,
             read_timeout: None,
+            tls: None,
         }
     }
 }
 
-/// Bytes that crossed a link, both ways, including frame headers.
+/// Bytes that crossed a link, both ways, including frame headers (frame bytes: with
+/// TLS, the records' own overhead is not counted).
 #[derive(Debug, Default)]
 pub struct Counters {
     sent: AtomicU64,
@@ -57,6 +64,8 @@ impl Counters {
 /// A connected, framed TCP link.
 pub struct TcpLink {
     stream: TcpStream,
+    /// The TLS connection, when the link has one.
+    tls: Option<TlsSession>,
     peer: String,
     max_frame: usize,
     counters: Arc<Counters>,
@@ -64,7 +73,7 @@ pub struct TcpLink {
 }
 
 impl TcpLink {
-    /// Connects to `addr`.
+    /// Connects to `addr` (and runs the client side of the TLS handshake, with TLS).
     pub fn connect(addr: &str, opts: &LinkOptions) -> Result<TcpLink, NetError> {
         let io = |source| NetError::Io {
             peer: addr.to_string(),
@@ -74,7 +83,14 @@ impl TcpLink {
         let mut last = None;
         for a in addrs {
             match TcpStream::connect_timeout(&a, Duration::from_secs(10)) {
-                Ok(stream) => return TcpLink::new(stream, addr.to_string(), opts),
+                Ok(stream) => {
+                    let mut link = TcpLink::plain(stream, addr.to_string(), opts)?;
+                    if let Some(tls) = &opts.tls {
+                        let session = TlsSession::client(&mut link.stream, tls, addr, opts.read_timeout)?;
+                        link.tls = Some(session);
+                    }
+                    return Ok(link);
+                }
                 Err(e) => last = Some(e),
             }
         }
@@ -83,8 +99,65 @@ impl TcpLink {
         })))
     }
 
-    /// Wraps an accepted stream.
+    /// Wraps an accepted stream; with TLS, runs the server side of the handshake. A
+    /// peer that does not speak what this end speaks (TLS or not) is refused with an
+    /// error saying so; a plain peer of a TLS node is told why in a `Refused` frame.
+    pub fn accept(stream: TcpStream, peer: String, opts: &LinkOptions) -> Result<TcpLink, NetError> {
+        let mut link = TcpLink::plain(stream, peer, opts)?;
+        let mut head = [0u8; 3];
+        let n = link.stream.peek(&mut head).map_err(|e| read_error(&link.peer, e))?;
+        if n == 0 {
+            return Err(NetError::Closed { peer: link.peer });
+        }
+        match (&opts.tls, looks_like_tls(&head[..n])) {
+            (None, false) => Ok(link),
+            (Some(tls), true) => match TlsSession::server(&mut link.stream, tls, &link.peer, opts.read_timeout) {
+                Ok(session) => {
+                    link.tls = Some(session);
+                    Ok(link)
+                }
+                Err(e) => {
+                    close_gently(&mut link.stream);
+                    Err(e)
+                }
+            },
+            (Some(_), false) => {
+                let _ = link.send(&Message::Refused {
+                    reason: "this worker requires TLS: give the connecting node the cluster certificate \
+                             (--tls-cert and --tls-key)"
+                        .into(),
+                });
+                close_gently(&mut link.stream);
+                Err(NetError::Tls {
+                    peer: link.peer,
+                    reason: "the peer speaks plain TCP, but this node requires TLS (--tls-cert)".into(),
+                })
+            }
+            (None, true) => {
+                close_gently(&mut link.stream);
+                Err(NetError::Tls {
+                    peer: link.peer,
+                    reason: "the peer started a TLS handshake, but this node runs without TLS (no --tls-cert)".into(),
+                })
+            }
+        }
+    }
+
+    /// Wraps a connected stream as a plain link, running no handshake of any kind (fuzz
+    /// targets and tests drive one over it). With `opts.tls` set this is an error: a
+    /// link that should be encrypted must come from `connect` or `accept`.
     pub fn new(stream: TcpStream, peer: String, opts: &LinkOptions) -> Result<TcpLink, NetError> {
+        if opts.tls.is_some() {
+            return Err(NetError::Tls {
+                peer,
+                reason: "TcpLink::new makes plain links only; use connect or accept for TLS".into(),
+            });
+        }
+        TcpLink::plain(stream, peer, opts)
+    }
+
+    /// Sets the socket options; no TLS yet.
+    fn plain(stream: TcpStream, peer: String, opts: &LinkOptions) -> Result<TcpLink, NetError> {
         let io = |source| NetError::Io {
             peer: peer.clone(),
             source,
@@ -100,6 +173,7 @@ impl TcpLink {
         }
         Ok(TcpLink {
             stream,
+            tls: None,
             peer,
             max_frame: opts.max_frame,
             counters: Arc::default(),
@@ -117,6 +191,12 @@ impl TcpLink {
         self.counters.clone()
     }
 
+    /// Changes the largest frame accepted from the peer (e.g. small until the peer has
+    /// authenticated, so a stranger cannot make this node allocate much).
+    pub fn set_max_frame(&mut self, max_frame: usize) {
+        self.max_frame = max_frame;
+    }
+
     /// Changes how long a read may wait.
     pub fn set_read_timeout(&self, timeout: Option<Duration>) -> Result<(), NetError> {
         self.stream.set_read_timeout(timeout).map_err(|source| NetError::Io {
@@ -131,8 +211,13 @@ impl TcpLink {
         let kind = encode_payload(msg, &mut self.buf);
         let head = header(kind, self.buf.len());
         let mut slices = [IoSlice::new(&head), IoSlice::new(&self.buf)];
-        let mut slices: &mut [IoSlice] = &mut slices;
         let total = HEADER_LEN + self.buf.len();
+        if let Some(tls) = &mut self.tls {
+            tls.send(&mut self.stream, &slices, &self.peer)?;
+            self.counters.sent.fetch_add(total as u64, Ordering::Relaxed);
+            return Ok(());
+        }
+        let mut slices: &mut [IoSlice] = &mut slices;
         while !slices.is_empty() {
             let n = self.stream.write_vectored(slices).map_err(|source| NetError::Io {
                 peer: self.peer.clone(),
@@ -174,18 +259,10 @@ impl TcpLink {
     }
 
     fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), NetError> {
-        self.stream.read_exact(buf).map_err(|source| match source.kind() {
-            std::io::ErrorKind::UnexpectedEof => NetError::Closed {
-                peer: self.peer.clone(),
-            },
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => NetError::Timeout {
-                peer: self.peer.clone(),
-            },
-            _ => NetError::Io {
-                peer: self.peer.clone(),
-                source,
-            },
-        })
+        match &mut self.tls {
+            Some(tls) => tls.read_exact(&mut self.stream, buf, &self.peer),
+            None => self.stream.read_exact(buf).map_err(|e| read_error(&self.peer, e)),
+        }
     }
 
     /// Two halves over the same connection, for a reader and a writer thread.
@@ -196,6 +273,7 @@ impl TcpLink {
         })?;
         let tx = TcpLink {
             stream: clone,
+            tls: self.tls.as_ref().map(TlsSession::half),
             peer: self.peer.clone(),
             max_frame: self.max_frame,
             counters: self.counters.clone(),
@@ -204,7 +282,8 @@ impl TcpLink {
         Ok((TcpTx(tx), TcpRx(self)))
     }
 
-    /// Closes both directions.
+    /// Closes both directions (without TLS's close_notify: the peer sees the link end
+    /// as it would without TLS). A reader blocked on the link wakes up with `Closed`.
     pub fn close(&self) {
         let _ = self.stream.shutdown(Shutdown::Both);
     }
@@ -239,5 +318,17 @@ impl Tx for TcpTx {
 impl Rx for TcpRx {
     fn recv(&mut self) -> Result<Message, NetError> {
         self.0.recv()
+    }
+}
+
+/// A failed socket read, as the link reports it.
+pub(crate) fn read_error(peer: &str, source: std::io::Error) -> NetError {
+    match source.kind() {
+        std::io::ErrorKind::UnexpectedEof => NetError::Closed { peer: peer.to_string() },
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => NetError::Timeout { peer: peer.to_string() },
+        _ => NetError::Io {
+            peer: peer.to_string(),
+            source,
+        },
     }
 }

@@ -106,6 +106,7 @@ impl Head {
             params: req.params.clone(),
             history: req.prompt.to_vec(),
             logprobs: req.logprobs,
+            drawn: 0,
         })?;
         let n_batch = req.n_batch.max(1);
         let mut sampled = Vec::new();

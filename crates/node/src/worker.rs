@@ -60,12 +60,14 @@ impl StageWorker {
                 history,
                 top_logprobs,
                 logprobs,
+                drawn,
             } => {
                 self.stage.kv_mut().truncate_seq(seq, keep as usize);
                 if last {
                     match Sampler::new(params.clone()) {
                         Ok(mut sampler) => {
                             history.iter().for_each(|&t| sampler.accept(t));
+                            sampler.skip_draws(drawn);
                             let n_top = if logprobs { top_logprobs as usize } else { 0 };
                             self.samplers.insert(
                                 seq,
@@ -86,6 +88,7 @@ impl StageWorker {
                     history,
                     top_logprobs,
                     logprobs,
+                    drawn,
                 }
             }
             Message::TruncateSeq { seq, len } => {

@@ -13,7 +13,7 @@
 //! # Primitives
 //!
 //! Every integer and float is little-endian; f32 travels as its bit pattern. `bool` is one
-//! byte, 0 or 1. `role` is one byte: 0 Head, 1 Worker, 2 Ring. `[32]` is 32 raw bytes.
+//! byte, 0 or 1. `role` is one byte: 0 Head, 1 Worker, 2 Ring, 3 Heartbeat. `[32]` is 32 raw bytes.
 //! `str` is a u32 byte length then UTF-8 (at most 64 KiB); `bytes` a u32 length then the
 //! bytes; `opt<T>` a byte 0 (absent) or 1 followed by `T`; `[T]` a u32 count then the
 //! elements. Nothing is padded or aligned. Decoding is strict: any other byte value,
@@ -40,7 +40,8 @@
 //! | 7    | StreamStart  | header bytes, tensors [TensorEntry]                                     |
 //! | 8    | TensorChunk  | index u32, offset u64, data bytes                                       |
 //! | 9    | Loaded       | resident u64, received u64                                              |
-//! | 10   | StartSeq     | seq u32, params: SamplingParams, history [u32], logprobs bool           |
+//! | 10   | StartSeq     | seq u32, keep u32, params: SamplingParams, history [u32],               |
+//! |      |              | top_logprobs u8, logprobs bool, drawn u32                               |
 //! | 11   | TruncateSeq  | seq u32, len u32                                                        |
 //! | 12   | EndSeq       | seq u32                                                                 |
 //! | 13   | Forward      | step u64, payload: Payload, positions [i32], seq_ids [u32],             |
@@ -48,8 +49,10 @@
 //! | 14   | Sampled      | step u64, tokens [SampledToken]                                         |
 //! | 15   | Done         | (empty)                                                                 |
 //! | 16   | Error        | stage u32, message str                                                  |
-//! | 17   | Stats        | resident [u64]                                                          |
+//! | 17   | Stats        | resident [u64], kv_used [u32]                                           |
 //! | 18   | Shutdown     | (empty)                                                                 |
+//! | 19   | Ping         | timeout_ms u32                                                          |
+//! | 20   | Pong         | (empty)                                                                 |
 //!
 //! | structure      | fields, in order                                                         |
 //! |----------------|--------------------------------------------------------------------------|
@@ -93,7 +96,7 @@ const MAX_STRING: usize = 64 << 10;
 
 /// Message names indexed by kind number − 1 (kind 0 is never used, so a zeroed header
 /// is rejected).
-const KIND_NAMES: [&str; 18] = [
+const KIND_NAMES: [&str; 20] = [
     "Hello",
     "Auth",
     "Refused",
@@ -112,6 +115,8 @@ const KIND_NAMES: [&str; 18] = [
     "Error",
     "Stats",
     "Shutdown",
+    "Ping",
+    "Pong",
 ];
 
 /// Kind numbers (see the table at the top); `KIND_NAMES` lists them in the same order.
@@ -134,6 +139,8 @@ mod kind {
     pub const ERROR: u16 = 16;
     pub const STATS: u16 = 17;
     pub const SHUTDOWN: u16 = 18;
+    pub const PING: u16 = 19;
+    pub const PONG: u16 = 20;
 }
 
 /// The name of message kind `kind`, or `None` when no message has that number.
@@ -232,6 +239,7 @@ pub(crate) fn role_byte(role: Role) -> u8 {
         Role::Head => 0,
         Role::Worker => 1,
         Role::Ring => 2,
+        Role::Heartbeat => 3,
     }
 }
 
@@ -241,6 +249,7 @@ fn role_from_byte(byte: u8) -> Option<Role> {
         0 => Some(Role::Head),
         1 => Some(Role::Worker),
         2 => Some(Role::Ring),
+        3 => Some(Role::Heartbeat),
         _ => None,
     }
 }

@@ -17,7 +17,7 @@ pub use codec::{decode, encode, encode_payload, header, parse_header, ProtoError
 use baton_sample::SamplingParams;
 
 /// Version of the wire protocol; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -120,6 +120,9 @@ pub enum Role {
     Worker,
     /// A stage connecting to the next stage of the ring (hidden states flow on it).
     Ring,
+    /// The head watching a worker: `Ping` / `Pong` on a connection of their own, so a
+    /// worker busy computing still answers, and a hung one is noticed.
+    Heartbeat,
 }
 
 /// A model as the head names it to workers.
@@ -248,6 +251,9 @@ pub enum Message {
         history: Vec<u32>,
         top_logprobs: u8,
         logprobs: bool,
+        /// Random draws the sequence's sampler already made (it skips them): a
+        /// sequence rebuilt after a node was lost continues the same random stream.
+        drawn: u32,
     },
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
@@ -266,6 +272,13 @@ pub enum Message {
     Stats { resident: Vec<u64>, kv_used: Vec<u32> },
     /// Stop the stage's loop.
     Shutdown,
+
+    // --- heartbeat: head ↔ worker, on a connection of its own ---
+    /// Head → worker: are you there? The worker ends its session when no `Ping` comes
+    /// within `timeout_ms` (the head is gone or hung).
+    Ping { timeout_ms: u32 },
+    /// Worker → head: yes.
+    Pong,
 }
 
 impl Message {
@@ -290,6 +303,8 @@ impl Message {
             Message::Error { .. } => "Error",
             Message::Stats { .. } => "Stats",
             Message::Shutdown => "Shutdown",
+            Message::Ping { .. } => "Ping",
+            Message::Pong => "Pong",
         }
     }
 }

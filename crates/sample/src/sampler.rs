@@ -88,6 +88,18 @@ impl Sampler {
         *self.counts.entry(token).or_insert(0) += 1;
     }
 
+    /// Skips `n` draws of the generator, as if `n` tokens had been sampled: a sequence
+    /// rebuilt elsewhere continues the random stream where it was (every non-greedy
+    /// sample makes exactly one draw; greedy ones make none).
+    pub fn skip_draws(&mut self, n: u32) {
+        if self.params.is_greedy() {
+            return;
+        }
+        for _ in 0..n {
+            let _ = self.rng.random::<f64>();
+        }
+    }
+
     /// Forgets the history; the generator carries on where it was.
     pub fn reset_history(&mut self) {
         self.window.clear();
@@ -705,6 +717,35 @@ mod tests {
             (0..200).map(|_| sampler.sample(&row).unwrap()).collect::<Vec<_>>()
         };
         assert_eq!(draws(7), draws(7));
+    }
+
+    #[test]
+    fn a_rebuilt_sampler_continues_the_same_stream() {
+        // A sequence moved to a new last stage: history accepted again, draws skipped.
+        let row: Vec<f32> = (0..3000).map(|i| ((i * 7919) % 1000) as f32 * 0.004).collect();
+        let params = SamplingParams {
+            seed: 11,
+            repeat_penalty: 1.3,
+            ..Default::default()
+        };
+        let mut whole = Sampler::new(params.clone()).unwrap();
+        let mut tokens = Vec::new();
+        for _ in 0..40 {
+            let token = whole.sample(&row).unwrap();
+            whole.accept(token);
+            tokens.push(token);
+        }
+        let mut rebuilt = Sampler::new(params).unwrap();
+        tokens[..25].iter().for_each(|&t| rebuilt.accept(t));
+        rebuilt.skip_draws(25);
+        let rest: Vec<u32> = (0..15)
+            .map(|_| {
+                let token = rebuilt.sample(&row).unwrap();
+                rebuilt.accept(token);
+                token
+            })
+            .collect();
+        assert_eq!(rest, tokens[25..]);
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! The HTTP handlers: parse and check a request, turn it into a prompt, hand it to the
-//! engine, and answer in OpenAI's shapes, whole or as server-sent events.
+//! The HTTP handlers: check a request ([`crate::request`]), turn it into a prompt, hand it
+//! to the engine, and answer in OpenAI's shapes, whole or as server-sent events.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::{to_bytes, Body};
+use axum::body::{to_bytes, Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
@@ -16,15 +16,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use baton_ggml::LlamaModel;
-use baton_node::engine::{Engine, Event, FinishReason, Job, SubmitError, TokenOut};
-use baton_sample::SamplingParams;
+use baton_node::engine::{Engine, Event, FinishReason, Health, Job, SubmitError, TokenOut};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::openai::{
-    ChatRequest, CompletionRequest, Content, ErrorBody, ErrorDetail, Prompt, PromptTokensDetails, Sampling, Usage,
-};
-use crate::template::{ChatMessage, ChatTemplate};
+use crate::openai::{ErrorBody, ErrorDetail, PromptTokensDetails, Usage};
+use crate::request::{self, CompletionPrompt, Generation};
+use crate::template::ChatTemplate;
 
 /// How the API behaves.
 #[derive(Clone, Debug)]
@@ -91,7 +89,12 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> ApiError {
+    pub(crate) fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: Option<&'static str>,
+        message: impl Into<String>,
+    ) -> ApiError {
         ApiError {
             status,
             body: ErrorBody {
@@ -105,13 +108,28 @@ impl ApiError {
         }
     }
 
-    fn invalid(message: impl Into<String>) -> ApiError {
+    pub(crate) fn invalid(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, message)
     }
 
-    fn param(mut self, param: &'static str) -> ApiError {
+    pub(crate) fn param(mut self, param: &'static str) -> ApiError {
         self.body.error.param = Some(param);
         self
+    }
+
+    /// The HTTP status the client gets.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// What the client is told.
+    pub fn message(&self) -> &str {
+        &self.body.error.message
+    }
+
+    /// The request field at fault, if the error names one.
+    pub fn field(&self) -> Option<&'static str> {
+        self.body.error.param
     }
 
     fn server(message: impl Into<String>) -> ApiError {
@@ -212,20 +230,35 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
     }))
 }
 
+/// `ok` (200) while a ring computes, with its stages and the workers lost from it;
+/// `recovering` (503) while a new ring is formed after a worker was lost (requests
+/// wait); `waiting` (503) while no ring can be formed until a lost worker returns
+/// (requests are refused); `error` (503) when the ring is gone for good.
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let counters = state.engine.counters();
-    match state.engine.failure() {
-        Some(reason) => (
+    let active = counters.active.load(Ordering::Relaxed);
+    let queued = counters.queued.load(Ordering::Relaxed);
+    let rings_formed = counters.rings_formed.load(Ordering::Relaxed);
+    let unavailable = |status: &str, reason: String| {
+        (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "status": "error", "error": reason })),
+            Json(json!({ "status": status, "error": reason, "active": active, "queued": queued })),
         )
-            .into_response(),
-        None => Json(json!({
+            .into_response()
+    };
+    match state.engine.health() {
+        Health::Serving { stages, lost } => Json(json!({
             "status": "ok",
-            "active": counters.active.load(Ordering::Relaxed),
-            "queued": counters.queued.load(Ordering::Relaxed),
+            "active": active,
+            "queued": queued,
+            "stages": stages,
+            "lost": lost.iter().map(|(node, why)| json!({ "node": node, "why": why })).collect::<Vec<_>>(),
+            "rings_formed": rings_formed,
         }))
         .into_response(),
+        Health::Recovering { reason } => unavailable("recovering", reason),
+        Health::Waiting { reason } => unavailable("waiting", reason),
+        Health::Failed { reason } => unavailable("error", reason),
     }
 }
 
@@ -253,8 +286,8 @@ async fn stats(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiErr
     })))
 }
 
-async fn read_json<T: serde::de::DeserializeOwned>(state: &AppState, body: Body) -> Result<T, ApiError> {
-    let bytes = to_bytes(body, state.config.max_body).await.map_err(|_| {
+async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    to_bytes(body, state.config.max_body).await.map_err(|_| {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
@@ -264,14 +297,6 @@ async fn read_json<T: serde::de::DeserializeOwned>(state: &AppState, body: Body)
                 state.config.max_body
             ),
         )
-    })?;
-    serde_json::from_slice(&bytes).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() {
-            "malformed JSON"
-        } else {
-            "invalid request"
-        };
-        ApiError::invalid(format!("{what}: {e}"))
     })
 }
 
@@ -283,114 +308,25 @@ struct Prepared {
     include_usage: bool,
 }
 
-fn prepare(
-    state: &AppState,
-    sampling: &Sampling,
-    prompt: Vec<u32>,
-    logprobs: bool,
-    top_logprobs: u8,
-) -> Result<Prepared, ApiError> {
-    if let Some(model) = &sampling.model {
-        if model != &state.config.model_id {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                Some("model_not_found"),
-                format!(
-                    "The model '{model}' does not exist; this server serves '{}'.",
-                    state.config.model_id
-                ),
-            )
-            .param("model"));
-        }
-    }
-    if sampling.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("only n = 1 is supported").param("n"));
-    }
-    let check = |ok: bool, param: &'static str, message: &str| {
-        if ok {
-            Ok(())
-        } else {
-            Err(ApiError::invalid(message.to_string()).param(param))
-        }
-    };
-    let temperature = sampling.temperature.unwrap_or(1.0);
-    check(
-        (0.0..=2.0).contains(&temperature),
-        "temperature",
-        "temperature must be between 0 and 2",
-    )?;
-    let top_p = sampling.top_p.unwrap_or(1.0);
-    check(top_p > 0.0 && top_p <= 1.0, "top_p", "top_p must be in (0, 1]")?;
-    let presence_penalty = sampling.presence_penalty.unwrap_or(0.0);
-    check(
-        (-2.0..=2.0).contains(&presence_penalty),
-        "presence_penalty",
-        "presence_penalty must be between -2 and 2",
-    )?;
-    let frequency_penalty = sampling.frequency_penalty.unwrap_or(0.0);
-    check(
-        (-2.0..=2.0).contains(&frequency_penalty),
-        "frequency_penalty",
-        "frequency_penalty must be between -2 and 2",
-    )?;
-    check(
-        top_logprobs <= 20,
-        "top_logprobs",
-        "top_logprobs must be between 0 and 20",
-    )?;
-    let stop = sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
-    check(stop.len() <= 4, "stop", "at most 4 stop strings are allowed")?;
-    let params = SamplingParams {
-        temperature,
-        top_k: sampling.top_k.unwrap_or(0),
-        top_p,
-        min_p: sampling.min_p.unwrap_or(0.0),
-        repeat_penalty: sampling.repeat_penalty.unwrap_or(1.0),
-        frequency_penalty,
-        presence_penalty,
-        seed: sampling.seed.unwrap_or_else(random_seed),
-        ..SamplingParams::default()
-    };
-    params.validate().map_err(|e| ApiError::invalid(e.to_string()))?;
-
-    let slot_ctx = state.engine.slot_ctx();
-    if prompt.len() >= slot_ctx {
-        return Err(SubmitError::TooLong {
-            slot_ctx,
-            prompt: prompt.len(),
-            max_tokens: 1,
-        }
-        .into());
-    }
-    let max_tokens = match sampling.max_completion_tokens.or(sampling.max_tokens) {
-        Some(0) => return Err(ApiError::invalid("max_tokens must be at least 1").param("max_tokens")),
-        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
-        None => slot_ctx - prompt.len(),
-    };
+/// Checks that `prompt` and the tokens to generate fit a slot, and builds the job.
+fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result<Prepared, ApiError> {
+    let max_tokens = request::fit_slot(&generation, prompt.len(), state.engine.slot_ctx())?;
     let (tx, events) = unbounded_channel();
     let job = Job {
         prompt,
-        params,
+        params: generation.params,
         max_tokens,
-        logprobs,
-        top_logprobs,
-        stop,
+        logprobs: generation.logprobs,
+        top_logprobs: generation.top_logprobs,
+        stop: generation.stop,
         events: tx,
     };
     Ok(Prepared {
         job,
         events,
-        stream: sampling.stream,
-        include_usage: sampling.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        stream: generation.stream,
+        include_usage: generation.include_usage,
     })
-}
-
-fn random_seed() -> u64 {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    nanos ^ (std::process::id() as u64).rotate_left(32)
 }
 
 fn unix_time() -> u64 {
@@ -398,41 +334,11 @@ fn unix_time() -> u64 {
 }
 
 async fn chat(State(state): State<Arc<AppState>>, _headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let req: ChatRequest = read_json(&state, body).await?;
-    if req.messages.is_empty() {
-        return Err(ApiError::invalid("messages must not be empty").param("messages"));
-    }
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for message in &req.messages {
-        let content = match &message.content {
-            None => String::new(),
-            Some(Content::Text(text)) => text.clone(),
-            Some(Content::Parts(parts)) => {
-                let mut text = String::new();
-                for part in parts {
-                    match (part.kind.as_str(), &part.text) {
-                        ("text", Some(t)) => text.push_str(t),
-                        (kind, _) => {
-                            return Err(ApiError::invalid(format!(
-                                "content parts of type '{kind}' are not supported (only text)"
-                            ))
-                            .param("messages"))
-                        }
-                    }
-                }
-                text
-            }
-        };
-        let role = if message.role == "developer" {
-            "system".to_string()
-        } else {
-            message.role.clone()
-        };
-        messages.push(ChatMessage { role, content });
-    }
+    let body = read_body(&state, body).await?;
+    let req = request::chat(&body, &state.config.model_id)?;
     let rendered = state
         .template
-        .render(&messages, true)
+        .render(&req.messages, true)
         .map_err(|e| ApiError::invalid(format!("the chat template refused the messages: {e}")).param("messages"))?;
     // The template writes the BOS text itself where the model wants it; the tokenizer
     // would add a second one.
@@ -448,48 +354,27 @@ async fn chat(State(state): State<Arc<AppState>>, _headers: HeaderMap, body: Bod
         .vocab
         .tokenize(text, true, true)
         .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let top = if req.logprobs { req.top_logprobs.unwrap_or(0) } else { 0 };
-    if req.top_logprobs.is_some_and(|n| n > 0) && !req.logprobs {
-        return Err(ApiError::invalid("top_logprobs requires logprobs: true").param("top_logprobs"));
-    }
-    let prepared = prepare(&state, &req.sampling, prompt, req.logprobs, top)?;
-    respond(state, prepared, Kind::Chat, req.logprobs).await
+    let logprobs = req.generation.logprobs;
+    let prepared = prepare(&state, req.generation, prompt)?;
+    respond(state, prepared, Kind::Chat, logprobs).await
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
-    let req: CompletionRequest = read_json(&state, body).await?;
-    if req.echo {
-        return Err(ApiError::invalid("echo is not supported").param("echo"));
-    }
+    let body = read_body(&state, body).await?;
+    let req = request::completion(&body, &state.config.model_id, state.vocab.n_vocab())?;
     let prompt = match req.prompt {
-        Prompt::Text(text) => state
+        CompletionPrompt::Text(text) => state
             .vocab
             .tokenize(&text, true, true)
             .map_err(|e| ApiError::invalid(e.to_string()))?,
-        Prompt::Texts(texts) if texts.len() == 1 => state
-            .vocab
-            .tokenize(&texts[0], true, true)
-            .map_err(|e| ApiError::invalid(e.to_string()))?,
-        Prompt::Texts(_) => return Err(ApiError::invalid("only one prompt per request is supported").param("prompt")),
-        Prompt::Tokens(tokens) => {
-            let n_vocab = state.vocab.n_vocab();
-            if let Some(bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
-                return Err(
-                    ApiError::invalid(format!("token {bad} is outside the vocabulary of {n_vocab}")).param("prompt"),
-                );
-            }
-            tokens
-        }
+        CompletionPrompt::Tokens(tokens) => tokens,
     };
     if prompt.is_empty() {
-        return Err(ApiError::invalid("the prompt is empty").param("prompt"));
+        return Err(request::empty_prompt());
     }
-    let n_top = req.logprobs.unwrap_or(0);
-    if n_top > 5 {
-        return Err(ApiError::invalid("logprobs must be between 0 and 5").param("logprobs"));
-    }
-    let prepared = prepare(&state, &req.sampling, prompt, req.logprobs.is_some(), n_top)?;
-    respond(state, prepared, Kind::Completion, req.logprobs.is_some()).await
+    let logprobs = req.generation.logprobs;
+    let prepared = prepare(&state, req.generation, prompt)?;
+    respond(state, prepared, Kind::Completion, logprobs).await
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -4,6 +4,7 @@
 
 mod api;
 mod openai;
+pub mod request;
 pub mod template;
 
 pub use api::{router, ApiError, AppState, ServerConfig};

@@ -42,6 +42,14 @@ pub struct ClusterOptions {
     pub threads: usize,
     /// Memory the head offers (default: what the machine has available).
     pub head_memory: Option<u64>,
+    /// The head's own speed (seconds per layer per token), when already measured.
+    pub head_secs_per_layer: Option<f64>,
+    /// Leave out workers that cannot be reached (instead of failing), and plan over the
+    /// rest; `split` then applies only if every worker answered.
+    pub skip_unreachable: bool,
+    /// Longest a worker may take to answer the handshake and describe itself (`None`:
+    /// no limit).
+    pub handshake_timeout: Option<std::time::Duration>,
 }
 
 /// A worker as the head sees it.
@@ -71,6 +79,11 @@ pub struct RemoteRing {
     pub to_first: Arc<Counters>,
     /// Bytes the head received from the last stage.
     pub from_last: Arc<Counters>,
+    /// Workers left out because they could not be reached, and why (only with
+    /// `skip_unreachable`).
+    pub unreachable: Vec<(String, String)>,
+    /// The head's measured speed, when it offered itself.
+    pub head_secs_per_layer: Option<f64>,
     // Control links of the middle stages stay open for the session's lifetime.
     _idle: Vec<TcpLink>,
     // The head's own stage, when it runs one.
@@ -81,7 +94,15 @@ impl Drop for RemoteRing {
     fn drop(&mut self) {
         let _ = self.head.shutdown();
         if let Some(thread) = self.head_stage.take() {
-            let _ = thread.join();
+            // A broken ring may leave the head's stage blocked on a hung worker's socket
+            // for a while: it is not waited for past a second.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+            while !thread.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            }
         }
     }
 }
@@ -176,21 +197,16 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
 
     let mut links = Vec::new();
     let mut remote = Vec::new();
+    let mut unreachable = Vec::new();
     for addr in workers {
-        let mut link = TcpLink::connect(addr, &opts.link)?;
-        client_handshake(&mut link, Role::Head, token)?;
-        link.send(&Message::Describe {
-            model: model_ref.clone(),
-        })?;
-        let caps = match link.recv()? {
-            Message::Capabilities(caps) => caps,
-            Message::Refused { reason } => return Err(NodeError::Request(format!("worker {addr} refused: {reason}"))),
-            other => {
-                return Err(NodeError::Protocol(format!(
-                    "worker {addr} sent {} instead of Capabilities",
-                    other.kind()
-                )))
+        let (link, caps) = match reach(addr, &model_ref, opts) {
+            Ok(reached) => reached,
+            Err(e) if opts.skip_unreachable => {
+                tracing::warn!(worker = %addr, "left out: {e}");
+                unreachable.push((addr.clone(), e.to_string()));
+                continue;
             }
+            Err(e) => return Err(e),
         };
         check_held(addr, &model_ref, own_content, &caps.models)?;
         tracing::info!(worker = %addr, memory = caps.memory, secs_per_layer = ?caps.secs_per_layer, "worker described itself");
@@ -203,10 +219,20 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
         });
     }
 
+    if remote.is_empty() && !opts.head_stage {
+        let why: Vec<String> = unreachable.iter().map(|(a, e)| format!("{a}: {e}")).collect();
+        return Err(NodeError::Request(format!("no worker answered ({})", why.join("; "))));
+    }
+
     let cost = model_cost(&file, opts.n_ctx);
     let mut offers = Vec::new();
+    let mut head_secs_per_layer = None;
     if opts.head_stage {
-        let secs_per_layer = super::speed::measure(model, opts.threads)? as f64;
+        let secs_per_layer = match opts.head_secs_per_layer {
+            Some(secs) => secs,
+            None => super::speed::measure(model, opts.threads)? as f64,
+        };
+        head_secs_per_layer = Some(secs_per_layer);
         let memory = opts.head_memory.unwrap_or_else(super::available_memory);
         offers.push(NodeOffer {
             name: "head".into(),
@@ -231,8 +257,8 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
         secs_per_layer: w.caps.secs_per_layer.map_or(fallback, f64::from),
     }));
     let plan = match &opts.split {
-        Some(split) => baton_plan::plan_with_split(&cost, &offers, split)?,
-        None => baton_plan::partition(&cost, &offers)?,
+        Some(split) if unreachable.is_empty() => baton_plan::plan_with_split(&cost, &offers, split)?,
+        _ => baton_plan::partition(&cost, &offers)?,
     };
     for (name, why) in &plan.left_out {
         tracing::warn!(node = %name, "left out of the plan: {why}");
@@ -390,9 +416,37 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
         node_names,
         to_first,
         from_last,
+        unreachable,
+        head_secs_per_layer,
         _idle: slots.into_iter().flatten().collect(),
         head_stage: thread,
     })
+}
+
+/// Connects to the worker at `addr`, authenticates, and asks it to describe itself.
+fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(TcpLink, Capabilities), NodeError> {
+    let link_opts = LinkOptions {
+        read_timeout: opts.handshake_timeout,
+        ..opts.link.clone()
+    };
+    let mut link = TcpLink::connect(addr, &link_opts)?;
+    client_handshake(&mut link, Role::Head, opts.token.as_deref().map(str::as_bytes))?;
+    link.send(&Message::Describe {
+        model: model_ref.clone(),
+    })?;
+    let caps = match link.recv()? {
+        Message::Capabilities(caps) => caps,
+        Message::Refused { reason } => return Err(NodeError::Request(format!("worker {addr} refused: {reason}"))),
+        other => {
+            return Err(NodeError::Protocol(format!(
+                "worker {addr} sent {} instead of Capabilities",
+                other.kind()
+            )))
+        }
+    };
+    // Loading may take long; from here on the heartbeat watches the worker.
+    link.set_read_timeout(opts.link.read_timeout)?;
+    Ok((link, caps))
 }
 
 /// Runs the head's own stage on a thread of its own, like a worker would.

@@ -5,10 +5,13 @@ mod head;
 mod models;
 mod speed;
 mod stream;
+mod supervise;
+mod watch;
 mod worker;
 
 pub use head::{connect_cluster, model_cost, model_ref, ClusterOptions, RemoteRing, RemoteWorker};
 pub use models::{identity_of, ModelDir};
+pub use supervise::Supervisor;
 pub use worker::{Worker, WorkerConfig};
 
 /// `MemAvailable` from /proc/meminfo (Linux); a conservative 1 GiB elsewhere.

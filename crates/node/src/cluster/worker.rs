@@ -4,6 +4,12 @@
 //!
 //! Every connection runs on its own thread. Anything malformed, unauthenticated or
 //! out of place ends that connection with one log line; the listener keeps serving.
+//!
+//! The head watches each worker over a heartbeat connection of its own (`Ping` /
+//! `Pong`), answered here on a thread apart from the stage, so a busy stage still
+//! answers. The watch goes both ways: when the head's pings stop (it died, hung, or gave
+//! up on this ring after losing another node), the worker shuts its session's sockets,
+//! which ends the session wherever it was blocked, and is free for the next head.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -40,7 +46,13 @@ pub struct WorkerConfig {
     pub link: LinkOptions,
     /// Longest a peer may take to complete the handshake.
     pub handshake_timeout: Duration,
+    /// Most connections served at once (heads, ring links, heartbeats, strangers).
+    pub max_connections: usize,
 }
+
+/// Largest frame a peer may send before it has authenticated: handshake frames are
+/// tiny, and a stranger must not make the worker allocate `max_frame` bytes.
+const HANDSHAKE_MAX_FRAME: usize = 64 << 10;
 
 /// A bound, not yet serving, worker.
 pub struct Worker {
@@ -54,8 +66,65 @@ struct Shared {
     /// Port actually bound (`--listen` may say 0).
     port: u16,
     busy: AtomicBool,
+    /// Connections being served now.
+    connections: std::sync::atomic::AtomicUsize,
+    /// The head session now running: its number, and clones of its sockets (control
+    /// and upstream) that a heartbeat timeout shuts down to end it.
+    session: Mutex<Session>,
     upstream: Mutex<Option<TcpLink>>,
     upstream_ready: Condvar,
+}
+
+#[derive(Default)]
+struct Session {
+    id: u64,
+    sockets: Vec<TcpStream>,
+    aborted: bool,
+}
+
+impl Shared {
+    /// Starts session bookkeeping for a head whose control socket is `control`.
+    fn begin_session(&self, control: Option<TcpStream>) -> u64 {
+        // An upstream link left over from an earlier session is dead.
+        *self.upstream.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        session.id += 1;
+        session.sockets = control.into_iter().collect();
+        session.aborted = false;
+        session.id
+    }
+
+    /// Adds a socket that ending the current session must shut down.
+    fn attach(&self, socket: Option<TcpStream>) {
+        let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        session.sockets.extend(socket);
+    }
+
+    /// Ends session `id` if it is still the current one: shuts its sockets down, so
+    /// whatever it waits on returns an error and it unwinds.
+    fn abort_session(&self, id: u64) -> bool {
+        let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        if session.id != id || !self.busy.load(Ordering::SeqCst) {
+            return false;
+        }
+        session.aborted = true;
+        for socket in session.sockets.drain(..) {
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+        }
+        // A session still waiting for its upstream wakes up and finds it never came.
+        self.upstream_ready.notify_all();
+        true
+    }
+
+    fn is_aborted(&self, id: u64) -> bool {
+        let session = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        session.id == id && session.aborted
+    }
+
+    fn current_session(&self) -> Option<u64> {
+        let session = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        self.busy.load(Ordering::SeqCst).then_some(session.id)
+    }
 }
 
 impl Worker {
@@ -73,6 +142,8 @@ impl Worker {
             models,
             port,
             busy: AtomicBool::new(false),
+            connections: Default::default(),
+            session: Mutex::default(),
             upstream: Mutex::new(None),
             upstream_ready: Condvar::new(),
         });
@@ -90,26 +161,47 @@ impl Worker {
     pub fn serve(self) {
         for stream in self.listener.incoming() {
             let Ok(stream) = stream else { continue };
+            let open = self.shared.connections.fetch_add(1, Ordering::SeqCst);
+            if open >= self.shared.config.max_connections {
+                self.shared.connections.fetch_sub(1, Ordering::SeqCst);
+                let peer = stream
+                    .peer_addr()
+                    .map_or_else(|_| "unknown peer".into(), |a| a.to_string());
+                tracing::warn!(%peer, "dropping connection: {open} connections are open, the most allowed (--max-connections)");
+                continue;
+            }
             let shared = self.shared.clone();
-            let _ = std::thread::Builder::new()
-                .name("conn".into())
-                .spawn(move || handle(shared, stream));
+            let spawned = std::thread::Builder::new().name("conn".into()).spawn({
+                let shared = shared.clone();
+                move || {
+                    handle(&shared, stream);
+                    shared.connections.fetch_sub(1, Ordering::SeqCst);
+                }
+            });
+            if spawned.is_err() {
+                shared.connections.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!("dropping a connection: cannot start a thread for it");
+            }
         }
     }
 }
 
-fn handle(shared: Arc<Shared>, stream: TcpStream) {
+fn handle(shared: &Shared, stream: TcpStream) {
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
     let local = stream.local_addr().ok();
+    // A handle that can shut this connection down from another thread.
+    let socket = stream.try_clone().ok();
     let mut opts = shared.config.link.clone();
     opts.read_timeout = Some(shared.config.handshake_timeout);
-    let result = TcpLink::new(stream, peer.clone(), &opts)
+    opts.max_frame = opts.max_frame.min(HANDSHAKE_MAX_FRAME);
+    let result = TcpLink::accept(stream, peer.clone(), &opts)
         .map_err(NodeError::from)
         .and_then(|mut link| {
             let token = shared.config.token.as_deref().map(str::as_bytes);
             let role = server_handshake(&mut link, token)?;
+            link.set_max_frame(shared.config.link.max_frame);
             match role {
                 Role::Head => {
                     if shared.busy.swap(true, Ordering::SeqCst) {
@@ -117,16 +209,19 @@ fn handle(shared: Arc<Shared>, stream: TcpStream) {
                         let _ = link.send(&Message::Refused { reason: reason.clone() });
                         return Err(NodeError::Request(reason));
                     }
-                    let result = session(&shared, link, local);
+                    let id = shared.begin_session(socket);
+                    let result = session(shared, link, local, id);
                     shared.busy.store(false, Ordering::SeqCst);
                     result
                 }
                 Role::Ring => {
                     link.set_read_timeout(None)?;
+                    shared.attach(socket);
                     *shared.upstream.lock().unwrap_or_else(|p| p.into_inner()) = Some(link);
                     shared.upstream_ready.notify_all();
                     Ok(())
                 }
+                Role::Heartbeat => heartbeat(shared, link),
                 Role::Worker => {
                     let _ = link.send(&Message::Refused {
                         reason: "workers do not connect to workers as workers".into(),
@@ -141,8 +236,36 @@ fn handle(shared: Arc<Shared>, stream: TcpStream) {
     }
 }
 
+/// Answers the head's pings. When they stop for longer than the head said they might
+/// (or the connection closes), the session this heartbeat watches is ended.
+fn heartbeat(shared: &Shared, mut link: TcpLink) -> Result<(), NodeError> {
+    let watched = shared.current_session();
+    let why = loop {
+        match link.recv() {
+            Ok(Message::Ping { timeout_ms }) => {
+                link.set_read_timeout(Some(Duration::from_millis(u64::from(timeout_ms.max(1)))))?;
+                link.send(&Message::Pong)?;
+            }
+            Ok(other) => {
+                let reason = format!("{} is not a heartbeat message", other.kind());
+                let _ = link.send(&Message::Refused { reason: reason.clone() });
+                break reason;
+            }
+            Err(NetError::Timeout { .. }) => break "the head's heartbeats stopped".to_string(),
+            Err(NetError::Closed { .. }) => break "the head closed its heartbeat".to_string(),
+            Err(e) => break e.to_string(),
+        }
+    };
+    if let Some(id) = watched {
+        if shared.abort_session(id) {
+            tracing::warn!("{why}: ending the head's session");
+        }
+    }
+    Ok(())
+}
+
 /// One head's session: describe, load, then run the stage until the ring closes.
-fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>) -> Result<(), NodeError> {
+fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>, id: u64) -> Result<(), NodeError> {
     // The head may take its time between messages (planning, other workers loading).
     link.set_read_timeout(None)?;
     let plan = loop {
@@ -185,7 +308,11 @@ fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>) -> Res
         }
         None => None,
     };
-    let upstream = if plan.first { None } else { Some(wait_upstream(shared)?) };
+    let upstream = if plan.first {
+        None
+    } else {
+        Some(wait_upstream(shared, id)?)
+    };
     link.send(&Message::Loaded {
         resident: stage.resident_bytes(),
         received,
@@ -205,12 +332,17 @@ fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>) -> Res
     }
 }
 
-fn wait_upstream(shared: &Shared) -> Result<TcpLink, NodeError> {
+fn wait_upstream(shared: &Shared, id: u64) -> Result<TcpLink, NodeError> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut slot = shared.upstream.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         if let Some(link) = slot.take() {
             return Ok(link);
+        }
+        if shared.is_aborted(id) {
+            return Err(NodeError::Request(
+                "the session ended while waiting for the previous stage".into(),
+            ));
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {

@@ -11,17 +11,27 @@
 //! A finished sequence's cache stays in its slot; a request whose prompt begins with
 //! what a free slot holds (the next turn of a chat) reuses that prefix on every stage
 //! and computes only the rest. A request whose client went away is ended on every stage.
+//!
+//! When the ring breaks (a node died, hung, or closed a link), an engine with a
+//! [`RingSource`] forms a new ring over the nodes that remain and rebuilds every
+//! running sequence on it: each one's tokens so far (prompt and generated) are sent
+//! again in exactly the batches they first went in (prompt chunks alone, generated
+//! tokens as single decode rows), so the new stages hold bit-identical caches, and the
+//! last stage's sampler skips the random draws already made. Generation then goes on
+//! where it was: a client sees neither a repeated nor a missing token. When no ring can
+//! be formed (the nodes left cannot hold the model), running requests fail with a
+//! clear error at once, and the engine waits for the lost node to come back.
 
 mod text;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use baton_ggml::LlamaModel;
-use baton_net::Tx;
+use baton_net::{Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::SamplingParams;
 use tokio::sync::{mpsc::UnboundedSender, oneshot};
@@ -43,6 +53,67 @@ pub struct EngineConfig {
     pub n_stages: usize,
     /// Requests allowed to wait for a slot before new ones are refused.
     pub max_queue: usize,
+    /// Longest the engine tries to form a new ring after losing a node before running
+    /// requests fail (it keeps trying for new ones).
+    pub recovery_timeout: Duration,
+}
+
+/// Called (from any thread) with a node's address and why it is lost.
+pub type OnLost = Arc<dyn Fn(&str, &str) + Send + Sync>;
+
+/// Forms rings for the engine: once at the start, and again whenever a node is lost.
+pub trait RingSource: Send {
+    /// Closes the current ring, if any, and forms a new one over the nodes that answer
+    /// now. `on_lost` is called when a node of the new ring stops answering.
+    fn form(&mut self, on_lost: OnLost) -> Result<Formed, FormError>;
+    /// Whether a node that was lost answers again (a better ring may be formed).
+    fn returned(&self) -> bool;
+}
+
+/// A ring just formed.
+pub struct Formed {
+    /// Its two ends.
+    pub head: Head,
+    /// Each stage, in ring order, described for people (node and layers).
+    pub stages: Vec<String>,
+    /// Nodes out of the ring because they were lost, and why.
+    pub lost: Vec<(String, String)>,
+}
+
+/// Why no ring could be formed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FormError {
+    /// The nodes that answer cannot hold the model: nothing runs until one returns.
+    Capacity(String),
+    /// Something else failed; trying again may work.
+    Retry(String),
+}
+
+/// What the engine can do now, for `/health` and the logs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Computing over these stages; `lost` nodes are out of the ring.
+    Serving {
+        /// Each stage (node and layers).
+        stages: Vec<String>,
+        /// Nodes lost and why.
+        lost: Vec<(String, String)>,
+    },
+    /// A node was lost; a new ring is being formed, running requests wait.
+    Recovering {
+        /// What was lost.
+        reason: String,
+    },
+    /// No ring can be formed until a lost node returns; requests are refused.
+    Waiting {
+        /// Why, and what is awaited.
+        reason: String,
+    },
+    /// The ring broke and cannot be formed again (an in-process ring).
+    Failed {
+        /// Why.
+        reason: String,
+    },
 }
 
 /// One request for the engine.
@@ -158,6 +229,10 @@ pub struct Counters {
     pub active: AtomicUsize,
     /// Requests waiting for a slot.
     pub queued: AtomicUsize,
+    /// Rings formed after the first (a node lost, or back).
+    pub rings_formed: AtomicU64,
+    /// Tokens computed again to rebuild sequences on a new ring.
+    pub tokens_replayed: AtomicU64,
 }
 
 /// Per-stage figures, in ring order.
@@ -172,7 +247,14 @@ pub struct StageStats {
 enum Inbox {
     Job(Box<Job>),
     Stats(oneshot::Sender<Result<StageStats, String>>),
-    Reply(Result<Message, String>),
+    /// A reply from the ring formed `gen`-th.
+    Reply(u64, Result<Message, String>),
+    /// A node of ring `gen` stopped answering.
+    Lost(u64, String),
+    /// The recovery thread formed a ring (and hands the source back).
+    Formed(Box<dyn RingSource>, Formed),
+    /// The recovery thread could not form a ring yet (it keeps trying).
+    FormFailed(FormError),
     Shutdown,
 }
 
@@ -181,30 +263,56 @@ pub struct Engine {
     inbox: mpsc::Sender<Inbox>,
     counters: Arc<Counters>,
     config: EngineConfig,
-    failed: Arc<std::sync::Mutex<Option<String>>>,
+    health: Arc<Mutex<Health>>,
     thread: Option<JoinHandle<()>>,
-    reader: Option<JoinHandle<()>>,
 }
 
 impl Engine {
-    /// Takes over `head`'s ring.
+    /// Takes over `head`'s ring; if it breaks, every request fails.
     pub fn start(head: Head, vocab: Arc<LlamaModel>, config: EngineConfig) -> Engine {
-        let (tx, mut rx) = head.into_parts();
+        let formed = Formed {
+            head,
+            stages: Vec::new(),
+            lost: Vec::new(),
+        };
         let (inbox, receiver) = mpsc::channel();
-        let replies = inbox.clone();
-        let reader = std::thread::Builder::new()
-            .name("ring-reader".into())
-            .spawn(move || loop {
-                let reply = rx.recv().map_err(|e| e.to_string());
-                let last = !matches!(reply, Ok(ref m) if !matches!(m, Message::Shutdown));
-                if replies.send(Inbox::Reply(reply)).is_err() || last {
-                    return;
-                }
-            })
-            .expect("a thread can be started");
+        Engine::launch(inbox, receiver, formed, None, vocab, config)
+    }
+
+    /// Has `source` form the first ring and takes it over; when a node is lost,
+    /// `source` forms the next one and running requests are rebuilt on it.
+    pub fn start_supervised(
+        mut source: Box<dyn RingSource>,
+        vocab: Arc<LlamaModel>,
+        config: EngineConfig,
+    ) -> Result<Engine, FormError> {
+        let (inbox, receiver) = mpsc::channel();
+        let formed = source.form(lost_reporter(&inbox, 0))?;
+        Ok(Engine::launch(inbox, receiver, formed, Some(source), vocab, config))
+    }
+
+    fn launch(
+        inbox: mpsc::Sender<Inbox>,
+        receiver: mpsc::Receiver<Inbox>,
+        formed: Formed,
+        source: Option<Box<dyn RingSource>>,
+        vocab: Arc<LlamaModel>,
+        config: EngineConfig,
+    ) -> Engine {
         let counters = Arc::new(Counters::default());
-        let failed = Arc::new(std::sync::Mutex::new(None));
-        let mut sched = Sched::new(tx, vocab, config.clone(), counters.clone(), failed.clone());
+        let health = Arc::new(Mutex::new(Health::Serving {
+            stages: formed.stages.clone(),
+            lost: formed.lost.clone(),
+        }));
+        let mut sched = Sched::new(
+            inbox.clone(),
+            vocab,
+            config.clone(),
+            counters.clone(),
+            health.clone(),
+            source,
+        );
+        sched.install(formed);
         let thread = std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || sched.run(receiver))
@@ -213,15 +321,14 @@ impl Engine {
             inbox,
             counters,
             config,
-            failed,
+            health,
             thread: Some(thread),
-            reader: Some(reader),
         }
     }
 
     /// Queues a request; its events arrive on `job.events`.
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
-        if let Some(reason) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        if let Some(reason) = self.failure() {
             return Err(SubmitError::Unavailable(reason));
         }
         if job.prompt.is_empty() {
@@ -264,9 +371,18 @@ impl Engine {
         self.config.slot_ctx
     }
 
-    /// Why the engine stopped computing, if it did.
+    /// What the engine can do now.
+    pub fn health(&self) -> Health {
+        self.health.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Why the engine refuses new requests, if it does (a ring being formed again
+    /// still takes them: they wait in the queue).
     pub fn failure(&self) -> Option<String> {
-        self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        match self.health() {
+            Health::Serving { .. } | Health::Recovering { .. } => None,
+            Health::Waiting { reason } | Health::Failed { reason } => Some(reason),
+        }
     }
 }
 
@@ -276,9 +392,6 @@ impl Drop for Engine {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
-        }
     }
 }
 
@@ -286,6 +399,8 @@ impl Drop for Engine {
 struct Slot {
     /// Tokens whose cache every stage holds for this slot (when no request runs in it).
     cached: Vec<u32>,
+    /// The batches `cached` went into the ring in (token counts, in order).
+    cached_runs: Vec<u32>,
     /// When it was last given out (for least-recently-used choice).
     last_used: u64,
     active: Option<Active>,
@@ -302,6 +417,11 @@ struct Active {
     n_reused: usize,
     /// Tokens sent into the ring (their cache exists once the steps are through).
     n_sent: usize,
+    /// How many tokens each send carried, covering `tokens[..n_sent]`: what a rebuild
+    /// on a new ring repeats, batch for batch.
+    runs: Vec<u32>,
+    /// Sends still to repeat after a rebuild.
+    replay: VecDeque<u32>,
     /// A row of this sequence that will be sampled is in the ring.
     waiting: bool,
     generated: usize,
@@ -311,12 +431,27 @@ struct Active {
 }
 
 impl Active {
-    fn ready(&self) -> bool {
-        !self.waiting && self.n_sent < self.tokens.len()
+    /// What the sequence sends next, if anything: `(tokens, alone)`. A prompt chunk
+    /// (or a repeated one) goes alone in its micro-batch; a single token goes as a
+    /// decode row beside other sequences' rows.
+    fn next_send(&self, chunk: usize) -> Option<(usize, bool)> {
+        if self.waiting || self.n_sent >= self.tokens.len() {
+            return None;
+        }
+        if let Some(&n) = self.replay.front() {
+            return Some((n as usize, n > 1));
+        }
+        if self.n_sent < self.n_prompt {
+            return Some((chunk.min(self.n_prompt - self.n_sent), true));
+        }
+        Some((1, false))
     }
 
     fn decoding(&self) -> bool {
-        self.n_sent >= self.n_prompt
+        match self.replay.front() {
+            Some(&n) => n == 1,
+            None => self.n_sent >= self.n_prompt,
+        }
     }
 }
 
@@ -334,12 +469,32 @@ enum Pending {
     Shutdown,
 }
 
+/// A ring being formed again.
+struct Recovery {
+    since: Instant,
+    reason: String,
+    /// Running requests were already failed (no capacity, or out of time).
+    gave_up: bool,
+}
+
 struct Sched {
-    tx: Box<dyn Tx>,
+    /// The first stage's end of the current ring (`None` while none is formed).
+    tx: Option<Box<dyn Tx>>,
+    /// Number of the current ring (or of the one being formed); replies and losses of
+    /// older rings are ignored.
+    gen: u64,
+    inbox: mpsc::Sender<Inbox>,
     vocab: Arc<LlamaModel>,
     config: EngineConfig,
     counters: Arc<Counters>,
-    failed: Arc<std::sync::Mutex<Option<String>>>,
+    health: Arc<Mutex<Health>>,
+    /// Forms new rings; `None` for an in-process ring, or while a recovery thread
+    /// holds it.
+    source: Option<Box<dyn RingSource>>,
+    supervised: bool,
+    recovery: Option<Recovery>,
+    /// Tells a recovery thread to give up (the engine is stopping).
+    stop_recovery: Arc<AtomicBool>,
     slots: Vec<Slot>,
     queue: VecDeque<Box<Job>>,
     pending: VecDeque<Pending>,
@@ -353,25 +508,33 @@ struct Sched {
 
 impl Sched {
     fn new(
-        tx: Box<dyn Tx>,
+        inbox: mpsc::Sender<Inbox>,
         vocab: Arc<LlamaModel>,
         config: EngineConfig,
         counters: Arc<Counters>,
-        failed: Arc<std::sync::Mutex<Option<String>>>,
+        health: Arc<Mutex<Health>>,
+        source: Option<Box<dyn RingSource>>,
     ) -> Sched {
         let slots = (0..config.n_slots)
             .map(|_| Slot {
                 cached: Vec::new(),
+                cached_runs: Vec::new(),
                 last_used: 0,
                 active: None,
             })
             .collect();
         Sched {
-            tx,
+            tx: None,
+            gen: 0,
+            inbox,
             vocab,
             config,
             counters,
-            failed,
+            health,
+            supervised: source.is_some(),
+            source,
+            recovery: None,
+            stop_recovery: Arc::default(),
             slots,
             queue: VecDeque::new(),
             pending: VecDeque::new(),
@@ -393,46 +556,242 @@ impl Sched {
             match msg {
                 Some(Inbox::Job(job)) => self.queue.push_back(job),
                 Some(Inbox::Stats(reply)) => {
-                    let msg = Message::Stats {
-                        resident: Vec::new(),
-                        kv_used: Vec::new(),
-                    };
-                    if self.send(msg, Pending::Stats(reply)).is_err() {
-                        continue;
+                    if self.tx.is_none() {
+                        let _ = reply.send(Err("the cluster is forming a new ring".into()));
+                    } else {
+                        let msg = Message::Stats {
+                            resident: Vec::new(),
+                            kv_used: Vec::new(),
+                        };
+                        let _ = self.send(msg, Pending::Stats(reply));
                     }
                 }
-                Some(Inbox::Reply(Ok(Message::Shutdown))) => return,
-                Some(Inbox::Reply(Ok(reply))) => self.on_reply(reply),
-                Some(Inbox::Reply(Err(e))) => {
-                    self.fail_all(&format!("the ring broke: {e}"));
+                Some(Inbox::Reply(gen, reply)) if gen == self.gen => match reply {
+                    Ok(Message::Shutdown) if self.stopping => return,
+                    Ok(reply) => self.on_reply(reply),
+                    Err(e) => {
+                        if self.stopping {
+                            return;
+                        }
+                        self.lose_ring(&format!("the ring broke: {e}"));
+                    }
+                },
+                Some(Inbox::Lost(gen, why)) if gen == self.gen && !self.stopping => self.lose_ring(&why),
+                Some(Inbox::Reply(..) | Inbox::Lost(..)) => {}
+                Some(Inbox::Formed(source, formed)) => {
+                    self.source = Some(source);
                     if self.stopping {
                         return;
                     }
+                    self.install(formed);
                 }
+                Some(Inbox::FormFailed(error)) => self.on_form_failed(error),
                 Some(Inbox::Shutdown) => {
                     self.stopping = true;
-                    if self.send(Message::Shutdown, Pending::Shutdown).is_err() {
+                    self.stop_recovery.store(true, Ordering::SeqCst);
+                    if self.tx.is_none() || self.send(Message::Shutdown, Pending::Shutdown).is_err() {
                         return;
                     }
                 }
                 None => {}
             }
-            if self.stopping || self.is_failed() {
+            if self.stopping {
+                continue;
+            }
+            self.check_recovery_time();
+            if self.tx.is_none() {
+                self.drop_abandoned();
                 continue;
             }
             self.drop_abandoned();
+            self.move_back_if_idle();
             self.admit();
             self.schedule();
         }
     }
 
-    fn is_failed(&self) -> bool {
-        self.failed.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    /// Takes `formed` as the current ring: starts reading its replies, and rebuilds
+    /// every running sequence on it.
+    fn install(&mut self, formed: Formed) {
+        let Formed { head, stages, lost } = formed;
+        let (tx, rx) = head.into_parts();
+        spawn_reader(rx, self.inbox.clone(), self.gen);
+        self.tx = Some(tx);
+        self.pending.clear();
+        self.steps_in_flight = 0;
+        self.last_batch_decoded = false;
+        if !stages.is_empty() {
+            self.config.n_stages = stages.len();
+        }
+        let rebuilding = self.recovery.is_some();
+        if let Some(recovery) = self.recovery.take() {
+            self.counters.rings_formed.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                secs = recovery.since.elapsed().as_secs_f32(),
+                stages = ?stages,
+                "formed a new ring after: {}",
+                recovery.reason
+            );
+        }
+        *self.health.lock().unwrap_or_else(|p| p.into_inner()) = Health::Serving { stages, lost };
+        if rebuilding {
+            self.rebuild();
+        }
+    }
+
+    /// Starts every running sequence again on the new ring, to be sent again batch for
+    /// batch; slots' cached prefixes are gone with the old stages.
+    fn rebuild(&mut self) {
+        for seq in 0..self.slots.len() {
+            let slot = &mut self.slots[seq];
+            slot.cached.clear();
+            slot.cached_runs.clear();
+            let Some(active) = slot.active.as_mut() else { continue };
+            active.replay = active.runs.drain(..).collect();
+            self.counters
+                .tokens_replayed
+                .fetch_add(active.n_sent as u64, Ordering::Relaxed);
+            active.n_sent = 0;
+            active.waiting = false;
+            let start = Message::StartSeq {
+                seq: seq as u32,
+                keep: 0,
+                params: active.job.params.clone(),
+                history: active.tokens.clone(),
+                top_logprobs: active.job.top_logprobs,
+                logprobs: active.job.logprobs,
+                drawn: active.generated as u32,
+            };
+            if self.send(start, Pending::Control).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// The current ring is gone. With a source, a recovery thread forms the next one
+    /// while requests wait; without one, every request fails.
+    fn lose_ring(&mut self, reason: &str) {
+        self.tx = None;
+        // What the old ring still says is stale from now on.
+        self.gen += 1;
+        for pending in self.pending.drain(..) {
+            if let Pending::Stats(reply) = pending {
+                let _ = reply.send(Err(reason.to_string()));
+            }
+        }
+        self.steps_in_flight = 0;
+        if !self.supervised {
+            self.fail_all(reason);
+            *self.health.lock().unwrap_or_else(|p| p.into_inner()) = Health::Failed {
+                reason: reason.to_string(),
+            };
+            return;
+        }
+        tracing::warn!("{reason}: forming a new ring");
+        *self.health.lock().unwrap_or_else(|p| p.into_inner()) = Health::Recovering {
+            reason: reason.to_string(),
+        };
+        if self.recovery.is_none() {
+            self.recovery = Some(Recovery {
+                since: Instant::now(),
+                reason: reason.to_string(),
+                gave_up: false,
+            });
+        }
+        self.start_forming();
+    }
+
+    /// Hands the source to a thread that forms a ring, retrying with backoff, and
+    /// reports each failure and the success.
+    fn start_forming(&mut self) {
+        let Some(mut source) = self.source.take() else { return };
+        let inbox = self.inbox.clone();
+        let stop = self.stop_recovery.clone();
+        let next_gen = self.gen;
+        let _ = std::thread::Builder::new().name("recovery".into()).spawn(move || {
+            let mut backoff = Duration::from_millis(200);
+            loop {
+                match source.form(lost_reporter(&inbox, next_gen)) {
+                    Ok(formed) => {
+                        let _ = inbox.send(Inbox::Formed(source, formed));
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::warn!("cannot form a ring yet: {error:?}");
+                        if inbox.send(Inbox::FormFailed(error)).is_err() {
+                            return;
+                        }
+                    }
+                }
+                let until = Instant::now() + backoff;
+                while Instant::now() < until {
+                    if stop.load(Ordering::SeqCst) {
+                        let _ = inbox.send(Inbox::FormFailed(FormError::Retry("stopping".into())));
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        });
+    }
+
+    fn on_form_failed(&mut self, error: FormError) {
+        match error {
+            FormError::Capacity(reason) => {
+                *self.health.lock().unwrap_or_else(|p| p.into_inner()) = Health::Waiting { reason: reason.clone() };
+                if let Some(recovery) = self.recovery.as_mut() {
+                    if !recovery.gave_up {
+                        recovery.gave_up = true;
+                        let message = format!("{}, and {reason}", recovery.reason);
+                        self.fail_requests(&message);
+                    }
+                }
+            }
+            FormError::Retry(reason) => {
+                if let Some(recovery) = self.recovery.as_ref() {
+                    let reason = format!("{}; forming a new ring failed: {reason}", recovery.reason);
+                    *self.health.lock().unwrap_or_else(|p| p.into_inner()) = Health::Recovering { reason };
+                }
+            }
+        }
+    }
+
+    /// Running and queued requests fail once recovery has taken longer than allowed.
+    fn check_recovery_time(&mut self) {
+        let Some(recovery) = self.recovery.as_mut() else { return };
+        if recovery.gave_up || recovery.since.elapsed() < self.config.recovery_timeout {
+            return;
+        }
+        recovery.gave_up = true;
+        let reason = format!(
+            "{}, and no new ring could be formed within {} s",
+            recovery.reason,
+            self.config.recovery_timeout.as_secs_f32()
+        );
+        *self.health.lock().unwrap_or_else(|p| p.into_inner()) = Health::Waiting { reason: reason.clone() };
+        self.fail_requests(&reason);
+    }
+
+    /// When a lost node answers again and nothing runs, forms the ring again so the
+    /// planner can use it.
+    fn move_back_if_idle(&mut self) {
+        let idle = self.slots.iter().all(|s| s.active.is_none()) && self.queue.is_empty() && self.pending.is_empty();
+        if !idle || !self.source.as_ref().is_some_and(|s| s.returned()) {
+            return;
+        }
+        self.lose_ring("a lost worker is back: moving to the better plan");
     }
 
     /// Sends `msg` into the ring, remembering what its reply answers.
     fn send(&mut self, msg: Message, pending: Pending) -> Result<(), ()> {
-        match self.tx.send(msg) {
+        let Some(tx) = self.tx.as_mut() else {
+            if let Pending::Stats(reply) = pending {
+                let _ = reply.send(Err("the cluster is forming a new ring".into()));
+            }
+            return Err(());
+        };
+        match tx.send(msg) {
             Ok(()) => {
                 self.pending.push_back(pending);
                 Ok(())
@@ -441,34 +800,39 @@ impl Sched {
                 if let Pending::Stats(reply) = pending {
                     let _ = reply.send(Err(e.to_string()));
                 }
-                self.fail_all(&format!("cannot reach the first stage: {e}"));
+                self.lose_ring(&format!("cannot reach the first stage: {e}"));
                 Err(())
             }
         }
     }
 
-    /// The ring is gone: every request fails, and so will every new one.
-    fn fail_all(&mut self, reason: &str) {
+    /// Every running and waiting request fails with `reason`; slots forget their cache.
+    fn fail_requests(&mut self, reason: &str) {
         tracing::error!("{reason}");
-        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.to_string());
         for slot in &mut self.slots {
             if let Some(active) = slot.active.take() {
                 let _ = active.job.events.send(Event::Failed(reason.to_string()));
                 self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
             }
             slot.cached.clear();
+            slot.cached_runs.clear();
         }
         for job in self.queue.drain(..) {
             let _ = job.events.send(Event::Failed(reason.to_string()));
             self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
         }
+        self.counters.active.store(0, Ordering::Relaxed);
+        self.counters.queued.store(0, Ordering::Relaxed);
+    }
+
+    /// The ring is gone for good: every request fails, and so will every new one.
+    fn fail_all(&mut self, reason: &str) {
+        self.fail_requests(reason);
         for pending in self.pending.drain(..) {
             if let Pending::Stats(reply) = pending {
                 let _ = reply.send(Err(reason.to_string()));
             }
         }
-        self.counters.active.store(0, Ordering::Relaxed);
-        self.counters.queued.store(0, Ordering::Relaxed);
     }
 
     /// Requests whose client went away: queued ones are dropped, running ones ended on
@@ -500,6 +864,7 @@ impl Sched {
             return;
         }
         slot.cached.clear();
+        slot.cached_runs.clear();
         self.counters.active.fetch_sub(1, Ordering::Relaxed);
         self.counters.requests_cancelled.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(seq, "client went away: ending the sequence on every stage");
@@ -538,18 +903,22 @@ impl Sched {
                 history: job.prompt.clone(),
                 top_logprobs: job.top_logprobs,
                 logprobs: job.logprobs,
+                drawn: 0,
             };
             let epoch = self.next_epoch;
             self.next_epoch += 1;
             let slot = &mut self.slots[seq];
             slot.last_used = epoch;
             slot.cached.clear();
+            let runs = runs_prefix(&std::mem::take(&mut slot.cached_runs), n_reused);
             slot.active = Some(Active {
                 epoch,
                 tokens: job.prompt.clone(),
                 n_prompt: job.prompt.len(),
                 n_reused,
                 n_sent: n_reused,
+                runs,
+                replay: VecDeque::new(),
                 waiting: false,
                 generated: 0,
                 text: TextStream::new(&job.stop),
@@ -590,24 +959,24 @@ impl Sched {
             .div_ceil(self.config.n_stages.max(1))
             .clamp(1, MAX_DECODE_ROWS);
 
+        let chunk = self.config.chunk.max(1);
+        let next = |i: usize| self.slots[i].active.as_ref().and_then(|a| a.next_send(chunk));
         let mut decoding: Vec<usize> = (0..self.slots.len())
-            .filter(|&i| self.slots[i].active.as_ref().is_some_and(|a| a.ready() && a.decoding()))
+            .filter(|&i| matches!(next(i), Some((_, false))))
             .collect();
         decoding.sort_by_key(|&i| self.slots[i].active.as_ref().map_or(0, |a| a.last_batch));
         decoding.truncate(group);
         let prefilling = (0..self.slots.len())
-            .filter_map(|i| {
-                let active = self.slots[i].active.as_ref()?;
-                (active.ready() && !active.decoding()).then_some((active.epoch, i))
+            .filter_map(|i| match next(i) {
+                Some((n, true)) => Some((self.slots[i].active.as_ref()?.epoch, i, n)),
+                _ => None,
             })
-            .min()
-            .map(|(_, seq)| seq);
+            .min();
 
         let work: Vec<(usize, usize)> = match prefilling {
-            Some(seq) if decoding.is_empty() || self.last_batch_decoded => {
-                let active = self.slots[seq].active.as_ref().expect("chosen slots are active");
+            Some((_, seq, n)) if decoding.is_empty() || self.last_batch_decoded => {
                 self.last_batch_decoded = false;
-                vec![(seq, self.config.chunk.max(1).min(active.n_prompt - active.n_sent))]
+                vec![(seq, n)]
             }
             _ if !decoding.is_empty() => {
                 self.last_batch_decoded = true;
@@ -624,6 +993,8 @@ impl Sched {
             positions.extend((start..start + n).map(|p| p as i32));
             seq_ids.extend(std::iter::repeat_n(seq as u32, n));
             active.n_sent += n;
+            active.runs.push(n as u32);
+            active.replay.pop_front();
             active.last_batch = step + 1;
             let sampled = active.n_sent == active.tokens.len();
             if sampled {
@@ -695,6 +1066,7 @@ impl Sched {
         let _ = active.job.events.send(Event::Failed(reason.to_string()));
         self.slots[seq].active = None;
         self.slots[seq].cached.clear();
+        self.slots[seq].cached_runs.clear();
         self.counters.active.fetch_sub(1, Ordering::Relaxed);
         self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
         let _ = self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control);
@@ -742,6 +1114,7 @@ impl Sched {
         // Everything sent is in every stage's cache; the last sampled token is not.
         active.tokens.truncate(active.n_sent);
         slot.cached = active.tokens;
+        slot.cached_runs = std::mem::take(&mut active.runs);
         self.counters.active.fetch_sub(1, Ordering::Relaxed);
         self.counters.requests_finished.fetch_add(1, Ordering::Relaxed);
         self.counters
@@ -755,6 +1128,47 @@ impl Sched {
             completion_tokens: active.generated,
         }));
     }
+}
+
+/// The runs that cover the first `n` tokens of `runs` (the last one cut short if `n`
+/// falls inside it).
+fn runs_prefix(runs: &[u32], n: usize) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut left = n;
+    for &run in runs {
+        if left == 0 {
+            break;
+        }
+        let take = (run as usize).min(left);
+        out.push(take as u32);
+        left -= take;
+    }
+    if left > 0 {
+        // Cannot happen (the runs cover the cache), but a rebuild must cover every token.
+        out.push(left as u32);
+    }
+    out
+}
+
+/// Tells the engine that a node of ring `gen` is lost.
+fn lost_reporter(inbox: &mpsc::Sender<Inbox>, gen: u64) -> OnLost {
+    let inbox = inbox.clone();
+    Arc::new(move |addr: &str, why: &str| {
+        let _ = inbox.send(Inbox::Lost(gen, format!("worker {addr} was lost: {why}")));
+    })
+}
+
+/// Reads the replies of ring `gen` into the engine's inbox until the ring closes.
+fn spawn_reader(mut rx: Box<dyn Rx>, inbox: mpsc::Sender<Inbox>, gen: u64) {
+    let _ = std::thread::Builder::new()
+        .name("ring-reader".into())
+        .spawn(move || loop {
+            let reply = rx.recv().map_err(|e| e.to_string());
+            let last = !matches!(reply, Ok(ref m) if !matches!(m, Message::Shutdown));
+            if inbox.send(Inbox::Reply(gen, reply)).is_err() || last {
+                return;
+            }
+        });
 }
 
 /// Length of the common prefix of two token lists.

@@ -52,6 +52,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             history: r.array("history", u32::from_le_bytes)?,
             top_logprobs: r.u8("top_logprobs")?,
             logprobs: r.bool("logprobs")?,
+            drawn: r.u32("drawn")?,
         },
         kind::TRUNCATE_SEQ => Message::TruncateSeq {
             seq: r.u32("seq")?,
@@ -75,6 +76,10 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             kv_used: r.array("kv_used", u32::from_le_bytes)?,
         },
         kind::SHUTDOWN => Message::Shutdown,
+        kind::PING => Message::Ping {
+            timeout_ms: r.u32("timeout_ms")?,
+        },
+        kind::PONG => Message::Pong,
         // `kind_name` accepted it, so a number is missing above.
         _ => return Err(ProtoError::UnknownKind(kind)),
     };

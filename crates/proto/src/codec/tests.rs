@@ -89,6 +89,11 @@ fn samples() -> Vec<Message> {
             role: crate::Role::Ring,
             nonce: [0; 32],
         },
+        Message::Hello {
+            version: 3,
+            role: crate::Role::Heartbeat,
+            nonce: nonce(3),
+        },
         Message::Auth { proof: nonce(4) },
         Message::Refused {
             reason: "wrong token — ünïcode ✓".into(),
@@ -142,6 +147,7 @@ fn samples() -> Vec<Message> {
             params: params(),
             history: vec![1, 2, u32::MAX],
             logprobs: true,
+            drawn: 17,
         },
         Message::StartSeq {
             seq: 0,
@@ -150,6 +156,7 @@ fn samples() -> Vec<Message> {
             params: SamplingParams::greedy(),
             history: vec![],
             logprobs: false,
+            drawn: 0,
         },
         Message::TruncateSeq { seq: 9, len: 100 },
         Message::EndSeq { seq: u32::MAX },
@@ -197,6 +204,8 @@ fn samples() -> Vec<Message> {
             kv_used: vec![0, 4096, u32::MAX],
         },
         Message::Shutdown,
+        Message::Ping { timeout_ms: 2000 },
+        Message::Pong,
     ]
 }
 
@@ -404,8 +413,8 @@ fn strings_must_be_short_utf8() {
 
 #[test]
 fn unknown_role_and_tags_are_refused() {
-    let hello = Bytes::default().u32(1).u8(3).raw(&[0; 32]);
-    assert_eq!(invalid_reason(decode(kind::HELLO, &hello.0)), "unknown role byte 3");
+    let hello = Bytes::default().u32(1).u8(4).raw(&[0; 32]);
+    assert_eq!(invalid_reason(decode(kind::HELLO, &hello.0)), "unknown role byte 4");
 
     let (kind, mut payload) = payload_of(&Message::StartSeq {
         seq: 1,
@@ -414,8 +423,11 @@ fn unknown_role_and_tags_are_refused() {
         params: params(),
         history: vec![],
         logprobs: true,
+        drawn: 0,
     });
-    *payload.last_mut().unwrap() = 2;
+    // The logprobs byte, before the 4-byte `drawn`.
+    let at = payload.len() - 5;
+    payload[at] = 2;
     assert_eq!(
         invalid_reason(decode(kind, &payload)),
         "boolean byte 2 is neither 0 nor 1"
@@ -560,6 +572,7 @@ fn invalid_values_are_refused() {
         params: nan_temperature,
         history: vec![],
         logprobs: false,
+        drawn: 0,
     };
     let (kind, payload) = payload_of(&msg);
     let err = decode(kind, &payload).unwrap_err();
@@ -583,6 +596,7 @@ fn invalid_values_are_refused() {
         params: SamplingParams { top_p: 0.0, ..params() },
         history: vec![],
         logprobs: false,
+        drawn: 0,
     };
     assert!(invalid_reason(decode(kind, &payload_of(&top_p).1)).contains("top_p"));
 

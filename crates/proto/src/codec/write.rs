@@ -85,6 +85,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             history,
             top_logprobs,
             logprobs,
+            drawn,
         } => {
             w.u32(*seq);
             w.u32(*keep);
@@ -92,6 +93,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.array(history, u32::to_le_bytes);
             w.u8(*top_logprobs);
             w.bool(*logprobs);
+            w.u32(*drawn);
             kind::START_SEQ
         }
         Message::TruncateSeq { seq, len } => {
@@ -125,6 +127,11 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             kind::STATS
         }
         Message::Shutdown => kind::SHUTDOWN,
+        Message::Ping { timeout_ms } => {
+            w.u32(*timeout_ms);
+            kind::PING
+        }
+        Message::Pong => kind::PONG,
     }
 }
 

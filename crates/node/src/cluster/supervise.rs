@@ -1,0 +1,284 @@
+//! Keeping a cluster's ring alive: the [`Supervisor`] forms the ring over the workers
+//! that answer, watches each with a heartbeat, forms it again over the ones that remain
+//! when one is lost, and notices when a lost worker answers again so the engine can move
+//! back to the better plan.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use baton_net::{client_handshake, LinkOptions, TcpLink};
+use baton_plan::PlanError;
+use baton_proto::Role;
+
+use super::head::{connect_cluster, ClusterOptions, RemoteRing};
+use super::watch::{OnLost, Watch};
+use crate::engine::{FormError, Formed, RingSource};
+use crate::NodeError;
+
+/// Forms and re-forms the ring over a fixed list of workers.
+pub struct Supervisor {
+    model: PathBuf,
+    workers: Vec<String>,
+    opts: ClusterOptions,
+    heartbeat: Duration,
+    ring: Option<RemoteRing>,
+    watches: Vec<Watch>,
+    /// Workers out of the ring because they were lost or did not answer, and why.
+    lost: Arc<Mutex<BTreeMap<String, String>>>,
+    /// A lost worker answers again.
+    returned: Arc<AtomicBool>,
+    prober: Option<Prober>,
+}
+
+impl Supervisor {
+    /// A supervisor for `workers`; nothing is connected until [`RingSource::form`].
+    /// A worker silent for `heartbeat` is lost.
+    pub fn new(model: &Path, workers: &[String], opts: ClusterOptions, heartbeat: Duration) -> Supervisor {
+        Supervisor {
+            model: model.to_path_buf(),
+            workers: workers.to_vec(),
+            opts,
+            heartbeat,
+            ring: None,
+            watches: Vec::new(),
+            lost: Arc::default(),
+            returned: Arc::default(),
+            prober: None,
+        }
+    }
+
+    /// The ring now formed, if any.
+    pub fn ring(&self) -> Option<&RemoteRing> {
+        self.ring.as_ref()
+    }
+
+    fn lost(&self) -> BTreeMap<String, String> {
+        self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Connects over `candidates`; a worker that still holds its previous session (it
+    /// has not noticed the old ring closing yet) is given a moment and asked again.
+    fn connect(&mut self, candidates: &[String]) -> Result<RemoteRing, NodeError> {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        // A `--split` names every worker; without all of them the planner decides.
+        let mut opts = self.opts.clone();
+        if candidates.len() < self.workers.len() {
+            opts.split = None;
+        }
+        loop {
+            match connect_cluster(&self.model, candidates, &opts) {
+                Ok(ring) => {
+                    let busy = ring.unreachable.iter().any(|(_, why)| why.contains("another head"));
+                    if busy && Instant::now() < deadline {
+                        drop(ring);
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                    return Ok(ring);
+                }
+                Err(e) if e.to_string().contains("another head") && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl RingSource for Supervisor {
+    fn form(&mut self, on_lost: OnLost) -> Result<Formed, FormError> {
+        // Stop watching the old ring first: its workers end their sessions when the
+        // heartbeats stop, and are free for the new one.
+        self.watches.clear();
+        self.ring = None;
+        self.prober = None;
+        self.returned.store(false, Ordering::SeqCst);
+        let lost_before = self.lost();
+        let candidates: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|w| !lost_before.contains_key(*w))
+            .cloned()
+            .collect();
+
+        let result = self.connect(&candidates);
+        let ring = match result {
+            Ok(ring) => ring,
+            Err(e) => {
+                self.mark_unreachable(&candidates);
+                self.start_prober();
+                let lost = self.lost();
+                let why = describe_lost(&lost);
+                return Err(match e {
+                    NodeError::Plan(PlanError::NotEnoughMemory { .. }) => FormError::Capacity(format!(
+                        "the workers that answer cannot hold the model ({e}); waiting for {why}"
+                    )),
+                    other if lost.is_empty() => FormError::Retry(other.to_string()),
+                    other => FormError::Retry(format!("{other}; waiting for {why}")),
+                });
+            }
+        };
+        {
+            let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+            for (addr, why) in &ring.unreachable {
+                lost.insert(addr.clone(), why.clone());
+            }
+        }
+        self.opts.head_secs_per_layer = ring.head_secs_per_layer;
+        // The first ring needs every worker (a wrong address or token is a mistake to
+        // report); later ones are formed over whoever answers.
+        self.opts.skip_unreachable = true;
+
+        // Watch every worker of the plan.
+        let token = self.opts.token.clone();
+        for worker in ring.workers.iter().filter(|w| w.layers.is_some()) {
+            let lost = self.lost.clone();
+            let notify = on_lost.clone();
+            let callback: OnLost = Arc::new(move |addr: &str, why: &str| {
+                lost.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(addr.to_string(), why.to_string());
+                notify(addr, why);
+            });
+            let watch = Watch::start(
+                &worker.addr,
+                &self.opts.link,
+                token.as_deref().map(str::as_bytes),
+                self.heartbeat,
+                callback,
+            )
+            .map_err(|e| FormError::Retry(format!("cannot watch worker {}: {e}", worker.addr)))?;
+            self.watches.push(watch);
+        }
+
+        let stages: Vec<String> = ring
+            .plan
+            .stages
+            .iter()
+            .map(|s| {
+                format!(
+                    "{} layers {}..{}",
+                    ring.node_names[s.node], s.layers.start, s.layers.end
+                )
+            })
+            .collect();
+        let mut ring = ring;
+        let head = ring.head.take();
+        self.ring = Some(ring);
+        if !self.lost().is_empty() {
+            self.start_prober();
+        }
+        Ok(Formed {
+            head,
+            stages,
+            lost: self.lost().into_iter().collect(),
+        })
+    }
+
+    fn returned(&self) -> bool {
+        self.returned.load(Ordering::SeqCst)
+    }
+}
+
+impl Supervisor {
+    /// After a failed formation, finds which of `candidates` do not even accept a
+    /// connection, so that errors and `/health` name them and the prober waits for them.
+    fn mark_unreachable(&self, candidates: &[String]) {
+        let opts = LinkOptions {
+            read_timeout: Some(self.heartbeat),
+            ..self.opts.link.clone()
+        };
+        let token = self.opts.token.as_deref().map(str::as_bytes);
+        for addr in candidates {
+            let answered =
+                TcpLink::connect(addr, &opts).and_then(|mut conn| client_handshake(&mut conn, Role::Heartbeat, token));
+            if let Err(e) = answered {
+                self.lost
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(addr.clone(), e.to_string());
+            }
+        }
+    }
+
+    /// Starts asking the lost workers, with backoff, whether they answer again.
+    fn start_prober(&mut self) {
+        if self.prober.is_some() {
+            return;
+        }
+        self.prober = Some(Prober::start(
+            self.lost.clone(),
+            self.returned.clone(),
+            self.opts.link.clone(),
+            self.opts.token.clone(),
+            self.heartbeat,
+        ));
+    }
+}
+
+fn describe_lost(lost: &BTreeMap<String, String>) -> String {
+    if lost.is_empty() {
+        return "the workers".into();
+    }
+    let names: Vec<String> = lost.iter().map(|(a, why)| format!("worker {a} ({why})")).collect();
+    format!("{} to return", names.join(", "))
+}
+
+/// A thread that reconnects to lost workers (a bare authenticated handshake) with
+/// exponential backoff, and takes those that answer off the lost list.
+struct Prober {
+    stop: Arc<AtomicBool>,
+    _thread: JoinHandle<()>,
+}
+
+impl Prober {
+    fn start(
+        lost: Arc<Mutex<BTreeMap<String, String>>>,
+        returned: Arc<AtomicBool>,
+        link: LinkOptions,
+        token: Option<String>,
+        timeout: Duration,
+    ) -> Prober {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let opts = LinkOptions {
+                read_timeout: Some(timeout),
+                ..link
+            };
+            let mut backoff = Duration::from_millis(250);
+            while !stopped.load(Ordering::SeqCst) {
+                let addrs: Vec<String> = lost.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect();
+                if addrs.is_empty() {
+                    return;
+                }
+                for addr in addrs {
+                    let answered = TcpLink::connect(&addr, &opts).and_then(|mut conn| {
+                        client_handshake(&mut conn, Role::Heartbeat, token.as_deref().map(str::as_bytes))
+                    });
+                    if answered.is_ok() && !stopped.load(Ordering::SeqCst) {
+                        tracing::info!(worker = %addr, "a lost worker answers again");
+                        lost.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr);
+                        returned.store(true, Ordering::SeqCst);
+                    }
+                }
+                let until = Instant::now() + backoff;
+                while !stopped.load(Ordering::SeqCst) && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        });
+        Prober { stop, _thread: thread }
+    }
+}
+
+impl Drop for Prober {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}

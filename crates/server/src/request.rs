@@ -1,0 +1,261 @@
+//! Request bodies of the generation endpoints: JSON in, a checked request or the
+//! [`ApiError`] the client gets out. Nothing here needs the engine or the model (the
+//! handlers render and tokenize the prompt afterwards), so every check can be tested,
+//! and fuzzed (`fuzz/fuzz_targets/http_body.rs`), without loading one.
+
+use axum::http::StatusCode;
+use baton_node::engine::SubmitError;
+use baton_sample::SamplingParams;
+use serde::de::DeserializeOwned;
+
+use crate::api::ApiError;
+use crate::openai::{ChatRequest, CompletionRequest, Content, Prompt, Sampling};
+use crate::template::ChatMessage;
+
+/// What a request asks of generation, checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generation {
+    /// Valid sampling parameters (a random seed when the request gave none).
+    pub params: SamplingParams,
+    /// At most 4 stop strings.
+    pub stop: Vec<String>,
+    /// Most tokens to generate, at least 1; `None`: until the context is full.
+    pub max_tokens: Option<usize>,
+    /// Return log-probabilities of the generated tokens.
+    pub logprobs: bool,
+    /// And this many alternatives per token.
+    pub top_logprobs: u8,
+    /// Stream with server-sent events.
+    pub stream: bool,
+    /// End a stream with a chunk of token counts.
+    pub include_usage: bool,
+}
+
+/// A checked `POST /v1/chat/completions`.
+#[derive(Clone, Debug)]
+pub struct Chat {
+    /// The conversation, at least one message, as the chat template sees it.
+    pub messages: Vec<ChatMessage>,
+    /// The rest of the request.
+    pub generation: Generation,
+}
+
+/// The prompt of a checked completion request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CompletionPrompt {
+    /// Text, still to be tokenized.
+    Text(String),
+    /// Token ids, at least one, each inside the vocabulary.
+    Tokens(Vec<u32>),
+}
+
+/// A checked `POST /v1/completions`.
+#[derive(Clone, Debug)]
+pub struct Completion {
+    /// The prompt.
+    pub prompt: CompletionPrompt,
+    /// The rest of the request.
+    pub generation: Generation,
+}
+
+/// Parses and checks the body of a chat request for the model named `model_id`.
+pub fn chat(body: &[u8], model_id: &str) -> Result<Chat, ApiError> {
+    let req: ChatRequest = parse_json(body)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid("messages must not be empty").param("messages"));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for message in req.messages {
+        let content = match message.content {
+            None => String::new(),
+            Some(Content::Text(text)) => text,
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for part in parts {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid(format!(
+                                "content parts of type '{kind}' are not supported (only text)"
+                            ))
+                            .param("messages"))
+                        }
+                    }
+                }
+                text
+            }
+        };
+        let role = if message.role == "developer" {
+            "system".to_string()
+        } else {
+            message.role
+        };
+        messages.push(ChatMessage { role, content });
+    }
+    if req.top_logprobs.is_some_and(|n| n > 0) && !req.logprobs {
+        return Err(ApiError::invalid("top_logprobs requires logprobs: true").param("top_logprobs"));
+    }
+    let top_logprobs = if req.logprobs { req.top_logprobs.unwrap_or(0) } else { 0 };
+    let generation = generation(&req.sampling, model_id, req.logprobs, top_logprobs)?;
+    Ok(Chat { messages, generation })
+}
+
+/// Parses and checks the body of a completion request for the model named `model_id`,
+/// whose vocabulary has `n_vocab` tokens.
+pub fn completion(body: &[u8], model_id: &str, n_vocab: usize) -> Result<Completion, ApiError> {
+    let req: CompletionRequest = parse_json(body)?;
+    if req.echo {
+        return Err(ApiError::invalid("echo is not supported").param("echo"));
+    }
+    let prompt = match req.prompt {
+        Prompt::Text(text) => CompletionPrompt::Text(text),
+        Prompt::Texts(mut texts) if texts.len() == 1 => CompletionPrompt::Text(texts.remove(0)),
+        Prompt::Texts(_) => return Err(ApiError::invalid("only one prompt per request is supported").param("prompt")),
+        Prompt::Tokens(tokens) => {
+            if let Some(bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+                return Err(
+                    ApiError::invalid(format!("token {bad} is outside the vocabulary of {n_vocab}")).param("prompt"),
+                );
+            }
+            if tokens.is_empty() {
+                return Err(empty_prompt());
+            }
+            CompletionPrompt::Tokens(tokens)
+        }
+    };
+    let n_top = req.logprobs.unwrap_or(0);
+    if n_top > 5 {
+        return Err(ApiError::invalid("logprobs must be between 0 and 5").param("logprobs"));
+    }
+    let generation = generation(&req.sampling, model_id, req.logprobs.is_some(), n_top)?;
+    Ok(Completion { prompt, generation })
+}
+
+/// How many tokens a request may generate once its prompt is known to be `prompt_len`
+/// tokens: what it asked for, or the rest of the slot of `slot_ctx` tokens. Refuses a
+/// prompt that leaves no room and a `max_tokens` beyond the room left.
+pub fn fit_slot(generation: &Generation, prompt_len: usize, slot_ctx: usize) -> Result<usize, ApiError> {
+    let too_long = |max_tokens| {
+        ApiError::from(SubmitError::TooLong {
+            slot_ctx,
+            prompt: prompt_len,
+            max_tokens,
+        })
+    };
+    let room = slot_ctx
+        .checked_sub(prompt_len)
+        .filter(|&room| room > 0)
+        .ok_or_else(|| too_long(1))?;
+    match generation.max_tokens {
+        // The engine checks this too, but as `prompt + max_tokens`, which wraps for a
+        // `max_tokens` near 2^64 and let such a request run into the end of its slot.
+        Some(max_tokens) if max_tokens > room => Err(too_long(max_tokens)),
+        Some(max_tokens) => Ok(max_tokens),
+        None => Ok(room),
+    }
+}
+
+/// The error for a prompt with no tokens (also given after tokenizing an empty text).
+pub(crate) fn empty_prompt() -> ApiError {
+    ApiError::invalid("the prompt is empty").param("prompt")
+}
+
+fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        let what = if e.is_syntax() || e.is_eof() {
+            "malformed JSON"
+        } else {
+            "invalid request"
+        };
+        ApiError::invalid(format!("{what}: {e}"))
+    })
+}
+
+/// The fields both endpoints share, checked against OpenAI's ranges and then
+/// [`SamplingParams::validate`].
+fn generation(sampling: &Sampling, model_id: &str, logprobs: bool, top_logprobs: u8) -> Result<Generation, ApiError> {
+    if let Some(model) = &sampling.model {
+        if model != model_id {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+                format!("The model '{model}' does not exist; this server serves '{model_id}'."),
+            )
+            .param("model"));
+        }
+    }
+    if sampling.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("only n = 1 is supported").param("n"));
+    }
+    let check = |ok: bool, param: &'static str, message: &str| {
+        if ok {
+            Ok(())
+        } else {
+            Err(ApiError::invalid(message.to_string()).param(param))
+        }
+    };
+    let temperature = sampling.temperature.unwrap_or(1.0);
+    check(
+        (0.0..=2.0).contains(&temperature),
+        "temperature",
+        "temperature must be between 0 and 2",
+    )?;
+    let top_p = sampling.top_p.unwrap_or(1.0);
+    check(top_p > 0.0 && top_p <= 1.0, "top_p", "top_p must be in (0, 1]")?;
+    let presence_penalty = sampling.presence_penalty.unwrap_or(0.0);
+    check(
+        (-2.0..=2.0).contains(&presence_penalty),
+        "presence_penalty",
+        "presence_penalty must be between -2 and 2",
+    )?;
+    let frequency_penalty = sampling.frequency_penalty.unwrap_or(0.0);
+    check(
+        (-2.0..=2.0).contains(&frequency_penalty),
+        "frequency_penalty",
+        "frequency_penalty must be between -2 and 2",
+    )?;
+    check(
+        top_logprobs <= 20,
+        "top_logprobs",
+        "top_logprobs must be between 0 and 20",
+    )?;
+    let stop = sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    check(stop.len() <= 4, "stop", "at most 4 stop strings are allowed")?;
+    let params = SamplingParams {
+        temperature,
+        top_k: sampling.top_k.unwrap_or(0),
+        top_p,
+        min_p: sampling.min_p.unwrap_or(0.0),
+        repeat_penalty: sampling.repeat_penalty.unwrap_or(1.0),
+        frequency_penalty,
+        presence_penalty,
+        seed: sampling.seed.unwrap_or_else(random_seed),
+        ..SamplingParams::default()
+    };
+    params.validate().map_err(|e| ApiError::invalid(e.to_string()))?;
+    let max_tokens = match sampling.max_completion_tokens.or(sampling.max_tokens) {
+        Some(0) => return Err(ApiError::invalid("max_tokens must be at least 1").param("max_tokens")),
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    Ok(Generation {
+        params,
+        stop,
+        max_tokens,
+        logprobs,
+        top_logprobs,
+        stream: sampling.stream,
+        include_usage: sampling.stream_options.as_ref().is_some_and(|o| o.include_usage),
+    })
+}
+
+fn random_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (std::process::id() as u64).rotate_left(32)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,82 @@
+//! `baton worker` child processes for the end-to-end tests, and libllama's greedy
+//! output that a ring must reproduce.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use baton_ggml::{LlamaContext, LlamaModel};
+use baton_sample::argmax;
+
+/// A `baton worker` child process; killed on drop. Its stderr is collected.
+pub struct WorkerProc {
+    child: Child,
+    pub addr: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl WorkerProc {
+    /// Starts a worker on a free loopback port serving `models`, with `extra` arguments.
+    pub fn start(models: &Path, token: Option<&str>, extra: &[&str]) -> WorkerProc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
+        cmd.args(["worker", "--listen", "127.0.0.1:0", "--threads", "1", "--models"])
+            .arg(models)
+            .args(extra)
+            .env("BATON_LOG", "info")
+            .env_remove("BATON_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(token) = token {
+            cmd.args(["--token", token]);
+        }
+        let mut child = cmd.spawn().expect("worker starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .expect("worker prints its address")
+            .to_string();
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        WorkerProc { child, addr, log }
+    }
+
+    /// What it logged so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Whether it is still alive.
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Up to `n` greedy tokens from libllama itself.
+pub fn reference(oracle: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut ctx = LlamaContext::new(oracle, 512, 512, 1).unwrap();
+    let mut next = argmax(&ctx.decode(prompt).unwrap()).unwrap();
+    let mut out = Vec::new();
+    while out.len() < n && !oracle.is_end_of_generation(next) {
+        out.push(next);
+        next = argmax(&ctx.decode(&[next]).unwrap()).unwrap();
+    }
+    out
+}

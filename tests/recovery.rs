@@ -1,0 +1,334 @@
+//! A worker lost mid-stream: `baton serve` over two `baton worker` processes on fixed
+//! loopback ports; one is killed with SIGKILL or stopped with SIGSTOP while a greedy
+//! completion streams. With spare capacity the stream goes on and its text equals an
+//! undisturbed run's; without it the client gets a clear error at once. A restarted
+//! worker rejoins the ring.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::{model, QWEN2};
+use serde_json::{json, Value};
+
+const TOKEN: &str = "recovery-test-token";
+
+/// One cluster at a time: they share two cores.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// A `baton worker` on a fixed port, so that it can be restarted where it was.
+struct Worker {
+    child: Child,
+    port: u16,
+    extra: Vec<String>,
+}
+
+impl Worker {
+    fn start(extra: &[&str]) -> Worker {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut worker = Worker {
+            child: spawn_worker(port, extra),
+            port,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        worker.wait_ready();
+        worker
+    }
+
+    fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill").args([signal, &self.pid()]).status().unwrap();
+        assert!(status.success(), "kill {signal}");
+    }
+
+    fn kill(&mut self) {
+        self.signal("-KILL");
+        let _ = self.child.wait();
+    }
+
+    fn restart(&mut self) {
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.child = spawn_worker(self.port, &extra);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&mut self) {
+        let mut line = String::new();
+        BufReader::new(self.child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.starts_with("listening on "), "worker printed {line:?}");
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").args(["-CONT", &self.pid()]).status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_worker(port: u16, extra: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["worker", "--listen", &format!("127.0.0.1:{port}"), "--threads", "1"])
+        .arg("--models")
+        .arg(model(QWEN2).parent().unwrap())
+        .args(["--token", TOKEN])
+        .args(extra)
+        .env_remove("BATON_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("worker starts")
+}
+
+/// `baton serve` over the two workers, every layer on the workers, split evenly when
+/// both answer.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(workers: &[&Worker]) -> Server {
+        let addrs: Vec<String> = workers.iter().map(|w| w.addr()).collect();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
+            .args([
+                "serve",
+                "--port",
+                "0",
+                "--threads",
+                "1",
+                "--no-head-stage",
+                "--split",
+                "12,12",
+            ])
+            .args(["--parallel", "2", "--ctx-size", "1024", "--heartbeat-timeout", "2"])
+            .args(["--token", TOKEN, "--workers", &addrs.join(","), "--model"])
+            .arg(model(QWEN2))
+            .env_remove("BATON_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("baton serve starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on http://")
+            .unwrap_or_else(|| panic!("got {line:?}"))
+            .to_string();
+        Server { child, addr }
+    }
+
+    fn send(&self, method: &str, path: &str, body: &str) -> TcpStream {
+        let mut stream = TcpStream::connect(&self.addr).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.0\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        stream
+    }
+
+    fn get(&self, path: &str) -> (u16, Value) {
+        let mut response = String::new();
+        self.send("GET", path, "").read_to_string(&mut response).unwrap();
+        let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let mut response = String::new();
+        self.send("POST", path, &body.to_string())
+            .read_to_string(&mut response)
+            .unwrap();
+        let status = response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    }
+
+    /// Streams a greedy completion; `during` runs once `after` tokens have arrived.
+    fn stream(&self, after: usize, during: impl FnOnce()) -> Streamed {
+        let body = json!({
+            "prompt": common::PROMPTS[2],
+            "max_tokens": 64,
+            "temperature": 0,
+            "stream": true,
+        });
+        let mut reader = BufReader::new(self.send("POST", "/v1/completions", &body.to_string()));
+        let mut out = Streamed::default();
+        let mut during = Some(during);
+        let mut last = Instant::now();
+        let mut line = String::new();
+        while reader.read_line(&mut line).unwrap() > 0 {
+            if let Some(data) = line.trim_end().strip_prefix("data: ") {
+                if data == "[DONE]" {
+                    break;
+                }
+                let event: Value = serde_json::from_str(data).unwrap();
+                out.longest_gap = out.longest_gap.max(last.elapsed());
+                last = Instant::now();
+                if let Some(error) = event.get("error") {
+                    out.error = Some((
+                        error["message"].as_str().unwrap_or_default().to_string(),
+                        Instant::now(),
+                    ));
+                    break;
+                }
+                let choice = &event["choices"][0];
+                out.text.push_str(choice["text"].as_str().unwrap_or_default());
+                if let Some(reason) = choice["finish_reason"].as_str() {
+                    out.finish = Some(reason.to_string());
+                }
+                out.events += 1;
+                if out.events == after {
+                    if let Some(during) = during.take() {
+                        out.disturbed_at = Some(Instant::now());
+                        during();
+                    }
+                }
+            }
+            line.clear();
+        }
+        out
+    }
+
+    /// Waits until `/health` satisfies `done`; returns the last answer.
+    fn wait_health(&self, within: Duration, done: impl Fn(u16, &Value) -> bool) -> (u16, Value) {
+        let deadline = Instant::now() + within;
+        loop {
+            let (status, health) = self.get("/health");
+            if done(status, &health) || Instant::now() > deadline {
+                return (status, health);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug, Default)]
+struct Streamed {
+    text: String,
+    events: usize,
+    finish: Option<String>,
+    error: Option<(String, Instant)>,
+    disturbed_at: Option<Instant>,
+    longest_gap: Duration,
+}
+
+fn serving(stages: usize) -> impl Fn(u16, &Value) -> bool {
+    move |status, health| status == 200 && health["stages"].as_array().is_some_and(|s| s.len() == stages)
+}
+
+/// Kills or stops worker 1 mid-stream and checks the stream goes on unchanged on
+/// worker 0 alone; then brings worker 1 back with `revive` and checks it rejoins.
+fn lose_a_worker_mid_stream(lose: impl FnOnce(&mut Worker), revive: impl FnOnce(&mut Worker)) {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let w0 = Worker::start(&[]);
+    let mut w1 = Worker::start(&[]);
+    let server = Server::start(&[&w0, &w1]);
+    let undisturbed = server.stream(usize::MAX, || {});
+    assert_eq!(undisturbed.finish.as_deref(), Some("length"), "{undisturbed:?}");
+    assert!(undisturbed.events > 32, "{undisturbed:?}");
+
+    let streamed = server.stream(8, || lose(&mut w1));
+    assert!(streamed.error.is_none(), "{streamed:?}");
+    assert!(streamed.disturbed_at.is_some(), "the worker was lost mid-stream");
+    assert_eq!(streamed.text, undisturbed.text, "the stream goes on unchanged");
+    assert_eq!(streamed.finish.as_deref(), Some("length"));
+    assert!(
+        streamed.longest_gap < Duration::from_secs(10),
+        "detected and recovered in {:?}",
+        streamed.longest_gap
+    );
+    let (status, health) = server.get("/health");
+    assert_eq!(status, 200, "{health}");
+    assert_eq!(health["stages"].as_array().map(Vec::len), Some(1), "{health}");
+    assert!(health["lost"].to_string().contains(&w1.addr()), "{health}");
+
+    // Back, it is reconnected and the ring moves back to both workers.
+    revive(&mut w1);
+    let (status, health) = server.wait_health(Duration::from_secs(30), serving(2));
+    assert!(serving(2)(status, &health), "the worker rejoins: {health}");
+    let again = server.stream(usize::MAX, || {});
+    assert_eq!(again.text, undisturbed.text);
+}
+
+#[test]
+fn a_killed_worker_is_replaced_and_the_stream_goes_on() {
+    lose_a_worker_mid_stream(|w| w.kill(), |w| w.restart());
+}
+
+#[test]
+fn a_hung_worker_is_detected_and_replaced() {
+    lose_a_worker_mid_stream(
+        |w| w.signal("-STOP"),
+        // Resumed, it finds its session's sockets closed, ends it, and answers again.
+        |w| w.signal("-CONT"),
+    );
+}
+
+#[test]
+fn without_spare_capacity_clients_get_a_clear_error_at_once() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // Each worker holds half the model, not all of it.
+    let memory = ["--memory", "420000000"];
+    let w0 = Worker::start(&memory);
+    let mut w1 = Worker::start(&memory);
+    let server = Server::start(&[&w0, &w1]);
+
+    let streamed = server.stream(4, || w1.kill());
+    let (message, at) = streamed.error.clone().expect("the stream ends with an error event");
+    let took = at - streamed.disturbed_at.unwrap();
+    assert!(took < Duration::from_secs(2), "error after {took:?}");
+    assert!(
+        message.contains("cannot hold the model") && message.contains(&w1.addr()),
+        "{message}"
+    );
+
+    let (status, health) = server.get("/health");
+    assert_eq!(status, 503, "{health}");
+    assert_eq!(health["status"], "waiting", "{health}");
+    let (status, refused) = server.post("/v1/completions", &json!({ "prompt": "Hi", "max_tokens": 4 }));
+    assert_eq!(status, 503, "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .to_string()
+            .contains("cannot hold the model"),
+        "{refused}"
+    );
+
+    w1.restart();
+    let (status, health) = server.wait_health(Duration::from_secs(30), serving(2));
+    assert!(serving(2)(status, &health), "serving again: {health}");
+    let (status, answer) = server.post(
+        "/v1/completions",
+        &json!({ "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0 }),
+    );
+    assert_eq!(status, 200, "{answer}");
+}
