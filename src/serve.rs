@@ -51,6 +51,11 @@ pub struct ServeArgs {
     /// fail (they fail at once when the workers left cannot hold the model).
     #[arg(long, default_value_t = 30.0)]
     recovery_timeout: f64,
+    /// Seconds the ring may take to answer one micro-batch before it counts as broken
+    /// (a stage stuck in its computation; a dead or hung worker is noticed sooner, by
+    /// its heartbeat).
+    #[arg(long, default_value_t = 60.0)]
+    step_timeout: f64,
 }
 
 /// Starts the ring and serves until interrupted.
@@ -67,6 +72,15 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(args.parallel > 0, "--parallel must be at least 1");
+    for (flag, secs) in [
+        ("--recovery-timeout", args.recovery_timeout),
+        ("--step-timeout", args.step_timeout),
+    ] {
+        anyhow::ensure!(
+            secs.is_finite() && secs > 0.0 && secs <= 86_400.0,
+            "{flag} must be between 0 and 86400 seconds"
+        );
+    }
     anyhow::ensure!(
         args.stages.ctx_size / args.parallel >= 16,
         "--ctx-size {} shared by --parallel {} leaves under 16 tokens per sequence",
@@ -101,6 +115,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         n_stages: ranges.len().max(1),
         max_queue: args.max_queue,
         recovery_timeout: std::time::Duration::from_secs_f64(args.recovery_timeout),
+        step_timeout: std::time::Duration::from_secs_f64(args.step_timeout),
     };
     let engine = ring.engine(vocab.clone(), config)?;
     let stages = match engine.health() {

@@ -47,8 +47,12 @@ impl Worker {
         self.child.id().to_string()
     }
 
+    /// Sends `signal` (e.g. `-STOP`) with the shell's own `kill`, which every Debian has.
     fn signal(&self, signal: &str) {
-        let status = Command::new("kill").args([signal, &self.pid()]).status().unwrap();
+        let status = Command::new("sh")
+            .args(["-c", &format!("kill {signal} {}", self.pid())])
+            .status()
+            .unwrap();
         assert!(status.success(), "kill {signal}");
     }
 
@@ -74,7 +78,9 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        let _ = Command::new("kill").args(["-CONT", &self.pid()]).status();
+        let _ = Command::new("sh")
+            .args(["-c", &format!("kill -CONT {}", self.pid())])
+            .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -56,6 +56,9 @@ pub struct EngineConfig {
     /// Longest the engine tries to form a new ring after losing a node before running
     /// requests fail (it keeps trying for new ones).
     pub recovery_timeout: Duration,
+    /// Longest the ring may take to answer one message before it counts as broken
+    /// (a stage stuck in its computation, which heartbeats do not see).
+    pub step_timeout: Duration,
 }
 
 /// Called (from any thread) with a node's address and why it is lost.
@@ -497,7 +500,8 @@ struct Sched {
     stop_recovery: Arc<AtomicBool>,
     slots: Vec<Slot>,
     queue: VecDeque<Box<Job>>,
-    pending: VecDeque<Pending>,
+    /// Messages in the ring, oldest first, with when they were sent.
+    pending: VecDeque<(Instant, Pending)>,
     steps_in_flight: usize,
     /// The last micro-batch carried decode rows (the next goes to a waiting prompt).
     last_batch_decoded: bool,
@@ -599,6 +603,7 @@ impl Sched {
                 continue;
             }
             self.check_recovery_time();
+            self.check_step_time();
             if self.tx.is_none() {
                 self.drop_abandoned();
                 continue;
@@ -674,7 +679,7 @@ impl Sched {
         self.tx = None;
         // What the old ring still says is stale from now on.
         self.gen += 1;
-        for pending in self.pending.drain(..) {
+        for (_, pending) in self.pending.drain(..) {
             if let Pending::Stats(reply) = pending {
                 let _ = reply.send(Err(reason.to_string()));
             }
@@ -773,6 +778,16 @@ impl Sched {
         self.fail_requests(&reason);
     }
 
+    /// A ring whose oldest message has gone unanswered for `step_timeout` is stuck
+    /// somewhere a heartbeat cannot see (a stage wedged in its computation).
+    fn check_step_time(&mut self) {
+        let Some((sent, _)) = self.pending.front() else { return };
+        if self.tx.is_some() && sent.elapsed() > self.config.step_timeout {
+            let secs = self.config.step_timeout.as_secs_f32();
+            self.lose_ring(&format!("the ring did not answer a step within {secs} s"));
+        }
+    }
+
     /// When a lost node answers again and nothing runs, forms the ring again so the
     /// planner can use it.
     fn move_back_if_idle(&mut self) {
@@ -793,7 +808,7 @@ impl Sched {
         };
         match tx.send(msg) {
             Ok(()) => {
-                self.pending.push_back(pending);
+                self.pending.push_back((Instant::now(), pending));
                 Ok(())
             }
             Err(e) => {
@@ -828,7 +843,7 @@ impl Sched {
     /// The ring is gone for good: every request fails, and so will every new one.
     fn fail_all(&mut self, reason: &str) {
         self.fail_requests(reason);
-        for pending in self.pending.drain(..) {
+        for (_, pending) in self.pending.drain(..) {
             if let Pending::Stats(reply) = pending {
                 let _ = reply.send(Err(reason.to_string()));
             }
@@ -1017,7 +1032,7 @@ impl Sched {
     }
 
     fn on_reply(&mut self, reply: Message) {
-        let Some(pending) = self.pending.pop_front() else {
+        let Some((_, pending)) = self.pending.pop_front() else {
             self.fail_all(&format!("the last stage sent {} that nothing asked for", reply.kind()));
             return;
         };
