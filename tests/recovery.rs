@@ -263,6 +263,7 @@ fn lose_a_worker_mid_stream(lose: impl FnOnce(&mut Worker), revive: impl FnOnce(
     assert!(undisturbed.events > 32, "{undisturbed:?}");
 
     let streamed = server.stream(8, || lose(&mut w1));
+    eprintln!("longest pause in the disturbed stream: {:?}", streamed.longest_gap);
     assert!(streamed.error.is_none(), "{streamed:?}");
     assert!(streamed.disturbed_at.is_some(), "the worker was lost mid-stream");
     assert_eq!(streamed.text, undisturbed.text, "the stream goes on unchanged");
@@ -311,6 +312,7 @@ fn without_spare_capacity_clients_get_a_clear_error_at_once() {
     let streamed = server.stream(4, || w1.kill());
     let (message, at) = streamed.error.clone().expect("the stream ends with an error event");
     let took = at - streamed.disturbed_at.unwrap();
+    eprintln!("the client's error came {took:?} after the kill");
     assert!(took < Duration::from_secs(2), "error after {took:?}");
     assert!(
         message.contains("cannot hold the model") && message.contains(&w1.addr()),

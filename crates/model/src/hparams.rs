@@ -110,6 +110,14 @@ impl HParams {
                  all must be positive and n_head a multiple of n_head_kv"
             )));
         }
+        // Every layer has tensors: a block count beyond the tensor index is a broken (or
+        // hostile) file, and must not size anything.
+        if n_layer > gguf.tensors.len() {
+            return Err(ModelError::BadHParams(format!(
+                "block_count {n_layer} is more than the file's {} tensors",
+                gguf.tensors.len()
+            )));
+        }
         let head_dim_k = gguf
             .opt_u32(&key("attention.key_length"))?
             .map_or(n_embd / n_head, |v| v as usize);

@@ -268,4 +268,12 @@ fn loader_errors_are_clear() {
     let no_key = tiny_model("llama", |w| w.without_kv("llama.embedding_length"));
     let text = err_text("key.gguf", &no_key);
     assert!(text.contains("llama.embedding_length"), "{text}");
+
+    // A block count no tensor index could hold sizes nothing (found reading the code
+    // the fuzzers cover: it sized a per-layer table straight from the file).
+    let huge = tiny_model("llama", |w| {
+        w.without_kv("llama.block_count").kv_u32("llama.block_count", u32::MAX)
+    });
+    let text = err_text("blocks.gguf", &huge);
+    assert!(text.contains("block_count 4294967295 is more than"), "{text}");
 }

@@ -337,7 +337,12 @@ impl Engine {
         if job.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
-        if job.prompt.len() + job.max_tokens > self.config.slot_ctx {
+        if job
+            .prompt
+            .len()
+            .checked_add(job.max_tokens)
+            .is_none_or(|n| n > self.config.slot_ctx)
+        {
             return Err(SubmitError::TooLong {
                 slot_ctx: self.config.slot_ctx,
                 prompt: job.prompt.len(),
