@@ -91,7 +91,7 @@ enum Setup {
     Local(LocalRing),
     Remote {
         workers: Vec<String>,
-        opts: ClusterOptions,
+        opts: Box<ClusterOptions>,
         local: Option<LocalWorkers>,
     },
 }
@@ -125,7 +125,7 @@ impl Ring {
             Setup::Local(ring) => Ok(Ring::Local(ring)),
             Setup::Remote { workers, opts, local } => {
                 let heartbeat = std::time::Duration::from_secs_f64(cluster.heartbeat_timeout);
-                let supervisor = Box::new(Supervisor::new(model, &workers, opts, heartbeat));
+                let supervisor = Box::new(Supervisor::new(model, &workers, *opts, heartbeat));
                 Ok(Ring::Supervised {
                     supervisor: Some(supervisor),
                     _local: local,
@@ -198,8 +198,13 @@ impl Ring {
             head_secs_per_layer: None,
             skip_unreachable: false,
             handshake_timeout: Some(std::time::Duration::from_secs_f64(cluster.handshake_timeout)),
+            on_reached: None,
         };
-        Ok(Setup::Remote { workers, opts, local })
+        Ok(Setup::Remote {
+            workers,
+            opts: Box::new(opts),
+            local,
+        })
     }
 
     /// The head end.

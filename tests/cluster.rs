@@ -289,7 +289,7 @@ fn wrong_or_missing_token_is_refused_on_both_sides() {
         token: Some("not-the-secret".into()),
         ..options()
     };
-    let err = connect_cluster(&path, &[worker.addr.clone()], &wrong)
+    let err = connect_cluster(&path, std::slice::from_ref(&worker.addr), &wrong)
         .err()
         .expect("refused")
         .to_string();
@@ -298,7 +298,7 @@ fn wrong_or_missing_token_is_refused_on_both_sides() {
         token: None,
         ..options()
     };
-    let err = connect_cluster(&path, &[worker.addr.clone()], &missing)
+    let err = connect_cluster(&path, std::slice::from_ref(&worker.addr), &missing)
         .err()
         .expect("refused")
         .to_string();
@@ -309,7 +309,7 @@ fn wrong_or_missing_token_is_refused_on_both_sides() {
     assert!(log.contains("requires a token"), "worker log: {log}");
 
     let open = WorkerProc::start(&models_dir(), None, &[]);
-    let err = connect_cluster(&path, &[open.addr.clone()], &options())
+    let err = connect_cluster(&path, std::slice::from_ref(&open.addr), &options())
         .err()
         .expect("refused")
         .to_string();
@@ -371,8 +371,8 @@ fn bad_peers_are_dropped_and_the_worker_keeps_serving() {
     // A real head works, and a second head is refused while it is connected.
     let prompt = oracle.tokenize(PROMPTS[0], true, true).unwrap();
     let expected = reference(&oracle, &prompt, 8);
-    let mut ring = connect_cluster(&path, &[addr.clone()], &options()).unwrap();
-    let second = connect_cluster(&path, &[addr.clone()], &options())
+    let mut ring = connect_cluster(&path, std::slice::from_ref(&addr), &options()).unwrap();
+    let second = connect_cluster(&path, std::slice::from_ref(&addr), &options())
         .err()
         .expect("second head refused")
         .to_string();
@@ -382,7 +382,7 @@ fn bad_peers_are_dropped_and_the_worker_keeps_serving() {
 
     // The first head left: a new one is served again.
     std::thread::sleep(Duration::from_millis(300));
-    let mut ring = connect_cluster(&path, &[addr.clone()], &options()).unwrap();
+    let mut ring = connect_cluster(&path, std::slice::from_ref(&addr), &options()).unwrap();
     assert_eq!(greedy(&mut ring, &prompt, 8, &oracle), expected);
     assert!(worker.is_running());
     let log = worker.log();
@@ -424,7 +424,7 @@ fn strangers_get_small_frames_few_connections_and_little_time() {
         let mut rest = Vec::new();
         let _ = stream.read_to_end(&mut rest);
     }
-    let ring = connect_cluster(&path, &[addr.clone()], &options());
+    let ring = connect_cluster(&path, std::slice::from_ref(&addr), &options());
     assert!(ring.is_ok(), "{:?}", ring.err());
     let log = worker.log();
     assert!(log.contains("exceeds the maximum of 65536"), "{log}");
@@ -501,7 +501,7 @@ fn a_worker_holding_a_different_file_of_that_name_is_named_in_the_error() {
     // Another model under the qwen2 file's name.
     std::os::unix::fs::symlink(model(GEMMA3), dir.join(QWEN2)).unwrap();
     let worker = WorkerProc::start(&dir, Some(TOKEN), &[]);
-    let err = connect_cluster(&model(QWEN2), &[worker.addr.clone()], &options())
+    let err = connect_cluster(&model(QWEN2), std::slice::from_ref(&worker.addr), &options())
         .err()
         .expect("refused")
         .to_string();

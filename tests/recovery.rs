@@ -340,3 +340,77 @@ fn without_spare_capacity_clients_get_a_clear_error_at_once() {
     );
     assert_eq!(status, 200, "{answer}");
 }
+
+/// A peer that authenticates as a worker, describes itself as holding the model, and
+/// then hangs: it never answers the load plan, and never answers a heartbeat (a worker
+/// stopped while loading its range).
+fn start_worker_that_hangs_while_loading() -> String {
+    use baton_net::{server_handshake, LinkOptions, TcpLink};
+    use baton_proto::{Capabilities, HeldModel, Message, Role};
+
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let ring_addr = addr.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().map_while(Result::ok) {
+            let ring_addr = ring_addr.clone();
+            std::thread::spawn(move || {
+                let mut link = TcpLink::accept(stream, "head".into(), &LinkOptions::default()).unwrap();
+                let role = server_handshake(&mut link, Some(TOKEN.as_bytes())).unwrap();
+                while let Ok(msg) = link.recv() {
+                    // The load plan and pings are read and never answered.
+                    if let (Role::Head, Message::Describe { model }) = (role, msg) {
+                        let held = HeldModel {
+                            file_name: model.file_name.clone(),
+                            identity: model.identity,
+                            size: model.size,
+                            complete: true,
+                            content: None,
+                        };
+                        let caps = Capabilities {
+                            devices: vec!["CPU".into()],
+                            memory: 1 << 40,
+                            threads: 1,
+                            secs_per_layer: Some(0.001),
+                            models: vec![held],
+                            ring_addr: ring_addr.clone(),
+                        };
+                        link.send(&Message::Capabilities(caps)).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_worker_that_hangs_while_the_ring_forms_is_left_out_in_time() {
+    use baton_node::cluster::{ClusterOptions, Supervisor};
+    use baton_node::engine::{FormError, RingSource};
+
+    let addr = start_worker_that_hangs_while_loading();
+    let opts = ClusterOptions {
+        token: Some(TOKEN.into()),
+        n_ctx: 256,
+        repack: true,
+        ..Default::default()
+    };
+    let workers = [addr.clone()];
+    let mut supervisor = Supervisor::new(&model(QWEN2), &workers, opts, Duration::from_secs(1));
+    let (done, outcome) = std::sync::mpsc::channel();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        let result = supervisor.form(std::sync::Arc::new(|_: &str, _: &str| {}));
+        let _ = done.send(result.err());
+    });
+    let error = outcome
+        .recv_timeout(Duration::from_secs(20))
+        .expect("forming the ring must not wait for a hung worker")
+        .expect("no ring can be formed on a hung worker");
+    let took = started.elapsed();
+    eprintln!("forming gave up after {took:?}: {error:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let (FormError::Retry(text) | FormError::Capacity(text)) = error;
+    assert!(text.contains(&addr), "{text}");
+}

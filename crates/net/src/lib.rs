@@ -16,7 +16,7 @@ use std::sync::mpsc;
 use baton_proto::{Message, ProtoError};
 
 pub use handshake::{client_handshake, refuse_unexpected_auth, server_handshake};
-pub use tcp::{Counters, LinkOptions, TcpLink, TcpRx, TcpTx};
+pub use tcp::{Counters, LinkCloser, LinkOptions, TcpLink, TcpRx, TcpTx};
 pub use tls::{TlsConfig, TlsError};
 
 /// Transport failures; each names the peer.

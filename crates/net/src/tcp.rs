@@ -287,6 +287,26 @@ impl TcpLink {
     pub fn close(&self) {
         let _ = self.stream.shutdown(Shutdown::Both);
     }
+
+    /// A handle that closes this link from another thread, like [`close`](Self::close),
+    /// while the link itself is in use (a reader blocked on it wakes up with `Closed`).
+    pub fn closer(&self) -> Result<LinkCloser, NetError> {
+        self.stream.try_clone().map(LinkCloser).map_err(|source| NetError::Io {
+            peer: self.peer.clone(),
+            source,
+        })
+    }
+}
+
+/// Closes a link from another thread (see [`TcpLink::closer`]).
+#[derive(Debug)]
+pub struct LinkCloser(TcpStream);
+
+impl LinkCloser {
+    /// Shuts both directions of the link's socket down.
+    pub fn close(&self) {
+        let _ = self.0.shutdown(Shutdown::Both);
+    }
 }
 
 /// The sending half of a TCP link.

@@ -18,8 +18,11 @@ use crate::head::Head;
 use crate::worker::{run, StageWorker};
 use crate::NodeError;
 
+/// Called with a worker's address and a handle that closes its control link.
+pub type OnReached = Arc<dyn Fn(&str, baton_net::LinkCloser) + Send + Sync>;
+
 /// How the head forms the cluster.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct ClusterOptions {
     /// Cluster secret shared with every worker.
     pub token: Option<String>,
@@ -50,6 +53,10 @@ pub struct ClusterOptions {
     /// Longest a worker may take to answer the handshake and describe itself (`None`:
     /// no limit).
     pub handshake_timeout: Option<std::time::Duration>,
+    /// Told of each worker's control link as soon as the worker answers, so that a
+    /// watch can close it if the worker dies or hangs while the ring forms (loading
+    /// may take long, and has no timeout of its own).
+    pub on_reached: Option<OnReached>,
 }
 
 /// A worker as the head sees it.
@@ -210,6 +217,9 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
         };
         check_held(addr, &model_ref, own_content, &caps.models)?;
         tracing::info!(worker = %addr, memory = caps.memory, secs_per_layer = ?caps.secs_per_layer, "worker described itself");
+        if let Some(on_reached) = &opts.on_reached {
+            on_reached(addr, link.closer()?);
+        }
         links.push(link);
         remote.push(RemoteWorker {
             addr: addr.clone(),

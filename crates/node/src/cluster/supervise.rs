@@ -10,11 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, LinkOptions, TcpLink};
+use baton_net::{client_handshake, LinkCloser, LinkOptions, TcpLink};
 use baton_plan::PlanError;
 use baton_proto::Role;
 
-use super::head::{connect_cluster, ClusterOptions, RemoteRing};
+use super::head::{connect_cluster, ClusterOptions, OnReached, RemoteRing};
 use super::watch::{OnLost, Watch};
 use crate::engine::{FormError, Formed, RingSource};
 use crate::NodeError;
@@ -62,14 +62,22 @@ impl Supervisor {
 
     /// Connects over `candidates`; a worker that still holds its previous session (it
     /// has not noticed the old ring closing yet) is given a moment and asked again.
-    fn connect(&mut self, candidates: &[String]) -> Result<RemoteRing, NodeError> {
+    fn connect(
+        &mut self,
+        candidates: &[String],
+        reached: &Mutex<Vec<(String, Watch)>>,
+        on_reached: OnReached,
+    ) -> Result<RemoteRing, NodeError> {
         let deadline = Instant::now() + Duration::from_secs(3);
         // A `--split` names every worker; without all of them the planner decides.
         let mut opts = self.opts.clone();
+        opts.on_reached = Some(on_reached);
         if candidates.len() < self.workers.len() {
             opts.split = None;
         }
         loop {
+            // Watches of an earlier attempt watch sessions that are gone.
+            reached.lock().unwrap_or_else(|p| p.into_inner()).clear();
             match connect_cluster(&self.model, candidates, &opts) {
                 Ok(ring) => {
                     let busy = ring.unreachable.iter().any(|(_, why)| why.contains("another head"));
@@ -105,7 +113,36 @@ impl RingSource for Supervisor {
             .cloned()
             .collect();
 
-        let result = self.connect(&candidates);
+        // Each worker is watched from the moment it answers: one that dies or hangs
+        // while the ring forms (loading has no timeout) has its control link closed,
+        // which ends the formation instead of stalling it.
+        let reached: Arc<Mutex<Vec<(String, Watch)>>> = Arc::default();
+        let on_reached = {
+            let reached = reached.clone();
+            let lost = self.lost.clone();
+            let link = self.opts.link.clone();
+            let token = self.opts.token.clone();
+            let heartbeat = self.heartbeat;
+            move |addr: &str, closer: LinkCloser| {
+                let lost = lost.clone();
+                let notify = on_lost.clone();
+                let callback: OnLost = Arc::new(move |addr: &str, why: &str| {
+                    lost.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(addr.to_string(), why.to_string());
+                    closer.close();
+                    notify(addr, why);
+                });
+                match Watch::start(addr, &link, token.as_deref().map(str::as_bytes), heartbeat, callback) {
+                    Ok(watch) => reached
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push((addr.to_string(), watch)),
+                    Err(e) => tracing::warn!(worker = %addr, "cannot watch it: {e}"),
+                }
+            }
+        };
+        let result = self.connect(&candidates, &reached, Arc::new(on_reached));
         let ring = match result {
             Ok(ring) => ring,
             Err(e) => {
@@ -133,27 +170,20 @@ impl RingSource for Supervisor {
         // report); later ones are formed over whoever answers.
         self.opts.skip_unreachable = true;
 
-        // Watch every worker of the plan.
-        let token = self.opts.token.clone();
-        for worker in ring.workers.iter().filter(|w| w.layers.is_some()) {
-            let lost = self.lost.clone();
-            let notify = on_lost.clone();
-            let callback: OnLost = Arc::new(move |addr: &str, why: &str| {
-                lost.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(addr.to_string(), why.to_string());
-                notify(addr, why);
-            });
-            let watch = Watch::start(
-                &worker.addr,
-                &self.opts.link,
-                token.as_deref().map(str::as_bytes),
-                self.heartbeat,
-                callback,
-            )
-            .map_err(|e| FormError::Retry(format!("cannot watch worker {}: {e}", worker.addr)))?;
-            self.watches.push(watch);
-        }
+        // Keep watching the workers of the plan; the others were sent away.
+        let planned: Vec<&str> = ring
+            .workers
+            .iter()
+            .filter(|w| w.layers.is_some())
+            .map(|w| w.addr.as_str())
+            .collect();
+        let mut watched = reached.lock().unwrap_or_else(|p| p.into_inner());
+        self.watches = watched
+            .drain(..)
+            .filter(|(addr, _)| planned.contains(&addr.as_str()))
+            .map(|(_, watch)| watch)
+            .collect();
+        drop(watched);
 
         let stages: Vec<String> = ring
             .plan
