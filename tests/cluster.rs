@@ -4,79 +4,21 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use baton_ggml::{LlamaContext, LlamaModel};
-use baton_node::cluster::{connect_cluster, ClusterOptions, RemoteRing};
-use baton_node::GenerateRequest;
+use baton_ggml::LlamaModel;
+use baton_node::cluster::{connect_cluster, ClusterOptions};
 use baton_proto::{Message, Payload};
-use baton_sample::{argmax, SamplingParams};
+use baton_sample::SamplingParams;
+use common::worker::{greedy, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};
 
 const TOKEN: &str = "test-cluster-secret";
-
-/// A `baton worker` child process; killed on drop. Its stderr is collected.
-struct WorkerProc {
-    child: Child,
-    addr: String,
-    log: Arc<std::sync::Mutex<String>>,
-}
-
-impl WorkerProc {
-    fn start(models: &Path, token: Option<&str>, extra: &[&str]) -> WorkerProc {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
-        cmd.args(["worker", "--listen", "127.0.0.1:0", "--threads", "1", "--models"])
-            .arg(models)
-            .args(extra)
-            .env("BATON_LOG", "info")
-            .env_remove("BATON_TOKEN")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        if let Some(token) = token {
-            cmd.args(["--token", token]);
-        }
-        let mut child = cmd.spawn().expect("worker starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .expect("worker prints its address")
-            .to_string();
-        let log = Arc::new(std::sync::Mutex::new(String::new()));
-        let stderr = child.stderr.take().unwrap();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push_str(&(line + "\n"));
-            }
-        });
-        WorkerProc { child, addr, log }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    fn is_running(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-}
-
-impl Drop for WorkerProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn models_dir() -> PathBuf {
     model(QWEN2).parent().unwrap().to_path_buf()
@@ -89,32 +31,6 @@ fn options() -> ClusterOptions {
         repack: true,
         ..Default::default()
     }
-}
-
-fn greedy(ring: &mut RemoteRing, prompt: &[u32], n: usize, oracle: &LlamaModel) -> Vec<u32> {
-    let req = GenerateRequest {
-        seq: 0,
-        prompt,
-        params: SamplingParams::greedy(),
-        max_tokens: n,
-        n_batch: 512,
-        logprobs: false,
-    };
-    ring.head
-        .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
-        .unwrap()
-        .tokens
-}
-
-fn reference(oracle: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut ctx = LlamaContext::new(oracle, 512, 512, 1).unwrap();
-    let mut next = argmax(&ctx.decode(prompt).unwrap()).unwrap();
-    let mut out = Vec::new();
-    while out.len() < n && !oracle.is_end_of_generation(next) {
-        out.push(next);
-        next = argmax(&ctx.decode(&[next]).unwrap()).unwrap();
-    }
-    out
 }
 
 /// Counts the bytes TCP connections carry each way; forwards them to a target given

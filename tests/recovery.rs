@@ -68,11 +68,7 @@ impl Worker {
     }
 
     fn wait_ready(&mut self) {
-        let mut line = String::new();
-        BufReader::new(self.child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(line.starts_with("listening on "), "worker printed {line:?}");
+        common::printed_addr(&mut self.child, "listening on ");
     }
 }
 
@@ -129,15 +125,7 @@ impl Server {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("baton serve starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on http://")
-            .unwrap_or_else(|| panic!("got {line:?}"))
-            .to_string();
+        let addr = common::printed_addr(&mut child, "listening on http://");
         Server { child, addr }
     }
 

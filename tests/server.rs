@@ -46,15 +46,7 @@ impl Server {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("baton serve starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on http://")
-            .unwrap_or_else(|| panic!("got {line:?}"))
-            .to_string();
+        let addr = common::printed_addr(&mut child, "listening on http://");
         Server { child, addr }
     }
 

@@ -11,10 +11,8 @@ use std::time::Duration;
 
 use baton_ggml::LlamaModel;
 use baton_net::{LinkOptions, TlsConfig};
-use baton_node::cluster::{connect_cluster, ClusterOptions, RemoteRing};
-use baton_node::GenerateRequest;
-use baton_sample::SamplingParams;
-use common::worker::{reference, WorkerProc};
+use baton_node::cluster::{connect_cluster, ClusterOptions};
+use common::worker::{greedy, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};
 
 const TOKEN: &str = "test-tls-secret";
@@ -72,22 +70,6 @@ impl Drop for Cert {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(self.cert.parent().unwrap());
     }
-}
-
-/// Up to `n` greedy tokens from the ring.
-fn greedy(ring: &mut RemoteRing, prompt: &[u32], n: usize, oracle: &LlamaModel) -> Vec<u32> {
-    let req = GenerateRequest {
-        seq: 0,
-        prompt,
-        params: SamplingParams::greedy(),
-        max_tokens: n,
-        n_batch: 512,
-        logprobs: false,
-    };
-    ring.head
-        .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
-        .unwrap()
-        .tokens
 }
 
 fn options(tls: Option<Arc<TlsConfig>>) -> ClusterOptions {

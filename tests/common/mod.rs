@@ -115,3 +115,17 @@ pub fn nmse(ours: &[f32], reference: &[f32]) -> f64 {
     let norm: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
     err / norm
 }
+
+/// The address a `baton` child process prints as its first stdout line after `prefix`
+/// (`"listening on "` for a worker, `"listening on http://"` for a server).
+pub fn printed_addr(child: &mut std::process::Child, prefix: &str) -> String {
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().expect("stdout is piped"))
+        .read_line(&mut line)
+        .unwrap();
+    line.trim()
+        .strip_prefix(prefix)
+        .unwrap_or_else(|| panic!("expected {prefix:?}..., the child printed {line:?}"))
+        .to_string()
+}

@@ -1,5 +1,5 @@
-//! `baton worker` child processes for the end-to-end tests, and libllama's greedy
-//! output that a ring must reproduce.
+//! `baton worker` child processes for the end-to-end tests, greedy output from a ring,
+//! and libllama's greedy output that a ring must reproduce.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -7,7 +7,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 
 use baton_ggml::{LlamaContext, LlamaModel};
-use baton_sample::argmax;
+use baton_node::cluster::RemoteRing;
+use baton_node::GenerateRequest;
+use baton_sample::{argmax, SamplingParams};
 
 /// A `baton worker` child process; killed on drop. Its stderr is collected.
 pub struct WorkerProc {
@@ -31,15 +33,7 @@ impl WorkerProc {
             cmd.args(["--token", token]);
         }
         let mut child = cmd.spawn().expect("worker starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .expect("worker prints its address")
-            .to_string();
+        let addr = super::printed_addr(&mut child, "listening on ");
         let log = Arc::new(Mutex::new(String::new()));
         let stderr = child.stderr.take().unwrap();
         let sink = log.clone();
@@ -79,4 +73,20 @@ pub fn reference(oracle: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
         next = argmax(&ctx.decode(&[next]).unwrap()).unwrap();
     }
     out
+}
+
+/// Up to `n` greedy tokens from the ring.
+pub fn greedy(ring: &mut RemoteRing, prompt: &[u32], n: usize, oracle: &LlamaModel) -> Vec<u32> {
+    let req = GenerateRequest {
+        seq: 0,
+        prompt,
+        params: SamplingParams::greedy(),
+        max_tokens: n,
+        n_batch: 512,
+        logprobs: false,
+    };
+    ring.head
+        .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
+        .unwrap()
+        .tokens
 }

@@ -736,7 +736,6 @@ impl Sched {
                 let until = Instant::now() + backoff;
                 while Instant::now() < until {
                     if stop.load(Ordering::SeqCst) {
-                        let _ = inbox.send(Inbox::FormFailed(FormError::Retry("stopping".into())));
                         return;
                     }
                     std::thread::sleep(Duration::from_millis(20));
