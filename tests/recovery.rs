@@ -118,6 +118,9 @@ impl Server {
                 "12,12",
             ])
             .args(["--parallel", "2", "--ctx-size", "1024", "--heartbeat-timeout", "2"])
+            // Chunks of 8: a repeated prompt reuses whole chunks of the cache, so the
+            // disturbed stream is rebuilt from a partly cached prompt.
+            .args(["--chunk", "8"])
             .args(["--token", TOKEN, "--workers", &addrs.join(","), "--model"])
             .arg(model(QWEN2))
             .env_remove("BATON_TOKEN")
@@ -166,6 +169,7 @@ impl Server {
             "max_tokens": 64,
             "temperature": 0,
             "stream": true,
+            "stream_options": {"include_usage": true},
         });
         let mut reader = BufReader::new(self.send("POST", "/v1/completions", &body.to_string()));
         let mut out = Streamed::default();
@@ -187,10 +191,14 @@ impl Server {
                     ));
                     break;
                 }
-                let choice = &event["choices"][0];
-                out.text.push_str(choice["text"].as_str().unwrap_or_default());
-                if let Some(reason) = choice["finish_reason"].as_str() {
-                    out.finish = Some(reason.to_string());
+                if let Some(cached) = event["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
+                    out.cached = cached;
+                }
+                if let Some(choice) = event["choices"].get(0) {
+                    out.text.push_str(choice["text"].as_str().unwrap_or_default());
+                    if let Some(reason) = choice["finish_reason"].as_str() {
+                        out.finish = Some(reason.to_string());
+                    }
                 }
                 out.events += 1;
                 if out.events == after {
@@ -233,6 +241,8 @@ struct Streamed {
     error: Option<(String, Instant)>,
     disturbed_at: Option<Instant>,
     longest_gap: Duration,
+    /// Prompt tokens taken from the cache.
+    cached: u64,
 }
 
 fn serving(stages: usize) -> impl Fn(u16, &Value) -> bool {
@@ -254,6 +264,10 @@ fn lose_a_worker_mid_stream(lose: impl FnOnce(&mut Worker), revive: impl FnOnce(
     eprintln!("longest pause in the disturbed stream: {:?}", streamed.longest_gap);
     assert!(streamed.error.is_none(), "{streamed:?}");
     assert!(streamed.disturbed_at.is_some(), "the worker was lost mid-stream");
+    assert!(
+        streamed.cached > 0,
+        "the disturbed request reused the first one's prompt chunks"
+    );
     assert_eq!(streamed.text, undisturbed.text, "the stream goes on unchanged");
     assert_eq!(streamed.finish.as_deref(), Some("length"));
     assert!(

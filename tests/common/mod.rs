@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
 
+pub mod server;
 pub mod worker;
 
 /// The qwen2 test model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M).

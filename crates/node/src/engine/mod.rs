@@ -51,6 +51,10 @@ pub struct EngineConfig {
     pub chunk: usize,
     /// Stages in the ring: decoding sequences are split into this many groups.
     pub n_stages: usize,
+    /// Most decode rows in one micro-batch: as many as ggml computes with the kernel it
+    /// uses for a single row, so that a sequence generates the same beside others as
+    /// alone ([`max_decode_rows`]).
+    pub max_decode_rows: usize,
     /// Requests allowed to wait for a slot before new ones are refused.
     pub max_queue: usize,
     /// Longest the engine tries to form a new ring after losing a node before running
@@ -463,10 +467,19 @@ impl Active {
     }
 }
 
-/// Most decode rows in one micro-batch: from 8 rows on, ggml multiplies by K-quant
-/// weights with a tiled kernel whose rounding differs from the one-row kernel's, so a
-/// sequence would generate differently in a big batch than alone.
-const MAX_DECODE_ROWS: usize = 7;
+/// Most decode rows in one micro-batch that ggml computes exactly as it computes one
+/// row alone. With weights repacked for the CPU (`CPU_REPACK`, the default) ggml takes
+/// its 4-row gemm kernel from 4 rows on (ggml-cpu/repack.cpp: "more than three rows in
+/// src1, use gemm"); on plain quantized weights the tiled kernel for K-quants starts at 8
+/// rows. Either rounds differently from the one-row kernel, and a sequence would then
+/// generate differently in company than alone.
+pub fn max_decode_rows(repack: bool) -> usize {
+    if repack {
+        3
+    } else {
+        7
+    }
+}
 
 /// A message in the ring, waiting for its reply.
 enum Pending {
@@ -895,10 +908,12 @@ impl Sched {
     fn admit(&mut self) {
         while !self.queue.is_empty() {
             let Some(job) = self.queue.front() else { break };
+            let chunk = self.config.chunk.max(1);
             let free = (0..self.slots.len()).filter(|&i| self.slots[i].active.is_none());
             let best = free.max_by_key(|&i| {
                 let slot = &self.slots[i];
                 (
+                    reusable_prefix(&slot.cached, &slot.cached_runs, &job.prompt, chunk),
                     common_prefix(&slot.cached, &job.prompt),
                     std::cmp::Reverse(slot.last_used),
                 )
@@ -907,8 +922,8 @@ impl Sched {
             let job = self.queue.pop_front().expect("the queue is not empty");
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
             self.counters.active.fetch_add(1, Ordering::Relaxed);
-            // At least the last prompt token is computed: its logits are needed.
-            let n_reused = common_prefix(&self.slots[seq].cached, &job.prompt).min(job.prompt.len() - 1);
+            let slot = &self.slots[seq];
+            let n_reused = reusable_prefix(&slot.cached, &slot.cached_runs, &job.prompt, chunk);
             self.counters
                 .prompt_tokens_reused
                 .fetch_add(n_reused as u64, Ordering::Relaxed);
@@ -976,7 +991,7 @@ impl Sched {
             .count();
         let group = n_decoding
             .div_ceil(self.config.n_stages.max(1))
-            .clamp(1, MAX_DECODE_ROWS);
+            .clamp(1, self.config.max_decode_rows.max(1));
 
         let chunk = self.config.chunk.max(1);
         let next = |i: usize| self.slots[i].active.as_ref().and_then(|a| a.next_send(chunk));
@@ -1190,7 +1205,73 @@ fn spawn_reader(mut rx: Box<dyn Rx>, inbox: mpsc::Sender<Inbox>, gen: u64) {
         });
 }
 
+/// How many leading tokens of `prompt` may be taken from a slot's cache (`cached`, sent
+/// in `runs`) so that every row the request computes is bit-identical to a fresh run.
+///
+/// A fresh prompt is cut into chunks of `chunk` tokens from position 0, the last chunk
+/// holding the rest; ggml rounds a row differently in batches of different shapes, so a
+/// cached cell is as good as a fresh one only if it was computed in the same chunk as a
+/// fresh run computes it: reuse stops at the first run that was not a whole chunk (a
+/// short last prompt chunk, a generated token), at the first chunk whose tokens differ,
+/// and before the prompt's own last chunk (the one sampled). What follows is computed
+/// exactly as a fresh run computes it.
+fn reusable_prefix(cached: &[u32], runs: &[u32], prompt: &[u32], chunk: usize) -> usize {
+    let chunk = chunk.max(1);
+    let last_chunk_start = (prompt.len().saturating_sub(1) / chunk) * chunk;
+    let common = common_prefix(cached, prompt);
+    let whole = runs.iter().take_while(|&&run| run as usize == chunk).count() * chunk;
+    let reusable = whole.min(common).min(last_chunk_start);
+    reusable - reusable % chunk
+}
+
 /// Length of the common prefix of two token lists.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reuse_is_cut_where_a_fresh_prompt_is_cut() {
+        let prompt: Vec<u32> = (0..40).collect();
+        // (cached tokens, their runs, chunk, prompt) -> reusable
+        let cases: [(&[u32], &[u32], usize, &[u32], usize); 8] = [
+            // turn 1 computed 2 whole chunks of 8, a short last chunk, then decoded 3
+            (&prompt[..23], &[8, 8, 4, 1, 1, 1], 8, &prompt, 16),
+            // the same, but the new prompt differs inside the second chunk
+            (
+                &prompt[..23],
+                &[8, 8, 4, 1, 1, 1],
+                8,
+                &[&prompt[..12], &[99]].concat(),
+                8,
+            ),
+            // a fresh prompt's last chunk is always computed, even when all is cached
+            (&prompt[..32], &[8, 8, 8, 8], 8, &prompt[..32], 24),
+            (&prompt[..32], &[8, 8, 8, 8], 8, &prompt[..33], 32),
+            // nothing cached, or nothing in common
+            (&[], &[], 8, &prompt, 0),
+            (&[7, 7, 7, 7, 7, 7, 7, 7, 7], &[8, 1], 8, &prompt, 0),
+            // decoded tokens are never whole chunks (unless a chunk is one token)
+            (
+                &prompt[..20],
+                &[4, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+                8,
+                &prompt,
+                0,
+            ),
+            (&prompt[..5], &[1, 1, 1, 1, 1], 1, &prompt[..10], 5),
+        ];
+        for (i, (cached, runs, chunk, prompt, want)) in cases.into_iter().enumerate() {
+            assert_eq!(reusable_prefix(cached, runs, prompt, chunk), want, "case {i}");
+        }
+    }
+
+    #[test]
+    fn repacked_weights_allow_fewer_decode_rows() {
+        assert_eq!(max_decode_rows(true), 3);
+        assert_eq!(max_decode_rows(false), 7);
+    }
 }
