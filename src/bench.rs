@@ -1,6 +1,7 @@
 //! `baton bench`: prompt processing (pp) and generation (tg) speed of baton's
 //! in-process stages against libllama single-process, in the same run, same threads.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -33,6 +34,45 @@ pub struct BenchArgs {
     /// Also write the table to this file (Markdown).
     #[arg(long)]
     out: Option<std::path::PathBuf>,
+    /// llama.cpp's own `llama-bench` binary, run on the same model with the same threads
+    /// for a third column (its compiler flags are llama.cpp's, not ours, so a build
+    /// regression on our side shows). Default: bench/peer/build/bin/llama-bench when it
+    /// exists (built by bench/peer/setup); `none` to skip.
+    #[arg(long)]
+    llama_bench: Option<std::path::PathBuf>,
+}
+
+/// pp and tg tokens per second measured by llama.cpp's `llama-bench`, one process.
+fn peer_llama_bench(
+    bin: &Path,
+    model: &Path,
+    threads: usize,
+    pp: usize,
+    tg: usize,
+    reps: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let out = std::process::Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args(["-t", &threads.to_string(), "-p", &pp.to_string(), "-n", &tg.to_string()])
+        .args(["-r", &reps.to_string(), "-fa", "on", "-o", "json"])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{} failed: {}",
+        bin.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&out.stdout).with_context(|| format!("reading {}'s JSON", bin.display()))?;
+    let rate = |key: &str| {
+        rows.iter()
+            .find(|r| r[key].as_u64().is_some_and(|n| n > 0))
+            .and_then(|r| r["avg_ts"].as_f64())
+            .with_context(|| format!("no {key} row in llama-bench's output"))
+    };
+    Ok((rate("n_prompt")?, rate("n_gen")?))
 }
 
 /// Deterministic pseudo-random token ids (as llama-bench, the content does not matter).
@@ -153,17 +193,30 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         b_tg.push(baton_tg(ring.head(), prompt[0], args.tg)?);
         l_tg.push(llama_tg(&mut ctx, prompt[0], args.tg)?);
     }
+    drop(ctx);
+    drop(oracle);
+    let peer_bin = match &args.llama_bench {
+        Some(bin) if bin.as_os_str() == "none" => None,
+        Some(bin) => Some(bin.clone()),
+        None => Some(std::path::PathBuf::from("bench/peer/build/bin/llama-bench")).filter(|p| p.exists()),
+    };
+    let peer = match &peer_bin {
+        Some(bin) => Some(peer_llama_bench(bin, path, threads, args.pp, args.tg, reps)?),
+        None => None,
+    };
     let rate = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
     let rows = [
         (
             format!("pp{}", args.pp),
             rate(args.pp, median(b_pp)),
             rate(args.pp, median(l_pp)),
+            peer.map(|p| p.0),
         ),
         (
             format!("tg{}", args.tg),
             rate(args.tg, median(b_tg)),
             rate(args.tg, median(l_tg)),
+            peer.map(|p| p.1),
         ),
     ];
 
@@ -177,15 +230,29 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     };
     let mut table = format!(
         "model: {model_name}\nstages: {} ({}), {place}, {threads} thread(s) per stage, ready in {:.2} s; \
-         libllama: 1 process, {threads} thread(s); median of {reps}\n\n",
+         libllama: 1 process, {threads} thread(s), built as {}; llama-bench: {}; median of {reps}\n\n",
         ranges.len(),
         split.join(" "),
-        ready.as_secs_f64()
+        ready.as_secs_f64(),
+        baton_ggml::LLAMA_BUILD_TYPE,
+        peer_bin
+            .as_ref()
+            .map_or("not run (bench/peer/setup builds it)".to_string(), |b| format!(
+                "{}, 1 process, {threads} thread(s), mean of {reps}",
+                b.display()
+            )),
     );
-    table.push_str("| test | baton tok/s | libllama tok/s | baton / libllama |\n|---|---:|---:|---:|\n");
-    for (test, baton, llama) in rows {
+    table.push_str(
+        "| test | baton tok/s | libllama tok/s | llama-bench tok/s | baton / libllama | baton / llama-bench |\n\
+         |---|---:|---:|---:|---:|---:|\n",
+    );
+    for (test, baton, llama, peer) in rows {
+        let (peer, ratio) = match peer {
+            Some(p) => (format!("{p:.2}"), format!("{:.3}", baton / p)),
+            None => ("-".to_string(), "-".to_string()),
+        };
         table.push_str(&format!(
-            "| {test} | {baton:.2} | {llama:.2} | {:.3} |\n",
+            "| {test} | {baton:.2} | {llama:.2} | {peer} | {:.3} | {ratio} |\n",
             baton / llama
         ));
     }

@@ -8,8 +8,9 @@ mod run;
 mod serve;
 mod worker;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 
 /// Distributed inference for GGUF language models.
@@ -98,8 +99,55 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_chain(&e));
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// Checks `path` with baton's own GGUF reader (missing file, not a GGUF, truncated,
+/// unsupported architecture: each said plainly), then loads its tokenizer through
+/// libllama.
+pub fn load_tokenizer(path: &Path) -> anyhow::Result<baton_ggml::LlamaModel> {
+    baton_model::ModelFile::open(path)?;
+    baton_ggml::LlamaModel::load_vocab(path).with_context(|| format!("loading the tokenizer of {}", path.display()))
+}
+
+/// An error and its causes on one line, each cause once: errors that already print their
+/// source (thiserror's `{source}`) would otherwise repeat it
+/// ("Connection refused (os error 111): Connection refused (os error 111)").
+fn error_chain(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let cause = cause.to_string();
+        if text.contains(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_chains_name_each_cause_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let inner = baton_net::NetError::Io {
+            peer: "w:1".into(),
+            source: io,
+        };
+        let error = anyhow::Error::new(inner).context("starting the ring");
+        let text = error_chain(&error);
+        assert_eq!(text.matches("refused").count(), 1, "{text}");
+        assert!(
+            text.starts_with("starting the ring: I/O error on the link to w:1"),
+            "{text}"
+        );
     }
 }

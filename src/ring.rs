@@ -220,6 +220,14 @@ impl Ring {
     }
 
     /// The layer range of each stage, in ring order.
+    /// Why the layers are split as they are (`None` for in-process stages).
+    pub fn plan_why(&self) -> Option<&str> {
+        match self {
+            Ring::Remote { ring, .. } => Some(&ring.plan.why),
+            Ring::Local(_) | Ring::Supervised { .. } => None,
+        }
+    }
+
     pub fn ranges(&self) -> Vec<std::ops::Range<usize>> {
         match self {
             Ring::Local(ring) => ring.ranges().to_vec(),

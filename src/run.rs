@@ -2,8 +2,6 @@
 
 use std::io::Write;
 
-use anyhow::Context as _;
-use baton_ggml::LlamaModel;
 use baton_node::GenerateRequest;
 use baton_sample::SamplingParams;
 use clap::Args;
@@ -56,7 +54,7 @@ pub struct RunArgs {
 /// Runs the prompt and prints the text as it is generated, then timings on stderr.
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let model_path = &args.stages.model;
-    let vocab = LlamaModel::load_vocab(model_path).context("loading the tokenizer")?;
+    let vocab = crate::load_tokenizer(model_path)?;
     let params = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -130,6 +128,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             0.0
         }
     );
+    if let Some(why) = ring.plan_why() {
+        eprintln!("plan: {why}");
+    }
     for (i, bytes) in resident.iter().enumerate() {
         eprintln!(
             "stage {i} ({:?}): resident {:.1} MiB",

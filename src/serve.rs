@@ -4,7 +4,6 @@ use std::net::ToSocketAddrs;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use baton_ggml::LlamaModel;
 use baton_node::engine::{EngineConfig, Health};
 use baton_server::template::ChatTemplate;
 use baton_server::{AppState, ServerConfig};
@@ -88,7 +87,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         args.parallel
     );
     let model_path = args.stages.model.clone();
-    let vocab = Arc::new(LlamaModel::load_vocab(&model_path).context("loading the tokenizer")?);
+    let vocab = Arc::new(crate::load_tokenizer(&model_path)?);
     let eos = vocab
         .eos_token()
         .map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());

@@ -17,6 +17,10 @@ pub use backend::{Allocator, Buffer, CpuBackend, ExtraBufferType, MappedBuffer, 
 pub use graph::{Context, Graph, RopeParams, Tensor, TensorId};
 pub use llama::{LlamaContext, LlamaModel};
 
+/// How llama.cpp inside this binary was configured (CMake build type, read back from
+/// its CMake cache by this crate's build script): "Release" means -O3.
+pub const LLAMA_BUILD_TYPE: &str = env!("BATON_LLAMA_BUILD_TYPE");
+
 /// A ggml element type (its numeric id is the GGUF tensor type id).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DType(pub u32);
@@ -87,13 +91,37 @@ pub fn init() {
     });
 }
 
-/// Keeps ggml's chatter off stderr unless `BATON_GGML_LOG` is set; errors always show.
+std::thread_local! {
+    /// The error lines ggml and libllama logged on this thread since the last
+    /// [`take_logged_errors`]: what a failed call said, for its error message.
+    static LOGGED_ERRORS: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+/// Most bytes of logged error text kept per thread.
+const MAX_LOGGED_ERRORS: usize = 4096;
+
+/// The error lines logged on this thread since the last call, trimmed.
+pub(crate) fn take_logged_errors() -> String {
+    LOGGED_ERRORS.with(|errors| std::mem::take(&mut *errors.borrow_mut()).trim().to_string())
+}
+
+/// Keeps ggml's and libllama's log off stderr unless `BATON_GGML_LOG` is set. Error
+/// lines are kept (per thread) so that the failing call can put them in its error.
 extern "C" fn log_sink(level: sys::ggml_log_level, text: *const std::os::raw::c_char, _user: *mut std::ffi::c_void) {
-    let verbose = std::env::var_os("BATON_GGML_LOG").is_some();
-    if text.is_null() || (!verbose && level != sys::GGML_LOG_LEVEL_ERROR) {
+    if text.is_null() {
         return;
     }
     // SAFETY: ggml passes a NUL-terminated string valid for the call.
     let text = unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy();
-    eprint!("{text}");
+    if level == sys::GGML_LOG_LEVEL_ERROR {
+        LOGGED_ERRORS.with(|errors| {
+            let mut errors = errors.borrow_mut();
+            if errors.len() + text.len() <= MAX_LOGGED_ERRORS {
+                errors.push_str(&text);
+            }
+        });
+    }
+    if std::env::var_os("BATON_GGML_LOG").is_some() {
+        eprint!("{text}");
+    }
 }

@@ -41,11 +41,13 @@ impl LlamaModel {
         params.vocab_only = vocab_only;
         params.n_gpu_layers = 0;
         params.use_extra_bufts = repack;
+        crate::take_logged_errors();
         // SAFETY: valid C string and params; null on failure.
         let ptr = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), params) };
-        NonNull::new(ptr)
-            .map(|ptr| LlamaModel { ptr })
-            .ok_or_else(|| GgmlError::Llama(format!("libllama could not load {}", path.display())))
+        NonNull::new(ptr).map(|ptr| LlamaModel { ptr }).ok_or_else(|| {
+            let said = crate::take_logged_errors().replace('\n', "; ");
+            GgmlError::Llama(format!("libllama could not load {}: {said}", path.display()))
+        })
     }
 
     fn vocab(&self) -> *const sys::llama_vocab {

@@ -76,3 +76,11 @@ fn quantized_mul_mat_rows_are_batch_invariant_below_8() {
         );
     }
 }
+
+/// llama.cpp inside baton is compiled as Release (-O3) whatever the Rust profile:
+/// `debug = 1` in our release profile once made llama-cpp-sys-2 configure it as
+/// RelWithDebInfo (-O2), 22% slower on prompts (issue 12).
+#[test]
+fn llama_cpp_is_built_as_release() {
+    assert_eq!(crate::LLAMA_BUILD_TYPE, "Release");
+}

@@ -28,6 +28,10 @@ pub enum NetError {
     /// A socket operation failed.
     #[error("I/O error on the link to {peer}: {source}")]
     Io { peer: String, source: std::io::Error },
+    /// No connection could be made: nothing listens there, no route, or the name does
+    /// not resolve (`reason` says which, in words).
+    #[error("cannot reach {peer}: {reason}")]
+    Unreachable { peer: String, reason: String },
     /// Nothing arrived in time.
     #[error("timed out waiting for {peer}")]
     Timeout { peer: String },

@@ -72,14 +72,30 @@ pub struct TcpLink {
     buf: Vec<u8>,
 }
 
+/// Why a connection could not be made, in words (the OS error once, at the end).
+fn connect_failure(e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    let what = match e.kind() {
+        ErrorKind::ConnectionRefused => "nothing listens on that port",
+        ErrorKind::TimedOut | ErrorKind::WouldBlock => "no answer within 10 s",
+        ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable => "no route to the host",
+        ErrorKind::AddrNotAvailable => "the address is not available",
+        _ => "the connection failed",
+    };
+    format!("{what} ({e})")
+}
+
 impl TcpLink {
     /// Connects to `addr` (and runs the client side of the TLS handshake, with TLS).
     pub fn connect(addr: &str, opts: &LinkOptions) -> Result<TcpLink, NetError> {
-        let io = |source| NetError::Io {
+        let unreachable = |reason: String| NetError::Unreachable {
             peer: addr.to_string(),
-            source,
+            reason,
         };
-        let addrs: Vec<_> = addr.to_socket_addrs().map_err(io)?.collect();
+        let addrs: Vec<_> = addr
+            .to_socket_addrs()
+            .map_err(|e| unreachable(format!("cannot resolve the address ({e})")))?
+            .collect();
         let mut last = None;
         for a in addrs {
             match TcpStream::connect_timeout(&a, Duration::from_secs(10)) {
@@ -94,9 +110,10 @@ impl TcpLink {
                 Err(e) => last = Some(e),
             }
         }
-        Err(io(last.unwrap_or_else(|| {
-            std::io::Error::other("address resolved to nothing")
-        })))
+        Err(unreachable(match last {
+            None => "the address resolved to nothing".to_string(),
+            Some(e) => connect_failure(&e),
+        }))
     }
 
     /// Wraps an accepted stream; with TLS, runs the server side of the handshake. A

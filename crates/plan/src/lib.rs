@@ -156,6 +156,39 @@ pub struct Plan {
     pub stages: Vec<PlannedStage>,
     /// `(node name, why)` for every node without a stage.
     pub left_out: Vec<(String, String)>,
+    /// Why the layers are split this way, for people.
+    pub why: String,
+}
+
+/// Speeds a node measures of itself vary from run to run (other processes, caches,
+/// frequency scaling): nodes within this fraction of each other count as equally fast,
+/// so that equal machines get the same balanced split every time.
+pub const SPEED_NOISE: f64 = 0.25;
+
+/// Each node's seconds per layer, with nodes whose measurements lie within
+/// [`SPEED_NOISE`] of the fastest of their group set to their group's mean. Groups are
+/// formed from the fastest node up: a node joins the group of the fastest node not yet
+/// grouped if it is within the noise of it.
+pub fn settled_speeds(nodes: &[NodeOffer]) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..nodes.len()).collect();
+    order.sort_by(|&a, &b| nodes[a].secs_per_layer.total_cmp(&nodes[b].secs_per_layer));
+    let mut settled = vec![0.0; nodes.len()];
+    let mut start = 0;
+    while start < order.len() {
+        let fastest = nodes[order[start]].secs_per_layer;
+        let end = start
+            + order[start..]
+                .iter()
+                .take_while(|&&i| nodes[i].secs_per_layer <= fastest * (1.0 + SPEED_NOISE))
+                .count();
+        let group = &order[start..end];
+        let mean = group.iter().map(|&i| nodes[i].secs_per_layer).sum::<f64>() / group.len() as f64;
+        for &i in group {
+            settled[i] = mean;
+        }
+        start = end;
+    }
+    settled
 }
 
 impl Plan {
@@ -170,11 +203,21 @@ impl Plan {
 /// the one whose slowest stage is fastest wins; ties go to the lower total time, then
 /// to fewer stages (fewer hops). A node that cannot hold even one layer is left out,
 /// and so is a node the best plan does not need.
-pub fn partition(cost: &ModelCost, nodes: &[NodeOffer]) -> Result<Plan, PlanError> {
+pub fn partition(cost: &ModelCost, measured: &[NodeOffer]) -> Result<Plan, PlanError> {
     let n_layers = cost.n_layers();
-    if nodes.is_empty() {
+    if measured.is_empty() {
         return Err(PlanError::NoStages);
     }
+    let speeds = settled_speeds(measured);
+    let nodes: Vec<NodeOffer> = measured
+        .iter()
+        .zip(&speeds)
+        .map(|(node, &secs_per_layer)| NodeOffer {
+            secs_per_layer,
+            ..node.clone()
+        })
+        .collect();
+    let nodes = &nodes[..];
     // best[i][l]: the best way to place layers 0..l on nodes 0..i, as
     // (bottleneck, total, stages) plus the choice made for node i-1.
     #[derive(Clone, Copy)]
@@ -263,7 +306,39 @@ pub fn partition(cost: &ModelCost, nodes: &[NodeOffer]) -> Result<Plan, PlanErro
             (node.name.clone(), why)
         })
         .collect();
-    Ok(Plan { stages, left_out })
+    let why = explain(cost, measured, &speeds, &stages);
+    Ok(Plan { stages, left_out, why })
+}
+
+/// Says how the speeds were read and what the split balances.
+fn explain(cost: &ModelCost, measured: &[NodeOffer], speeds: &[f64], stages: &[PlannedStage]) -> String {
+    let ms = |secs: f64| format!("{:.2} ms", secs * 1e3);
+    let nodes: Vec<String> = measured
+        .iter()
+        .map(|n| format!("{} {}", n.name, ms(n.secs_per_layer)))
+        .collect();
+    let groups = {
+        let mut distinct: Vec<f64> = speeds.to_vec();
+        distinct.sort_by(f64::total_cmp);
+        distinct.dedup();
+        distinct.len()
+    };
+    let speed = if groups == 1 && measured.len() > 1 {
+        format!(
+            "measured per layer and token: {} (within {:.0}% of each other: equally fast)",
+            nodes.join(", "),
+            SPEED_NOISE * 100.0
+        )
+    } else {
+        format!("measured per layer and token: {}", nodes.join(", "))
+    };
+    let output = cost.last_bytes as f64 / (cost.layer_bytes.iter().sum::<u64>() as f64 / cost.n_layers().max(1) as f64);
+    let bottleneck = stages.iter().map(|s| s.secs_per_token).fold(0.0, f64::max);
+    format!(
+        "{speed}; layers split to balance time per token (the last stage's output projection \
+         weighs {output:.1} layers), slowest stage {} per token",
+        ms(bottleneck)
+    )
 }
 
 /// A plan from `--split`: `sizes[i]` layers on node `i` (0 leaves the node out); every
@@ -314,7 +389,11 @@ pub fn plan_with_split(cost: &ModelCost, nodes: &[NodeOffer], sizes: &[usize]) -
             secs_per_token,
         });
     }
-    Ok(Plan { stages, left_out })
+    Ok(Plan {
+        stages,
+        left_out,
+        why: format!("--split {split}"),
+    })
 }
 
 fn not_enough_memory(cost: &ModelCost, nodes: &[NodeOffer]) -> PlanError {
@@ -488,6 +567,52 @@ mod tests {
             assert_eq!(plan.left_out.len(), n_left_out, "{name}: {:?}", plan.left_out);
             for stage in &plan.stages {
                 assert!(stage.bytes <= nodes[stage.node].memory, "{name}: stage over memory");
+            }
+        }
+    }
+
+    /// Regression: equal nodes whose self-measured speeds differed by noise were split
+    /// 0..5 / 5..21 / 21..24 on one run and otherwise on the next.
+    #[test]
+    fn equal_nodes_measured_with_noise_get_the_balanced_split() {
+        let exact = partition(
+            &cost(),
+            &[node("a", 10_000, 1.0), node("b", 10_000, 1.0), node("c", 10_000, 1.0)],
+        )
+        .unwrap();
+        for speeds in [[1.0, 1.2, 0.97], [1.24, 1.0, 1.1], [0.9, 0.95, 1.1]] {
+            let nodes: Vec<NodeOffer> = ["a", "b", "c"]
+                .iter()
+                .zip(speeds)
+                .map(|(name, secs)| node(name, 10_000, secs))
+                .collect();
+            let plan = partition(&cost(), &nodes).unwrap();
+            assert_eq!(layers(&plan), layers(&exact), "{speeds:?}");
+            assert!(plan.why.contains("equally fast"), "{}", plan.why);
+        }
+        // A node clearly slower than the others still gets less work.
+        let plan = partition(
+            &cost(),
+            &[node("a", 10_000, 1.0), node("b", 10_000, 2.0), node("c", 10_000, 1.0)],
+        )
+        .unwrap();
+        assert!(plan.stages[1].layers.len() < plan.stages[0].layers.len(), "{plan:?}");
+        assert!(!plan.why.contains("equally fast"), "{}", plan.why);
+    }
+
+    #[test]
+    fn settled_speeds_table() {
+        let offers = |speeds: &[f64]| -> Vec<NodeOffer> { speeds.iter().map(|&s| node("n", 1, s)).collect() };
+        let cases: &[(&[f64], &[f64])] = &[
+            (&[1.0], &[1.0]),
+            (&[1.0, 1.2], &[1.1, 1.1]),
+            (&[1.0, 1.3], &[1.0, 1.3]),
+            (&[2.0, 1.0, 1.1, 2.2], &[2.1, 1.05, 1.05, 2.1]),
+        ];
+        for (measured, settled) in cases {
+            let got = settled_speeds(&offers(measured));
+            for (g, s) in got.iter().zip(*settled) {
+                assert!((g - s).abs() < 1e-9, "{measured:?}: {got:?}");
             }
         }
     }

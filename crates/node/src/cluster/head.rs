@@ -270,6 +270,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
         Some(split) if unreachable.is_empty() => baton_plan::plan_with_split(&cost, &offers, split)?,
         _ => baton_plan::partition(&cost, &offers)?,
     };
+    tracing::info!("plan: {}", plan.why);
     for (name, why) in &plan.left_out {
         tracing::warn!(node = %name, "left out of the plan: {why}");
     }
@@ -439,7 +440,13 @@ fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(Tcp
         read_timeout: opts.handshake_timeout,
         ..opts.link.clone()
     };
-    let mut link = TcpLink::connect(addr, &link_opts)?;
+    let mut link = TcpLink::connect(addr, &link_opts).map_err(|e| match e {
+        NetError::Unreachable { reason, .. } => NodeError::Request(format!(
+            "worker {addr} could not be reached: {reason}; check that `baton worker --listen` runs there \
+             on this address and port, and that no firewall blocks it"
+        )),
+        other => other.into(),
+    })?;
     client_handshake(&mut link, Role::Head, opts.token.as_deref().map(str::as_bytes))?;
     link.send(&Message::Describe {
         model: model_ref.clone(),

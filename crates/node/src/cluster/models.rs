@@ -59,10 +59,13 @@ pub fn content_hash(path: &Path, identity: &[u8; 32], cache: &Path) -> Option<[u
         match hash_file(&path) {
             // Stored only if the file did not change while it was read.
             Ok(hash) if file_stamp(&path).as_ref() == Some(&stamp) => {
-                let temp = record.with_extension("content.tmp");
                 let text = format!("{stamp} {}\n", hex(&hash));
-                if let Err(e) = fs::write(&temp, text).and_then(|()| fs::rename(&temp, &record)) {
-                    tracing::warn!("cannot store the content hash of {}: {e}", path.display());
+                if let Err(e) = store_record(&record, &text) {
+                    tracing::warn!(
+                        "cannot store the content hash of {} in {}: {e}",
+                        path.display(),
+                        record.display()
+                    );
                 }
             }
             Ok(_) => tracing::debug!("{} changed while it was hashed", path.display()),
@@ -71,6 +74,24 @@ pub fn content_hash(path: &Path, identity: &[u8; 32], cache: &Path) -> Option<[u
         HASHING.lock().unwrap_or_else(|e| e.into_inner()).remove(&path);
     });
     None
+}
+
+/// Writes `text` to `record` atomically. Several processes may store the same record at
+/// once (`--local-workers` start workers sharing one models directory, each hashing the
+/// same files), so each writes a temporary file of its own before the rename
+/// (regression: a shared temporary name made all but one rename fail with "No such
+/// file or directory").
+fn store_record(record: &Path, text: &str) -> std::io::Result<()> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut name = record.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".{}.{n}.tmp", std::process::id()));
+    let temp = record.with_file_name(name);
+    fs::write(&temp, text)
+        .and_then(|()| fs::rename(&temp, record))
+        .inspect_err(|_| {
+            let _ = fs::remove_file(&temp);
+        })
 }
 
 /// `size mtime_ns` of a file: what must stay the same for a stored hash to hold.
@@ -227,6 +248,28 @@ mod tests {
             let err = models.resolve(bad).unwrap_err().to_string();
             assert!(err.contains("not a plain file name"), "{bad:?}: {err}");
         }
+    }
+
+    #[test]
+    fn records_stored_by_many_writers_at_once_all_succeed() {
+        let dir = std::env::temp_dir().join(format!("baton-records-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let record = dir.join("x.content");
+        let barrier = std::sync::Barrier::new(8);
+        std::thread::scope(|scope| {
+            for i in 0..8 {
+                let (record, barrier) = (&record, &barrier);
+                scope.spawn(move || {
+                    barrier.wait();
+                    for round in 0..50 {
+                        store_record(record, &format!("{i} {round}\n")).unwrap();
+                    }
+                });
+            }
+        });
+        assert!(fs::read_to_string(&record).unwrap().ends_with(" 49\n"));
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 1, "no temporary file is left");
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
