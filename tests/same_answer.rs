@@ -112,3 +112,66 @@ fn the_same_request_gets_the_same_answer_whatever_the_cache_holds() {
         cached.cached
     );
 }
+
+/// The server's answer to a raw prompt (cut in chunks of 16) equals `baton run` with
+/// batches of 16 and libllama fed the same chunks.
+#[test]
+fn the_server_answers_as_baton_run_and_llama_cpp_do() {
+    let _serial = lock();
+    let path = model(QWEN2);
+    let prompt = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n\
+                  Write a Python function that reverses a string.<|im_end|>\n<|im_start|>assistant\n";
+
+    let server = Server::start(&["--chunk", "16"]);
+    let body = json!({"model": server.model_id(), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0});
+    let served = server.post("/v1/completions", &body)["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    drop(server);
+
+    let run = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args([
+            "run",
+            "--stages",
+            "2",
+            "--threads",
+            "1",
+            "-b",
+            "16",
+            "-n",
+            "40",
+            "--prompt",
+            prompt,
+            "--model",
+        ])
+        .arg(&path)
+        .output()
+        .expect("baton run starts");
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let stdout = String::from_utf8(run.stdout).unwrap();
+    let ran = stdout.strip_prefix(prompt).expect("run prints the prompt first");
+    let ran = ran.strip_suffix('\n').unwrap_or(ran);
+
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let tokens = oracle.tokenize(prompt, true, true).unwrap();
+    let mut ctx = LlamaContext::new(&oracle, 512, CHUNK as u32, 1).unwrap();
+    let mut logits = Vec::new();
+    for chunk in tokens.chunks(CHUNK) {
+        logits = ctx.decode(chunk).unwrap();
+    }
+    let mut generated = Vec::new();
+    for _ in 0..MAX_TOKENS {
+        let token = argmax(&logits).unwrap();
+        if oracle.is_end_of_generation(token) {
+            break;
+        }
+        generated.push(token);
+        logits = ctx.decode(&[token]).unwrap();
+    }
+    let llama = oracle.detokenize(&generated, false);
+
+    println!("served: {served:?}");
+    assert_eq!(served, ran, "baton serve vs baton run");
+    assert_eq!(served, llama, "baton serve vs libllama");
+}
