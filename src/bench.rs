@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use baton_ggml::{LlamaContext, LlamaModel};
 use baton_model::ModelFile;
 use baton_node::Head;
-use baton_proto::{Message, Payload};
+use baton_proto::{Message, Payload, StartSeq};
 use baton_sample::{argmax, SamplingParams};
 use clap::Args;
 
@@ -95,15 +95,7 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 /// One pp run through the ring: a single batch, the last row sampled.
 fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
-    head.control(Message::StartSeq {
-        seq: 0,
-        keep: 0,
-        top_logprobs: 0,
-        params: SamplingParams::greedy(),
-        history: Vec::new(),
-        logprobs: false,
-        drawn: 0,
-    })?;
+    head.control(StartSeq::new(0, SamplingParams::greedy(), Vec::new()).into())?;
     let start = Instant::now();
     let positions = (0..prompt.len() as i32).collect();
     head.forward(
@@ -120,15 +112,7 @@ fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
 /// One tg run through the ring: `n` single-token steps from an empty context, each
 /// sampled greedily on the last stage and fed back.
 fn baton_tg(head: &mut Head, first: u32, n: usize) -> anyhow::Result<Duration> {
-    head.control(Message::StartSeq {
-        seq: 0,
-        keep: 0,
-        top_logprobs: 0,
-        params: SamplingParams::greedy(),
-        history: Vec::new(),
-        logprobs: false,
-        drawn: 0,
-    })?;
+    head.control(StartSeq::new(0, SamplingParams::greedy(), Vec::new()).into())?;
     let start = Instant::now();
     let mut token = first;
     for pos in 0..n {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use baton_ggml::LlamaModel;
 use baton_node::cluster::{connect_cluster, ClusterOptions};
-use baton_proto::{Message, Payload};
+use baton_proto::{Payload, StartSeq};
 use baton_sample::SamplingParams;
 use common::worker::{greedy, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};
@@ -125,16 +125,8 @@ fn per_token_traffic_is_one_hidden_state_per_hop_and_a_token_id_back() {
     proxy.forward_to(w1.addr.clone());
     let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options()).unwrap();
     let head = &mut ring.head;
-    head.control(Message::StartSeq {
-        seq: 0,
-        keep: 0,
-        top_logprobs: 0,
-        params: SamplingParams::greedy(),
-        history: vec![],
-        logprobs: false,
-        drawn: 0,
-    })
-    .unwrap();
+    head.control(StartSeq::new(0, SamplingParams::greedy(), vec![]).into())
+        .unwrap();
     let mut token = head
         .forward(Payload::Tokens(vec![1, 2, 3]), vec![0, 1, 2], vec![0; 3], vec![2])
         .unwrap()[0]

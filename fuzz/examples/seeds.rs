@@ -152,7 +152,7 @@ fn messages() -> Vec<(String, Message)> {
         },
         Message::Done,
         Message::Error {
-            stage: 1,
+            first_layer: 1,
             message: "sequence 3 is not started".into(),
         },
         Message::Stats {

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use baton_net::{Rx, Tx};
-use baton_proto::{Forward, Message, Payload, SampledToken, StepId};
+use baton_proto::{Forward, Message, Payload, SampledToken, StartSeq, StepId};
 use baton_sample::SamplingParams;
 
 use crate::NodeError;
@@ -99,15 +99,11 @@ impl Head {
         }
         let seq = req.seq;
         let start = Instant::now();
-        self.control(Message::StartSeq {
-            seq,
-            keep: 0,
-            top_logprobs: 0,
-            params: req.params.clone(),
-            history: req.prompt.to_vec(),
-            logprobs: req.logprobs,
-            drawn: 0,
-        })?;
+        self.control(
+            StartSeq::new(seq, req.params.clone(), req.prompt.to_vec())
+                .with_logprobs(req.logprobs, 0)
+                .into(),
+        )?;
         let n_batch = req.n_batch.max(1);
         let mut sampled = Vec::new();
         let chunks = req.prompt.chunks(n_batch);
@@ -197,7 +193,7 @@ impl Head {
 
 fn unexpected(msg: Message) -> NodeError {
     match msg {
-        Message::Error { stage, message } => NodeError::Stage { stage, message },
+        Message::Error { first_layer, message } => NodeError::Stage { first_layer, message },
         other => NodeError::Protocol(format!("unexpected reply {}", other.kind())),
     }
 }

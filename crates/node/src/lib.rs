@@ -21,9 +21,9 @@ pub enum NodeError {
     /// A link failed.
     #[error(transparent)]
     Net(#[from] baton_net::NetError),
-    /// A stage reported an error for a message.
-    #[error("stage {stage}: {message}")]
-    Stage { stage: u32, message: String },
+    /// A stage (named by its first layer) reported an error for a message.
+    #[error("the stage from layer {first_layer}: {message}")]
+    Stage { first_layer: u32, message: String },
     /// A peer broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),

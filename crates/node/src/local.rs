@@ -57,7 +57,7 @@ impl LocalRing {
             };
             let (tx, next_rx) = local_link(&peer);
             let rx = std::mem::replace(&mut prev_rx, next_rx);
-            let worker = StageWorker::new(stage, i as u32);
+            let worker = StageWorker::new(stage);
             let thread = std::thread::Builder::new()
                 .name(format!("stage-{i}"))
                 .spawn(move || {

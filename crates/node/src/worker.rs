@@ -12,7 +12,6 @@ use baton_sample::Sampler;
 /// A stage plus, on the last stage, one sampler per live sequence.
 pub struct StageWorker {
     stage: Stage,
-    index: u32,
     samplers: HashMap<u32, SeqSampler>,
     wire_f16: bool,
 }
@@ -26,11 +25,10 @@ struct SeqSampler {
 }
 
 impl StageWorker {
-    /// Wraps `stage`, the `index`-th of the ring (used in error reports).
-    pub fn new(stage: Stage, index: u32) -> StageWorker {
+    /// Wraps `stage`.
+    pub fn new(stage: Stage) -> StageWorker {
         StageWorker {
             stage,
-            index,
             samplers: HashMap::new(),
             wire_f16: false,
         }
@@ -128,7 +126,7 @@ impl StageWorker {
 
     fn error(&self, message: String) -> Message {
         Message::Error {
-            stage: self.index,
+            first_layer: self.stage.span().layers.start as u32,
             message,
         }
     }

@@ -48,7 +48,7 @@
 //! |      |              | sample_rows [u32]                                                       |
 //! | 14   | Sampled      | step u64, tokens [SampledToken]                                         |
 //! | 15   | Done         | (empty)                                                                 |
-//! | 16   | Error        | stage u32, message str                                                  |
+//! | 16   | Error        | first_layer u32, message str                                            |
 //! | 17   | Stats        | resident [u64], kv_used [u32]                                           |
 //! | 18   | Shutdown     | (empty)                                                                 |
 //! | 19   | Ping         | timeout_ms u32                                                          |

@@ -265,8 +265,10 @@ pub enum Message {
     Sampled { step: StepId, tokens: Vec<SampledToken> },
     /// The last stage's answer to a control message.
     Done,
-    /// A stage failed to handle a message; the ring drops it and reports this.
-    Error { stage: u32, message: String },
+    /// A stage failed to handle a message; the ring drops it and reports this. The
+    /// stage is named by the first (global) layer it holds, which every node knows
+    /// without knowing the ring's order.
+    Error { first_layer: u32, message: String },
     /// Each stage appends its resident bytes and the KV cache cells in use and passes the
     /// message on; the head gets one entry per stage, in ring order.
     Stats { resident: Vec<u64>, kv_used: Vec<u32> },
@@ -279,6 +281,68 @@ pub enum Message {
     Ping { timeout_ms: u32 },
     /// Worker → head: yes.
     Pong,
+}
+
+/// The one way to build a [`Message::StartSeq`]: a fresh sequence with its sampler
+/// settings and history, then what differs from that.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StartSeq {
+    seq: u32,
+    keep: u32,
+    params: SamplingParams,
+    history: Vec<u32>,
+    top_logprobs: u8,
+    logprobs: bool,
+    drawn: u32,
+}
+
+impl StartSeq {
+    /// Sequence `seq` from an empty cache, sampling with `params`, penalties seeded with
+    /// `history`; no log-probabilities, no random draws made yet.
+    pub fn new(seq: u32, params: SamplingParams, history: Vec<u32>) -> StartSeq {
+        StartSeq {
+            seq,
+            keep: 0,
+            params,
+            history,
+            top_logprobs: 0,
+            logprobs: false,
+            drawn: 0,
+        }
+    }
+
+    /// Keeps the first `keep` cached tokens (a reused prefix).
+    pub fn keeping(mut self, keep: u32) -> StartSeq {
+        self.keep = keep;
+        self
+    }
+
+    /// Computes log-probabilities (and `top` alternatives) of sampled tokens.
+    pub fn with_logprobs(mut self, logprobs: bool, top: u8) -> StartSeq {
+        self.logprobs = logprobs;
+        self.top_logprobs = if logprobs { top } else { 0 };
+        self
+    }
+
+    /// Skips `drawn` random draws (a sequence rebuilt on a new ring).
+    pub fn with_drawn(mut self, drawn: u32) -> StartSeq {
+        self.drawn = drawn;
+        self
+    }
+}
+
+impl From<StartSeq> for Message {
+    fn from(s: StartSeq) -> Message {
+        Message::StartSeq {
+            seq: s.seq,
+            keep: s.keep,
+            params: s.params,
+            history: s.history,
+            top_logprobs: s.top_logprobs,
+            logprobs: s.logprobs,
+            drawn: s.drawn,
+        }
+    }
 }
 
 impl Message {

@@ -344,7 +344,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
             };
             let loaded = Stage::load(ModelFile::open(model)?, span, &config)?;
             tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");
-            Some(StageWorker::new(loaded, 0).with_wire_f16(opts.wire_f16))
+            Some(StageWorker::new(loaded).with_wire_f16(opts.wire_f16))
         }
         _ => None,
     };

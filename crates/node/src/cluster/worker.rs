@@ -296,7 +296,6 @@ fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>, id: u6
             return Err(e);
         }
     };
-    let index = plan.layer_start;
     tracing::info!(layers = ?(plan.layer_start..plan.layer_end), received, secs = started.elapsed().as_secs_f32(), "stage loaded");
 
     let token = shared.config.token.as_deref().map(str::as_bytes);
@@ -318,7 +317,7 @@ fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>, id: u6
         received,
     })?;
 
-    let worker = StageWorker::new(stage, index).with_wire_f16(plan.wire_f16);
+    let worker = StageWorker::new(stage).with_wire_f16(plan.wire_f16);
     let (control_tx, control_rx) = link.split()?;
     let result = match (upstream, downstream) {
         (None, None) => run(worker, control_rx, control_tx),

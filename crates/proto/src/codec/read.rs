@@ -68,7 +68,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         }
         kind::DONE => Message::Done,
         kind::ERROR => Message::Error {
-            stage: r.u32("stage")?,
+            first_layer: r.u32("first_layer")?,
             message: r.str("message")?,
         },
         kind::STATS => Message::Stats {

@@ -196,7 +196,7 @@ fn samples() -> Vec<Message> {
         },
         Message::Done,
         Message::Error {
-            stage: 2,
+            first_layer: 2,
             message: "stage 2: out of memory".into(),
         },
         Message::Stats {
@@ -395,7 +395,7 @@ fn strings_must_be_short_utf8() {
 
     let long = "x".repeat(MAX_STRING + 1);
     let (kind, payload) = payload_of(&Message::Error {
-        stage: 0,
+        first_layer: 0,
         message: long,
     });
     let too_long = ProtoError::TooLong {

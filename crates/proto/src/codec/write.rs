@@ -116,8 +116,8 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             kind::SAMPLED
         }
         Message::Done => kind::DONE,
-        Message::Error { stage, message } => {
-            w.u32(*stage);
+        Message::Error { first_layer, message } => {
+            w.u32(*first_layer);
             w.str(message);
             kind::ERROR
         }

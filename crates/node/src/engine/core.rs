@@ -1,0 +1,576 @@
+//! The engine's decisions, with no I/O: which requests run, what goes into the ring
+//! next, what each reply means, when the ring counts as lost, and how running requests
+//! are rebuilt on a new one. Time comes in as an argument and messages go out through
+//! an outbox, so tests drive it step by step (see the tests below); `super::shell`
+//! connects it to the ring's links, the clock and the recovery thread.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use baton_proto::{Message, SampledToken, StartSeq};
+use tokio::sync::oneshot;
+
+use super::batch::{next_batch, BatchRules, Member};
+use super::slots::{choose_slot, reusable_prefix, runs_prefix, Active, Slot};
+use super::text::Piece;
+use super::types::{
+    Counters, EngineConfig, Event, Finish, FinishReason, FormError, Health, Job, StageStats, TokenOut, Vocab,
+};
+
+/// A message in the ring, waiting for its reply.
+pub(crate) enum Pending {
+    Control,
+    Stats(oneshot::Sender<Result<StageStats, String>>),
+    /// A micro-batch and the sequences in it.
+    Step(Vec<Member>),
+    Shutdown,
+}
+
+/// What the core asks its shell to do.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Action {
+    /// Send this into the ring (the reply is already expected).
+    Send(Message),
+    /// The ring is gone: close it and have the ring source form a new one, reporting
+    /// losses as ring number `gen`.
+    FormRing { gen: u64 },
+}
+
+/// A ring being formed again.
+struct Recovery {
+    since: Instant,
+    reason: String,
+    /// Running requests were already failed (no capacity, or out of time).
+    gave_up: bool,
+}
+
+/// The engine's state.
+pub(crate) struct Core {
+    config: EngineConfig,
+    vocab: Arc<dyn Vocab>,
+    counters: Arc<Counters>,
+    health: Arc<Mutex<Health>>,
+    /// Whether a ring is installed (messages can be sent).
+    connected: bool,
+    /// Number of the current ring (or of the one being formed); replies and losses of
+    /// older rings are stale.
+    gen: u64,
+    /// A lost ring is formed again (else every request fails with it).
+    supervised: bool,
+    recovery: Option<Recovery>,
+    slots: Vec<Slot>,
+    queue: VecDeque<Box<Job>>,
+    /// Messages in the ring, oldest first, with when they were sent.
+    pending: VecDeque<(Instant, Pending)>,
+    steps_in_flight: usize,
+    /// The last micro-batch carried decode rows (the next goes to a waiting prompt).
+    last_decoded: bool,
+    next_step: u64,
+    next_epoch: u64,
+    stopping: bool,
+    outbox: Vec<Action>,
+}
+
+impl Core {
+    pub fn new(
+        config: EngineConfig,
+        vocab: Arc<dyn Vocab>,
+        counters: Arc<Counters>,
+        health: Arc<Mutex<Health>>,
+        supervised: bool,
+    ) -> Core {
+        Core {
+            slots: (0..config.n_slots).map(|_| Slot::empty()).collect(),
+            config,
+            vocab,
+            counters,
+            health,
+            connected: false,
+            gen: 0,
+            supervised,
+            recovery: None,
+            queue: VecDeque::new(),
+            pending: VecDeque::new(),
+            steps_in_flight: 0,
+            last_decoded: false,
+            next_step: 0,
+            next_epoch: 1,
+            stopping: false,
+            outbox: Vec::new(),
+        }
+    }
+
+    /// What to do now, in order (taken: the next call starts empty).
+    pub fn actions(&mut self) -> Vec<Action> {
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// The current ring's number.
+    pub fn gen(&self) -> u64 {
+        self.gen
+    }
+
+    /// Whether a ring is installed.
+    pub fn connected(&self) -> bool {
+        self.connected
+    }
+
+    /// Whether the engine is stopping (only the ring's `Shutdown` is awaited).
+    pub fn stopping(&self) -> bool {
+        self.stopping
+    }
+
+    fn set_health(&self, health: Health) {
+        *self.health.lock().unwrap_or_else(|p| p.into_inner()) = health;
+    }
+
+    /// A request to queue.
+    pub fn submit(&mut self, job: Box<Job>) {
+        self.queue.push_back(job);
+    }
+
+    /// Someone asks every stage for its figures.
+    pub fn stats(&mut self, reply: oneshot::Sender<Result<StageStats, String>>, now: Instant) {
+        if !self.connected {
+            let _ = reply.send(Err("the cluster is forming a new ring".into()));
+            return;
+        }
+        let msg = Message::Stats {
+            resident: Vec::new(),
+            kv_used: Vec::new(),
+        };
+        self.send(msg, Pending::Stats(reply), now);
+    }
+
+    /// A ring was formed over `n_stages` stages (0: unknown, keep the configured
+    /// number): it takes the place of the lost one, and every running request is
+    /// rebuilt on it.
+    pub fn installed(&mut self, n_stages: usize, health: Health, now: Instant) {
+        self.connected = true;
+        self.pending.clear();
+        self.steps_in_flight = 0;
+        self.last_decoded = false;
+        if n_stages > 0 {
+            self.config.n_stages = n_stages;
+        }
+        let rebuilding = self.recovery.is_some();
+        if let Some(recovery) = self.recovery.take() {
+            self.counters.rings_formed.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                secs = recovery.since.elapsed().as_secs_f32(),
+                "formed a new ring after: {}",
+                recovery.reason
+            );
+        }
+        self.set_health(health);
+        if rebuilding {
+            self.rebuild(now);
+        }
+    }
+
+    /// Starts every running sequence again on the new ring, to be sent again batch for
+    /// batch; slots' cached prefixes are gone with the old stages.
+    fn rebuild(&mut self, now: Instant) {
+        for seq in 0..self.slots.len() {
+            let slot = &mut self.slots[seq];
+            slot.forget();
+            let Some(active) = slot.active.as_mut() else { continue };
+            let repeated = active.restart();
+            self.counters
+                .tokens_replayed
+                .fetch_add(repeated as u64, Ordering::Relaxed);
+            let start = StartSeq::new(seq as u32, active.job.params.clone(), active.tokens.clone())
+                .with_logprobs(active.job.logprobs, active.job.top_logprobs)
+                .with_drawn(active.generated as u32);
+            self.send(start.into(), Pending::Control, now);
+        }
+    }
+
+    /// A reply from ring `gen`.
+    pub fn reply(&mut self, gen: u64, reply: Message, now: Instant) {
+        if gen != self.gen {
+            return;
+        }
+        let Some((_, pending)) = self.pending.pop_front() else {
+            self.fail_all(&format!("the last stage sent {} that nothing asked for", reply.kind()));
+            return;
+        };
+        match (pending, reply) {
+            (Pending::Control, Message::Done) | (Pending::Shutdown, _) => {}
+            (Pending::Control, Message::Error { first_layer, message }) => {
+                tracing::warn!(first_layer, "a control message failed: {message}");
+            }
+            (Pending::Stats(answer), Message::Stats { resident, kv_used }) => {
+                let _ = answer.send(Ok(StageStats { resident, kv_used }));
+            }
+            (Pending::Stats(answer), Message::Error { first_layer, message }) => {
+                let _ = answer.send(Err(format!("the stage from layer {first_layer}: {message}")));
+            }
+            (Pending::Step(members), Message::Sampled { tokens, .. }) => {
+                self.steps_in_flight -= 1;
+                for member in members.into_iter().filter(|m| m.sampled) {
+                    match tokens.iter().find(|t| t.seq as usize == member.seq) {
+                        Some(token) => self.on_token(member.seq, member.epoch, token, now),
+                        None => self.fail_seq(
+                            member.seq,
+                            member.epoch,
+                            "the last stage sampled no token for the sequence",
+                            now,
+                        ),
+                    }
+                }
+            }
+            (Pending::Step(members), Message::Error { first_layer, message }) => {
+                self.steps_in_flight -= 1;
+                let reason = format!("the stage from layer {first_layer}: {message}");
+                for member in members {
+                    self.fail_seq(member.seq, member.epoch, &reason, now);
+                }
+            }
+            (_, other) => self.fail_all(&format!("the ring answered out of order with {}", other.kind())),
+        }
+    }
+
+    /// Ring `gen` broke (a link failed, a node stopped answering).
+    pub fn lost(&mut self, gen: u64, reason: &str, now: Instant) {
+        if gen == self.gen && !self.stopping {
+            self.lose_ring(reason, now);
+        }
+    }
+
+    /// The current ring is gone. Supervised, the shell forms the next one while
+    /// requests wait; otherwise every request fails.
+    fn lose_ring(&mut self, reason: &str, now: Instant) {
+        self.connected = false;
+        if self.stopping {
+            self.outbox.clear();
+            return;
+        }
+        // What the old ring still says is stale from now on.
+        self.gen += 1;
+        for (_, pending) in self.pending.drain(..) {
+            if let Pending::Stats(reply) = pending {
+                let _ = reply.send(Err(reason.to_string()));
+            }
+        }
+        self.steps_in_flight = 0;
+        // Messages not yet handed to the old ring are dropped with it.
+        self.outbox.retain(|a| !matches!(a, Action::Send(_)));
+        if !self.supervised {
+            self.fail_all(reason);
+            self.set_health(Health::Failed {
+                reason: reason.to_string(),
+            });
+            return;
+        }
+        tracing::warn!("{reason}: forming a new ring");
+        self.set_health(Health::Recovering {
+            reason: reason.to_string(),
+        });
+        if self.recovery.is_none() {
+            self.recovery = Some(Recovery {
+                since: now,
+                reason: reason.to_string(),
+                gave_up: false,
+            });
+        }
+        self.outbox.push(Action::FormRing { gen: self.gen });
+    }
+
+    /// The ring source could not form a ring yet (it keeps trying).
+    pub fn form_failed(&mut self, error: FormError) {
+        match error {
+            FormError::Capacity(reason) => {
+                self.set_health(Health::Waiting { reason: reason.clone() });
+                if let Some(recovery) = self.recovery.as_mut() {
+                    if !recovery.gave_up {
+                        recovery.gave_up = true;
+                        let message = format!("{}, and {reason}", recovery.reason);
+                        self.fail_requests(&message);
+                    }
+                }
+            }
+            FormError::Retry(reason) => {
+                if let Some(recovery) = self.recovery.as_ref() {
+                    let reason = format!("{}; forming a new ring failed: {reason}", recovery.reason);
+                    self.set_health(Health::Recovering { reason });
+                }
+            }
+        }
+    }
+
+    /// The engine is stopping: the ring is shut down, if there is one (wait for its
+    /// `Shutdown` to come back while [`connected`](Self::connected)).
+    pub fn shutdown(&mut self, now: Instant) {
+        self.stopping = true;
+        self.send(Message::Shutdown, Pending::Shutdown, now);
+    }
+
+    /// Everything that depends on time or on what the last event changed: deadlines,
+    /// clients that went away, moving back to a better ring, admission, and filling the
+    /// ring with micro-batches. `returned`: a lost node answers again.
+    pub fn poll(&mut self, now: Instant, returned: bool) {
+        if self.stopping {
+            return;
+        }
+        self.check_recovery_time(now);
+        self.check_step_time(now);
+        self.drop_abandoned(now);
+        if !self.connected {
+            return;
+        }
+        if returned && self.idle() {
+            self.lose_ring("a lost worker is back: moving to the better plan", now);
+            return;
+        }
+        self.admit(now);
+        self.schedule(now);
+    }
+
+    fn idle(&self) -> bool {
+        self.slots.iter().all(|s| s.active.is_none()) && self.queue.is_empty() && self.pending.is_empty()
+    }
+
+    /// Running and queued requests fail once recovery has taken longer than allowed.
+    fn check_recovery_time(&mut self, now: Instant) {
+        let Some(recovery) = self.recovery.as_mut() else { return };
+        if recovery.gave_up || now.duration_since(recovery.since) < self.config.recovery_timeout {
+            return;
+        }
+        recovery.gave_up = true;
+        let reason = format!(
+            "{}, and no new ring could be formed within {} s",
+            recovery.reason,
+            self.config.recovery_timeout.as_secs_f32()
+        );
+        self.set_health(Health::Waiting { reason: reason.clone() });
+        self.fail_requests(&reason);
+    }
+
+    /// A ring whose oldest message has gone unanswered for `step_timeout` is stuck
+    /// somewhere a heartbeat cannot see (a stage wedged in its computation).
+    fn check_step_time(&mut self, now: Instant) {
+        let Some((sent, _)) = self.pending.front() else { return };
+        if self.connected && now.duration_since(*sent) > self.config.step_timeout {
+            let secs = self.config.step_timeout.as_secs_f32();
+            self.lose_ring(&format!("the ring did not answer a step within {secs} s"), now);
+        }
+    }
+
+    /// Remembers that `msg` goes into the ring and what its reply will answer.
+    fn send(&mut self, msg: Message, pending: Pending, now: Instant) {
+        if !self.connected {
+            if let Pending::Stats(reply) = pending {
+                let _ = reply.send(Err("the cluster is forming a new ring".into()));
+            }
+            return;
+        }
+        self.pending.push_back((now, pending));
+        self.outbox.push(Action::Send(msg));
+    }
+
+    /// The shell could not hand a message to the first stage.
+    pub fn send_failed(&mut self, error: &str, now: Instant) {
+        self.lose_ring(&format!("cannot reach the first stage: {error}"), now);
+    }
+
+    /// Every running and waiting request fails with `reason`; slots forget their cache.
+    fn fail_requests(&mut self, reason: &str) {
+        tracing::error!("{reason}");
+        for slot in &mut self.slots {
+            if let Some(active) = slot.active.take() {
+                let _ = active.job.events.send(Event::Failed(reason.to_string()));
+                self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
+            }
+            slot.forget();
+        }
+        for job in self.queue.drain(..) {
+            let _ = job.events.send(Event::Failed(reason.to_string()));
+            self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        self.counters.active.store(0, Ordering::Relaxed);
+        self.counters.queued.store(0, Ordering::Relaxed);
+    }
+
+    /// The ring is gone for good: every request fails, and so will every new one.
+    fn fail_all(&mut self, reason: &str) {
+        self.fail_requests(reason);
+        for (_, pending) in self.pending.drain(..) {
+            if let Pending::Stats(reply) = pending {
+                let _ = reply.send(Err(reason.to_string()));
+            }
+        }
+    }
+
+    /// Requests whose client went away: queued ones are dropped, running ones ended on
+    /// every stage (the `EndSeq` follows their steps in flight, so it lands after them).
+    fn drop_abandoned(&mut self, now: Instant) {
+        let before = self.queue.len();
+        self.queue.retain(|job| !job.events.is_closed());
+        let dropped = before - self.queue.len();
+        if dropped > 0 {
+            self.counters.queued.fetch_sub(dropped, Ordering::Relaxed);
+            self.counters
+                .requests_cancelled
+                .fetch_add(dropped as u64, Ordering::Relaxed);
+        }
+        for seq in 0..self.slots.len() {
+            if self.slots[seq]
+                .active
+                .as_ref()
+                .is_some_and(|a| a.job.events.is_closed())
+            {
+                self.cancel(seq, now);
+            }
+        }
+    }
+
+    fn cancel(&mut self, seq: usize, now: Instant) {
+        let slot = &mut self.slots[seq];
+        if slot.active.take().is_none() {
+            return;
+        }
+        slot.forget();
+        self.counters.active.fetch_sub(1, Ordering::Relaxed);
+        self.counters.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(seq, "client went away: ending the sequence on every stage");
+        self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
+    }
+
+    /// Gives free slots to waiting requests, preferring the slot whose cache the prompt
+    /// can reuse most of.
+    fn admit(&mut self, now: Instant) {
+        let chunk = self.config.chunk.max(1);
+        while self.connected {
+            let Some(job) = self.queue.front() else { break };
+            let Some(seq) = choose_slot(&self.slots, &job.prompt, chunk) else {
+                break;
+            };
+            let job = self.queue.pop_front().expect("the queue is not empty");
+            self.counters.queued.fetch_sub(1, Ordering::Relaxed);
+            self.counters.active.fetch_add(1, Ordering::Relaxed);
+            let slot = &mut self.slots[seq];
+            let n_reused = reusable_prefix(&slot.cached, &slot.cached_runs, &job.prompt, chunk);
+            self.counters
+                .prompt_tokens_reused
+                .fetch_add(n_reused as u64, Ordering::Relaxed);
+            self.counters
+                .prompt_tokens_computed
+                .fetch_add((job.prompt.len() - n_reused) as u64, Ordering::Relaxed);
+            let start = StartSeq::new(seq as u32, job.params.clone(), job.prompt.clone())
+                .keeping(n_reused as u32)
+                .with_logprobs(job.logprobs, job.top_logprobs);
+            let epoch = self.next_epoch;
+            self.next_epoch += 1;
+            slot.last_used = epoch;
+            slot.cached.clear();
+            let runs = runs_prefix(&std::mem::take(&mut slot.cached_runs), n_reused);
+            tracing::debug!(
+                seq,
+                epoch,
+                prompt = job.prompt.len(),
+                reused = n_reused,
+                "request starts"
+            );
+            slot.active = Some(Active::new(job, epoch, n_reused, runs));
+            self.send(start.into(), Pending::Control, now);
+        }
+    }
+
+    /// Fills the ring: up to one micro-batch per stage (plus one waiting at the first).
+    fn schedule(&mut self, now: Instant) {
+        let rules = BatchRules {
+            chunk: self.config.chunk,
+            n_stages: self.config.n_stages,
+            max_decode_rows: self.config.max_decode_rows,
+        };
+        while self.connected && self.steps_in_flight <= self.config.n_stages {
+            let step = self.next_step;
+            let Some((forward, members)) = next_batch(&mut self.slots, rules, &mut self.last_decoded, step) else {
+                break;
+            };
+            self.next_step += 1;
+            self.steps_in_flight += 1;
+            self.counters.steps.fetch_add(1, Ordering::Relaxed);
+            self.send(Message::Forward(forward), Pending::Step(members), now);
+        }
+    }
+
+    fn current(&mut self, seq: usize, epoch: u64) -> Option<&mut Active> {
+        self.slots.get_mut(seq)?.active.as_mut().filter(|a| a.epoch == epoch)
+    }
+
+    fn fail_seq(&mut self, seq: usize, epoch: u64, reason: &str, now: Instant) {
+        let Some(active) = self.current(seq, epoch) else { return };
+        let _ = active.job.events.send(Event::Failed(reason.to_string()));
+        self.slots[seq].active = None;
+        self.slots[seq].forget();
+        self.counters.active.fetch_sub(1, Ordering::Relaxed);
+        self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
+        self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
+    }
+
+    fn on_token(&mut self, seq: usize, epoch: u64, sampled: &SampledToken, now: Instant) {
+        let vocab = self.vocab.clone();
+        let Some(active) = self.current(seq, epoch) else { return };
+        active.waiting = false;
+        let end = if vocab.is_end_of_generation(sampled.token) {
+            Some((FinishReason::Stop, active.text.finish()))
+        } else {
+            active.tokens.push(sampled.token);
+            active.generated += 1;
+            let (text, stopped) = match active.text.push(&vocab.token_bytes(sampled.token)) {
+                Piece::Text(text) => (text, false),
+                Piece::Stop(text) => (text, true),
+            };
+            let out = TokenOut {
+                id: sampled.token,
+                text,
+                logprob: sampled.logprob,
+                top: sampled.top.clone(),
+            };
+            if active.job.events.send(Event::Token(out)).is_err() {
+                self.cancel(seq, now);
+                return;
+            }
+            if stopped {
+                Some((FinishReason::Stop, String::new()))
+            } else if active.generated >= active.job.max_tokens {
+                Some((FinishReason::Length, active.text.finish()))
+            } else {
+                None
+            }
+        };
+        if let Some((reason, tail)) = end {
+            self.finish(seq, reason, tail);
+        }
+    }
+
+    fn finish(&mut self, seq: usize, reason: FinishReason, tail: String) {
+        let slot = &mut self.slots[seq];
+        let Some(mut active) = slot.active.take() else { return };
+        // Everything sent is in every stage's cache; the last sampled token is not.
+        active.tokens.truncate(active.n_sent);
+        slot.cached = active.tokens;
+        slot.cached_runs = std::mem::take(&mut active.runs);
+        self.counters.active.fetch_sub(1, Ordering::Relaxed);
+        self.counters.requests_finished.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .completion_tokens
+            .fetch_add(active.generated as u64, Ordering::Relaxed);
+        tracing::debug!(seq, generated = active.generated, ?reason, "request finished");
+        let _ = active.job.events.send(Event::Finished(Finish {
+            reason,
+            tail,
+            prompt_tokens: active.n_prompt,
+            cached_tokens: active.n_reused,
+            completion_tokens: active.generated,
+        }));
+    }
+}
+
+/// How long the shell may wait for the next event before polling the core again (for
+/// its deadlines and for clients that went away).
+pub(crate) const POLL_INTERVAL: Duration = Duration::from_millis(100);

@@ -1,0 +1,443 @@
+//! The engine's core driven step by step, with a fake vocabulary and a clock made of
+//! `Instant`s: what it sends, what requests see, and what a lost ring does to them.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use baton_proto::{Forward, Message, Payload, SampledToken};
+use baton_sample::SamplingParams;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::core::{Action, Core};
+use super::types::{Counters, EngineConfig, Event, FinishReason, FormError, Health, Job, Vocab};
+
+/// Token 0 ends generation; token `t` reads `<t>`.
+struct Tokens;
+
+impl Vocab for Tokens {
+    fn is_end_of_generation(&self, token: u32) -> bool {
+        token == 0
+    }
+
+    fn token_bytes(&self, token: u32) -> Vec<u8> {
+        format!("<{token}>").into_bytes()
+    }
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        n_slots: 2,
+        slot_ctx: 64,
+        chunk: 4,
+        n_stages: 1,
+        max_decode_rows: 3,
+        max_queue: 8,
+        recovery_timeout: Duration::from_secs(30),
+        step_timeout: Duration::from_secs(60),
+    }
+}
+
+struct Harness {
+    core: Core,
+    counters: Arc<Counters>,
+    health: Arc<Mutex<Health>>,
+    now: Instant,
+}
+
+impl Harness {
+    fn new(supervised: bool) -> Harness {
+        let counters = Arc::new(Counters::default());
+        let health = Arc::new(Mutex::new(Health::Serving {
+            stages: vec![],
+            lost: vec![],
+        }));
+        let mut core = Core::new(config(), Arc::new(Tokens), counters.clone(), health.clone(), supervised);
+        let now = Instant::now();
+        core.installed(1, serving(), now);
+        Harness {
+            core,
+            counters,
+            health,
+            now,
+        }
+    }
+
+    fn job(&mut self, prompt: &[u32], max_tokens: usize) -> UnboundedReceiver<Event> {
+        let (events, receiver) = unbounded_channel();
+        self.core.submit(Box::new(Job {
+            prompt: prompt.to_vec(),
+            params: SamplingParams::greedy(),
+            max_tokens,
+            logprobs: false,
+            top_logprobs: 0,
+            stop: Vec::new(),
+            events,
+        }));
+        receiver
+    }
+
+    /// Polls and returns the messages the core sends.
+    fn poll(&mut self) -> Vec<Message> {
+        self.core.poll(self.now, false);
+        sends(self.core.actions())
+    }
+
+    /// Answers `msg` as the ring would: control messages with `Done`, a forward with
+    /// `tokens` for its sampled rows, in order.
+    fn answer(&mut self, msg: &Message, tokens: &[u32]) {
+        let reply = match msg {
+            Message::Forward(f) => sampled(f, tokens),
+            _ => Message::Done,
+        };
+        let gen = self.core.gen();
+        self.core.reply(gen, reply, self.now);
+    }
+
+    /// Polls and answers until nothing more is sent; sampled rows get `tokens` in turn
+    /// (the last one repeated). Returns everything sent.
+    fn poll_answering(&mut self, tokens: &[u32]) -> Vec<Message> {
+        let mut all = Vec::new();
+        let mut next = 0;
+        loop {
+            let sent = self.poll();
+            if sent.is_empty() {
+                return all;
+            }
+            for msg in &sent {
+                let sampled = matches!(msg, Message::Forward(f) if !f.sample_rows.is_empty());
+                let token = tokens[next.min(tokens.len() - 1)];
+                next += usize::from(sampled);
+                self.answer(msg, &[token]);
+            }
+            all.extend(sent);
+        }
+    }
+
+    fn health(&self) -> Health {
+        self.health.lock().unwrap().clone()
+    }
+}
+
+fn serving() -> Health {
+    Health::Serving {
+        stages: vec!["stage".into()],
+        lost: vec![],
+    }
+}
+
+fn sends(actions: Vec<Action>) -> Vec<Message> {
+    actions
+        .into_iter()
+        .filter_map(|a| match a {
+            Action::Send(m) => Some(m),
+            Action::FormRing { .. } => None,
+        })
+        .collect()
+}
+
+fn sampled(forward: &Forward, tokens: &[u32]) -> Message {
+    let tokens = forward
+        .sample_rows
+        .iter()
+        .zip(tokens)
+        .map(|(&row, &token)| SampledToken {
+            seq: forward.seq_ids[row as usize],
+            token,
+            logprob: f32::NAN,
+            top: vec![],
+        })
+        .collect();
+    Message::Sampled {
+        step: forward.step,
+        tokens,
+    }
+}
+
+/// The sequence id of the first `StartSeq` in `sent`.
+fn start_seq(sent: &[Message]) -> u32 {
+    sent.iter()
+        .find_map(|m| match m {
+            Message::StartSeq { seq, .. } => Some(*seq),
+            _ => None,
+        })
+        .expect("a StartSeq was sent")
+}
+
+fn forward(msg: &Message) -> &Forward {
+    match msg {
+        Message::Forward(f) => f,
+        other => panic!("expected a forward, got {other:?}"),
+    }
+}
+
+fn tokens(forward: &Forward) -> &[u32] {
+    match &forward.payload {
+        Payload::Tokens(t) => t,
+        other => panic!("expected tokens, got {other:?}"),
+    }
+}
+
+fn events(receiver: &mut UnboundedReceiver<Event>) -> Vec<Event> {
+    std::iter::from_fn(|| receiver.try_recv().ok()).collect()
+}
+
+fn texts(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Token(t) => Some(t.text.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_request_runs_from_its_prompt_chunks_to_its_length() {
+    let mut h = Harness::new(false);
+    let mut rx = h.job(&[1, 2, 3, 4, 5, 6], 3);
+    let sent = h.poll();
+    // StartSeq, then the prompt in chunks of 4 (up to one per stage plus one waiting).
+    assert!(matches!(sent[0], Message::StartSeq { keep: 0, .. }), "{sent:?}");
+    assert_eq!(tokens(forward(&sent[1])), &[1, 2, 3, 4]);
+    assert_eq!(tokens(forward(&sent[2])), &[5, 6]);
+    assert_eq!(forward(&sent[2]).sample_rows, vec![1]);
+    h.answer(&sent[0], &[]);
+    h.answer(&sent[1], &[]);
+    h.answer(&sent[2], &[7]);
+    let mut generated = vec![7];
+    for next in [8, 9] {
+        let sent = h.poll();
+        assert_eq!(sent.len(), 1, "one decode row: {sent:?}");
+        assert_eq!(tokens(forward(&sent[0])), &[*generated.last().unwrap()]);
+        h.answer(&sent[0], &[next]);
+        generated.push(next);
+    }
+    let events = events(&mut rx);
+    assert_eq!(texts(&events), vec!["<7>", "<8>", "<9>"]);
+    match events.last() {
+        Some(Event::Finished(f)) => {
+            assert_eq!(f.reason, FinishReason::Length);
+            assert_eq!((f.prompt_tokens, f.completion_tokens, f.cached_tokens), (6, 3, 0));
+        }
+        other => panic!("expected the end, got {other:?}"),
+    }
+    assert!(h.poll().is_empty(), "nothing left to send");
+}
+
+#[test]
+fn the_end_token_stops_and_the_next_request_reuses_whole_chunks() {
+    let mut h = Harness::new(false);
+    let prompt: Vec<u32> = (1..=10).collect();
+    let mut rx = h.job(&prompt, 10);
+    let first_seq = start_seq(&h.poll_answering(&[0]));
+    match events(&mut rx).last() {
+        Some(Event::Finished(f)) => assert_eq!(f.reason, FinishReason::Stop),
+        other => panic!("{other:?}"),
+    }
+    // The same prompt again: the two whole chunks of 4 are reused, [8, 9, 10] computed
+    // as the fresh run's last chunk; the slot that held it is chosen.
+    let _rx = h.job(&prompt, 10);
+    let sent = h.poll();
+    assert!(matches!(sent[0], Message::StartSeq { keep: 8, .. }), "{sent:?}");
+    assert_eq!(start_seq(&sent), first_seq, "the slot holding the prefix");
+    assert_eq!(tokens(forward(&sent[1])), &[9, 10]);
+    assert_eq!(forward(&sent[1]).positions, vec![8, 9]);
+    assert_eq!(
+        h.counters
+            .prompt_tokens_reused
+            .load(std::sync::atomic::Ordering::Relaxed),
+        8
+    );
+}
+
+#[test]
+fn a_client_that_goes_away_is_ended_on_every_stage() {
+    let mut h = Harness::new(false);
+    let rx = h.job(&[1, 2], 10);
+    let sent = h.poll();
+    let seq = start_seq(&sent);
+    for msg in &sent {
+        h.answer(msg, &[5]);
+    }
+    drop(rx);
+    let sent = h.poll();
+    assert_eq!(sent, vec![Message::EndSeq { seq }]);
+    assert_eq!(
+        h.counters.requests_cancelled.load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    // A queued request whose client left never starts.
+    let queued = h.job(&[3], 1);
+    drop(queued);
+    let sent = h.poll();
+    assert!(sent.iter().all(|m| !matches!(m, Message::StartSeq { .. })), "{sent:?}");
+}
+
+#[test]
+fn a_lost_ring_rebuilds_running_requests_batch_for_batch() {
+    let mut h = Harness::new(true);
+    let mut rx = h.job(&[1, 2, 3, 4, 5, 6], 10);
+    let first: Vec<Message> = h.poll();
+    for msg in &first {
+        h.answer(msg, &[7]);
+    }
+    let decode = h.poll();
+    h.answer(&decode[0], &[8]);
+    // The ring breaks while the next decode row is in flight.
+    let in_flight = h.poll();
+    assert_eq!(tokens(forward(&in_flight[0])), &[8]);
+    let gen = h.core.gen();
+    h.core
+        .lost(gen, "worker w:1 was lost: it closed its heartbeat connection", h.now);
+    assert_eq!(h.core.actions(), vec![Action::FormRing { gen: gen + 1 }]);
+    assert!(matches!(h.health(), Health::Recovering { .. }));
+    // A late reply from the old ring changes nothing.
+    h.core.reply(gen, Message::Done, h.now);
+
+    h.core.installed(1, serving(), h.now);
+    let rebuilt = sends(h.core.actions());
+    match &rebuilt[..] {
+        [Message::StartSeq {
+            keep: 0,
+            history,
+            drawn: 2,
+            ..
+        }] => assert_eq!(history, &[1, 2, 3, 4, 5, 6, 7, 8]),
+        other => panic!("expected one StartSeq, got {other:?}"),
+    }
+    h.answer(&rebuilt[0], &[]);
+    let replay = h.poll();
+    let shapes: Vec<(Vec<u32>, Vec<u32>)> = replay
+        .iter()
+        .map(|m| (tokens(forward(m)).to_vec(), forward(m).sample_rows.clone()))
+        .collect();
+    // Chunks of 4 and 2 and the decode row of 7 as before; the row of 8 is sampled.
+    assert_eq!(shapes[..2], [(vec![1, 2, 3, 4], vec![]), (vec![5, 6], vec![])]);
+    for msg in &replay {
+        h.answer(msg, &[]);
+    }
+    let mut rest = h.poll();
+    while rest.iter().all(|m| forward(m).sample_rows.is_empty()) && !rest.is_empty() {
+        for msg in &rest {
+            h.answer(msg, &[]);
+        }
+        rest = h.poll();
+    }
+    let all: Vec<Vec<u32>> = replay
+        .iter()
+        .chain(&rest)
+        .map(|m| tokens(forward(m)).to_vec())
+        .collect();
+    assert_eq!(all, vec![vec![1, 2, 3, 4], vec![5, 6], vec![7], vec![8]]);
+    for msg in &rest {
+        h.answer(msg, &[9]);
+    }
+    assert_eq!(
+        texts(&events(&mut rx)),
+        vec!["<7>", "<8>", "<9>"],
+        "no token repeated or missing"
+    );
+    assert_eq!(h.counters.tokens_replayed.load(std::sync::atomic::Ordering::Relaxed), 8);
+}
+
+#[test]
+fn without_a_ring_source_a_loss_fails_every_request() {
+    let mut h = Harness::new(false);
+    let mut rx = h.job(&[1, 2], 4);
+    h.poll();
+    let gen = h.core.gen();
+    h.core.lost(gen, "the ring broke: link to stage 1 is closed", h.now);
+    assert!(h.core.actions().is_empty(), "nothing forms a new ring");
+    assert!(matches!(h.health(), Health::Failed { .. }));
+    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.contains("link to stage 1")));
+}
+
+#[test]
+fn deadlines_come_from_the_clock_given() {
+    // A step unanswered for longer than the step timeout: the ring counts as lost.
+    let mut h = Harness::new(true);
+    let _rx = h.job(&[1, 2], 4);
+    h.poll();
+    h.now += Duration::from_secs(59);
+    h.core.poll(h.now, false);
+    assert!(h.core.actions().is_empty());
+    h.now += Duration::from_secs(2);
+    h.core.poll(h.now, false);
+    assert!(matches!(h.core.actions()[..], [Action::FormRing { .. }]));
+
+    // No new ring within the recovery timeout: running requests fail, health waits.
+    let mut h = Harness::new(true);
+    let mut rx = h.job(&[1, 2], 4);
+    h.poll();
+    let gen = h.core.gen();
+    h.core.lost(gen, "worker w:1 was lost", h.now);
+    h.core.actions();
+    h.core.form_failed(FormError::Retry("w:2 refused".into()));
+    h.now += Duration::from_secs(31);
+    h.core.poll(h.now, false);
+    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.contains("within 30 s")));
+    assert!(matches!(h.health(), Health::Waiting { .. }));
+}
+
+#[test]
+fn without_capacity_requests_fail_at_once_and_new_ones_wait_for_a_ring() {
+    let mut h = Harness::new(true);
+    let mut rx = h.job(&[1, 2], 4);
+    h.poll();
+    let gen = h.core.gen();
+    h.core.lost(gen, "worker w:1 was lost", h.now);
+    h.core
+        .form_failed(FormError::Capacity("the workers left cannot hold the model".into()));
+    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.contains("cannot hold")));
+    assert!(matches!(h.health(), Health::Waiting { .. }));
+    let _later = h.job(&[3], 1);
+    assert!(h.poll().is_empty(), "nothing is sent without a ring");
+}
+
+#[test]
+fn when_a_lost_node_returns_an_idle_engine_moves_to_the_better_ring() {
+    let mut h = Harness::new(true);
+    let rx = h.job(&[1], 1);
+    let sent = h.poll();
+    h.core.poll(h.now, true);
+    assert!(h.core.actions().is_empty(), "busy: stays on the ring it has");
+    for msg in &sent {
+        h.answer(msg, &[5]);
+    }
+    drop(rx);
+    h.core.poll(h.now, true);
+    assert!(matches!(h.core.actions()[..], [Action::FormRing { .. }]));
+}
+
+#[test]
+fn a_stage_error_fails_only_the_sequences_of_its_step() {
+    let mut h = Harness::new(false);
+    let mut a = h.job(&[1], 4);
+    let mut b = h.job(&[2], 4);
+    let sent = h.poll();
+    // StartSeq a, StartSeq b, prompt of a (alone), prompt of b waits its turn... answer
+    // the first forward with an error.
+    let step = sent.iter().position(|m| matches!(m, Message::Forward(_))).unwrap();
+    for msg in &sent[..step] {
+        h.answer(msg, &[]);
+    }
+    let gen = h.core.gen();
+    h.core.reply(
+        gen,
+        Message::Error {
+            first_layer: 12,
+            message: "out of memory".into(),
+        },
+        h.now,
+    );
+    let failed = |rx: &mut UnboundedReceiver<Event>| events(rx).iter().any(|e| matches!(e, Event::Failed(_)));
+    let a_seq = start_seq(&sent);
+    let first_seq = forward(&sent[step]).seq_ids[0];
+    let (hit, spared) = if first_seq == a_seq {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    assert!(failed(hit), "the sequence of the failed step fails");
+    assert!(!failed(spared), "the other goes on");
+}

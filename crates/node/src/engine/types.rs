@@ -1,0 +1,255 @@
+//! What the engine's users see: its configuration, requests and their events, refusals,
+//! counters, health, and the interface through which it gets rings to run on.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_sample::SamplingParams;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::head::Head;
+
+/// How the engine shares the ring.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Sequences computed at once (`--parallel`).
+    pub n_slots: usize,
+    /// KV cache cells per slot: prompt plus generated tokens of one request.
+    pub slot_ctx: usize,
+    /// Most prompt tokens per micro-batch; a longer prompt goes in chunks back to back.
+    pub chunk: usize,
+    /// Stages in the ring: decoding sequences are split into this many groups.
+    pub n_stages: usize,
+    /// Most decode rows in one micro-batch: as many as ggml computes with the kernel it
+    /// uses for a single row, so that a sequence generates the same beside others as
+    /// alone ([`max_decode_rows`]).
+    pub max_decode_rows: usize,
+    /// Requests allowed to wait for a slot before new ones are refused.
+    pub max_queue: usize,
+    /// Longest the engine tries to form a new ring after losing a node before running
+    /// requests fail (it keeps trying for new ones).
+    pub recovery_timeout: Duration,
+    /// Longest the ring may take to answer one message before it counts as broken
+    /// (a stage stuck in its computation, which heartbeats do not see).
+    pub step_timeout: Duration,
+}
+
+/// Called (from any thread) with a node's address and why it is lost.
+pub type OnLost = Arc<dyn Fn(&str, &str) + Send + Sync>;
+
+/// Forms rings for the engine: once at the start, and again whenever a node is lost.
+pub trait RingSource: Send {
+    /// Closes the current ring, if any, and forms a new one over the nodes that answer
+    /// now. `on_lost` is called when a node of the new ring stops answering.
+    fn form(&mut self, on_lost: OnLost) -> Result<Formed, FormError>;
+    /// Whether a node that was lost answers again (a better ring may be formed).
+    fn returned(&self) -> bool;
+}
+
+/// A ring just formed.
+pub struct Formed {
+    /// Its two ends.
+    pub head: Head,
+    /// Each stage, in ring order, described for people (node and layers).
+    pub stages: Vec<String>,
+    /// Nodes out of the ring because they were lost, and why.
+    pub lost: Vec<(String, String)>,
+}
+
+/// Why no ring could be formed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FormError {
+    /// The nodes that answer cannot hold the model: nothing runs until one returns.
+    Capacity(String),
+    /// Something else failed; trying again may work.
+    Retry(String),
+}
+
+/// What the engine can do now, for `/health` and the logs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Computing over these stages; `lost` nodes are out of the ring.
+    Serving {
+        /// Each stage (node and layers).
+        stages: Vec<String>,
+        /// Nodes lost and why.
+        lost: Vec<(String, String)>,
+    },
+    /// A node was lost; a new ring is being formed, running requests wait.
+    Recovering {
+        /// What was lost.
+        reason: String,
+    },
+    /// No ring can be formed until a lost node returns; requests are refused.
+    Waiting {
+        /// Why, and what is awaited.
+        reason: String,
+    },
+    /// The ring broke and cannot be formed again (an in-process ring).
+    Failed {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// One request for the engine.
+#[derive(Debug)]
+pub struct Job {
+    /// Prompt tokens (not empty).
+    pub prompt: Vec<u32>,
+    /// Sampler settings.
+    pub params: SamplingParams,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Report each token's log-probability.
+    pub logprobs: bool,
+    /// And this many alternatives (with `logprobs`).
+    pub top_logprobs: u8,
+    /// Generation stops before any of these strings; they are never sent.
+    pub stop: Vec<String>,
+    /// Where the engine reports; dropping the receiver cancels the request.
+    pub events: UnboundedSender<Event>,
+}
+
+/// What the engine reports about a request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A generated token and the text it releases (possibly empty: text that could
+    /// still become a stop string, or half a character, waits for later tokens).
+    Token(TokenOut),
+    /// The request ended normally.
+    Finished(Finish),
+    /// The request failed.
+    Failed(String),
+}
+
+/// One generated token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenOut {
+    /// Token id.
+    pub id: u32,
+    /// Text released with this token.
+    pub text: String,
+    /// Log-probability (NaN unless asked for).
+    pub logprob: f32,
+    /// Best alternatives with their log-probabilities.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// The end of a request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finish {
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// Text held back until the end (a possible stop string that did not complete).
+    pub tail: String,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose cache was reused instead of computed.
+    pub cached_tokens: usize,
+    /// Generated tokens (an end-of-generation token is not counted).
+    pub completion_tokens: usize,
+}
+
+/// Why a request is refused before it starts.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// Prompt plus `max_tokens` do not fit a slot.
+    #[error(
+        "this model's context per sequence is {slot_ctx} tokens, but the request needs {prompt} prompt \
+         tokens plus {max_tokens} to generate"
+    )]
+    TooLong {
+        slot_ctx: usize,
+        prompt: usize,
+        max_tokens: usize,
+    },
+    /// The prompt has no tokens.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// Every slot is busy and the queue is full.
+    #[error("the server is overloaded: {queued} requests are already waiting; retry later")]
+    Overloaded { queued: usize },
+    /// The ring failed; nothing can be computed.
+    #[error("the cluster is unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Counters a test or an operator can read at any time.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Prompt tokens computed on the stages.
+    pub prompt_tokens_computed: AtomicU64,
+    /// Prompt tokens whose cache was reused.
+    pub prompt_tokens_reused: AtomicU64,
+    /// Tokens generated.
+    pub completion_tokens: AtomicU64,
+    /// Requests that finished normally.
+    pub requests_finished: AtomicU64,
+    /// Requests ended because their client went away.
+    pub requests_cancelled: AtomicU64,
+    /// Requests that failed.
+    pub requests_failed: AtomicU64,
+    /// Micro-batches sent into the ring.
+    pub steps: AtomicU64,
+    /// Sequences being computed now.
+    pub active: AtomicUsize,
+    /// Requests waiting for a slot.
+    pub queued: AtomicUsize,
+    /// Rings formed after the first (a node lost, or back).
+    pub rings_formed: AtomicU64,
+    /// Tokens computed again to rebuild sequences on a new ring.
+    pub tokens_replayed: AtomicU64,
+}
+
+/// Per-stage figures, in ring order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageStats {
+    /// Resident bytes.
+    pub resident: Vec<u64>,
+    /// KV cache cells holding a token.
+    pub kv_used: Vec<u32>,
+}
+
+/// What the engine needs of a tokenizer: when generation ends, and each token's bytes.
+/// libllama's vocabulary in production; a table in tests.
+pub trait Vocab: Send + Sync {
+    /// Whether `token` ends generation (end-of-sequence, end-of-turn, ...).
+    fn is_end_of_generation(&self, token: u32) -> bool;
+    /// The bytes `token` stands for in generated text (special tokens render empty).
+    fn token_bytes(&self, token: u32) -> Vec<u8>;
+}
+
+impl Vocab for baton_ggml::LlamaModel {
+    fn is_end_of_generation(&self, token: u32) -> bool {
+        baton_ggml::LlamaModel::is_end_of_generation(self, token)
+    }
+
+    fn token_bytes(&self, token: u32) -> Vec<u8> {
+        baton_ggml::LlamaModel::token_bytes(self, token, false)
+    }
+}
+
+/// Most decode rows in one micro-batch that ggml computes exactly as it computes one
+/// row alone. With weights repacked for the CPU (`CPU_REPACK`, the default) ggml takes
+/// its 4-row gemm kernel from 4 rows on (ggml-cpu/repack.cpp: "more than three rows in
+/// src1, use gemm"); on plain quantized weights the tiled kernel for K-quants starts at 8
+/// rows. Either rounds differently from the one-row kernel, and a sequence would then
+/// generate differently in company than alone.
+pub fn max_decode_rows(repack: bool) -> usize {
+    if repack {
+        3
+    } else {
+        7
+    }
+}
