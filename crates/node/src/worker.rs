@@ -98,10 +98,17 @@ impl StageWorker {
                 self.samplers.remove(&seq);
                 Message::EndSeq { seq }
             }
-            Message::Forward(forward) => match self.forward(forward) {
-                Ok(msg) => return msg,
-                Err(message) => return self.error(message),
-            },
+            Message::Forward(forward) => {
+                let span = tracing::debug_span!("step", step = forward.step, rows = forward.positions.len());
+                let _entered = span.enter();
+                let started = std::time::Instant::now();
+                let reply = match self.forward(forward) {
+                    Ok(msg) => msg,
+                    Err(message) => self.error(message),
+                };
+                tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "computed");
+                return reply;
+            }
             Message::Stats {
                 mut resident,
                 mut kv_used,
@@ -212,6 +219,8 @@ impl StageWorker {
 /// Serves `worker` until `Shutdown` or a closed link: receive, handle, send on.
 /// `Shutdown` is forwarded so every stage of the ring stops.
 pub fn run(mut worker: StageWorker, mut rx: impl Rx, mut tx: impl Tx) -> Result<(), NetError> {
+    let span = tracing::debug_span!("stage", layers = ?worker.stage.span().layers);
+    let _entered = span.enter();
     loop {
         let msg = rx.recv()?;
         let stop = matches!(msg, Message::Shutdown);

@@ -429,13 +429,13 @@ impl Core {
 
     fn cancel(&mut self, seq: usize, now: Instant) {
         let slot = &mut self.slots[seq];
-        if slot.active.take().is_none() {
-            return;
-        }
+        let Some(active) = slot.active.take() else { return };
         slot.forget();
         self.counters.active.fetch_sub(1, Ordering::Relaxed);
         self.counters.requests_cancelled.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(seq, "client went away: ending the sequence on every stage");
+        active
+            .span
+            .in_scope(|| tracing::debug!("the client went away: ending the sequence on every stage"));
         self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
     }
 
@@ -504,6 +504,7 @@ impl Core {
 
     fn fail_seq(&mut self, seq: usize, epoch: u64, reason: &str, now: Instant) {
         let Some(active) = self.current(seq, epoch) else { return };
+        active.span.in_scope(|| tracing::debug!("failed: {reason}"));
         let _ = active.job.events.send(Event::Failed(reason.to_string()));
         self.slots[seq].active = None;
         self.slots[seq].forget();
@@ -516,6 +517,11 @@ impl Core {
         let vocab = self.vocab.clone();
         let Some(active) = self.current(seq, epoch) else { return };
         active.waiting = false;
+        if active.generated == 0 {
+            active
+                .span
+                .in_scope(|| tracing::debug!(token = sampled.token, "first token"));
+        }
         let end = if vocab.is_end_of_generation(sampled.token) {
             Some((FinishReason::Stop, active.text.finish()))
         } else {
@@ -560,7 +566,9 @@ impl Core {
         self.counters
             .completion_tokens
             .fetch_add(active.generated as u64, Ordering::Relaxed);
-        tracing::debug!(seq, generated = active.generated, ?reason, "request finished");
+        active
+            .span
+            .in_scope(|| tracing::debug!(generated = active.generated, ?reason, "finished"));
         let _ = active.job.events.send(Event::Finished(Finish {
             reason,
             tail,

@@ -57,6 +57,8 @@ pub(crate) struct Active {
     pub text: TextStream,
     /// Step counter when this sequence last went into a batch (fairness).
     pub last_batch: u64,
+    /// What its log lines belong to (`BATON_LOG=debug`).
+    pub span: tracing::Span,
 }
 
 impl Active {
@@ -75,6 +77,7 @@ impl Active {
             generated: 0,
             text: TextStream::new(&job.stop),
             last_batch: 0,
+            span: tracing::debug_span!("request", id = epoch, n_prompt = job.prompt.len(), n_reused),
             job,
         }
     }
