@@ -2,6 +2,7 @@
 
 mod bench;
 mod cert;
+mod draft;
 mod local_workers;
 mod ring;
 mod run;

@@ -139,15 +139,16 @@ impl Ring {
         &mut self,
         vocab: std::sync::Arc<baton_ggml::LlamaModel>,
         config: EngineConfig,
+        draft_model: Option<Box<dyn baton_node::engine::Drafter>>,
     ) -> anyhow::Result<Engine> {
         match self {
             Ring::Supervised { supervisor, .. } => {
                 let supervisor = supervisor.take().context("a supervised ring goes to one engine")?;
-                Engine::start_supervised(supervisor, vocab, config).map_err(|e| match e {
+                Engine::start_supervised(supervisor, vocab, config, draft_model).map_err(|e| match e {
                     FormError::Capacity(why) | FormError::Retry(why) => anyhow::anyhow!(why),
                 })
             }
-            ring => Ok(Engine::start(ring.head().take(), vocab, config)),
+            ring => Ok(Engine::start(ring.head().take(), vocab, config, draft_model)),
         }
     }
 

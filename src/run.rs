@@ -1,11 +1,15 @@
 //! `baton run`: one prompt through an in-process ring.
 
 use std::io::Write;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
+use baton_node::engine::{max_decode_rows, Draft, DraftMode, EngineConfig, Event, Job};
 use baton_node::GenerateRequest;
 use baton_sample::SamplingParams;
 use clap::Args;
 
+use crate::draft::DraftArgs;
 use crate::ring::{ClusterArgs, Ring};
 use crate::StageArgs;
 
@@ -16,6 +20,8 @@ pub struct RunArgs {
     stages: StageArgs,
     #[command(flatten)]
     cluster: ClusterArgs,
+    #[command(flatten)]
+    draft: DraftArgs,
     /// The prompt (raw text; no chat template is applied).
     #[arg(long, short = 'p', default_value = "The capital of France is")]
     prompt: String,
@@ -54,7 +60,7 @@ pub struct RunArgs {
 /// Runs the prompt and prints the text as it is generated, then timings on stderr.
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let model_path = &args.stages.model;
-    let vocab = crate::load_tokenizer(model_path)?;
+    let vocab = std::sync::Arc::new(crate::load_tokenizer(model_path)?);
     let params = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -69,40 +75,53 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     params.validate()?;
 
     let prompt = vocab.tokenize(&args.prompt, true, true)?;
+    let draft = args.draft.settings()?;
     let started = std::time::Instant::now();
     let mut ring = Ring::start(model_path, &args.stages, &args.cluster, 0)?;
     let ready = started.elapsed();
     let ranges = ring.ranges();
-    let req = GenerateRequest {
-        seq: 0,
-        prompt: &prompt,
-        params,
-        max_tokens: args.n_predict,
-        n_batch: args.batch_size,
-        logprobs: false,
-    };
     let mut stdout = std::io::stdout().lock();
     print!("{}", args.prompt);
     let mut pending = Vec::new();
-    let generation = ring.head().generate(
-        &req,
-        |t| vocab.is_end_of_generation(t),
-        |t| {
-            // Pieces may split a UTF-8 character; print only complete text.
-            pending.extend(vocab.token_bytes(t, false));
-            let valid = match std::str::from_utf8(&pending) {
-                Ok(_) => pending.len(),
-                Err(e) => e.valid_up_to(),
-            };
-            let _ = stdout.write_all(&pending[..valid]);
-            let _ = stdout.flush();
-            pending.drain(..valid);
-        },
-    )?;
+    let mut print = |t: u32| {
+        // Pieces may split a UTF-8 character; print only complete text.
+        pending.extend(vocab.token_bytes(t, false));
+        let valid = match std::str::from_utf8(&pending) {
+            Ok(_) => pending.len(),
+            Err(e) => e.valid_up_to(),
+        };
+        let _ = stdout.write_all(&pending[..valid]);
+        let _ = stdout.flush();
+        pending.drain(..valid);
+    };
+    let generated = if draft.mode == DraftMode::Off {
+        let req = GenerateRequest {
+            seq: 0,
+            prompt: &prompt,
+            params,
+            max_tokens: args.n_predict,
+            n_batch: args.batch_size,
+            logprobs: false,
+        };
+        let generation = ring
+            .head()
+            .generate(&req, |t| vocab.is_end_of_generation(t), &mut print)?;
+        let resident = ring.head().resident_bytes()?;
+        Generated {
+            n_tokens: generation.tokens.len(),
+            prompt_time: generation.prompt_time,
+            gen_time: generation.gen_time,
+            resident,
+            drafts: None,
+        }
+    } else {
+        generate_drafting(&mut ring, &args, &vocab, prompt.clone(), params, draft, &mut print)?
+    };
+    drop(print);
     println!("{}", String::from_utf8_lossy(&pending));
 
-    let resident = ring.head().resident_bytes()?;
-    let n_gen = generation.tokens.len();
+    let resident = &generated.resident;
+    let n_gen = generated.n_tokens;
     eprintln!();
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     eprintln!(
@@ -114,8 +133,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     eprintln!(
         "prompt: {} tokens in {:.3} s ({:.1} tok/s)",
         prompt.len(),
-        generation.prompt_time.as_secs_f64(),
-        prompt.len() as f64 / generation.prompt_time.as_secs_f64()
+        generated.prompt_time.as_secs_f64(),
+        prompt.len() as f64 / generated.prompt_time.as_secs_f64()
     );
     // The first generated token comes with the prompt; the rest each take one step.
     let steps = n_gen.saturating_sub(1);
@@ -123,11 +142,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         "generation: {} tokens, {:.1} tok/s",
         n_gen,
         if steps > 0 {
-            steps as f64 / generation.gen_time.as_secs_f64()
+            steps as f64 / generated.gen_time.as_secs_f64()
         } else {
             0.0
         }
     );
+    if let Some((sent, kept)) = generated.drafts {
+        eprintln!("drafts: {sent} tokens drafted, {kept} kept");
+    }
     if let Some(why) = ring.plan_why() {
         eprintln!("plan: {why}");
     }
@@ -139,4 +161,93 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// What a generation produced, however it ran.
+struct Generated {
+    n_tokens: usize,
+    prompt_time: Duration,
+    gen_time: Duration,
+    /// Each stage's resident bytes.
+    resident: Vec<u64>,
+    /// Tokens drafted and kept, when drafting.
+    drafts: Option<(u64, u64)>,
+}
+
+/// Runs the prompt through the engine (which drafts), printing tokens as they come.
+fn generate_drafting(
+    ring: &mut Ring,
+    args: &RunArgs,
+    vocab: &std::sync::Arc<baton_ggml::LlamaModel>,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    draft: Draft,
+    print: &mut dyn FnMut(u32),
+) -> anyhow::Result<Generated> {
+    let slot_ctx = args.stages.ctx_size;
+    anyhow::ensure!(
+        prompt.len() + args.n_predict <= slot_ctx,
+        "the prompt ({} tokens) and -n {} do not fit --ctx-size {slot_ctx}",
+        prompt.len(),
+        args.n_predict
+    );
+    let repack = !args.stages.no_repack;
+    let chunk = args.batch_size.max(1);
+    let config = EngineConfig {
+        n_slots: 1,
+        slot_ctx,
+        chunk,
+        n_stages: ring.ranges().len().max(1),
+        max_decode_rows: max_decode_rows(repack),
+        max_queue: 1,
+        recovery_timeout: Duration::from_secs(30),
+        step_timeout: Duration::from_secs(600),
+    };
+    let drafter = args
+        .draft
+        .load_model(vocab.n_vocab(), 1, slot_ctx, chunk, args.stages.threads(), repack)?;
+    let engine = ring.engine(vocab.clone(), config, drafter)?;
+    let (events, mut receiver) = tokio::sync::mpsc::unbounded_channel();
+    let started = Instant::now();
+    engine.submit(Job {
+        prompt,
+        params,
+        max_tokens: args.n_predict,
+        logprobs: false,
+        top_logprobs: 0,
+        stop: Vec::new(),
+        draft,
+        events,
+    })?;
+    let mut first = None;
+    let mut n_tokens = 0;
+    while let Some(event) = receiver.blocking_recv() {
+        match event {
+            Event::Token(token) => {
+                first.get_or_insert_with(Instant::now);
+                n_tokens += 1;
+                print(token.id);
+            }
+            Event::Finished(_) => break,
+            Event::Failed(why) => anyhow::bail!(why),
+        }
+    }
+    let done = Instant::now();
+    let first = first.unwrap_or(done);
+    let counters = engine.counters();
+    let drafts = (
+        counters.draft_tokens.load(Ordering::Relaxed),
+        counters.draft_accepted.load(Ordering::Relaxed),
+    );
+    let stats = tokio::runtime::Builder::new_current_thread()
+        .build()?
+        .block_on(engine.stage_stats())
+        .map_err(|e| anyhow::anyhow!(e))?;
+    Ok(Generated {
+        n_tokens,
+        prompt_time: first - started,
+        gen_time: done - first,
+        resident: stats.resident,
+        drafts: Some(drafts),
+    })
 }

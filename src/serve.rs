@@ -9,6 +9,7 @@ use baton_server::template::ChatTemplate;
 use baton_server::{AppState, ServerConfig};
 use clap::Args;
 
+use crate::draft::DraftArgs;
 use crate::ring::{ClusterArgs, Ring};
 use crate::StageArgs;
 
@@ -19,6 +20,8 @@ pub struct ServeArgs {
     stages: StageArgs,
     #[command(flatten)]
     cluster: ClusterArgs,
+    #[command(flatten)]
+    draft: DraftArgs,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -117,7 +120,17 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         recovery_timeout: std::time::Duration::from_secs_f64(args.recovery_timeout),
         step_timeout: std::time::Duration::from_secs_f64(args.step_timeout),
     };
-    let engine = ring.engine(vocab.clone(), config)?;
+    let draft = args.draft.settings()?;
+    let draft_model = args.draft.load_model(
+        vocab.n_vocab(),
+        config.n_slots,
+        config.slot_ctx,
+        config.chunk,
+        args.stages.threads(),
+        !args.stages.no_repack,
+    )?;
+    let has_draft_model = draft_model.is_some();
+    let engine = ring.engine(vocab.clone(), config, draft_model)?;
     let stages = match engine.health() {
         Health::Serving { stages, .. } if !stages.is_empty() => stages,
         _ => ranges
@@ -138,6 +151,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             model_id,
             api_key: args.api_key.clone(),
             max_body: args.max_body,
+            draft,
+            has_draft_model,
         },
     ));
 

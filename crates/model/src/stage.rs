@@ -83,6 +83,7 @@ pub struct Stage {
     alloc: Allocator,
     kv: KvCache,
     weights: StageWeights,
+    repacked: bool,
 }
 
 impl Stage {
@@ -104,12 +105,19 @@ impl Stage {
             alloc: Allocator::new_cpu(),
             kv,
             weights,
+            repacked: config.repack,
         })
     }
 
     /// The layers and roles of this stage.
     pub fn span(&self) -> &StageSpan {
         &self.span
+    }
+
+    /// Whether its weights were repacked for the CPU (llama.cpp's default), which
+    /// decides from how many rows ggml switches to batched kernels.
+    pub fn repacked(&self) -> bool {
+        self.repacked
     }
 
     /// The KV cache (for inspection).

@@ -78,6 +78,7 @@ impl Head {
             positions,
             seq_ids,
             sample_rows,
+            row_tokens: vec![],
         }))?;
         match self.rx.recv()? {
             Message::Sampled { step: got, tokens } if got == step => Ok(tokens),

@@ -9,6 +9,8 @@ use baton_net::{NetError, Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::Sampler;
 
+use crate::engine::max_decode_rows;
+
 /// A stage plus, on the last stage, one sampler per live sequence.
 pub struct StageWorker {
     stage: Stage,
@@ -145,6 +147,7 @@ impl StageWorker {
             positions,
             seq_ids,
             sample_rows,
+            row_tokens,
         } = forward;
         let widened: Vec<f32>;
         let input = match &payload {
@@ -155,15 +158,7 @@ impl StageWorker {
                 StageInput::Hidden(&widened)
             }
         };
-        let last = self.stage.span().last;
-        let logit_rows: &[u32] = if last { &sample_rows } else { &[] };
-        let batch = Batch {
-            input,
-            positions: &positions,
-            seq_ids: &seq_ids,
-            logit_rows,
-        };
-        match self.stage.forward(&batch).map_err(|e| e.to_string())? {
+        match self.compute(input, &positions, &seq_ids, &sample_rows)? {
             StageOutput::Hidden(hidden) => Ok(Message::Forward(Forward {
                 step,
                 payload: if self.wire_f16 {
@@ -174,45 +169,146 @@ impl StageWorker {
                 positions,
                 seq_ids,
                 sample_rows,
+                row_tokens,
             })),
             StageOutput::Logits(logits) => {
-                let n_vocab = if sample_rows.is_empty() {
-                    1
-                } else {
-                    logits.len() / sample_rows.len()
-                };
-                let mut tokens = Vec::with_capacity(sample_rows.len());
-                for (&row, row_logits) in sample_rows.iter().zip(logits.chunks_exact(n_vocab)) {
-                    let seq = seq_ids[row as usize];
-                    let seq_sampler = self
-                        .samplers
-                        .get_mut(&seq)
-                        .ok_or_else(|| format!("sequence {seq} has no sampler: StartSeq must come first"))?;
-                    let sampler = &mut seq_sampler.sampler;
-                    let (token, logprob, top) = if seq_sampler.logprobs {
-                        let n_top = seq_sampler.n_top;
-                        let sampled = sampler
-                            .sample_with_logprobs(row_logits, n_top)
-                            .map_err(|e| e.to_string())?;
-                        (sampled.token, sampled.logprob, sampled.top)
-                    } else {
-                        (
-                            sampler.sample(row_logits).map_err(|e| e.to_string())?,
-                            f32::NAN,
-                            Vec::new(),
-                        )
-                    };
-                    sampler.accept(token);
-                    tokens.push(SampledToken {
-                        seq,
-                        token,
-                        logprob,
-                        top,
-                    });
-                }
+                let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, &logits)?;
                 Ok(Message::Sampled { step, tokens })
             }
         }
+    }
+
+    /// Runs the batch through the stage. A batch whose every row is sampled is decode
+    /// rows (single tokens, or a token and its drafts): it is computed in pieces of at
+    /// most [`max_decode_rows`] rows, each of which ggml computes exactly as one row
+    /// alone, so a drafted token's row gives the bits a one-token step would have.
+    /// Prompt chunks are computed whole, as cut.
+    fn compute(
+        &mut self,
+        input: StageInput<'_>,
+        positions: &[i32],
+        seq_ids: &[u32],
+        sample_rows: &[u32],
+    ) -> Result<StageOutput, String> {
+        let last = self.stage.span().last;
+        let n = positions.len();
+        let cap = max_decode_rows(self.stage.repacked());
+        let all_sampled = sample_rows.len() == n && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
+        if !all_sampled || n <= cap {
+            let batch = Batch {
+                input,
+                positions,
+                seq_ids,
+                logit_rows: if last { sample_rows } else { &[] },
+            };
+            return self.stage.forward(&batch).map_err(|e| e.to_string());
+        }
+        let width = match input {
+            StageInput::Tokens(_) => 1,
+            StageInput::Hidden(hidden) => hidden.len() / n,
+        };
+        let mut out = Vec::new();
+        for start in (0..n).step_by(cap) {
+            let end = (start + cap).min(n);
+            let piece = match input {
+                StageInput::Tokens(tokens) => StageInput::Tokens(&tokens[start..end]),
+                StageInput::Hidden(hidden) => StageInput::Hidden(&hidden[start * width..end * width]),
+            };
+            let rows: Vec<u32> = (0..(end - start) as u32).collect();
+            let batch = Batch {
+                input: piece,
+                positions: &positions[start..end],
+                seq_ids: &seq_ids[start..end],
+                logit_rows: if last { &rows } else { &[] },
+            };
+            match self.stage.forward(&batch) {
+                Ok(StageOutput::Hidden(h) | StageOutput::Logits(h)) => out.extend_from_slice(&h),
+                Err(e) => {
+                    // Rows already computed hold cells: forget them with the failure.
+                    for (&seq, &pos) in seq_ids[..start].iter().zip(&positions[..start]) {
+                        self.stage.kv_mut().truncate_seq(seq, pos as usize);
+                    }
+                    return Err(e.to_string());
+                }
+            }
+        }
+        Ok(if last {
+            StageOutput::Logits(out)
+        } else {
+            StageOutput::Hidden(out)
+        })
+    }
+
+    /// Samples the batch's sampled rows, in order, each with its sequence's sampler.
+    /// With `row_tokens`, a sequence's rows after its first are drafted tokens: each is
+    /// kept only while the sample of the row before it equals it, so the sequence gets
+    /// the longest prefix of its draft that its own sampling agrees with, plus one
+    /// token, and the same random draws as without a draft. The cells of rejected rows
+    /// are dropped here at once (the head tells the other stages).
+    fn sample(
+        &mut self,
+        positions: &[i32],
+        seq_ids: &[u32],
+        sample_rows: &[u32],
+        row_tokens: &[u32],
+        logits: &[f32],
+    ) -> Result<Vec<SampledToken>, String> {
+        if sample_rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n_vocab = logits.len() / sample_rows.len();
+        if n_vocab == 0 {
+            return Err(format!(
+                "{} logits for {} sampled rows",
+                logits.len(),
+                sample_rows.len()
+            ));
+        }
+        let mut tokens = Vec::with_capacity(sample_rows.len());
+        // Sequences whose draft was rejected: their later rows are not sampled.
+        let mut stopped: Vec<u32> = Vec::new();
+        for (i, (&row, row_logits)) in sample_rows.iter().zip(logits.chunks_exact(n_vocab)).enumerate() {
+            let seq = seq_ids[row as usize];
+            if stopped.contains(&seq) {
+                continue;
+            }
+            let seq_sampler = self
+                .samplers
+                .get_mut(&seq)
+                .ok_or_else(|| format!("sequence {seq} has no sampler: StartSeq must come first"))?;
+            let sampler = &mut seq_sampler.sampler;
+            let (token, logprob, top) = if seq_sampler.logprobs {
+                let sampled = sampler
+                    .sample_with_logprobs(row_logits, seq_sampler.n_top)
+                    .map_err(|e| e.to_string())?;
+                (sampled.token, sampled.logprob, sampled.top)
+            } else {
+                (
+                    sampler.sample(row_logits).map_err(|e| e.to_string())?,
+                    f32::NAN,
+                    Vec::new(),
+                )
+            };
+            sampler.accept(token);
+            tokens.push(SampledToken {
+                seq,
+                token,
+                logprob,
+                top,
+            });
+            // The sequence's next sampled row, if any, is its next drafted token.
+            let next = sample_rows[i + 1..].iter().find(|&&r| seq_ids[r as usize] == seq);
+            if let Some(&next) = next {
+                let drafted = row_tokens.get(next as usize).ok_or_else(|| {
+                    format!("sequence {seq} has several sampled rows but the batch carries no row tokens")
+                })?;
+                if *drafted != token {
+                    stopped.push(seq);
+                    self.stage.kv_mut().truncate_seq(seq, positions[next as usize] as usize);
+                }
+            }
+        }
+        Ok(tokens)
     }
 }
 

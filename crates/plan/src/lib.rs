@@ -163,7 +163,7 @@ pub struct Plan {
 /// Speeds a node measures of itself vary from run to run (other processes, caches,
 /// frequency scaling): nodes within this fraction of each other count as equally fast,
 /// so that equal machines get the same balanced split every time.
-pub const SPEED_NOISE: f64 = 0.25;
+pub const SPEED_NOISE: f64 = 0.5;
 
 /// Each node's seconds per layer, with nodes whose measurements lie within
 /// [`SPEED_NOISE`] of the fastest of their group set to their group's mean. Groups are

@@ -45,7 +45,7 @@
 //! | 11   | TruncateSeq  | seq u32, len u32                                                        |
 //! | 12   | EndSeq       | seq u32                                                                 |
 //! | 13   | Forward      | step u64, payload: Payload, positions [i32], seq_ids [u32],             |
-//! |      |              | sample_rows [u32]                                                       |
+//! |      |              | sample_rows [u32], row_tokens [u32]                                     |
 //! | 14   | Sampled      | step u64, tokens [SampledToken]                                         |
 //! | 15   | Done         | (empty)                                                                 |
 //! | 16   | Error        | first_layer u32, message str                                            |

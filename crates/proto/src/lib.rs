@@ -94,6 +94,11 @@ pub struct Forward {
     pub seq_ids: Vec<u32>,
     /// Rows the last stage samples a token for (each row's sequence's sampler is used).
     pub sample_rows: Vec<u32>,
+    /// The token each row stands for, when some sequence has drafted tokens to verify
+    /// (empty otherwise): a sequence with several sampled rows, in order, is a draft.
+    /// The last stage samples its rows one after another and stops at the first sample
+    /// that differs from the next row's token; every sample up to there is returned.
+    pub row_tokens: Vec<u32>,
 }
 
 /// A token chosen by the last stage for one sampled row.

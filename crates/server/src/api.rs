@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use baton_ggml::LlamaModel;
-use baton_node::engine::{Engine, Event, FinishReason, Health, Job, SubmitError, TokenOut};
+use baton_node::engine::{Draft, DraftMode, Engine, Event, FinishReason, Health, Job, SubmitError, TokenOut};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -33,6 +33,10 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Largest request body in bytes.
     pub max_body: usize,
+    /// Speculative decoding for requests that do not say (`--draft`, `--draft-max`).
+    pub draft: Draft,
+    /// Whether the engine has a draft model (`--draft-model`).
+    pub has_draft_model: bool,
 }
 
 /// Everything the handlers share.
@@ -279,6 +283,8 @@ async fn stats(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiErr
         "steps": load(&c.steps),
         "active": c.active.load(Ordering::Relaxed),
         "queued": c.queued.load(Ordering::Relaxed),
+        "draft_tokens": c.draft_tokens.load(Ordering::Relaxed),
+        "draft_accepted": c.draft_accepted.load(Ordering::Relaxed),
         "slot_ctx": state.engine.slot_ctx(),
         "stages": stages.resident.iter().zip(&stages.kv_used)
             .map(|(resident, kv)| json!({ "resident_bytes": resident, "kv_cells_used": kv }))
@@ -311,6 +317,15 @@ struct Prepared {
 /// Checks that `prompt` and the tokens to generate fit a slot, and builds the job.
 fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result<Prepared, ApiError> {
     let max_tokens = request::fit_slot(&generation, prompt.len(), state.engine.slot_ctx())?;
+    let default = state.config.draft;
+    let draft = Draft {
+        mode: generation.draft.unwrap_or(default.mode),
+        max: generation.draft_max.unwrap_or(default.max),
+        fixed: default.fixed,
+    };
+    if draft.mode == DraftMode::Model && !state.config.has_draft_model {
+        return Err(ApiError::invalid("draft \"model\" needs a server started with --draft-model").param("draft"));
+    }
     let (tx, events) = unbounded_channel();
     let job = Job {
         prompt,
@@ -319,6 +334,7 @@ fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result
         logprobs: generation.logprobs,
         top_logprobs: generation.top_logprobs,
         stop: generation.stop,
+        draft,
         events: tx,
     };
     Ok(Prepared {

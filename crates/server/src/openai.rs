@@ -64,6 +64,11 @@ pub struct Sampling {
     pub stream: bool,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
+    /// Extension: speculative decoding for this request, `"off"`, `"ngram"` (prompt
+    /// lookup) or `"model"` (the server's `--draft-model`); default: the server's `--draft`.
+    pub draft: Option<String>,
+    /// Extension: most tokens drafted per step (default: the server's `--draft-max`).
+    pub draft_max: Option<u32>,
 }
 
 /// One message's content: text, or a list of parts.

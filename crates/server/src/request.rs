@@ -4,7 +4,8 @@
 //! and fuzzed (`fuzz/fuzz_targets/http_body.rs`), without loading one.
 
 use axum::http::StatusCode;
-use baton_node::engine::SubmitError;
+use baton_node::engine::draft::MAX_DRAFT;
+use baton_node::engine::{DraftMode, SubmitError};
 use baton_sample::SamplingParams;
 use serde::de::DeserializeOwned;
 
@@ -29,6 +30,10 @@ pub struct Generation {
     pub stream: bool,
     /// End a stream with a chunk of token counts.
     pub include_usage: bool,
+    /// Speculative decoding asked for, if the request says (else the server's default).
+    pub draft: Option<DraftMode>,
+    /// Most drafted tokens per step, if the request says.
+    pub draft_max: Option<usize>,
 }
 
 /// A checked `POST /v1/chat/completions`.
@@ -234,6 +239,19 @@ fn generation(sampling: &Sampling, model_id: &str, logprobs: bool, top_logprobs:
         ..SamplingParams::default()
     };
     params.validate().map_err(|e| ApiError::invalid(e.to_string()))?;
+    let draft = match &sampling.draft {
+        Some(mode) => Some(
+            mode.parse::<DraftMode>()
+                .map_err(|e| ApiError::invalid(e).param("draft"))?,
+        ),
+        None => None,
+    };
+    let draft_max = sampling.draft_max.map(|n| n as usize);
+    check(
+        draft_max.is_none_or(|n| n <= MAX_DRAFT),
+        "draft_max",
+        &format!("draft_max must be between 0 and {MAX_DRAFT}"),
+    )?;
     let max_tokens = match sampling.max_completion_tokens.or(sampling.max_tokens) {
         Some(0) => return Err(ApiError::invalid("max_tokens must be at least 1").param("max_tokens")),
         Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
@@ -247,6 +265,8 @@ fn generation(sampling: &Sampling, model_id: &str, logprobs: bool, top_logprobs:
         top_logprobs,
         stream: sampling.stream,
         include_usage: sampling.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        draft,
+        draft_max,
     })
 }
 

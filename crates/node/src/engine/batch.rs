@@ -3,7 +3,7 @@
 
 use baton_proto::{Forward, Payload};
 
-use super::slots::Slot;
+use super::slots::{Active, Slot};
 
 /// How micro-batches are cut.
 #[derive(Clone, Copy, Debug)]
@@ -17,13 +17,14 @@ pub(crate) struct BatchRules {
     pub max_decode_rows: usize,
 }
 
-/// A sequence in a micro-batch: its slot, the request's epoch, and whether its last row
-/// is sampled.
+/// A sequence in a micro-batch: its slot, the request's epoch, whether its last row
+/// is sampled, and how many drafted tokens follow its token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Member {
     pub seq: usize,
     pub epoch: u64,
     pub sampled: bool,
+    pub drafted: usize,
 }
 
 /// Builds the next micro-batch (step number `step`) from the slots and marks what it
@@ -33,12 +34,15 @@ pub(crate) struct Member {
 /// would meet kernels that round differently from those it meets alone, and a request
 /// would generate differently in company. Chunks start where the prompt's last chunk
 /// ended, so a prompt is cut the same way whatever else runs; a sequence being rebuilt
-/// repeats its earlier sends exactly.
+/// repeats its earlier sends exactly. A decoding sequence's token may be followed by
+/// tokens `draft(slot, sequence)` guesses; every row of a decode batch is sampled, and
+/// the batch then carries its row tokens for the last stage to check the drafts.
 pub(crate) fn next_batch(
     slots: &mut [Slot],
     rules: BatchRules,
     last_decoded: &mut bool,
     step: u64,
+    draft: &mut dyn FnMut(usize, &Active) -> Vec<u32>,
 ) -> Option<(Forward, Vec<Member>)> {
     let n_decoding = slots
         .iter()
@@ -78,11 +82,26 @@ pub(crate) fn next_batch(
     let (mut tokens, mut positions, mut seq_ids, mut sample_rows) = (vec![], vec![], vec![], vec![]);
     let mut members = Vec::new();
     for (seq, n) in work {
+        let drafted = {
+            let active = slots[seq].active.as_ref().expect("chosen slots are active");
+            // Only a fresh decode row (not a repeated one) may carry a draft.
+            let fresh_decode = n == 1
+                && active.replay.is_empty()
+                && active.n_sent >= active.n_prompt
+                && active.n_sent + 1 == active.tokens.len();
+            if fresh_decode {
+                draft(seq, active)
+            } else {
+                Vec::new()
+            }
+        };
         let active = slots[seq].active.as_mut().expect("chosen slots are active");
         let start = active.n_sent;
         tokens.extend_from_slice(&active.tokens[start..start + n]);
-        positions.extend((start..start + n).map(|p| p as i32));
-        seq_ids.extend(std::iter::repeat_n(seq as u32, n));
+        tokens.extend_from_slice(&drafted);
+        let rows = n + drafted.len();
+        positions.extend((start..start + rows).map(|p| p as i32));
+        seq_ids.extend(std::iter::repeat_n(seq as u32, rows));
         active.n_sent += n;
         active.runs.push(n as u32);
         active.replay.pop_front();
@@ -90,27 +109,34 @@ pub(crate) fn next_batch(
         let sampled = active.n_sent == active.tokens.len();
         if sampled {
             active.waiting = true;
-            sample_rows.push(tokens.len() as u32 - 1);
+            let first = tokens.len() - drafted.len() - 1;
+            sample_rows.extend((first..tokens.len()).map(|r| r as u32));
         }
         members.push(Member {
             seq,
             epoch: active.epoch,
             sampled,
+            drafted: drafted.len(),
         });
     }
+    let row_tokens = if members.iter().any(|m| m.drafted > 0) {
+        tokens.clone()
+    } else {
+        Vec::new()
+    };
     let forward = Forward {
         step,
         payload: Payload::Tokens(tokens),
         positions,
         seq_ids,
         sample_rows,
+        row_tokens,
     };
     Some((forward, members))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::slots::Active;
     use super::super::types::Job;
     use super::*;
 
@@ -124,11 +150,12 @@ mod tests {
             logprobs: false,
             top_logprobs: 0,
             stop: Vec::new(),
+            draft: crate::engine::draft::Draft::OFF,
             events,
         };
         let runs = vec![chunk as u32; n_reused / chunk];
         let mut slot = Slot::empty();
-        slot.active = Some(Active::new(Box::new(job), epoch, n_reused, runs));
+        slot.active = Some(Active::new(Box::new(job), epoch, n_reused, runs, 0.5));
         slot
     }
 
@@ -156,7 +183,8 @@ mod tests {
         let mut last_decoded = false;
         let mut out = Vec::new();
         for step in 0..100 {
-            let Some((forward, members)) = next_batch(slots, rules, &mut last_decoded, step) else {
+            let Some((forward, members)) = next_batch(slots, rules, &mut last_decoded, step, &mut |_, _| Vec::new())
+            else {
                 break;
             };
             assert_eq!(members.iter().filter(|m| m.sampled).count(), forward.sample_rows.len());
@@ -192,7 +220,10 @@ mod tests {
         let mut last_decoded = false;
         let mut shape = Vec::new();
         for step in 0..6 {
-            let (forward, members) = next_batch(&mut slots, rules(8, 1, 7), &mut last_decoded, step).unwrap();
+            let (forward, members) = next_batch(&mut slots, rules(8, 1, 7), &mut last_decoded, step, &mut |_, _| {
+                Vec::new()
+            })
+            .unwrap();
             shape.push((forward.seq_ids, forward.sample_rows));
             // Every sampled row is answered before the next batch.
             for member in members.iter().filter(|m| m.sampled) {
@@ -244,7 +275,7 @@ mod tests {
         let mut decoded = Vec::new();
         for step in 0..3 {
             let mut last = false;
-            let (forward, _) = next_batch(&mut slots, rules(8, 1, 3), &mut last, step).unwrap();
+            let (forward, _) = next_batch(&mut slots, rules(8, 1, 3), &mut last, step, &mut |_, _| Vec::new()).unwrap();
             decoded.push((forward.seq_ids, forward.positions, forward.sample_rows));
             slots[0].active.as_mut().unwrap().waiting = false;
         }

@@ -13,6 +13,7 @@ use baton_proto::{Message, SampledToken, StartSeq};
 use tokio::sync::oneshot;
 
 use super::batch::{next_batch, BatchRules, Member};
+use super::draft::{DraftMode, DraftPolicy, Drafters};
 use super::slots::{choose_slot, reusable_prefix, runs_prefix, Active, Slot};
 use super::text::Piece;
 use super::types::{
@@ -23,8 +24,12 @@ use super::types::{
 pub(crate) enum Pending {
     Control,
     Stats(oneshot::Sender<Result<StageStats, String>>),
-    /// A micro-batch and the sequences in it.
-    Step(Vec<Member>),
+    /// A micro-batch, the sequences in it, and its rows when it is a decode step (every
+    /// row sampled; timed for the draft policy).
+    Step {
+        members: Vec<Member>,
+        decode_rows: Option<usize>,
+    },
     Shutdown,
 }
 
@@ -71,6 +76,9 @@ pub(crate) struct Core {
     next_epoch: u64,
     stopping: bool,
     outbox: Vec<Action>,
+    /// Where drafted tokens come from, and how many pay.
+    drafters: Drafters,
+    policy: DraftPolicy,
 }
 
 impl Core {
@@ -80,8 +88,11 @@ impl Core {
         counters: Arc<Counters>,
         health: Arc<Mutex<Health>>,
         supervised: bool,
+        drafters: Drafters,
     ) -> Core {
         Core {
+            drafters,
+            policy: DraftPolicy::default(),
             slots: (0..config.n_slots).map(|_| Slot::empty()).collect(),
             config,
             vocab,
@@ -193,7 +204,7 @@ impl Core {
         if gen != self.gen {
             return;
         }
-        let Some((_, pending)) = self.pending.pop_front() else {
+        let Some((sent, pending)) = self.pending.pop_front() else {
             self.fail_all(&format!("the last stage sent {} that nothing asked for", reply.kind()));
             return;
         };
@@ -208,21 +219,26 @@ impl Core {
             (Pending::Stats(answer), Message::Error { first_layer, message }) => {
                 let _ = answer.send(Err(format!("the stage from layer {first_layer}: {message}")));
             }
-            (Pending::Step(members), Message::Sampled { tokens, .. }) => {
+            (Pending::Step { members, decode_rows }, Message::Sampled { tokens, .. }) => {
                 self.steps_in_flight -= 1;
+                if let Some(rows) = decode_rows {
+                    self.policy.record_step(rows, now.duration_since(sent).as_secs_f64());
+                }
                 for member in members.into_iter().filter(|m| m.sampled) {
-                    match tokens.iter().find(|t| t.seq as usize == member.seq) {
-                        Some(token) => self.on_token(member.seq, member.epoch, token, now),
-                        None => self.fail_seq(
-                            member.seq,
-                            member.epoch,
-                            "the last stage sampled no token for the sequence",
-                            now,
-                        ),
+                    let got: Vec<&SampledToken> = tokens.iter().filter(|t| t.seq as usize == member.seq).collect();
+                    if got.is_empty() || got.len() > member.drafted + 1 {
+                        let why = format!(
+                            "the last stage sampled {} tokens for the sequence, expected 1 to {}",
+                            got.len(),
+                            member.drafted + 1
+                        );
+                        self.fail_seq(member.seq, member.epoch, &why, now);
+                        continue;
                     }
+                    self.on_tokens(member, &got, now);
                 }
             }
-            (Pending::Step(members), Message::Error { first_layer, message }) => {
+            (Pending::Step { members, .. }, Message::Error { first_layer, message }) => {
                 self.steps_in_flight -= 1;
                 let reason = format!("the stage from layer {first_layer}: {message}");
                 for member in members {
@@ -436,6 +452,7 @@ impl Core {
         active
             .span
             .in_scope(|| tracing::debug!("the client went away: ending the sequence on every stage"));
+        self.drafters.forget(seq as u32);
         self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
     }
 
@@ -467,14 +484,10 @@ impl Core {
             slot.last_used = epoch;
             slot.cached.clear();
             let runs = runs_prefix(&std::mem::take(&mut slot.cached_runs), n_reused);
-            tracing::debug!(
-                seq,
-                epoch,
-                prompt = job.prompt.len(),
-                reused = n_reused,
-                "request starts"
-            );
-            slot.active = Some(Active::new(job, epoch, n_reused, runs));
+            let prior = self.policy.prior(job.draft.mode);
+            let active = Active::new(job, epoch, n_reused, runs, prior);
+            active.span.in_scope(|| tracing::debug!(seq, "started in slot {seq}"));
+            slot.active = Some(active);
             self.send(start.into(), Pending::Control, now);
         }
     }
@@ -488,13 +501,37 @@ impl Core {
         };
         while self.connected && self.steps_in_flight <= self.config.n_stages {
             let step = self.next_step;
-            let Some((forward, members)) = next_batch(&mut self.slots, rules, &mut self.last_decoded, step) else {
+            let (drafters, policy) = (&mut self.drafters, &self.policy);
+            let mut draft = |seq: usize, active: &Active| {
+                let settings = active.draft;
+                if settings.draft.mode == DraftMode::Off {
+                    return Vec::new();
+                }
+                // Never past what the request may still generate.
+                let room = active.job.max_tokens.saturating_sub(active.generated + 1);
+                let max = settings.draft.max.min(room);
+                let k = if settings.draft.fixed {
+                    max
+                } else {
+                    policy.choose(settings.acceptance, max)
+                };
+                if k == 0 {
+                    return Vec::new();
+                }
+                drafters.draft(settings.draft.mode, seq as u32, &active.tokens, active.n_prompt, k)
+            };
+            let Some((forward, members)) = next_batch(&mut self.slots, rules, &mut self.last_decoded, step, &mut draft)
+            else {
                 break;
             };
             self.next_step += 1;
             self.steps_in_flight += 1;
             self.counters.steps.fetch_add(1, Ordering::Relaxed);
-            self.send(Message::Forward(forward), Pending::Step(members), now);
+            let drafted: usize = members.iter().map(|m| m.drafted).sum();
+            self.counters.draft_tokens.fetch_add(drafted as u64, Ordering::Relaxed);
+            let rows = forward.positions.len();
+            let decode_rows = (forward.sample_rows.len() == rows).then_some(rows);
+            self.send(Message::Forward(forward), Pending::Step { members, decode_rows }, now);
         }
     }
 
@@ -508,15 +545,57 @@ impl Core {
         let _ = active.job.events.send(Event::Failed(reason.to_string()));
         self.slots[seq].active = None;
         self.slots[seq].forget();
+        self.drafters.forget(seq as u32);
         self.counters.active.fetch_sub(1, Ordering::Relaxed);
         self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
         self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
     }
 
-    fn on_token(&mut self, seq: usize, epoch: u64, sampled: &SampledToken, now: Instant) {
-        let vocab = self.vocab.clone();
+    /// The tokens the last stage sampled for a member of a step: its token's sample
+    /// and, when it carried a draft, one more for each drafted token kept.
+    fn on_tokens(&mut self, member: Member, got: &[&SampledToken], now: Instant) {
+        let (seq, epoch) = (member.seq, member.epoch);
         let Some(active) = self.current(seq, epoch) else { return };
         active.waiting = false;
+        // The drafted rows whose tokens were kept hold valid cells; the rest do not.
+        let accepted = got.len() - 1;
+        active.n_sent += accepted;
+        active.runs.extend(std::iter::repeat_n(1, accepted));
+        let rejected = member.drafted - accepted;
+        let len = active.n_sent;
+        if member.drafted > 0 {
+            active.draft.record(member.drafted, accepted);
+            let mode = active.draft.draft.mode;
+            self.policy.record_draft(mode, member.drafted, accepted);
+            self.counters
+                .draft_accepted
+                .fetch_add(accepted as u64, Ordering::Relaxed);
+        }
+        if rejected > 0 {
+            // FIFO: every stage drops the rejected rows' cells before this sequence's
+            // next step reaches it.
+            self.send(
+                Message::TruncateSeq {
+                    seq: seq as u32,
+                    len: len as u32,
+                },
+                Pending::Control,
+                now,
+            );
+        }
+        for sampled in got {
+            if !self.on_token(seq, epoch, sampled, now) {
+                break;
+            }
+        }
+    }
+
+    /// One generated token; false when the request ended with it.
+    fn on_token(&mut self, seq: usize, epoch: u64, sampled: &SampledToken, now: Instant) -> bool {
+        let vocab = self.vocab.clone();
+        let Some(active) = self.current(seq, epoch) else {
+            return false;
+        };
         if active.generated == 0 {
             active
                 .span
@@ -539,7 +618,7 @@ impl Core {
             };
             if active.job.events.send(Event::Token(out)).is_err() {
                 self.cancel(seq, now);
-                return;
+                return false;
             }
             if stopped {
                 Some((FinishReason::Stop, String::new()))
@@ -549,18 +628,23 @@ impl Core {
                 None
             }
         };
-        if let Some((reason, tail)) = end {
-            self.finish(seq, reason, tail);
+        match end {
+            Some((reason, tail)) => {
+                self.finish(seq, reason, tail);
+                false
+            }
+            None => true,
         }
     }
 
     fn finish(&mut self, seq: usize, reason: FinishReason, tail: String) {
         let slot = &mut self.slots[seq];
         let Some(mut active) = slot.active.take() else { return };
-        // Everything sent is in every stage's cache; the last sampled token is not.
+        // Everything sent is in every stage's cache; the last sampled token is not (nor
+        // drafted tokens past an end).
         active.tokens.truncate(active.n_sent);
+        slot.cached_runs = runs_prefix(&active.runs, active.tokens.len());
         slot.cached = active.tokens;
-        slot.cached_runs = std::mem::take(&mut active.runs);
         self.counters.active.fetch_sub(1, Ordering::Relaxed);
         self.counters.requests_finished.fetch_add(1, Ordering::Relaxed);
         self.counters

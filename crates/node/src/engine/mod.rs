@@ -29,6 +29,8 @@
 
 mod batch;
 mod core;
+pub mod draft;
+mod draft_model;
 mod recovery;
 mod shell;
 mod slots;
@@ -44,6 +46,8 @@ use std::thread::JoinHandle;
 
 use tokio::sync::oneshot;
 
+pub use draft::{Draft, DraftMode, Drafter};
+pub use draft_model::ModelDrafter;
 pub use text::{Piece, TextStream};
 pub use types::{
     max_decode_rows, Counters, EngineConfig, Event, Finish, FinishReason, FormError, Formed, Health, Job, OnLost,
@@ -65,14 +69,19 @@ pub struct Engine {
 
 impl Engine {
     /// Takes over `head`'s ring; if it breaks, every request fails.
-    pub fn start(head: Head, vocab: Arc<dyn Vocab>, config: EngineConfig) -> Engine {
+    pub fn start(
+        head: Head,
+        vocab: Arc<dyn Vocab>,
+        config: EngineConfig,
+        draft_model: Option<Box<dyn Drafter>>,
+    ) -> Engine {
         let formed = Formed {
             head,
             stages: Vec::new(),
             lost: Vec::new(),
         };
         let (inbox, receiver) = mpsc::channel();
-        Engine::launch(inbox, receiver, formed, None, vocab, config)
+        Engine::launch(inbox, receiver, formed, None, vocab, config, draft_model)
     }
 
     /// Has `source` form the first ring and takes it over; when a node is lost,
@@ -81,10 +90,19 @@ impl Engine {
         mut source: Box<dyn RingSource>,
         vocab: Arc<dyn Vocab>,
         config: EngineConfig,
+        draft_model: Option<Box<dyn Drafter>>,
     ) -> Result<Engine, FormError> {
         let (inbox, receiver) = mpsc::channel();
         let formed = source.form(recovery::lost_reporter(&inbox, 0))?;
-        Ok(Engine::launch(inbox, receiver, formed, Some(source), vocab, config))
+        Ok(Engine::launch(
+            inbox,
+            receiver,
+            formed,
+            Some(source),
+            vocab,
+            config,
+            draft_model,
+        ))
     }
 
     fn launch(
@@ -94,6 +112,7 @@ impl Engine {
         source: Option<Box<dyn RingSource>>,
         vocab: Arc<dyn Vocab>,
         config: EngineConfig,
+        draft_model: Option<Box<dyn Drafter>>,
     ) -> Engine {
         let counters = Arc::new(Counters::default());
         let health = Arc::new(Mutex::new(Health::Serving {
@@ -106,6 +125,7 @@ impl Engine {
             counters.clone(),
             health.clone(),
             source.is_some(),
+            draft::Drafters { model: draft_model },
         );
         let mut shell = Shell::new(core, inbox.clone(), source);
         shell.install(formed);

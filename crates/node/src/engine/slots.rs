@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 
+use super::draft::SeqDraft;
 use super::text::TextStream;
 use super::types::Job;
 
@@ -59,12 +60,14 @@ pub(crate) struct Active {
     pub last_batch: u64,
     /// What its log lines belong to (`BATON_LOG=debug`).
     pub span: tracing::Span,
+    /// Its speculation settings and measured acceptance.
+    pub draft: SeqDraft,
 }
 
 impl Active {
     /// A request starting in a slot whose first `n_reused` prompt tokens are cached,
     /// sent in `runs`.
-    pub fn new(job: Box<Job>, epoch: u64, n_reused: usize, runs: Vec<u32>) -> Active {
+    pub fn new(job: Box<Job>, epoch: u64, n_reused: usize, runs: Vec<u32>, acceptance: f64) -> Active {
         Active {
             epoch,
             tokens: job.prompt.clone(),
@@ -78,6 +81,10 @@ impl Active {
             text: TextStream::new(&job.stop),
             last_batch: 0,
             span: tracing::debug_span!("request", id = epoch, n_prompt = job.prompt.len(), n_reused),
+            draft: SeqDraft {
+                draft: job.draft,
+                acceptance,
+            },
             job,
         }
     }

@@ -9,6 +9,7 @@ use baton_sample::SamplingParams;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::core::{Action, Core};
+use super::draft::{Draft, Drafters};
 use super::types::{Counters, EngineConfig, Event, FinishReason, FormError, Health, Job, Vocab};
 
 /// Token 0 ends generation; token `t` reads `<t>`.
@@ -51,7 +52,14 @@ impl Harness {
             stages: vec![],
             lost: vec![],
         }));
-        let mut core = Core::new(config(), Arc::new(Tokens), counters.clone(), health.clone(), supervised);
+        let mut core = Core::new(
+            config(),
+            Arc::new(Tokens),
+            counters.clone(),
+            health.clone(),
+            supervised,
+            Drafters { model: None },
+        );
         let now = Instant::now();
         core.installed(1, serving(), now);
         Harness {
@@ -71,6 +79,7 @@ impl Harness {
             logprobs: false,
             top_logprobs: 0,
             stop: Vec::new(),
+            draft: Draft::OFF,
             events,
         }));
         receiver

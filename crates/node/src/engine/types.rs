@@ -108,6 +108,8 @@ pub struct Job {
     pub top_logprobs: u8,
     /// Generation stops before any of these strings; they are never sent.
     pub stop: Vec<String>,
+    /// Speculative decoding: where drafted tokens come from, and how many at most.
+    pub draft: super::draft::Draft,
     /// Where the engine reports; dropping the receiver cancels the request.
     pub events: UnboundedSender<Event>,
 }
@@ -210,6 +212,10 @@ pub struct Counters {
     pub rings_formed: AtomicU64,
     /// Tokens computed again to rebuild sequences on a new ring.
     pub tokens_replayed: AtomicU64,
+    /// Drafted tokens sent through the ring (speculative decoding).
+    pub draft_tokens: AtomicU64,
+    /// Drafted tokens the last stage's sampling agreed with.
+    pub draft_accepted: AtomicU64,
 }
 
 /// Per-stage figures, in ring order.

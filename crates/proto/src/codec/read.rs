@@ -372,6 +372,7 @@ impl<'a> Reader<'a> {
             positions: self.array("positions", i32::from_le_bytes)?,
             seq_ids: self.array("seq_ids", u32::from_le_bytes)?,
             sample_rows: self.array("sample_rows", u32::from_le_bytes)?,
+            row_tokens: self.array("row_tokens", u32::from_le_bytes)?,
         };
         check_forward(&forward).map_err(|reason| self.invalid("batch", reason))?;
         Ok(forward)
@@ -424,6 +425,9 @@ fn check_forward(forward: &Forward) -> Result<(), String> {
     }
     if let Some(row) = forward.sample_rows.iter().find(|&&row| row as usize >= rows) {
         return Err(format!("sample row {row} is out of range for {rows} rows"));
+    }
+    if !forward.row_tokens.is_empty() && forward.row_tokens.len() != rows {
+        return Err(format!("{} row tokens for {rows} rows", forward.row_tokens.len()));
     }
     Ok(())
 }

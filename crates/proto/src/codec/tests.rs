@@ -41,6 +41,7 @@ fn forward(payload: Payload, rows: usize) -> Forward {
         positions: (0..rows as i32).map(|p| p + 17).collect(),
         seq_ids: (0..rows as u32).map(|r| r % 2 + 4).collect(),
         sample_rows: vec![rows as u32 - 1],
+        row_tokens: vec![],
     }
 }
 
@@ -166,6 +167,13 @@ fn samples() -> Vec<Message> {
             2,
         )),
         Message::Forward(forward(Payload::Hidden(vec![f32::INFINITY; 1024]), 1)),
+        // A token and two drafted tokens of one sequence, every row sampled.
+        Message::Forward(Forward {
+            seq_ids: vec![3, 3, 3],
+            sample_rows: vec![0, 1, 2],
+            row_tokens: vec![7, 151_642, 0],
+            ..forward(Payload::Tokens(vec![7, 151_642, 0]), 3)
+        }),
         Message::Forward(forward(
             Payload::HiddenF16 {
                 values: vec![0x3c00, 0x8000, 0x7bff],
@@ -465,6 +473,13 @@ fn inconsistent_forwards_are_refused() {
                 ..base()
             },
             "2 positions but 1 sequence ids",
+        ),
+        (
+            Forward {
+                row_tokens: vec![5],
+                ..base()
+            },
+            "1 row tokens for 2 rows",
         ),
         (
             Forward {

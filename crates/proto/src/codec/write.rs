@@ -285,6 +285,7 @@ impl Writer<'_> {
         self.array(&forward.positions, i32::to_le_bytes);
         self.array(&forward.seq_ids, u32::to_le_bytes);
         self.array(&forward.sample_rows, u32::to_le_bytes);
+        self.array(&forward.row_tokens, u32::to_le_bytes);
     }
 
     fn sampled_token(&mut self, token: &SampledToken) {

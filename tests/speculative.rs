@@ -1,0 +1,159 @@
+//! Speculative decoding through the ring: drafted tokens travel with each token, the
+//! last stage keeps those its own sampling agrees with. The text must be exactly what
+//! decoding without drafts gives (greedy and seeded), whatever the draft source, alone
+//! or beside other requests.
+
+mod common;
+
+use common::server::{lock, Server};
+use common::{model, QWEN2};
+use serde_json::{json, Value};
+
+/// A code-editing prompt: the answer repeats much of it, so prompt lookup hits.
+const CODE: &str = "Here is a Python function:\n\ndef add_numbers(first, second):\n    total = first + second\n    \
+                    print(\"the total is\", total)\n    return total\n\nRewrite it with the parameters renamed to a \
+                    and b:\n\n";
+
+/// Text, per-token log-probabilities and finish reason of a completion.
+#[derive(Debug, PartialEq)]
+struct Answer {
+    text: String,
+    logprobs: Value,
+    finish: Value,
+}
+
+fn complete(server: &Server, prompt: &str, extra: Value) -> Answer {
+    let mut body = json!({"model": server.model_id(), "prompt": prompt, "max_tokens": 64, "logprobs": 2});
+    for (key, value) in extra.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    let reply = server.post("/v1/completions", &body);
+    let choice = &reply["choices"][0];
+    Answer {
+        text: choice["text"].as_str().unwrap().to_string(),
+        logprobs: choice["logprobs"]["token_logprobs"].clone(),
+        finish: choice["finish_reason"].clone(),
+    }
+}
+
+fn drafts(server: &Server) -> (u64, u64) {
+    let stats = server.stats();
+    (
+        stats["draft_tokens"].as_u64().unwrap(),
+        stats["draft_accepted"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn prompt_lookup_drafts_give_the_undrafted_text() {
+    let _serial = lock();
+    let server = Server::start(&["--draft", "ngram", "--draft-max", "6", "--draft-fixed"]);
+    let greedy = json!({"temperature": 0});
+    let plain = complete(&server, CODE, json!({"temperature": 0, "draft": "off"}));
+    assert_eq!(drafts(&server), (0, 0), "draft off sends no drafts");
+    let drafted = complete(&server, CODE, greedy.clone());
+    let (sent, kept) = drafts(&server);
+    println!("greedy: {sent} tokens drafted, {kept} kept; {:?}", drafted.text);
+    assert!(
+        kept > 0 && sent > kept,
+        "prompt lookup drafts and some are kept: {sent}/{kept}"
+    );
+    assert_eq!(
+        drafted, plain,
+        "greedy text and log-probabilities with drafts vs without"
+    );
+
+    // Seeded sampling: each sample makes the same random draw with or without a draft,
+    // so the text is the same too (and the same run after run).
+    let seeded = json!({"temperature": 0.8, "seed": 1234, "top_k": 40});
+    let mut off = seeded.clone();
+    off["draft"] = json!("off");
+    let plain = complete(&server, CODE, off);
+    let drafted = complete(&server, CODE, seeded.clone());
+    let again = complete(&server, CODE, seeded);
+    assert_eq!(drafted, plain, "seeded text with drafts vs without");
+    assert_eq!(again, drafted, "seeded text run after run");
+    let (sent_after, kept_after) = drafts(&server);
+    assert!(sent_after > sent && kept_after > kept, "seeded requests drafted too");
+}
+
+#[test]
+fn concurrent_drafting_requests_produce_what_each_produces_alone() {
+    let _serial = lock();
+    let server = Server::start(&[
+        "--parallel",
+        "4",
+        "--draft",
+        "ngram",
+        "--draft-max",
+        "4",
+        "--draft-fixed",
+    ]);
+    let prompts = [
+        CODE.to_string(),
+        CODE.replace("add_numbers", "sum_two"),
+        "def fibonacci(n):".to_string(),
+        "The capital of France is".to_string(),
+    ];
+    let greedy = json!({"temperature": 0, "draft": "off"});
+    let alone: Vec<Answer> = prompts.iter().map(|p| complete(&server, p, greedy.clone())).collect();
+    let together: Vec<Answer> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| scope.spawn(|| complete(&server, p, json!({"temperature": 0}))))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (sent, kept) = drafts(&server);
+    println!("4 concurrent requests: {sent} tokens drafted, {kept} kept");
+    assert!(kept > 0);
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "prompt {i}: alone without drafts vs together with drafts");
+    }
+}
+
+/// The model as its own draft model: the draft computes every row as the ring does, so
+/// every drafted token is kept.
+#[test]
+fn the_model_as_its_own_draft_has_every_draft_accepted() {
+    let _serial = lock();
+    let path = model(QWEN2);
+    let server = Server::start(&[
+        "--draft-model",
+        path.to_str().unwrap(),
+        "--draft-max",
+        "4",
+        "--draft-fixed",
+        "--chunk",
+        "16",
+    ]);
+    let plain = complete(&server, CODE, json!({"temperature": 0, "draft": "off"}));
+    let drafted = complete(&server, CODE, json!({"temperature": 0}));
+    let (sent, kept) = drafts(&server);
+    println!("self-draft: {sent} tokens drafted, {kept} kept");
+    assert!(sent > 0);
+    assert_eq!(kept, sent, "every drafted token is the model's own greedy choice");
+    assert_eq!(drafted, plain);
+    // A second request reuses the draft model's cache of the first (same slot).
+    let again = complete(&server, CODE, json!({"temperature": 0}));
+    assert_eq!(again, plain);
+    let (sent2, kept2) = drafts(&server);
+    assert_eq!(kept2 - kept, sent2 - sent);
+}
+
+#[test]
+fn bad_draft_settings_are_refused() {
+    let _serial = lock();
+    let server = Server::start(&["--draft", "ngram"]);
+    let body = json!({"model": server.model_id(), "prompt": "x", "max_tokens": 2, "draft": "model"});
+    let (status, text) = server.request("POST", "/v1/completions", Some(&body), Some(common::server::KEY));
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("--draft-model"), "{text}");
+    let body = json!({"model": server.model_id(), "prompt": "x", "max_tokens": 2, "draft": "telepathy"});
+    let (status, text) = server.request("POST", "/v1/completions", Some(&body), Some(common::server::KEY));
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("unknown draft source 'telepathy'"), "{text}");
+    let body = json!({"model": server.model_id(), "prompt": "x", "max_tokens": 2, "draft_max": 99});
+    let (status, text) = server.request("POST", "/v1/completions", Some(&body), Some(common::server::KEY));
+    assert_eq!(status, 400, "{text}");
+}
