@@ -105,6 +105,10 @@ struct Server {
 
 impl Server {
     fn start(workers: &[&Worker]) -> Server {
+        Server::start_with(workers, &[])
+    }
+
+    fn start_with(workers: &[&Worker], extra: &[&str]) -> Server {
         let addrs: Vec<String> = workers.iter().map(|w| w.addr()).collect();
         let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
             .args([
@@ -123,6 +127,7 @@ impl Server {
             .args(["--chunk", "8"])
             .args(["--token", TOKEN, "--workers", &addrs.join(","), "--model"])
             .arg(model(QWEN2))
+            .args(extra)
             .env_remove("BATON_TOKEN")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -252,10 +257,18 @@ fn serving(stages: usize) -> impl Fn(u16, &Value) -> bool {
 /// Kills or stops worker 1 mid-stream and checks the stream goes on unchanged on
 /// worker 0 alone; then brings worker 1 back with `revive` and checks it rejoins.
 fn lose_a_worker_mid_stream(lose: impl FnOnce(&mut Worker), revive: impl FnOnce(&mut Worker)) {
+    lose_a_worker_mid_stream_with(&[], lose, revive);
+}
+
+fn lose_a_worker_mid_stream_with(
+    serve_args: &[&str],
+    lose: impl FnOnce(&mut Worker),
+    revive: impl FnOnce(&mut Worker),
+) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let w0 = Worker::start(&[]);
     let mut w1 = Worker::start(&[]);
-    let server = Server::start(&[&w0, &w1]);
+    let server = Server::start_with(&[&w0, &w1], serve_args);
     let undisturbed = server.stream(usize::MAX, || {});
     assert_eq!(undisturbed.finish.as_deref(), Some("length"), "{undisturbed:?}");
     assert!(undisturbed.events > 32, "{undisturbed:?}");
@@ -291,6 +304,15 @@ fn lose_a_worker_mid_stream(lose: impl FnOnce(&mut Worker), revive: impl FnOnce(
 #[test]
 fn a_killed_worker_is_replaced_and_the_stream_goes_on() {
     lose_a_worker_mid_stream(|w| w.kill(), |w| w.restart());
+}
+
+/// Drafted tokens are in flight when the worker dies: the rebuilt stream still gives
+/// the undrafted text (the model drafts for itself, so every step carries a draft).
+#[test]
+fn a_killed_worker_is_replaced_while_drafts_are_in_flight() {
+    let path = model(QWEN2);
+    let args = ["--draft-model", path.to_str().unwrap(), "--draft-max", "3", "--draft-fixed"];
+    lose_a_worker_mid_stream_with(&args, |w| w.kill(), |w| w.restart());
 }
 
 #[test]
