@@ -237,6 +237,28 @@ class Rpc:
         finally:
             procs.stop()
 
+    def speculative(self, prompts, tokens, reps):
+        """{kind: {mode: (tok/s, text)}}: llama-server over RPC without speculation and
+        with its own n-gram speculation (`--spec-type ngram-simple`)."""
+        modes = {"off": ["--spec-type", "none"],
+                 "ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", 3,
+                           "--spec-ngram-simple-size-m", 8, "--spec-draft-n-max", 8]}
+        out = {kind: {} for kind in prompts}
+        for mode, flags in modes.items():
+            procs = Procs()
+            try:
+                _, dial = self.cluster(procs, cache=True)
+                port = free_port()
+                srv = procs.start([PEER / "llama-server", "-m", self.model, "--rpc", dial, "-ngl", 99, "-t", 1,
+                                   "-c", 4096, "--host", "127.0.0.1", "--port", port, *flags])
+                http_ready(port, srv, "llama-server", self.opts.timeout)
+                for kind, prompt in prompts.items():
+                    runs = [llama_server_completion(port, prompt, tokens, self.opts.timeout) for _ in range(reps)]
+                    out[kind][mode] = max(runs)
+            finally:
+                procs.stop()
+        return out
+
     def bytes_per_token(self, a, b):
         procs = Procs()
         try:
@@ -249,6 +271,16 @@ class Rpc:
                  "-p", 0, "-n", n, "-r", 1, "-o", "csv"], self.opts.timeout))
         finally:
             procs.stop()
+
+
+def llama_server_completion(port, prompt, tokens, timeout):
+    """(generation tok/s, text) from llama-server's own timings of a greedy completion."""
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "cache_prompt": False}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        reply = json.load(r)
+    return reply["timings"]["predicted_per_second"], reply["content"]
 
 
 # ---------------------------------------------------------------- baton
@@ -318,7 +350,8 @@ class Baton:
 
     @session
     def bench(self, procs, tox, dial, pp, tg, reps):
-        out = run([BATON, "bench", *self.head(dial), "--pp", pp, "--tg", tg, "--reps", reps], self.opts.timeout)
+        out = run([BATON, "bench", *self.head(dial), "--pp", pp, "--tg", tg, "--reps", reps, "--llama-bench", "none"],
+                  self.opts.timeout)
         cell = lambda test, col: float(next(l for l in out.splitlines() if l.startswith(f"| {test}")).split("|")[col])
         return cell(f"pp{pp}", 2), cell(f"tg{tg}", 2), cell(f"pp{pp}", 3), cell(f"tg{tg}", 3)
 
@@ -326,7 +359,8 @@ class Baton:
     def bytes_per_token(self, procs, tox, dial, a, b):
         # bench's generation ignores end-of-text, so both runs generate exactly n tokens.
         return per_token_bytes(tox, a, b, lambda n: run(
-            [BATON, "bench", *self.head(dial), "--pp", 8, "--tg", n, "--reps", 1], self.opts.timeout))
+            [BATON, "bench", *self.head(dial), "--pp", 8, "--tg", n, "--reps", 1, "--llama-bench", "none"],
+            self.opts.timeout))
 
     @session
     def streams(self, procs, tox, dial, n, tokens):
@@ -339,6 +373,72 @@ class Baton:
         run([sys.executable, ROOT / "bench/load.py", "streams", url, 1, "--tokens", 8], self.opts.timeout)
         out = run([sys.executable, ROOT / "bench/load.py", "streams", url, n, "--tokens", tokens], self.opts.timeout)
         return json.loads(out)["tokens_per_s"]
+
+
+    @session
+    def speculative(self, procs, tox, dial, prompts, tokens, reps):
+        """{kind: {mode: (tok/s, text)}} for modes off and ngram, per-request, one server."""
+        srv = procs.start([BATON, "serve", *self.head(dial), "--port", 0, "--host", "127.0.0.1", "--draft", "ngram",
+                           "--draft-max", 8], stdout=subprocess.PIPE, text=True)
+        line = srv.stdout.readline()
+        if not line.startswith("listening on"):
+            raise RuntimeError(f"baton serve did not start: {line!r}")
+        url = line.split()[-1]
+        out = {}
+        for kind, prompt in prompts.items():
+            out[kind] = {}
+            for mode in ("off", "ngram"):
+                runs = [baton_stream(url, prompt, tokens, mode, self.opts.timeout) for _ in range(reps)]
+                out[kind][mode] = max(runs)
+        return out
+
+
+def baton_stream(url, prompt, tokens, draft, timeout):
+    """(generation tok/s, text) of a greedy streamed completion: tokens after the first
+    over the time after the first arrived (the prompt's time left out)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "draft": draft}
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    text, stamps = "", []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            piece = json.loads(line[6:])["choices"][0].get("text", "")
+            stamps.append(time.monotonic())
+            text += piece
+    # One event per token (the first may be empty text held back; it still counts).
+    n = len(stamps)
+    return ((n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0), text
+
+
+# The speculative-decoding scenario: a code-editing request (the answer repeats much of
+# the prompt, where prompt-lookup drafts hit) and free text (where they rarely do), as
+# raw ChatML for the qwen2 coder model.
+def chatml(user):
+    return (f"<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+
+
+SPEC_CODE = """def summarize(orders):
+    total = 0
+    count = 0
+    largest = None
+    for order in orders:
+        amount = order["amount"]
+        total = total + amount
+        count = count + 1
+        if largest is None or amount > largest:
+            largest = amount
+    average = total / count if count else 0
+    return {"total": total, "count": count, "largest": largest, "average": average}
+"""
+SPEC_PROMPTS = {
+    "code edit": chatml(f"Here is a Python function:\n\n```python\n{SPEC_CODE}```\n\nRename the variable `total` to "
+                        "`revenue` everywhere and return the whole function."),
+    "free text": chatml("Write a short story about a lighthouse keeper who finds a message in a bottle."),
+}
 
 
 # ---------------------------------------------------------------- the suite
@@ -369,6 +469,18 @@ def measure(opts, profile_name, model_key, n):
         a, b = opts.bytes_tokens
         row("bytes on the wire per generated token", "B", round(baton.bytes_per_token(a, b)),
             round(rpc.bytes_per_token(a, b)), "lower")
+    if want("spec") and model_key == "qwen2" and opts.spec:
+        reps = max(2, opts.reps)
+        b = baton.speculative(SPEC_PROMPTS, opts.tg, reps)
+        r = rpc.speculative(SPEC_PROMPTS, opts.tg, reps)
+        for kind in SPEC_PROMPTS:
+            (b_off, b_text), (b_on, b_spec_text) = b[kind]["off"], b[kind]["ngram"]
+            (r_off, _), (r_on, _) = r[kind]["off"], r[kind]["ngram"]
+            same = "same text" if b_text == b_spec_text else "TEXT DIFFERS"
+            row(f"{kind}: generation tok/s, no speculation", "tok/s", round(b_off, 2), round(r_off, 2), "higher")
+            row(f"{kind}: generation tok/s, n-gram speculation", "tok/s", round(b_on, 2), round(r_on, 2), "higher",
+                {"note": f"baton {b_on / b_off:.2f}x without ({same}); RPC {r_on / r_off:.2f}x without; "
+                         f"baton with / RPC without {b_on / r_off:.2f}x"})
     if want("streams") and opts.streams:
         one = baton.streams(1, opts.tg)
         agg = baton.streams(opts.streams, opts.tg)
@@ -480,10 +592,19 @@ def compass(profile, rows):
                 out.append(f"| {name} ({r['model']}, {r['nodes']} nodes) | {rt:.3g} | {'yes' if ok else 'no'} |")
 
     if profile == "wifi":
-        check("generation >= 2x RPC", "generation", 2.0, ">=")
+        check("generation >= 2x RPC", "generation tok/s (tg", 2.0, ">=")
+        for r in rows:
+            if r["metric"] == "code edit: generation tok/s, n-gram speculation" and r["note"]:
+                m = re.search(r"baton ([0-9.]+)x without.*baton with / RPC without ([0-9.]+)x", r["note"])
+                if m:
+                    own, rpc = float(m.group(1)), float(m.group(2))
+                    out.append(f"| code edit, speculation >= 2x baton without ({r['model']}, {r['nodes']} nodes) | "
+                               f"{own:.3g} | {'yes' if own >= 2 else 'no'} |")
+                    out.append(f"| code edit, speculation >= 3x RPC ({r['model']}, {r['nodes']} nodes) | "
+                               f"{rpc:.3g} | {'yes' if rpc >= 3 else 'no'} |")
         check("cold time-to-ready <= 0.1x RPC", "ready, cold (", 0.1, "<=")
     if profile == "loopback":
-        check("generation >= 1.2x RPC", "generation", 1.2, ">=")
+        check("generation >= 1.2x RPC", "generation tok/s (tg", 1.2, ">=")
     return out
 
 
@@ -560,7 +681,8 @@ def main():
     ap.add_argument("--streams", type=int, default=4, help="concurrent streams for baton (0: skip)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--only", action="append", choices=["ready", "speed", "bytes", "streams"],
+    ap.add_argument("--spec", type=int, default=1, help="the speculative-decoding scenario (qwen2 only; 0: skip)")
+    ap.add_argument("--only", action="append", choices=["ready", "speed", "bytes", "streams", "spec"],
                     help="measure only these scenarios, replacing their rows in the profile's newest results")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plots from the CSVs in --out")
     opts = ap.parse_args()
@@ -571,7 +693,7 @@ def main():
         return
     if opts.smoke:
         opts.profile, opts.models, opts.nodes = ["loopback"], "gemma3", "2"
-        opts.tg, opts.pp, opts.streams = 16, 32, 2
+        opts.tg, opts.pp, opts.streams, opts.spec = 16, 32, 2, 0
         opts.out = Path(tempfile.mkdtemp(prefix="bench-smoke-"))
     profiles = list(PROFILES) if opts.all else (opts.profile or ["loopback"])
     opts.out.mkdir(parents=True, exist_ok=True)

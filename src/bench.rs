@@ -7,11 +7,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use baton_ggml::{LlamaContext, LlamaModel};
 use baton_model::ModelFile;
+use baton_node::engine::{max_decode_rows, Draft, DraftMode, EngineConfig, Event, Job};
 use baton_node::Head;
 use baton_proto::{Message, Payload, StartSeq};
 use baton_sample::{argmax, SamplingParams};
 use clap::Args;
 
+use crate::draft::DraftArgs;
 use crate::ring::{ClusterArgs, Ring};
 use crate::StageArgs;
 
@@ -40,6 +42,91 @@ pub struct BenchArgs {
     /// exists (built by bench/peer/setup); `none` to skip.
     #[arg(long)]
     llama_bench: Option<std::path::PathBuf>,
+    /// With --draft: also generation on a code-editing chat prompt through the engine,
+    /// with and without drafted tokens (greedy; the text must be the same).
+    #[command(flatten)]
+    draft: DraftArgs,
+}
+
+/// A code-editing request (the answer repeats much of the prompt, where prompt lookup
+/// drafts hit), as ChatML.
+const CODE_EDIT: &str = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHere is a \
+Python function:\n\n```python\ndef summarize(orders):\n    total = 0\n    count = 0\n    largest = None\n    for \
+order in orders:\n        amount = order[\"amount\"]\n        total = total + amount\n        count = count + 1\n        \
+if largest is None or amount > largest:\n            largest = amount\n    average = total / count if count else 0\n    \
+return {\"total\": total, \"count\": count, \"largest\": largest, \"average\": average}\n```\n\nRename the variable \
+`total` to `revenue` everywhere and return the whole function.<|im_end|>\n<|im_start|>assistant\n";
+
+/// Generation tok/s on [`CODE_EDIT`] through an engine over `ring`'s head, without and
+/// with drafts (median of `reps`), and the tokens drafted and kept.
+fn bench_drafting(
+    ring: &mut Ring,
+    model: &Path,
+    n_ctx: usize,
+    tg: usize,
+    reps: usize,
+    draft: Draft,
+    drafter: Option<Box<dyn baton_node::engine::Drafter>>,
+    repack: bool,
+) -> anyhow::Result<(f64, f64, u64, u64)> {
+    let vocab = std::sync::Arc::new(crate::load_tokenizer(model)?);
+    let prompt = vocab.tokenize(CODE_EDIT, true, true)?;
+    let config = EngineConfig {
+        n_slots: 1,
+        slot_ctx: n_ctx,
+        chunk: n_ctx,
+        n_stages: ring.ranges().len().max(1),
+        max_decode_rows: max_decode_rows(repack),
+        max_queue: 1,
+        recovery_timeout: Duration::from_secs(30),
+        step_timeout: Duration::from_secs(600),
+    };
+    let engine = ring.engine(vocab.clone(), config, drafter)?;
+    let generate = |draft: Draft| -> anyhow::Result<(f64, Vec<u32>)> {
+        let (events, mut receiver) = tokio::sync::mpsc::unbounded_channel();
+        engine.submit(Job {
+            prompt: prompt.clone(),
+            params: SamplingParams::greedy(),
+            max_tokens: tg,
+            logprobs: false,
+            top_logprobs: 0,
+            stop: Vec::new(),
+            draft,
+            events,
+        })?;
+        let (mut first, mut tokens) = (None, Vec::new());
+        while let Some(event) = receiver.blocking_recv() {
+            match event {
+                Event::Token(t) => {
+                    first.get_or_insert_with(Instant::now);
+                    tokens.push(t.id);
+                }
+                Event::Finished(_) => break,
+                Event::Failed(why) => anyhow::bail!(why),
+            }
+        }
+        let secs = first.map_or(0.0, |f| f.elapsed().as_secs_f64());
+        Ok(((tokens.len().saturating_sub(1)) as f64 / secs.max(1e-9), tokens))
+    };
+    let (mut plain, mut drafted) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let (rate, off) = generate(Draft::OFF)?;
+        plain.push(rate);
+        let (rate, on) = generate(draft)?;
+        drafted.push(rate);
+        anyhow::ensure!(on == off, "drafting changed the text: a bug (please report it)");
+    }
+    let counters = engine.counters();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((
+        median(plain),
+        median(drafted),
+        counters.draft_tokens.load(std::sync::atomic::Ordering::Relaxed),
+        counters.draft_accepted.load(std::sync::atomic::Ordering::Relaxed),
+    ))
 }
 
 /// pp and tg tokens per second measured by llama.cpp's `llama-bench`, one process.
@@ -149,7 +236,10 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let file = ModelFile::open(path).with_context(|| format!("loading {}", path.display()))?;
     let n_vocab = file.hparams().n_vocab;
     drop(file);
-    let n_ctx = (args.pp.max(args.tg) + 16).next_power_of_two();
+    let draft = args.draft.settings()?;
+    // Room for the code-editing prompt (about 250 tokens) and its answer when drafting.
+    let spec_ctx = if draft.mode == DraftMode::Off { 0 } else { 512 + args.tg };
+    let n_ctx = (args.pp.max(args.tg) + 16).max(spec_ctx).next_power_of_two();
     let mut stage_args = args.stages.clone();
     stage_args.ctx_size = n_ctx;
     let threads = match args.cluster.local_workers {
@@ -238,6 +328,23 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         table.push_str(&format!(
             "| {test} | {baton:.2} | {llama:.2} | {peer} | {:.3} | {ratio} |\n",
             baton / llama
+        ));
+    }
+    if draft.mode != DraftMode::Off {
+        let repack = !args.stages.no_repack;
+        let drafter = args.draft.load_model(n_vocab, 1, n_ctx, n_ctx, threads, repack)?;
+        let (plain, drafted, sent, kept) =
+            bench_drafting(&mut ring, path, n_ctx, args.tg, reps, draft, drafter, repack)?;
+        table.push_str(&format!(
+            "\ncode-editing chat prompt, greedy, through the engine (median of {reps}):\n\n\
+             | test | tok/s | vs no draft | drafted | kept |\n|---|---:|---:|---:|---:|\n\
+             | tg{tg} no draft | {plain:.2} | 1.000 | | |\n\
+             | tg{tg} draft {mode}, up to {max}{fixed} | {drafted:.2} | {:.3} | {sent} | {kept} |\n",
+            drafted / plain,
+            tg = args.tg,
+            mode = draft.mode,
+            max = draft.max,
+            fixed = if draft.fixed { " (fixed)" } else { "" },
         ));
     }
     print!("{table}");

@@ -311,7 +311,13 @@ fn a_killed_worker_is_replaced_and_the_stream_goes_on() {
 #[test]
 fn a_killed_worker_is_replaced_while_drafts_are_in_flight() {
     let path = model(QWEN2);
-    let args = ["--draft-model", path.to_str().unwrap(), "--draft-max", "3", "--draft-fixed"];
+    let args = [
+        "--draft-model",
+        path.to_str().unwrap(),
+        "--draft-max",
+        "3",
+        "--draft-fixed",
+    ];
     lose_a_worker_mid_stream_with(&args, |w| w.kill(), |w| w.restart());
 }
 

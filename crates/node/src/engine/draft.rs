@@ -24,6 +24,16 @@ pub enum DraftMode {
     Model,
 }
 
+impl std::fmt::Display for DraftMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DraftMode::Off => "off",
+            DraftMode::Ngram => "ngram",
+            DraftMode::Model => "model",
+        })
+    }
+}
+
 impl std::str::FromStr for DraftMode {
     type Err = String;
 
