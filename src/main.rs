@@ -110,8 +110,19 @@ fn main() -> std::process::ExitCode {
 /// unsupported architecture: each said plainly), then loads its tokenizer through
 /// libllama.
 pub fn load_tokenizer(path: &Path) -> anyhow::Result<baton_ggml::LlamaModel> {
-    baton_model::ModelFile::open(path)?;
-    baton_ggml::LlamaModel::load_vocab(path).with_context(|| format!("loading the tokenizer of {}", path.display()))
+    let file = baton_model::ModelFile::open(path)?;
+    let vocab = baton_ggml::LlamaModel::load_vocab(path)
+        .with_context(|| format!("loading the tokenizer of {}", path.display()))?;
+    // Every id the tokenizer can produce must have an embedding row, and every logit a
+    // token: a file where they disagree would index outside a tensor or a table.
+    let rows = file.hparams().n_vocab;
+    anyhow::ensure!(
+        vocab.n_vocab() == rows,
+        "{}: the tokenizer has {} tokens but the token embedding has {rows} rows",
+        path.display(),
+        vocab.n_vocab()
+    );
+    Ok(vocab)
 }
 
 /// An error and its causes on one line, each cause once: errors that already print their

@@ -226,6 +226,16 @@ impl Core {
                 }
                 for member in members.into_iter().filter(|m| m.sampled) {
                     let got: Vec<&SampledToken> = tokens.iter().filter(|t| t.seq as usize == member.seq).collect();
+                    let n_vocab = self.vocab.n_vocab();
+                    if let Some(bad) = got.iter().find(|t| t.token as usize >= n_vocab) {
+                        // llama.cpp's detokenizer throws across the C boundary on such an id.
+                        let why = format!(
+                            "the last stage sampled token {} outside the vocabulary of {n_vocab}",
+                            bad.token
+                        );
+                        self.fail_seq(member.seq, member.epoch, &why, now);
+                        continue;
+                    }
                     if got.is_empty() || got.len() > member.drafted + 1 {
                         let why = format!(
                             "the last stage sampled {} tokens for the sequence, expected 1 to {}",

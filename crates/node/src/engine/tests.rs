@@ -23,6 +23,10 @@ impl Vocab for Tokens {
     fn token_bytes(&self, token: u32) -> Vec<u8> {
         format!("<{token}>").into_bytes()
     }
+
+    fn n_vocab(&self) -> usize {
+        1000
+    }
 }
 
 fn config() -> EngineConfig {
@@ -117,6 +121,30 @@ impl Harness {
                 let token = tokens[next.min(tokens.len() - 1)];
                 next += usize::from(sampled);
                 self.answer(msg, &[token]);
+            }
+            all.extend(sent);
+        }
+    }
+
+    /// Like [`poll_answering`](Self::poll_answering), each sequence's sampled rows
+    /// answered with `token(seq)`.
+    fn poll_answering_with(&mut self, token: impl Fn(u32) -> u32) -> Vec<Message> {
+        let mut all = Vec::new();
+        loop {
+            let sent = self.poll();
+            if sent.is_empty() {
+                return all;
+            }
+            for msg in &sent {
+                let reply = match msg {
+                    Message::Forward(f) => {
+                        let tokens: Vec<u32> = f.sample_rows.iter().map(|&r| token(f.seq_ids[r as usize])).collect();
+                        sampled(f, &tokens)
+                    }
+                    _ => Message::Done,
+                };
+                let gen = self.core.gen();
+                self.core.reply(gen, reply, self.now);
             }
             all.extend(sent);
         }
@@ -449,4 +477,30 @@ fn a_stage_error_fails_only_the_sequences_of_its_step() {
     };
     assert!(failed(hit), "the sequence of the failed step fails");
     assert!(!failed(spared), "the other goes on");
+}
+
+/// A stage that returns a token id outside the vocabulary fails that request with a
+/// clear error; the id is never detokenized (llama.cpp would throw across the C
+/// boundary and abort the head).
+#[test]
+fn a_token_outside_the_vocabulary_fails_its_request_not_the_head() {
+    let mut h = Harness::new(false);
+    let mut bad = h.job(&[1, 2], 4);
+    let mut good = h.job(&[3, 4], 4);
+    let sent = h.poll_answering_with(|seq| if seq == 0 { 1_000_000 } else { 7 });
+    assert!(!sent.is_empty());
+    let bad_events = events(&mut bad);
+    let good_events = events(&mut good);
+    let (failed, spared) = if bad_events.iter().any(|e| matches!(e, Event::Failed(_))) {
+        (bad_events, good_events)
+    } else {
+        (good_events, bad_events)
+    };
+    assert!(
+        failed
+            .iter()
+            .any(|e| matches!(e, Event::Failed(why) if why.contains("outside the vocabulary of 1000"))),
+        "{failed:?}"
+    );
+    assert!(spared.iter().any(|e| matches!(e, Event::Finished(_))), "{spared:?}");
 }

@@ -234,6 +234,8 @@ pub trait Vocab: Send + Sync {
     fn is_end_of_generation(&self, token: u32) -> bool;
     /// The bytes `token` stands for in generated text (special tokens render empty).
     fn token_bytes(&self, token: u32) -> Vec<u8>;
+    /// Tokens in the vocabulary: a larger id from a stage is a fault, never looked up.
+    fn n_vocab(&self) -> usize;
 }
 
 impl Vocab for baton_ggml::LlamaModel {
@@ -243,6 +245,10 @@ impl Vocab for baton_ggml::LlamaModel {
 
     fn token_bytes(&self, token: u32) -> Vec<u8> {
         baton_ggml::LlamaModel::token_bytes(self, token, false)
+    }
+
+    fn n_vocab(&self) -> usize {
+        baton_ggml::LlamaModel::n_vocab(self)
     }
 }
 
