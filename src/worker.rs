@@ -1,18 +1,19 @@
 //! `baton worker`: serve one stage of a cluster.
 
-use std::net::ToSocketAddrs;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use baton_net::LinkOptions;
+use baton_net::{Addr, LinkOptions};
 use baton_node::cluster::{Worker, WorkerConfig};
 use clap::Args;
 
 /// Arguments of `baton worker`.
 #[derive(Args, Debug)]
 pub struct WorkerArgs {
-    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    /// Address to listen on: HOST:PORT (port 0 picks a free port), or unix:PATH for a
+    /// Unix-domain socket that only this machine can reach (a socket file left by a
+    /// stopped worker is taken over). The bound address is printed.
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: String,
     /// Directory of GGUF models (streamed tensors are cached under DIR/.baton).
@@ -55,12 +56,10 @@ pub struct WorkerArgs {
 
 /// Runs the worker until killed.
 pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
-    let loopback = args
-        .listen
-        .to_socket_addrs()
-        .with_context(|| format!("bad --listen address {}", args.listen))?
-        .all(|a| a.ip().is_loopback());
-    if !loopback && args.token.is_none() && !args.insecure {
+    let local = Addr::parse(&args.listen)
+        .and_then(|addr| addr.is_local())
+        .with_context(|| format!("bad --listen address {}", args.listen))?;
+    if !local && args.token.is_none() && !args.insecure {
         anyhow::bail!(
             "refusing to listen on {} without --token: any machine that can reach it could drive this \
              worker. Set a cluster token (--token or BATON_TOKEN), or pass --insecure to accept that.",
@@ -108,7 +107,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         });
     }
     // The first line on stdout is the bound address: `--local-workers` and tests read it.
-    println!("listening on {}", worker.local_addr()?);
+    println!("listening on {}", worker.local_addr());
     worker.serve();
     Ok(())
 }

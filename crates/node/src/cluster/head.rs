@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
-use baton_net::{client_handshake, local_link, Counters, LinkOptions, NetError, Rx, TcpLink, Tx};
+use baton_net::{client_handshake, connect, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx};
 use baton_plan::{ModelCost, NodeOffer, Plan};
 use baton_proto::auth::identity_hash;
 use baton_proto::{Capabilities, HeldModel, LoadPlan, Message, ModelRef, Role};
@@ -19,7 +19,7 @@ use crate::worker::{run, StageWorker};
 use crate::NodeError;
 
 /// Called with a worker's address and a handle that closes its control link.
-pub type OnReached = Arc<dyn Fn(&str, baton_net::LinkCloser) + Send + Sync>;
+pub type OnReached = Arc<dyn Fn(&str, LinkCloser) + Send + Sync>;
 
 /// How the head forms the cluster.
 #[derive(Clone, Default)]
@@ -86,13 +86,13 @@ pub struct RemoteRing {
     pub to_first: Arc<Counters>,
     /// Bytes the head received from the last stage.
     pub from_last: Arc<Counters>,
-    /// Workers left out because they could not be reached, and why (only with
-    /// `skip_unreachable`).
-    pub unreachable: Vec<(String, String)>,
+    /// Workers left out because they could not be reached or refused, and why (only
+    /// with `skip_unreachable`).
+    pub unreachable: Vec<(String, NodeError)>,
     /// The head's measured speed, when it offered itself.
     pub head_secs_per_layer: Option<f64>,
     // Control links of the middle stages stay open for the session's lifetime.
-    _idle: Vec<TcpLink>,
+    _idle: Vec<Box<dyn Link>>,
     // The head's own stage, when it runs one.
     head_stage: Option<JoinHandle<()>>,
 }
@@ -210,7 +210,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
             Ok(reached) => reached,
             Err(e) if opts.skip_unreachable => {
                 tracing::warn!(worker = %addr, "left out: {e}");
-                unreachable.push((addr.clone(), e.to_string()));
+                unreachable.push((addr.clone(), e));
                 continue;
             }
             Err(e) => return Err(e),
@@ -282,7 +282,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     // Workers the plan leaves out are released now, not held for the session.
     for (w, link) in links.iter_mut().enumerate() {
         if !plan.stages.iter().any(|s| worker_of(s.node) == Some(w)) {
-            link.send(&Message::Shutdown)?;
+            link.send(Message::Shutdown)?;
         }
     }
     let n = plan.stages.len();
@@ -313,7 +313,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
             repack: opts.repack,
         };
         let link = &mut links[w];
-        link.send(&Message::LoadPlan(load))?;
+        link.send(Message::LoadPlan(load))?;
         if !holds {
             let span = StageSpan {
                 layers: stage.layers.clone(),
@@ -321,7 +321,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
                 last: i + 1 == n,
             };
             let addr = worker.addr.clone();
-            let sent = send_stage_tensors(&file, &span, link, &addr)?;
+            let sent = send_stage_tensors(&file, &span, link.as_mut(), &addr)?;
             remote[w].streamed = sent;
             tracing::info!(worker = %addr, bytes = sent, "streamed weights");
         }
@@ -350,8 +350,8 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     };
     let head_next = match (&head_stage, nexts.first()) {
         (Some(_), Some(Some(next))) => {
-            let mut down = TcpLink::connect(next, &opts.link)?;
-            client_handshake(&mut down, Role::Ring, token)?;
+            let mut down = connect(next, &opts.link)?;
+            client_handshake(down.as_mut(), Role::Ring, token)?;
             Some(down)
         }
         _ => None,
@@ -364,11 +364,12 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
             Message::Loaded { resident, received } => {
                 tracing::info!(worker = %link.peer(), resident, received, "stage ready");
             }
-            Message::Refused { reason } => {
-                return Err(NodeError::Request(format!(
-                    "worker {} could not load: {reason}",
-                    link.peer()
-                )))
+            Message::Refused { code, reason } => {
+                return Err(NodeError::Refused {
+                    worker: link.peer().to_string(),
+                    code,
+                    reason,
+                })
             }
             other => return Err(NodeError::Protocol(format!("expected Loaded, got {}", other.kind()))),
         }
@@ -377,7 +378,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     // The ring: head → first stage; last stage → head. Control links of the middle
     // stages stay open (a worker's session lives as long as its control link).
     let last = plan.stages[n - 1].node;
-    let mut slots: Vec<Option<TcpLink>> = links.into_iter().map(Some).collect();
+    let mut slots: Vec<Option<Box<dyn Link>>> = links.into_iter().map(Some).collect();
     let mut take = |node: usize| {
         let link = worker_of(node).and_then(|w| slots[w].take());
         link.ok_or_else(|| NodeError::Protocol("a worker appears twice in the plan".into()))
@@ -403,7 +404,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
                     let (_, rx) = take(last)?.split()?;
                     let (to_first, from_last) = (down_tx.counters(), rx.counters());
                     let thread = spawn_stage(worker, stage_rx, down_tx)?;
-                    (Box::new(head_tx), Box::new(rx), to_first, from_last, Some(thread))
+                    (Box::new(head_tx), rx, to_first, from_last, Some(thread))
                 }
             }
         }
@@ -417,7 +418,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
                 (tx, rx)
             };
             let (to_first, from_last) = (tx.counters(), rx.counters());
-            (Box::new(tx), Box::new(rx), to_first, from_last, None)
+            (tx, rx, to_first, from_last, None)
         }
     };
     Ok(RemoteRing {
@@ -435,25 +436,31 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
 }
 
 /// Connects to the worker at `addr`, authenticates, and asks it to describe itself.
-fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(TcpLink, Capabilities), NodeError> {
+fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(Box<dyn Link>, Capabilities), NodeError> {
     let link_opts = LinkOptions {
         read_timeout: opts.handshake_timeout,
         ..opts.link.clone()
     };
-    let mut link = TcpLink::connect(addr, &link_opts).map_err(|e| match e {
-        NetError::Unreachable { reason, .. } => NodeError::Request(format!(
-            "worker {addr} could not be reached: {reason}; check that `baton worker --listen` runs there \
-             on this address and port, and that no firewall blocks it"
-        )),
+    let mut link = connect(addr, &link_opts).map_err(|e| match e {
+        NetError::Unreachable { reason, .. } => NodeError::Unreachable {
+            worker: addr.to_string(),
+            reason,
+        },
         other => other.into(),
     })?;
-    client_handshake(&mut link, Role::Head, opts.token.as_deref().map(str::as_bytes))?;
-    link.send(&Message::Describe {
+    client_handshake(link.as_mut(), Role::Head, opts.token.as_deref().map(str::as_bytes))?;
+    link.send(Message::Describe {
         model: model_ref.clone(),
     })?;
     let caps = match link.recv()? {
         Message::Capabilities(caps) => caps,
-        Message::Refused { reason } => return Err(NodeError::Request(format!("worker {addr} refused: {reason}"))),
+        Message::Refused { code, reason } => {
+            return Err(NodeError::Refused {
+                worker: addr.to_string(),
+                code,
+                reason,
+            })
+        }
         other => {
             return Err(NodeError::Protocol(format!(
                 "worker {addr} sent {} instead of Capabilities",
