@@ -120,3 +120,22 @@ impl Drop for LocalWorkers {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use super::*;
+
+    #[test]
+    fn socket_dirs_are_private_fresh_and_removed_with_their_contents() {
+        let (a, b) = (SocketDir::create().unwrap(), SocketDir::create().unwrap());
+        assert_ne!(a.0, b.0);
+        let mode = std::fs::metadata(&a.0).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "mode {mode:o}");
+        std::fs::write(a.0.join("w0.sock"), "").unwrap();
+        let path = a.0.clone();
+        drop(a);
+        assert!(!path.exists());
+    }
+}

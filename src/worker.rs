@@ -49,7 +49,8 @@ pub struct WorkerArgs {
     socket_buffer: Option<usize>,
     #[command(flatten)]
     tls: crate::cert::TlsArgs,
-    /// Exit when standard input closes (how `--local-workers` ties workers to the head).
+    /// Exit when standard input closes (how `--local-workers` ties workers to the head),
+    /// removing a Unix socket and, if then empty, its directory (the head's own).
     #[arg(long, hide = true)]
     exit_on_stdin_close: bool,
 }
@@ -101,8 +102,21 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     };
     let worker = Worker::bind(config)?;
     if args.exit_on_stdin_close {
-        std::thread::spawn(|| {
+        let socket = match Addr::parse(worker.local_addr()) {
+            Ok(Addr::Unix(path)) => Some(path),
+            _ => None,
+        };
+        std::thread::spawn(move || {
             let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+            // The head is gone, maybe killed before it could clean up: its workers'
+            // sockets live in a directory of its own, which the last worker out removes
+            // (`remove_dir` only removes an empty one).
+            if let Some(path) = socket {
+                let _ = std::fs::remove_file(&path);
+                if let Some(dir) = path.parent() {
+                    let _ = std::fs::remove_dir(dir);
+                }
+            }
             std::process::exit(0);
         });
     }

@@ -210,3 +210,82 @@ fn a_stale_socket_file_does_not_stop_a_new_worker_but_a_live_one_is_not_stolen()
     let ring = connect_cluster(&path, std::slice::from_ref(&third.addr), &options());
     assert!(ring.is_ok(), "the new worker serves: {:?}", ring.err());
 }
+
+/// What a temporary directory holds: `(name, mode, sockets inside)` per directory.
+fn socket_dirs(tmp: &Path) -> Vec<(String, u32, Vec<String>)> {
+    use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
+    let mut dirs = Vec::new();
+    for entry in std::fs::read_dir(tmp).unwrap().map(Result::unwrap) {
+        let mode = entry.metadata().unwrap().permissions().mode() & 0o777;
+        let mut sockets: Vec<String> = std::fs::read_dir(entry.path())
+            .unwrap()
+            .map(Result::unwrap)
+            .filter(|e| e.file_type().unwrap().is_socket())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        sockets.sort();
+        dirs.push((entry.file_name().to_string_lossy().into_owned(), mode, sockets));
+    }
+    dirs
+}
+
+#[test]
+fn local_workers_listen_in_a_private_directory_that_goes_with_the_head() {
+    let tmp = SocketDir::new("local-workers-tmp");
+    // A command that ends normally removes the directory.
+    let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["run", "--model"])
+        .arg(model(GEMMA3))
+        .args([
+            "--local-workers",
+            "2",
+            "--no-head-stage",
+            "--threads",
+            "1",
+            "--ctx-size",
+            "256",
+        ])
+        .args(["--prompt", PROMPTS[0], "-n", "4"])
+        .env("TMPDIR", &tmp.0)
+        .env_remove("BATON_TOKEN")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(socket_dirs(&tmp.0), []);
+
+    // While a server runs, its workers' sockets are in a directory only this user can
+    // enter; killed, it cannot clean up, and its workers (which exit with it) do.
+    let mut server = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args([
+            "serve",
+            "--local-workers",
+            "2",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--ctx-size",
+            "256",
+        ])
+        .arg("--model")
+        .arg(model(GEMMA3))
+        .env("TMPDIR", &tmp.0)
+        .env_remove("BATON_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    common::printed_addr(&mut server, "listening on http://");
+    let dirs = socket_dirs(&tmp.0);
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    let (_, mode, sockets) = &dirs[0];
+    assert_eq!(*mode, 0o700, "directory mode {mode:o}");
+    assert_eq!(sockets, &["w0.sock", "w1.sock"]);
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !socket_dirs(&tmp.0).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(socket_dirs(&tmp.0), []);
+}
