@@ -1,6 +1,7 @@
 //! What one ring hop costs on one host, TCP loopback against a Unix-domain socket:
-//! round trips of the frames a ring carries per generated token (a qwen2 hidden state
-//! of 896 f32, 3,584 bytes of values; the token id that goes into the first stage), many
+//! round trips of the frames a ring carries per generated token (a `Forward` of one
+//! qwen2 hidden state, 896 f32 = 3,584 bytes of values; the `Forward` of one token id
+//! that goes into the first stage), echoed back by a thread at the other end, many
 //! times, in interleaved batches so that other load on the machine hits every transport
 //! alike. Prints a table of median and 99th percentile round trips, and one way (half).
 //!
@@ -34,7 +35,7 @@ fn main() {
             payload,
             positions: (0..rows as i32).collect(),
             seq_ids: vec![0; rows],
-            sample_rows: vec![],
+            sample_rows: vec![rows as u32 - 1],
         })
     };
     let frames = [
