@@ -126,16 +126,22 @@ pub trait Link: Send {
 pub trait Tx: Send {
     /// Sends one message, in order.
     fn send(&mut self, msg: Message) -> Result<(), NetError>;
-    /// Bytes that crossed the link.
-    fn counters(&self) -> Arc<Counters>;
+    /// Bytes that crossed the link (shared by both halves). A half that carries no
+    /// bytes, like a test double, counts nothing.
+    fn counters(&self) -> Arc<Counters> {
+        Arc::default()
+    }
 }
 
 /// The receiving half of a link.
 pub trait Rx: Send {
     /// Waits for the next message.
     fn recv(&mut self) -> Result<Message, NetError>;
-    /// Bytes that crossed the link.
-    fn counters(&self) -> Arc<Counters>;
+    /// Bytes that crossed the link (shared by both halves). A half that carries no
+    /// bytes, like a test double, counts nothing.
+    fn counters(&self) -> Arc<Counters> {
+        Arc::default()
+    }
 }
 
 impl<T: Tx + ?Sized> Tx for Box<T> {
