@@ -18,8 +18,10 @@ use crate::{Link, NetError};
 /// The prefix of a Unix-domain socket address.
 const UNIX_PREFIX: &str = "unix:";
 
-/// Where a node listens or is reached.
+/// Where a node listens or is reached. More transports may come: match with a
+/// wildcard arm.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Addr {
     /// `host:port` over TCP.
     Tcp(String),
