@@ -300,7 +300,14 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     let place = match &ring {
         Ring::Local(_) => "in-process stages",
-        Ring::Remote { .. } | Ring::Supervised { .. } => "worker processes over TCP",
+        Ring::Remote { .. } | Ring::Supervised { .. } => {
+            let unix = |w: &String| matches!(baton_net::Addr::parse(w), Ok(baton_net::Addr::Unix(_)));
+            if args.cluster.local_workers.is_some() || args.cluster.workers.iter().all(unix) {
+                "worker processes over Unix sockets"
+            } else {
+                "worker processes over TCP"
+            }
+        }
     };
     let mut table = format!(
         "model: {model_name}\nstages: {} ({}), {place}, {threads} thread(s) per stage, ready in {:.2} s; \

@@ -27,10 +27,12 @@ pub enum WireDtype {
 /// Where the stages run.
 #[derive(Args, Clone, Debug)]
 pub struct ClusterArgs {
-    /// Run the stages on these workers (HOST:PORT,...) instead of in this process.
+    /// Run the stages on these workers instead of in this process: HOST:PORT for TCP,
+    /// unix:PATH for a worker's Unix-domain socket on this machine (comma-separated).
     #[arg(long, value_delimiter = ',')]
     pub workers: Vec<String>,
-    /// Start N local worker processes on loopback and run the stages there.
+    /// Start N local worker processes and run the stages there (they listen on Unix
+    /// sockets in a private temporary directory).
     #[arg(long)]
     pub local_workers: Option<usize>,
     /// Cluster secret for --workers (or the BATON_TOKEN environment variable).

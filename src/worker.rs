@@ -1,18 +1,19 @@
 //! `baton worker`: serve one stage of a cluster.
 
-use std::net::ToSocketAddrs;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use baton_net::LinkOptions;
+use baton_net::{Addr, LinkOptions};
 use baton_node::cluster::{Worker, WorkerConfig};
 use clap::Args;
 
 /// Arguments of `baton worker`.
 #[derive(Args, Debug)]
 pub struct WorkerArgs {
-    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    /// Address to listen on: HOST:PORT (port 0 picks a free port), or unix:PATH for a
+    /// Unix-domain socket that only this machine can reach (a socket file left by a
+    /// stopped worker is taken over). The bound address is printed.
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: String,
     /// Directory of GGUF models (streamed tensors are cached under DIR/.baton).
@@ -48,19 +49,18 @@ pub struct WorkerArgs {
     socket_buffer: Option<usize>,
     #[command(flatten)]
     tls: crate::cert::TlsArgs,
-    /// Exit when standard input closes (how `--local-workers` ties workers to the head).
+    /// Exit when standard input closes (how `--local-workers` ties workers to the head),
+    /// removing a Unix socket and, if then empty, its directory (the head's own).
     #[arg(long, hide = true)]
     exit_on_stdin_close: bool,
 }
 
 /// Runs the worker until killed.
 pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
-    let loopback = args
-        .listen
-        .to_socket_addrs()
-        .with_context(|| format!("bad --listen address {}", args.listen))?
-        .all(|a| a.ip().is_loopback());
-    if !loopback && args.token.is_none() && !args.insecure {
+    let local = Addr::parse(&args.listen)
+        .and_then(|addr| addr.is_local())
+        .with_context(|| format!("bad --listen address {}", args.listen))?;
+    if !local && args.token.is_none() && !args.insecure {
         anyhow::bail!(
             "refusing to listen on {} without --token: any machine that can reach it could drive this \
              worker. Set a cluster token (--token or BATON_TOKEN), or pass --insecure to accept that.",
@@ -102,13 +102,26 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     };
     let worker = Worker::bind(config)?;
     if args.exit_on_stdin_close {
-        std::thread::spawn(|| {
+        let socket = match Addr::parse(worker.local_addr()) {
+            Ok(Addr::Unix(path)) => Some(path),
+            _ => None,
+        };
+        std::thread::spawn(move || {
             let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+            // The head is gone, maybe killed before it could clean up: its workers'
+            // sockets live in a directory of its own, which the last worker out removes
+            // (`remove_dir` only removes an empty one).
+            if let Some(path) = socket {
+                let _ = std::fs::remove_file(&path);
+                if let Some(dir) = path.parent() {
+                    let _ = std::fs::remove_dir(dir);
+                }
+            }
             std::process::exit(0);
         });
     }
     // The first line on stdout is the bound address: `--local-workers` and tests read it.
-    println!("listening on {}", worker.local_addr()?);
+    println!("listening on {}", worker.local_addr());
     worker.serve();
     Ok(())
 }

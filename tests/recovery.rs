@@ -375,18 +375,18 @@ fn without_spare_capacity_clients_get_a_clear_error_at_once() {
 /// then hangs: it never answers the load plan, and never answers a heartbeat (a worker
 /// stopped while loading its range).
 fn start_worker_that_hangs_while_loading() -> String {
-    use baton_net::{server_handshake, LinkOptions, TcpLink};
+    use baton_net::{server_handshake, LinkOptions, Listener};
     use baton_proto::{Capabilities, HeldModel, Message, Role};
 
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
+    let listener = Listener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().to_string();
     let ring_addr = addr.clone();
     std::thread::spawn(move || {
-        for stream in listener.incoming().map_while(Result::ok) {
+        while let Ok(incoming) = listener.accept() {
             let ring_addr = ring_addr.clone();
             std::thread::spawn(move || {
-                let mut link = TcpLink::accept(stream, "head".into(), &LinkOptions::default()).unwrap();
-                let role = server_handshake(&mut link, Some(TOKEN.as_bytes())).unwrap();
+                let mut link = incoming.into_link(&LinkOptions::default()).unwrap();
+                let role = server_handshake(link.as_mut(), Some(TOKEN.as_bytes())).unwrap();
                 while let Ok(msg) = link.recv() {
                     // The load plan and pings are read and never answered.
                     if let (Role::Head, Message::Describe { model }) = (role, msg) {
@@ -405,7 +405,7 @@ fn start_worker_that_hangs_while_loading() -> String {
                             models: vec![held],
                             ring_addr: ring_addr.clone(),
                         };
-                        link.send(&Message::Capabilities(caps)).unwrap();
+                        link.send(Message::Capabilities(caps)).unwrap();
                     }
                 }
             });

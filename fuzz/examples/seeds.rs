@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use baton_gguf::{GgmlType, GgufWriter, Value};
 use baton_proto::auth::proof;
 use baton_proto::{
-    encode, Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, Role, SampledToken, TensorEntry,
-    PROTOCOL_VERSION,
+    encode, Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, RefusalCode, Role, SampledToken,
+    TensorEntry, PROTOCOL_VERSION,
 };
 use baton_sample::SamplingParams;
 
@@ -85,6 +85,7 @@ fn messages() -> Vec<(String, Message)> {
         },
         Message::Auth { proof: nonce(4) },
         Message::Refused {
+            code: RefusalCode::Auth,
             reason: "wrong token: the proof does not match this worker's --token".into(),
         },
         Message::Describe { model: model() },
@@ -189,6 +190,7 @@ fn handshakes() -> Vec<(&'static str, Vec<u8>)> {
         proof: proof(TOKEN, &nonce(1), &nonce(9), role),
     };
     let refused = Message::Refused {
+        code: RefusalCode::Busy,
         reason: "another head is already connected to this worker".into(),
     };
     vec![
@@ -207,11 +209,6 @@ fn handshakes() -> Vec<(&'static str, Vec<u8>)> {
             );
             bytes
         }),
-        // A TLS record where a plain worker expects a frame: refused by `TcpLink::accept`.
-        (
-            "server-tls-record",
-            vec![0, 0x16, 0x03, 0x01, 0x00, 0x04, 0x01, 0x00, 0x00, 0x00],
-        ),
         ("client-head", frames(1, &[hello(Role::Worker)])),
         (
             "client-ring-token",

@@ -21,8 +21,13 @@ pub struct WorkerProc {
 impl WorkerProc {
     /// Starts a worker on a free loopback port serving `models`, with `extra` arguments.
     pub fn start(models: &Path, token: Option<&str>, extra: &[&str]) -> WorkerProc {
+        WorkerProc::start_at("127.0.0.1:0", models, token, extra)
+    }
+
+    /// Starts a worker listening on `listen` (`host:port` or `unix:PATH`).
+    pub fn start_at(listen: &str, models: &Path, token: Option<&str>, extra: &[&str]) -> WorkerProc {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
-        cmd.args(["worker", "--listen", "127.0.0.1:0", "--threads", "1", "--models"])
+        cmd.args(["worker", "--listen", listen, "--threads", "1", "--models"])
             .arg(models)
             .args(extra)
             .env("BATON_LOG", "info")

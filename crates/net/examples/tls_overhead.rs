@@ -4,11 +4,10 @@
 //!
 //! `cargo run --release -p baton-net --example tls_overhead`
 
-use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_net::{LinkOptions, TcpLink, TlsConfig};
+use baton_net::{connect, LinkOptions, Listener, TlsConfig};
 use baton_proto::Message;
 
 fn main() {
@@ -44,19 +43,18 @@ fn round_trips(tls: Option<Arc<TlsConfig>>, bytes: usize, rounds: usize) -> Vec<
         tls,
         ..LinkOptions::default()
     };
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
+    let listener = Listener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().to_string();
     let server_opts = opts.clone();
     let echo = std::thread::spawn(move || {
-        let (stream, peer) = listener.accept().unwrap();
-        let mut link = TcpLink::accept(stream, peer.to_string(), &server_opts).unwrap();
+        let mut link = listener.accept_link(&server_opts).unwrap();
         while let Ok(msg) = link.recv() {
-            if link.send(&msg).is_err() {
+            if link.send(msg).is_err() {
                 break;
             }
         }
     });
-    let mut link = TcpLink::connect(&addr, &opts).unwrap();
+    let mut link = connect(&addr, &opts).unwrap();
     let msg = Message::TensorChunk {
         index: 0,
         offset: 0,
@@ -65,11 +63,11 @@ fn round_trips(tls: Option<Arc<TlsConfig>>, bytes: usize, rounds: usize) -> Vec<
     let mut times = Vec::with_capacity(rounds);
     for _ in 0..rounds {
         let start = Instant::now();
-        link.send(&msg).unwrap();
+        link.send(msg.clone()).unwrap();
         link.recv().unwrap();
         times.push(start.elapsed());
     }
-    link.close();
+    link.closer().unwrap().close();
     echo.join().unwrap();
     times
 }

@@ -1,148 +1,132 @@
-//! The first frames on every connection: versions, roles, and (with a cluster token)
-//! mutual proof of the token by HMAC challenge–response. The token itself never
-//! crosses the wire.
-//!
-//! ```text
-//! client                         server
-//!   Hello{version, role, nonce_c} →
-//!                                ← Hello{version, Worker, nonce_s}
-//!   Auth{proof_c}                 →        (only when the client has a token)
-//!                                ← Auth{proof_s} | Refused{reason}
-//! ```
-//! A server with a token refuses a client that sends anything but `Auth` next; a
-//! server without one refuses a client that sends `Auth`. Both say why in `Refused`.
+//! Drives the handshake state machines of `baton_proto::handshake` over a link: receive,
+//! feed, send what they return. All the decisions (versions, tokens, refusals and their
+//! reasons) are theirs; this file only moves messages.
 
-use baton_proto::auth::{new_nonce, proof, verify};
-use baton_proto::{Message, Role, PROTOCOL_VERSION};
+use baton_proto::auth::new_nonce;
+use baton_proto::handshake::{stray_auth, Client, Failure, HandshakeError, Server, Step};
+use baton_proto::Role;
 
-use crate::tcp::TcpLink;
-use crate::NetError;
+use crate::{Link, NetError};
 
-/// Runs the client side; returns the server's role.
-pub fn client_handshake(link: &mut TcpLink, role: Role, token: Option<&[u8]>) -> Result<Role, NetError> {
-    let nonce = new_nonce();
-    link.send(&Message::Hello {
-        version: PROTOCOL_VERSION,
-        role,
-        nonce,
-    })?;
-    let (peer_role, peer_nonce) = match link.recv()? {
-        Message::Hello { version, role, nonce } => {
-            check_version(link, version)?;
-            (role, nonce)
-        }
-        Message::Refused { reason } => return Err(refused(link, reason)),
-        other => return Err(unexpected(link, "Hello", &other)),
-    };
-    if let Some(token) = token {
-        link.send(&Message::Auth {
-            proof: proof(token, &peer_nonce, &nonce, role),
-        })?;
-        match link.recv()? {
-            Message::Auth { proof } => {
-                if !verify(token, &nonce, &peer_nonce, peer_role, &proof) {
-                    let reason = "the worker's proof of the token is wrong: it has another token".to_string();
-                    let _ = link.send(&Message::Refused { reason: reason.clone() });
-                    return Err(NetError::Auth {
-                        peer: link.peer().to_string(),
-                        reason,
-                    });
-                }
-            }
-            Message::Refused { reason } => return Err(refused(link, reason)),
-            other => return Err(unexpected(link, "Auth", &other)),
+/// Runs the client side as `role`; returns the server's role.
+pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -> Result<Role, NetError> {
+    let (mut client, hello) = Client::start(role, token, new_nonce());
+    link.send(hello)?;
+    loop {
+        let msg = link.recv()?;
+        if let Some(peer) = drive(link, client.handle(msg))? {
+            return Ok(peer);
         }
     }
-    Ok(peer_role)
 }
 
 /// Runs the server side; returns the client's role. After an error the caller drops
 /// the connection (a `Refused` has already told the client why, where it could).
-pub fn server_handshake(link: &mut TcpLink, token: Option<&[u8]>) -> Result<Role, NetError> {
-    let (peer_role, peer_nonce) = match link.recv()? {
-        Message::Hello { version, role, nonce } => {
-            if version != PROTOCOL_VERSION {
-                let reason =
-                    format!("protocol version {version} is not supported (this worker speaks {PROTOCOL_VERSION})");
-                let _ = link.send(&Message::Refused { reason: reason.clone() });
-                return Err(NetError::Version {
-                    peer: link.peer().to_string(),
-                    reason,
-                });
-            }
-            (role, nonce)
-        }
-        other => return Err(unexpected(link, "Hello", &other)),
-    };
-    let nonce = new_nonce();
-    link.send(&Message::Hello {
-        version: PROTOCOL_VERSION,
-        role: Role::Worker,
-        nonce,
-    })?;
-    let Some(token) = token else {
-        return Ok(peer_role);
-    };
-    match link.recv()? {
-        Message::Auth { proof: their } => {
-            if !verify(token, &nonce, &peer_nonce, peer_role, &their) {
-                let reason = "wrong token: the proof does not match this worker's --token".to_string();
-                let _ = link.send(&Message::Refused { reason: reason.clone() });
-                return Err(NetError::Auth {
-                    peer: link.peer().to_string(),
-                    reason,
-                });
-            }
-            link.send(&Message::Auth {
-                proof: proof(token, &peer_nonce, &nonce, Role::Worker),
-            })?;
-            Ok(peer_role)
-        }
-        other => {
-            let reason = format!(
-                "this worker requires a token (--token), but the peer sent {} instead",
-                other.kind()
-            );
-            let _ = link.send(&Message::Refused { reason: reason.clone() });
-            Err(NetError::Auth {
-                peer: link.peer().to_string(),
-                reason,
-            })
+pub fn server_handshake(link: &mut dyn Link, token: Option<&[u8]>) -> Result<Role, NetError> {
+    let mut server = Server::new(token, new_nonce());
+    loop {
+        let msg = link.recv()?;
+        if let Some(peer) = drive(link, server.handle(msg))? {
+            return Ok(peer);
         }
     }
 }
 
-/// A server without a token answers a client's `Auth` with this refusal.
-pub fn refuse_unexpected_auth(link: &mut TcpLink) -> NetError {
-    let reason = "this worker runs without a token, but the peer sent one".to_string();
-    let _ = link.send(&Message::Refused { reason: reason.clone() });
-    NetError::Auth {
-        peer: link.peer().to_string(),
-        reason,
+/// A server without a token answers a client's `Auth` with this refusal (the first
+/// message after the handshake; see `baton_proto::handshake`).
+pub fn refuse_unexpected_auth(link: &mut dyn Link) -> NetError {
+    fail(link, stray_auth())
+}
+
+/// Sends what one step asks for; `Some(role)` when the handshake is complete.
+fn drive(link: &mut dyn Link, step: Result<Step, Failure>) -> Result<Option<Role>, NetError> {
+    match step {
+        Ok(Step::Continue(send)) => {
+            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            Ok(None)
+        }
+        Ok(Step::Done { send, peer }) => {
+            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            Ok(Some(peer))
+        }
+        Err(failure) => Err(fail(link, failure)),
     }
 }
 
-fn check_version(link: &TcpLink, version: u32) -> Result<(), NetError> {
-    if version == PROTOCOL_VERSION {
-        return Ok(());
+/// Tells the peer why (as far as it still listens) and returns the error.
+fn fail(link: &mut dyn Link, failure: Failure) -> NetError {
+    let refused = !failure.send.is_empty();
+    if refused && failure.send.into_iter().try_for_each(|msg| link.send(msg)).is_ok() {
+        link.close_gently();
     }
-    Err(NetError::Version {
-        peer: link.peer().to_string(),
-        reason: format!("peer speaks protocol version {version}, this node {PROTOCOL_VERSION}"),
-    })
-}
-
-fn refused(link: &TcpLink, reason: String) -> NetError {
-    NetError::Refused {
-        peer: link.peer().to_string(),
-        reason,
+    let peer = link.peer().to_string();
+    match failure.error {
+        HandshakeError::Refused { code, reason } => NetError::Refused { peer, code, reason },
+        HandshakeError::Auth { reason } => NetError::Auth { peer, reason },
+        HandshakeError::Version { theirs, reason } => NetError::Version { peer, theirs, reason },
+        HandshakeError::Unexpected { expected, got } => NetError::Unexpected { peer, expected, got },
     }
 }
 
-fn unexpected(link: &TcpLink, expected: &str, got: &Message) -> NetError {
-    NetError::Unexpected {
-        peer: link.peer().to_string(),
-        expected: expected.to_string(),
-        got: got.kind().to_string(),
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{local_pair, LocalLink};
+    use baton_proto::{Message, RefusalCode};
+
+    /// Runs both sides over an in-process link, each on its own thread.
+    fn both(
+        role: Role,
+        client_token: Option<&'static [u8]>,
+        server_token: Option<&'static [u8]>,
+    ) -> (Result<Role, NetError>, Result<Role, NetError>, LocalLink, LocalLink) {
+        let (mut client, mut server) = local_pair("client", "worker");
+        let serving = std::thread::spawn(move || {
+            let result = server_handshake(&mut server, server_token);
+            (result, server)
+        });
+        let client_result = client_handshake(&mut client, role, client_token);
+        let (server_result, server) = serving.join().unwrap();
+        (client_result, server_result, client, server)
+    }
+
+    #[test]
+    fn the_drivers_complete_a_handshake_and_report_refusals_as_typed_errors() {
+        let (client, server, _, _) = both(Role::Ring, Some(b"k"), Some(b"k"));
+        assert_eq!(client.unwrap(), Role::Worker);
+        assert_eq!(server.unwrap(), Role::Ring);
+
+        let (client, server, _, _) = both(Role::Head, Some(b"x"), Some(b"k"));
+        assert!(
+            matches!(
+                client,
+                Err(NetError::Refused {
+                    code: RefusalCode::Auth,
+                    ..
+                })
+            ),
+            "{client:?}"
+        );
+        let server = server.unwrap_err().to_string();
+        assert_eq!(
+            server,
+            "authentication with client failed: wrong token: the proof does not match this worker's --token"
+        );
+
+        // Without a token on the server, the client's proof arrives as the first message
+        // after the handshake; the worker refuses it with the stray-auth refusal.
+        let (mut client, mut server) = local_pair("client", "worker");
+        let serving = std::thread::spawn(move || {
+            server_handshake(&mut server, None).unwrap();
+            assert!(matches!(server.recv().unwrap(), Message::Auth { .. }));
+            refuse_unexpected_auth(&mut server)
+        });
+        let err = client_handshake(&mut client, Role::Head, Some(b"k")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "worker refused the connection: this worker runs without a token, but the peer sent one"
+        );
+        assert_eq!(err.refusal(), Some(RefusalCode::Auth));
+        assert!(matches!(serving.join().unwrap(), NetError::Auth { .. }));
     }
 }

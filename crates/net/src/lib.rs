@@ -1,25 +1,37 @@
-//! Transports that carry messages between nodes. Every transport implements the same
-//! two halves, [`Tx`] and [`Rx`], so stage code does not know what carries it:
-//! in-process channels (tests, co-located stages) and TCP, optionally inside TLS.
+//! Transports that carry messages between nodes, behind one interface: a [`Link`] sends
+//! and receives [`Message`]s and splits into a [`Tx`] and an [`Rx`] half, so stage code
+//! and cluster forming do not know what carries them. Links come from an address
+//! ([`connect`], [`Listener`]): TCP (`host:port`) or a Unix-domain socket
+//! (`unix:/path`), either optionally inside TLS; or from [`local_pair`] and
+//! [`local_link`] in one process. A new transport is a new arm in `addr.rs` and an
+//! implementation of the crate's `Stream` trait (or of [`Link`]); nothing outside this
+//! crate changes.
 //!
-//! The TCP side uses blocking sockets and a thread per link rather than async I/O:
-//! a ring link carries one frame per step in strict order, so there is nothing for
+//! The socket transports use blocking sockets and a thread per link rather than async
+//! I/O: a ring link carries one frame per step in strict order, so there is nothing for
 //! an executor to interleave, and a blocking read has the lowest latency.
 #![deny(unsafe_code)]
 
+mod addr;
+mod framed;
 mod handshake;
+mod local;
 mod tcp;
 mod tls;
+mod unix;
 
-use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
 
-use baton_proto::{Message, ProtoError};
+use baton_proto::{Message, ProtoError, RefusalCode};
 
+pub use addr::{connect, Addr, Incoming, Listener};
+pub use framed::{Counters, LinkCloser, LinkOptions};
 pub use handshake::{client_handshake, refuse_unexpected_auth, server_handshake};
-pub use tcp::{Counters, LinkCloser, LinkOptions, TcpLink, TcpRx, TcpTx};
+pub use local::{local_link, local_pair, LocalLink, LocalRx, LocalTx};
 pub use tls::{TlsConfig, TlsError};
 
-/// Transport failures; each names the peer.
+/// Transport failures; each names the peer (or the address).
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
     /// The other end is gone.
@@ -32,6 +44,12 @@ pub enum NetError {
     /// not resolve (`reason` says which, in words).
     #[error("cannot reach {peer}: {reason}")]
     Unreachable { peer: String, reason: String },
+    /// Nothing could listen on `addr`.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+    /// Not an address this crate can use.
+    #[error("bad address {addr}: {reason}")]
+    BadAddress { addr: String, reason: String },
     /// Nothing arrived in time.
     #[error("timed out waiting for {peer}")]
     Timeout { peer: String },
@@ -41,92 +59,107 @@ pub enum NetError {
     /// Authentication failed (wrong or missing token).
     #[error("authentication with {peer} failed: {reason}")]
     Auth { peer: String, reason: String },
-    /// The peer speaks another protocol version.
+    /// The peer speaks protocol version `theirs`.
     #[error("{peer}: {reason}")]
-    Version { peer: String, reason: String },
+    Version { peer: String, theirs: u32, reason: String },
     /// TLS could not be set up or broke (another certificate, no TLS on one end).
     #[error("TLS with {peer} failed: {reason}")]
     Tls { peer: String, reason: String },
     /// The peer refused us and said why.
     #[error("{peer} refused the connection: {reason}")]
-    Refused { peer: String, reason: String },
+    Refused {
+        peer: String,
+        code: RefusalCode,
+        reason: String,
+    },
     /// The peer sent a valid message that does not belong here.
     #[error("{peer} sent {got} where {expected} was expected")]
     Unexpected {
         peer: String,
-        expected: String,
-        got: String,
+        expected: &'static str,
+        got: &'static str,
     },
+}
+
+impl NetError {
+    /// The peer's refusal code, when the peer refused us.
+    pub fn refusal(&self) -> Option<RefusalCode> {
+        match self {
+            NetError::Refused { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// A link's two halves: sending and receiving.
+pub type Halves = (Box<dyn Tx>, Box<dyn Rx>);
+
+/// A two-way connection to one peer, whatever carries it.
+pub trait Link: Send {
+    /// Sends one message, in order.
+    fn send(&mut self, msg: Message) -> Result<(), NetError>;
+    /// Waits for the next message (at most the read timeout). Any malformed frame is an
+    /// error, after which the link is dropped.
+    fn recv(&mut self) -> Result<Message, NetError>;
+    /// The peer, as dialed or accepted, for logs and errors.
+    fn peer(&self) -> &str;
+    /// Changes how long a read may wait (`None`: forever).
+    fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), NetError>;
+    /// Changes the largest frame accepted from the peer (e.g. small until the peer has
+    /// authenticated, so a stranger cannot make this node allocate much).
+    fn set_max_frame(&mut self, max_frame: usize);
+    /// Bytes that crossed the link (shared with its halves after [`split`](Link::split)).
+    fn counters(&self) -> Arc<Counters>;
+    /// A handle that closes the link from another thread.
+    fn closer(&self) -> Result<LinkCloser, NetError>;
+    /// Ends the link so that what this end sent last (a `Refused`) reaches the peer:
+    /// stops sending, then reads and drops what the peer still sends for a moment. Just
+    /// dropping the link could lose the message: a peer that sends once more before it
+    /// reads fails at once on a Unix socket, and TCP may answer it with a reset that
+    /// discards what was not read yet.
+    fn close_gently(&mut self);
+    /// Two halves over the same connection, for a reader and a writer thread.
+    fn split(self: Box<Self>) -> Result<Halves, NetError>;
 }
 
 /// The sending half of a link.
 pub trait Tx: Send {
     /// Sends one message, in order.
     fn send(&mut self, msg: Message) -> Result<(), NetError>;
+    /// Bytes that crossed the link (shared by both halves). A half that carries no
+    /// bytes, like a test double, counts nothing.
+    fn counters(&self) -> Arc<Counters> {
+        Arc::default()
+    }
 }
 
 /// The receiving half of a link.
 pub trait Rx: Send {
     /// Waits for the next message.
     fn recv(&mut self) -> Result<Message, NetError>;
+    /// Bytes that crossed the link (shared by both halves). A half that carries no
+    /// bytes, like a test double, counts nothing.
+    fn counters(&self) -> Arc<Counters> {
+        Arc::default()
+    }
 }
 
-/// In-process sending half: a channel to a stage in the same process.
-pub struct LocalTx {
-    inner: mpsc::Sender<Message>,
-    peer: String,
-}
-
-/// In-process receiving half.
-pub struct LocalRx {
-    inner: mpsc::Receiver<Message>,
-    peer: String,
-}
-
-/// A one-way in-process link; `peer` names the receiving end in errors.
-pub fn local_link(peer: &str) -> (LocalTx, LocalRx) {
-    let (tx, rx) = mpsc::channel();
-    (
-        LocalTx {
-            inner: tx,
-            peer: peer.to_string(),
-        },
-        LocalRx {
-            inner: rx,
-            peer: peer.to_string(),
-        },
-    )
-}
-
-impl Tx for LocalTx {
+impl<T: Tx + ?Sized> Tx for Box<T> {
     fn send(&mut self, msg: Message) -> Result<(), NetError> {
-        self.inner.send(msg).map_err(|_| NetError::Closed {
-            peer: self.peer.clone(),
-        })
+        (**self).send(msg)
+    }
+
+    fn counters(&self) -> Arc<Counters> {
+        (**self).counters()
     }
 }
 
-impl Rx for LocalRx {
+impl<T: Rx + ?Sized> Rx for Box<T> {
     fn recv(&mut self) -> Result<Message, NetError> {
-        self.inner.recv().map_err(|_| NetError::Closed {
-            peer: self.peer.clone(),
-        })
+        (**self).recv()
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn local_link_delivers_in_order_and_reports_a_closed_peer() {
-        let (mut tx, mut rx) = local_link("stage 1");
-        tx.send(Message::Done).unwrap();
-        tx.send(Message::Shutdown).unwrap();
-        assert_eq!(rx.recv().unwrap(), Message::Done);
-        assert_eq!(rx.recv().unwrap(), Message::Shutdown);
-        drop(rx);
-        let err = tx.send(Message::Done).unwrap_err().to_string();
-        assert_eq!(err, "link to stage 1 is closed");
+    fn counters(&self) -> Arc<Counters> {
+        (**self).counters()
     }
 }

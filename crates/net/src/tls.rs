@@ -12,7 +12,6 @@
 //! each wait for the other's reader.
 
 use std::io::{self, IoSlice, Read, Write};
-use std::net::{Shutdown, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,6 +26,7 @@ use rustls::{
     DistinguishedName, InconsistentKeys, OtherError, ServerConfig, ServerConnection, SignatureScheme,
 };
 
+use crate::framed::{read_error, Stream};
 use crate::NetError;
 
 /// The name a client asks for. The pinned verifiers ignore it; rustls needs one.
@@ -290,8 +290,8 @@ pub(crate) struct TlsSession {
 
 impl TlsSession {
     /// Runs the client side of the handshake on `stream`.
-    pub(crate) fn client(
-        stream: &mut TcpStream,
+    pub(crate) fn client<S: Stream>(
+        stream: &mut S,
         config: &TlsConfig,
         peer: &str,
         timeout: Option<Duration>,
@@ -301,19 +301,24 @@ impl TlsSession {
         TlsSession::handshake(stream, conn.into(), peer, timeout)
     }
 
-    /// Runs the server side of the handshake on an accepted `stream`.
-    pub(crate) fn server(
-        stream: &mut TcpStream,
+    /// Runs the server side of the handshake on an accepted `stream`, of which
+    /// `already_read` are the first bytes (read to tell TLS from plain frames).
+    pub(crate) fn server<S: Stream>(
+        stream: &mut S,
         config: &TlsConfig,
         peer: &str,
         timeout: Option<Duration>,
+        mut already_read: &[u8],
     ) -> Result<TlsSession, NetError> {
-        let conn = ServerConnection::new(config.server.clone()).map_err(|e| tls_error(peer, &e))?;
+        let mut conn = ServerConnection::new(config.server.clone()).map_err(|e| tls_error(peer, &e))?;
+        while !already_read.is_empty() {
+            conn.read_tls(&mut already_read).map_err(|e| handshake_error(peer, e))?;
+        }
         TlsSession::handshake(stream, conn.into(), peer, timeout)
     }
 
-    fn handshake(
-        stream: &mut TcpStream,
+    fn handshake<S: Stream>(
+        stream: &mut S,
         mut conn: Connection,
         peer: &str,
         timeout: Option<Duration>,
@@ -360,7 +365,7 @@ impl TlsSession {
     /// Seals `parts` as one run of records and writes them with one `write_all`; a frame
     /// longer than [`SEAL_CHUNK`] goes out one chunk at a time, so that the peer
     /// decrypts a chunk while this end seals the next.
-    pub(crate) fn send(&mut self, stream: &mut TcpStream, parts: &[IoSlice<'_>], peer: &str) -> Result<(), NetError> {
+    pub(crate) fn send(&mut self, stream: &mut impl Write, parts: &[IoSlice<'_>], peer: &str) -> Result<(), NetError> {
         let mut parts = parts.to_vec();
         let mut rest: &mut [IoSlice] = &mut parts;
         while !rest.is_empty() {
@@ -391,7 +396,7 @@ impl TlsSession {
 
     /// Fills `dst` with plaintext, waiting on the socket (without the lock) when
     /// nothing decrypted is left.
-    pub(crate) fn read_exact(&mut self, stream: &mut TcpStream, dst: &mut [u8], peer: &str) -> Result<(), NetError> {
+    pub(crate) fn read_exact(&mut self, stream: &mut impl Read, dst: &mut [u8], peer: &str) -> Result<(), NetError> {
         let mut filled = 0;
         while filled < dst.len() {
             if let Some(n) = self.decrypt_into(&mut dst[filled..], peer)? {
@@ -400,9 +405,7 @@ impl TlsSession {
             }
             // Only a half that reads needs the buffer.
             self.incoming.resize(READ_CHUNK, 0);
-            let n = stream
-                .read(&mut self.incoming)
-                .map_err(|e| crate::tcp::read_error(peer, e))?;
+            let n = stream.read(&mut self.incoming).map_err(|e| read_error(peer, e))?;
             if n == 0 {
                 return Err(NetError::Closed { peer: peer.to_string() });
             }
@@ -479,7 +482,7 @@ fn handshake_error(peer: &str, e: io::Error) -> NetError {
                      (no --tls-cert), and a baton node without TLS closes it this way"
                 .into(),
         },
-        _ => crate::tcp::read_error(peer, e),
+        _ => read_error(peer, e),
     }
 }
 
@@ -518,22 +521,6 @@ fn tls_error(peer: &str, e: &rustls::Error) -> NetError {
 /// no first frame is that long.
 pub(crate) fn looks_like_tls(head: &[u8]) -> bool {
     matches!(head, [0x16, 0x03, ..] | [0x16])
-}
-
-/// Closes a refused connection so that what was last sent to the peer reaches it: read
-/// and drop what it still sends (briefly), so that the close is a FIN and not a reset
-/// that could discard our last words.
-pub(crate) fn close_gently(stream: &mut TcpStream) {
-    let _ = stream.shutdown(Shutdown::Write);
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
-    let mut sink = [0u8; 4096];
-    let mut left: usize = 1 << 20;
-    while left > 0 {
-        match stream.read(&mut sink) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => left = left.saturating_sub(n),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -23,47 +23,55 @@
 //! # Messages
 //!
 //! Kind numbers are stable: a new message takes a new number and a retired one is never
-//! reused. `Hello` and `Refused` must keep their layout in every version, so that a peer
-//! can always read which version the other speaks and why it was refused.
+//! reused (the one list of kinds is `kinds!` below). `Hello` must keep its layout in every
+//! version: a worker refusing a peer of another version sends its own `Hello` before the
+//! `Refused`, so the peer reads which version this end speaks whatever it makes of the rest.
+//! `Refused` only grows at its end (version 4 appended the code), and refusal codes are
+//! stable like kind numbers. A test walks every sample message with these tables and
+//! checks that this text is what they render to.
 //!
 //! ```text
-//! | kind | message      | payload, in order                                                       |
-//! |------|--------------|-------------------------------------------------------------------------|
-//! | 1    | Hello        | version u32, role, nonce [32]                                           |
-//! | 2    | Auth         | proof [32]                                                              |
-//! | 3    | Refused      | reason str                                                              |
-//! | 4    | Describe     | model: ModelRef                                                         |
-//! | 5    | Capabilities | devices [str], memory u64, threads u32, secs_per_layer opt<f32>,        |
-//! |      |              | models [HeldModel], ring_addr str                                       |
-//! | 6    | LoadPlan     | model: ModelRef, layer_start u32, layer_end u32, first bool, last bool, |
-//! |      |              | n_ctx u32, next opt<str>, stream bool, wire_f16 bool, repack bool       |
-//! | 7    | StreamStart  | header bytes, tensors [TensorEntry]                                     |
-//! | 8    | TensorChunk  | index u32, offset u64, data bytes                                       |
-//! | 9    | Loaded       | resident u64, received u64                                              |
-//! | 10   | StartSeq     | seq u32, keep u32, params: SamplingParams, history [u32],               |
-//! |      |              | top_logprobs u8, logprobs bool, drawn u32                               |
-//! | 11   | TruncateSeq  | seq u32, len u32                                                        |
-//! | 12   | EndSeq       | seq u32                                                                 |
-//! | 13   | Forward      | step u64, payload: Payload, positions [i32], seq_ids [u32],             |
-//! |      |              | sample_rows [u32], row_tokens [u32]                                     |
-//! | 14   | Sampled      | step u64, tokens [SampledToken]                                         |
-//! | 15   | Done         | (empty)                                                                 |
-//! | 16   | Error        | first_layer u32, message str                                            |
-//! | 17   | Stats        | resident [u64], kv_used [u32]                                           |
-//! | 18   | Shutdown     | (empty)                                                                 |
-//! | 19   | Ping         | timeout_ms u32                                                          |
-//! | 20   | Pong         | (empty)                                                                 |
+//! | kind | message      | payload, in order                                                        |
+//! |------|--------------|--------------------------------------------------------------------------|
+//! | 1    | Hello        | version u32, role, nonce [32]                                            |
+//! | 2    | Auth         | proof [32]                                                               |
+//! | 3    | Refused      | reason str, code u16                                                     |
+//! | 4    | Describe     | model: ModelRef                                                          |
+//! | 5    | Capabilities | devices [str], memory u64, threads u32, secs_per_layer opt<f32>,         |
+//! |      |              | models [HeldModel], ring_addr str                                        |
+//! | 6    | LoadPlan     | model: ModelRef, layer_start u32, layer_end u32, first bool, last bool,  |
+//! |      |              | n_ctx u32, n_seq u32, next opt<str>, stream bool, wire_f16 bool,         |
+//! |      |              | repack bool                                                              |
+//! | 7    | StreamStart  | header bytes, tensors [TensorEntry]                                      |
+//! | 8    | TensorChunk  | index u32, offset u64, data bytes                                        |
+//! | 9    | Loaded       | resident u64, received u64                                               |
+//! | 10   | StartSeq     | seq u32, keep u32, params: SamplingParams, history [u32],                |
+//! |      |              | top_logprobs u8, logprobs bool, drawn u32                                |
+//! | 11   | TruncateSeq  | seq u32, len u32                                                         |
+//! | 12   | EndSeq       | seq u32                                                                  |
+//! | 13   | Forward      | step u64, payload: Payload, positions [i32], seq_ids [u32],              |
+//! |      |              | sample_rows [u32], row_tokens [u32]                                      |
+//! | 14   | Sampled      | step u64, tokens [SampledToken]                                          |
+//! | 15   | Done         | (empty)                                                                  |
+//! | 16   | Error        | first_layer u32, message str                                             |
+//! | 17   | Stats        | resident [u64], kv_used [u32]                                            |
+//! | 18   | Shutdown     | (empty)                                                                  |
+//! | 19   | Ping         | timeout_ms u32                                                           |
+//! | 20   | Pong         | (empty)                                                                  |
 //!
-//! | structure      | fields, in order                                                         |
-//! |----------------|--------------------------------------------------------------------------|
-//! | ModelRef       | file_name str, identity [32], size u64                                   |
-//! | HeldModel      | file_name str, identity [32], size u64, complete bool, has_content bool, |
-//! |                | then content [32] when has_content                                       |
-//! | TensorEntry    | name str, offset u64, len u64, sha256 [32]                               |
-//! | SamplingParams | temperature f32, top_k i32, top_p f32, min_p f32, repeat_penalty f32,    |
-//! |                | repeat_last_n u64, frequency_penalty f32, presence_penalty f32, seed u64 |
-//! | Payload        | tag u8, then 0: Tokens [u32], 1: Hidden [f32], 2: HiddenF16 [u16]        |
-//! | SampledToken   | seq u32, token u32, logprob f32                                          |
+//! | structure      | fields, in order                                                            |
+//! |----------------|-----------------------------------------------------------------------------|
+//! | ModelRef       | file_name str, identity [32], size u64                                      |
+//! | HeldModel      | file_name str, identity [32], size u64, complete bool, content opt<[32]>    |
+//! | TensorEntry    | name str, offset u64, len u64, sha256 [32]                                  |
+//! | SamplingParams | temperature f32, top_k i32, top_p f32, min_p f32, repeat_penalty f32,       |
+//! |                | repeat_last_n u64, frequency_penalty f32, presence_penalty f32, seed u64    |
+//! | Payload        | tag u8, then 0: Tokens (tokens [u32]), 1: Hidden (hidden [f32]),            |
+//! |                | 2: HiddenF16 (values [u16], row_exps [u8])                                  |
+//! | SampledToken   | seq u32, token u32, logprob f32, top [TopLogprob]                           |
+//! | TopLogprob     | token u32, logprob f32                                                      |
+//!
+//! Refusal codes (Refused.code): 1 Busy, 2 Auth, 3 Version, 4 TlsRequired, 5 BadRequest, 6 LoadFailed
 //! ```
 //!
 //! Checks beyond the layout: a `Forward` has at least one row, as many positions as
@@ -77,12 +85,14 @@ mod read;
 mod write;
 
 #[cfg(test)]
+mod schema;
+#[cfg(test)]
 mod tests;
 
 pub use read::decode;
 pub use write::{encode, encode_payload, header};
 
-use crate::Role;
+use crate::{Message, Role};
 
 /// Length of a frame header in bytes.
 pub const HEADER_LEN: usize = 8;
@@ -94,53 +104,63 @@ pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
 /// Longest string accepted in any field; names, addresses and error texts are far shorter.
 const MAX_STRING: usize = 64 << 10;
 
-/// Message names indexed by kind number − 1 (kind 0 is never used, so a zeroed header
-/// is rejected).
-const KIND_NAMES: [&str; 20] = [
-    "Hello",
-    "Auth",
-    "Refused",
-    "Describe",
-    "Capabilities",
-    "LoadPlan",
-    "StreamStart",
-    "TensorChunk",
-    "Loaded",
-    "StartSeq",
-    "TruncateSeq",
-    "EndSeq",
-    "Forward",
-    "Sampled",
-    "Done",
-    "Error",
-    "Stats",
-    "Shutdown",
-    "Ping",
-    "Pong",
-];
+/// The one list of message kinds: stable number, the constant `decode` matches on, and
+/// the message's name. Numbers run from 1 without gaps (kind 0 is never used, so a
+/// zeroed header is rejected); the compiler checks that.
+macro_rules! kinds {
+    ($($number:literal $constant:ident $name:ident,)*) => {
+        /// Kind numbers, from the list above.
+        mod kind {
+            $(pub const $constant: u16 = $number;)*
+        }
 
-/// Kind numbers (see the table at the top); `KIND_NAMES` lists them in the same order.
-mod kind {
-    pub const HELLO: u16 = 1;
-    pub const AUTH: u16 = 2;
-    pub const REFUSED: u16 = 3;
-    pub const DESCRIBE: u16 = 4;
-    pub const CAPABILITIES: u16 = 5;
-    pub const LOAD_PLAN: u16 = 6;
-    pub const STREAM_START: u16 = 7;
-    pub const TENSOR_CHUNK: u16 = 8;
-    pub const LOADED: u16 = 9;
-    pub const START_SEQ: u16 = 10;
-    pub const TRUNCATE_SEQ: u16 = 11;
-    pub const END_SEQ: u16 = 12;
-    pub const FORWARD: u16 = 13;
-    pub const SAMPLED: u16 = 14;
-    pub const DONE: u16 = 15;
-    pub const ERROR: u16 = 16;
-    pub const STATS: u16 = 17;
-    pub const SHUTDOWN: u16 = 18;
-    pub const PING: u16 = 19;
-    pub const PONG: u16 = 20;
+        /// Message names indexed by kind number − 1.
+        const KIND_NAMES: [&str; [$($number),*].len()] = [$(stringify!($name)),*];
+
+        const _: () = {
+            let numbers = [$($number),*];
+            let mut i = 0;
+            while i < numbers.len() {
+                assert!(numbers[i] as usize == i + 1, "kind numbers run from 1 without gaps");
+                i += 1;
+            }
+        };
+
+        /// The kind number of `msg`.
+        fn kind_of(msg: &Message) -> u16 {
+            match msg {
+                $(Message::$name { .. } => kind::$constant,)*
+            }
+        }
+    };
+}
+
+kinds! {
+    1 HELLO Hello,
+    2 AUTH Auth,
+    3 REFUSED Refused,
+    4 DESCRIBE Describe,
+    5 CAPABILITIES Capabilities,
+    6 LOAD_PLAN LoadPlan,
+    7 STREAM_START StreamStart,
+    8 TENSOR_CHUNK TensorChunk,
+    9 LOADED Loaded,
+    10 START_SEQ StartSeq,
+    11 TRUNCATE_SEQ TruncateSeq,
+    12 END_SEQ EndSeq,
+    13 FORWARD Forward,
+    14 SAMPLED Sampled,
+    15 DONE Done,
+    16 ERROR Error,
+    17 STATS Stats,
+    18 SHUTDOWN Shutdown,
+    19 PING Ping,
+    20 PONG Pong,
+}
+
+/// The name of `msg`'s kind (see [`Message::kind`]).
+pub(crate) fn name_of(msg: &Message) -> &'static str {
+    KIND_NAMES[usize::from(kind_of(msg)) - 1]
 }
 
 /// The name of message kind `kind`, or `None` when no message has that number.

@@ -11,13 +11,15 @@
 
 pub mod auth;
 mod codec;
+pub mod handshake;
 
 pub use codec::{decode, encode, encode_payload, header, parse_header, ProtoError, DEFAULT_MAX_FRAME, HEADER_LEN};
 
 use baton_sample::SamplingParams;
 
 /// Version of the wire protocol; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// 4: `Refused` carries a [`RefusalCode`]; a version refusal follows the server's `Hello`.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -114,6 +116,55 @@ pub struct SampledToken {
     /// The most likely tokens and their log-probabilities, best first (as many as the
     /// sequence's `top_logprobs`; empty otherwise).
     pub top: Vec<(u32, f32)>,
+}
+
+/// Why a node refused a connection or a request, as programs tell the cases apart (the
+/// `Refused` message's reason says it for people). The numbers are stable on the wire: a
+/// new code takes a new number and a retired one is never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RefusalCode {
+    /// The worker serves another head (it may be free again in a moment).
+    Busy,
+    /// The token proof failed, or only one of the two sides has a token.
+    Auth,
+    /// The peer speaks another protocol version.
+    Version,
+    /// This node runs with TLS and the peer spoke plain TCP.
+    TlsRequired,
+    /// A message or role that does not belong at this point of the conversation.
+    BadRequest,
+    /// The worker could not load the stage it was told to (file missing or damaged,
+    /// streamed tensors wrong, not enough memory).
+    LoadFailed,
+}
+
+impl RefusalCode {
+    /// Every code, in wire-number order.
+    pub const ALL: [RefusalCode; 6] = [
+        RefusalCode::Busy,
+        RefusalCode::Auth,
+        RefusalCode::Version,
+        RefusalCode::TlsRequired,
+        RefusalCode::BadRequest,
+        RefusalCode::LoadFailed,
+    ];
+
+    /// The code's number on the wire.
+    pub fn number(self) -> u16 {
+        match self {
+            RefusalCode::Busy => 1,
+            RefusalCode::Auth => 2,
+            RefusalCode::Version => 3,
+            RefusalCode::TlsRequired => 4,
+            RefusalCode::BadRequest => 5,
+            RefusalCode::LoadFailed => 6,
+        }
+    }
+
+    /// The code with wire number `number`, if there is one.
+    pub fn from_number(number: u16) -> Option<RefusalCode> {
+        RefusalCode::ALL.into_iter().find(|code| code.number() == number)
+    }
 }
 
 /// Who opens a connection, announced in `Hello`.
@@ -224,8 +275,9 @@ pub enum Message {
     Hello { version: u32, role: Role, nonce: [u8; 32] },
     /// Proof of the cluster secret: HMAC over the peer's challenge (see [`auth`]).
     Auth { proof: [u8; 32] },
-    /// The peer refuses the connection and says why (then closes it).
-    Refused { reason: String },
+    /// The peer refuses the connection or a request, says why in words for people and
+    /// in a code for programs (then closes the connection).
+    Refused { code: RefusalCode, reason: String },
 
     // --- control: head ↔ worker ---
     /// Head → worker: describe yourself for this model.
@@ -353,27 +405,6 @@ impl From<StartSeq> for Message {
 impl Message {
     /// The message's name, for logs and errors.
     pub fn kind(&self) -> &'static str {
-        match self {
-            Message::Hello { .. } => "Hello",
-            Message::Auth { .. } => "Auth",
-            Message::Refused { .. } => "Refused",
-            Message::Describe { .. } => "Describe",
-            Message::Capabilities(_) => "Capabilities",
-            Message::LoadPlan(_) => "LoadPlan",
-            Message::StreamStart { .. } => "StreamStart",
-            Message::TensorChunk { .. } => "TensorChunk",
-            Message::Loaded { .. } => "Loaded",
-            Message::StartSeq { .. } => "StartSeq",
-            Message::TruncateSeq { .. } => "TruncateSeq",
-            Message::EndSeq { .. } => "EndSeq",
-            Message::Forward(_) => "Forward",
-            Message::Sampled { .. } => "Sampled",
-            Message::Done => "Done",
-            Message::Error { .. } => "Error",
-            Message::Stats { .. } => "Stats",
-            Message::Shutdown => "Shutdown",
-            Message::Ping { .. } => "Ping",
-            Message::Pong => "Pong",
-        }
+        codec::name_of(self)
     }
 }

@@ -10,7 +10,10 @@ use std::time::Duration;
 use baton_proto::{Message, Role};
 
 use super::TlsConfig;
-use crate::{client_handshake, server_handshake, LinkOptions, NetError, Rx, TcpLink, Tx};
+use crate::{client_handshake, server_handshake, LinkOptions, NetError, Rx, Tx};
+
+/// The framed link over TCP, as these tests were first written against it.
+type TcpLink = crate::framed::FramedLink<TcpStream>;
 
 /// A fresh self-signed certificate and key, as `baton cert` makes them (PEM).
 fn cluster_cert() -> (String, String) {

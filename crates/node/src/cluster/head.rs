@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
-use baton_net::{client_handshake, local_link, Counters, LinkOptions, NetError, Rx, TcpLink, Tx};
+use baton_net::{client_handshake, connect, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx};
 use baton_plan::{ModelCost, NodeOffer, Plan};
 use baton_proto::auth::identity_hash;
 use baton_proto::{Capabilities, HeldModel, LoadPlan, Message, ModelRef, Role};
@@ -19,7 +19,7 @@ use crate::worker::{run, StageWorker};
 use crate::NodeError;
 
 /// Called with a worker's address and a handle that closes its control link.
-pub type OnReached = Arc<dyn Fn(&str, baton_net::LinkCloser) + Send + Sync>;
+pub type OnReached = Arc<dyn Fn(&str, LinkCloser) + Send + Sync>;
 
 /// How the head forms the cluster.
 #[derive(Clone, Default)]
@@ -86,13 +86,13 @@ pub struct RemoteRing {
     pub to_first: Arc<Counters>,
     /// Bytes the head received from the last stage.
     pub from_last: Arc<Counters>,
-    /// Workers left out because they could not be reached, and why (only with
-    /// `skip_unreachable`).
-    pub unreachable: Vec<(String, String)>,
+    /// Workers left out because they could not be reached or refused, and why (only
+    /// with `skip_unreachable`).
+    pub unreachable: Vec<(String, NodeError)>,
     /// The head's measured speed, when it offered itself.
     pub head_secs_per_layer: Option<f64>,
     // Control links of the middle stages stay open for the session's lifetime.
-    _idle: Vec<TcpLink>,
+    _idle: Vec<Box<dyn Link>>,
     // The head's own stage, when it runs one.
     head_stage: Option<JoinHandle<()>>,
 }
@@ -191,50 +191,125 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize) -> ModelCost {
     }
 }
 
-/// Connects to `workers`, plans, loads, and links the ring.
+/// Connects to `workers`, plans, loads, and links the ring: `reach_all`, `plan`,
+/// `load`, `link`, in that order.
 pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) -> Result<RemoteRing, NodeError> {
     if workers.is_empty() {
         return Err(NodeError::Request("no workers given".into()));
     }
     let file = ModelFile::open(model)?;
     let model_ref = model_ref(&file);
+    let mut reached = reach_all(workers, model, &model_ref, opts)?;
+    let planned = plan(&file, model, &reached.workers, &reached.unreachable, opts)?;
+    let head_stage = load(&file, model, &model_ref, &mut reached, &planned, opts)?;
+    let ends = link(reached.links, &planned, head_stage)?;
+    Ok(RemoteRing {
+        head: Head::new(ends.tx, ends.rx),
+        workers: reached.workers,
+        plan: planned.plan,
+        node_names: planned.node_names,
+        to_first: ends.to_first,
+        from_last: ends.from_last,
+        unreachable: reached.unreachable,
+        head_secs_per_layer: planned.head_secs_per_layer,
+        _idle: ends.idle,
+        head_stage: ends.head_stage,
+    })
+}
+
+/// The workers that answered, each with its control link (in the same order), and those
+/// that did not.
+struct Reached {
+    links: Vec<Box<dyn Link>>,
+    workers: Vec<RemoteWorker>,
+    unreachable: Vec<(String, NodeError)>,
+}
+
+/// Reaches every worker and checks the copy of the model it holds. One that does not
+/// answer is an error, or left out with `opts.skip_unreachable`.
+fn reach_all(
+    workers: &[String],
+    model: &Path,
+    model_ref: &ModelRef,
+    opts: &ClusterOptions,
+) -> Result<Reached, NodeError> {
     // Known from an earlier start (or `None`, and computed in the background for the next).
     let own_content = super::models::content_hash(model, &model_ref.identity, &head_cache_dir());
-    let token = opts.token.as_deref().map(str::as_bytes);
-
-    let mut links = Vec::new();
-    let mut remote = Vec::new();
-    let mut unreachable = Vec::new();
+    let mut reached = Reached {
+        links: Vec::new(),
+        workers: Vec::new(),
+        unreachable: Vec::new(),
+    };
     for addr in workers {
-        let (link, caps) = match reach(addr, &model_ref, opts) {
-            Ok(reached) => reached,
+        let (link, caps) = match reach(addr, model_ref, opts) {
+            Ok(answered) => answered,
             Err(e) if opts.skip_unreachable => {
                 tracing::warn!(worker = %addr, "left out: {e}");
-                unreachable.push((addr.clone(), e.to_string()));
+                reached.unreachable.push((addr.clone(), e));
                 continue;
             }
             Err(e) => return Err(e),
         };
-        check_held(addr, &model_ref, own_content, &caps.models)?;
+        check_held(addr, model_ref, own_content, &caps.models)?;
         tracing::info!(worker = %addr, memory = caps.memory, secs_per_layer = ?caps.secs_per_layer, "worker described itself");
         if let Some(on_reached) = &opts.on_reached {
             on_reached(addr, link.closer()?);
         }
-        links.push(link);
-        remote.push(RemoteWorker {
+        reached.links.push(link);
+        reached.workers.push(RemoteWorker {
             addr: addr.clone(),
             caps,
             layers: None,
             streamed: 0,
         });
     }
-
-    if remote.is_empty() && !opts.head_stage {
-        let why: Vec<String> = unreachable.iter().map(|(a, e)| format!("{a}: {e}")).collect();
+    if reached.workers.is_empty() && !opts.head_stage {
+        let why: Vec<String> = reached.unreachable.iter().map(|(a, e)| format!("{a}: {e}")).collect();
         return Err(NodeError::Request(format!("no worker answered ({})", why.join("; "))));
     }
+    Ok(reached)
+}
 
-    let cost = model_cost(&file, opts.n_ctx);
+/// The plan, and how its nodes map to workers.
+struct Planned {
+    plan: Plan,
+    /// The name of every node offered, in the plan's numbering.
+    node_names: Vec<String>,
+    /// The head's measured speed, when it offered itself.
+    head_secs_per_layer: Option<f64>,
+    /// Whether node 0 is the head (the workers follow).
+    head_offered: bool,
+}
+
+impl Planned {
+    /// The worker index of plan node `node` (`None`: the head itself).
+    fn worker_of(&self, node: usize) -> Option<usize> {
+        node.checked_sub(usize::from(self.head_offered))
+    }
+
+    /// The ring address of the stage after each stage (`None` for the last, which
+    /// answers the head, and for the head's own stage).
+    fn nexts(&self, workers: &[RemoteWorker]) -> Vec<Option<String>> {
+        let stages = &self.plan.stages;
+        (0..stages.len())
+            .map(|i| {
+                let next = stages.get(i + 1)?;
+                Some(workers[self.worker_of(next.node)?].caps.ring_addr.clone())
+            })
+            .collect()
+    }
+}
+
+/// Plans over the head (when offered) and the workers that answered: from their
+/// memory and measured speed, or `opts.split` when every worker answered.
+fn plan(
+    file: &ModelFile,
+    model: &Path,
+    workers: &[RemoteWorker],
+    unreachable: &[(String, NodeError)],
+    opts: &ClusterOptions,
+) -> Result<Planned, NodeError> {
+    let cost = model_cost(file, opts.n_ctx);
     let mut offers = Vec::new();
     let mut head_secs_per_layer = None;
     if opts.head_stage {
@@ -243,17 +318,16 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
             None => super::speed::measure(model, opts.threads)? as f64,
         };
         head_secs_per_layer = Some(secs_per_layer);
-        let memory = opts.head_memory.unwrap_or_else(super::available_memory);
         offers.push(NodeOffer {
             name: "head".into(),
-            memory,
+            memory: opts.head_memory.unwrap_or_else(super::available_memory),
             secs_per_layer,
         });
     }
     let known: Vec<f64> = offers
         .iter()
         .map(|o| o.secs_per_layer)
-        .chain(remote.iter().filter_map(|w| w.caps.secs_per_layer.map(f64::from)))
+        .chain(workers.iter().filter_map(|w| w.caps.secs_per_layer.map(f64::from)))
         .collect();
     // A worker without the file cannot measure itself on it: assume the average.
     let fallback = if known.is_empty() {
@@ -261,7 +335,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     } else {
         known.iter().sum::<f64>() / known.len() as f64
     };
-    offers.extend(remote.iter().map(|w| NodeOffer {
+    offers.extend(workers.iter().map(|w| NodeOffer {
         name: w.addr.clone(),
         memory: w.caps.memory,
         secs_per_layer: w.caps.secs_per_layer.map_or(fallback, f64::from),
@@ -274,25 +348,45 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     for (name, why) in &plan.left_out {
         tracing::warn!(node = %name, "left out of the plan: {why}");
     }
-    let node_names: Vec<String> = offers.iter().map(|o| o.name.clone()).collect();
-    // Plan node → worker index (`None`: the head itself).
-    let shift = usize::from(opts.head_stage);
-    let worker_of = |node: usize| node.checked_sub(shift);
+    Ok(Planned {
+        plan,
+        node_names: offers.into_iter().map(|o| o.name).collect(),
+        head_secs_per_layer,
+        head_offered: opts.head_stage,
+    })
+}
 
+/// The head's own stage, loaded, and its link to the second stage (when there is one).
+struct HeadStage {
+    worker: StageWorker,
+    next: Option<Box<dyn Link>>,
+}
+
+/// Releases the workers the plan leaves out, tells the others their ranges (streaming
+/// tensors to those that lack them), loads the head's own stage meanwhile, and waits
+/// until every worker has loaded and linked to the next stage.
+fn load(
+    file: &ModelFile,
+    model: &Path,
+    model_ref: &ModelRef,
+    reached: &mut Reached,
+    planned: &Planned,
+    opts: &ClusterOptions,
+) -> Result<Option<HeadStage>, NodeError> {
+    let stages = &planned.plan.stages;
+    let n = stages.len();
     // Workers the plan leaves out are released now, not held for the session.
-    for (w, link) in links.iter_mut().enumerate() {
-        if !plan.stages.iter().any(|s| worker_of(s.node) == Some(w)) {
-            link.send(&Message::Shutdown)?;
+    for (w, link) in reached.links.iter_mut().enumerate() {
+        if !stages.iter().any(|s| planned.worker_of(s.node) == Some(w)) {
+            link.send(Message::Shutdown)?;
         }
     }
-    let n = plan.stages.len();
-    let ring_addr = |node: usize| worker_of(node).map(|w| remote[w].caps.ring_addr.clone());
-    let nexts: Vec<Option<String>> = (0..n)
-        .map(|i| plan.stages.get(i + 1).and_then(|s| ring_addr(s.node)))
-        .collect();
-    for (i, stage) in plan.stages.iter().enumerate() {
-        let Some(w) = worker_of(stage.node) else { continue };
-        let worker = &mut remote[w];
+    let nexts = planned.nexts(&reached.workers);
+    for (i, stage) in stages.iter().enumerate() {
+        let Some(w) = planned.worker_of(stage.node) else {
+            continue;
+        };
+        let worker = &mut reached.workers[w];
         worker.layers = Some(stage.layers.clone());
         let holds = worker
             .caps
@@ -312,25 +406,23 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
             wire_f16: opts.wire_f16,
             repack: opts.repack,
         };
-        let link = &mut links[w];
-        link.send(&Message::LoadPlan(load))?;
+        let link = &mut reached.links[w];
+        link.send(Message::LoadPlan(load))?;
         if !holds {
             let span = StageSpan {
                 layers: stage.layers.clone(),
                 first: i == 0,
                 last: i + 1 == n,
             };
-            let addr = worker.addr.clone();
-            let sent = send_stage_tensors(&file, &span, link, &addr)?;
-            remote[w].streamed = sent;
-            tracing::info!(worker = %addr, bytes = sent, "streamed weights");
+            worker.streamed = send_stage_tensors(file, &span, link.as_mut(), &worker.addr)?;
+            tracing::info!(worker = %worker.addr, bytes = worker.streamed, "streamed weights");
         }
     }
 
     // The head's own stage (always the first when it has one) loads while the workers
     // load, then links to the second stage.
-    let head_stage = match plan.stages.first() {
-        Some(stage) if worker_of(stage.node).is_none() => {
+    let head_stage = match stages.first() {
+        Some(stage) if planned.worker_of(stage.node).is_none() => {
             let span = StageSpan {
                 layers: stage.layers.clone(),
                 first: true,
@@ -344,71 +436,96 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
             };
             let loaded = Stage::load(ModelFile::open(model)?, span, &config)?;
             tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");
-            Some(StageWorker::new(loaded).with_wire_f16(opts.wire_f16))
-        }
-        _ => None,
-    };
-    let head_next = match (&head_stage, nexts.first()) {
-        (Some(_), Some(Some(next))) => {
-            let mut down = TcpLink::connect(next, &opts.link)?;
-            client_handshake(&mut down, Role::Ring, token)?;
-            Some(down)
+            let next = match nexts.first() {
+                Some(Some(next)) => {
+                    let mut down = connect(next, &opts.link)?;
+                    client_handshake(down.as_mut(), Role::Ring, opts.token.as_deref().map(str::as_bytes))?;
+                    Some(down)
+                }
+                _ => None,
+            };
+            Some(HeadStage {
+                worker: StageWorker::new(loaded).with_wire_f16(opts.wire_f16),
+                next,
+            })
         }
         _ => None,
     };
 
-    for stage in &plan.stages {
-        let Some(w) = worker_of(stage.node) else { continue };
-        let link = &mut links[w];
+    for stage in stages {
+        let Some(w) = planned.worker_of(stage.node) else {
+            continue;
+        };
+        let link = &mut reached.links[w];
         match link.recv()? {
             Message::Loaded { resident, received } => {
                 tracing::info!(worker = %link.peer(), resident, received, "stage ready");
             }
-            Message::Refused { reason } => {
-                return Err(NodeError::Request(format!(
-                    "worker {} could not load: {reason}",
-                    link.peer()
-                )))
+            Message::Refused { code, reason } => {
+                return Err(NodeError::Refused {
+                    worker: link.peer().to_string(),
+                    code,
+                    reason,
+                })
             }
             other => return Err(NodeError::Protocol(format!("expected Loaded, got {}", other.kind()))),
         }
     }
+    Ok(head_stage)
+}
 
-    // The ring: head → first stage; last stage → head. Control links of the middle
-    // stages stay open (a worker's session lives as long as its control link).
-    let last = plan.stages[n - 1].node;
-    let mut slots: Vec<Option<TcpLink>> = links.into_iter().map(Some).collect();
+/// The head's two ends of the ring, what they count, the head's own stage thread when
+/// it runs one, and the control links that must stay open.
+struct RingEnds {
+    tx: Box<dyn Tx>,
+    rx: Box<dyn Rx>,
+    to_first: Arc<Counters>,
+    from_last: Arc<Counters>,
+    head_stage: Option<JoinHandle<()>>,
+    /// Control links of the middle stages: a worker's session lives as long as its
+    /// control link.
+    idle: Vec<Box<dyn Link>>,
+}
+
+/// Closes the ring: the head sends on the first stage's link (its own stage's, or the
+/// first worker's control link) and receives on the last worker's control link (or
+/// from its own stage, when that holds every layer).
+fn link(links: Vec<Box<dyn Link>>, planned: &Planned, head_stage: Option<HeadStage>) -> Result<RingEnds, NodeError> {
+    let stages = &planned.plan.stages;
+    let last = stages[stages.len() - 1].node;
+    let mut slots: Vec<Option<Box<dyn Link>>> = links.into_iter().map(Some).collect();
     let mut take = |node: usize| {
-        let link = worker_of(node).and_then(|w| slots[w].take());
+        let link = planned.worker_of(node).and_then(|w| slots[w].take());
         link.ok_or_else(|| NodeError::Protocol("a worker appears twice in the plan".into()))
     };
-    let (tx, rx, to_first, from_last, thread): (Box<dyn Tx>, Box<dyn Rx>, _, _, _) = match head_stage {
-        Some(worker) => {
+    let mut ends = match head_stage {
+        Some(HeadStage { worker, next }) => {
             let (head_tx, stage_rx) = local_link("head stage");
-            match head_next {
+            let (rx, stage_tx, counted): (Box<dyn Rx>, Box<dyn Tx>, _) = match next {
                 // The head holds every layer: its stage answers it directly.
                 None => {
                     let (stage_tx, head_rx) = local_link("head");
-                    let thread = spawn_stage(worker, stage_rx, stage_tx)?;
-                    (
-                        Box::new(head_tx),
-                        Box::new(head_rx),
-                        Arc::default(),
-                        Arc::default(),
-                        Some(thread),
-                    )
+                    (Box::new(head_rx), Box::new(stage_tx), None)
                 }
                 Some(down) => {
                     let (down_tx, _) = down.split()?;
                     let (_, rx) = take(last)?.split()?;
-                    let (to_first, from_last) = (down_tx.counters(), rx.counters());
-                    let thread = spawn_stage(worker, stage_rx, down_tx)?;
-                    (Box::new(head_tx), Box::new(rx), to_first, from_last, Some(thread))
+                    let counted = (down_tx.counters(), rx.counters());
+                    (rx, down_tx, Some(counted))
                 }
+            };
+            let (to_first, from_last) = counted.unwrap_or_default();
+            RingEnds {
+                tx: Box::new(head_tx),
+                rx,
+                to_first,
+                from_last,
+                head_stage: Some(spawn_stage(worker, stage_rx, stage_tx)?),
+                idle: Vec::new(),
             }
         }
         None => {
-            let first = plan.stages[0].node;
+            let first = stages[0].node;
             let (tx, rx) = if first == last {
                 take(first)?.split()?
             } else {
@@ -416,44 +533,46 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
                 let (_, rx) = take(last)?.split()?;
                 (tx, rx)
             };
-            let (to_first, from_last) = (tx.counters(), rx.counters());
-            (Box::new(tx), Box::new(rx), to_first, from_last, None)
+            RingEnds {
+                to_first: tx.counters(),
+                from_last: rx.counters(),
+                tx,
+                rx,
+                head_stage: None,
+                idle: Vec::new(),
+            }
         }
     };
-    Ok(RemoteRing {
-        head: Head::new(tx, rx),
-        workers: remote,
-        plan,
-        node_names,
-        to_first,
-        from_last,
-        unreachable,
-        head_secs_per_layer,
-        _idle: slots.into_iter().flatten().collect(),
-        head_stage: thread,
-    })
+    ends.idle = slots.into_iter().flatten().collect();
+    Ok(ends)
 }
 
 /// Connects to the worker at `addr`, authenticates, and asks it to describe itself.
-fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(TcpLink, Capabilities), NodeError> {
+fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(Box<dyn Link>, Capabilities), NodeError> {
     let link_opts = LinkOptions {
         read_timeout: opts.handshake_timeout,
         ..opts.link.clone()
     };
-    let mut link = TcpLink::connect(addr, &link_opts).map_err(|e| match e {
-        NetError::Unreachable { reason, .. } => NodeError::Request(format!(
-            "worker {addr} could not be reached: {reason}; check that `baton worker --listen` runs there \
-             on this address and port, and that no firewall blocks it"
-        )),
+    let mut link = connect(addr, &link_opts).map_err(|e| match e {
+        NetError::Unreachable { reason, .. } => NodeError::Unreachable {
+            worker: addr.to_string(),
+            reason,
+        },
         other => other.into(),
     })?;
-    client_handshake(&mut link, Role::Head, opts.token.as_deref().map(str::as_bytes))?;
-    link.send(&Message::Describe {
+    client_handshake(link.as_mut(), Role::Head, opts.token.as_deref().map(str::as_bytes))?;
+    link.send(Message::Describe {
         model: model_ref.clone(),
     })?;
     let caps = match link.recv()? {
         Message::Capabilities(caps) => caps,
-        Message::Refused { reason } => return Err(NodeError::Request(format!("worker {addr} refused: {reason}"))),
+        Message::Refused { code, reason } => {
+            return Err(NodeError::Refused {
+                worker: addr.to_string(),
+                code,
+                reason,
+            })
+        }
         other => {
             return Err(NodeError::Protocol(format!(
                 "worker {addr} sent {} instead of Capabilities",

@@ -1,5 +1,5 @@
 //! Nodes in separate processes: the worker server and the head that forms a cluster
-//! of workers over TCP.
+//! of workers over `baton_net` links (TCP or Unix-domain sockets, optionally in TLS).
 
 mod head;
 mod models;

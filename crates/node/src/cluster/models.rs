@@ -22,10 +22,16 @@ const STATE_DIR: &str = ".baton";
 /// the tensor data). Cheap, and it changes whenever a tensor, its type or its place
 /// changes.
 pub fn identity_of(path: &Path) -> Result<([u8; 32], u64), NodeError> {
-    let file =
-        baton_ggml::MappedFile::open(path).map_err(|e| NodeError::Request(format!("{}: {e}", path.display())))?;
+    let file = baton_ggml::MappedFile::open(path).map_err(|source| NodeError::File {
+        path: path.to_path_buf(),
+        action: "map",
+        source,
+    })?;
     let bytes = file.bytes();
-    let gguf = Gguf::parse(bytes).map_err(|e| NodeError::Request(format!("{}: {e}", path.display())))?;
+    let gguf = Gguf::parse(bytes).map_err(|source| NodeError::Gguf {
+        path: path.to_path_buf(),
+        source,
+    })?;
     Ok((identity_hash(&bytes[..gguf.data_offset as usize]), bytes.len() as u64))
 }
 
@@ -128,8 +134,11 @@ pub struct ModelDir {
 impl ModelDir {
     /// Opens (and creates) the directory.
     pub fn new(root: &Path) -> Result<ModelDir, NodeError> {
-        fs::create_dir_all(root.join(STATE_DIR))
-            .map_err(|e| NodeError::Request(format!("cannot use models directory {}: {e}", root.display())))?;
+        fs::create_dir_all(root.join(STATE_DIR)).map_err(|source| NodeError::File {
+            path: root.to_path_buf(),
+            action: "use models directory",
+            source,
+        })?;
         Ok(ModelDir {
             root: root.to_path_buf(),
         })
@@ -205,7 +214,11 @@ impl ModelDir {
     pub fn record_partial(&self, identity: &[u8; 32], tensors: &BTreeSet<String>) -> Result<(), NodeError> {
         let list = self.root.join(STATE_DIR).join(format!("{}.have", hex(identity)));
         let text: String = tensors.iter().map(|t| format!("{t}\n")).collect();
-        fs::write(&list, text).map_err(|e| NodeError::Request(format!("cannot write {}: {e}", list.display())))
+        fs::write(&list, text).map_err(|source| NodeError::File {
+            path: list,
+            action: "write",
+            source,
+        })
     }
 
     /// A cached speed measurement (seconds per layer per token) for a model.

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use baton_model::{ModelFile, StageSpan};
-use baton_net::TcpLink;
+use baton_net::Link;
 use baton_proto::auth::identity_hash;
 use baton_proto::{Message, ModelRef, TensorEntry};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -38,7 +38,7 @@ const CHUNK: usize = 8 << 20;
 pub fn receive_stage_tensors(
     models: &ModelDir,
     model: &ModelRef,
-    link: &mut TcpLink,
+    link: &mut dyn Link,
 ) -> Result<(PathBuf, u64), NodeError> {
     let (header, entries) = match link.recv()? {
         Message::StreamStart { header, tensors } => (header, tensors),
@@ -70,8 +70,16 @@ pub fn receive_stage_tensors(
         .create(true)
         .truncate(false)
         .open(&path)
-        .map_err(|e| NodeError::Request(format!("cannot open {}: {e}", path.display())))?;
-    let io = |e: std::io::Error| NodeError::Request(format!("writing {}: {e}", path.display()));
+        .map_err(|source| NodeError::File {
+            path: path.clone(),
+            action: "open",
+            source,
+        })?;
+    let io = |source| NodeError::File {
+        path: path.clone(),
+        action: "write",
+        source,
+    };
     if file.metadata().map_err(io)?.len() != model.size {
         file.set_len(model.size).map_err(io)?;
     }
@@ -79,7 +87,7 @@ pub fn receive_stage_tensors(
 
     let mut have = models.partial_tensors(&model.identity);
     let missing: Vec<TensorEntry> = entries.iter().filter(|e| !have.contains(&e.name)).cloned().collect();
-    link.send(&Message::StreamStart {
+    link.send(Message::StreamStart {
         header: Vec::new(),
         tensors: missing.clone(),
     })?;
@@ -151,7 +159,7 @@ fn log_progress(done: u64, total: u64, started: Instant) {
 pub fn send_stage_tensors(
     file: &ModelFile,
     span: &StageSpan,
-    link: &mut TcpLink,
+    link: &mut dyn Link,
     worker: &str,
 ) -> Result<u64, NodeError> {
     let bytes = file.bytes();
@@ -172,13 +180,19 @@ pub fn send_stage_tensors(
             }
         })
         .collect();
-    link.send(&Message::StreamStart {
+    link.send(Message::StreamStart {
         header,
         tensors: entries.clone(),
     })?;
     let wanted = match link.recv()? {
         Message::StreamStart { tensors, .. } => tensors,
-        Message::Refused { reason } => return Err(NodeError::Request(reason)),
+        Message::Refused { code, reason } => {
+            return Err(NodeError::Refused {
+                worker: worker.to_string(),
+                code,
+                reason,
+            })
+        }
         other => {
             return Err(NodeError::Protocol(format!(
                 "expected StreamStart, got {}",
@@ -204,7 +218,7 @@ pub fn send_stage_tensors(
         let data = &bytes[entry.offset as usize..(entry.offset + entry.len) as usize];
         for (i, chunk) in data.chunks(CHUNK).enumerate() {
             let offset = (i * CHUNK) as u64;
-            link.send(&Message::TensorChunk {
+            link.send(Message::TensorChunk {
                 index: index as u32,
                 offset,
                 data: chunk.to_vec(),

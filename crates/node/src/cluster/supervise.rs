@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, LinkCloser, LinkOptions, TcpLink};
+use baton_net::{client_handshake, connect, LinkCloser, LinkOptions};
 use baton_plan::PlanError;
-use baton_proto::Role;
+use baton_proto::{RefusalCode, Role};
 
 use super::head::{connect_cluster, ClusterOptions, OnReached, RemoteRing};
 use super::watch::{OnLost, Watch};
@@ -80,7 +80,10 @@ impl Supervisor {
             reached.lock().unwrap_or_else(|p| p.into_inner()).clear();
             match connect_cluster(&self.model, candidates, &opts) {
                 Ok(ring) => {
-                    let busy = ring.unreachable.iter().any(|(_, why)| why.contains("another head"));
+                    let busy = ring
+                        .unreachable
+                        .iter()
+                        .any(|(_, why)| why.refusal() == Some(RefusalCode::Busy));
                     if busy && Instant::now() < deadline {
                         drop(ring);
                         std::thread::sleep(Duration::from_millis(100));
@@ -88,7 +91,7 @@ impl Supervisor {
                     }
                     return Ok(ring);
                 }
-                Err(e) if e.to_string().contains("another head") && Instant::now() < deadline => {
+                Err(e) if e.refusal() == Some(RefusalCode::Busy) && Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 Err(e) => return Err(e),
@@ -162,7 +165,7 @@ impl RingSource for Supervisor {
         {
             let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
             for (addr, why) in &ring.unreachable {
-                lost.insert(addr.clone(), why.clone());
+                lost.insert(addr.clone(), why.to_string());
             }
         }
         self.opts.head_secs_per_layer = ring.head_secs_per_layer;
@@ -225,7 +228,7 @@ impl Supervisor {
         let token = self.opts.token.as_deref().map(str::as_bytes);
         for addr in candidates {
             let answered =
-                TcpLink::connect(addr, &opts).and_then(|mut conn| client_handshake(&mut conn, Role::Heartbeat, token));
+                connect(addr, &opts).and_then(|mut conn| client_handshake(conn.as_mut(), Role::Heartbeat, token));
             if let Err(e) = answered {
                 self.lost
                     .lock()
@@ -287,8 +290,8 @@ impl Prober {
                     return;
                 }
                 for addr in addrs {
-                    let answered = TcpLink::connect(&addr, &opts).and_then(|mut conn| {
-                        client_handshake(&mut conn, Role::Heartbeat, token.as_deref().map(str::as_bytes))
+                    let answered = connect(&addr, &opts).and_then(|mut conn| {
+                        client_handshake(conn.as_mut(), Role::Heartbeat, token.as_deref().map(str::as_bytes))
                     });
                     if answered.is_ok() && !stopped.load(Ordering::SeqCst) {
                         tracing::info!(worker = %addr, "a lost worker answers again");

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, LinkOptions, NetError, TcpLink};
+use baton_net::{client_handshake, connect, Link, LinkOptions, NetError};
 use baton_proto::{Message, Role};
 
 use crate::NodeError;
@@ -35,8 +35,8 @@ impl Watch {
             read_timeout: Some(timeout),
             ..link.clone()
         };
-        let mut conn = TcpLink::connect(addr, &opts)?;
-        client_handshake(&mut conn, Role::Heartbeat, token)?;
+        let mut conn = connect(addr, &opts)?;
+        client_handshake(conn.as_mut(), Role::Heartbeat, token)?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = stop.clone();
@@ -44,7 +44,7 @@ impl Watch {
             std::thread::Builder::new()
                 .name("heartbeat".into())
                 .spawn(move || {
-                    if let Some(why) = beat(&mut conn, timeout, &stop) {
+                    if let Some(why) = beat(conn.as_mut(), timeout, &stop) {
                         if !stop.load(Ordering::SeqCst) {
                             on_lost(&addr, &why);
                         }
@@ -68,12 +68,12 @@ impl Drop for Watch {
 }
 
 /// Pings until stopped; returns why the worker is lost, if it is.
-fn beat(conn: &mut TcpLink, timeout: Duration, stop: &AtomicBool) -> Option<String> {
+fn beat(conn: &mut dyn Link, timeout: Duration, stop: &AtomicBool) -> Option<String> {
     let interval = timeout / 4;
     let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
     while !stop.load(Ordering::SeqCst) {
         let sent = Instant::now();
-        if let Err(e) = conn.send(&Message::Ping { timeout_ms }) {
+        if let Err(e) = conn.send(Message::Ping { timeout_ms }) {
             return Some(format!("its heartbeat connection failed: {e}"));
         }
         match conn.recv() {

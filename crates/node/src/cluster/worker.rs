@@ -11,15 +11,17 @@
 //! up on this ring after losing another node), the worker shuts its session's sockets,
 //! which ends the session wherever it was blocked, and is free for the next head.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
-use baton_net::{client_handshake, refuse_unexpected_auth, server_handshake, LinkOptions, NetError, TcpLink};
-use baton_proto::{Capabilities, LoadPlan, Message, Role};
+use baton_net::{
+    client_handshake, connect, refuse_unexpected_auth, server_handshake, Incoming, Link, LinkCloser, LinkOptions,
+    Listener, NetError,
+};
+use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role};
 
 use super::models::ModelDir;
 use super::stream::receive_stage_tensors;
@@ -29,7 +31,7 @@ use crate::NodeError;
 /// How a worker is set up.
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
-    /// Address to listen on.
+    /// Address to listen on (`host:port`, or `unix:/path` for a Unix-domain socket).
     pub listen: String,
     /// Directory of GGUF files (and baton's cache of streamed tensors).
     pub models: PathBuf,
@@ -56,60 +58,58 @@ const HANDSHAKE_MAX_FRAME: usize = 64 << 10;
 
 /// A bound, not yet serving, worker.
 pub struct Worker {
-    listener: TcpListener,
+    listener: Listener,
     shared: Arc<Shared>,
 }
 
 struct Shared {
     config: WorkerConfig,
     models: ModelDir,
-    /// Port actually bound (`--listen` may say 0).
-    port: u16,
     busy: AtomicBool,
     /// Connections being served now.
     connections: std::sync::atomic::AtomicUsize,
-    /// The head session now running: its number, and clones of its sockets (control
-    /// and upstream) that a heartbeat timeout shuts down to end it.
+    /// The head session now running: its number, and closers of its links (control
+    /// and upstream) that a heartbeat timeout uses to end it.
     session: Mutex<Session>,
-    upstream: Mutex<Option<TcpLink>>,
+    upstream: Mutex<Option<Box<dyn Link>>>,
     upstream_ready: Condvar,
 }
 
 #[derive(Default)]
 struct Session {
     id: u64,
-    sockets: Vec<TcpStream>,
+    closers: Vec<LinkCloser>,
     aborted: bool,
 }
 
 impl Shared {
-    /// Starts session bookkeeping for a head whose control socket is `control`.
-    fn begin_session(&self, control: Option<TcpStream>) -> u64 {
+    /// Starts session bookkeeping for a head whose control link `control` closes.
+    fn begin_session(&self, control: Option<LinkCloser>) -> u64 {
         // An upstream link left over from an earlier session is dead.
         *self.upstream.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
         session.id += 1;
-        session.sockets = control.into_iter().collect();
+        session.closers = control.into_iter().collect();
         session.aborted = false;
         session.id
     }
 
-    /// Adds a socket that ending the current session must shut down.
-    fn attach(&self, socket: Option<TcpStream>) {
+    /// Adds a link that ending the current session must close.
+    fn attach(&self, closer: Option<LinkCloser>) {
         let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
-        session.sockets.extend(socket);
+        session.closers.extend(closer);
     }
 
-    /// Ends session `id` if it is still the current one: shuts its sockets down, so
-    /// whatever it waits on returns an error and it unwinds.
+    /// Ends session `id` if it is still the current one: closes its links, so whatever
+    /// it waits on returns an error and it unwinds.
     fn abort_session(&self, id: u64) -> bool {
         let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
         if session.id != id || !self.busy.load(Ordering::SeqCst) {
             return false;
         }
         session.aborted = true;
-        for socket in session.sockets.drain(..) {
-            let _ = socket.shutdown(std::net::Shutdown::Both);
+        for closer in session.closers.drain(..) {
+            closer.close();
         }
         // A session still waiting for its upstream wakes up and finds it never came.
         self.upstream_ready.notify_all();
@@ -130,17 +130,11 @@ impl Shared {
 impl Worker {
     /// Binds the listening socket and opens the models directory.
     pub fn bind(config: WorkerConfig) -> Result<Worker, NodeError> {
-        let listener = TcpListener::bind(&config.listen)
-            .map_err(|e| NodeError::Request(format!("cannot listen on {}: {e}", config.listen)))?;
+        let listener = Listener::bind(&config.listen)?;
         let models = ModelDir::new(&config.models)?;
-        let port = listener
-            .local_addr()
-            .map_err(|e| NodeError::Request(format!("cannot read the bound address: {e}")))?
-            .port();
         let shared = Arc::new(Shared {
             config,
             models,
-            port,
             busy: AtomicBool::new(false),
             connections: Default::default(),
             session: Mutex::default(),
@@ -150,23 +144,28 @@ impl Worker {
         Ok(Worker { listener, shared })
     }
 
-    /// The address actually bound (port 0 resolved).
-    pub fn local_addr(&self) -> Result<SocketAddr, NodeError> {
-        self.listener
-            .local_addr()
-            .map_err(|e| NodeError::Request(e.to_string()))
+    /// The address actually bound, as peers dial it (port 0 resolved, socket path
+    /// absolute).
+    pub fn local_addr(&self) -> &str {
+        self.listener.local_addr()
     }
 
     /// Serves connections until the process ends.
     pub fn serve(self) {
-        for stream in self.listener.incoming() {
-            let Ok(stream) = stream else { continue };
+        loop {
+            let incoming = match self.listener.accept() {
+                Ok(incoming) => incoming,
+                Err(e) => {
+                    // Out of file descriptors, most likely: wait rather than spin.
+                    tracing::debug!("accepting a connection failed: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
             let open = self.shared.connections.fetch_add(1, Ordering::SeqCst);
             if open >= self.shared.config.max_connections {
                 self.shared.connections.fetch_sub(1, Ordering::SeqCst);
-                let peer = stream
-                    .peer_addr()
-                    .map_or_else(|_| "unknown peer".into(), |a| a.to_string());
+                let peer = incoming.peer();
                 tracing::warn!(%peer, "dropping connection: {open} connections are open, the most allowed (--max-connections)");
                 continue;
             }
@@ -174,7 +173,7 @@ impl Worker {
             let spawned = std::thread::Builder::new().name("conn".into()).spawn({
                 let shared = shared.clone();
                 move || {
-                    handle(&shared, stream);
+                    handle(&shared, incoming);
                     shared.connections.fetch_sub(1, Ordering::SeqCst);
                 }
             });
@@ -186,50 +185,45 @@ impl Worker {
     }
 }
 
-fn handle(shared: &Shared, stream: TcpStream) {
-    let peer = stream
-        .peer_addr()
-        .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
-    let local = stream.local_addr().ok();
-    // A handle that can shut this connection down from another thread.
-    let socket = stream.try_clone().ok();
+fn handle(shared: &Shared, incoming: Incoming) {
+    let peer = incoming.peer().to_string();
+    let local = incoming.local_addr().to_string();
     let mut opts = shared.config.link.clone();
     opts.read_timeout = Some(shared.config.handshake_timeout);
     opts.max_frame = opts.max_frame.min(HANDSHAKE_MAX_FRAME);
-    let result = TcpLink::accept(stream, peer.clone(), &opts)
-        .map_err(NodeError::from)
-        .and_then(|mut link| {
-            let token = shared.config.token.as_deref().map(str::as_bytes);
-            let role = server_handshake(&mut link, token)?;
-            link.set_max_frame(shared.config.link.max_frame);
-            match role {
-                Role::Head => {
-                    if shared.busy.swap(true, Ordering::SeqCst) {
-                        let reason = "another head is already connected to this worker".to_string();
-                        let _ = link.send(&Message::Refused { reason: reason.clone() });
-                        return Err(NodeError::Request(reason));
-                    }
-                    let id = shared.begin_session(socket);
-                    let result = session(shared, link, local, id);
-                    shared.busy.store(false, Ordering::SeqCst);
-                    result
+    let result = incoming.into_link(&opts).map_err(NodeError::from).and_then(|mut link| {
+        let token = shared.config.token.as_deref().map(str::as_bytes);
+        let role = server_handshake(link.as_mut(), token)?;
+        link.set_max_frame(shared.config.link.max_frame);
+        // A handle that can close this connection from another thread.
+        let closer = link.closer().ok();
+        match role {
+            Role::Head => {
+                if shared.busy.swap(true, Ordering::SeqCst) {
+                    let reason = "another head is already connected to this worker".to_string();
+                    refuse(link.as_mut(), RefusalCode::Busy, reason.clone());
+                    return Err(NodeError::Request(reason));
                 }
-                Role::Ring => {
-                    link.set_read_timeout(None)?;
-                    shared.attach(socket);
-                    *shared.upstream.lock().unwrap_or_else(|p| p.into_inner()) = Some(link);
-                    shared.upstream_ready.notify_all();
-                    Ok(())
-                }
-                Role::Heartbeat => heartbeat(shared, link),
-                Role::Worker => {
-                    let _ = link.send(&Message::Refused {
-                        reason: "workers do not connect to workers as workers".into(),
-                    });
-                    Err(NodeError::Request("a peer announced itself as a worker".into()))
-                }
+                let id = shared.begin_session(closer);
+                let result = session(shared, link, &local, id);
+                shared.busy.store(false, Ordering::SeqCst);
+                result
             }
-        });
+            Role::Ring => {
+                link.set_read_timeout(None)?;
+                shared.attach(closer);
+                *shared.upstream.lock().unwrap_or_else(|p| p.into_inner()) = Some(link);
+                shared.upstream_ready.notify_all();
+                Ok(())
+            }
+            Role::Heartbeat => heartbeat(shared, link),
+            Role::Worker => {
+                let reason = "workers do not connect to workers as workers";
+                refuse(link.as_mut(), RefusalCode::BadRequest, reason.into());
+                Err(NodeError::Request("a peer announced itself as a worker".into()))
+            }
+        }
+    });
     match result {
         Ok(()) => tracing::info!(%peer, "connection finished"),
         Err(e) => tracing::warn!(%peer, "dropping connection: {e}"),
@@ -238,17 +232,18 @@ fn handle(shared: &Shared, stream: TcpStream) {
 
 /// Answers the head's pings. When they stop for longer than the head said they might
 /// (or the connection closes), the session this heartbeat watches is ended.
-fn heartbeat(shared: &Shared, mut link: TcpLink) -> Result<(), NodeError> {
+fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> {
     let watched = shared.current_session();
     let why = loop {
         match link.recv() {
             Ok(Message::Ping { timeout_ms }) => {
                 link.set_read_timeout(Some(Duration::from_millis(u64::from(timeout_ms.max(1)))))?;
-                link.send(&Message::Pong)?;
+                link.send(Message::Pong)?;
             }
+            Ok(Message::Auth { .. }) => break refuse_unexpected_auth(link.as_mut()).to_string(),
             Ok(other) => {
                 let reason = format!("{} is not a heartbeat message", other.kind());
-                let _ = link.send(&Message::Refused { reason: reason.clone() });
+                refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
                 break reason;
             }
             Err(NetError::Timeout { .. }) => break "the head's heartbeats stopped".to_string(),
@@ -265,14 +260,14 @@ fn heartbeat(shared: &Shared, mut link: TcpLink) -> Result<(), NodeError> {
 }
 
 /// One head's session: describe, load, then run the stage until the ring closes.
-fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>, id: u64) -> Result<(), NodeError> {
+fn session(shared: &Shared, mut link: Box<dyn Link>, local: &str, id: u64) -> Result<(), NodeError> {
     // The head may take its time between messages (planning, other workers loading).
     link.set_read_timeout(None)?;
     let plan = loop {
         match link.recv()? {
             Message::Describe { model } => {
                 let caps = describe(shared, &model.file_name, &model.identity, local);
-                link.send(&Message::Capabilities(caps))?;
+                link.send(Message::Capabilities(caps))?;
             }
             Message::LoadPlan(plan) => break plan,
             // The head planned without this worker.
@@ -280,19 +275,19 @@ fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>, id: u6
                 tracing::info!("the head's plan leaves this worker out");
                 return Ok(());
             }
-            Message::Auth { .. } => return Err(refuse_unexpected_auth(&mut link).into()),
+            Message::Auth { .. } => return Err(refuse_unexpected_auth(link.as_mut()).into()),
             other => {
                 let reason = format!("{} is not expected before a load plan", other.kind());
-                let _ = link.send(&Message::Refused { reason: reason.clone() });
+                refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
                 return Err(NodeError::Protocol(reason));
             }
         }
     };
     let started = Instant::now();
-    let (stage, received) = match load(shared, &plan, &mut link) {
+    let (stage, received) = match load(shared, &plan, link.as_mut()) {
         Ok(loaded) => loaded,
         Err(e) => {
-            let _ = link.send(&Message::Refused { reason: e.to_string() });
+            refuse(link.as_mut(), RefusalCode::LoadFailed, e.to_string());
             return Err(e);
         }
     };
@@ -301,8 +296,8 @@ fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>, id: u6
     let token = shared.config.token.as_deref().map(str::as_bytes);
     let downstream = match &plan.next {
         Some(next) => {
-            let mut down = TcpLink::connect(next, &shared.config.link)?;
-            client_handshake(&mut down, Role::Ring, token)?;
+            let mut down = connect(next, &shared.config.link)?;
+            client_handshake(down.as_mut(), Role::Ring, token)?;
             Some(down)
         }
         None => None,
@@ -312,7 +307,7 @@ fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>, id: u6
     } else {
         Some(wait_upstream(shared, id)?)
     };
-    link.send(&Message::Loaded {
+    link.send(Message::Loaded {
         resident: stage.resident_bytes(),
         received,
     })?;
@@ -331,7 +326,14 @@ fn session(shared: &Shared, mut link: TcpLink, local: Option<SocketAddr>, id: u6
     }
 }
 
-fn wait_upstream(shared: &Shared, id: u64) -> Result<TcpLink, NodeError> {
+/// Tells the peer why it is refused, and closes so that it can read it.
+fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
+    if link.send(Message::Refused { code, reason }).is_ok() {
+        link.close_gently();
+    }
+}
+
+fn wait_upstream(shared: &Shared, id: u64) -> Result<Box<dyn Link>, NodeError> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut slot = shared.upstream.lock().unwrap_or_else(|p| p.into_inner());
     loop {
@@ -357,7 +359,7 @@ fn wait_upstream(shared: &Shared, id: u64) -> Result<TcpLink, NodeError> {
     }
 }
 
-fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: Option<SocketAddr>) -> Capabilities {
+fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str) -> Capabilities {
     let config = &shared.config;
     let secs_per_layer = shared.models.find_complete(file_name, identity).and_then(|path| {
         if let Some(secs) = shared.models.cached_speed(identity, config.threads) {
@@ -367,11 +369,9 @@ fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: Option
         shared.models.store_speed(identity, config.threads, secs);
         Some(secs)
     });
-    // Other stages reach this worker where the head did, unless told otherwise.
-    let ring_addr = config.advertise.clone().unwrap_or_else(|| match local {
-        Some(local) => SocketAddr::new(local.ip(), shared.port).to_string(),
-        None => config.listen.clone(),
-    });
+    // Other stages reach this worker where the head did (the same interface and port,
+    // or the same socket), unless told otherwise.
+    let ring_addr = config.advertise.clone().unwrap_or_else(|| local.to_string());
     Capabilities {
         devices: vec!["CPU".into()],
         memory: config.memory.unwrap_or_else(super::available_memory),
@@ -383,7 +383,7 @@ fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: Option
 }
 
 /// Loads the planned stage from a local file, or from tensors the head streams.
-fn load(shared: &Shared, plan: &LoadPlan, link: &mut TcpLink) -> Result<(Stage, u64), NodeError> {
+fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage, u64), NodeError> {
     let (path, received) = if plan.stream {
         receive_stage_tensors(&shared.models, &plan.model, link)?
     } else {

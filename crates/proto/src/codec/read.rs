@@ -26,6 +26,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         },
         kind::REFUSED => Message::Refused {
             reason: r.str("reason")?,
+            code: r.refusal_code()?,
         },
         kind::DESCRIBE => Message::Describe { model: r.model_ref()? },
         kind::CAPABILITIES => Message::Capabilities(r.capabilities()?),
@@ -139,6 +140,10 @@ impl<'a> Reader<'a> {
         Ok(self.fixed::<1>(what)?[0])
     }
 
+    fn u16(&mut self, what: &'static str) -> Result<u16, ProtoError> {
+        self.fixed(what).map(u16::from_le_bytes)
+    }
+
     fn u32(&mut self, what: &'static str) -> Result<u32, ProtoError> {
         self.fixed(what).map(u32::from_le_bytes)
     }
@@ -188,6 +193,12 @@ impl<'a> Reader<'a> {
     fn role(&mut self) -> Result<crate::Role, ProtoError> {
         let byte = self.u8("role")?;
         role_from_byte(byte).ok_or_else(|| self.invalid("role", format!("unknown role byte {byte}")))
+    }
+
+    fn refusal_code(&mut self) -> Result<crate::RefusalCode, ProtoError> {
+        let number = self.u16("code")?;
+        crate::RefusalCode::from_number(number)
+            .ok_or_else(|| self.invalid("code", format!("unknown refusal code {number}")))
     }
 
     /// An element count, refused when even the smallest `min_size`-byte elements could

@@ -47,7 +47,7 @@ fn forward(payload: Payload, rows: usize) -> Forward {
 
 /// At least one sample of every variant, with values that would show a swapped or
 /// truncated field (extremes, non-ASCII text, empty and non-empty collections, NaN).
-fn samples() -> Vec<Message> {
+pub(super) fn samples() -> Vec<Message> {
     let held = |name: &str, complete: bool| HeldModel {
         file_name: name.into(),
         identity: nonce(9),
@@ -97,9 +97,13 @@ fn samples() -> Vec<Message> {
         },
         Message::Auth { proof: nonce(4) },
         Message::Refused {
+            code: crate::RefusalCode::Auth,
             reason: "wrong token — ünïcode ✓".into(),
         },
-        Message::Refused { reason: String::new() },
+        Message::Refused {
+            code: crate::RefusalCode::LoadFailed,
+            reason: String::new(),
+        },
         Message::Describe { model: model_ref() },
         Message::Capabilities(Capabilities {
             devices: vec!["CPU".into(), "CUDA0".into()],
@@ -414,6 +418,7 @@ fn strings_must_be_short_utf8() {
     };
     assert_eq!(decode(kind, &payload), Err(too_long));
     let (kind, payload) = payload_of(&Message::Refused {
+        code: crate::RefusalCode::Busy,
         reason: "x".repeat(MAX_STRING),
     });
     assert!(decode(kind, &payload).is_ok(), "exactly the maximum is allowed");
@@ -728,4 +733,24 @@ fn f16_rows_keep_large_rows_finite_and_small_rows_exact_to_f16() {
             "{x} came back as {y}"
         );
     }
+}
+
+#[test]
+fn refusals_carry_a_known_code_after_the_reason() {
+    let (kind, payload) = payload_of(&Message::Refused {
+        code: crate::RefusalCode::TlsRequired,
+        reason: "tls".into(),
+    });
+    assert_eq!(payload, [3, 0, 0, 0, b't', b'l', b's', 4, 0]);
+    let unknown = Bytes::default().u32(0).raw(&[99, 0]);
+    assert_eq!(invalid_reason(decode(kind, &unknown.0)), "unknown refusal code 99");
+    // A refusal as versions 1 to 3 wrote it (no code) is short.
+    let old = Bytes::default().u32(3).raw(b"old");
+    assert_eq!(
+        decode(kind, &old.0),
+        Err(ProtoError::Truncated {
+            kind: "Refused",
+            what: "code"
+        })
+    );
 }

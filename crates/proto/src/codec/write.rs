@@ -4,7 +4,7 @@
 
 use baton_sample::SamplingParams;
 
-use super::{kind, role_byte, HEADER_LEN};
+use super::{kind_of, role_byte, HEADER_LEN};
 use crate::{Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken, TensorEntry};
 
 /// Appends one whole frame (header and payload) for `msg` to `out`.
@@ -39,44 +39,37 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u32(*version);
             w.u8(role_byte(*role));
             w.raw(nonce);
-            kind::HELLO
         }
         Message::Auth { proof } => {
             w.raw(proof);
-            kind::AUTH
         }
-        Message::Refused { reason } => {
+        Message::Refused { code, reason } => {
+            // The reason first: the layout of versions 1 to 3 is a prefix of this one.
             w.str(reason);
-            kind::REFUSED
+            w.u16(code.number());
         }
         Message::Describe { model } => {
             w.model_ref(model);
-            kind::DESCRIBE
         }
         Message::Capabilities(caps) => {
             w.capabilities(caps);
-            kind::CAPABILITIES
         }
         Message::LoadPlan(plan) => {
             w.load_plan(plan);
-            kind::LOAD_PLAN
         }
         Message::StreamStart { header, tensors } => {
             w.bytes(header);
             w.count(tensors.len());
             tensors.iter().for_each(|t| w.tensor_entry(t));
-            kind::STREAM_START
         }
         Message::TensorChunk { index, offset, data } => {
             w.u32(*index);
             w.u64(*offset);
             w.bytes(data);
-            kind::TENSOR_CHUNK
         }
         Message::Loaded { resident, received } => {
             w.u64(*resident);
             w.u64(*received);
-            kind::LOADED
         }
         Message::StartSeq {
             seq,
@@ -94,45 +87,36 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u8(*top_logprobs);
             w.bool(*logprobs);
             w.u32(*drawn);
-            kind::START_SEQ
         }
         Message::TruncateSeq { seq, len } => {
             w.u32(*seq);
             w.u32(*len);
-            kind::TRUNCATE_SEQ
         }
         Message::EndSeq { seq } => {
             w.u32(*seq);
-            kind::END_SEQ
         }
         Message::Forward(forward) => {
             w.forward(forward);
-            kind::FORWARD
         }
         Message::Sampled { step, tokens } => {
             w.u64(*step);
             w.count(tokens.len());
             tokens.iter().for_each(|t| w.sampled_token(t));
-            kind::SAMPLED
         }
-        Message::Done => kind::DONE,
+        Message::Done | Message::Shutdown | Message::Pong => {}
         Message::Error { first_layer, message } => {
             w.u32(*first_layer);
             w.str(message);
-            kind::ERROR
         }
         Message::Stats { resident, kv_used } => {
             w.array(resident, u64::to_le_bytes);
             w.array(kv_used, u32::to_le_bytes);
-            kind::STATS
         }
-        Message::Shutdown => kind::SHUTDOWN,
         Message::Ping { timeout_ms } => {
             w.u32(*timeout_ms);
-            kind::PING
         }
-        Message::Pong => kind::PONG,
     }
+    kind_of(msg)
 }
 
 /// Appends primitives and structures in the layout documented in `codec`.
@@ -145,6 +129,10 @@ impl Writer<'_> {
 
     fn u8(&mut self, value: u8) {
         self.0.push(value);
+    }
+
+    fn u16(&mut self, value: u16) {
+        self.raw(&value.to_le_bytes());
     }
 
     fn u32(&mut self, value: u32) {

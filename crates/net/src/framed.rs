@@ -1,0 +1,426 @@
+//! Framed links over a byte stream (TCP, a Unix-domain socket): one frame per message,
+//! written with one vectored write (header and payload together), bounded reads. With
+//! [`LinkOptions::tls`] the same frames travel inside TLS (see `tls.rs`). The stream kind
+//! only decides how the socket is set up (`Stream`); framing, TLS, halves and closing
+//! are the same for every kind.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::net::Shutdown;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use baton_proto::{decode, encode_payload, header, parse_header, Message, RefusalCode, DEFAULT_MAX_FRAME, HEADER_LEN};
+
+use crate::tls::{looks_like_tls, TlsConfig, TlsSession};
+use crate::{Halves, Link, NetError, Rx, Tx};
+
+/// Settings of a link.
+#[derive(Clone, Debug)]
+pub struct LinkOptions {
+    /// Largest frame accepted from the peer; larger length fields drop the link.
+    pub max_frame: usize,
+    /// Kernel send buffer size (`SO_SNDBUF`), if set.
+    pub send_buffer: Option<usize>,
+    /// Kernel receive buffer size (`SO_RCVBUF`), if set.
+    pub recv_buffer: Option<usize>,
+    /// How long a read may wait (`None`: forever).
+    pub read_timeout: Option<Duration>,
+    /// TLS with the cluster certificate on every link (`None`: plain). A node with TLS
+    /// refuses peers without it, and the other way round.
+    pub tls: Option<Arc<TlsConfig>>,
+}
+
+impl Default for LinkOptions {
+    fn default() -> Self {
+        LinkOptions {
+            max_frame: DEFAULT_MAX_FRAME,
+            send_buffer: None,
+            recv_buffer: None,
+            read_timeout: None,
+            tls: None,
+        }
+    }
+}
+
+/// Bytes that crossed a link, both ways, including frame headers (frame bytes: with
+/// TLS, the records' own overhead is not counted; in-process links count nothing).
+#[derive(Debug, Default)]
+pub struct Counters {
+    sent: AtomicU64,
+    received: AtomicU64,
+}
+
+impl Counters {
+    /// Bytes written to the peer.
+    pub fn sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    /// Bytes read from the peer.
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+}
+
+/// Closes a link from another thread while the link itself is in use: a reader blocked
+/// on it wakes up with `Closed`, and later sends fail.
+pub struct LinkCloser(Box<dyn Fn() + Send + Sync>);
+
+impl LinkCloser {
+    /// A closer that runs `close`.
+    pub(crate) fn new(close: impl Fn() + Send + Sync + 'static) -> LinkCloser {
+        LinkCloser(Box::new(close))
+    }
+
+    /// Closes the link (both directions; without TLS's close_notify, so the peer sees the
+    /// link end as it would without TLS). Closing twice does nothing more.
+    pub fn close(&self) {
+        (self.0)();
+    }
+}
+
+impl std::fmt::Debug for LinkCloser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LinkCloser")
+    }
+}
+
+/// A connected byte stream a link can run on: what differs between TCP and Unix-domain
+/// sockets. A new stream transport implements this and nothing else of the framing.
+pub(crate) trait Stream: Read + Write + Send + Sync + Sized + 'static {
+    /// A second handle to the same connection (for the other half of a split link).
+    fn try_clone(&self) -> io::Result<Self>;
+    /// Shuts one or both directions down.
+    fn shutdown(&self, how: Shutdown) -> io::Result<()>;
+    /// How long a read may wait (`None`: forever).
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+    /// Applies the link's socket settings (buffer sizes; `TCP_NODELAY` on TCP).
+    fn configure(&self, opts: &LinkOptions) -> io::Result<()>;
+}
+
+/// A connected, framed link over stream `S`.
+pub(crate) struct FramedLink<S: Stream> {
+    stream: S,
+    /// The TLS connection, when the link has one.
+    tls: Option<TlsSession>,
+    peer: String,
+    max_frame: usize,
+    counters: Arc<Counters>,
+    buf: Vec<u8>,
+    /// Bytes read while telling TLS from plain frames, to be read again first.
+    pending: Vec<u8>,
+}
+
+impl<S: Stream> FramedLink<S> {
+    /// Runs the client side of the TLS handshake on a connected stream when `opts` asks
+    /// for TLS.
+    pub(crate) fn connected(stream: S, peer: String, opts: &LinkOptions) -> Result<FramedLink<S>, NetError> {
+        let mut link = FramedLink::plain(stream, peer, opts)?;
+        if let Some(tls) = &opts.tls {
+            let session = TlsSession::client(&mut link.stream, tls, &link.peer, opts.read_timeout)?;
+            link.tls = Some(session);
+        }
+        Ok(link)
+    }
+
+    /// Wraps an accepted stream; with TLS, runs the server side of the handshake. A
+    /// peer that does not speak what this end speaks (TLS or not) is refused with an
+    /// error saying so; a plain peer of a TLS node is told why in a `Refused` frame.
+    pub(crate) fn accept(stream: S, peer: String, opts: &LinkOptions) -> Result<FramedLink<S>, NetError> {
+        let mut link = FramedLink::plain(stream, peer, opts)?;
+        // The first bytes tell a TLS handshake from a frame. They are read, not peeked
+        // (not every stream can peek), and handed to whichever reads next.
+        let mut head = [0u8; 3];
+        let n = loop {
+            match link.stream.read(&mut head) {
+                Ok(0) => return Err(NetError::Closed { peer: link.peer }),
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(read_error(&link.peer, e)),
+            }
+        };
+        let head = &head[..n];
+        match (&opts.tls, looks_like_tls(head)) {
+            (None, false) => {
+                link.pending = head.to_vec();
+                Ok(link)
+            }
+            (Some(tls), true) => match TlsSession::server(&mut link.stream, tls, &link.peer, opts.read_timeout, head) {
+                Ok(session) => {
+                    link.tls = Some(session);
+                    Ok(link)
+                }
+                Err(e) => {
+                    close_gently(&mut link.stream);
+                    Err(e)
+                }
+            },
+            (Some(_), false) => {
+                let _ = link.send(&Message::Refused {
+                    code: RefusalCode::TlsRequired,
+                    reason: "this worker requires TLS: give the connecting node the cluster certificate \
+                             (--tls-cert and --tls-key)"
+                        .into(),
+                });
+                close_gently(&mut link.stream);
+                Err(NetError::Tls {
+                    peer: link.peer,
+                    reason: "the peer speaks plain TCP, but this node requires TLS (--tls-cert)".into(),
+                })
+            }
+            (None, true) => {
+                close_gently(&mut link.stream);
+                Err(NetError::Tls {
+                    peer: link.peer,
+                    reason: "the peer started a TLS handshake, but this node runs without TLS (no --tls-cert)".into(),
+                })
+            }
+        }
+    }
+
+    /// Wraps a connected stream as a plain link, running no handshake of any kind (tests
+    /// drive one over it). With `opts.tls` set this is an error: a link that should be
+    /// encrypted must come from `connected` or `accept`.
+    #[cfg(test)]
+    pub(crate) fn new(stream: S, peer: String, opts: &LinkOptions) -> Result<FramedLink<S>, NetError> {
+        if opts.tls.is_some() {
+            return Err(NetError::Tls {
+                peer,
+                reason: "TcpLink::new makes plain links only; use connect or accept for TLS".into(),
+            });
+        }
+        FramedLink::plain(stream, peer, opts)
+    }
+
+    /// Sets the socket options; no TLS yet.
+    fn plain(stream: S, peer: String, opts: &LinkOptions) -> Result<FramedLink<S>, NetError> {
+        let io = |source| NetError::Io {
+            peer: peer.clone(),
+            source,
+        };
+        stream.configure(opts).map_err(io)?;
+        stream.set_read_timeout(opts.read_timeout).map_err(io)?;
+        Ok(FramedLink {
+            stream,
+            tls: None,
+            peer,
+            max_frame: opts.max_frame,
+            counters: Arc::default(),
+            buf: Vec::new(),
+            pending: Vec::new(),
+        })
+    }
+
+    /// This link's byte counters (shared with its halves after `split`).
+    pub(crate) fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
+    }
+
+    /// Changes how long a read may wait.
+    pub(crate) fn set_read_timeout(&self, timeout: Option<Duration>) -> Result<(), NetError> {
+        self.stream.set_read_timeout(timeout).map_err(|source| NetError::Io {
+            peer: self.peer.clone(),
+            source,
+        })
+    }
+
+    /// Sends one message as one frame.
+    pub(crate) fn send(&mut self, msg: &Message) -> Result<(), NetError> {
+        self.buf.clear();
+        let kind = encode_payload(msg, &mut self.buf);
+        let head = header(kind, self.buf.len());
+        let mut slices = [IoSlice::new(&head), IoSlice::new(&self.buf)];
+        let total = HEADER_LEN + self.buf.len();
+        if let Some(tls) = &mut self.tls {
+            tls.send(&mut self.stream, &slices, &self.peer)?;
+            self.counters.sent.fetch_add(total as u64, Ordering::Relaxed);
+            return Ok(());
+        }
+        let mut slices: &mut [IoSlice] = &mut slices;
+        while !slices.is_empty() {
+            let n = match self.stream.write_vectored(slices) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(source) => {
+                    return Err(NetError::Io {
+                        peer: self.peer.clone(),
+                        source,
+                    })
+                }
+            };
+            if n == 0 {
+                return Err(NetError::Closed {
+                    peer: self.peer.clone(),
+                });
+            }
+            IoSlice::advance_slices(&mut slices, n);
+        }
+        self.counters.sent.fetch_add(total as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Receives one message. Any malformed frame is an error; the caller drops the link.
+    pub(crate) fn recv(&mut self) -> Result<Message, NetError> {
+        let mut head = [0u8; HEADER_LEN];
+        self.read_exact(&mut head)?;
+        let (kind, len) = parse_header(&head, self.max_frame).map_err(|e| self.proto(e))?;
+        self.buf.clear();
+        self.buf.resize(len, 0);
+        let mut payload = std::mem::take(&mut self.buf);
+        let read = self.read_exact(&mut payload);
+        let msg = read.and_then(|()| decode(kind, &payload).map_err(|e| self.proto(e)));
+        self.buf = payload;
+        self.counters
+            .received
+            .fetch_add((HEADER_LEN + len) as u64, Ordering::Relaxed);
+        msg
+    }
+
+    fn proto(&self, error: baton_proto::ProtoError) -> NetError {
+        NetError::Protocol {
+            peer: self.peer.clone(),
+            error,
+        }
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), NetError> {
+        let from_pending = self.pending.len().min(buf.len());
+        buf[..from_pending].copy_from_slice(&self.pending[..from_pending]);
+        self.pending.drain(..from_pending);
+        let rest = &mut buf[from_pending..];
+        match &mut self.tls {
+            Some(tls) => tls.read_exact(&mut self.stream, rest, &self.peer),
+            None => self.stream.read_exact(rest).map_err(|e| read_error(&self.peer, e)),
+        }
+    }
+
+    /// Two halves over the same connection, for a reader and a writer thread.
+    pub(crate) fn split(self) -> Result<(FramedTx<S>, FramedRx<S>), NetError> {
+        let clone = self.stream.try_clone().map_err(|source| NetError::Io {
+            peer: self.peer.clone(),
+            source,
+        })?;
+        let tx = FramedLink {
+            stream: clone,
+            tls: self.tls.as_ref().map(TlsSession::half),
+            peer: self.peer.clone(),
+            max_frame: self.max_frame,
+            counters: self.counters.clone(),
+            buf: Vec::new(),
+            pending: Vec::new(),
+        };
+        Ok((FramedTx(tx), FramedRx(self)))
+    }
+
+    /// A handle that closes this link from another thread.
+    pub(crate) fn closer(&self) -> Result<LinkCloser, NetError> {
+        let stream = self.stream.try_clone().map_err(|source| NetError::Io {
+            peer: self.peer.clone(),
+            source,
+        })?;
+        Ok(LinkCloser::new(move || {
+            let _ = stream.shutdown(Shutdown::Both);
+        }))
+    }
+}
+
+impl<S: Stream> Link for FramedLink<S> {
+    fn send(&mut self, msg: Message) -> Result<(), NetError> {
+        FramedLink::send(self, &msg)
+    }
+
+    fn recv(&mut self) -> Result<Message, NetError> {
+        FramedLink::recv(self)
+    }
+
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), NetError> {
+        FramedLink::set_read_timeout(self, timeout)
+    }
+
+    fn set_max_frame(&mut self, max_frame: usize) {
+        self.max_frame = max_frame;
+    }
+
+    fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
+    }
+
+    fn closer(&self) -> Result<LinkCloser, NetError> {
+        FramedLink::closer(self)
+    }
+
+    fn close_gently(&mut self) {
+        close_gently(&mut self.stream);
+    }
+
+    fn split(self: Box<Self>) -> Result<Halves, NetError> {
+        let (tx, rx) = FramedLink::split(*self)?;
+        Ok((Box::new(tx), Box::new(rx)))
+    }
+}
+
+/// The sending half of a framed link.
+pub(crate) struct FramedTx<S: Stream>(FramedLink<S>);
+
+/// The receiving half of a framed link.
+pub(crate) struct FramedRx<S: Stream>(FramedLink<S>);
+
+impl<S: Stream> Tx for FramedTx<S> {
+    fn send(&mut self, msg: Message) -> Result<(), NetError> {
+        self.0.send(&msg)
+    }
+
+    fn counters(&self) -> Arc<Counters> {
+        self.0.counters()
+    }
+}
+
+impl<S: Stream> Rx for FramedRx<S> {
+    fn recv(&mut self) -> Result<Message, NetError> {
+        self.0.recv()
+    }
+
+    fn counters(&self) -> Arc<Counters> {
+        self.0.counters()
+    }
+}
+
+/// Closes a refused connection so that what was last sent to the peer reaches it: read
+/// and drop what it still sends (briefly), so that the close is a FIN and not a reset
+/// that could discard our last words, and the peer's next write does not fail before
+/// it has read them.
+pub(crate) fn close_gently<S: Stream>(stream: &mut S) {
+    let _ = stream.shutdown(Shutdown::Write);
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut sink = [0u8; 4096];
+    let mut left: usize = 1 << 20;
+    while left > 0 {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(200));
+        if wait.is_zero() || stream.set_read_timeout(Some(wait)).is_err() {
+            break;
+        }
+        match stream.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => left = left.saturating_sub(n),
+        }
+    }
+}
+
+/// A failed socket read, as the link reports it.
+pub(crate) fn read_error(peer: &str, source: io::Error) -> NetError {
+    match source.kind() {
+        io::ErrorKind::UnexpectedEof => NetError::Closed { peer: peer.to_string() },
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => NetError::Timeout { peer: peer.to_string() },
+        _ => NetError::Io {
+            peer: peer.to_string(),
+            source,
+        },
+    }
+}

@@ -1,0 +1,274 @@
+//! The first frames on every connection, as two state machines that do no I/O: the
+//! transport feeds each side the messages it receives and sends what the side returns.
+//! Nonces come in as arguments, so every path is a plain function of its inputs.
+//!
+//! ```text
+//! client                         server
+//!   Hello{version, role, nonce_c} →
+//!                                ← Hello{version, Worker, nonce_s}
+//!   Auth{proof_c}                 →        (only when the client has a token)
+//!                                ← Auth{proof_s} | Refused{Auth, reason}
+//! ```
+//!
+//! Versions and tokens (see [`auth`](crate::auth)) are checked on both sides. A server
+//! refuses a `Hello` of another version after sending its own `Hello`, whose layout never
+//! changes: a client of any version learns which version this end speaks from it, even
+//! when it cannot decode this version's `Refused`. A server with a token refuses a client
+//! that sends anything but `Auth` next. A server without one has finished after its
+//! `Hello`; if the client then sends `Auth` (it holds a token this end lacks), the server
+//! refuses that first message with [`stray_auth`].
+
+use crate::auth::{proof, verify};
+use crate::{Message, RefusalCode, Role, PROTOCOL_VERSION};
+
+/// Why a handshake failed, from this side's point of view.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeError {
+    /// The peer refused us (its code and reason).
+    #[error("{reason}")]
+    Refused { code: RefusalCode, reason: String },
+    /// A token proof failed, or only one side has a token.
+    #[error("{reason}")]
+    Auth { reason: String },
+    /// The peer speaks protocol version `theirs`.
+    #[error("{reason}")]
+    Version { theirs: u32, reason: String },
+    /// The peer sent a valid message that does not belong at this point.
+    #[error("{got} where {expected} was expected")]
+    Unexpected { expected: &'static str, got: &'static str },
+}
+
+/// A failed handshake: why, and what to send the peer before closing the connection
+/// (a `Refused` that tells it why, where it can be told; nothing otherwise).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Failure {
+    /// Why it failed.
+    pub error: HandshakeError,
+    /// Messages to send, in order, before closing.
+    pub send: Vec<Message>,
+}
+
+impl Failure {
+    /// A failure that tells the peer why with a `Refused` of `code`.
+    fn refusing(code: RefusalCode, error: HandshakeError) -> Failure {
+        let reason = error.to_string();
+        Failure {
+            error,
+            send: vec![Message::Refused { code, reason }],
+        }
+    }
+
+    /// A failure the peer is not told about (it refused us, or it is not a peer that
+    /// could make sense of an answer).
+    fn silent(error: HandshakeError) -> Failure {
+        Failure {
+            error,
+            send: Vec::new(),
+        }
+    }
+}
+
+/// What a side wants after a message it was fed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// Send these (possibly none) and feed the peer's next message.
+    Continue(Vec<Message>),
+    /// Send these (possibly none): the handshake is complete, the peer announced `peer`.
+    Done { send: Vec<Message>, peer: Role },
+}
+
+/// The side that opens the connection (a head, a ring link, a heartbeat).
+#[derive(Debug)]
+pub struct Client {
+    role: Role,
+    token: Option<Vec<u8>>,
+    nonce: [u8; 32],
+    state: ClientState,
+}
+
+#[derive(Debug)]
+enum ClientState {
+    AwaitHello,
+    AwaitAuth { peer: Role, peer_nonce: [u8; 32] },
+    Finished,
+}
+
+impl Client {
+    /// Starts the client side as `role`, challenging the server with `nonce` (fresh and
+    /// random: [`auth::new_nonce`](crate::auth::new_nonce)); returns the `Hello` to send.
+    pub fn start(role: Role, token: Option<&[u8]>, nonce: [u8; 32]) -> (Client, Message) {
+        let hello = Message::Hello {
+            version: PROTOCOL_VERSION,
+            role,
+            nonce,
+        };
+        let client = Client {
+            role,
+            token: token.map(<[u8]>::to_vec),
+            nonce,
+            state: ClientState::AwaitHello,
+        };
+        (client, hello)
+    }
+
+    /// Feeds the server's next message.
+    pub fn handle(&mut self, msg: Message) -> Result<Step, Failure> {
+        let state = std::mem::replace(&mut self.state, ClientState::Finished);
+        match (state, msg) {
+            (_, Message::Refused { code, reason }) => Err(Failure::silent(HandshakeError::Refused { code, reason })),
+            (ClientState::AwaitHello, Message::Hello { version, role, nonce }) => {
+                if version != PROTOCOL_VERSION {
+                    return Err(Failure::silent(HandshakeError::Version {
+                        theirs: version,
+                        reason: format!("peer speaks protocol version {version}, this node {PROTOCOL_VERSION}"),
+                    }));
+                }
+                let Some(token) = &self.token else {
+                    return Ok(Step::Done {
+                        send: Vec::new(),
+                        peer: role,
+                    });
+                };
+                let auth = Message::Auth {
+                    proof: proof(token, &nonce, &self.nonce, self.role),
+                };
+                self.state = ClientState::AwaitAuth {
+                    peer: role,
+                    peer_nonce: nonce,
+                };
+                Ok(Step::Continue(vec![auth]))
+            }
+            (ClientState::AwaitAuth { peer, peer_nonce }, Message::Auth { proof }) => {
+                // Only `AwaitAuth` is reached with a token.
+                let token = self.token.as_deref().unwrap_or_default();
+                if !verify(token, &self.nonce, &peer_nonce, peer, &proof) {
+                    let reason = "the worker's proof of the token is wrong: it has another token".to_string();
+                    return Err(Failure::refusing(RefusalCode::Auth, HandshakeError::Auth { reason }));
+                }
+                Ok(Step::Done { send: Vec::new(), peer })
+            }
+            (state, other) => Err(Failure::silent(HandshakeError::Unexpected {
+                expected: match state {
+                    ClientState::AwaitHello => "Hello",
+                    ClientState::AwaitAuth { .. } => "Auth",
+                    ClientState::Finished => "nothing (the handshake is over)",
+                },
+                got: other.kind(),
+            })),
+        }
+    }
+}
+
+/// The side that accepts the connection (a worker).
+#[derive(Debug)]
+pub struct Server {
+    token: Option<Vec<u8>>,
+    nonce: [u8; 32],
+    state: ServerState,
+}
+
+#[derive(Debug)]
+enum ServerState {
+    AwaitHello,
+    AwaitAuth { peer: Role, peer_nonce: [u8; 32] },
+    Finished,
+}
+
+impl Server {
+    /// A server side that challenges the client with `nonce` (fresh and random).
+    pub fn new(token: Option<&[u8]>, nonce: [u8; 32]) -> Server {
+        Server {
+            token: token.map(<[u8]>::to_vec),
+            nonce,
+            state: ServerState::AwaitHello,
+        }
+    }
+
+    fn hello(&self) -> Message {
+        Message::Hello {
+            version: PROTOCOL_VERSION,
+            role: Role::Worker,
+            nonce: self.nonce,
+        }
+    }
+
+    /// Feeds the client's next message.
+    pub fn handle(&mut self, msg: Message) -> Result<Step, Failure> {
+        let state = std::mem::replace(&mut self.state, ServerState::Finished);
+        match (state, msg) {
+            (ServerState::AwaitHello, Message::Hello { version, role, nonce }) => {
+                if version != PROTOCOL_VERSION {
+                    let reason =
+                        format!("protocol version {version} is not supported (this worker speaks {PROTOCOL_VERSION})");
+                    return Err(Failure {
+                        send: vec![
+                            self.hello(),
+                            Message::Refused {
+                                code: RefusalCode::Version,
+                                reason: reason.clone(),
+                            },
+                        ],
+                        error: HandshakeError::Version {
+                            theirs: version,
+                            reason,
+                        },
+                    });
+                }
+                if self.token.is_none() {
+                    return Ok(Step::Done {
+                        send: vec![self.hello()],
+                        peer: role,
+                    });
+                }
+                self.state = ServerState::AwaitAuth {
+                    peer: role,
+                    peer_nonce: nonce,
+                };
+                Ok(Step::Continue(vec![self.hello()]))
+            }
+            (ServerState::AwaitAuth { peer, peer_nonce }, Message::Auth { proof: theirs }) => {
+                let token = self.token.as_deref().unwrap_or_default();
+                if !verify(token, &self.nonce, &peer_nonce, peer, &theirs) {
+                    let reason = "wrong token: the proof does not match this worker's --token".to_string();
+                    return Err(Failure::refusing(RefusalCode::Auth, HandshakeError::Auth { reason }));
+                }
+                Ok(Step::Done {
+                    send: vec![Message::Auth {
+                        proof: proof(token, &peer_nonce, &self.nonce, Role::Worker),
+                    }],
+                    peer,
+                })
+            }
+            (ServerState::AwaitAuth { .. }, other) => {
+                let reason = format!(
+                    "this worker requires a token (--token), but the peer sent {} instead",
+                    other.kind()
+                );
+                Err(Failure::refusing(RefusalCode::Auth, HandshakeError::Auth { reason }))
+            }
+            (state, other) => {
+                let expected = match state {
+                    ServerState::AwaitHello => "Hello",
+                    _ => "nothing (the handshake is over)",
+                };
+                Err(Failure::refusing(
+                    RefusalCode::BadRequest,
+                    HandshakeError::Unexpected {
+                        expected,
+                        got: other.kind(),
+                    },
+                ))
+            }
+        }
+    }
+}
+
+/// What a server without a token answers when the first message after its handshake is
+/// an `Auth`: the client holds a token and expects this end to prove one too.
+pub fn stray_auth() -> Failure {
+    let reason = "this worker runs without a token, but the peer sent one".to_string();
+    Failure::refusing(RefusalCode::Auth, HandshakeError::Auth { reason })
+}
+
+#[cfg(test)]
+mod tests;
