@@ -257,14 +257,14 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut ctx = LlamaContext::new(&oracle, n_ctx as u32, args.pp.max(1) as u32, threads)?;
 
     // Warm-up: fault in the weights of both and size the compute buffers.
-    baton_pp(ring.head(), &prompt)?;
+    baton_pp(ring.head()?, &prompt)?;
     llama_pp(&mut ctx, &prompt)?;
 
     let (mut b_pp, mut l_pp, mut b_tg, mut l_tg) = (vec![], vec![], vec![], vec![]);
     for _ in 0..reps {
-        b_pp.push(baton_pp(ring.head(), &prompt)?);
+        b_pp.push(baton_pp(ring.head()?, &prompt)?);
         l_pp.push(llama_pp(&mut ctx, &prompt)?);
-        b_tg.push(baton_tg(ring.head(), prompt[0], args.tg)?);
+        b_tg.push(baton_tg(ring.head()?, prompt[0], args.tg)?);
         l_tg.push(llama_tg(&mut ctx, prompt[0], args.tg)?);
     }
     drop(ctx);

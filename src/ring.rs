@@ -150,7 +150,14 @@ impl Ring {
                     FormError::Capacity(why) | FormError::Retry(why) => anyhow::anyhow!(why),
                 })
             }
-            ring => Ok(Engine::start(ring.head().take(), vocab, config, draft_model)),
+            Ring::Local(ring) => {
+                let ends = ring.take_ends().context("the ring is driven by an engine already")?;
+                Ok(Engine::start(ends, vocab, config, draft_model))
+            }
+            Ring::Remote { ring, .. } => {
+                let ends = ring.take_ends().context("the ring is driven by an engine already")?;
+                Ok(Engine::start(ends, vocab, config, draft_model))
+            }
         }
     }
 
@@ -210,16 +217,14 @@ impl Ring {
         })
     }
 
-    /// The head end.
-    ///
-    /// # Panics
-    /// On a supervised ring, whose head belongs to its engine.
-    pub fn head(&mut self) -> &mut Head {
-        match self {
-            Ring::Local(ring) => &mut ring.head,
-            Ring::Remote { ring, .. } => &mut ring.head,
-            Ring::Supervised { .. } => panic!("a supervised ring's head belongs to its engine"),
-        }
+    /// The head end, while no engine drives the ring.
+    pub fn head(&mut self) -> anyhow::Result<&mut Head> {
+        let head = match self {
+            Ring::Local(ring) => ring.head(),
+            Ring::Remote { ring, .. } => ring.head(),
+            Ring::Supervised { .. } => None,
+        };
+        head.context("the ring is driven by an engine")
     }
 
     /// The layer range of each stage, in ring order.

@@ -104,9 +104,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             logprobs: false,
         };
         let generation = ring
-            .head()
+            .head()?
             .generate(&req, |t| vocab.is_end_of_generation(t), &mut print)?;
-        let resident = ring.head().resident_bytes()?;
+        let resident = ring.head()?.resident_bytes()?;
         Generated {
             n_tokens: generation.tokens.len(),
             prompt_time: generation.prompt_time,

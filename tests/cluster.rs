@@ -124,7 +124,7 @@ fn per_token_traffic_is_one_hidden_state_per_hop_and_a_token_id_back() {
     let w1 = WorkerProc::start(&models_dir(), Some(TOKEN), &["--advertise", &proxy.addr]);
     proxy.forward_to(w1.addr.clone());
     let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options()).unwrap();
-    let head = &mut ring.head;
+    let head = ring.head().unwrap();
     head.control(StartSeq::new(0, SamplingParams::greedy(), vec![]).into())
         .unwrap();
     let mut token = head
@@ -135,7 +135,8 @@ fn per_token_traffic_is_one_hidden_state_per_hop_and_a_token_id_back() {
     const STEPS: u64 = 20;
     for pos in 3..3 + STEPS as i32 {
         token = ring
-            .head
+            .head()
+            .unwrap()
             .forward(Payload::Tokens(vec![token]), vec![pos], vec![0], vec![0])
             .unwrap()[0]
             .token;

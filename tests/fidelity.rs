@@ -58,7 +58,8 @@ fn check_model(name: &str) {
                 logprobs: false,
             };
             let generation = ring
-                .head
+                .head()
+                .unwrap()
                 .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
                 .unwrap();
             assert_eq!(
@@ -167,7 +168,8 @@ fn without_repacking_matches_llama_cpp_without_repacking() {
         logprobs: false,
     };
     let generation = ring
-        .head
+        .head()
+        .unwrap()
         .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
         .unwrap();
     assert_eq!(generation.tokens, ref_tokens);

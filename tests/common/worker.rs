@@ -90,7 +90,8 @@ pub fn greedy(ring: &mut RemoteRing, prompt: &[u32], n: usize, oracle: &LlamaMod
         n_batch: 512,
         logprobs: false,
     };
-    ring.head
+    ring.head()
+        .unwrap()
         .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
         .unwrap()
         .tokens

@@ -8,7 +8,17 @@ use baton_sample::SamplingParams;
 
 use crate::NodeError;
 
-/// The head's two ends of the ring.
+/// The head's two ends of a ring: where it sends to the first stage and where it hears
+/// from the last. Whoever holds them drives the ring: a [`Head`] one request at a time,
+/// or the engine with many steps in flight.
+pub struct RingEnds {
+    /// Into the first stage.
+    pub tx: Box<dyn Tx>,
+    /// From the last stage.
+    pub rx: Box<dyn Rx>,
+}
+
+/// Drives a ring one message at a time: a request, then its reply.
 pub struct Head {
     tx: Box<dyn Tx>,
     rx: Box<dyn Rx>,
@@ -48,9 +58,13 @@ pub struct GenerateRequest<'a> {
 }
 
 impl Head {
-    /// A head sending into `tx` (the first stage) and receiving from `rx` (the last).
-    pub fn new(tx: Box<dyn Tx>, rx: Box<dyn Rx>) -> Head {
-        Head { tx, rx, next_step: 0 }
+    /// A head driving the ring whose ends are `ends`.
+    pub fn new(ends: RingEnds) -> Head {
+        Head {
+            tx: ends.tx,
+            rx: ends.rx,
+            next_step: 0,
+        }
     }
 
     /// Sends a control message around the ring and waits for the last stage's `Done`.
@@ -169,17 +183,12 @@ impl Head {
         }
     }
 
-    /// The two ends of the ring, for a driver that keeps several steps in flight.
-    pub fn into_parts(self) -> (Box<dyn Tx>, Box<dyn Rx>) {
-        (self.tx, self.rx)
-    }
-
-    /// Moves the ring's ends out, leaving a head whose links are closed (so whoever
-    /// owns the ring keeps it, and its threads, alive while another driver runs it).
-    pub fn take(&mut self) -> Head {
-        let (tx, _) = baton_net::local_link("detached");
-        let (_, rx) = baton_net::local_link("detached");
-        std::mem::replace(self, Head::new(Box::new(tx), Box::new(rx)))
+    /// The ring's ends, for a driver that keeps several steps in flight.
+    pub fn into_ends(self) -> RingEnds {
+        RingEnds {
+            tx: self.tx,
+            rx: self.rx,
+        }
     }
 
     /// Stops every stage of the ring.

@@ -8,7 +8,7 @@ mod head;
 mod local;
 mod worker;
 
-pub use head::{GenerateRequest, Generation, Head};
+pub use head::{GenerateRequest, Generation, Head, RingEnds};
 pub use local::LocalRing;
 pub use worker::{run, StageWorker};
 

@@ -8,14 +8,14 @@ use std::thread::JoinHandle;
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
 use baton_net::local_link;
 
-use crate::head::Head;
+use crate::head::{Head, RingEnds};
 use crate::worker::{run, StageWorker};
 use crate::NodeError;
 
 /// A running in-process ring and the head that drives it.
 pub struct LocalRing {
-    /// The head end of the ring.
-    pub head: Head,
+    /// The head end of the ring, until [`take_ends`](Self::take_ends) gives it away.
+    head: Option<Head>,
     threads: Vec<JoinHandle<()>>,
     ranges: Vec<Range<usize>>,
 }
@@ -69,7 +69,10 @@ impl LocalRing {
             threads.push(thread);
         }
         Ok(LocalRing {
-            head: Head::new(Box::new(head_tx), Box::new(prev_rx)),
+            head: Some(Head::new(RingEnds {
+                tx: Box::new(head_tx),
+                rx: Box::new(prev_rx),
+            })),
             threads,
             ranges: ranges.to_vec(),
         })
@@ -79,11 +82,25 @@ impl LocalRing {
     pub fn ranges(&self) -> &[Range<usize>] {
         &self.ranges
     }
+
+    /// Drives the ring one request at a time; `None` once its ends went to a driver of
+    /// their own ([`take_ends`](Self::take_ends)).
+    pub fn head(&mut self) -> Option<&mut Head> {
+        self.head.as_mut()
+    }
+
+    /// Gives the ring's ends to another driver (the engine); the ring's stages stay up
+    /// as long as this value lives.
+    pub fn take_ends(&mut self) -> Option<RingEnds> {
+        self.head.take().map(Head::into_ends)
+    }
 }
 
 impl Drop for LocalRing {
     fn drop(&mut self) {
-        let _ = self.head.shutdown();
+        if let Some(head) = self.head.as_mut() {
+            let _ = head.shutdown();
+        }
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }

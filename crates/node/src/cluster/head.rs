@@ -14,7 +14,7 @@ use baton_proto::auth::identity_hash;
 use baton_proto::{Capabilities, HeldModel, LoadPlan, Message, ModelRef, Role};
 
 use super::stream::send_stage_tensors;
-use crate::head::Head;
+use crate::head::{Head, RingEnds};
 use crate::worker::{run, StageWorker};
 use crate::NodeError;
 
@@ -71,10 +71,11 @@ pub struct RemoteWorker {
     pub streamed: u64,
 }
 
-/// A ring of remote stages, driven by `head`.
+/// A ring of remote stages, driven by its head.
 pub struct RemoteRing {
-    /// Drives generation around the ring.
-    pub head: Head,
+    /// Drives generation around the ring, until [`take_ends`](Self::take_ends) gives
+    /// the ring's ends to another driver.
+    head: Option<Head>,
     /// The workers, in the order given.
     pub workers: Vec<RemoteWorker>,
     /// The plan that was applied; node 0 is the head when it was offered, the
@@ -97,9 +98,25 @@ pub struct RemoteRing {
     head_stage: Option<JoinHandle<()>>,
 }
 
+impl RemoteRing {
+    /// Drives the ring one request at a time; `None` once its ends went to a driver of
+    /// their own ([`take_ends`](Self::take_ends)).
+    pub fn head(&mut self) -> Option<&mut Head> {
+        self.head.as_mut()
+    }
+
+    /// Gives the ring's ends to another driver (the engine); the workers' sessions and
+    /// the head's own stage stay up as long as this value lives.
+    pub fn take_ends(&mut self) -> Option<RingEnds> {
+        self.head.take().map(Head::into_ends)
+    }
+}
+
 impl Drop for RemoteRing {
     fn drop(&mut self) {
-        let _ = self.head.shutdown();
+        if let Some(head) = self.head.as_mut() {
+            let _ = head.shutdown();
+        }
         if let Some(thread) = self.head_stage.take() {
             // A broken ring may leave the head's stage blocked on a hung worker's socket
             // for a while: it is not waited for past a second.
@@ -204,7 +221,10 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     let head_stage = load(&file, model, &model_ref, &mut reached, &planned, opts)?;
     let ends = link(reached.links, &planned, head_stage)?;
     Ok(RemoteRing {
-        head: Head::new(ends.tx, ends.rx),
+        head: Some(Head::new(RingEnds {
+            tx: ends.tx,
+            rx: ends.rx,
+        })),
         workers: reached.workers,
         plan: planned.plan,
         node_names: planned.node_names,
@@ -476,7 +496,7 @@ fn load(
 
 /// The head's two ends of the ring, what they count, the head's own stage thread when
 /// it runs one, and the control links that must stay open.
-struct RingEnds {
+struct Linked {
     tx: Box<dyn Tx>,
     rx: Box<dyn Rx>,
     to_first: Arc<Counters>,
@@ -490,7 +510,7 @@ struct RingEnds {
 /// Closes the ring: the head sends on the first stage's link (its own stage's, or the
 /// first worker's control link) and receives on the last worker's control link (or
 /// from its own stage, when that holds every layer).
-fn link(links: Vec<Box<dyn Link>>, planned: &Planned, head_stage: Option<HeadStage>) -> Result<RingEnds, NodeError> {
+fn link(links: Vec<Box<dyn Link>>, planned: &Planned, head_stage: Option<HeadStage>) -> Result<Linked, NodeError> {
     let stages = &planned.plan.stages;
     let last = stages[stages.len() - 1].node;
     let mut slots: Vec<Option<Box<dyn Link>>> = links.into_iter().map(Some).collect();
@@ -515,7 +535,7 @@ fn link(links: Vec<Box<dyn Link>>, planned: &Planned, head_stage: Option<HeadSta
                 }
             };
             let (to_first, from_last) = counted.unwrap_or_default();
-            RingEnds {
+            Linked {
                 tx: Box::new(head_tx),
                 rx,
                 to_first,
@@ -533,7 +553,7 @@ fn link(links: Vec<Box<dyn Link>>, planned: &Planned, head_stage: Option<HeadSta
                 let (_, rx) = take(last)?.split()?;
                 (tx, rx)
             };
-            RingEnds {
+            Linked {
                 to_first: tx.counters(),
                 from_last: rx.counters(),
                 tx,

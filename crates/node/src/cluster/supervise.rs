@@ -200,13 +200,15 @@ impl RingSource for Supervisor {
             })
             .collect();
         let mut ring = ring;
-        let head = ring.head.take();
+        let ends = ring
+            .take_ends()
+            .ok_or_else(|| FormError::Retry("the new ring has no ends to give".into()))?;
         self.ring = Some(ring);
         if !self.lost().is_empty() {
             self.start_prober();
         }
         Ok(Formed {
-            head,
+            ends,
             stages,
             lost: self.lost().into_iter().collect(),
         })

@@ -55,7 +55,7 @@ pub use types::{
 };
 
 use self::core::Core;
-use crate::head::Head;
+use crate::head::RingEnds;
 use shell::{Inbox, Shell};
 
 /// The running engine; dropping it stops the ring.
@@ -68,15 +68,15 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Takes over `head`'s ring; if it breaks, every request fails.
+    /// Drives the ring whose ends are `ends`; if it breaks, every request fails.
     pub fn start(
-        head: Head,
+        ends: RingEnds,
         vocab: Arc<dyn Vocab>,
         config: EngineConfig,
         draft_model: Option<Box<dyn Drafter>>,
     ) -> Engine {
         let formed = Formed {
-            head,
+            ends,
             stages: Vec::new(),
             lost: Vec::new(),
         };

@@ -55,10 +55,9 @@ impl Shell {
     /// Takes `formed` as the current ring: starts reading its replies, and has the core
     /// rebuild every running sequence on it.
     pub fn install(&mut self, formed: Formed) {
-        let Formed { head, stages, lost } = formed;
-        let (tx, rx) = head.into_parts();
-        spawn_reader(rx, self.inbox.clone(), self.core.gen());
-        self.tx = Some(tx);
+        let Formed { ends, stages, lost } = formed;
+        spawn_reader(ends.rx, self.inbox.clone(), self.core.gen());
+        self.tx = Some(ends.tx);
         let n_stages = stages.len();
         tracing::info!(gen = self.core.gen(), ?stages, "ring installed");
         self.core

@@ -8,7 +8,7 @@ use std::time::Duration;
 use baton_sample::SamplingParams;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::head::Head;
+use crate::head::RingEnds;
 
 /// How the engine shares the ring.
 #[derive(Clone, Debug)]
@@ -50,7 +50,7 @@ pub trait RingSource: Send {
 /// A ring just formed.
 pub struct Formed {
     /// Its two ends.
-    pub head: Head,
+    pub ends: RingEnds,
     /// Each stage, in ring order, described for people (node and layers).
     pub stages: Vec<String>,
     /// Nodes out of the ring because they were lost, and why.
