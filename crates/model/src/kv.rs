@@ -300,7 +300,7 @@ mod tests {
             beta_slow: 1.0,
         };
         HParams {
-            arch: crate::Arch::Llama,
+            arch: crate::arch::find("llama").unwrap(),
             n_layer: 2,
             n_embd: 8,
             n_head: 2,
@@ -320,6 +320,18 @@ mod tests {
             swa_layers: vec![false; 2],
             final_logit_softcap: 0.0,
             attn_logit_softcap: 0.0,
+            moe: crate::MoeParams {
+                n_expert: 0,
+                n_expert_used: 0,
+                n_ff_exp: 0,
+                n_expert_shared: 0,
+                n_layer_dense_lead: 0,
+                n_group: 0,
+                n_group_used: 0,
+                weights_norm: false,
+                weights_scale: 0.0,
+                gating: crate::Gating::Softmax,
+            },
         }
     }
 

@@ -263,6 +263,7 @@ impl Stage {
                 out_rows,
                 n_tokens,
             },
+            outputs_selected: false,
         };
         let mut hidden = match (tokens_in, hidden_in) {
             (Some(tokens), _) => {
@@ -278,7 +279,14 @@ impl Stage {
         };
         for layer in self.span.layers.clone() {
             let w = self.weights.layer(layer);
-            hidden = b.layer(&w, layer, hidden).named(&format!("l_out-{layer}"));
+            hidden = (hp.arch.layer)(&mut b, &w, layer, hidden).named(&format!("l_out-{layer}"));
+        }
+        // Architectures that compute every row through the last layer (gpt-oss) keep
+        // the rows that need logits here, as llama.cpp does.
+        if let (Some(rows), false) = (out_rows, b.outputs_selected) {
+            if self.span.layers.end == hp.n_layer {
+                hidden = ctx.get_rows(hidden, rows);
+            }
         }
         let out = if want_logits {
             let normed = b.norm(hidden, self.weights.output_norm()?);
