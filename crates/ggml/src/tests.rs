@@ -167,3 +167,28 @@ fn quantized_mul_mat_id_rows_are_batch_invariant_below_8() {
         );
     }
 }
+
+/// Why MoE routers (left in f32 by llama.cpp's quantizer) are multiplied row by row in
+/// decode batches: f32 weights take ggml's tiled kernel from 2 rows, whose rows are the
+/// same bits in any batch of 2 or more, and a dot product for a lone row, which rounds
+/// differently (printed: a future ggml may make them agree).
+#[test]
+fn f32_mul_mat_rows_agree_from_2_rows_on() {
+    let (k, m) = (1024i64, 64i64);
+    let weights = noise((k * m) as usize, 5);
+    let x = noise((k * 16) as usize, 6);
+    let w: Vec<u8> = weights.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let two = first_column(sys::GGML_TYPE_F32, &w, &x, k, m, 2);
+    for n in 3..=16 {
+        assert_eq!(
+            first_column(sys::GGML_TYPE_F32, &w, &x, k, m, n),
+            two,
+            "f32: batch of {n}"
+        );
+    }
+    let alone = first_column(sys::GGML_TYPE_F32, &w, &x, k, m, 1);
+    println!(
+        "f32: a lone row {} the same row in a batch",
+        if alone == two { "equals" } else { "differs from" }
+    );
+}

@@ -17,7 +17,7 @@ mod tests;
 use std::path::PathBuf;
 
 pub use arch::moe::{Gating, MoeParams};
-pub use arch::{supported_names, Architecture, Shape, ARCHITECTURES};
+pub use arch::{find as find_architecture, supported_names, Architecture, Shape, ARCHITECTURES};
 pub use hparams::{HParams, Keys};
 pub use kv::{AttnSpan, KvCache};
 pub use resident::mapped_rss;

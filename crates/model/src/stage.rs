@@ -194,9 +194,17 @@ impl Stage {
         let hp = file.hparams();
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
-        // About 40 nodes per layer plus 10 per span and layer (views included);
-        // generous so no model runs short.
-        let n_nodes = (64 + 16 * spans.len()) * self.span.layers.len() + 64 + 4 * spans.len();
+        // A batch of decode steps: each row is the only one of its sequence.
+        let decode_rows = {
+            let mut seqs = batch.seq_ids.to_vec();
+            seqs.sort_unstable();
+            seqs.dedup();
+            seqs.len() == n_tokens
+        };
+        // About 40 nodes per attention layer plus 10 per span, about 50 for experts plus
+        // 4 per row of a decode batch (views included); generous so no model runs short.
+        let per_row = if decode_rows { 4 * n_tokens } else { 0 };
+        let n_nodes = (160 + 16 * spans.len() + per_row) * self.span.layers.len() + 64 + 4 * spans.len();
         let ctx = Context::new(n_nodes, n_nodes);
 
         // Inputs (data written after allocation).
@@ -262,6 +270,7 @@ impl Stage {
                 spans,
                 out_rows,
                 n_tokens,
+                decode_rows,
             },
             outputs_selected: false,
         };

@@ -19,6 +19,10 @@ pub struct StepInputs<'g> {
     pub out_rows: Option<Tensor<'g>>,
     /// Tokens in the batch.
     pub n_tokens: usize,
+    /// Whether every row is the only one of its sequence (a batch of decode steps):
+    /// ops whose kernels change with the number of rows then compute each row alone,
+    /// so a step gives the same bits in any such batch as on its own.
+    pub decode_rows: bool,
 }
 
 /// Rows of the batch that attend together over a range of cache cells.
@@ -66,6 +70,20 @@ impl<'g> Builder<'g> {
             Some(b) => self.ctx.add(y, b),
             None => y,
         }
+    }
+
+    /// `w x` for a weight whose matmul kernel depends on the number of rows: f32 (and
+    /// f16) weights go through ggml's tiled kernel from 2 rows and its dot product for 1,
+    /// which round differently. In a batch of decode steps each row is multiplied on
+    /// its own, as it would be alone; otherwise all rows at once, as llama.cpp does.
+    pub fn mul_mat_rowwise(&self, w: Tensor<'g>, x: Tensor<'g>) -> Tensor<'g> {
+        let ctx = self.ctx;
+        let [n, n_rows, _, _] = x.ne();
+        if !self.inputs.decode_rows || n_rows < 2 {
+            return ctx.mul_mat(w, x);
+        }
+        let row = |i: i64| ctx.mul_mat(w, ctx.view_2d(x, n, 1, x.nb()[1], i as usize * x.nb()[1]));
+        (1..n_rows).fold(row(0), |done, i| ctx.concat(done, row(i), 1))
     }
 
     /// On the model's last layer, keeps only the rows that need logits (of both the

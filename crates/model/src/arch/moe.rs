@@ -195,7 +195,8 @@ impl<'g> Builder<'g> {
         let (n_expert, n_used) = (moe.n_expert as i64, moe.n_expert_used as i64);
         let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
 
-        let mut logits = ctx.mul_mat(w.get("ffn_gate_inp.weight"), x); // [n_expert, n_tokens]
+        // llama.cpp's quantizer leaves the router in f32 (see `mul_mat_rowwise`).
+        let mut logits = self.mul_mat_rowwise(w.get("ffn_gate_inp.weight"), x); // [n_expert, n_tokens]
         if let Some(b) = w.opt("ffn_gate_inp.bias") {
             logits = ctx.add(logits, b);
         }

@@ -1,0 +1,168 @@
+//! Architectures whose real models are too large for CI, on synthetic models (random
+//! weights, a real tokenizer, quantized by libllama): 1, 2 and 3 in-process stages and
+//! 2 TCP workers reproduce libllama, and batching other sequences changes nothing.
+
+mod common;
+
+use baton_ggml::{FileType, LlamaModel};
+use baton_model::{Batch, ModelFile, StageConfig, StageInput, StageOutput};
+use baton_node::cluster::{connect_cluster, ClusterOptions};
+use common::fidelity::check_stages;
+use common::synth::{synth_dir, synthetic};
+use common::worker::{greedy, reference, WorkerProc};
+use common::{nmse, Chain, PROMPTS};
+
+fn stages(arch: &str, file_type: FileType) {
+    let path = synthetic(arch, file_type);
+    let worst = check_stages(&path, &format!("{arch} {}", file_type.name()));
+    println!("{arch} {}: worst NMSE {worst:.3e}", file_type.name());
+}
+
+fn two_workers(arch: &str, file_type: FileType) {
+    const TOKEN: &str = "synthetic-secret";
+    let path = synthetic(arch, file_type);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let w0 = WorkerProc::start(&synth_dir(), Some(TOKEN), &[]);
+    let w1 = WorkerProc::start(&synth_dir(), Some(TOKEN), &[]);
+    let options = ClusterOptions {
+        token: Some(TOKEN.into()),
+        n_ctx: 512,
+        repack: true,
+        ..Default::default()
+    };
+    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options).unwrap();
+    assert_eq!(ring.plan.stages.len(), 2);
+    assert!(
+        ring.workers.iter().all(|w| w.streamed == 0),
+        "both workers hold the file"
+    );
+    for prompt_text in PROMPTS {
+        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
+        let expected = reference(&oracle, &prompt, 32);
+        assert_eq!(
+            greedy(&mut ring, &prompt, 32, &oracle),
+            expected,
+            "{arch}: {prompt_text:?}"
+        );
+    }
+}
+
+#[test]
+fn qwen3moe_matches_llama_cpp_with_1_2_3_stages() {
+    stages("qwen3moe", FileType::Q4KM);
+    stages("qwen3moe", FileType::Q8_0);
+}
+
+#[test]
+fn qwen3moe_on_two_workers_matches_llama_cpp() {
+    two_workers("qwen3moe", FileType::Q4KM);
+}
+
+#[test]
+fn mixtral_matches_llama_cpp_with_1_2_3_stages() {
+    stages("mixtral", FileType::Q4KM);
+    stages("mixtral", FileType::Q8_0);
+}
+
+#[test]
+fn mixtral_on_two_workers_matches_llama_cpp() {
+    two_workers("mixtral", FileType::Q4KM);
+}
+
+/// Runs one batch through every stage of `chain`; returns the logits of `rows`.
+fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
+    let mut hidden = Vec::new();
+    let n = chain.stages.len();
+    for (i, stage) in chain.stages.iter_mut().enumerate() {
+        let input = if i == 0 {
+            StageInput::Tokens(tokens)
+        } else {
+            StageInput::Hidden(&hidden)
+        };
+        let logit_rows: &[u32] = if i + 1 == n { rows } else { &[] };
+        let batch = Batch {
+            input,
+            positions,
+            seq_ids,
+            logit_rows,
+        };
+        match stage.forward(&batch).unwrap() {
+            StageOutput::Hidden(h) => hidden = h,
+            StageOutput::Logits(l) => return l,
+        }
+    }
+    unreachable!("the last stage returns logits")
+}
+
+/// What the server relies on, for experts too: a decode step of one sequence gives the
+/// same bits alone and batched with the steps of up to 6 other sequences (each expert
+/// then multiplies up to 7 rows; `mul_mat_id` rows are batch-invariant below 8, see
+/// crates/ggml; the f32 router multiplies each row of such a batch alone), and a
+/// sequence's greedy tokens are the same alone and beside others.
+#[test]
+fn batching_other_sequences_changes_nothing_for_experts() {
+    const N_SEQ: usize = 7;
+    for arch in ["qwen3moe", "mixtral"] {
+        let path = synthetic(arch, FileType::Q4KM);
+        let file = ModelFile::open(&path).unwrap();
+        let oracle = LlamaModel::load_vocab(&path).unwrap();
+        let prompts: Vec<Vec<u32>> = (0..N_SEQ)
+            .map(|i| {
+                let text = format!("{} ({i})", PROMPTS[i % PROMPTS.len()]);
+                oracle.tokenize(&text, true, true).unwrap()
+            })
+            .collect();
+        let config = StageConfig {
+            n_ctx: 256 * N_SEQ,
+            n_threads: 2,
+            repack: false,
+            n_seq: N_SEQ,
+        };
+        let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+        let mut chain = Chain::load_with(&file, &ranges, &config);
+        for (seq, prompt) in prompts.iter().enumerate() {
+            chain.logits(seq as u32, prompt, 0);
+        }
+        let lens: Vec<i32> = prompts.iter().map(|p| p.len() as i32).collect();
+        let reset = |chain: &mut Chain| {
+            for stage in &mut chain.stages {
+                for (seq, &len) in lens.iter().enumerate() {
+                    stage.kv_mut().truncate_seq(seq as u32, len as usize);
+                }
+            }
+        };
+        let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
+        reset(&mut chain);
+        for rows in 2..=N_SEQ {
+            let seq_ids: Vec<u32> = (0..rows as u32).collect();
+            let positions: Vec<i32> = lens[..rows].to_vec();
+            let tokens: Vec<u32> = (0..rows as u32).map(|r| 42 + 7 * r).collect();
+            let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &[0]);
+            reset(&mut chain);
+            assert_eq!(nmse(&batched, &alone), 0.0, "{arch}: batch of {rows}");
+        }
+
+        // Greedy decoding of sequence 0 alone, then beside sequences 1 and 2 decoding
+        // in the same batches: the same tokens.
+        let decode = |chain: &mut Chain, seqs: &[u32]| -> Vec<u32> {
+            let mut next: Vec<u32> = vec![42; seqs.len()];
+            let mut pos: Vec<i32> = seqs.iter().map(|&s| lens[s as usize]).collect();
+            let mut first = Vec::new();
+            for _ in 0..12 {
+                let rows: Vec<u32> = (0..seqs.len() as u32).collect();
+                let logits = forward_rows(chain, &next, &pos, seqs, &rows);
+                let n_vocab = logits.len() / seqs.len();
+                for (i, row) in logits.chunks_exact(n_vocab).enumerate() {
+                    next[i] = baton_sample::argmax(row).unwrap();
+                    pos[i] += 1;
+                }
+                first.push(next[0]);
+            }
+            first
+        };
+        let alone = decode(&mut chain, &[0]);
+        reset(&mut chain);
+        let beside = decode(&mut chain, &[0, 1, 2, 3, 4, 5, 6]);
+        assert_eq!(alone, beside, "{arch}: sequence 0's greedy tokens");
+    }
+}
