@@ -39,6 +39,11 @@ fn two_workers(arch: &str, file_type: FileType) {
     for prompt_text in PROMPTS {
         let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
         let expected = reference(&oracle, &prompt, 32);
+        println!(
+            "{arch} {prompt_text:?}: {} tokens {:?}",
+            expected.len(),
+            oracle.detokenize(&expected, false)
+        );
         assert_eq!(
             greedy(&mut ring, &prompt, 32, &oracle),
             expected,
@@ -165,4 +170,25 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         let beside = decode(&mut chain, &[0, 1, 2, 3, 4, 5, 6]);
         assert_eq!(alone, beside, "{arch}: sequence 0's greedy tokens");
     }
+}
+
+#[test]
+fn glm4moe_matches_llama_cpp_with_1_2_3_stages() {
+    stages("glm4moe", FileType::Q4KM);
+}
+
+#[test]
+fn glm4moe_on_two_workers_matches_llama_cpp() {
+    two_workers("glm4moe", FileType::Q4KM);
+}
+
+#[test]
+fn gpt_oss_matches_llama_cpp_with_1_2_3_stages() {
+    stages("gpt-oss", FileType::Mxfp4Moe);
+    stages("gpt-oss", FileType::Q8_0);
+}
+
+#[test]
+fn gpt_oss_on_two_workers_matches_llama_cpp() {
+    two_workers("gpt-oss", FileType::Mxfp4Moe);
 }

@@ -50,6 +50,7 @@ pub fn example_metadata(arch: &Architecture, shape: &Shape) -> Vec<(String, Valu
 /// The tensors an example model of `hp` holds: what the architecture requires or
 /// usually has, fused forms left out, the output projection as `tied` says.
 pub fn example_tensors(hp: &HParams, tied_output: bool) -> Vec<TensorSpec> {
+    let tied_output = tied_output && !hp.arch.own_output;
     let in_file = |name: &str| name == "output.weight" && !tied_output;
     crate::model_tensors(hp, &in_file)
         .into_iter()

@@ -58,6 +58,27 @@ pub struct HParams {
     pub attn_logit_softcap: f32,
     /// Mixture-of-experts routing (`n_expert == 0`: every layer is dense).
     pub moe: MoeParams,
+    /// YaRN settings that decide RoPE's attention factor.
+    pub yarn: Yarn,
+}
+
+/// How RoPE positions are scaled beyond the trained context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RopeScaling {
+    None,
+    Linear,
+    Yarn,
+}
+
+/// The YaRN settings llama.cpp turns into RoPE's attention factor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Yarn {
+    /// `rope.scaling.attn_factor` (a final multiplier, 1 by default).
+    pub attn_factor: f32,
+    /// `rope.scaling.yarn_log_multiplier` as the architecture reads it (0: none).
+    pub log_mul: f32,
+    /// DeepSeek V2's special case: the log multiplier is also the `mscale`.
+    pub mscale_from_log_mul: bool,
 }
 
 /// The metadata keys of one architecture (`{arch}.{key}`), for its `hparams` function.
@@ -186,21 +207,25 @@ impl HParams {
 
         let n_rot = keys.opt_u32("rope.dimension_count")?.unwrap_or(head_dim_k);
         let freq_base = keys.opt_f32("rope.freq_base")?.unwrap_or(10_000.0);
-        let scaling = keys.opt_str("rope.scaling.type")?.unwrap_or("linear");
-        let factor = keys
-            .opt_f32("rope.scaling.factor")?
-            .or(keys.opt_f32("rope.scale_linear")?)
-            .unwrap_or(0.0);
-        let freq_scale = match scaling {
-            // llama.cpp never scales when the type says none.
-            "none" => 1.0,
-            "linear" if factor > 0.0 => 1.0 / factor,
-            "linear" => 1.0,
+        let scaling = match keys.opt_str("rope.scaling.type")?.unwrap_or("linear") {
+            "none" => RopeScaling::None,
+            "linear" => RopeScaling::Linear,
+            "yarn" => RopeScaling::Yarn,
             other => {
                 return Err(ModelError::BadHParams(format!(
                     "RoPE scaling type '{other}' is not supported"
                 )))
             }
+        };
+        let factor = keys
+            .opt_f32("rope.scaling.factor")?
+            .or(keys.opt_f32("rope.scale_linear")?)
+            .unwrap_or(0.0);
+        // llama.cpp never scales when the type says none.
+        let freq_scale = match scaling {
+            RopeScaling::None => 1.0,
+            _ if factor == 0.0 => 1.0,
+            _ => 1.0 / factor,
         };
         let n_ctx_orig = keys
             .opt_u32("rope.scaling.original_context_length")?
@@ -211,10 +236,15 @@ impl HParams {
             n_ctx_orig: n_ctx_orig as i32,
             freq_base,
             freq_scale,
-            ext_factor: 0.0,
+            ext_factor: if scaling == RopeScaling::Yarn { 1.0 } else { 0.0 },
             attn_factor: 1.0,
             beta_fast: 32.0,
             beta_slow: 1.0,
+        };
+        let yarn = Yarn {
+            attn_factor: keys.opt_f32("rope.scaling.attn_factor")?.unwrap_or(1.0),
+            log_mul: 0.0,
+            mscale_from_log_mul: false,
         };
 
         let mut hp = HParams {
@@ -239,9 +269,37 @@ impl HParams {
             final_logit_softcap: keys.opt_f32("final_logit_softcapping")?.unwrap_or(0.0),
             attn_logit_softcap: keys.opt_f32("attn_logit_softcapping")?.unwrap_or(0.0),
             moe,
+            yarn,
         };
         (arch.hparams)(&mut hp, &keys)?;
+        hp.finish_rope();
         Ok(hp)
+    }
+
+    /// The attention factor RoPE scales by, as llama.cpp's context computes it from
+    /// the YaRN settings (after the architecture read its own).
+    fn finish_rope(&mut self) {
+        let mut attn_factor = 1.0f32;
+        if self.rope.ext_factor != 0.0 {
+            let mscale = |scale: f32, m: f32| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+            let factor = 1.0 / self.rope.freq_scale;
+            attn_factor = if self.yarn.log_mul != 0.0 {
+                let all_dims = self.yarn.log_mul;
+                let m = if self.yarn.mscale_from_log_mul && all_dims != 1.0 {
+                    all_dims
+                } else {
+                    1.0
+                };
+                mscale(factor, m) / mscale(factor, all_dims)
+            } else {
+                mscale(factor, 1.0)
+            };
+            // ggml's YaRN multiplies by this again; llama.cpp cancels it here.
+            attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
+        }
+        attn_factor *= self.yarn.attn_factor;
+        self.rope.attn_factor = attn_factor;
+        self.rope_swa.attn_factor = attn_factor;
     }
 
     /// Reads `attention.sliding_window` and the layers that use it: every `n`-th layer is

@@ -332,6 +332,11 @@ mod tests {
                 weights_scale: 0.0,
                 gating: crate::Gating::Softmax,
             },
+            yarn: crate::Yarn {
+                attn_factor: 1.0,
+                log_mul: 0.0,
+                mscale_from_log_mul: false,
+            },
         }
     }
 

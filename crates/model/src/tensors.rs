@@ -177,11 +177,12 @@ pub fn ffn(t: &mut LayerPlan<'_>, suffix: &str, n_ff: usize, biases: bool) {
 
 /// The routed experts of a mixture-of-experts layer: the router `ffn_gate_inp` and the
 /// expert stacks `ffn_{gate,up,down}_exps` of inner size `n_ff_exp` (gate and up fused
-/// in `ffn_gate_up_exps` when the file has that).
-pub fn experts(t: &mut LayerPlan<'_>, n_ff_exp: usize) {
+/// in `ffn_gate_up_exps` when the file has that and the architecture allows it, as
+/// llama.cpp's `create_tensor_gate_up_exps` does).
+pub fn experts(t: &mut LayerPlan<'_>, n_ff_exp: usize, fused_gate_up: bool) {
     let (embd, n_expert) = (t.hp.n_embd, t.hp.moe.n_expert);
     t.mat("ffn_gate_inp.weight", &[embd, n_expert]);
-    if t.file_has("ffn_gate_up_exps.weight") {
+    if fused_gate_up && t.file_has("ffn_gate_up_exps.weight") {
         t.experts("ffn_gate_up_exps.weight", &[embd, 2 * n_ff_exp, n_expert]);
     } else {
         t.experts("ffn_gate_exps.weight", &[embd, n_ff_exp, n_expert]);
@@ -218,7 +219,7 @@ pub fn ends(hp: &HParams, first: bool, last: bool, in_file: &dyn Fn(&str) -> boo
             vec![embd],
             Use::Elementwise,
         ));
-        let source = if in_file("output.weight") {
+        let source = if hp.arch.own_output || in_file("output.weight") {
             "output.weight"
         } else {
             "token_embd.weight"

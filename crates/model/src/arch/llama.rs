@@ -17,6 +17,7 @@ pub static ARCH: Architecture = Architecture {
     aliases: &["mistral"],
     rope: Rope::Norm,
     rope_freqs: true,
+    own_output: false,
     hparams,
     tensors,
     layer,
@@ -48,7 +49,7 @@ fn tensors(t: &mut LayerPlan<'_>) {
     t.vec("attn_output.bias", &[hp.n_embd]).optional();
     t.vec("ffn_norm.weight", &[hp.n_embd]);
     if hp.is_moe(t.layer) {
-        tensors::experts(t, hp.moe.n_ff_exp);
+        tensors::experts(t, hp.moe.n_ff_exp, false);
     } else {
         tensors::ffn(t, "", hp.n_ff, true);
     }

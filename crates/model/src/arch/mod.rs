@@ -12,6 +12,8 @@ pub mod builder;
 pub mod moe;
 
 mod gemma3;
+mod glm4moe;
+mod gpt_oss;
 mod llama;
 mod qwen2;
 mod qwen3;
@@ -28,8 +30,16 @@ use crate::weights::LayerTensors;
 use crate::ModelError;
 
 /// Every architecture baton runs.
-pub static ARCHITECTURES: &[&Architecture] =
-    &[&llama::ARCH, &qwen2::ARCH, &qwen3::ARCH, &qwen3moe::ARCH, &gemma3::ARCH];
+#[rustfmt::skip]
+pub static ARCHITECTURES: &[&Architecture] = &[
+    &llama::ARCH,
+    &qwen2::ARCH,
+    &qwen3::ARCH,
+    &qwen3moe::ARCH,
+    &gemma3::ARCH,
+    &glm4moe::ARCH,
+    &gpt_oss::ARCH,
+];
 
 /// How RoPE rotates a head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,6 +74,9 @@ pub struct Architecture {
     pub rope: Rope,
     /// Whether layers may scale RoPE frequencies with a global `rope_freqs.weight`.
     pub rope_freqs: bool,
+    /// Whether the model always has its own `output.weight` (never tied to the token
+    /// embedding).
+    pub own_output: bool,
     /// Reads the architecture's own keys after the common ones.
     pub hparams: fn(&mut HParams, &Keys<'_>) -> Result<(), ModelError>,
     /// Lists one layer's tensors.

@@ -13,6 +13,7 @@ pub static ARCH: Architecture = Architecture {
     aliases: &[],
     rope: Rope::Neox,
     rope_freqs: false,
+    own_output: false,
     hparams,
     tensors,
     layer: super::llama::layer,

@@ -17,6 +17,7 @@ pub static ARCH: Architecture = Architecture {
     aliases: &[],
     rope: Rope::Neox,
     rope_freqs: false,
+    own_output: false,
     hparams,
     tensors,
     layer,
@@ -37,7 +38,7 @@ fn tensors(t: &mut LayerPlan<'_>) {
     tensors::attention(t, Presence::Optional);
     tensors::qk_norms(t, Presence::Required);
     t.vec("ffn_norm.weight", &[embd]);
-    tensors::experts(t, t.hp.moe.n_ff_exp);
+    tensors::experts(t, t.hp.moe.n_ff_exp, false);
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
