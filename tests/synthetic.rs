@@ -192,3 +192,13 @@ fn gpt_oss_matches_llama_cpp_with_1_2_3_stages() {
 fn gpt_oss_on_two_workers_matches_llama_cpp() {
     two_workers("gpt-oss", FileType::Mxfp4Moe);
 }
+
+#[test]
+fn deepseek2_matches_llama_cpp_with_1_2_3_stages() {
+    stages("deepseek2", FileType::Q4KM);
+}
+
+#[test]
+fn deepseek2_on_two_workers_matches_llama_cpp() {
+    two_workers("deepseek2", FileType::Q4KM);
+}

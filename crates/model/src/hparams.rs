@@ -60,6 +60,25 @@ pub struct HParams {
     pub moe: MoeParams,
     /// YaRN settings that decide RoPE's attention factor.
     pub yarn: Yarn,
+    /// Multi-head latent attention (DeepSeek): keys and values compressed to one
+    /// latent row per token, which is all the KV cache holds.
+    pub mla: Option<Mla>,
+}
+
+/// The sizes of multi-head latent attention. The cache row of a token is its
+/// compressed latent (`n_lora_kv`) followed by its RoPE part (`rope.n_dims`); queries
+/// are projected into the same space, so attention runs as one shared key head
+/// (`head_dim_k = n_lora_kv + n_rot`) whose values are the latent (`head_dim_v`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mla {
+    /// Rank of the query compression (0: queries are projected directly).
+    pub n_lora_q: usize,
+    /// Rank of the key/value compression (the latent's width).
+    pub n_lora_kv: usize,
+    /// Width of each query/key head before absorption (its non-RoPE part plus RoPE).
+    pub head_dim_k: usize,
+    /// Width of each value head after decompression.
+    pub head_dim_v: usize,
 }
 
 /// How RoPE positions are scaled beyond the trained context.
@@ -270,6 +289,7 @@ impl HParams {
             attn_logit_softcap: keys.opt_f32("attn_logit_softcapping")?.unwrap_or(0.0),
             moe,
             yarn,
+            mla: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         hp.finish_rope();

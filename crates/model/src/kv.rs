@@ -71,8 +71,11 @@ impl KvCache {
         for layer in layers.clone() {
             ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64])
                 .named(&format!("cache_k_l{layer}"));
-            ctx.new_tensor(DType::F16, &[hp.n_embd_v_gqa() as i64, n_ctx as i64])
-                .named(&format!("cache_v_l{layer}"));
+            // MLA caches only the compressed keys; values are a view of them.
+            if hp.mla.is_none() {
+                ctx.new_tensor(DType::F16, &[hp.n_embd_v_gqa() as i64, n_ctx as i64])
+                    .named(&format!("cache_v_l{layer}"));
+            }
         }
         let mut buffer = Buffer::alloc_cpu(&ctx)?;
         // Zeroed so that never-written cells hold finite values (masked, but multiplied).
@@ -92,7 +95,8 @@ impl KvCache {
         self.tensor("k", layer)
     }
 
-    /// Value cache of global layer `layer` (`[n_embd_v_gqa, n_ctx]`).
+    /// Value cache of global layer `layer` (`[n_embd_v_gqa, n_ctx]`); models with MLA
+    /// have none (their values are the first `head_dim_v` entries of each key row).
     pub fn v(&self, layer: usize) -> Tensor<'_> {
         self.tensor("v", layer)
     }
@@ -332,6 +336,7 @@ mod tests {
                 weights_scale: 0.0,
                 gating: crate::Gating::Softmax,
             },
+            mla: None,
             yarn: crate::Yarn {
                 attn_factor: 1.0,
                 log_mul: 0.0,

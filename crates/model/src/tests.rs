@@ -217,7 +217,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2)"
     );
 
     // A tensor the architecture does not use would be silently skipped: refused.
@@ -266,4 +266,27 @@ fn loader_errors_are_clear() {
     });
     let text = err_text("blocks.gguf", &huge);
     assert!(text.contains("block_count 4294967295 is more than"), "{text}");
+}
+
+/// The KV cache holds what llama.cpp's holds: keys and values of `head_dim × n_head_kv`
+/// per token and layer, except with MLA (deepseek2), where one compressed row of
+/// `kv_lora_rank + n_rot` per token and layer is all there is.
+#[test]
+fn kv_cache_is_sized_per_architecture() {
+    let n_ctx = 64;
+    let span = StageSpan {
+        layers: 0..N_LAYER,
+        first: true,
+        last: true,
+    };
+    for (arch, row_bytes) in [
+        // keys and values of 2 heads of 8, f16
+        ("llama", 2 * (2 * 8) * 2),
+        // one latent of 32 (the model's width) plus 4 RoPE dims (half a head), f16
+        ("deepseek2", (32 + 4) * 2),
+    ] {
+        let file = open(&format!("kv-{arch}.gguf"), &tiny_model(arch, |w| w)).unwrap();
+        let stage = Stage::load(file, span.clone(), &StageConfig::new(n_ctx, 1)).unwrap();
+        assert_eq!(stage.kv().bytes(), N_LAYER * n_ctx * row_bytes, "{arch}");
+    }
 }

@@ -11,6 +11,7 @@ pub mod attention;
 pub mod builder;
 pub mod moe;
 
+mod deepseek2;
 mod gemma3;
 mod glm4moe;
 mod gpt_oss;
@@ -39,6 +40,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &gemma3::ARCH,
     &glm4moe::ARCH,
     &gpt_oss::ARCH,
+    &deepseek2::ARCH,
 ];
 
 /// How RoPE rotates a head.
