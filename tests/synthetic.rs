@@ -202,3 +202,33 @@ fn deepseek2_matches_llama_cpp_with_1_2_3_stages() {
 fn deepseek2_on_two_workers_matches_llama_cpp() {
     two_workers("deepseek2", FileType::Q4KM);
 }
+
+#[test]
+fn mistral3_matches_llama_cpp_with_1_2_3_stages() {
+    stages("mistral3", FileType::Q4KM);
+}
+
+#[test]
+fn mistral3_on_two_workers_matches_llama_cpp() {
+    two_workers("mistral3", FileType::Q4KM);
+}
+
+#[test]
+fn phi3_matches_llama_cpp_with_1_2_3_stages() {
+    stages("phi3", FileType::Q4KM);
+}
+
+#[test]
+fn phi3_on_two_workers_matches_llama_cpp() {
+    two_workers("phi3", FileType::Q4KM);
+}
+
+#[test]
+fn gemma2_matches_llama_cpp_with_1_2_3_stages() {
+    stages("gemma2", FileType::Q4KM);
+}
+
+#[test]
+fn gemma2_on_two_workers_matches_llama_cpp() {
+    two_workers("gemma2", FileType::Q4KM);
+}

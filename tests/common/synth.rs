@@ -36,11 +36,11 @@ pub fn test_shape() -> Shape {
     }
 }
 
-/// The synthetic model of `arch` (`mixtral`: llama with experts; `llama`: dense)
-/// quantized as `file_type`, with [`test_shape`] changed by `edit`.
+/// The synthetic model of `arch` (`mixtral`: llama with experts; `llama` and
+/// `mistral3`: dense) quantized as `file_type`, with [`test_shape`] changed by `edit`.
 pub fn synthetic_with(arch: &str, file_type: FileType, edit: impl FnOnce(&mut Shape)) -> PathBuf {
     let mut shape = test_shape();
-    if arch == "llama" {
+    if arch == "llama" || arch == "mistral3" {
         shape.n_expert = 0;
     }
     edit(&mut shape);

@@ -63,6 +63,36 @@ pub struct HParams {
     /// Multi-head latent attention (DeepSeek): keys and values compressed to one
     /// latent row per token, which is all the KV cache holds.
     pub mla: Option<Mla>,
+    /// Attention temperature tuning (Llama 4 style, Ministral 3): queries scaled by a
+    /// factor growing with the position.
+    pub attn_temp: Option<AttnTemp>,
+}
+
+/// Queries at position `p` are multiplied by
+/// `ln(floor((p + offset) / floor_scale) + 1) · scale + 1` (llama.cpp's
+/// `llm_graph_input_attn_temp`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnTemp {
+    /// How much the factor grows per doubling of positions.
+    pub scale: f32,
+    /// Positions per step of the factor.
+    pub floor_scale: usize,
+    /// Added to each position first.
+    pub offset: f32,
+}
+
+impl AttnTemp {
+    /// The factor of each position, computed as llama.cpp computes it (the step in
+    /// f32, the logarithm in f64).
+    pub fn factors(&self, positions: &[i32]) -> Vec<f32> {
+        positions
+            .iter()
+            .map(|&p| {
+                let steps = ((p as f32 + self.offset) / self.floor_scale as f32).floor() as f64;
+                ((steps + 1.0).ln() * self.scale as f64 + 1.0) as f32
+            })
+            .collect()
+    }
 }
 
 /// The sizes of multi-head latent attention. The cache row of a token is its
@@ -285,11 +315,14 @@ impl HParams {
             embd_scale: 1.0,
             n_swa: 0,
             swa_layers: vec![false; n_layer],
-            final_logit_softcap: keys.opt_f32("final_logit_softcapping")?.unwrap_or(0.0),
-            attn_logit_softcap: keys.opt_f32("attn_logit_softcapping")?.unwrap_or(0.0),
+            // Soft-capping is each architecture's to read (llama.cpp ignores the keys
+            // elsewhere).
+            final_logit_softcap: 0.0,
+            attn_logit_softcap: 0.0,
             moe,
             yarn,
             mla: None,
+            attn_temp: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         hp.finish_rope();
@@ -322,18 +355,20 @@ impl HParams {
         self.rope_swa.attn_factor = attn_factor;
     }
 
-    /// Reads `attention.sliding_window` and the layers that use it: every `n`-th layer is
-    /// global and the others slide, `n` from `attention.sliding_window_pattern` (an
-    /// integer, `default_pattern` when missing) or that key as one flag per layer.
+    /// Reads `attention.sliding_window` (`default_window` when missing) and the layers
+    /// that use it: every `n`-th layer is global and the others slide, `n` from
+    /// `attention.sliding_window_pattern` (an integer, `default_pattern` when missing),
+    /// or that key as one flag per layer.
     /// Sliding layers get RoPE base `rope.freq_base_swa` when set, `swa_freq_base`
     /// otherwise (None: the base of the other layers).
     pub fn read_sliding_window(
         &mut self,
         keys: &Keys<'_>,
+        default_window: usize,
         default_pattern: usize,
         swa_freq_base: Option<f32>,
     ) -> Result<(), ModelError> {
-        self.n_swa = keys.opt_u32("attention.sliding_window")?.unwrap_or(0);
+        self.n_swa = keys.opt_u32("attention.sliding_window")?.unwrap_or(default_window);
         if self.n_swa == 0 {
             return Ok(());
         }

@@ -337,6 +337,7 @@ mod tests {
                 gating: crate::Gating::Softmax,
             },
             mla: None,
+            attn_temp: None,
             yarn: crate::Yarn {
                 attn_factor: 1.0,
                 log_mul: 0.0,

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 
 pub use arch::moe::{Gating, MoeParams};
 pub use arch::{find as find_architecture, supported_names, Architecture, Shape, ARCHITECTURES};
-pub use hparams::{HParams, Keys, Mla, Yarn};
+pub use hparams::{AttnTemp, HParams, Keys, Mla, Yarn};
 pub use kv::{AttnSpan, KvCache};
 pub use resident::mapped_rss;
 pub use stage::{Batch, Stage, StageConfig, StageInput, StageOutput};

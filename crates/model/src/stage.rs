@@ -239,6 +239,11 @@ impl Stage {
                 .named("out_rows")
                 .set_input()
         });
+        let attn_temp = hp.attn_temp.as_ref().map(|_| {
+            ctx.new_tensor(DType::F32, &[1, 1, n_tokens as i64])
+                .named("inp_attn_scale")
+                .set_input()
+        });
         let (tokens_in, hidden_in): (Option<Tensor>, Option<Tensor>) = match batch.input {
             StageInput::Tokens(_) => (
                 Some(
@@ -269,6 +274,7 @@ impl Stage {
                 kv_slots,
                 spans,
                 out_rows,
+                attn_temp,
                 n_tokens,
                 decode_rows,
             },
@@ -326,6 +332,9 @@ impl Stage {
             if let Some(m) = span.mask_swa {
                 m.write(&self.kv.mask(seq_ids, positions, cells, Some(hp.n_swa)))?;
             }
+        }
+        if let (Some(t), Some(temp)) = (attn_temp, &hp.attn_temp) {
+            t.write(&temp.factors(batch.positions))?;
         }
         if let Some(rows) = out_rows {
             let ids: Vec<i32> = batch.logit_rows.iter().map(|&r| r as i32).collect();

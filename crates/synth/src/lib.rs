@@ -21,7 +21,7 @@ use baton_model::{Architecture, HParams, ModelError, Shape};
 pub use tokenizer::copy_tokenizer;
 
 /// Bumped whenever the same spec would produce other bytes (cached files are rebuilt).
-const GENERATOR_VERSION: u32 = 1;
+const GENERATOR_VERSION: u32 = 2;
 
 /// Everything that decides a synthetic model.
 #[derive(Clone, Debug, PartialEq)]
@@ -121,10 +121,9 @@ pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: usize) -> Result<usiz
     let source = MappedFile::open(&spec.tokenizer).map_err(io(&spec.tokenizer))?;
     let header = Gguf::parse(source.bytes()).map_err(SynthError::Tokenizer)?;
     let (mut extra, n_vocab) = copy_tokenizer(&header, spec.vocab)?;
-    extra.push((
-        "general.name".into(),
-        Value::Str(format!("baton synthetic {}", spec.arch.name)),
-    ));
+    // Not the architecture's name: llama.cpp tunes some tokenizers by the model's name
+    // (e.g. "phi3"), and this tokenizer is another model's.
+    extra.push(("general.name".into(), Value::Str("baton synthetic model".into())));
     let options = ExampleOptions {
         n_vocab,
         seed: spec.seed,

@@ -39,6 +39,9 @@ impl<'g> Builder<'g> {
         let k = ctx
             .rope(k, self.inputs.positions, factors, rope)
             .named(&format!("Kcur-{layer}"));
+        if let Some(temp) = self.inputs.attn_temp {
+            q = ctx.mul(q, temp);
+        }
         if hp.query_scale != 1.0 {
             q = ctx.scale(q, hp.query_scale);
         }

@@ -17,6 +17,8 @@ pub struct StepInputs<'g> {
     pub spans: Vec<SpanInputs<'g>>,
     /// Rows that need logits, i32 `[n_out]`, on the stage that owns the model's last layer.
     pub out_rows: Option<Tensor<'g>>,
+    /// Attention temperature of each row, f32 `[1, 1, n_tokens]`, for models that have it.
+    pub attn_temp: Option<Tensor<'g>>,
     /// Tokens in the batch.
     pub n_tokens: usize,
     /// Whether every row is the only one of its sequence (a batch of decode steps):

@@ -3,6 +3,7 @@
 //! per token; dense leading layers, then routed experts (softmax or sigmoid scores,
 //! selection bias, expert groups) beside shared experts.
 //!
+//! Mistral Large 3's attention temperature tuning is applied as llama.cpp applies it.
 //! Only GGUFs with the split `attn_k_b`/`attn_v_b` projections (every conversion since
 //! llama.cpp added MLA) are supported: older files with one `attn_kv_b` run as plain
 //! multi-head attention in llama.cpp, which baton does not implement.
@@ -14,7 +15,7 @@ use super::attention::KeyValues;
 use super::builder::Act;
 use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
-use crate::hparams::{HParams, Keys, Mla};
+use crate::hparams::{AttnTemp, HParams, Keys, Mla};
 use crate::tensors::{self, LayerPlan, Presence};
 use crate::weights::LayerTensors;
 use crate::ModelError;
@@ -56,10 +57,13 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
             hp.n_head_kv, hp.head_dim_k, hp.head_dim_v
         )));
     }
-    if keys.opt_f32("attention.temperature_scale")?.is_some_and(|s| s != 0.0) {
-        return Err(ModelError::BadHParams(
-            "deepseek2 with attention temperature scaling (Mistral Large 3) is not supported".into(),
-        ));
+    // Mistral Large 3 tunes the attention temperature.
+    if let Some(scale) = keys.opt_f32("attention.temperature_scale")?.filter(|&s| s != 0.0) {
+        hp.attn_temp = Some(AttnTemp {
+            scale,
+            floor_scale: positive(keys, "attention.temperature_length")?,
+            offset: 0.0,
+        });
     }
     hp.mla = Some(Mla {
         n_lora_q,
@@ -84,6 +88,14 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         hp.yarn.mscale_from_log_mul = true;
     }
     Ok(())
+}
+
+/// A required key that must not be 0.
+fn positive(keys: &Keys<'_>, key: &str) -> Result<usize, ModelError> {
+    match keys.u32(key)? {
+        0 => Err(ModelError::BadHParams(format!("{} must not be 0", keys.name(key)))),
+        n => Ok(n),
+    }
 }
 
 fn tensors(t: &mut LayerPlan<'_>) {
@@ -182,7 +194,10 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     let q_absorbed = ctx.mul_mat(w.get("attn_k_b.weight"), q_nope); // [n_lora_kv, n_tokens, n_head]
     let q_absorbed = ctx.permute(q_absorbed, [0, 2, 1, 3]); // [n_lora_kv, n_head, n_tokens]
                                                             // RoPE part last, so a cache row is [latent, rope].
-    let q = ctx.concat(q_absorbed, q_pe, 0).named(&format!("Qcur-{layer}")); // [n_lora_kv + n_rot, n_head, n_tokens]
+    let mut q = ctx.concat(q_absorbed, q_pe, 0).named(&format!("Qcur-{layer}")); // [n_lora_kv + n_rot, n_head, n_tokens]
+    if let Some(temp) = b.inputs.attn_temp {
+        q = ctx.mul(q, temp);
+    }
     let kv = ctx.reshape_3d(kv, n_lora_kv, 1, n_tokens);
     let k = ctx.concat(kv, k_pe, 0).named(&format!("Kcur-{layer}")); // [n_lora_kv + n_rot, 1, n_tokens]
 
@@ -232,5 +247,8 @@ fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
         ("expert_gating_func", Value::U32(2)),
         ("expert_group_count", Value::U32(n_group)),
         ("expert_group_used_count", Value::U32(n_group / 2)),
+        // Temperature steps every 8 positions, so the test prompts see several.
+        ("attention.temperature_scale", Value::F32(0.1)),
+        ("attention.temperature_length", Value::U32(8)),
     ]
 }

@@ -34,7 +34,8 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         1.0 / (hp.head_dim_k as f32).sqrt()
     };
     hp.attn_scale = 1.0;
-    hp.read_sliding_window(keys, 6, Some(10_000.0))?;
+    hp.final_logit_softcap = keys.opt_f32("final_logit_softcapping")?.unwrap_or(0.0);
+    hp.read_sliding_window(keys, 0, 6, Some(10_000.0))?;
     if hp.n_swa > 0 {
         hp.rope_swa.freq_scale = 1.0;
     }

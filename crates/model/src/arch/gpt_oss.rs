@@ -41,7 +41,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     hp.moe.require_experts("gpt-oss")?;
     // The window is required; every second layer slides unless the file says otherwise.
     keys.u32("attention.sliding_window")?;
-    hp.read_sliding_window(keys, 2, None)?;
+    hp.read_sliding_window(keys, 0, 2, None)?;
     hp.attn_scale = 1.0 / (n_rot as f32).sqrt();
     Ok(())
 }

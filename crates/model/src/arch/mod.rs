@@ -12,10 +12,13 @@ pub mod builder;
 pub mod moe;
 
 mod deepseek2;
+mod gemma2;
 mod gemma3;
 mod glm4moe;
 mod gpt_oss;
 mod llama;
+mod mistral3;
+mod phi3;
 mod qwen2;
 mod qwen3;
 mod qwen3moe;
@@ -41,6 +44,9 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &glm4moe::ARCH,
     &gpt_oss::ARCH,
     &deepseek2::ARCH,
+    &mistral3::ARCH,
+    &phi3::ARCH,
+    &gemma2::ARCH,
 ];
 
 /// How RoPE rotates a head.
