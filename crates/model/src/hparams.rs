@@ -404,6 +404,13 @@ impl HParams {
         self.head_dim_v * self.n_head_kv
     }
 
+    /// Bytes one token takes in one layer's KV cache: f16 keys and values, or with MLA
+    /// only the compressed row (see [`crate::KvCache`]).
+    pub fn kv_cell_bytes(&self) -> usize {
+        let values = if self.mla.is_some() { 0 } else { self.n_embd_v_gqa() };
+        (self.n_embd_k_gqa() + values) * 2
+    }
+
     /// Whether layer `layer` uses sliding-window attention.
     pub fn is_swa(&self, layer: usize) -> bool {
         self.n_swa > 0 && self.swa_layers.get(layer).copied().unwrap_or(false)

@@ -286,6 +286,11 @@ fn kv_cache_is_sized_per_architecture() {
         ("deepseek2", (32 + 4) * 2),
     ] {
         let file = open(&format!("kv-{arch}.gguf"), &tiny_model(arch, |w| w)).unwrap();
+        assert_eq!(
+            file.hparams().kv_cell_bytes(),
+            row_bytes,
+            "{arch}: what the planner counts"
+        );
         let stage = Stage::load(file, span.clone(), &StageConfig::new(n_ctx, 1)).unwrap();
         assert_eq!(stage.kv().bytes(), N_LAYER * n_ctx * row_bytes, "{arch}");
     }

@@ -72,6 +72,24 @@ impl ModelFile {
             .map(|t| t.n_bytes)
             .sum()
     }
+
+    /// Bytes of layer `layer`'s weights one token reads: all of them, except that of
+    /// each expert stack only the share of the experts a token uses
+    /// (`n_expert_used / n_expert`).
+    pub fn layer_work_bytes(&self, layer: usize) -> u64 {
+        let hp = &self.hparams;
+        let has = |name: &str| self.gguf.tensor(&format!("blk.{layer}.{name}")).is_some();
+        tensors::layer(hp, layer, &has)
+            .iter()
+            .filter_map(|spec| {
+                let bytes = self.gguf.tensor(&spec.source)?.n_bytes;
+                Some(match spec.usage {
+                    Use::Experts => bytes * hp.moe.n_expert_used as u64 / hp.moe.n_expert.max(1) as u64,
+                    _ => bytes,
+                })
+            })
+            .sum()
+    }
 }
 
 /// The weights of one layer of a stage, ready for graph building: looked up by their
