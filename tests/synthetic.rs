@@ -103,12 +103,18 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 /// same bits alone and batched with the steps of up to 6 other sequences (each expert
 /// then multiplies up to 7 rows; `mul_mat_id` rows are batch-invariant below 8, see
 /// crates/ggml; the f32 router multiplies each row of such a batch alone), and a
-/// sequence's greedy tokens are the same alone and beside others.
+/// sequence's greedy tokens are the same alone and beside others. Every MoE family:
+/// routers with selection biases and groups, shared experts, MLA, sinks and windows.
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
     const N_SEQ: usize = 7;
-    for arch in ["qwen3moe", "mixtral"] {
-        let path = synthetic(arch, FileType::Q4KM);
+    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2"] {
+        let file_type = if arch == "gpt-oss" {
+            FileType::Mxfp4Moe
+        } else {
+            FileType::Q4KM
+        };
+        let path = synthetic(arch, file_type);
         let file = ModelFile::open(&path).unwrap();
         let oracle = LlamaModel::load_vocab(&path).unwrap();
         let prompts: Vec<Vec<u32>> = (0..N_SEQ)
