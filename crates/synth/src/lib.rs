@@ -108,7 +108,7 @@ impl SynthSpec {
             (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
         });
         Ok(format!(
-            "{}-{}-{hash:016x}.gguf",
+            "{}-{}-v{GENERATOR_VERSION}-{hash:016x}.gguf",
             self.arch.name,
             self.file_type.name().to_lowercase()
         ))
@@ -153,9 +153,17 @@ pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: usize) -> Result<usiz
 }
 
 /// The model `spec` describes, in `dir` under its [`SynthSpec::file_name`]: made once,
-/// then reused (tests share them between runs and processes).
+/// then reused (tests share them between runs and processes). Models an older
+/// generator made there are removed.
 pub fn cached(spec: &SynthSpec, dir: &Path) -> Result<PathBuf, SynthError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let current = format!("-v{GENERATOR_VERSION}-");
+    for entry in std::fs::read_dir(dir).map_err(io(dir))?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".gguf") && !name.contains(&current) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
     let path = dir.join(spec.file_name()?);
     if !path.exists() {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
