@@ -73,6 +73,10 @@ pub struct SynthArgs {
     /// Write a separate output projection instead of reusing the token embedding.
     #[arg(long)]
     untied: bool,
+    /// Also write the tensors the architecture takes when present but real files
+    /// usually lack (llama's biases, glm4moe's q/k norms, ...).
+    #[arg(long)]
+    optional_tensors: bool,
 }
 
 /// Writes the model.
@@ -101,6 +105,7 @@ pub fn synth(args: SynthArgs) -> anyhow::Result<()> {
         vocab: (args.vocab > 0).then_some(args.vocab),
         seed: args.seed,
         tied_output: !args.untied,
+        optional_tensors: args.optional_tensors,
         ..SynthSpec::new(arch, shape, file_type, args.tokenizer)
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

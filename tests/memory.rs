@@ -77,9 +77,9 @@ fn a_planned_moe_stage_stays_within_its_plan() {
     use baton_node::cluster::model_cost;
     use baton_plan::NodeOffer;
 
-    let path = common::synth::synthetic_with("deepseek2", FileType::Q4KM, |shape| {
-        shape.n_layer = 6;
-        shape.n_expert = 16;
+    let path = common::synth::synthetic_with("deepseek2", FileType::Q4KM, |spec| {
+        spec.shape.n_layer = 6;
+        spec.shape.n_expert = 16;
     });
     let n_ctx = 256;
     let file = ModelFile::open(&path).unwrap();

@@ -7,8 +7,8 @@ mod common;
 use baton_ggml::{FileType, LlamaModel};
 use baton_model::{Batch, ModelFile, StageConfig, StageInput, StageOutput};
 use baton_node::cluster::{connect_cluster, ClusterOptions};
-use common::fidelity::check_stages;
-use common::synth::{synth_dir, synthetic};
+use common::fidelity::{check_stages, check_stages_with};
+use common::synth::{synth_dir, synthetic, synthetic_with};
 use common::worker::{greedy, reference, WorkerProc};
 use common::{nmse, Chain, PROMPTS};
 
@@ -237,4 +237,22 @@ fn gemma2_matches_llama_cpp_with_1_2_3_stages() {
 #[test]
 fn gemma2_on_two_workers_matches_llama_cpp() {
     two_workers("gemma2", FileType::Q4KM);
+}
+
+/// The paths real files rarely take, against libllama too: every optional tensor an
+/// architecture takes (llama's q/k/v/o and FFN biases, the others' q/k/v biases,
+/// glm4moe's q/k norms) and mistral3 with experts. libllama loading each file also
+/// checks that it takes those tensors.
+#[test]
+fn optional_tensors_and_rarer_variants_match_llama_cpp() {
+    for arch in [
+        "llama", "mixtral", "qwen3", "qwen3moe", "gemma3", "glm4moe", "mistral3", "gemma2",
+    ] {
+        let path = synthetic_with(arch, FileType::Q8_0, |spec| spec.optional_tensors = true);
+        let worst = check_stages_with(&path, &format!("{arch} with optional tensors"), &[1, 3]);
+        println!("{arch} with optional tensors: worst NMSE {worst:.3e}");
+    }
+    let path = synthetic_with("mistral3", FileType::Q4KM, |spec| spec.shape.n_expert = 8);
+    let worst = check_stages_with(&path, "mistral3 with experts", &[1, 3]);
+    println!("mistral3 with experts: worst NMSE {worst:.3e}");
 }

@@ -33,6 +33,11 @@ pub fn reference(oracle: &LlamaModel, prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
 /// [`MAX_NMSE`] of libllama's and the same argmax, and the ring's greedy tokens equal
 /// to libllama's. Returns the largest NMSE seen.
 pub fn check_stages(path: &Path, label: &str) -> f64 {
+    check_stages_with(path, label, &[1, 2, 3])
+}
+
+/// [`check_stages`] with `stage_counts` stages.
+pub fn check_stages_with(path: &Path, label: &str, stage_counts: &[usize]) -> f64 {
     let file = ModelFile::open(path).unwrap();
     let oracle = LlamaModel::load_full(path, true).unwrap();
     let n_layer = file.hparams().n_layer;
@@ -40,7 +45,7 @@ pub fn check_stages(path: &Path, label: &str) -> f64 {
     for prompt_text in PROMPTS {
         let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
         let (ref_logits, ref_tokens) = reference(&oracle, &prompt);
-        for n_stages in 1..=3 {
+        for &n_stages in stage_counts {
             let ranges = baton_plan::even_split(n_layer, n_stages).unwrap();
             let mut chain = Chain::load(&file, &ranges, 512);
             let logits = chain.logits(0, &prompt, 0);

@@ -37,16 +37,17 @@ pub fn test_shape() -> Shape {
 }
 
 /// The synthetic model of `arch` (`mixtral`: llama with experts; `llama` and
-/// `mistral3`: dense) quantized as `file_type`, with [`test_shape`] changed by `edit`.
-pub fn synthetic_with(arch: &str, file_type: FileType, edit: impl FnOnce(&mut Shape)) -> PathBuf {
+/// `mistral3`: dense) quantized as `file_type`, with [`test_shape`], the spec changed by
+/// `edit`.
+pub fn synthetic_with(arch: &str, file_type: FileType, edit: impl FnOnce(&mut SynthSpec)) -> PathBuf {
     let mut shape = test_shape();
     if arch == "llama" || arch == "mistral3" {
         shape.n_expert = 0;
     }
-    edit(&mut shape);
     let name = if arch == "mixtral" { "llama" } else { arch };
     let architecture = baton_model::find_architecture(name).unwrap();
-    let spec = SynthSpec::new(architecture, shape, file_type, model(QWEN2));
+    let mut spec = SynthSpec::new(architecture, shape, file_type, model(QWEN2));
+    edit(&mut spec);
     baton_synth::cached(&spec, &synth_dir()).unwrap()
 }
 

@@ -18,6 +18,9 @@ pub struct ExampleOptions {
     pub seed: u64,
     /// Whether the output projection reuses the token embedding (no `output.weight`).
     pub tied_output: bool,
+    /// Whether to write the tensors an architecture takes when present but real files
+    /// usually lack (llama's biases, glm4moe's q/k norms, ...), to test those paths.
+    pub optional_tensors: bool,
 }
 
 /// The metadata of an example model: `general.architecture`, the keys every model has
@@ -48,13 +51,14 @@ pub fn example_metadata(arch: &Architecture, shape: &Shape) -> Vec<(String, Valu
 }
 
 /// The tensors an example model of `hp` holds: what the architecture requires or
-/// usually has, fused forms left out, the output projection as `tied` says.
-pub fn example_tensors(hp: &HParams, tied_output: bool) -> Vec<TensorSpec> {
+/// usually has (everything it takes, with `optional`), fused forms left out, the output
+/// projection as `tied` says.
+pub fn example_tensors(hp: &HParams, tied_output: bool, optional: bool) -> Vec<TensorSpec> {
     let tied_output = tied_output && !hp.arch.own_output;
     let in_file = |name: &str| name == "output.weight" && !tied_output;
     crate::model_tensors(hp, &in_file)
         .into_iter()
-        .filter(|spec| spec.presence != Presence::Optional && spec.name == spec.source)
+        .filter(|spec| (optional || spec.presence != Presence::Optional) && spec.name == spec.source)
         .collect()
 }
 
@@ -72,7 +76,7 @@ pub fn example_gguf(
     }
     let header = Gguf::parse(&writer.to_bytes())?;
     let hp = HParams::from_metadata(&header, options.n_vocab)?;
-    for spec in example_tensors(&hp, options.tied_output) {
+    for spec in example_tensors(&hp, options.tied_output, options.optional_tensors) {
         let data = random_weights(&spec, options.seed);
         let dims: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
         writer = writer.tensor_f32(&spec.name, &dims, &data);

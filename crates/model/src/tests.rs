@@ -47,6 +47,7 @@ fn tiny_model(arch: &str, edit: impl FnOnce(GgufWriter) -> GgufWriter) -> Vec<u8
         n_vocab: N_VOCAB as usize,
         seed: 7,
         tied_output: arch.name != "llama",
+        optional_tensors: true,
     };
     edit(example_gguf(arch, &shape, &options, Vec::new()).unwrap()).to_bytes()
 }

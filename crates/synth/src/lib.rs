@@ -41,6 +41,9 @@ pub struct SynthSpec {
     pub seed: u64,
     /// Whether the output projection reuses the token embedding.
     pub tied_output: bool,
+    /// Whether to write the tensors the architecture takes when present but real files
+    /// usually lack (to test those paths).
+    pub optional_tensors: bool,
 }
 
 /// What can go wrong making a synthetic model.
@@ -79,6 +82,7 @@ impl SynthSpec {
             vocab: Some(8192),
             seed: 1,
             tied_output: true,
+            optional_tensors: false,
         }
     }
 
@@ -101,7 +105,7 @@ impl SynthSpec {
         let header = metadata.into_iter().fold(header, |w, (k, v)| w.kv(k, v));
         let gguf = Gguf::parse(&header.to_bytes()).map_err(ModelError::from)?;
         let hp = HParams::from_metadata(&gguf, 1)?;
-        for spec in example_tensors(&hp, self.tied_output) {
+        for spec in example_tensors(&hp, self.tied_output, self.optional_tensors) {
             text += &format!(" {} {:?}", spec.name, spec.shape);
         }
         let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
@@ -128,6 +132,7 @@ pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: usize) -> Result<usiz
         n_vocab,
         seed: spec.seed,
         tied_output: spec.tied_output,
+        optional_tensors: spec.optional_tensors,
     };
     let writer = example_gguf(spec.arch, &spec.shape, &options, extra)?;
     let f32_path = temp_path(out, "f32");
