@@ -7,6 +7,7 @@ mod local_workers;
 mod ring;
 mod run;
 mod serve;
+mod synth;
 mod worker;
 
 use std::path::{Path, PathBuf};
@@ -34,6 +35,9 @@ enum Command {
     Worker(worker::WorkerArgs),
     /// Make a cluster certificate for TLS on every link (cluster.crt, cluster.key).
     Cert(cert::CertArgs),
+    /// Write a synthetic model of any supported architecture (random weights, a real
+    /// tokenizer, quantized by libllama), for tests and benchmarks.
+    Synth(synth::SynthArgs),
 }
 
 /// How the model is split into in-process stages.
@@ -96,6 +100,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => serve::serve(args),
         Command::Worker(args) => worker::worker(args),
         Command::Cert(args) => cert::cert(args),
+        Command::Synth(args) => synth::synth(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -7,70 +7,12 @@ mod common;
 use baton_ggml::{LlamaContext, LlamaModel};
 use baton_model::{ModelFile, StageConfig};
 use baton_node::{GenerateRequest, LocalRing};
-use baton_sample::{argmax, SamplingParams};
+use baton_sample::SamplingParams;
+use common::fidelity::{check_stages, reference, MAX_NMSE, N_GREEDY};
 use common::{model, nmse, Chain, GEMMA3, PROMPTS, QWEN2};
 
-/// Bound on the logits' normalised mean squared error (see docs/fidelity.md for the
-/// numbers behind it).
-const MAX_NMSE: f64 = 1e-6;
-const N_GREEDY: usize = 32;
-
-fn reference(oracle: &LlamaModel, prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
-    let mut ctx = LlamaContext::new(oracle, 512, 512, 2).unwrap();
-    let logits = ctx.decode(prompt).unwrap();
-    let mut tokens = Vec::new();
-    let mut next = argmax(&logits).unwrap();
-    while tokens.len() < N_GREEDY && !oracle.is_end_of_generation(next) {
-        tokens.push(next);
-        next = argmax(&ctx.decode(&[next]).unwrap()).unwrap();
-    }
-    (logits, tokens)
-}
-
 fn check_model(name: &str) {
-    let path = model(name);
-    let file = ModelFile::open(&path).unwrap();
-    let oracle = LlamaModel::load_full(&path, true).unwrap();
-    let n_layer = file.hparams().n_layer;
-    for prompt_text in PROMPTS {
-        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
-        let (ref_logits, ref_tokens) = reference(&oracle, &prompt);
-        for n_stages in 1..=3 {
-            let ranges = baton_plan::even_split(n_layer, n_stages).unwrap();
-            let mut chain = Chain::load(&file, &ranges, 512);
-            let logits = chain.logits(0, &prompt, 0);
-            let err = nmse(&logits, &ref_logits);
-            println!("{name} {n_stages} stage(s) {prompt_text:?}: nmse {err:.3e}");
-            assert!(
-                err <= MAX_NMSE,
-                "{name}, {n_stages} stages, prompt {prompt_text:?}: NMSE {err:e} > {MAX_NMSE:e}"
-            );
-            assert_eq!(argmax(&logits), argmax(&ref_logits));
-
-            let config = StageConfig::new(512, 1);
-            let mut ring = LocalRing::start(file.clone(), &ranges, &config).unwrap();
-            let req = GenerateRequest {
-                seq: 0,
-                prompt: &prompt,
-                params: SamplingParams::greedy(),
-                max_tokens: N_GREEDY,
-                n_batch: 512,
-                logprobs: false,
-            };
-            let generation = ring
-                .head()
-                .unwrap()
-                .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
-                .unwrap();
-            assert_eq!(
-                generation.tokens,
-                ref_tokens,
-                "{name}, {n_stages} stages, prompt {prompt_text:?}:\n ours: {:?}\n llama.cpp: {:?}",
-                oracle.detokenize(&generation.tokens, false),
-                oracle.detokenize(&ref_tokens, false)
-            );
-        }
-    }
+    check_stages(&model(name), name);
 }
 
 #[test]

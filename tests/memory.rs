@@ -66,3 +66,136 @@ fn check_middle_third(repack: bool) {
     );
     assert!(stage.resident_bytes() >= resident);
 }
+
+/// The planner weighs a mixture-of-experts model by what its layers really hold and
+/// read, and a stage it plans stays within the bytes planned for it: a synthetic
+/// deepseek2 (a dense leading layer, then layers of 16 experts of which a token uses 2,
+/// MLA's compressed cache), 3 stages; the middle one loaded on a mapping of its own.
+#[test]
+fn a_planned_moe_stage_stays_within_its_plan() {
+    use baton_ggml::FileType;
+    use baton_node::cluster::model_cost;
+    use baton_plan::NodeOffer;
+
+    let path = common::synth::synthetic_with("deepseek2", FileType::Q4KM, |spec| {
+        spec.shape.n_layer = 6;
+        spec.shape.n_expert = 16;
+    });
+    let n_ctx = 256;
+    let file = ModelFile::open(&path).unwrap();
+    let hp = file.hparams().clone();
+    let cost = model_cost(&file, n_ctx);
+    println!(
+        "layer bytes {:?}\nread per token {:?}\nkv {:?}",
+        cost.layer_bytes, cost.layer_work_bytes, cost.kv_bytes
+    );
+    // The dense leading layer holds far less than an expert layer, and a token reads
+    // a fraction of an expert layer.
+    assert!(
+        cost.layer_bytes[0] * 3 < cost.layer_bytes[1],
+        "dense layer {} vs MoE {}",
+        cost.layer_bytes[0],
+        cost.layer_bytes[1]
+    );
+    assert!(cost.layer_work_bytes[1] * 3 < cost.layer_bytes[1]);
+    assert_eq!(
+        cost.layer_work_bytes[0], cost.layer_bytes[0],
+        "a dense layer is read whole"
+    );
+    // MLA: one f16 row of latent plus RoPE part per token and layer, no values.
+    let mla = hp.mla.as_ref().unwrap();
+    let row = (mla.n_lora_kv + hp.rope.n_dims as usize) * 2;
+    assert!(
+        cost.kv_bytes.iter().all(|&kv| kv == (row * n_ctx) as u64),
+        "{:?}",
+        cost.kv_bytes
+    );
+
+    let nodes: Vec<NodeOffer> = (0..3)
+        .map(|i| NodeOffer {
+            name: format!("n{i}"),
+            memory: 1 << 30,
+            secs_per_layer: 1.0,
+        })
+        .collect();
+    let plan = baton_plan::partition(&cost, &nodes).unwrap();
+    assert_eq!(plan.stages.len(), 3, "{plan:?}");
+    let middle = &plan.stages[1];
+    let ranges: Vec<_> = plan.stages.iter().map(|s| s.layers.clone()).collect();
+
+    // Hidden states of a prompt after the first stage (on its own mapping).
+    let prompt: Vec<u32> = (0..64).map(|i| (i * 37 + 11) % 8000).collect();
+    let positions: Vec<i32> = (0..64).collect();
+    let seqs = vec![0u32; 64];
+    let first_file = ModelFile::open(&path).unwrap();
+    let span = StageSpan {
+        layers: ranges[0].clone(),
+        first: true,
+        last: false,
+    };
+    let mut first = Stage::load(first_file, span, &StageConfig::new(n_ctx, 2)).unwrap();
+    let baton_model::StageOutput::Hidden(hidden) = first
+        .forward(&baton_model::Batch {
+            input: baton_model::StageInput::Tokens(&prompt),
+            positions: &positions,
+            seq_ids: &seqs,
+            logit_rows: &[],
+        })
+        .unwrap()
+    else {
+        panic!("the first stage returns hidden states")
+    };
+
+    for repack in [false, true] {
+        let own_file = ModelFile::open(&path).unwrap();
+        let baseline = mapped_rss(own_file.map_address()).unwrap();
+        let span = StageSpan {
+            layers: middle.layers.clone(),
+            first: false,
+            last: false,
+        };
+        let config = StageConfig {
+            n_ctx,
+            n_threads: 2,
+            repack,
+            n_seq: 0,
+        };
+        // Pages are mapped whole: a tensor's first and last page may hold its neighbours.
+        let page_slack = 2 * 4096 * baton_model::stage_tensor_sources(&own_file, &span).len() as u64;
+        let mut stage = Stage::load(own_file.clone(), span, &config).unwrap();
+        stage
+            .forward(&baton_model::Batch {
+                input: baton_model::StageInput::Hidden(&hidden),
+                positions: &positions,
+                seq_ids: &seqs,
+                logit_rows: &[],
+            })
+            .unwrap();
+        let weights = mapped_rss(own_file.map_address()).unwrap() - baseline + stage.weights().repacked_bytes() as u64;
+        let kv = stage.kv().bytes() as u64;
+        let own: u64 = middle.layers.clone().map(|l| cost.layer_bytes[l]).sum();
+        println!(
+            "repack {repack}: layers {:?}, weights resident {weights} of {own}, kv {kv}, planned {} (+ compute buffer {})",
+            middle.layers,
+            middle.bytes,
+            stage.resident_bytes() - weights - kv
+        );
+        assert_eq!(
+            kv,
+            middle.layers.clone().map(|l| cost.kv_bytes[l]).sum::<u64>(),
+            "the cache is what was planned"
+        );
+        assert!(
+            weights + kv <= middle.bytes + page_slack,
+            "weights {weights} + kv {kv} over the plan {} (+ {page_slack} for partial pages)",
+            middle.bytes
+        );
+        if repack {
+            // Every expert is copied into the repacked layout: all of them are resident.
+            assert!(
+                weights as f64 >= 0.9 * own as f64,
+                "resident {weights} < own layer bytes {own}"
+            );
+        }
+    }
+}

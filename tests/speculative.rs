@@ -157,3 +157,29 @@ fn bad_draft_settings_are_refused() {
     let (status, text) = server.request("POST", "/v1/completions", Some(&body), Some(common::server::KEY));
     assert_eq!(status, 400, "{text}");
 }
+
+/// A small random model sharing the tokenizer (a synthetic qwen2 with the whole
+/// vocabulary) drafts tokens the model rarely agrees with: few are kept, and the text
+/// is the model's own.
+#[test]
+fn a_small_unrelated_draft_model_changes_nothing_but_speed() {
+    let _serial = lock();
+    let draft = common::synth::synthetic_with("qwen2", baton_ggml::FileType::Q8_0, |spec| spec.vocab = None);
+    let server = Server::start(&[
+        "--draft-model",
+        draft.to_str().unwrap(),
+        "--draft-max",
+        "3",
+        "--draft-fixed",
+    ]);
+    let plain = complete(&server, CODE, json!({"temperature": 0, "draft": "off"}));
+    let drafted = complete(&server, CODE, json!({"temperature": 0}));
+    let (sent, kept) = drafts(&server);
+    println!("synthetic draft: {sent} tokens drafted, {kept} kept");
+    assert!(sent > 0, "the draft model drafted");
+    assert!(
+        kept * 2 < sent,
+        "an unrelated model's drafts are mostly rejected ({kept} of {sent})"
+    );
+    assert_eq!(drafted, plain);
+}

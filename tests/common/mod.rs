@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
 
+pub mod fidelity;
 pub mod server;
+pub mod synth;
 pub mod worker;
 
 /// The qwen2 test model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M).

@@ -230,6 +230,15 @@ impl Drop for Allocator {
     }
 }
 
+/// How a weight is used, for [`ExtraBufferType::supports`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightOp {
+    /// Multiplied by activations with `mul_mat`.
+    MulMat,
+    /// Expert matrices, multiplied with `mul_mat_id` selecting `n_used` per token.
+    MulMatId { n_used: usize },
+}
+
 /// A buffer type of the CPU device other than plain memory: ggml's "extra" buffer
 /// types, which repack weights into layouts its fastest matmul kernels read
 /// (llama.cpp puts every weight a repack type supports into one, by default).
@@ -281,14 +290,24 @@ impl ExtraBufferType {
             .into_owned()
     }
 
-    /// Whether a weight like `weight` can live in this buffer type and be multiplied
-    /// there (as llama.cpp decides: a dummy `mul_mat` by a 512-column batch).
-    pub fn supports_mul_mat(&self, weight: Tensor<'_>) -> bool {
-        let ctx = Context::new(4, 0);
+    /// Whether a weight like `weight` can live in this buffer type and be used there by
+    /// `op`, decided as llama.cpp decides it: a dummy op over a 512-token batch.
+    pub fn supports(&self, weight: Tensor<'_>, op: WeightOp) -> bool {
+        let ctx = Context::new(8, 0);
         let probe = ctx.new_tensor(weight.dtype(), &weight.ne());
         let ne = weight.ne();
-        let batch = ctx.new_tensor(crate::DType::F32, &[ne[0], 512, ne[2], ne[3]]);
-        let op = ctx.mul_mat(probe, batch);
+        let node = match op {
+            WeightOp::MulMat => {
+                let batch = ctx.new_tensor(crate::DType::F32, &[ne[0], 512, ne[2], ne[3]]);
+                ctx.mul_mat(probe, batch)
+            }
+            WeightOp::MulMatId { n_used } => {
+                let n_used = n_used.max(1) as i64;
+                let batch = ctx.new_tensor(crate::DType::F32, &[ne[0], n_used, 512]);
+                let ids = ctx.new_tensor(crate::DType::I32, &[n_used, 512]);
+                ctx.mul_mat_id(probe, batch, ids)
+            }
+        };
         // SAFETY: `probe` is a fresh tensor of our context; it borrows a zero-size
         // buffer of this type only for the check and gives it back before returning.
         unsafe {
@@ -297,7 +316,7 @@ impl ExtraBufferType {
                 return false;
             }
             (*probe.raw()).buffer = dummy;
-            let supported = sys::ggml_backend_dev_supports_op(self.dev, op.raw());
+            let supported = sys::ggml_backend_dev_supports_op(self.dev, node.raw());
             (*probe.raw()).buffer = std::ptr::null_mut();
             sys::ggml_backend_buffer_free(dummy);
             supported

@@ -197,7 +197,7 @@ impl Context {
     /// # Safety
     /// `ptr` must be a tensor returned by a ggml op on this context (or a tensor that
     /// outlives it); ggml ops never return dangling pointers.
-    unsafe fn wrap(&self, ptr: *mut sys::ggml_tensor) -> Tensor<'_> {
+    pub(crate) unsafe fn wrap(&self, ptr: *mut sys::ggml_tensor) -> Tensor<'_> {
         Tensor::from_raw(ptr)
     }
 

@@ -6,6 +6,8 @@
 mod backend;
 mod graph;
 mod llama;
+mod ops;
+mod quantize;
 #[cfg(test)]
 mod tests;
 
@@ -13,9 +15,10 @@ use std::sync::Once;
 
 use llama_cpp_sys_2 as sys;
 
-pub use backend::{Allocator, Buffer, CpuBackend, ExtraBufferType, MappedBuffer, MappedFile};
+pub use backend::{Allocator, Buffer, CpuBackend, ExtraBufferType, MappedBuffer, MappedFile, WeightOp};
 pub use graph::{Context, Graph, RopeParams, Tensor, TensorId};
 pub use llama::{LlamaContext, LlamaModel};
+pub use quantize::{quantize, FileType};
 
 /// How llama.cpp inside this binary was configured (CMake build type, read back from
 /// its CMake cache by this crate's build script): "Release" means -O3.

@@ -84,3 +84,119 @@ fn quantized_mul_mat_rows_are_batch_invariant_below_8() {
 fn llama_cpp_is_built_as_release() {
     assert_eq!(crate::LLAMA_BUILD_TYPE, "Release");
 }
+
+/// Expert matmul (`mul_mat_id`) of `n` tokens, each routed to two of 8 experts `[k, m]`
+/// quantized as `w_type`; token 0 to experts 3 and 5, token `t` to `route(t)`. Returns
+/// token 0's two output rows.
+fn first_token_experts(
+    w_type: u32,
+    w: &[u8],
+    x: &[f32],
+    k: i64,
+    m: i64,
+    n: i64,
+    route: impl Fn(i64) -> [i32; 2],
+) -> Vec<f32> {
+    const N_EXPERT: i64 = 8;
+    let ctx = Context::new(4, 4);
+    let wt = ctx.new_tensor(DType(w_type), &[k, m, N_EXPERT]).set_input();
+    // One input row per token, shared by both of its experts (as the up/gate matmuls of
+    // a MoE layer read it).
+    let xt = ctx.new_tensor(DType::F32, &[k, 1, n]).set_input();
+    let ids = ctx.new_tensor(DType::I32, &[2, n]).set_input();
+    let y = ctx.mul_mat_id(wt, xt, ids).set_output(); // [m, 2, n]
+    let mut graph = ctx.new_graph();
+    graph.expand(y);
+    let mut alloc = Allocator::new_cpu();
+    alloc.alloc(&graph).unwrap();
+    wt.write_bytes(w).unwrap();
+    xt.write(&x[..(k * n) as usize]).unwrap();
+    let routes: Vec<i32> = (0..n).flat_map(|t| if t == 0 { [3, 5] } else { route(t) }).collect();
+    ids.write(&routes).unwrap();
+    CpuBackend::new(2).compute(&graph).unwrap();
+    let mut out = vec![0f32; (m * 2 * n) as usize];
+    y.read(&mut out).unwrap();
+    out.truncate(2 * m as usize);
+    out
+}
+
+/// The batching invariance of `quantized_mul_mat_rows_are_batch_invariant_below_8`
+/// holds for mixture-of-experts layers too: a token's expert rows are the same bits
+/// whether it is alone or batched with up to 6 others, both when the others pick the
+/// same experts (up to 7 rows per expert) and when they pick others.
+#[test]
+fn quantized_mul_mat_id_rows_are_batch_invariant_below_8() {
+    let (k, m) = (512i64, 64i64);
+    let weights = noise((k * m * 8) as usize, 3);
+    let x = noise((k * 16) as usize, 4);
+    let same = |_t: i64| [3, 5];
+    let mixed = |t: i64| [(t % 8) as i32, ((t * 3 + 1) % 8) as i32];
+    for (w_type, name) in [
+        (sys::GGML_TYPE_Q4_0, "q4_0"),
+        (sys::GGML_TYPE_Q8_0, "q8_0"),
+        (sys::GGML_TYPE_Q4_K, "q4_K"),
+        (sys::GGML_TYPE_Q6_K, "q6_K"),
+        (sys::GGML_TYPE_MXFP4, "mxfp4"),
+    ] {
+        // SAFETY: pure size computation for a valid type.
+        let row = unsafe { sys::ggml_row_size(w_type, k) };
+        let mut w = vec![0u8; row * (m * 8) as usize];
+        // SAFETY: `weights` holds 8·m rows of k floats; `w` has room for them quantized;
+        // these types need no importance matrix.
+        unsafe {
+            sys::ggml_quantize_chunk(
+                w_type,
+                weights.as_ptr(),
+                w.as_mut_ptr().cast(),
+                0,
+                m * 8,
+                k,
+                std::ptr::null(),
+            );
+        }
+        let alone = first_token_experts(w_type, &w, &x, k, m, 1, same);
+        assert!(alone.iter().any(|&v| v != 0.0), "{name}: expert rows are computed");
+        for n in 2..=7 {
+            assert_eq!(
+                first_token_experts(w_type, &w, &x, k, m, n, same),
+                alone,
+                "{name}: {n} tokens on the same experts"
+            );
+            assert_eq!(
+                first_token_experts(w_type, &w, &x, k, m, n, mixed),
+                alone,
+                "{name}: {n} tokens on mixed experts"
+            );
+        }
+        let same_at_8 = first_token_experts(w_type, &w, &x, k, m, 8, same) == alone;
+        println!(
+            "{name}: 8 tokens on the same experts {} alone",
+            if same_at_8 { "equal" } else { "differ from" }
+        );
+    }
+}
+
+/// Why MoE routers (left in f32 by llama.cpp's quantizer) are multiplied row by row in
+/// decode batches: f32 weights take ggml's tiled kernel from 2 rows, whose rows are the
+/// same bits in any batch of 2 or more, and a dot product for a lone row, which rounds
+/// differently (printed: a future ggml may make them agree).
+#[test]
+fn f32_mul_mat_rows_agree_from_2_rows_on() {
+    let (k, m) = (1024i64, 64i64);
+    let weights = noise((k * m) as usize, 5);
+    let x = noise((k * 16) as usize, 6);
+    let w: Vec<u8> = weights.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let two = first_column(sys::GGML_TYPE_F32, &w, &x, k, m, 2);
+    for n in 3..=16 {
+        assert_eq!(
+            first_column(sys::GGML_TYPE_F32, &w, &x, k, m, n),
+            two,
+            "f32: batch of {n}"
+        );
+    }
+    let alone = first_column(sys::GGML_TYPE_F32, &w, &x, k, m, 1);
+    println!(
+        "f32: a lone row {} the same row in a batch",
+        if alone == two { "equals" } else { "differs from" }
+    );
+}

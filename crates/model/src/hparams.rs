@@ -1,55 +1,24 @@
-//! Hyper-parameters of a model, all read from GGUF metadata.
+//! Hyper-parameters of a model, all read from GGUF metadata: the keys every
+//! architecture shares here (as llama.cpp's `llama_model_base::load_hparams` reads
+//! them), the rest by each architecture's own `hparams` function.
 
 use baton_ggml::RopeParams;
 use baton_gguf::Gguf;
 
+use crate::arch::moe::MoeParams;
+use crate::arch::{self, Architecture};
 use crate::ModelError;
 
-/// The architectures baton can run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    /// Llama 1/2/3 and Mistral-style GGUFs.
-    Llama,
-    /// Qwen 2 / 2.5 (biases on q, k, v).
-    Qwen2,
-    /// Qwen 3 (RMS norm on q and k).
-    Qwen3,
-    /// Gemma 3 (sliding-window layers, post norms, GeGLU, scaled embeddings).
-    Gemma3,
-}
-
-impl Arch {
-    /// The architecture named by `general.architecture`.
-    pub fn from_name(name: &str) -> Result<Arch, ModelError> {
-        match name {
-            "llama" | "mistral" => Ok(Arch::Llama),
-            "qwen2" => Ok(Arch::Qwen2),
-            "qwen3" => Ok(Arch::Qwen3),
-            "gemma3" => Ok(Arch::Gemma3),
-            other => Err(ModelError::UnsupportedArch(other.to_string())),
-        }
-    }
-
-    /// The GGUF metadata prefix (`{prefix}.block_count`, ...).
-    fn key_prefix(self, name: &str) -> String {
-        name.to_string()
-    }
-
-    /// RoPE mode: llama rotates interleaved pairs, the others rotate halves (NeoX).
-    fn rope_mode(self) -> i32 {
-        match self {
-            Arch::Llama => 0,
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => 2,
-        }
-    }
-}
+/// Most layers llama.cpp accepts (`LLAMA_MAX_LAYERS`).
+const MAX_LAYERS: usize = 512;
 
 /// Everything the graph builders need to know about a model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HParams {
     /// Architecture.
-    pub arch: Arch,
-    /// Number of transformer layers.
+    pub arch: &'static Architecture,
+    /// Number of transformer layers the model computes (multi-token-prediction blocks
+    /// stored after them are not counted).
     pub n_layer: usize,
     /// Hidden size.
     pub n_embd: usize,
@@ -61,7 +30,7 @@ pub struct HParams {
     pub head_dim_k: usize,
     /// Dimension of each value head.
     pub head_dim_v: usize,
-    /// Feed-forward inner size.
+    /// Feed-forward inner size of dense layers (0 when the model has none).
     pub n_ff: usize,
     /// Vocabulary size (rows of the token embedding).
     pub n_vocab: usize,
@@ -71,11 +40,11 @@ pub struct HParams {
     pub rms_eps: f32,
     /// RoPE for full-attention layers.
     pub rope: RopeParams,
-    /// RoPE for sliding-window layers (gemma3 uses another base there).
+    /// RoPE for sliding-window layers (some models use another base there).
     pub rope_swa: RopeParams,
     /// Scale applied to attention scores (`q·k * scale`).
     pub attn_scale: f32,
-    /// Scale applied to queries before attention (gemma3), 1.0 otherwise.
+    /// Scale applied to queries before attention (gemma), 1.0 otherwise.
     pub query_scale: f32,
     /// Multiplier of the token embeddings (gemma: sqrt(n_embd)), 1.0 otherwise.
     pub embd_scale: f32,
@@ -87,79 +56,244 @@ pub struct HParams {
     pub final_logit_softcap: f32,
     /// `tanh` soft-capping of attention scores (0: none).
     pub attn_logit_softcap: f32,
+    /// Mixture-of-experts routing (`n_expert == 0`: every layer is dense).
+    pub moe: MoeParams,
+    /// YaRN settings that decide RoPE's attention factor.
+    pub yarn: Yarn,
+    /// Multi-head latent attention (DeepSeek): keys and values compressed to one
+    /// latent row per token, which is all the KV cache holds.
+    pub mla: Option<Mla>,
+    /// Attention temperature tuning (Llama 4 style, Ministral 3): queries scaled by a
+    /// factor growing with the position.
+    pub attn_temp: Option<AttnTemp>,
+}
+
+/// Queries at position `p` are multiplied by
+/// `ln(floor((p + offset) / floor_scale) + 1) · scale + 1` (llama.cpp's
+/// `llm_graph_input_attn_temp`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnTemp {
+    /// How much the factor grows per doubling of positions.
+    pub scale: f32,
+    /// Positions per step of the factor.
+    pub floor_scale: usize,
+    /// Added to each position first.
+    pub offset: f32,
+}
+
+impl AttnTemp {
+    /// The factor of each position, computed as llama.cpp computes it (the step in
+    /// f32, the logarithm in f64).
+    pub fn factors(&self, positions: &[i32]) -> Vec<f32> {
+        positions
+            .iter()
+            .map(|&p| {
+                let steps = ((p as f32 + self.offset) / self.floor_scale as f32).floor() as f64;
+                ((steps + 1.0).ln() * self.scale as f64 + 1.0) as f32
+            })
+            .collect()
+    }
+}
+
+/// The sizes of multi-head latent attention. The cache row of a token is its
+/// compressed latent (`n_lora_kv`) followed by its RoPE part (`rope.n_dims`); queries
+/// are projected into the same space, so attention runs as one shared key head
+/// (`head_dim_k = n_lora_kv + n_rot`) whose values are the latent (`head_dim_v`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mla {
+    /// Rank of the query compression (0: queries are projected directly).
+    pub n_lora_q: usize,
+    /// Rank of the key/value compression (the latent's width).
+    pub n_lora_kv: usize,
+    /// Width of each query/key head before absorption (its non-RoPE part plus RoPE).
+    pub head_dim_k: usize,
+    /// Width of each value head after decompression.
+    pub head_dim_v: usize,
+}
+
+/// How RoPE positions are scaled beyond the trained context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RopeScaling {
+    None,
+    Linear,
+    Yarn,
+}
+
+/// The YaRN settings llama.cpp turns into RoPE's attention factor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Yarn {
+    /// `rope.scaling.attn_factor` (a final multiplier, 1 by default).
+    pub attn_factor: f32,
+    /// `rope.scaling.yarn_log_multiplier` as the architecture reads it (0: none).
+    pub log_mul: f32,
+    /// DeepSeek V2's special case: the log multiplier is also the `mscale`.
+    pub mscale_from_log_mul: bool,
+}
+
+/// The metadata keys of one architecture (`{arch}.{key}`), for its `hparams` function.
+pub struct Keys<'a> {
+    gguf: &'a Gguf,
+    prefix: &'a str,
+}
+
+impl<'a> Keys<'a> {
+    /// Keys `{prefix}.*` of `gguf`.
+    pub fn new(gguf: &'a Gguf, prefix: &'a str) -> Keys<'a> {
+        Keys { gguf, prefix }
+    }
+
+    /// The full key name of `key`.
+    pub fn name(&self, key: &str) -> String {
+        format!("{}.{key}", self.prefix)
+    }
+
+    /// A required integer.
+    pub fn u32(&self, key: &str) -> Result<usize, ModelError> {
+        Ok(self.gguf.get_u32(&self.name(key))? as usize)
+    }
+
+    /// An optional integer.
+    pub fn opt_u32(&self, key: &str) -> Result<Option<usize>, ModelError> {
+        Ok(self.gguf.opt_u32(&self.name(key))?.map(|v| v as usize))
+    }
+
+    /// An optional float.
+    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>, ModelError> {
+        Ok(self.gguf.opt_f32(&self.name(key))?)
+    }
+
+    /// A required float.
+    pub fn f32(&self, key: &str) -> Result<f32, ModelError> {
+        Ok(self.gguf.get_f32(&self.name(key))?)
+    }
+
+    /// An optional boolean.
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>, ModelError> {
+        Ok(self.gguf.opt_bool(&self.name(key))?)
+    }
+
+    /// An optional string.
+    pub fn opt_str(&self, key: &str) -> Result<Option<&'a str>, ModelError> {
+        Ok(self.gguf.opt_str(&self.name(key))?)
+    }
+
+    /// The raw value, if present.
+    pub fn get(&self, key: &str) -> Option<&'a baton_gguf::Value> {
+        self.gguf.get(&self.name(key))
+    }
+
+    /// A per-layer integer that llama.cpp reads with `get_key_or_arr`: one value, or
+    /// an array of `n` values. baton's layers share one value, so an array must hold
+    /// the same value throughout; missing gives `None`.
+    pub fn opt_uniform_u32(&self, key: &str, n: usize) -> Result<Option<usize>, ModelError> {
+        let full = self.name(key);
+        if self.gguf.get(&full).is_none() {
+            return Ok(None);
+        }
+        let values = self.gguf.get_u32_per_layer(&full, n)?;
+        match values.split_first() {
+            Some((&first, rest)) if rest.iter().all(|&v| v == first) => Ok(Some(first as usize)),
+            Some(_) => Err(ModelError::BadHParams(format!(
+                "{full} differs between layers ({values:?}); baton needs one value for all"
+            ))),
+            None => Ok(None),
+        }
+    }
 }
 
 impl HParams {
     /// Reads the hyper-parameters of `gguf`, failing with the key that is missing or wrong.
     pub fn from_gguf(gguf: &Gguf) -> Result<HParams, ModelError> {
+        let n_vocab = gguf
+            .tensor("token_embd.weight")
+            .and_then(|t| t.dims.get(1).copied())
+            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))? as usize;
+        // Every layer has tensors: a block count beyond the tensor index is a broken (or
+        // hostile) file, and must not size anything.
         let arch_name = gguf.architecture()?;
-        let arch = Arch::from_name(arch_name)?;
-        let p = arch.key_prefix(arch_name);
-        let key = |k: &str| format!("{p}.{k}");
+        arch::find(arch_name)?;
+        let n_layer_all = gguf.get_u32(&format!("{arch_name}.block_count"))? as usize;
+        if n_layer_all > gguf.tensors.len() {
+            return Err(ModelError::BadHParams(format!(
+                "block_count {n_layer_all} is more than the file's {} tensors",
+                gguf.tensors.len()
+            )));
+        }
+        Self::from_metadata(gguf, n_vocab)
+    }
 
-        let n_layer = gguf.get_u32(&key("block_count"))? as usize;
-        let n_embd = gguf.get_u32(&key("embedding_length"))? as usize;
-        let n_ff = gguf.get_u32(&key("feed_forward_length"))? as usize;
-        let n_head = gguf.get_u32(&key("attention.head_count"))? as usize;
-        let n_head_kv = gguf
-            .opt_u32(&key("attention.head_count_kv"))?
-            .map_or(n_head, |v| v as usize);
+    /// Reads the hyper-parameters from metadata alone, for a vocabulary of `n_vocab`.
+    pub fn from_metadata(gguf: &Gguf, n_vocab: usize) -> Result<HParams, ModelError> {
+        let arch_name = gguf.architecture()?;
+        let arch = arch::find(arch_name)?;
+        let keys = Keys::new(gguf, arch_name);
+
+        let n_layer_all = keys.u32("block_count")?;
+        if n_layer_all > MAX_LAYERS {
+            return Err(ModelError::BadHParams(format!(
+                "block_count {n_layer_all} is more than llama.cpp's limit of {MAX_LAYERS} layers"
+            )));
+        }
+        let n_layer_nextn = keys.opt_u32("nextn_predict_layers")?.unwrap_or(0);
+        let n_layer = n_layer_all.saturating_sub(n_layer_nextn);
+        let n_embd = keys.u32("embedding_length")?;
+        let n_head = keys.opt_uniform_u32("attention.head_count", n_layer_all)?.unwrap_or(0);
+        let n_head_kv = keys
+            .opt_uniform_u32("attention.head_count_kv", n_layer_all)?
+            .unwrap_or(n_head);
         if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
             return Err(ModelError::BadHParams(format!(
                 "n_layer {n_layer}, n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv}: \
                  all must be positive and n_head a multiple of n_head_kv"
             )));
         }
-        // Every layer has tensors: a block count beyond the tensor index is a broken (or
-        // hostile) file, and must not size anything.
-        if n_layer > gguf.tensors.len() {
-            return Err(ModelError::BadHParams(format!(
-                "block_count {n_layer} is more than the file's {} tensors",
-                gguf.tensors.len()
-            )));
-        }
-        let head_dim_k = gguf
-            .opt_u32(&key("attention.key_length"))?
-            .map_or(n_embd / n_head, |v| v as usize);
-        let head_dim_v = gguf
-            .opt_u32(&key("attention.value_length"))?
-            .map_or(n_embd / n_head, |v| v as usize);
-        let n_ctx_train = gguf.opt_u32(&key("context_length"))?.unwrap_or(2048) as usize;
-        let rms_eps = gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
-        let n_vocab = gguf
-            .tensor("token_embd.weight")
-            .and_then(|t| t.dims.get(1).copied())
-            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))? as usize;
+        let n_ff = keys.opt_uniform_u32("feed_forward_length", n_layer_all)?.unwrap_or(0);
+        let head_dim_k = keys.opt_u32("attention.key_length")?.unwrap_or(n_embd / n_head);
+        let head_dim_v = keys.opt_u32("attention.value_length")?.unwrap_or(n_embd / n_head);
+        let n_ctx_train = keys.opt_u32("context_length")?.unwrap_or(2048);
+        let rms_eps = keys.f32("attention.layer_norm_rms_epsilon")?;
+        let moe = MoeParams::read(&keys, n_layer_all)?;
 
-        let n_rot = gguf
-            .opt_u32(&key("rope.dimension_count"))?
-            .map_or(head_dim_k, |v| v as usize);
-        let freq_base = gguf.opt_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
-        let scaling = gguf.opt_str(&key("rope.scaling.type"))?.unwrap_or("none");
-        let factor = gguf.opt_f32(&key("rope.scaling.factor"))?.unwrap_or(0.0);
-        let freq_scale = match scaling {
-            "none" => 1.0,
-            "linear" if factor > 0.0 => 1.0 / factor,
-            "linear" => 1.0,
+        let n_rot = keys.opt_u32("rope.dimension_count")?.unwrap_or(head_dim_k);
+        let freq_base = keys.opt_f32("rope.freq_base")?.unwrap_or(10_000.0);
+        let scaling = match keys.opt_str("rope.scaling.type")?.unwrap_or("linear") {
+            "none" => RopeScaling::None,
+            "linear" => RopeScaling::Linear,
+            "yarn" => RopeScaling::Yarn,
             other => {
                 return Err(ModelError::BadHParams(format!(
                     "RoPE scaling type '{other}' is not supported"
                 )))
             }
         };
-        let n_ctx_orig = gguf
-            .opt_u32(&key("rope.scaling.original_context_length"))?
-            .map_or(n_ctx_train, |v| v as usize);
+        let factor = keys
+            .opt_f32("rope.scaling.factor")?
+            .or(keys.opt_f32("rope.scale_linear")?)
+            .unwrap_or(0.0);
+        // llama.cpp never scales when the type says none.
+        let freq_scale = match scaling {
+            RopeScaling::None => 1.0,
+            _ if factor == 0.0 => 1.0,
+            _ => 1.0 / factor,
+        };
+        let n_ctx_orig = keys
+            .opt_u32("rope.scaling.original_context_length")?
+            .unwrap_or(n_ctx_train);
         let rope = RopeParams {
             n_dims: n_rot as i32,
-            mode: arch.rope_mode(),
+            mode: arch.rope.mode(),
             n_ctx_orig: n_ctx_orig as i32,
             freq_base,
             freq_scale,
-            ext_factor: 0.0,
+            ext_factor: if scaling == RopeScaling::Yarn { 1.0 } else { 0.0 },
             attn_factor: 1.0,
             beta_fast: 32.0,
             beta_slow: 1.0,
+        };
+        let yarn = Yarn {
+            attn_factor: keys.opt_f32("rope.scaling.attn_factor")?.unwrap_or(1.0),
+            log_mul: 0.0,
+            mscale_from_log_mul: false,
         };
 
         let mut hp = HParams {
@@ -181,50 +315,82 @@ impl HParams {
             embd_scale: 1.0,
             n_swa: 0,
             swa_layers: vec![false; n_layer],
-            final_logit_softcap: gguf.opt_f32(&key("final_logit_softcapping"))?.unwrap_or(0.0),
-            attn_logit_softcap: gguf.opt_f32(&key("attn_logit_softcapping"))?.unwrap_or(0.0),
+            // Soft-capping is each architecture's to read (llama.cpp ignores the keys
+            // elsewhere).
+            final_logit_softcap: 0.0,
+            attn_logit_softcap: 0.0,
+            moe,
+            yarn,
+            mla: None,
+            attn_temp: None,
         };
-        if arch == Arch::Gemma3 {
-            hp.gemma3(gguf, &key)?;
-        }
+        (arch.hparams)(&mut hp, &keys)?;
+        hp.finish_rope();
         Ok(hp)
     }
 
-    /// Gemma 3 specifics, as llama.cpp's `llama_model_gemma3` reads them.
-    fn gemma3(&mut self, gguf: &Gguf, key: &dyn Fn(&str) -> String) -> Result<(), ModelError> {
-        self.embd_scale = (self.n_embd as f32).sqrt();
-        // Queries are pre-scaled by 1/sqrt(head_dim) (1/sqrt(n_embd/n_head) for the 27B);
-        // the attention itself then uses scale 1.
-        self.query_scale = if self.n_layer == 62 {
-            1.0 / ((self.n_embd / self.n_head) as f32).sqrt()
-        } else {
-            1.0 / (self.head_dim_k as f32).sqrt()
-        };
-        self.attn_scale = 1.0;
-        self.n_swa = gguf.opt_u32(&key("attention.sliding_window"))?.unwrap_or(0) as usize;
-        if self.n_swa > 0 {
-            let pattern = match gguf.get(&key("attention.sliding_window_pattern")) {
-                Some(baton_gguf::Value::Array(_)) => {
-                    let flags = gguf.get_bool_array(&key("attention.sliding_window_pattern"))?;
-                    if flags.len() < self.n_layer {
-                        return Err(ModelError::BadHParams(format!(
-                            "sliding_window_pattern has {} entries for {} layers",
-                            flags.len(),
-                            self.n_layer
-                        )));
-                    }
-                    self.swa_layers = flags[..self.n_layer].to_vec();
-                    None
-                }
-                _ => Some(gguf.opt_u32(&key("attention.sliding_window_pattern"))?.unwrap_or(6) as usize),
+    /// The attention factor RoPE scales by, as llama.cpp's context computes it from
+    /// the YaRN settings (after the architecture read its own).
+    fn finish_rope(&mut self) {
+        let mut attn_factor = 1.0f32;
+        if self.rope.ext_factor != 0.0 {
+            let mscale = |scale: f32, m: f32| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+            let factor = 1.0 / self.rope.freq_scale;
+            attn_factor = if self.yarn.log_mul != 0.0 {
+                let all_dims = self.yarn.log_mul;
+                let m = if self.yarn.mscale_from_log_mul && all_dims != 1.0 {
+                    all_dims
+                } else {
+                    1.0
+                };
+                mscale(factor, m) / mscale(factor, all_dims)
+            } else {
+                mscale(factor, 1.0)
             };
-            if let Some(n) = pattern {
-                // Every n-th layer is global, the others slide (n = 0: all slide).
-                self.swa_layers = (0..self.n_layer).map(|layer| n == 0 || layer % n < n - 1).collect();
-            }
-            self.rope_swa.freq_base = gguf.opt_f32(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0);
-            self.rope_swa.freq_scale = 1.0;
+            // ggml's YaRN multiplies by this again; llama.cpp cancels it here.
+            attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
         }
+        attn_factor *= self.yarn.attn_factor;
+        self.rope.attn_factor = attn_factor;
+        self.rope_swa.attn_factor = attn_factor;
+    }
+
+    /// Reads `attention.sliding_window` (`default_window` when missing) and the layers
+    /// that use it: every `n`-th layer is global and the others slide, `n` from
+    /// `attention.sliding_window_pattern` (an integer, `default_pattern` when missing),
+    /// or that key as one flag per layer.
+    /// Sliding layers get RoPE base `rope.freq_base_swa` when set, `swa_freq_base`
+    /// otherwise (None: the base of the other layers).
+    pub fn read_sliding_window(
+        &mut self,
+        keys: &Keys<'_>,
+        default_window: usize,
+        default_pattern: usize,
+        swa_freq_base: Option<f32>,
+    ) -> Result<(), ModelError> {
+        self.n_swa = keys.opt_u32("attention.sliding_window")?.unwrap_or(default_window);
+        if self.n_swa == 0 {
+            return Ok(());
+        }
+        let key = "attention.sliding_window_pattern";
+        if let Some(baton_gguf::Value::Array(_)) = keys.get(key) {
+            let flags = keys.gguf.get_bool_array(&keys.name(key))?;
+            if flags.len() < self.n_layer {
+                return Err(ModelError::BadHParams(format!(
+                    "{} has {} entries for {} layers",
+                    keys.name(key),
+                    flags.len(),
+                    self.n_layer
+                )));
+            }
+            self.swa_layers = flags[..self.n_layer].to_vec();
+        } else {
+            let n = keys.opt_u32(key)?.unwrap_or(default_pattern);
+            // Every n-th layer is global, the others slide (n = 0: all slide).
+            self.swa_layers = (0..self.n_layer).map(|layer| n == 0 || layer % n < n - 1).collect();
+        }
+        let base = swa_freq_base.unwrap_or(self.rope.freq_base);
+        self.rope_swa.freq_base = keys.opt_f32("rope.freq_base_swa")?.unwrap_or(base);
         Ok(())
     }
 
@@ -238,8 +404,20 @@ impl HParams {
         self.head_dim_v * self.n_head_kv
     }
 
+    /// Bytes one token takes in one layer's KV cache: f16 keys and values, or with MLA
+    /// only the compressed row (see [`crate::KvCache`]).
+    pub fn kv_cell_bytes(&self) -> usize {
+        let values = if self.mla.is_some() { 0 } else { self.n_embd_v_gqa() };
+        (self.n_embd_k_gqa() + values) * 2
+    }
+
     /// Whether layer `layer` uses sliding-window attention.
     pub fn is_swa(&self, layer: usize) -> bool {
         self.n_swa > 0 && self.swa_layers.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Whether layer `layer` routes its tokens to experts (dense leading layers do not).
+    pub fn is_moe(&self, layer: usize) -> bool {
+        self.moe.n_expert > 0 && layer >= self.moe.n_layer_dense_lead
     }
 }

@@ -71,8 +71,11 @@ impl KvCache {
         for layer in layers.clone() {
             ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64])
                 .named(&format!("cache_k_l{layer}"));
-            ctx.new_tensor(DType::F16, &[hp.n_embd_v_gqa() as i64, n_ctx as i64])
-                .named(&format!("cache_v_l{layer}"));
+            // MLA caches only the compressed keys; values are a view of them.
+            if hp.mla.is_none() {
+                ctx.new_tensor(DType::F16, &[hp.n_embd_v_gqa() as i64, n_ctx as i64])
+                    .named(&format!("cache_v_l{layer}"));
+            }
         }
         let mut buffer = Buffer::alloc_cpu(&ctx)?;
         // Zeroed so that never-written cells hold finite values (masked, but multiplied).
@@ -92,7 +95,8 @@ impl KvCache {
         self.tensor("k", layer)
     }
 
-    /// Value cache of global layer `layer` (`[n_embd_v_gqa, n_ctx]`).
+    /// Value cache of global layer `layer` (`[n_embd_v_gqa, n_ctx]`); models with MLA
+    /// have none (their values are the first `head_dim_v` entries of each key row).
     pub fn v(&self, layer: usize) -> Tensor<'_> {
         self.tensor("v", layer)
     }
@@ -300,7 +304,7 @@ mod tests {
             beta_slow: 1.0,
         };
         HParams {
-            arch: crate::Arch::Llama,
+            arch: crate::arch::find("llama").unwrap(),
             n_layer: 2,
             n_embd: 8,
             n_head: 2,
@@ -320,6 +324,25 @@ mod tests {
             swa_layers: vec![false; 2],
             final_logit_softcap: 0.0,
             attn_logit_softcap: 0.0,
+            moe: crate::MoeParams {
+                n_expert: 0,
+                n_expert_used: 0,
+                n_ff_exp: 0,
+                n_expert_shared: 0,
+                n_layer_dense_lead: 0,
+                n_group: 0,
+                n_group_used: 0,
+                weights_norm: false,
+                weights_scale: 0.0,
+                gating: crate::Gating::Softmax,
+            },
+            mla: None,
+            attn_temp: None,
+            yarn: crate::Yarn {
+                attn_factor: 1.0,
+                log_mul: 0.0,
+                mscale_from_log_mul: false,
+            },
         }
     }
 

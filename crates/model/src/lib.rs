@@ -3,10 +3,12 @@
 #![deny(unsafe_code)]
 
 mod arch;
+pub mod example;
 mod hparams;
 mod kv;
 mod resident;
 mod stage;
+mod tensors;
 mod weights;
 
 #[cfg(test)]
@@ -14,11 +16,26 @@ mod tests;
 
 use std::path::PathBuf;
 
-pub use hparams::{Arch, HParams};
+pub use arch::moe::{Gating, MoeParams};
+pub use arch::{find as find_architecture, supported_names, Architecture, Shape, ARCHITECTURES};
+pub use hparams::{AttnTemp, HParams, Keys, Mla, Yarn};
 pub use kv::{AttnSpan, KvCache};
 pub use resident::mapped_rss;
 pub use stage::{Batch, Stage, StageConfig, StageInput, StageOutput};
-pub use weights::{stage_tensor_sources, LayerTensors, LayerWeights, ModelFile, StageSpan, StageWeights};
+pub use tensors::{Presence, TensorSpec, Use};
+pub use weights::{stage_tensor_sources, LayerTensors, ModelFile, StageSpan, StageWeights};
+
+/// Every tensor of a whole model of `hp` as its architecture lists them (both ends and
+/// every layer), optional ones included; `in_file(name)` answers for tensors that
+/// come in alternative forms (fused or separate). What `baton synth` writes from.
+pub fn model_tensors(hp: &HParams, in_file: &dyn Fn(&str) -> bool) -> Vec<TensorSpec> {
+    let mut specs = tensors::ends(hp, true, true, in_file);
+    for layer in 0..hp.n_layer {
+        let has = |name: &str| in_file(&format!("blk.{layer}.{name}"));
+        specs.extend(tensors::layer(hp, layer, &has));
+    }
+    specs
+}
 
 /// Everything that can go wrong loading or running a stage.
 #[derive(Debug, thiserror::Error)]
@@ -30,8 +47,12 @@ pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] baton_gguf::GgufError),
     /// The GGUF's architecture is not one baton implements.
-    #[error("unsupported model architecture '{0}' (baton runs llama, mistral, qwen2, qwen3, gemma3)")]
-    UnsupportedArch(String),
+    #[error("unsupported model architecture '{name}' (baton runs: {supported})")]
+    UnsupportedArch { name: String, supported: String },
+    /// A layer tensor the architecture does not use: computing without it would not
+    /// give what llama.cpp computes.
+    #[error("tensor '{tensor}' is not part of baton's {arch} architecture; refusing to compute without it")]
+    UnknownTensor { tensor: String, arch: &'static str },
     /// Hyper-parameters are inconsistent.
     #[error("bad hyper-parameters: {0}")]
     BadHParams(String),

@@ -202,9 +202,17 @@ impl Stage {
         let hp = file.hparams();
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
-        // About 40 nodes per layer plus 10 per span and layer (views included);
-        // generous so no model runs short.
-        let n_nodes = (64 + 16 * spans.len()) * self.span.layers.len() + 64 + 4 * spans.len();
+        // A batch of decode steps: each row is the only one of its sequence.
+        let decode_rows = {
+            let mut seqs = batch.seq_ids.to_vec();
+            seqs.sort_unstable();
+            seqs.dedup();
+            seqs.len() == n_tokens
+        };
+        // About 40 nodes per attention layer plus 10 per span, about 50 for experts plus
+        // 4 per row of a decode batch (views included); generous so no model runs short.
+        let per_row = if decode_rows { 4 * n_tokens } else { 0 };
+        let n_nodes = (160 + 16 * spans.len() + per_row) * self.span.layers.len() + 64 + 4 * spans.len();
         let ctx = Context::new(n_nodes, n_nodes);
 
         // Inputs (data written after allocation).
@@ -239,6 +247,11 @@ impl Stage {
                 .named("out_rows")
                 .set_input()
         });
+        let attn_temp = hp.attn_temp.as_ref().map(|_| {
+            ctx.new_tensor(DType::F32, &[1, 1, n_tokens as i64])
+                .named("inp_attn_scale")
+                .set_input()
+        });
         let (tokens_in, hidden_in): (Option<Tensor>, Option<Tensor>) = match batch.input {
             StageInput::Tokens(_) => (
                 Some(
@@ -269,8 +282,11 @@ impl Stage {
                 kv_slots,
                 spans,
                 out_rows,
+                attn_temp,
                 n_tokens,
+                decode_rows,
             },
+            outputs_selected: false,
         };
         let mut hidden = match (tokens_in, hidden_in) {
             (Some(tokens), _) => {
@@ -286,7 +302,14 @@ impl Stage {
         };
         for layer in self.span.layers.clone() {
             let w = self.weights.layer(layer);
-            hidden = b.layer(&w, layer, hidden).named(&format!("l_out-{layer}"));
+            hidden = (hp.arch.layer)(&mut b, &w, layer, hidden).named(&format!("l_out-{layer}"));
+        }
+        // Architectures that compute every row through the last layer (gpt-oss) keep
+        // the rows that need logits here, as llama.cpp does.
+        if let (Some(rows), false) = (out_rows, b.outputs_selected) {
+            if self.span.layers.end == hp.n_layer {
+                hidden = ctx.get_rows(hidden, rows);
+            }
         }
         let out = if want_logits {
             let normed = b.norm(hidden, self.weights.output_norm()?);
@@ -317,6 +340,9 @@ impl Stage {
             if let Some(m) = span.mask_swa {
                 m.write(&self.kv.mask(seq_ids, positions, cells, Some(hp.n_swa)))?;
             }
+        }
+        if let (Some(t), Some(temp)) = (attn_temp, &hp.attn_temp) {
+            t.write(&temp.factors(batch.positions))?;
         }
         if let Some(rows) = out_rows {
             let ids: Vec<i32> = batch.logit_rows.iter().map(|&r| r as i32).collect();

@@ -4,10 +4,11 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use baton_ggml::{Buffer, Context, DType, ExtraBufferType, MappedBuffer, MappedFile, Tensor, TensorId};
+use baton_ggml::{Buffer, Context, DType, ExtraBufferType, MappedBuffer, MappedFile, Tensor, TensorId, WeightOp};
 use baton_gguf::Gguf;
 
-use crate::hparams::{Arch, HParams};
+use crate::hparams::HParams;
+use crate::tensors::{self, Presence, TensorSpec, Use};
 use crate::ModelError;
 
 /// A GGUF file, memory-mapped and parsed (header, metadata and tensor index only).
@@ -71,55 +72,58 @@ impl ModelFile {
             .map(|t| t.n_bytes)
             .sum()
     }
+
+    /// Bytes of layer `layer`'s weights one token reads: all of them, except that of
+    /// each expert stack only the share of the experts a token uses
+    /// (`n_expert_used / n_expert`).
+    pub fn layer_work_bytes(&self, layer: usize) -> u64 {
+        let hp = &self.hparams;
+        let has = |name: &str| self.gguf.tensor(&format!("blk.{layer}.{name}")).is_some();
+        tensors::layer(hp, layer, &has)
+            .iter()
+            .filter_map(|spec| {
+                let bytes = self.gguf.tensor(&spec.source)?.n_bytes;
+                Some(match spec.usage {
+                    Use::Experts => bytes * hp.moe.n_expert_used as u64 / hp.moe.n_expert.max(1) as u64,
+                    _ => bytes,
+                })
+            })
+            .sum()
+    }
 }
 
-/// The weights of one transformer layer, as handles of type `T`. Optional tensors
-/// depend on the architecture. Stored as [`TensorId`]s, used as [`Tensor`]s.
-#[derive(Clone, Copy, Debug)]
-pub struct LayerWeights<T> {
-    pub attn_norm: T,
-    pub wq: T,
-    pub wk: T,
-    pub wv: T,
-    pub wo: T,
-    pub bq: Option<T>,
-    pub bk: Option<T>,
-    pub bv: Option<T>,
-    pub bo: Option<T>,
-    pub q_norm: Option<T>,
-    pub k_norm: Option<T>,
-    pub attn_post_norm: Option<T>,
-    pub ffn_norm: T,
-    pub ffn_gate: T,
-    pub ffn_up: T,
-    pub ffn_down: T,
-    pub ffn_post_norm: Option<T>,
+/// The weights of one layer of a stage, ready for graph building: looked up by their
+/// name within the layer (`attn_q.weight`), in the list the architecture declared.
+#[derive(Clone, Copy)]
+pub struct LayerTensors<'w> {
+    weights: &'w StageWeights,
+    layer: usize,
+    /// `(name within the layer, id)`, sorted by name.
+    ids: &'w [(String, TensorId)],
 }
 
-/// A layer's weights ready for graph building.
-pub type LayerTensors<'w> = LayerWeights<Tensor<'w>>;
+impl<'w> LayerTensors<'w> {
+    /// The layer's tensor `name`, if the file has it.
+    pub fn opt(&self, name: &str) -> Option<Tensor<'w>> {
+        self.ids
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .ok()
+            .map(|i| self.weights.resolve(self.ids[i].1))
+    }
 
-impl<T: Copy> LayerWeights<T> {
-    fn map<U>(&self, f: impl Fn(T) -> U) -> LayerWeights<U> {
-        LayerWeights {
-            attn_norm: f(self.attn_norm),
-            wq: f(self.wq),
-            wk: f(self.wk),
-            wv: f(self.wv),
-            wo: f(self.wo),
-            bq: self.bq.map(&f),
-            bk: self.bk.map(&f),
-            bv: self.bv.map(&f),
-            bo: self.bo.map(&f),
-            q_norm: self.q_norm.map(&f),
-            k_norm: self.k_norm.map(&f),
-            attn_post_norm: self.attn_post_norm.map(&f),
-            ffn_norm: f(self.ffn_norm),
-            ffn_gate: f(self.ffn_gate),
-            ffn_up: f(self.ffn_up),
-            ffn_down: f(self.ffn_down),
-            ffn_post_norm: self.ffn_post_norm.map(&f),
-        }
+    /// The layer's tensor `name`, which its architecture lists as required (so the
+    /// loader made sure it is there).
+    ///
+    /// # Panics
+    /// When the architecture's graph uses a tensor its tensor list does not require: a
+    /// bug in that architecture's file, never something a model file can cause.
+    pub fn get(&self, name: &str) -> Tensor<'w> {
+        self.opt(name).unwrap_or_else(|| {
+            panic!(
+                "layer {} has no tensor '{name}': the architecture's graph uses a tensor its list does not require",
+                self.layer
+            )
+        })
     }
 }
 
@@ -132,7 +136,7 @@ pub struct StageWeights {
     _mapped: MappedBuffer,
     repacked: Vec<Repacked>,
     /// Per layer of the stage (index `layer - first layer`).
-    layers: Vec<LayerWeights<TensorId>>,
+    layers: Vec<Vec<(String, TensorId)>>,
     first_layer: usize,
     bytes: u64,
     file: Arc<ModelFile>,
@@ -162,7 +166,7 @@ impl StageWeights {
     /// llama.cpp does by default, so results stay identical to it); every other tensor
     /// points straight into the mapping.
     pub fn load(file: Arc<ModelFile>, span: &StageSpan, repack: bool) -> Result<StageWeights, ModelError> {
-        let plan = tensor_names(&file, span);
+        let plan = stage_plan(&file, span, true)?;
         let extra = if repack { ExtraBufferType::cpu() } else { Vec::new() };
         let ctx = Context::new(plan.len() + 1, 0);
         let mut repacked: Vec<Repacked> = extra
@@ -172,51 +176,50 @@ impl StageWeights {
                 buffer: None,
             })
             .collect();
+        let n_used = file.hparams.moe.n_expert_used;
         let mut bytes = 0;
         // (tensor, source in the file, group: None = mapped, Some(i) = extra[i])
         let mut placed = Vec::new();
-        for (name, shape, source) in &plan {
+        for spec in &plan {
             let info = file
                 .gguf
-                .tensor(source)
-                .ok_or_else(|| ModelError::MissingTensor(source.clone()))?;
+                .tensor(&spec.source)
+                .ok_or_else(|| ModelError::MissingTensor(spec.source.clone()))?;
             let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
-            if &dims != shape {
+            if dims != spec.shape {
                 return Err(ModelError::WrongShape {
-                    tensor: source.clone(),
-                    expected: shape.clone(),
+                    tensor: spec.source.clone(),
+                    expected: spec.shape.clone(),
                     found: dims,
                 });
             }
-            // Vectors (norms, biases, RoPE factors) are f32 in every llama.cpp GGUF and
-            // are used in element-wise ops; matrices must be types ggml can multiply by.
+            // Norms, biases and other element-wise weights are f32 in every llama.cpp
+            // GGUF; matrices must be types ggml can multiply by.
             let dtype = DType(info.ggml_type.id());
-            let ok = if dims.len() == 1 {
-                dtype == DType::F32
-            } else {
-                dtype.can_mul_mat()
+            let (ok, expected) = match spec.usage {
+                Use::Elementwise => (dtype == DType::F32, "f32"),
+                _ => (dtype.can_mul_mat(), "a float or quantized matrix type"),
             };
             if !ok {
-                let expected = if dims.len() == 1 {
-                    "f32"
-                } else {
-                    "a float or quantized matrix type"
-                };
                 return Err(ModelError::UnsupportedType {
-                    tensor: source.clone(),
+                    tensor: spec.source.clone(),
                     dtype: info.ggml_type.name().into(),
                     expected,
                 });
             }
-            let tensor = ctx.new_tensor(dtype, &dims).named(name);
-            // The token embedding is read by get_rows, everything else 2-d by mul_mat.
-            let group = (dims.len() == 2 && name != "token_embd.weight")
-                .then(|| extra.iter().position(|buft| buft.supports_mul_mat(tensor)))
-                .flatten();
+            let tensor = ctx.new_tensor(dtype, &dims).named(&spec.name);
+            // Weights go to the first repacking buffer type that supports their use,
+            // as llama.cpp places them.
+            let op = match spec.usage {
+                Use::MulMat => Some(WeightOp::MulMat),
+                Use::Experts => Some(WeightOp::MulMatId { n_used }),
+                Use::Elementwise | Use::Embedding => None,
+            };
+            let group = op.and_then(|op| extra.iter().position(|buft| buft.supports(tensor, op)));
             if let Some(g) = group {
-                repacked[g].ctx.new_tensor(dtype, &dims).named(name);
+                repacked[g].ctx.new_tensor(dtype, &dims).named(&spec.name);
             }
-            placed.push((name.clone(), info.offset as usize, info.n_bytes as usize, group));
+            placed.push((spec.name.clone(), info.offset as usize, info.n_bytes as usize, group));
             bytes += info.n_bytes;
         }
         let mapped = MappedBuffer::new(file.map.clone())?;
@@ -251,8 +254,19 @@ impl StageWeights {
         weights.layers = span
             .layers
             .clone()
-            .map(|l| weights.layer_ids(l))
-            .collect::<Result<_, _>>()?;
+            .map(|layer| {
+                let prefix = format!("blk.{layer}.");
+                let mut ids: Vec<(String, TensorId)> = plan
+                    .iter()
+                    .filter_map(|spec| {
+                        let short = spec.name.strip_prefix(&prefix)?;
+                        Some((short.to_string(), weights.id(&spec.name)?))
+                    })
+                    .collect();
+                ids.sort_by(|a, b| a.0.cmp(&b.0));
+                ids
+            })
+            .collect();
         Ok(weights)
     }
 
@@ -320,31 +334,11 @@ impl StageWeights {
 
     /// The weights of global layer `layer` (one of the stage's).
     pub fn layer(&self, layer: usize) -> LayerTensors<'_> {
-        self.layers[layer - self.first_layer].map(|id| self.resolve(id))
-    }
-
-    fn layer_ids(&self, layer: usize) -> Result<LayerWeights<TensorId>, ModelError> {
-        let o = |n: &str| self.id(&format!("blk.{layer}.{n}"));
-        let t = |n: &str| o(n).ok_or_else(|| ModelError::MissingTensor(format!("blk.{layer}.{n}")));
-        Ok(LayerWeights {
-            attn_norm: t("attn_norm.weight")?,
-            wq: t("attn_q.weight")?,
-            wk: t("attn_k.weight")?,
-            wv: t("attn_v.weight")?,
-            wo: t("attn_output.weight")?,
-            bq: o("attn_q.bias"),
-            bk: o("attn_k.bias"),
-            bv: o("attn_v.bias"),
-            bo: o("attn_output.bias"),
-            q_norm: o("attn_q_norm.weight"),
-            k_norm: o("attn_k_norm.weight"),
-            attn_post_norm: o("post_attention_norm.weight"),
-            ffn_norm: t("ffn_norm.weight")?,
-            ffn_gate: t("ffn_gate.weight")?,
-            ffn_up: t("ffn_up.weight")?,
-            ffn_down: t("ffn_down.weight")?,
-            ffn_post_norm: o("post_ffw_norm.weight"),
-        })
+        LayerTensors {
+            weights: self,
+            layer,
+            ids: &self.layers[layer - self.first_layer],
+        }
     }
 
     /// Bytes of weights this stage uses (what it will have resident once computed).
@@ -360,97 +354,60 @@ impl StageWeights {
 
 /// The file tensors a stage reads (what a worker without the file must receive).
 pub fn stage_tensor_sources(file: &ModelFile, span: &StageSpan) -> Vec<String> {
-    let mut sources: Vec<String> = tensor_names(file, span)
-        .into_iter()
-        .map(|(_, _, source)| source)
-        .collect();
+    // Not strict: a file with tensors baton does not know still sends what the stage
+    // would read, and the worker's own load then refuses it with the reason.
+    let plan = stage_plan(file, span, false).unwrap_or_default();
+    let mut sources: Vec<String> = plan.into_iter().map(|spec| spec.source).collect();
     sources.sort();
     sources.dedup();
     sources
 }
 
-/// Every tensor a stage needs: its name in the stage, the shape it must have (`ne[0]`
-/// first) and the file tensor it reads (a tied output reads `token_embd.weight`).
-fn tensor_names(file: &ModelFile, span: &StageSpan) -> Vec<(String, Vec<i64>, String)> {
+/// Every tensor a stage reads: the ends it owns and its layers, as the architecture
+/// lists them, optional ones only where the file has them. With `strict`, a tensor of
+/// one of its layers that the architecture does not list is an error: computing
+/// without it would give other results than llama.cpp.
+fn stage_plan(file: &ModelFile, span: &StageSpan, strict: bool) -> Result<Vec<TensorSpec>, ModelError> {
     let hp = &file.hparams;
     let gguf = &file.gguf;
-    let (embd, vocab, ff) = (hp.n_embd as i64, hp.n_vocab as i64, hp.n_ff as i64);
-    let q_dim = (hp.head_dim_k * hp.n_head) as i64;
-    let k_dim = hp.n_embd_k_gqa() as i64;
-    let v_dim = hp.n_embd_v_gqa() as i64;
-    let o_dim = (hp.head_dim_v * hp.n_head) as i64;
-    let mut names: Vec<(String, Vec<i64>, String)> = Vec::new();
-    let mut push = |name: &str, shape: Vec<i64>, source: &str| names.push((name.into(), shape, source.into()));
-    if span.first {
-        push("token_embd.weight", vec![embd, vocab], "token_embd.weight");
-    }
-    if span.last {
-        push("output_norm.weight", vec![embd], "output_norm.weight");
-        let tied = gguf.tensor("output.weight").is_none();
-        push(
-            "output.weight",
-            vec![embd, vocab],
-            if tied { "token_embd.weight" } else { "output.weight" },
-        );
-    }
-    if hp.arch == Arch::Llama && gguf.tensor("rope_freqs.weight").is_some() {
-        push(
-            "rope_freqs.weight",
-            vec![hp.rope.n_dims as i64 / 2],
-            "rope_freqs.weight",
-        );
+    let in_file = |name: &str| gguf.tensor(name).is_some();
+    let mut specs = tensors::ends(hp, span.first, span.last, &in_file);
+    if strict {
+        let all_ends = tensors::ends(hp, true, true, &in_file);
+        if let Some(unknown) = gguf
+            .tensors
+            .iter()
+            .find(|t| !t.name.starts_with("blk.") && !all_ends.iter().any(|s| s.source == t.name))
+        {
+            return Err(ModelError::UnknownTensor {
+                tensor: unknown.name.clone(),
+                arch: hp.arch.name,
+            });
+        }
     }
     for layer in span.layers.clone() {
-        let mut add = |n: &str, shape: Vec<i64>| {
-            let name = format!("blk.{layer}.{n}");
-            names.push((name.clone(), shape, name))
-        };
-        add("attn_norm.weight", vec![embd]);
-        add("attn_q.weight", vec![embd, q_dim]);
-        add("attn_k.weight", vec![embd, k_dim]);
-        add("attn_v.weight", vec![embd, v_dim]);
-        add("attn_output.weight", vec![o_dim, embd]);
-        add("ffn_norm.weight", vec![embd]);
-        add("ffn_gate.weight", vec![embd, ff]);
-        add("ffn_up.weight", vec![embd, ff]);
-        add("ffn_down.weight", vec![ff, embd]);
-        let head = hp.head_dim_k as i64;
-        let mut extra: Vec<(&str, Vec<i64>)> = Vec::new();
-        match hp.arch {
-            Arch::Qwen2 => {
-                extra.push(("attn_q.bias", vec![q_dim]));
-                extra.push(("attn_k.bias", vec![k_dim]));
-                extra.push(("attn_v.bias", vec![v_dim]));
-            }
-            Arch::Qwen3 => {
-                extra.push(("attn_q_norm.weight", vec![head]));
-                extra.push(("attn_k_norm.weight", vec![head]));
-            }
-            Arch::Gemma3 => {
-                extra.push(("attn_q_norm.weight", vec![head]));
-                extra.push(("attn_k_norm.weight", vec![head]));
-                extra.push(("post_attention_norm.weight", vec![embd]));
-                extra.push(("post_ffw_norm.weight", vec![embd]));
-            }
-            Arch::Llama => {
-                // Biases are optional in llama GGUFs; take them when present.
-                for (n, shape) in [
-                    ("attn_q.bias", vec![q_dim]),
-                    ("attn_k.bias", vec![k_dim]),
-                    ("attn_v.bias", vec![v_dim]),
-                    ("attn_output.bias", vec![embd]),
-                ] {
-                    if gguf.tensor(&format!("blk.{layer}.{n}")).is_some() {
-                        extra.push((n, shape));
-                    }
-                }
+        let prefix = format!("blk.{layer}.");
+        let has = |name: &str| in_file(&format!("{prefix}{name}"));
+        let listed = tensors::layer(hp, layer, &has);
+        if strict {
+            if let Some(unknown) = gguf
+                .tensors
+                .iter()
+                .find(|t| t.name.starts_with(&prefix) && !listed.iter().any(|s| s.source == t.name))
+            {
+                return Err(ModelError::UnknownTensor {
+                    tensor: unknown.name.clone(),
+                    arch: hp.arch.name,
+                });
             }
         }
-        for (n, shape) in extra {
-            add(n, shape);
-        }
+        specs.extend(
+            listed
+                .into_iter()
+                .filter(|s| s.presence == Presence::Required || in_file(&s.source)),
+        );
     }
-    names
+    Ok(specs)
 }
 
 fn named<'c>(ctx: &'c Context, name: &str) -> Result<Tensor<'c>, ModelError> {

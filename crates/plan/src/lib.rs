@@ -82,14 +82,19 @@ pub fn parse_split(split: &str, n_layers: usize) -> Result<Vec<Range<usize>>, Pl
 /// What a model costs, per layer and at its two ends.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelCost {
-    /// Weight bytes of each layer.
+    /// Weight bytes of each layer (what a stage holding it must have in memory; all
+    /// experts of a mixture-of-experts layer).
     pub layer_bytes: Vec<u64>,
+    /// Weight bytes of each layer read per generated token (a mixture-of-experts layer
+    /// reads only the experts a token uses: far less than it holds).
+    pub layer_work_bytes: Vec<u64>,
     /// Bytes only the first stage holds (token embeddings).
     pub first_bytes: u64,
     /// Bytes only the last stage holds (output norm and output projection).
     pub last_bytes: u64,
-    /// KV cache bytes per layer at the planned context size.
-    pub kv_bytes_per_layer: u64,
+    /// KV cache bytes of each layer at the planned context size (what the
+    /// architecture caches: keys and values, or one compressed row with MLA).
+    pub kv_bytes: Vec<u64>,
 }
 
 impl ModelCost {
@@ -97,31 +102,34 @@ impl ModelCost {
         self.layer_bytes.len()
     }
 
-    /// Memory a stage holding `layers` needs.
+    /// Memory a stage holding `layers` needs: its weights, its ends, its KV cache.
     pub fn stage_bytes(&self, layers: &Range<usize>) -> u64 {
         let weights: u64 = self.layer_bytes[layers.clone()].iter().sum();
+        let kv: u64 = self.kv_bytes[layers.clone()].iter().sum();
         let ends = if layers.start == 0 { self.first_bytes } else { 0 }
             + if layers.end == self.n_layers() {
                 self.last_bytes
             } else {
                 0
             };
-        weights + ends + self.kv_bytes_per_layer * layers.len() as u64
+        weights + ends + kv
     }
 
-    /// Work of a stage per token, in units of an average layer. Generating one token
-    /// streams every weight once, so work follows bytes; the last stage's output
-    /// projection counts (it can weigh as much as several layers), the first stage's
-    /// embedding lookup reads one row and does not.
+    /// Work of a stage per token, in units of the middle layer (the one workers time,
+    /// see `NodeOffer::secs_per_layer`). Generating one token streams every weight it
+    /// uses once, so work follows the bytes read: a layer's experts count only as far
+    /// as a token uses them; the last stage's output projection counts (it can weigh as
+    /// much as several layers), the first stage's embedding lookup reads one row and
+    /// does not.
     fn stage_work(&self, layers: &Range<usize>) -> f64 {
-        let mean = self.layer_bytes.iter().sum::<u64>() as f64 / self.n_layers().max(1) as f64;
-        let weights: u64 = self.layer_bytes[layers.clone()].iter().sum();
+        let unit = self.layer_work_bytes.get(self.n_layers() / 2).copied().unwrap_or(0);
+        let weights: u64 = self.layer_work_bytes[layers.clone()].iter().sum();
         let last = if layers.end == self.n_layers() {
             self.last_bytes
         } else {
             0
         };
-        (weights + last) as f64 / mean.max(1.0)
+        (weights + last) as f64 / (unit as f64).max(1.0)
     }
 }
 
@@ -132,7 +140,7 @@ pub struct NodeOffer {
     pub name: String,
     /// Bytes it can hold.
     pub memory: u64,
-    /// Seconds it takes per average layer per generated token.
+    /// Seconds it takes per generated token through the model's middle layer.
     pub secs_per_layer: f64,
 }
 
@@ -472,11 +480,17 @@ mod tests {
 
     /// 24 layers of 10 MB, 5 MB embeddings, a 20 MB head (two layers of work), no KV.
     fn cost() -> ModelCost {
+        dense(24, 0)
+    }
+
+    /// `n` dense layers of 10 MB with `kv` MB of cache each; 5 MB embeddings, a 20 MB head.
+    fn dense(n: usize, kv: u64) -> ModelCost {
         ModelCost {
-            layer_bytes: vec![10 * MB; 24],
+            layer_bytes: vec![10 * MB; n],
+            layer_work_bytes: vec![10 * MB; n],
             first_bytes: 5 * MB,
             last_bytes: 20 * MB,
-            kv_bytes_per_layer: 0,
+            kv_bytes: vec![kv * MB; n],
         }
     }
 
@@ -540,10 +554,9 @@ mod tests {
             (
                 "more nodes than layers",
                 ModelCost {
-                    layer_bytes: vec![10 * MB; 4],
                     first_bytes: 0,
                     last_bytes: 0,
-                    kv_bytes_per_layer: 0,
+                    ..dense(4, 0)
                 },
                 (0..6).map(|i| node(&format!("n{i}"), big, 1.0)).collect(),
                 vec![(0, 0..1), (1, 1..2), (2, 2..3), (3, 3..4)],
@@ -552,10 +565,7 @@ mod tests {
             // KV cache counts: 10 MB of weights + 10 MB of cache per layer.
             (
                 "kv cache counts against memory",
-                ModelCost {
-                    kv_bytes_per_layer: 10 * MB,
-                    ..cost()
-                },
+                dense(24, 10),
                 vec![node("a", 205, 1.0), node("b", big, 1.0)],
                 vec![(0, 0..10), (1, 10..24)],
                 0,
@@ -615,6 +625,56 @@ mod tests {
                 assert!((g - s).abs() < 1e-9, "{measured:?}: {got:?}");
             }
         }
+    }
+
+    /// A mixture-of-experts model: a dense leading layer (10 MB, all read per token),
+    /// then 11 MoE layers holding 100 MB each of which a token reads 20 MB.
+    fn moe() -> ModelCost {
+        let mut cost = dense(12, 0);
+        for layer in 1..12 {
+            cost.layer_bytes[layer] = 100 * MB;
+            cost.layer_work_bytes[layer] = 20 * MB;
+        }
+        cost
+    }
+
+    #[test]
+    fn experts_weigh_in_memory_but_only_used_ones_in_work() {
+        let big = 10_000;
+        // Work in middle-layer units: the dense layer 0.5, each MoE layer 1, the head 1.
+        // Equal nodes split it 6.5 + 6, not by the bytes they hold (410 + 680 MB).
+        let plan = partition(&moe(), &[node("a", big, 1.0), node("b", big, 1.0)]).unwrap();
+        assert_eq!(layers(&plan), vec![(0, 0..7), (1, 7..12)]);
+        assert_eq!(plan.stages[0].bytes, (5 + 10 + 6 * 100) * MB);
+        assert!((plan.bottleneck() - 6.5).abs() < 1e-9, "{}", plan.bottleneck());
+        // Memory limits count every expert: 350 MB holds the embeddings, the dense
+        // layer and 3 MoE layers.
+        let plan = partition(&moe(), &[node("a", 350, 1.0), node("b", big, 1.0)]).unwrap();
+        assert_eq!(layers(&plan), vec![(0, 0..4), (1, 4..12)]);
+        // The dense model of the same bytes read per token splits the same work at the
+        // same place only if its layers weigh the same: here every layer is 1 unit.
+        let plan = partition(&dense(12, 0), &[node("a", big, 1.0), node("b", big, 1.0)]).unwrap();
+        assert_eq!(layers(&plan), vec![(0, 0..7), (1, 7..12)]);
+    }
+
+    #[test]
+    fn kv_cache_counts_per_layer() {
+        // 20 MB of cache on 6 of 12 layers: a 100 MB node holds 3 layers with their
+        // cache, or 7 where the cache is not (and work balance then stops it at 7).
+        let with_cache = |layers: Range<usize>| {
+            let mut cost = dense(12, 0);
+            for kv in &mut cost.kv_bytes[layers] {
+                *kv = 20 * MB;
+            }
+            cost
+        };
+        let nodes = [node("a", 100, 1.0), node("b", 10_000, 1.0)];
+        let plan = partition(&with_cache(0..6), &nodes).unwrap();
+        assert_eq!(layers(&plan), vec![(0, 0..3), (1, 3..12)]);
+        assert_eq!(plan.stages[0].bytes, (5 + 3 * 30) * MB);
+        let plan = partition(&with_cache(6..12), &nodes).unwrap();
+        assert_eq!(layers(&plan), vec![(0, 0..7), (1, 7..12)]);
+        assert_eq!(plan.stages[0].bytes, (5 + 7 * 10 + 20) * MB);
     }
 
     #[test]

@@ -1,22 +1,75 @@
-//! Gemma 3 layers: q/k norms, queries pre-scaled, sliding-window attention on most
-//! layers (chosen in the shared attention from the hyper-parameters), a norm after
-//! attention and after the FFN, and GeGLU.
+//! Gemma 3 (`gemma3`): scaled embeddings, q/k norms, queries pre-scaled, sliding-window
+//! attention on most layers, a norm after attention and after the FFN, and GeGLU.
 
 use baton_ggml::Tensor;
+use baton_gguf::Value;
 
-use super::{AttnOptions, Builder};
+use super::builder::Act;
+use super::{Architecture, Builder, Rope, Shape};
+use crate::hparams::{HParams, Keys};
+use crate::tensors::{self, LayerPlan, Presence};
 use crate::weights::LayerTensors;
+use crate::ModelError;
 
-/// One gemma3 layer. `hidden`: `[n_embd, n_tokens]`.
-pub fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
-    let cur = b.norm(hidden, w.attn_norm);
-    let cur = b.attention(w, layer, cur, AttnOptions { qk_norm: true });
+pub static ARCH: Architecture = Architecture {
+    name: "gemma3",
+    aliases: &[],
+    rope: Rope::Neox,
+    rope_freqs: false,
+    own_output: false,
+    hparams,
+    tensors,
+    layer,
+    example,
+};
+
+/// As llama.cpp's `llama_model_gemma3` reads them.
+fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
+    hp.embd_scale = (hp.n_embd as f32).sqrt();
+    // Queries are pre-scaled by 1/sqrt(head_dim) (1/sqrt(n_embd/n_head) for the 27B);
+    // the attention itself then uses scale 1.
+    hp.query_scale = if hp.n_layer == 62 {
+        1.0 / ((hp.n_embd / hp.n_head) as f32).sqrt()
+    } else {
+        1.0 / (hp.head_dim_k as f32).sqrt()
+    };
+    hp.attn_scale = 1.0;
+    hp.final_logit_softcap = keys.opt_f32("final_logit_softcapping")?.unwrap_or(0.0);
+    hp.read_sliding_window(keys, 0, 6, Some(10_000.0))?;
+    if hp.n_swa > 0 {
+        hp.rope_swa.freq_scale = 1.0;
+    }
+    Ok(())
+}
+
+fn tensors(t: &mut LayerPlan<'_>) {
+    let embd = t.hp.n_embd;
+    t.vec("attn_norm.weight", &[embd]);
+    tensors::attention(t, Presence::Optional);
+    tensors::qk_norms(t, Presence::Required);
+    t.vec("post_attention_norm.weight", &[embd]);
+    t.vec("ffn_norm.weight", &[embd]);
+    tensors::ffn(t, "", t.hp.n_ff, false);
+    t.vec("post_ffw_norm.weight", &[embd]);
+}
+
+fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.attention(w, layer, cur);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
-    let cur = b.norm_opt(cur, w.attn_post_norm);
+    let cur = b.norm(cur, w.get("post_attention_norm.weight"));
     let attn_out = b.ctx.add(cur, residual);
 
-    let cur = b.norm(attn_out, w.ffn_norm);
-    let cur = b.ffn_geglu(w, cur);
-    let cur = b.norm_opt(cur, w.ffn_post_norm);
+    let cur = b.norm(attn_out, w.get("ffn_norm.weight"));
+    let cur = b.ffn(w, "", Act::Gelu, cur);
+    let cur = b.norm(cur, w.get("post_ffw_norm.weight"));
     b.ctx.add(cur, attn_out)
+}
+
+fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
+    // Every second layer global, so a few layers have both kinds.
+    vec![
+        ("attention.sliding_window", Value::U32(shape.n_swa as u32)),
+        ("attention.sliding_window_pattern", Value::U32(2)),
+    ]
 }

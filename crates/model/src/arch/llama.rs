@@ -1,28 +1,89 @@
-//! Llama-family layers: pre-norm attention and a SwiGLU FFN, each with a residual.
-//!
-//! Qwen 2 and Qwen 3 share this layer; what differs lives elsewhere: qwen2's q/k/v
-//! biases are in its weights, its NeoX RoPE in the hyper-parameters, and qwen3's
-//! per-head q/k norms are the `qk_norm` option.
+//! Llama 1/2/3 and Mistral-style models (`llama`), and Mixtral (`llama` with experts):
+//! pre-norm attention, then a SwiGLU FFN or routed experts, each with a residual.
 
 use baton_ggml::Tensor;
+use baton_gguf::Value;
 
-use super::{AttnOptions, Builder};
+use super::builder::Act;
+use super::moe::{ExpertAct, Gating, Routing};
+use super::{Architecture, Builder, Rope, Shape};
+use crate::hparams::{HParams, Keys};
+use crate::tensors::{self, LayerPlan, Presence};
 use crate::weights::LayerTensors;
+use crate::ModelError;
 
-/// One layer. `hidden`: `[n_embd, n_tokens]`.
-pub fn layer<'g>(
-    b: &mut Builder<'g>,
-    w: &LayerTensors<'g>,
-    layer: usize,
-    hidden: Tensor<'g>,
-    attn: AttnOptions,
-) -> Tensor<'g> {
-    let cur = b.norm(hidden, w.attn_norm);
-    let cur = b.attention(w, layer, cur, attn);
+pub static ARCH: Architecture = Architecture {
+    name: "llama",
+    aliases: &["mistral"],
+    rope: Rope::Norm,
+    rope_freqs: true,
+    own_output: false,
+    hparams,
+    tensors,
+    layer,
+    example,
+};
+
+fn hparams(hp: &mut HParams, _keys: &Keys<'_>) -> Result<(), ModelError> {
+    require_plain_heads(hp)?;
+    // Mixtral: experts as large as the dense FFN would be, weights normalised.
+    hp.moe.n_ff_exp = hp.n_ff;
+    Ok(())
+}
+
+/// llama.cpp's llama-style graphs assume one head size for keys, values and RoPE.
+pub(super) fn require_plain_heads(hp: &HParams) -> Result<(), ModelError> {
+    if hp.head_dim_v != hp.head_dim_k || hp.rope.n_dims as usize != hp.head_dim_k {
+        return Err(ModelError::BadHParams(format!(
+            "{} needs key, value and RoPE dimensions equal (key {}, value {}, rope {})",
+            hp.arch.name, hp.head_dim_k, hp.head_dim_v, hp.rope.n_dims
+        )));
+    }
+    Ok(())
+}
+
+fn tensors(t: &mut LayerPlan<'_>) {
+    let hp = t.hp;
+    t.vec("attn_norm.weight", &[hp.n_embd]);
+    tensors::attention(t, Presence::Optional);
+    t.vec("attn_output.bias", &[hp.n_embd]).optional();
+    t.vec("ffn_norm.weight", &[hp.n_embd]);
+    if hp.is_moe(t.layer) {
+        tensors::experts(t, hp.moe.n_ff_exp, false);
+    } else {
+        tensors::ffn(t, "", hp.n_ff, true);
+    }
+}
+
+pub(super) fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.attention(w, layer, cur);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
-    let cur = b.norm(ffn_in, w.ffn_norm);
-    let cur = b.ffn_swiglu(w, cur);
+    let cur = b.norm(ffn_in, w.get("ffn_norm.weight"));
+    let cur = if b.hp.is_moe(layer) {
+        let routing = Routing {
+            gating: Gating::Softmax,
+            norm_weights: true,
+            scale: b.hp.moe.weights_scale,
+            act: ExpertAct::Silu,
+        };
+        b.moe(w, layer, cur, routing)
+    } else {
+        b.ffn(w, "", Act::Silu, cur)
+    };
     b.ctx.add(cur, ffn_in)
+}
+
+fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
+    if shape.n_expert == 0 {
+        return Vec::new();
+    }
+    // Mixtral's experts are `feed_forward_length` wide.
+    vec![
+        ("expert_count", Value::U32(shape.n_expert as u32)),
+        ("expert_used_count", Value::U32(shape.n_expert_used as u32)),
+        ("feed_forward_length", Value::U32(shape.n_ff_exp as u32)),
+    ]
 }

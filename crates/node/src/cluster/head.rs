@@ -202,9 +202,10 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize) -> ModelCost {
     };
     ModelCost {
         layer_bytes: (0..hp.n_layer).map(|l| file.layer_bytes(l)).collect(),
+        layer_work_bytes: (0..hp.n_layer).map(|l| file.layer_work_bytes(l)).collect(),
         first_bytes: tensor_bytes("token_embd.weight"),
         last_bytes: tensor_bytes("output_norm.weight") + tensor_bytes(output),
-        kv_bytes_per_layer: ((hp.n_embd_k_gqa() + hp.n_embd_v_gqa()) * 2 * n_ctx) as u64,
+        kv_bytes: vec![(hp.kv_cell_bytes() * n_ctx) as u64; hp.n_layer],
     }
 }
 

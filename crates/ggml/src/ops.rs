@@ -1,0 +1,139 @@
+//! The ggml ops that mixture-of-experts layers, attention sinks and the other
+//! architectures beyond llama need: routing (softmax, sigmoid, top-k), expert matmuls
+//! (`mul_mat_id`), per-expert biases, and the shape ops around them.
+//!
+//! Soundness is the same as for the ops in `graph.rs`: an op only records a node in the
+//! context's arena, and ggml checks shapes with `GGML_ASSERT` (an abort, never memory
+//! corruption). Callers validate the shapes that come from files before building.
+
+use llama_cpp_sys_2 as sys;
+
+use crate::graph::{Context, Tensor};
+
+impl Context {
+    /// Expert matmul: `experts [k, n, n_expert]`, `b [k, n_b, n_tokens]` (`n_b` is 1 or
+    /// the number of selected experts), `ids` i32 `[n_used, n_tokens]` naming the expert
+    /// of each output row. Returns `[n, n_used, n_tokens]`: row `(e, t)` is
+    /// `experts[ids[e, t]] · b[:, e % n_b, t]`.
+    pub fn mul_mat_id<'t>(&'t self, experts: Tensor<'t>, b: Tensor<'t>, ids: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node over three valid tensors (see module docs).
+        unsafe { self.wrap(sys::ggml_mul_mat_id(self.raw(), experts.raw(), b.raw(), ids.raw())) }
+    }
+
+    /// `a + b[:, ids]`: adds to each row `(e, t)` of `a [n, n_used, n_tokens]` the row of
+    /// `b [n, n_expert]` that `ids [n_used, n_tokens]` names (per-expert biases).
+    pub fn add_id<'t>(&'t self, a: Tensor<'t>, b: Tensor<'t>, ids: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_add_id(self.raw(), a.raw(), b.raw(), ids.raw())) }
+    }
+
+    /// Softmax over dim 0.
+    pub fn soft_max<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_soft_max(self.raw(), a.raw())) }
+    }
+
+    /// Logistic sigmoid element-wise.
+    pub fn sigmoid<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_sigmoid(self.raw(), a.raw())) }
+    }
+
+    /// Sums over dim 0: `[n, ...]` to `[1, ...]`.
+    pub fn sum_rows<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_sum_rows(self.raw(), a.raw())) }
+    }
+
+    /// Element-wise `a / b`, `b` broadcast over `a`.
+    pub fn div<'t>(&'t self, a: Tensor<'t>, b: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_div(self.raw(), a.raw(), b.raw())) }
+    }
+
+    /// Each element clamped to `[min, max]`.
+    pub fn clamp<'t>(&'t self, a: Tensor<'t>, min: f32, max: f32) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_clamp(self.raw(), a.raw(), min, max)) }
+    }
+
+    /// Indices (i32) of the `k` largest values of each row (dim 0), largest first.
+    pub fn argsort_top_k<'t>(&'t self, a: Tensor<'t>, k: usize) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs); ggml asserts k <= ne[0].
+        unsafe { self.wrap(sys::ggml_argsort_top_k(self.raw(), a.raw(), k as i32)) }
+    }
+
+    /// A tensor of `a`'s shape filled with `value`.
+    pub fn fill<'t>(&'t self, a: Tensor<'t>, value: f32) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_fill(self.raw(), a.raw(), value)) }
+    }
+
+    /// gpt-oss's gated activation on separate gate and up halves:
+    /// `min(g, limit) · sigmoid(alpha · min(g, limit)) · (clamp(u, -limit, limit) + 1)`.
+    pub fn swiglu_oai<'t>(&'t self, gate: Tensor<'t>, up: Tensor<'t>, alpha: f32, limit: f32) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_swiglu_oai(self.raw(), gate.raw(), up.raw(), alpha, limit)) }
+    }
+
+    /// Same data seen with a new 4-d shape (the source must be contiguous).
+    pub fn reshape_4d<'t>(&'t self, a: Tensor<'t>, ne: [i64; 4]) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_reshape_4d(self.raw(), a.raw(), ne[0], ne[1], ne[2], ne[3])) }
+    }
+
+    /// A strided 2-d view into `a` (`nb1` and `offset` in bytes).
+    pub fn view_2d<'t>(&'t self, a: Tensor<'t>, ne0: i64, ne1: i64, nb1: usize, offset: usize) -> Tensor<'t> {
+        // SAFETY: records a view node; ggml asserts the view stays inside `a`.
+        unsafe { self.wrap(sys::ggml_view_2d(self.raw(), a.raw(), ne0, ne1, nb1, offset)) }
+    }
+
+    /// `a` repeated to the shape `ne` (each dimension a multiple of `a`'s).
+    pub fn repeat_4d<'t>(&'t self, a: Tensor<'t>, ne: [i64; 4]) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_repeat_4d(self.raw(), a.raw(), ne[0], ne[1], ne[2], ne[3])) }
+    }
+
+    /// GELU (tanh approximation) element-wise.
+    pub fn gelu<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_gelu(self.raw(), a.raw())) }
+    }
+
+    /// SiLU element-wise.
+    pub fn silu<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_silu(self.raw(), a.raw())) }
+    }
+
+    /// `silu(a[:n/2]) * a[n/2:]` over dim 0 (SwiGLU with gate and up fused in one row).
+    pub fn swiglu<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_swiglu(self.raw(), a.raw())) }
+    }
+
+    /// A contiguous copy of `a` with the 2-d shape `[ne0, ne1]`.
+    pub fn cont_2d<'t>(&'t self, a: Tensor<'t>, ne0: i64, ne1: i64) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_cont_2d(self.raw(), a.raw(), ne0, ne1)) }
+    }
+}
+
+impl<'a> Tensor<'a> {
+    /// Asks backends to accumulate this matmul in f32 (llama.cpp does for some layers of
+    /// some models; the CPU backend always does, so it changes nothing there).
+    pub fn prec_f32(self) -> Self {
+        // SAFETY: sets an op parameter of a valid node.
+        unsafe { sys::ggml_prec_set_acc(self.raw(), sys::GGML_PREC_F32) };
+        self
+    }
+
+    /// Adds per-head attention sinks `[n_head]` (f32 logits that join every softmax
+    /// denominator, gpt-oss) to this `flash_attn` node.
+    pub fn with_sinks(self, sinks: Tensor<'a>) -> Self {
+        // SAFETY: sets the sinks source of a valid flash-attention node; ggml asserts the
+        // node's op and the sinks' type.
+        unsafe { sys::ggml_flash_attn_ext_add_sinks(self.raw(), sinks.raw()) };
+        self
+    }
+}

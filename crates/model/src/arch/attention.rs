@@ -1,0 +1,179 @@
+//! Self-attention over the KV cache, as llama.cpp's `build_qkv` and `build_attn` build
+//! it with flash attention: which optional pieces a layer has (fused qkv, biases, q/k
+//! norms, attention sinks) follows from the tensors its architecture lists.
+
+use baton_ggml::Tensor;
+
+use super::Builder;
+use crate::weights::LayerTensors;
+
+/// Keys and values of the batch for one layer, before they enter the cache.
+pub struct KeyValues<'g> {
+    /// Keys `[d_k, n_head_kv, n_tokens]` (rows contiguous per head).
+    pub k: Tensor<'g>,
+    /// Values `[d_v, n_head_kv, n_tokens]`, or `None` when the values are the first
+    /// `d_v` entries of each key row (MLA's compressed cache holds keys only).
+    pub v: Option<Tensor<'g>>,
+    /// Width of the values (`d_v`).
+    pub d_v: usize,
+}
+
+impl<'g> Builder<'g> {
+    /// The standard attention block: projections (fused or separate, with biases when
+    /// the layer has them), q/k norms when the layer has them, RoPE, the cache, flash
+    /// attention (with sinks when the layer has them), and the output projection with
+    /// its bias. `x`: `[n_embd, n_tokens]` in and out.
+    pub fn attention(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+        let hp = self.hp;
+        let ctx = self.ctx;
+        let (q, k, v) = self.qkv(w, x);
+        let (q, k) = match (w.opt("attn_q_norm.weight"), w.opt("attn_k_norm.weight")) {
+            (Some(qn), Some(kn)) => (self.norm(q, qn), self.norm(k, kn)),
+            _ => (q, k),
+        };
+        let rope = if hp.is_swa(layer) { &hp.rope_swa } else { &hp.rope };
+        let factors = self.weights.rope_freqs();
+        let mut q = ctx
+            .rope(q, self.inputs.positions, factors, rope)
+            .named(&format!("Qcur-{layer}"));
+        let k = ctx
+            .rope(k, self.inputs.positions, factors, rope)
+            .named(&format!("Kcur-{layer}"));
+        if let Some(temp) = self.inputs.attn_temp {
+            q = ctx.mul(q, temp);
+        }
+        if hp.query_scale != 1.0 {
+            q = ctx.scale(q, hp.query_scale);
+        }
+        let kv = KeyValues {
+            k,
+            v: Some(v),
+            d_v: hp.head_dim_v,
+        };
+        let out = self.attend(layer, q, kv, w.opt("attn_sinks.weight"), hp.attn_scale);
+        let out = ctx.reshape_2d(out, (hp.head_dim_v * hp.n_head) as i64, self.inputs.n_tokens as i64);
+        self.linear(w.get("attn_output.weight"), w.opt("attn_output.bias"), out)
+    }
+
+    /// Queries `[d_k, n_head, n_tokens]`, keys `[d_k, n_head_kv, n_tokens]` and values
+    /// `[d_v, n_head_kv, n_tokens]` of `x`, from `attn_qkv` or `attn_q`/`attn_k`/`attn_v`.
+    pub fn qkv(&self, w: &LayerTensors<'g>, x: Tensor<'g>) -> (Tensor<'g>, Tensor<'g>, Tensor<'g>) {
+        let hp = self.hp;
+        let ctx = self.ctx;
+        let n_tokens = self.inputs.n_tokens as i64;
+        let (d_k, d_v) = (hp.head_dim_k as i64, hp.head_dim_v as i64);
+        let (n_head, n_head_kv) = (hp.n_head as i64, hp.n_head_kv as i64);
+        if let Some(wqkv) = w.opt("attn_qkv.weight") {
+            let mut qkv = ctx.mul_mat(wqkv, x);
+            if let Some(b) = w.opt("attn_qkv.bias") {
+                qkv = ctx.add(qkv, b);
+            } else if let (Some(bq), Some(bk), Some(bv)) =
+                (w.opt("attn_q.bias"), w.opt("attn_k.bias"), w.opt("attn_v.bias"))
+            {
+                qkv = ctx.add(qkv, ctx.concat(ctx.concat(bq, bk, 0), bv, 0));
+            }
+            let elt = qkv.nb()[0];
+            let row = qkv.nb()[1];
+            let (n_q, n_k) = ((d_k * n_head) as usize, (d_k * n_head_kv) as usize);
+            let q = ctx.view_3d(qkv, [d_k, n_head, n_tokens], elt * d_k as usize, row, 0);
+            let k = ctx.view_3d(qkv, [d_k, n_head_kv, n_tokens], elt * d_k as usize, row, elt * n_q);
+            let v = ctx.view_3d(
+                qkv,
+                [d_v, n_head_kv, n_tokens],
+                elt * d_v as usize,
+                row,
+                elt * (n_q + n_k),
+            );
+            return (q, k, v);
+        }
+        let q = self.linear(w.get("attn_q.weight"), w.opt("attn_q.bias"), x);
+        let k = self.linear(w.get("attn_k.weight"), w.opt("attn_k.bias"), x);
+        let v = self.linear(w.get("attn_v.weight"), w.opt("attn_v.bias"), x);
+        (
+            ctx.reshape_3d(q, d_k, n_head, n_tokens),
+            ctx.reshape_3d(k, d_k, n_head_kv, n_tokens),
+            ctx.reshape_3d(v, d_v, n_head_kv, n_tokens),
+        )
+    }
+
+    /// Stores the batch's keys and values in layer `layer`'s cache cells, then attends:
+    /// `q [d_k, n_head, n_tokens]` over the cache, with optional per-head `sinks`.
+    /// Returns `[d_v, n_head, n_tokens]`.
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        q: Tensor<'g>,
+        kv: KeyValues<'g>,
+        sinks: Option<Tensor<'g>>,
+        scale: f32,
+    ) -> Tensor<'g> {
+        let hp = self.hp;
+        let ctx = self.ctx;
+        let n_tokens = self.inputs.n_tokens as i64;
+        let [d_k, n_head_kv, _, _] = kv.k.ne();
+        let d_v = kv.d_v as i64;
+
+        // Store this batch's keys and values in their cells; expanding the writes now
+        // orders them before the attention that reads the cache.
+        let k_cache = self.kv.k(layer);
+        let k_rows = ctx.view_2d(kv.k, d_k * n_head_kv, n_tokens, kv.k.nb()[2], 0);
+        let k_store = ctx.set_rows(k_cache, k_rows, self.inputs.kv_slots);
+        self.graph.expand(k_store);
+        let v_cache = match kv.v {
+            Some(v) => {
+                let v_cache = self.kv.v(layer);
+                let v_rows = ctx.view_2d(v, d_v * n_head_kv, n_tokens, v.nb()[2], 0);
+                self.graph.expand(ctx.set_rows(v_cache, v_rows, self.inputs.kv_slots));
+                Some(v_cache)
+            }
+            None => None,
+        };
+
+        // Each span attends on its own (see `KvCache::attention_spans`); the outputs
+        // `[d_v, n_head, rows]` join back in row order.
+        let swa = hp.is_swa(layer);
+        let k_elt = k_cache.nb()[0];
+        let row_bytes = q.nb()[2];
+        let mut out: Option<Tensor<'g>> = None;
+        for span in &self.inputs.spans {
+            let (rows, cells) = (&span.span.rows, &span.span.cells);
+            let n_kv = cells.len() as i64;
+            // `[d, n_kv, n_head_kv]` over the span's cells, heads `head_stride` apart.
+            let cache_view = |cache: Tensor<'g>, d: i64, head_stride: usize| {
+                let view = ctx.view_3d(
+                    cache,
+                    [d, n_head_kv, n_kv],
+                    head_stride,
+                    cache.nb()[1],
+                    cells.start * cache.nb()[1],
+                );
+                ctx.permute(view, [0, 2, 1, 3])
+            };
+            let keys = cache_view(k_cache, d_k, k_elt * d_k as usize);
+            let values = match v_cache {
+                Some(v_cache) => cache_view(v_cache, d_v, v_cache.nb()[0] * d_v as usize),
+                None => cache_view(k_cache, d_v, k_elt * d_k as usize),
+            };
+            let q_rows = ctx.view_3d(
+                q,
+                [q.ne()[0], q.ne()[1], rows.len() as i64],
+                q.nb()[1],
+                row_bytes,
+                rows.start * row_bytes,
+            );
+            let q_rows = ctx.permute(q_rows, [0, 2, 1, 3]); // [d_k, rows, n_head]
+            let mask = if swa { span.mask_swa } else { span.mask };
+            let mask = mask.expect("the stage creates the mask of every kind of layer it has");
+            let mut part = ctx.flash_attn(q_rows, keys, values, mask, scale, hp.attn_logit_softcap);
+            if let Some(sinks) = sinks {
+                part = part.with_sinks(sinks);
+            }
+            // part: [d_v, n_head, rows]
+            out = Some(match out {
+                Some(done) => ctx.concat(done, part, 2),
+                None => part,
+            });
+        }
+        out.expect("a batch has at least one row, so one span")
+    }
+}

@@ -1,0 +1,117 @@
+//! The graph builder every layer function gets, with the small shared pieces: norms,
+//! projections, gated feed-forward blocks, and the last layer's output rows.
+
+use baton_ggml::{Context, Graph, Tensor};
+
+use crate::hparams::HParams;
+use crate::kv::{AttnSpan, KvCache};
+use crate::weights::{LayerTensors, StageWeights};
+
+/// The per-step inputs every layer reads.
+pub struct StepInputs<'g> {
+    /// Positions of the batch's tokens, i32 `[n_tokens]`.
+    pub positions: Tensor<'g>,
+    /// Cells the new keys/values go to, i64 `[n_tokens]`.
+    pub kv_slots: Tensor<'g>,
+    /// Rows that attend together, in row order, with their masks.
+    pub spans: Vec<SpanInputs<'g>>,
+    /// Rows that need logits, i32 `[n_out]`, on the stage that owns the model's last layer.
+    pub out_rows: Option<Tensor<'g>>,
+    /// Attention temperature of each row, f32 `[1, 1, n_tokens]`, for models that have it.
+    pub attn_temp: Option<Tensor<'g>>,
+    /// Tokens in the batch.
+    pub n_tokens: usize,
+    /// Whether every row is the only one of its sequence (a batch of decode steps):
+    /// ops whose kernels change with the number of rows then compute each row alone,
+    /// so a step gives the same bits in any such batch as on its own.
+    pub decode_rows: bool,
+}
+
+/// Rows of the batch that attend together over a range of cache cells.
+pub struct SpanInputs<'g> {
+    /// The rows and cells.
+    pub span: AttnSpan,
+    /// Causal mask, f16 `[cells, rows]`, when the stage has full-attention layers.
+    pub mask: Option<Tensor<'g>>,
+    /// Sliding-window mask (same shape), when the stage has sliding-window layers.
+    pub mask_swa: Option<Tensor<'g>>,
+}
+
+/// Builds one step's graph: holds the graph context and everything layers share.
+pub struct Builder<'g> {
+    pub ctx: &'g Context,
+    pub graph: Graph<'g>,
+    pub hp: &'g HParams,
+    pub weights: &'g StageWeights,
+    pub kv: &'g KvCache,
+    pub inputs: StepInputs<'g>,
+    /// Whether a layer already kept only the rows that need logits.
+    pub outputs_selected: bool,
+}
+
+/// The activation of a gated feed-forward block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    /// `silu(gate) * up` (SwiGLU).
+    Silu,
+    /// `gelu(gate) * up` (GeGLU).
+    Gelu,
+}
+
+impl<'g> Builder<'g> {
+    /// `rms_norm(x) * weight`.
+    pub fn norm(&self, x: Tensor<'g>, weight: Tensor<'g>) -> Tensor<'g> {
+        let normed = self.ctx.rms_norm(x, self.hp.rms_eps);
+        self.ctx.mul(normed, weight)
+    }
+
+    /// `w x (+ b)`.
+    pub fn linear(&self, w: Tensor<'g>, b: Option<Tensor<'g>>, x: Tensor<'g>) -> Tensor<'g> {
+        let y = self.ctx.mul_mat(w, x);
+        match b {
+            Some(b) => self.ctx.add(y, b),
+            None => y,
+        }
+    }
+
+    /// `w x` for a weight whose matmul kernel depends on the number of rows: f32 (and
+    /// f16) weights go through ggml's tiled kernel from 2 rows and its dot product for 1,
+    /// which round differently. In a batch of decode steps each row is multiplied on
+    /// its own, as it would be alone; otherwise all rows at once, as llama.cpp does.
+    pub fn mul_mat_rowwise(&self, w: Tensor<'g>, x: Tensor<'g>) -> Tensor<'g> {
+        let ctx = self.ctx;
+        let [n, n_rows, _, _] = x.ne();
+        if !self.inputs.decode_rows || n_rows < 2 {
+            return ctx.mul_mat(w, x);
+        }
+        let row = |i: i64| ctx.mul_mat(w, ctx.view_2d(x, n, 1, x.nb()[1], i as usize * x.nb()[1]));
+        (1..n_rows).fold(row(0), |done, i| ctx.concat(done, row(i), 1))
+    }
+
+    /// On the model's last layer, keeps only the rows that need logits (of both the
+    /// block output and the residual), so the rest of the graph skips the others.
+    pub fn select_outputs(&mut self, layer: usize, cur: Tensor<'g>, residual: Tensor<'g>) -> (Tensor<'g>, Tensor<'g>) {
+        match self.inputs.out_rows {
+            Some(rows) if layer + 1 == self.hp.n_layer => {
+                self.outputs_selected = true;
+                (self.ctx.get_rows(cur, rows), self.ctx.get_rows(residual, rows))
+            }
+            _ => (cur, residual),
+        }
+    }
+
+    /// A gated feed-forward block as llama.cpp's `build_ffn` computes it with parallel
+    /// gate and up projections: `down(act(gate x + b) * (up x + b)) + b`, over the layer's
+    /// `ffn_{gate,up,down}{suffix}` weights and whichever biases it has.
+    pub fn ffn(&self, w: &LayerTensors<'g>, suffix: &str, act: Act, x: Tensor<'g>) -> Tensor<'g> {
+        let t = |kind: &str, part: &str| w.opt(&format!("ffn_{kind}{suffix}.{part}"));
+        let weight = |kind: &str| w.get(&format!("ffn_{kind}{suffix}.weight"));
+        let up = self.linear(weight("up"), t("up", "bias"), x);
+        let gate = self.linear(weight("gate"), t("gate", "bias"), x);
+        let hidden = match act {
+            Act::Silu => self.ctx.swiglu_split(gate, up),
+            Act::Gelu => self.ctx.geglu_split(gate, up),
+        };
+        self.linear(weight("down"), t("down", "bias"), hidden)
+    }
+}

@@ -1,0 +1,254 @@
+//! DeepSeek V2/V3/R1 and Kimi K2 (`deepseek2`): multi-head latent attention (MLA) with
+//! the absorbed projections llama.cpp uses, so the KV cache holds one compressed row
+//! per token; dense leading layers, then routed experts (softmax or sigmoid scores,
+//! selection bias, expert groups) beside shared experts.
+//!
+//! Mistral Large 3's attention temperature tuning is applied as llama.cpp applies it.
+//! Only GGUFs with the split `attn_k_b`/`attn_v_b` projections (every conversion since
+//! llama.cpp added MLA) are supported: older files with one `attn_kv_b` run as plain
+//! multi-head attention in llama.cpp, which baton does not implement.
+
+use baton_ggml::Tensor;
+use baton_gguf::Value;
+
+use super::attention::KeyValues;
+use super::builder::Act;
+use super::moe::{ExpertAct, Gating, Routing};
+use super::{Architecture, Builder, Rope, Shape};
+use crate::hparams::{AttnTemp, HParams, Keys, Mla};
+use crate::tensors::{self, LayerPlan, Presence};
+use crate::weights::LayerTensors;
+use crate::ModelError;
+
+pub static ARCH: Architecture = Architecture {
+    name: "deepseek2",
+    aliases: &[],
+    rope: Rope::Norm,
+    rope_freqs: false,
+    own_output: false,
+    hparams,
+    tensors,
+    layer,
+    example,
+};
+
+/// As llama.cpp's `llama_model_deepseek2` reads them.
+fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
+    let n_layer_all = keys.u32("block_count")?;
+    // DeepSeek-V2-Lite and its relatives project queries directly.
+    let lite = hp.n_layer == 27 || hp.n_layer == 26 || (hp.n_layer == 48 && hp.n_vocab == 128_256);
+    let n_lora_q = if lite { 0 } else { keys.u32("attention.q_lora_rank")? };
+    let n_lora_kv = keys.u32("attention.kv_lora_rank")?;
+    let (Some(head_dim_k), Some(head_dim_v)) = (
+        keys.opt_u32("attention.key_length_mla")?,
+        keys.opt_u32("attention.value_length_mla")?,
+    ) else {
+        return Err(ModelError::BadHParams(
+            "deepseek2 GGUF without attention.key_length_mla (converted before MLA): re-convert it \
+             with a current llama.cpp"
+                .into(),
+        ));
+    };
+    let n_rot = hp.rope.n_dims as usize;
+    if hp.n_head_kv != 1 || hp.head_dim_k != n_lora_kv + n_rot || hp.head_dim_v != n_lora_kv || head_dim_k <= n_rot {
+        return Err(ModelError::BadHParams(format!(
+            "deepseek2 MLA sizes do not fit: {} key heads of {} and values of {} for a latent of \
+             {n_lora_kv} plus {n_rot} RoPE dims; heads of {head_dim_k}",
+            hp.n_head_kv, hp.head_dim_k, hp.head_dim_v
+        )));
+    }
+    // Mistral Large 3 tunes the attention temperature.
+    if let Some(scale) = keys.opt_f32("attention.temperature_scale")?.filter(|&s| s != 0.0) {
+        hp.attn_temp = Some(AttnTemp {
+            scale,
+            floor_scale: positive(keys, "attention.temperature_length")?,
+            offset: 0.0,
+        });
+    }
+    hp.mla = Some(Mla {
+        n_lora_q,
+        n_lora_kv,
+        head_dim_k,
+        head_dim_v,
+    });
+    let n_ff = hp.n_ff;
+    hp.moe.read_ff_exp(keys, n_layer_all, n_ff, true)?;
+    // Files without a gating function are DeepSeek V2/V2.5 (softmax), or GLM 4.7 Lite.
+    let default_gating = if (hp.n_layer == 47 || hp.n_layer == 48) && hp.n_vocab == 154_880 {
+        Gating::Sigmoid
+    } else {
+        Gating::Softmax
+    };
+    hp.moe.read_routing(keys, true, default_gating)?;
+    hp.moe.require_experts("deepseek2")?;
+    // The converter multiplied the YaRN log multiplier by 0.1; llama.cpp divides it back
+    // out, and for DeepSeek V2 it is also the mscale.
+    if let Some(log_mul) = keys.opt_f32("rope.scaling.yarn_log_multiplier")? {
+        hp.yarn.log_mul = log_mul / 0.1;
+        hp.yarn.mscale_from_log_mul = true;
+    }
+    Ok(())
+}
+
+/// A required key that must not be 0.
+fn positive(keys: &Keys<'_>, key: &str) -> Result<usize, ModelError> {
+    match keys.u32(key)? {
+        0 => Err(ModelError::BadHParams(format!("{} must not be 0", keys.name(key)))),
+        n => Ok(n),
+    }
+}
+
+fn tensors(t: &mut LayerPlan<'_>) {
+    let hp = t.hp;
+    let mla = hp.mla.as_ref().expect("deepseek2 hyper-parameters always set MLA");
+    let (embd, n_head, n_rot) = (hp.n_embd, hp.n_head, hp.rope.n_dims as usize);
+    let n_nope = mla.head_dim_k - n_rot;
+    t.vec("attn_norm.weight", &[embd]);
+    if mla.n_lora_q > 0 {
+        t.vec("attn_q_a_norm.weight", &[mla.n_lora_q]);
+        t.mat("attn_q_a.weight", &[embd, mla.n_lora_q]);
+        t.mat("attn_q_b.weight", &[mla.n_lora_q, n_head * mla.head_dim_k]);
+    } else {
+        t.mat("attn_q.weight", &[embd, n_head * mla.head_dim_k]);
+    }
+    t.vec("attn_kv_a_norm.weight", &[mla.n_lora_kv]);
+    t.mat("attn_kv_a_mqa.weight", &[embd, mla.n_lora_kv + n_rot]);
+    t.mat("attn_k_b.weight", &[n_nope, mla.n_lora_kv, n_head]);
+    t.mat("attn_v_b.weight", &[mla.n_lora_kv, mla.head_dim_v, n_head]);
+    t.mat("attn_output.weight", &[n_head * mla.head_dim_v, embd]);
+    t.vec("ffn_norm.weight", &[embd]);
+    if hp.is_moe(t.layer) {
+        tensors::experts(t, hp.moe.n_ff_exp, true);
+        t.vec("exp_probs_b.bias", &[hp.moe.n_expert]).presence(Presence::Usual);
+        tensors::ffn(t, "_shexp", hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
+    } else {
+        tensors::ffn(t, "", hp.n_ff, false);
+    }
+}
+
+fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = mla_attention(b, w, layer, cur);
+    let (cur, residual) = b.select_outputs(layer, cur, hidden);
+    let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
+
+    let cur = b.norm(ffn_in, w.get("ffn_norm.weight"));
+    let cur = if b.hp.is_moe(layer) {
+        let routing = Routing {
+            gating: b.hp.moe.gating,
+            norm_weights: b.hp.moe.weights_norm,
+            scale: b.hp.moe.weights_scale,
+            act: ExpertAct::Silu,
+        };
+        let routed = b.moe(w, layer, cur, routing);
+        let shared = b.ffn(w, "_shexp", Act::Silu, cur);
+        b.ctx.add(routed, shared)
+    } else {
+        b.ffn(w, "", Act::Silu, cur)
+    };
+    b.ctx.add(cur, ffn_in)
+}
+
+/// MLA with absorption, as llama.cpp's deepseek2 graph builds it: queries are mapped
+/// into the latent space (`attn_k_b`), so every head attends over the cached latent rows
+/// as one shared key head; the attended latent is decompressed per head (`attn_v_b`).
+fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+    let ctx = b.ctx;
+    let hp = b.hp;
+    let mla = hp.mla.as_ref().expect("deepseek2 hyper-parameters always set MLA");
+    let n_tokens = b.inputs.n_tokens as i64;
+    let n_head = hp.n_head as i64;
+    let n_rot = hp.rope.n_dims as i64;
+    let (head_k, n_lora_kv) = (mla.head_dim_k as i64, mla.n_lora_kv as i64);
+    let n_nope = head_k - n_rot;
+
+    let q = match w.opt("attn_q_a.weight") {
+        Some(q_a) => {
+            let q = ctx.mul_mat(q_a, x);
+            let q = b.norm(q, w.get("attn_q_a_norm.weight"));
+            ctx.mul_mat(w.get("attn_q_b.weight"), q)
+        }
+        None => ctx.mul_mat(w.get("attn_q.weight"), x),
+    };
+    let q = ctx.reshape_3d(q, head_k, n_head, n_tokens); // [head_k, n_head, n_tokens]
+
+    let kv_pe = ctx.mul_mat(w.get("attn_kv_a_mqa.weight"), x); // [n_lora_kv + n_rot, n_tokens]
+    let elt = kv_pe.nb()[0];
+    let row = kv_pe.nb()[1];
+    let kv = ctx.view_2d(kv_pe, n_lora_kv, n_tokens, row, 0);
+    let k_pe = ctx.view_3d(kv_pe, [n_rot, 1, n_tokens], row, row, elt * n_lora_kv as usize);
+    let k_pe = ctx.rope(k_pe, b.inputs.positions, None, &hp.rope);
+    let kv = b.norm(kv, w.get("attn_kv_a_norm.weight"));
+
+    let q_elt = q.nb()[0];
+    let q_nope = ctx.view_3d(q, [n_nope, n_head, n_tokens], q.nb()[1], q.nb()[2], 0);
+    let q_pe = ctx.view_3d(
+        q,
+        [n_rot, n_head, n_tokens],
+        q.nb()[1],
+        q.nb()[2],
+        q_elt * n_nope as usize,
+    );
+    let q_pe = ctx.rope(q_pe, b.inputs.positions, None, &hp.rope);
+    let q_nope = ctx.permute(q_nope, [0, 2, 1, 3]); // [n_nope, n_tokens, n_head]
+    let q_absorbed = ctx.mul_mat(w.get("attn_k_b.weight"), q_nope); // [n_lora_kv, n_tokens, n_head]
+    let q_absorbed = ctx.permute(q_absorbed, [0, 2, 1, 3]); // [n_lora_kv, n_head, n_tokens]
+                                                            // RoPE part last, so a cache row is [latent, rope].
+    let mut q = ctx.concat(q_absorbed, q_pe, 0).named(&format!("Qcur-{layer}")); // [n_lora_kv + n_rot, n_head, n_tokens]
+    if let Some(temp) = b.inputs.attn_temp {
+        q = ctx.mul(q, temp);
+    }
+    let kv = ctx.reshape_3d(kv, n_lora_kv, 1, n_tokens);
+    let k = ctx.concat(kv, k_pe, 0).named(&format!("Kcur-{layer}")); // [n_lora_kv + n_rot, 1, n_tokens]
+
+    // llama.cpp pre-scales the score scale for YaRN (its attention factor, undone).
+    let freq_scale = hp.rope.freq_scale;
+    let attn_factor = hp.rope.attn_factor * (1.0 + 0.1 * (1.0 / freq_scale).ln());
+    let mscale = attn_factor * (1.0 + 0.1 * hp.yarn.log_mul * (1.0 / freq_scale).ln());
+    let scale = mscale * mscale / (head_k as f32).sqrt();
+
+    let keys = KeyValues {
+        k,
+        v: None,
+        d_v: mla.n_lora_kv,
+    };
+    let out = b.attend(layer, q, keys, None, scale); // [n_lora_kv, n_head, n_tokens]
+    let out = ctx.permute(out, [0, 2, 1, 3]); // [n_lora_kv, n_tokens, n_head]
+    let out = ctx.mul_mat(w.get("attn_v_b.weight"), out); // [head_dim_v, n_tokens, n_head]
+    let out = ctx.cont(ctx.permute(out, [0, 2, 1, 3])); // [head_dim_v, n_head, n_tokens]
+    let out = ctx.reshape_2d(out, mla.head_dim_v as i64 * n_head, n_tokens);
+    ctx.mul_mat(w.get("attn_output.weight"), out)
+}
+
+fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
+    // A latent as wide as the model, RoPE on half a head, heads of a non-RoPE part of
+    // `head_dim` plus the RoPE part; values `head_dim` wide.
+    let n_lora = shape.n_embd as u32;
+    let n_rot = (shape.head_dim / 2) as u32;
+    let head = shape.head_dim as u32;
+    // Expert groups of two (DeepSeek V3's group-limited routing), half of them used.
+    let n_group = (shape.n_expert as u32 / 2).min(4);
+    vec![
+        ("attention.head_count_kv", Value::U32(1)),
+        ("attention.key_length", Value::U32(n_lora + n_rot)),
+        ("attention.value_length", Value::U32(n_lora)),
+        ("attention.key_length_mla", Value::U32(head + n_rot)),
+        ("attention.value_length_mla", Value::U32(head)),
+        ("attention.q_lora_rank", Value::U32(n_lora)),
+        ("attention.kv_lora_rank", Value::U32(n_lora)),
+        ("rope.dimension_count", Value::U32(n_rot)),
+        ("expert_count", Value::U32(shape.n_expert as u32)),
+        ("expert_used_count", Value::U32(shape.n_expert_used as u32)),
+        ("expert_feed_forward_length", Value::U32(shape.n_ff_exp as u32)),
+        ("expert_shared_count", Value::U32(shape.n_expert_shared as u32)),
+        ("leading_dense_block_count", Value::U32(shape.n_dense_lead as u32)),
+        ("expert_weights_norm", Value::Bool(true)),
+        ("expert_weights_scale", Value::F32(2.5)),
+        ("expert_gating_func", Value::U32(2)),
+        ("expert_group_count", Value::U32(n_group)),
+        ("expert_group_used_count", Value::U32(n_group / 2)),
+        // Temperature steps every 8 positions, so the test prompts see several.
+        ("attention.temperature_scale", Value::F32(0.1)),
+        ("attention.temperature_length", Value::U32(8)),
+    ]
+}

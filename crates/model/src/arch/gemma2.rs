@@ -1,0 +1,73 @@
+//! Gemma 2 (`gemma2`): scaled embeddings, queries pre-scaled, sliding-window attention
+//! on every second layer, soft-capped attention scores and logits, a norm after
+//! attention and after the FFN, and GeGLU; the output reuses the token embedding.
+
+use baton_ggml::Tensor;
+use baton_gguf::Value;
+
+use super::builder::Act;
+use super::{Architecture, Builder, Rope, Shape};
+use crate::hparams::{HParams, Keys};
+use crate::tensors::{self, LayerPlan, Presence};
+use crate::weights::LayerTensors;
+use crate::ModelError;
+
+pub static ARCH: Architecture = Architecture {
+    name: "gemma2",
+    aliases: &[],
+    rope: Rope::Neox,
+    rope_freqs: false,
+    own_output: false,
+    hparams,
+    tensors,
+    layer,
+    example,
+};
+
+/// As llama.cpp's `llama_model_gemma2` reads them.
+fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
+    hp.embd_scale = (hp.n_embd as f32).sqrt();
+    // The 27B (46 layers) scales queries by n_embd / n_head instead of the head size.
+    hp.query_scale = if hp.n_layer == 46 {
+        1.0 / ((hp.n_embd / hp.n_head) as f32).sqrt()
+    } else {
+        1.0 / (hp.head_dim_k as f32).sqrt()
+    };
+    hp.attn_scale = 1.0;
+    hp.attn_logit_softcap = keys.opt_f32("attn_logit_softcapping")?.unwrap_or(50.0);
+    hp.final_logit_softcap = keys.opt_f32("final_logit_softcapping")?.unwrap_or(30.0);
+    // A window of 4096 unless the file says otherwise.
+    hp.read_sliding_window(keys, 4096, 2, None)?;
+    Ok(())
+}
+
+fn tensors(t: &mut LayerPlan<'_>) {
+    let embd = t.hp.n_embd;
+    t.vec("attn_norm.weight", &[embd]);
+    tensors::attention(t, Presence::Optional);
+    t.vec("post_attention_norm.weight", &[embd]);
+    t.vec("ffn_norm.weight", &[embd]);
+    tensors::ffn(t, "", t.hp.n_ff, false);
+    t.vec("post_ffw_norm.weight", &[embd]);
+}
+
+fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.attention(w, layer, cur);
+    let (cur, residual) = b.select_outputs(layer, cur, hidden);
+    let cur = b.norm(cur, w.get("post_attention_norm.weight"));
+    let attn_out = b.ctx.add(cur, residual);
+
+    let cur = b.norm(attn_out, w.get("ffn_norm.weight"));
+    let cur = b.ffn(w, "", Act::Gelu, cur);
+    let cur = b.norm(cur, w.get("post_ffw_norm.weight"));
+    b.ctx.add(cur, attn_out)
+}
+
+fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
+    vec![
+        ("attention.sliding_window", Value::U32(shape.n_swa as u32)),
+        ("attn_logit_softcapping", Value::F32(50.0)),
+        ("final_logit_softcapping", Value::F32(30.0)),
+    ]
+}

@@ -1,0 +1,304 @@
+//! The mixture-of-experts block every MoE architecture shares, as llama.cpp's
+//! `build_moe_ffn` computes it: a router scores the experts of each token (softmax or
+//! sigmoid, optionally biased for selection, optionally limited to the best expert
+//! groups), the top `k` experts run through `mul_mat_id`, and their outputs are summed
+//! with the router's weights (optionally normalised and scaled).
+
+use baton_ggml::Tensor;
+
+use super::Builder;
+use crate::hparams::Keys;
+use crate::weights::LayerTensors;
+use crate::ModelError;
+
+/// Most experts per layer llama.cpp accepts (`LLAMA_MAX_EXPERTS`).
+const MAX_EXPERTS: usize = 1024;
+
+/// How the router turns its logits into expert weights (llama.cpp's
+/// `llama_expert_gating_func_type`, whose numbers the GGUF key uses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over all experts; the chosen experts' probabilities are the weights.
+    Softmax,
+    /// Sigmoid of each logit.
+    Sigmoid,
+    /// Top-k on the raw logits, then softmax over the chosen ones (gpt-oss).
+    SoftmaxWeight,
+}
+
+impl Gating {
+    /// The gating named by `expert_gating_func` (`0`: not set).
+    fn from_id(id: usize) -> Result<Option<Gating>, ModelError> {
+        match id {
+            0 => Ok(None),
+            1 => Ok(Some(Gating::Softmax)),
+            2 => Ok(Some(Gating::Sigmoid)),
+            3 => Ok(Some(Gating::SoftmaxWeight)),
+            other => Err(ModelError::BadHParams(format!(
+                "expert_gating_func {other} is not supported (1 softmax, 2 sigmoid, 3 softmax of the chosen)"
+            ))),
+        }
+    }
+}
+
+/// Routing hyper-parameters (all zero for a dense model).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeParams {
+    /// Routed experts per MoE layer.
+    pub n_expert: usize,
+    /// Experts each token uses.
+    pub n_expert_used: usize,
+    /// Inner size of each expert.
+    pub n_ff_exp: usize,
+    /// Shared experts (one FFN of `n_ff_exp * n_expert_shared` every token runs).
+    pub n_expert_shared: usize,
+    /// Leading layers with a dense FFN instead of experts.
+    pub n_layer_dense_lead: usize,
+    /// Expert groups (DeepSeek V3): only the best `n_group_used` groups are chosen from.
+    pub n_group: usize,
+    /// Groups a token may choose experts from.
+    pub n_group_used: usize,
+    /// Router weights are divided by their sum.
+    pub weights_norm: bool,
+    /// Router weights are multiplied by this (0 and 1: not).
+    pub weights_scale: f32,
+    /// How the router scores experts.
+    pub gating: Gating,
+}
+
+impl MoeParams {
+    /// The keys every architecture may have (`expert_count`, `expert_used_count`,
+    /// `expert_group_count`, `expert_group_used_count`), checked as llama.cpp checks
+    /// them; the rest is each architecture's to read.
+    pub fn read(keys: &Keys<'_>, n_layer_all: usize) -> Result<MoeParams, ModelError> {
+        let n_expert = keys.opt_u32("expert_count")?.unwrap_or(0);
+        let n_expert_used = keys.opt_uniform_u32("expert_used_count", n_layer_all)?.unwrap_or(0);
+        let n_group = keys.opt_u32("expert_group_count")?.unwrap_or(0);
+        let n_group_used = keys.opt_u32("expert_group_used_count")?.unwrap_or(0);
+        let bad = |why: String| Err(ModelError::BadHParams(why));
+        if n_expert == 0 && (n_expert_used > 0 || n_group > 0) {
+            return bad(format!(
+                "expert_used_count {n_expert_used} but the model has no experts (expert_count 0)"
+            ));
+        }
+        if n_expert > MAX_EXPERTS || n_expert_used > n_expert {
+            return bad(format!(
+                "{n_expert_used} of {n_expert} experts used per token (at most {MAX_EXPERTS} experts)"
+            ));
+        }
+        if n_expert > 0 {
+            if n_expert_used == 0 {
+                return bad(format!("{n_expert} experts but none used per token"));
+            }
+            if n_group >= n_expert {
+                return bad(format!("{n_group} expert groups for {n_expert} experts"));
+            }
+            if n_group > 1 && (!n_expert.is_multiple_of(n_group) || n_group_used == 0 || n_group_used >= n_group) {
+                return bad(format!(
+                    "{n_expert} experts in {n_group} groups, {n_group_used} groups used: \
+                     groups must divide the experts and 0 < used < groups"
+                ));
+            }
+        }
+        Ok(MoeParams {
+            n_expert,
+            n_expert_used,
+            n_ff_exp: 0,
+            n_expert_shared: 0,
+            n_layer_dense_lead: 0,
+            n_group,
+            n_group_used,
+            weights_norm: false,
+            weights_scale: 0.0,
+            gating: Gating::Softmax,
+        })
+    }
+
+    /// Reads `expert_feed_forward_length` (required when `required`, else defaulting to
+    /// `n_ff / n_expert_used` as llama.cpp does).
+    pub fn read_ff_exp(
+        &mut self,
+        keys: &Keys<'_>,
+        n_layer_all: usize,
+        n_ff: usize,
+        required: bool,
+    ) -> Result<(), ModelError> {
+        self.n_ff_exp = match keys.opt_uniform_u32("expert_feed_forward_length", n_layer_all)? {
+            Some(n) if n > 0 => n,
+            None if required => return Err(keys_missing(keys, "expert_feed_forward_length")),
+            _ => n_ff / self.n_expert_used.max(1),
+        };
+        Ok(())
+    }
+
+    /// Reads the DeepSeek-style routing keys: shared experts, dense leading layers,
+    /// weight normalisation and scale, and the gating function (`default` when unset).
+    pub fn read_routing(&mut self, keys: &Keys<'_>, shared_required: bool, default: Gating) -> Result<(), ModelError> {
+        self.n_expert_shared = match keys.opt_u32("expert_shared_count")? {
+            Some(n) => n,
+            None if shared_required => return Err(keys_missing(keys, "expert_shared_count")),
+            None => 0,
+        };
+        self.n_layer_dense_lead = keys.opt_u32("leading_dense_block_count")?.unwrap_or(0);
+        self.weights_scale = keys.opt_f32("expert_weights_scale")?.unwrap_or(0.0);
+        self.weights_norm = keys.opt_bool("expert_weights_norm")?.unwrap_or(false);
+        let id = keys.opt_u32("expert_gating_func")?.unwrap_or(0);
+        self.gating = Gating::from_id(id)?.unwrap_or(default);
+        Ok(())
+    }
+
+    /// Checks that the experts are usable: at least one, and an inner size.
+    pub fn require_experts(&self, arch: &str) -> Result<(), ModelError> {
+        if self.n_expert == 0 || self.n_expert_used == 0 || self.n_ff_exp == 0 {
+            return Err(ModelError::BadHParams(format!(
+                "{arch} needs experts: expert_count {}, expert_used_count {}, expert size {}",
+                self.n_expert, self.n_expert_used, self.n_ff_exp
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn keys_missing(keys: &Keys<'_>, key: &str) -> ModelError {
+    ModelError::Gguf(baton_gguf::GgufError::MissingKey(keys.name(key)))
+}
+
+/// The activation of each expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertAct {
+    /// `silu(gate) * up`.
+    Silu,
+    /// gpt-oss's clamped SwiGLU (`ggml_swiglu_oai`, alpha 1.702, limit 7).
+    SwigluOai,
+}
+
+/// How one architecture routes (the parts not in the GGUF).
+#[derive(Clone, Copy, Debug)]
+pub struct Routing {
+    /// How router logits become weights.
+    pub gating: Gating,
+    /// Whether the chosen weights are divided by their sum.
+    pub norm_weights: bool,
+    /// Multiplier of the chosen weights (0 or 1: none).
+    pub scale: f32,
+    /// The experts' activation.
+    pub act: ExpertAct,
+}
+
+impl<'g> Builder<'g> {
+    /// The routed experts of layer `layer` for `x [n_embd, n_tokens]`; returns the
+    /// weighted sum of each token's experts, `[n_embd, n_tokens]`.
+    pub fn moe(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>, routing: Routing) -> Tensor<'g> {
+        let ctx = self.ctx;
+        let moe = &self.hp.moe;
+        let (n_embd, n_tokens) = (x.ne()[0], x.ne()[1]);
+        let (n_expert, n_used) = (moe.n_expert as i64, moe.n_expert_used as i64);
+        let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
+
+        // llama.cpp's quantizer leaves the router in f32 (see `mul_mat_rowwise`).
+        let mut logits = self.mul_mat_rowwise(w.get("ffn_gate_inp.weight"), x); // [n_expert, n_tokens]
+        if let Some(b) = w.opt("ffn_gate_inp.bias") {
+            logits = ctx.add(logits, b);
+        }
+        let probs = match routing.gating {
+            Gating::Softmax => ctx.soft_max(logits),
+            Gating::Sigmoid => ctx.sigmoid(logits),
+            Gating::SoftmaxWeight => logits,
+        };
+        let probs = named(probs, "ffn_moe_probs"); // [n_expert, n_tokens]
+
+        // The selection bias (DeepSeek V3) only chooses; the weights stay unbiased.
+        let mut selection = match w.opt("exp_probs_b.bias") {
+            Some(b) => ctx.add(probs, b),
+            None => probs,
+        };
+        if moe.n_group > 1 && n_tokens > 0 {
+            selection = self.best_groups(selection, n_expert, n_tokens);
+        }
+        let selected = named(ctx.argsort_top_k(selection, moe.n_expert_used), "ffn_moe_topk"); // [n_used, n_tokens]
+
+        let probs3 = ctx.reshape_3d(probs, 1, n_expert, n_tokens);
+        let mut weights = ctx.get_rows(probs3, selected); // [1, n_used, n_tokens]
+        if routing.gating == Gating::SoftmaxWeight {
+            let flat = ctx.reshape_2d(weights, n_used, n_tokens);
+            weights = ctx.reshape_3d(ctx.soft_max(flat), 1, n_used, n_tokens);
+        }
+        if routing.norm_weights {
+            let flat = ctx.reshape_2d(weights, n_used, n_tokens);
+            // Clamped to the smallest normal f16, as llama.cpp does against division by 0.
+            let sum = ctx.clamp(ctx.sum_rows(flat), 6.103_515_6e-5, f32::INFINITY); // [1, n_tokens]
+            weights = ctx.reshape_3d(ctx.div(flat, sum), 1, n_used, n_tokens);
+        }
+        if routing.scale != 0.0 && routing.scale != 1.0 {
+            weights = ctx.scale(weights, routing.scale);
+        }
+        let weights = named(weights, "ffn_moe_weights");
+        self.graph.expand(weights);
+
+        let x3 = ctx.reshape_3d(x, n_embd, 1, n_tokens);
+        let experts = |name: &str, input: Tensor<'g>| {
+            let out = ctx.mul_mat_id(w.get(&format!("{name}.weight")), input, selected);
+            match w.opt(&format!("{name}.bias")) {
+                Some(b) => ctx.add_id(out, b, selected),
+                None => out,
+            }
+        };
+        let (gate, up) = match w.opt("ffn_gate_up_exps.weight") {
+            Some(gate_up_w) => {
+                let gate_up = ctx.mul_mat_id(gate_up_w, x3, selected); // [2 n_ff, n_used, n_tokens]
+                let n_ff = gate_up.ne()[0] / 2;
+                let [_, ne1, ne2, _] = gate_up.ne();
+                let [nb0, nb1, nb2, _] = gate_up.nb();
+                let gate = ctx.view_3d(gate_up, [n_ff, ne1, ne2], nb1, nb2, 0);
+                let up = ctx.view_3d(gate_up, [n_ff, ne1, ne2], nb1, nb2, n_ff as usize * nb0);
+                (gate, up)
+            }
+            None => {
+                let up = experts("ffn_up_exps", x3); // [n_ff, n_used, n_tokens]
+                (experts("ffn_gate_exps", x3), up)
+            }
+        };
+        let hidden = match routing.act {
+            ExpertAct::Silu => ctx.swiglu_split(gate, up),
+            ExpertAct::SwigluOai => ctx.swiglu_oai(gate, up, 1.702, 7.0),
+        };
+        let out = experts("ffn_down_exps", hidden); // [n_embd, n_used, n_tokens]
+        let out = ctx.mul(out, weights);
+        self.graph.expand(out);
+
+        // Sum the experts' rows in order, each a view `[n_embd, n_tokens]`.
+        let views: Vec<Tensor<'g>> = (0..n_used as usize)
+            .map(|i| {
+                let view = ctx.view_2d(out, n_embd, n_tokens, out.nb()[2], i * out.nb()[1]);
+                self.graph.expand(view);
+                view
+            })
+            .collect();
+        let mut sum = views[0];
+        for &view in &views[1..] {
+            sum = ctx.add(sum, view);
+            self.graph.expand(sum);
+        }
+        if views.len() == 1 {
+            sum = ctx.cont(sum);
+        }
+        named(sum, "ffn_moe_out")
+    }
+
+    /// Group-limited routing (DeepSeek V3): each group of experts scores the sum of its
+    /// two best; experts outside the `n_group_used` best groups get `-inf`.
+    fn best_groups(&self, selection: Tensor<'g>, n_expert: i64, n_tokens: i64) -> Tensor<'g> {
+        let ctx = self.ctx;
+        let n_group = self.hp.moe.n_group as i64;
+        let per_group = n_expert / n_group;
+        let groups = ctx.reshape_3d(selection, per_group, n_group, n_tokens); // [per_group, n_group, n_tokens]
+        let top2 = ctx.argsort_top_k(groups, 2); // [2, n_group, n_tokens]
+        let scores = ctx.get_rows(ctx.reshape_4d(groups, [1, per_group, n_group, n_tokens]), top2); // [1, 2, n_group, n_tokens]
+        let scores = ctx.sum_rows(ctx.reshape_3d(scores, 2, n_group, n_tokens)); // [1, n_group, n_tokens]
+        let scores = ctx.reshape_2d(scores, n_group, n_tokens);
+        let best = ctx.argsort_top_k(scores, self.hp.moe.n_group_used); // [n_group_used, n_tokens]
+        let kept = ctx.get_rows(groups, best); // [per_group, n_group_used, n_tokens]
+        let masked = ctx.set_rows(ctx.fill(groups, f32::NEG_INFINITY), kept, best);
+        ctx.reshape_2d(masked, n_expert, n_tokens)
+    }
+}

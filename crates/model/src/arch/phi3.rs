@@ -1,0 +1,72 @@
+//! Phi-3 and Phi-4 (`phi3`): fused q/k/v projection, queries pre-scaled, a fused
+//! gate-and-up projection with SwiGLU. llama.cpp ignores Phi's sliding window, and so
+//! does baton; LongRoPE models (`rope_factors_long`/`_short`, the 128k variants) are
+//! refused by the loader (their factors depend on the context size).
+
+use baton_ggml::Tensor;
+use baton_gguf::Value;
+
+use super::{Architecture, Builder, Rope, Shape};
+use crate::hparams::{HParams, Keys};
+use crate::tensors::LayerPlan;
+use crate::weights::LayerTensors;
+use crate::ModelError;
+
+pub static ARCH: Architecture = Architecture {
+    name: "phi3",
+    aliases: &[],
+    rope: Rope::Neox,
+    rope_freqs: false,
+    own_output: false,
+    hparams,
+    tensors,
+    layer,
+    example,
+};
+
+/// As llama.cpp's `llama_model_phi3` reads them.
+fn hparams(hp: &mut HParams, _keys: &Keys<'_>) -> Result<(), ModelError> {
+    if hp.head_dim_v != hp.head_dim_k || hp.head_dim_k * hp.n_head != hp.n_embd {
+        return Err(ModelError::BadHParams(format!(
+            "phi3 needs heads that tile the model's width ({} heads of {} and {} for {})",
+            hp.n_head, hp.head_dim_k, hp.head_dim_v, hp.n_embd
+        )));
+    }
+    hp.query_scale = 1.0 / (hp.head_dim_k as f32).sqrt();
+    hp.attn_scale = 1.0;
+    Ok(())
+}
+
+fn tensors(t: &mut LayerPlan<'_>) {
+    let hp = t.hp;
+    let (embd, kv) = (hp.n_embd, hp.n_embd_k_gqa());
+    t.vec("attn_norm.weight", &[embd]);
+    // Phi files fuse q, k and v; separate ones are taken when a file has them.
+    if t.file_has("attn_q.weight") {
+        t.mat("attn_q.weight", &[embd, embd]);
+        t.mat("attn_k.weight", &[embd, kv]);
+        t.mat("attn_v.weight", &[embd, kv]);
+    } else {
+        t.mat("attn_qkv.weight", &[embd, embd + 2 * kv]);
+    }
+    t.mat("attn_output.weight", &[embd, embd]);
+    t.vec("ffn_norm.weight", &[embd]);
+    t.mat("ffn_up.weight", &[embd, 2 * hp.n_ff]);
+    t.mat("ffn_down.weight", &[hp.n_ff, embd]);
+}
+
+fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.attention(w, layer, cur);
+    let (cur, residual) = b.select_outputs(layer, cur, hidden);
+    let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
+
+    let cur = b.norm(ffn_in, w.get("ffn_norm.weight"));
+    let gate_up = b.ctx.mul_mat(w.get("ffn_up.weight"), cur); // [2 n_ff, n_tokens]
+    let cur = b.ctx.mul_mat(w.get("ffn_down.weight"), b.ctx.swiglu(gate_up));
+    b.ctx.add(ffn_in, cur)
+}
+
+fn example(_shape: &Shape) -> Vec<(&'static str, Value)> {
+    Vec::new()
+}

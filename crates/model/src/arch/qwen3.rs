@@ -1,0 +1,38 @@
+//! Qwen 3 (`qwen3`): the llama layer with per-head RMS norms of queries and keys, and
+//! NeoX RoPE.
+
+use baton_gguf::Value;
+
+use super::{Architecture, Rope, Shape};
+use crate::hparams::{HParams, Keys};
+use crate::tensors::{self, LayerPlan, Presence};
+use crate::ModelError;
+
+pub static ARCH: Architecture = Architecture {
+    name: "qwen3",
+    aliases: &[],
+    rope: Rope::Neox,
+    rope_freqs: false,
+    own_output: false,
+    hparams,
+    tensors,
+    layer: super::llama::layer,
+    example,
+};
+
+fn hparams(hp: &mut HParams, _keys: &Keys<'_>) -> Result<(), ModelError> {
+    super::llama::require_plain_heads(hp)
+}
+
+fn tensors(t: &mut LayerPlan<'_>) {
+    let embd = t.hp.n_embd;
+    t.vec("attn_norm.weight", &[embd]);
+    tensors::attention(t, Presence::Optional);
+    tensors::qk_norms(t, Presence::Required);
+    t.vec("ffn_norm.weight", &[embd]);
+    tensors::ffn(t, "", t.hp.n_ff, false);
+}
+
+fn example(_shape: &Shape) -> Vec<(&'static str, Value)> {
+    Vec::new()
+}

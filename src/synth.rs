@@ -1,0 +1,121 @@
+//! `baton synth`: write a synthetic model of any supported architecture (random
+//! weights, a real tokenizer, quantized by libllama) for tests and benchmarks.
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use baton_ggml::FileType;
+use baton_model::Shape;
+use baton_synth::{synthesize, SynthSpec};
+use clap::Args;
+
+/// Arguments of `baton synth`.
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// Architecture (`general.architecture`), one of those `baton` runs.
+    #[arg(long)]
+    arch: String,
+    /// Where to write the GGUF.
+    #[arg(long, short = 'o')]
+    out: PathBuf,
+    /// File type: F32, Q8_0, Q4_K_M or MXFP4_MOE (experts in MXFP4, the rest Q8_0).
+    #[arg(long, default_value = "Q4_K_M")]
+    quant: String,
+    /// GGUF whose tokenizer the model gets.
+    #[arg(long, default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")]
+    tokenizer: PathBuf,
+    /// Keep only this many ordinary tokens of the tokenizer (its special tokens stay);
+    /// 0 keeps the whole vocabulary.
+    #[arg(long, default_value_t = 8192)]
+    vocab: usize,
+    /// Transformer layers.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Hidden size (a multiple of 256 lets k-quants apply everywhere).
+    #[arg(long, default_value_t = 256)]
+    embd: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Key/value heads.
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    /// Dimension of each head.
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Inner size of dense feed-forward blocks.
+    #[arg(long, default_value_t = 512)]
+    ff: usize,
+    /// Routed experts per MoE layer (for llama: 0 makes a dense model).
+    #[arg(long, default_value_t = 8)]
+    experts: usize,
+    /// Experts each token uses.
+    #[arg(long, default_value_t = 2)]
+    experts_used: usize,
+    /// Inner size of each expert.
+    #[arg(long, default_value_t = 256)]
+    expert_ff: usize,
+    /// Shared experts (architectures that have them).
+    #[arg(long, default_value_t = 1)]
+    shared_experts: usize,
+    /// Dense layers before the MoE layers (architectures that have them).
+    #[arg(long, default_value_t = 1)]
+    dense_lead: usize,
+    /// Sliding-window size (architectures with sliding-window layers).
+    #[arg(long, default_value_t = 16)]
+    swa: usize,
+    /// Context length written in the metadata.
+    #[arg(long, default_value_t = 4096)]
+    ctx: usize,
+    /// Seed of the weights.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write a separate output projection instead of reusing the token embedding.
+    #[arg(long)]
+    untied: bool,
+    /// Also write the tensors the architecture takes when present but real files
+    /// usually lack (llama's biases, glm4moe's q/k norms, ...).
+    #[arg(long)]
+    optional_tensors: bool,
+}
+
+/// Writes the model.
+pub fn synth(args: SynthArgs) -> anyhow::Result<()> {
+    let arch = baton_model::find_architecture(&args.arch)?;
+    let file_type = FileType::from_name(&args.quant).with_context(|| {
+        let names: Vec<&str> = FileType::ALL.iter().map(|t| t.name()).collect();
+        format!("unknown --quant {}; one of {}", args.quant, names.join(", "))
+    })?;
+    let shape = Shape {
+        n_layer: args.layers,
+        n_embd: args.embd,
+        n_head: args.heads,
+        n_head_kv: args.kv_heads,
+        head_dim: args.head_dim,
+        n_ff: args.ff,
+        n_expert: args.experts,
+        n_expert_used: args.experts_used,
+        n_ff_exp: args.expert_ff,
+        n_expert_shared: args.shared_experts,
+        n_dense_lead: args.dense_lead,
+        n_swa: args.swa,
+        n_ctx: args.ctx,
+    };
+    let spec = SynthSpec {
+        vocab: (args.vocab > 0).then_some(args.vocab),
+        seed: args.seed,
+        tied_output: !args.untied,
+        optional_tensors: args.optional_tensors,
+        ..SynthSpec::new(arch, shape, file_type, args.tokenizer)
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n_vocab = synthesize(&spec, &args.out, threads)?;
+    let size = std::fs::metadata(&args.out)?.len();
+    println!(
+        "{}: {} {} with {n_vocab} tokens, {size} bytes",
+        args.out.display(),
+        arch.name,
+        file_type.name()
+    );
+    Ok(())
+}

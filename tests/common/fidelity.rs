@@ -1,0 +1,86 @@
+//! The comparison every architecture passes: baton's stages against libllama on the
+//! same file, last-token logits and greedy continuations.
+
+use std::path::Path;
+
+use baton_ggml::{LlamaContext, LlamaModel};
+use baton_model::{ModelFile, StageConfig};
+use baton_node::{GenerateRequest, LocalRing};
+use baton_sample::{argmax, SamplingParams};
+
+use super::{nmse, Chain, PROMPTS};
+
+/// Bound on the logits' normalised mean squared error (see docs/fidelity.md for the
+/// numbers behind it).
+pub const MAX_NMSE: f64 = 1e-6;
+/// Tokens of each greedy continuation.
+pub const N_GREEDY: usize = 32;
+
+/// libllama's last-token logits of `prompt` and up to [`N_GREEDY`] greedy tokens.
+pub fn reference(oracle: &LlamaModel, prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
+    let mut ctx = LlamaContext::new(oracle, 512, 512, 2).unwrap();
+    let logits = ctx.decode(prompt).unwrap();
+    let mut tokens = Vec::new();
+    let mut next = argmax(&logits).unwrap();
+    while tokens.len() < N_GREEDY && !oracle.is_end_of_generation(next) {
+        tokens.push(next);
+        next = argmax(&ctx.decode(&[next]).unwrap()).unwrap();
+    }
+    (logits, tokens)
+}
+
+/// 1, 2 and 3 in-process stages on the model at `path`, every prompt: logits within
+/// [`MAX_NMSE`] of libllama's and the same argmax, and the ring's greedy tokens equal
+/// to libllama's. Returns the largest NMSE seen.
+pub fn check_stages(path: &Path, label: &str) -> f64 {
+    check_stages_with(path, label, &[1, 2, 3])
+}
+
+/// [`check_stages`] with `stage_counts` stages.
+pub fn check_stages_with(path: &Path, label: &str, stage_counts: &[usize]) -> f64 {
+    let file = ModelFile::open(path).unwrap();
+    let oracle = LlamaModel::load_full(path, true).unwrap();
+    let n_layer = file.hparams().n_layer;
+    let mut worst = 0f64;
+    for prompt_text in PROMPTS {
+        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
+        let (ref_logits, ref_tokens) = reference(&oracle, &prompt);
+        for &n_stages in stage_counts {
+            let ranges = baton_plan::even_split(n_layer, n_stages).unwrap();
+            let mut chain = Chain::load(&file, &ranges, 512);
+            let logits = chain.logits(0, &prompt, 0);
+            let err = nmse(&logits, &ref_logits);
+            worst = worst.max(err);
+            println!("{label} {n_stages} stage(s) {prompt_text:?}: nmse {err:.3e}");
+            assert!(
+                err <= MAX_NMSE,
+                "{label}, {n_stages} stages, prompt {prompt_text:?}: NMSE {err:e} > {MAX_NMSE:e}"
+            );
+            assert_eq!(argmax(&logits), argmax(&ref_logits));
+
+            let config = StageConfig::new(512, 1);
+            let mut ring = LocalRing::start(file.clone(), &ranges, &config).unwrap();
+            let req = GenerateRequest {
+                seq: 0,
+                prompt: &prompt,
+                params: SamplingParams::greedy(),
+                max_tokens: N_GREEDY,
+                n_batch: 512,
+                logprobs: false,
+            };
+            let generation = ring
+                .head()
+                .unwrap()
+                .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
+                .unwrap();
+            assert_eq!(
+                generation.tokens,
+                ref_tokens,
+                "{label}, {n_stages} stages, prompt {prompt_text:?}:\n ours: {:?}\n llama.cpp: {:?}",
+                oracle.detokenize(&generation.tokens, false),
+                oracle.detokenize(&ref_tokens, false)
+            );
+        }
+    }
+    worst
+}

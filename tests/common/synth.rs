@@ -1,0 +1,57 @@
+//! Synthetic models of every architecture for the end-to-end tests: small random
+//! weights, the qwen2 test model's tokenizer cut to 8192 ordinary tokens, quantized by
+//! libllama. Made once into the tests' target directory and reused.
+
+use std::path::PathBuf;
+
+use baton_ggml::FileType;
+use baton_model::Shape;
+use baton_synth::SynthSpec;
+
+use super::{model, QWEN2};
+
+/// Where the synthetic models are kept (a worker serves this directory).
+pub fn synth_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("synth-models")
+}
+
+/// The shape every synthetic test model has: 4 layers of width 256 (k-quants apply
+/// everywhere), 8 experts of which 2 are used, 1 shared expert and 1 dense leading
+/// layer where the architecture has them, a window of 16 where it slides.
+pub fn test_shape() -> Shape {
+    Shape {
+        n_layer: 4,
+        n_embd: 256,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 64,
+        n_ff: 512,
+        n_expert: 8,
+        n_expert_used: 2,
+        n_ff_exp: 256,
+        n_expert_shared: 1,
+        n_dense_lead: 1,
+        n_swa: 16,
+        n_ctx: 4096,
+    }
+}
+
+/// The synthetic model of `arch` (`mixtral`: llama with experts; `llama` and
+/// `mistral3`: dense) quantized as `file_type`, with [`test_shape`], the spec changed by
+/// `edit`.
+pub fn synthetic_with(arch: &str, file_type: FileType, edit: impl FnOnce(&mut SynthSpec)) -> PathBuf {
+    let mut shape = test_shape();
+    if arch == "llama" || arch == "mistral3" {
+        shape.n_expert = 0;
+    }
+    let name = if arch == "mixtral" { "llama" } else { arch };
+    let architecture = baton_model::find_architecture(name).unwrap();
+    let mut spec = SynthSpec::new(architecture, shape, file_type, model(QWEN2));
+    edit(&mut spec);
+    baton_synth::cached(&spec, &synth_dir()).unwrap()
+}
+
+/// The synthetic model of `arch` with [`test_shape`].
+pub fn synthetic(arch: &str, file_type: FileType) -> PathBuf {
+    synthetic_with(arch, file_type, |_| {})
+}

@@ -1,0 +1,258 @@
+//! Architectures whose real models are too large for CI, on synthetic models (random
+//! weights, a real tokenizer, quantized by libllama): 1, 2 and 3 in-process stages and
+//! 2 TCP workers reproduce libllama, and batching other sequences changes nothing.
+
+mod common;
+
+use baton_ggml::{FileType, LlamaModel};
+use baton_model::{Batch, ModelFile, StageConfig, StageInput, StageOutput};
+use baton_node::cluster::{connect_cluster, ClusterOptions};
+use common::fidelity::{check_stages, check_stages_with};
+use common::synth::{synth_dir, synthetic, synthetic_with};
+use common::worker::{greedy, reference, WorkerProc};
+use common::{nmse, Chain, PROMPTS};
+
+fn stages(arch: &str, file_type: FileType) {
+    let path = synthetic(arch, file_type);
+    let worst = check_stages(&path, &format!("{arch} {}", file_type.name()));
+    println!("{arch} {}: worst NMSE {worst:.3e}", file_type.name());
+}
+
+fn two_workers(arch: &str, file_type: FileType) {
+    const TOKEN: &str = "synthetic-secret";
+    let path = synthetic(arch, file_type);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let w0 = WorkerProc::start(&synth_dir(), Some(TOKEN), &[]);
+    let w1 = WorkerProc::start(&synth_dir(), Some(TOKEN), &[]);
+    let options = ClusterOptions {
+        token: Some(TOKEN.into()),
+        n_ctx: 512,
+        repack: true,
+        ..Default::default()
+    };
+    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options).unwrap();
+    assert_eq!(ring.plan.stages.len(), 2);
+    assert!(
+        ring.workers.iter().all(|w| w.streamed == 0),
+        "both workers hold the file"
+    );
+    for prompt_text in PROMPTS {
+        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
+        let expected = reference(&oracle, &prompt, 32);
+        println!(
+            "{arch} {prompt_text:?}: {} tokens {:?}",
+            expected.len(),
+            oracle.detokenize(&expected, false)
+        );
+        assert_eq!(
+            greedy(&mut ring, &prompt, 32, &oracle),
+            expected,
+            "{arch}: {prompt_text:?}"
+        );
+    }
+}
+
+#[test]
+fn qwen3moe_matches_llama_cpp_with_1_2_3_stages() {
+    stages("qwen3moe", FileType::Q4KM);
+    stages("qwen3moe", FileType::Q8_0);
+}
+
+#[test]
+fn qwen3moe_on_two_workers_matches_llama_cpp() {
+    two_workers("qwen3moe", FileType::Q4KM);
+}
+
+#[test]
+fn mixtral_matches_llama_cpp_with_1_2_3_stages() {
+    stages("mixtral", FileType::Q4KM);
+    stages("mixtral", FileType::Q8_0);
+}
+
+#[test]
+fn mixtral_on_two_workers_matches_llama_cpp() {
+    two_workers("mixtral", FileType::Q4KM);
+}
+
+/// Runs one batch through every stage of `chain`; returns the logits of `rows`.
+fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
+    let mut hidden = Vec::new();
+    let n = chain.stages.len();
+    for (i, stage) in chain.stages.iter_mut().enumerate() {
+        let input = if i == 0 {
+            StageInput::Tokens(tokens)
+        } else {
+            StageInput::Hidden(&hidden)
+        };
+        let logit_rows: &[u32] = if i + 1 == n { rows } else { &[] };
+        let batch = Batch {
+            input,
+            positions,
+            seq_ids,
+            logit_rows,
+        };
+        match stage.forward(&batch).unwrap() {
+            StageOutput::Hidden(h) => hidden = h,
+            StageOutput::Logits(l) => return l,
+        }
+    }
+    unreachable!("the last stage returns logits")
+}
+
+/// What the server relies on, for experts too: a decode step of one sequence gives the
+/// same bits alone and batched with the steps of up to 6 other sequences (each expert
+/// then multiplies up to 7 rows; `mul_mat_id` rows are batch-invariant below 8, see
+/// crates/ggml; the f32 router multiplies each row of such a batch alone), and a
+/// sequence's greedy tokens are the same alone and beside others. Every MoE family:
+/// routers with selection biases and groups, shared experts, MLA, sinks and windows.
+#[test]
+fn batching_other_sequences_changes_nothing_for_experts() {
+    const N_SEQ: usize = 7;
+    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2"] {
+        let file_type = if arch == "gpt-oss" {
+            FileType::Mxfp4Moe
+        } else {
+            FileType::Q4KM
+        };
+        let path = synthetic(arch, file_type);
+        let file = ModelFile::open(&path).unwrap();
+        let oracle = LlamaModel::load_vocab(&path).unwrap();
+        let prompts: Vec<Vec<u32>> = (0..N_SEQ)
+            .map(|i| {
+                let text = format!("{} ({i})", PROMPTS[i % PROMPTS.len()]);
+                oracle.tokenize(&text, true, true).unwrap()
+            })
+            .collect();
+        let config = StageConfig {
+            n_ctx: 256 * N_SEQ,
+            n_threads: 2,
+            repack: false,
+            n_seq: N_SEQ,
+        };
+        let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+        let mut chain = Chain::load_with(&file, &ranges, &config);
+        for (seq, prompt) in prompts.iter().enumerate() {
+            chain.logits(seq as u32, prompt, 0);
+        }
+        let lens: Vec<i32> = prompts.iter().map(|p| p.len() as i32).collect();
+        let reset = |chain: &mut Chain| {
+            for stage in &mut chain.stages {
+                for (seq, &len) in lens.iter().enumerate() {
+                    stage.kv_mut().truncate_seq(seq as u32, len as usize);
+                }
+            }
+        };
+        let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
+        reset(&mut chain);
+        for rows in 2..=N_SEQ {
+            let seq_ids: Vec<u32> = (0..rows as u32).collect();
+            let positions: Vec<i32> = lens[..rows].to_vec();
+            let tokens: Vec<u32> = (0..rows as u32).map(|r| 42 + 7 * r).collect();
+            let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &[0]);
+            reset(&mut chain);
+            assert_eq!(nmse(&batched, &alone), 0.0, "{arch}: batch of {rows}");
+        }
+
+        // Greedy decoding of sequence 0 alone, then beside sequences 1 and 2 decoding
+        // in the same batches: the same tokens.
+        let decode = |chain: &mut Chain, seqs: &[u32]| -> Vec<u32> {
+            let mut next: Vec<u32> = vec![42; seqs.len()];
+            let mut pos: Vec<i32> = seqs.iter().map(|&s| lens[s as usize]).collect();
+            let mut first = Vec::new();
+            for _ in 0..12 {
+                let rows: Vec<u32> = (0..seqs.len() as u32).collect();
+                let logits = forward_rows(chain, &next, &pos, seqs, &rows);
+                let n_vocab = logits.len() / seqs.len();
+                for (i, row) in logits.chunks_exact(n_vocab).enumerate() {
+                    next[i] = baton_sample::argmax(row).unwrap();
+                    pos[i] += 1;
+                }
+                first.push(next[0]);
+            }
+            first
+        };
+        let alone = decode(&mut chain, &[0]);
+        reset(&mut chain);
+        let beside = decode(&mut chain, &[0, 1, 2, 3, 4, 5, 6]);
+        assert_eq!(alone, beside, "{arch}: sequence 0's greedy tokens");
+    }
+}
+
+#[test]
+fn glm4moe_matches_llama_cpp_with_1_2_3_stages() {
+    stages("glm4moe", FileType::Q4KM);
+}
+
+#[test]
+fn glm4moe_on_two_workers_matches_llama_cpp() {
+    two_workers("glm4moe", FileType::Q4KM);
+}
+
+#[test]
+fn gpt_oss_matches_llama_cpp_with_1_2_3_stages() {
+    stages("gpt-oss", FileType::Mxfp4Moe);
+    stages("gpt-oss", FileType::Q8_0);
+}
+
+#[test]
+fn gpt_oss_on_two_workers_matches_llama_cpp() {
+    two_workers("gpt-oss", FileType::Mxfp4Moe);
+}
+
+#[test]
+fn deepseek2_matches_llama_cpp_with_1_2_3_stages() {
+    stages("deepseek2", FileType::Q4KM);
+}
+
+#[test]
+fn deepseek2_on_two_workers_matches_llama_cpp() {
+    two_workers("deepseek2", FileType::Q4KM);
+}
+
+#[test]
+fn mistral3_matches_llama_cpp_with_1_2_3_stages() {
+    stages("mistral3", FileType::Q4KM);
+}
+
+#[test]
+fn mistral3_on_two_workers_matches_llama_cpp() {
+    two_workers("mistral3", FileType::Q4KM);
+}
+
+#[test]
+fn phi3_matches_llama_cpp_with_1_2_3_stages() {
+    stages("phi3", FileType::Q4KM);
+}
+
+#[test]
+fn phi3_on_two_workers_matches_llama_cpp() {
+    two_workers("phi3", FileType::Q4KM);
+}
+
+#[test]
+fn gemma2_matches_llama_cpp_with_1_2_3_stages() {
+    stages("gemma2", FileType::Q4KM);
+}
+
+#[test]
+fn gemma2_on_two_workers_matches_llama_cpp() {
+    two_workers("gemma2", FileType::Q4KM);
+}
+
+/// The paths real files rarely take, against libllama too: every optional tensor an
+/// architecture takes (llama's q/k/v/o and FFN biases, the others' q/k/v biases,
+/// glm4moe's q/k norms) and mistral3 with experts. libllama loading each file also
+/// checks that it takes those tensors.
+#[test]
+fn optional_tensors_and_rarer_variants_match_llama_cpp() {
+    for arch in [
+        "llama", "mixtral", "qwen3", "qwen3moe", "gemma3", "glm4moe", "mistral3", "gemma2",
+    ] {
+        let path = synthetic_with(arch, FileType::Q8_0, |spec| spec.optional_tensors = true);
+        let worst = check_stages_with(&path, &format!("{arch} with optional tensors"), &[1, 3]);
+        println!("{arch} with optional tensors: worst NMSE {worst:.3e}");
+    }
+    let path = synthetic_with("mistral3", FileType::Q4KM, |spec| spec.shape.n_expert = 8);
+    let worst = check_stages_with(&path, "mistral3 with experts", &[1, 3]);
+    println!("mistral3 with experts: worst NMSE {worst:.3e}");
+}
