@@ -7,6 +7,7 @@ mod local_workers;
 mod ring;
 mod run;
 mod serve;
+mod token;
 mod worker;
 
 use std::path::{Path, PathBuf};

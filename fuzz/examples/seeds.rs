@@ -102,6 +102,7 @@ fn messages() -> Vec<(String, Message)> {
                 content: Some(nonce(5)),
             }],
             ring_addr: "10.0.0.3:7301".into(),
+            session: 0x5e55_1000,
         }),
         Message::LoadPlan(plan.clone()),
         Message::LoadPlan(LoadPlan {
@@ -161,7 +162,10 @@ fn messages() -> Vec<(String, Message)> {
             kv_used: vec![17, 17],
         },
         Message::Shutdown,
-        Message::Ping { timeout_ms: 2000 },
+        Message::Ping {
+            timeout_ms: 2000,
+            session: 0x5e55_1000,
+        },
         Message::Pong,
     ];
     let mut named: Vec<(String, Message)> = Vec::new();
