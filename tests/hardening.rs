@@ -11,6 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use baton_net::{client_handshake, connect, Link, LinkOptions};
+use baton_node::cluster::{connect_cluster, ClusterOptions};
+use baton_proto::{Message, RefusalCode, Role};
 use common::worker::WorkerProc;
 use common::{model, GEMMA3};
 
@@ -18,6 +21,16 @@ const TOKEN: &str = "hardening-test-secret";
 
 fn models_dir() -> PathBuf {
     model(GEMMA3).parent().unwrap().to_path_buf()
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let dir = std::env::temp_dir().join(format!("baton-{tag}-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 /// Connects to `addr` from the local address `from` (any 127.0.0.0/8 address on Linux
@@ -121,5 +134,279 @@ fn a_slow_drip_flood_does_not_lock_heads_out() {
     );
     assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty(), "{stderr}");
     let held = flood.stop();
-    assert!(held <= 16, "the worker still holds {held} of the flood's connections");
+    assert!(held <= 8, "the worker still holds {held} of the flood's connections");
+    let log = worker.log();
+    assert!(log.contains("closed the oldest handshake from 127.0.0.1"), "{log}");
+}
+
+fn options() -> ClusterOptions {
+    ClusterOptions {
+        token: Some(TOKEN.into()),
+        n_ctx: 256,
+        repack: true,
+        // Nothing a broken peer does may leave a test waiting for ever.
+        handshake_timeout: Some(Duration::from_secs(10)),
+        ..Default::default()
+    }
+}
+
+/// A Hello as a head sends it.
+fn hello_bytes() -> Vec<u8> {
+    let mut hello = Vec::new();
+    baton_proto::encode(
+        &Message::Hello {
+            version: baton_proto::PROTOCOL_VERSION,
+            role: Role::Head,
+            nonce: [7; 32],
+        },
+        &mut hello,
+    );
+    hello
+}
+
+/// Sends `bytes` one at a time, `every` apart, until the worker closes the connection;
+/// returns how long the worker kept it open.
+fn drip_until_closed(addr: &str, bytes: &[u8], every: Duration, give_up: Duration) -> Duration {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(every)).unwrap();
+    let started = Instant::now();
+    for byte in bytes.iter().cycle() {
+        if started.elapsed() > give_up || stream.write_all(&[*byte]).is_err() {
+            break;
+        }
+        match stream.read(&mut [0; 256]) {
+            Ok(0) => break,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => break,
+            // A Refused or a TLS alert: the worker is closing.
+            Ok(_) => {}
+        }
+    }
+    started.elapsed()
+}
+
+/// Issue 16: the handshake timeout bounded each read, not the handshake, so a peer
+/// sending a byte a little more often than that held its connection for ever.
+#[test]
+fn a_handshake_dripped_a_byte_at_a_time_ends_at_the_deadline() {
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &["--handshake-timeout", "2"]);
+    let held = drip_until_closed(
+        &worker.addr,
+        &hello_bytes(),
+        Duration::from_millis(300),
+        Duration::from_secs(8),
+    );
+    assert!(
+        held >= Duration::from_millis(1500) && held < Duration::from_secs(4),
+        "held {held:?}\n{}",
+        worker.log()
+    );
+}
+
+/// The same inside TLS: rustls reads until its handshake is done, so a deadline checked
+/// between its reads never fired while bytes kept coming.
+#[test]
+fn a_tls_handshake_dripped_a_byte_at_a_time_ends_at_the_deadline() {
+    let dir = tempdir("drip-tls");
+    let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["cert", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let (cert, key) = (dir.join("cluster.crt"), dir.join("cluster.key"));
+    let worker = WorkerProc::start(
+        &models_dir(),
+        Some(TOKEN),
+        &[
+            "--handshake-timeout",
+            "2",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    // A TLS handshake record announcing 512 bytes, then filler, a byte every 300 ms.
+    let mut record = vec![0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03];
+    record.extend(std::iter::repeat_n(0x42, 64));
+    let held = drip_until_closed(
+        &worker.addr,
+        &record,
+        Duration::from_millis(300),
+        Duration::from_secs(8),
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        held >= Duration::from_millis(1500) && held < Duration::from_secs(4),
+        "held {held:?}\n{}",
+        worker.log()
+    );
+}
+
+/// Issue 16: a head over the limit was dropped at once ("Connection reset by peer",
+/// nothing said why). Now only authenticated connections count, and the one too many
+/// is told why with a typed refusal.
+#[test]
+fn a_head_over_the_connection_limit_is_told_why() {
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &["--max-connections", "4"]);
+    // Four authenticated connections (bare heartbeats) take every slot.
+    let held: Vec<Box<dyn Link>> = (0..4)
+        .map(|_| {
+            let mut link = connect(&worker.addr, &LinkOptions::default()).unwrap();
+            client_handshake(link.as_mut(), Role::Heartbeat, Some(TOKEN.as_bytes())).unwrap();
+            link
+        })
+        .collect();
+    // Silent strangers do not count against the limit.
+    let _strangers: Vec<TcpStream> = (0..3).map(|_| connect_from("127.0.0.2", &worker.addr)).collect();
+    let err = connect_cluster(&model(GEMMA3), std::slice::from_ref(&worker.addr), &options())
+        .err()
+        .expect("a fifth authenticated connection is refused");
+    assert_eq!(err.refusal(), Some(RefusalCode::Busy), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("too many connections") && text.contains("--max-connections"),
+        "{text}"
+    );
+    // One leaves: the next head is served.
+    drop(held);
+    std::thread::sleep(Duration::from_millis(300));
+    let ring = connect_cluster(&model(GEMMA3), std::slice::from_ref(&worker.addr), &options());
+    assert!(ring.is_ok(), "{:?}\n{}", ring.err(), worker.log());
+}
+
+/// Strangers on another address keep at most their share of handshake slots, and a
+/// head on its own address is served at once. (A head sharing their address takes the
+/// slot of their oldest by sending its Hello: the flood test above.)
+#[test]
+fn strangers_from_one_address_get_their_share_of_handshakes_and_no_more() {
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &["--max-handshakes-per-source", "3"]);
+    let strangers: Vec<TcpStream> = (0..12).map(|_| connect_from("127.0.0.2", &worker.addr)).collect();
+    std::thread::sleep(Duration::from_millis(900));
+    let open = strangers
+        .iter()
+        .filter(|s| {
+            s.set_nonblocking(true).unwrap();
+            matches!((&**s).read(&mut [0; 8]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        })
+        .count();
+    assert_eq!(open, 3, "{}", worker.log());
+    let started = Instant::now();
+    let ring = connect_cluster(&model(GEMMA3), std::slice::from_ref(&worker.addr), &options());
+    assert!(ring.is_ok(), "{:?}", ring.err());
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// Issue 16: on plain TCP, anyone a node dialed could pass the handshake through and
+/// then speak for the head. A real relay process forwards a real handshake and injects
+/// a `Shutdown` of its own; the worker used to obey it ("the head's plan leaves this
+/// worker out"). Frames after the handshake now carry tags, and the injected one fails.
+#[test]
+fn a_relay_cannot_inject_frames_after_the_handshake() {
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let mut shutdown = Vec::new();
+    baton_proto::encode(&Message::Shutdown, &mut shutdown);
+    let hex: String = shutdown.iter().map(|b| format!("{b:02x}")).collect();
+    // The worker's Hello (8 + 37 bytes) and Auth (8 + 32) make its handshake.
+    let mut relay = Command::new("python3")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/relay.py"))
+        .args([&worker.addr, "--after-server-bytes", "85", "--inject-hex", &hex])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs the relay");
+    let relay_addr = common::printed_addr(&mut relay, "listening on ");
+    let err = connect_cluster(&model(GEMMA3), std::slice::from_ref(&relay_addr), &options())
+        .err()
+        .expect("the head's connection through the relay fails");
+    let _ = relay.kill();
+    let _ = relay.wait();
+    std::thread::sleep(Duration::from_millis(200));
+    let log = worker.log();
+    assert!(
+        !log.contains("plan leaves this worker out"),
+        "the worker obeyed the relay:\n{log}"
+    );
+    assert!(log.contains("failed authentication"), "{err}\n{log}");
+}
+
+/// Issue 16: a heartbeat connection ended whatever session was running when it
+/// connected, so a bare probe (the supervisor's, after a failed formation) that hung up
+/// ended another head's session. A heartbeat now ends only the session its pings name.
+#[test]
+fn a_heartbeat_ends_only_its_own_session() {
+    use baton_ggml::LlamaModel;
+    use common::worker::{greedy, reference};
+
+    let path = model(GEMMA3);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let prompt = oracle.tokenize(common::PROMPTS[0], true, true).unwrap();
+    let expected = reference(&oracle, &prompt, 8);
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let mut ring = connect_cluster(&path, std::slice::from_ref(&worker.addr), &options()).unwrap();
+    // A probe: a heartbeat handshake that hangs up; then one that pings a session
+    // that is not running, and stops.
+    let mut probe = connect(&worker.addr, &LinkOptions::default()).unwrap();
+    client_handshake(probe.as_mut(), Role::Heartbeat, Some(TOKEN.as_bytes())).unwrap();
+    drop(probe);
+    let mut stray = connect(&worker.addr, &LinkOptions::default()).unwrap();
+    client_handshake(stray.as_mut(), Role::Heartbeat, Some(TOKEN.as_bytes())).unwrap();
+    stray
+        .send(Message::Ping {
+            timeout_ms: 100,
+            session: 12345,
+        })
+        .unwrap();
+    assert_eq!(stray.recv().unwrap(), Message::Pong);
+    std::thread::sleep(Duration::from_millis(400));
+    drop(stray);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(greedy(&mut ring, &prompt, 8, &oracle), expected, "{}", worker.log());
+    assert!(!worker.log().contains("ending the head's session"), "{}", worker.log());
+}
+
+/// `baton worker` output for `args`, with the token from `env` (if any) only.
+fn worker_refusal(args: &[&str], env: Option<&str>) -> String {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
+    cmd.args(["worker", "--listen", "127.0.0.1:0", "--models"])
+        .arg(models_dir())
+        .args(args)
+        .env_remove("BATON_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    if let Some(token) = env {
+        cmd.env("BATON_TOKEN", token);
+    }
+    let out = cmd.output().unwrap();
+    assert!(!out.status.success(), "the worker started with {args:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Issue 16: `--token ""` or `--token x` made a worker anyone could guess into.
+#[test]
+fn empty_or_short_tokens_are_refused_and_tokens_come_from_files_or_the_environment() {
+    let err = worker_refusal(&["--token", ""], None);
+    assert!(err.contains("the cluster token is empty"), "{err}");
+    let err = worker_refusal(&[], Some("short"));
+    assert!(err.contains("5 bytes long, shorter than the 12 allowed"), "{err}");
+    let dir = tempdir("token");
+    let file = dir.join("cluster.token");
+    std::fs::write(&file, "tiny\n").unwrap();
+    let err = worker_refusal(&["--token-file", file.to_str().unwrap()], None);
+    assert!(err.contains("the token in") && err.contains("4 bytes long"), "{err}");
+
+    // A token from a file (whitespace around it ignored) is the worker's token: a head
+    // with that token is served, one with BATON_TOKEN's other token is not.
+    std::fs::write(&file, format!("  {TOKEN}\n")).unwrap();
+    let worker = WorkerProc::start(&models_dir(), None, &["--token-file", file.to_str().unwrap()]);
+    let ring = connect_cluster(&model(GEMMA3), std::slice::from_ref(&worker.addr), &options());
+    assert!(ring.is_ok(), "{:?}", ring.err());
+    drop(ring);
+    std::thread::sleep(Duration::from_millis(300));
+    let out = baton_run(&worker.addr, "another-long-cluster-secret");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("wrong token"));
+    let out = baton_run(&worker.addr, TOKEN);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -429,6 +429,10 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, local: &str, id: u64) -> Re
     let plan = loop {
         match link.recv()? {
             Message::Describe { model } => {
+                #[cfg(test)]
+                if tests::PANIC_ON_DESCRIBE.load(Ordering::SeqCst) {
+                    panic!("a test made this session panic");
+                }
                 let caps = describe(shared, &model.file_name, &model.identity, local, id);
                 link.send(Message::Capabilities(caps))?;
             }
@@ -581,4 +585,90 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage,
         n_seq: plan.n_seq as usize,
     };
     Ok((Stage::load(file, span, &config)?, received))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use baton_net::connect;
+    use baton_proto::ModelRef;
+
+    use super::*;
+
+    /// Makes every session panic when it is asked to describe the worker.
+    pub(super) static PANIC_ON_DESCRIBE: AtomicBool = AtomicBool::new(false);
+
+    const TOKEN: &str = "worker-test-secret";
+
+    /// Connects as a head and asks the worker to describe itself.
+    fn describe_once(addr: &str) -> Result<Message, NetError> {
+        let mut link = connect(addr, &LinkOptions::default())?;
+        client_handshake(link.as_mut(), Role::Head, Some(TOKEN.as_bytes()))?;
+        link.set_read_timeout(Some(Duration::from_secs(10)))?;
+        link.send(Message::Describe {
+            model: ModelRef {
+                file_name: "absent.gguf".into(),
+                identity: [0; 32],
+                size: 1,
+            },
+        })?;
+        link.recv()
+    }
+
+    /// Issue 16: a panic while a head was served left `busy` set, and every later
+    /// head was refused with "another head is already connected" (and each panic also
+    /// kept a connection counted for ever).
+    #[test]
+    fn a_panic_in_a_session_leaves_the_worker_free_for_the_next_head() {
+        let models = std::env::temp_dir().join(format!("baton-panic-{}", std::process::id()));
+        let worker = Worker::bind(WorkerConfig {
+            listen: "127.0.0.1:0".into(),
+            models: models.clone(),
+            token: Some(TOKEN.into()),
+            threads: 1,
+            memory: Some(1 << 30),
+            advertise: None,
+            link: LinkOptions::default(),
+            handshake_timeout: Duration::from_secs(5),
+            max_connections: 4,
+            max_handshakes_per_source: 8,
+        })
+        .unwrap();
+        let addr = worker.local_addr().to_string();
+        std::thread::spawn(move || worker.serve());
+
+        PANIC_ON_DESCRIBE.store(true, Ordering::SeqCst);
+        // More panicking heads than --max-connections: no slot may leak either.
+        for _ in 0..6 {
+            let answer = describe_once(&addr);
+            assert!(
+                answer.is_err(),
+                "the session panicked, its connection closed: {answer:?}"
+            );
+        }
+        PANIC_ON_DESCRIBE.store(false, Ordering::SeqCst);
+        let answer = describe_once(&addr).unwrap();
+        assert!(matches!(answer, Message::Capabilities(_)), "{answer:?}");
+        std::fs::remove_dir_all(&models).unwrap();
+    }
+
+    #[test]
+    fn a_short_token_is_refused_when_binding() {
+        let err = Worker::bind(WorkerConfig {
+            listen: "127.0.0.1:0".into(),
+            models: std::env::temp_dir(),
+            token: Some("tiny".into()),
+            threads: 1,
+            memory: None,
+            advertise: None,
+            link: LinkOptions::default(),
+            handshake_timeout: Duration::from_secs(5),
+            max_connections: 4,
+            max_handshakes_per_source: 8,
+        })
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("4 bytes long"), "{err}");
+    }
 }
