@@ -365,7 +365,8 @@ fn a_heartbeat_ends_only_its_own_session() {
     assert!(!worker.log().contains("ending the head's session"), "{}", worker.log());
 }
 
-/// `baton worker` output for `args`, with the token from `env` (if any) only.
+/// What `baton worker` says on stderr when it refuses to start with `args` and the
+/// token from `env` (if any) only; a worker that starts anyway fails the test.
 fn worker_refusal(args: &[&str], env: Option<&str>) -> String {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
     cmd.args(["worker", "--listen", "127.0.0.1:0", "--models"])
@@ -373,11 +374,22 @@ fn worker_refusal(args: &[&str], env: Option<&str>) -> String {
         .args(args)
         .env_remove("BATON_TOKEN")
         .stdin(Stdio::null())
-        .stdout(Stdio::null());
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
     if let Some(token) = env {
         cmd.env("BATON_TOKEN", token);
     }
-    let out = cmd.output().unwrap();
+    let mut child = cmd.spawn().unwrap();
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the worker started with {args:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
     assert!(!out.status.success(), "the worker started with {args:?}");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
