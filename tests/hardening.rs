@@ -422,3 +422,93 @@ fn empty_or_short_tokens_are_refused_and_tokens_come_from_files_or_the_environme
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 16: a worker loaded a streamed stage whatever the head had sent: a tensor the
+/// head left out was a hole in the sparse copy, and read as zeros. A head (here, a
+/// hand-driven one) that leaves one out now gets the load refused, saying which.
+#[test]
+fn a_streamed_stage_with_a_tensor_left_out_is_refused_not_loaded_as_zeros() {
+    use baton_model::{ModelFile, StageSpan};
+    use baton_proto::{LoadPlan, TensorEntry};
+
+    let path = model(GEMMA3);
+    let file = ModelFile::open(&path).unwrap();
+    let model_ref = baton_node::cluster::model_ref(&file);
+    let span = StageSpan {
+        layers: 5..6,
+        first: false,
+        last: false,
+    };
+    let bytes = file.bytes();
+    let mut names = baton_model::stage_tensor_sources(&file, &span);
+    let left_out = names.pop().unwrap();
+    let entries: Vec<TensorEntry> = names
+        .iter()
+        .map(|name| {
+            let t = file.gguf().tensor(name).unwrap();
+            TensorEntry {
+                name: name.clone(),
+                offset: t.offset,
+                len: t.n_bytes,
+                sha256: baton_proto::auth::identity_hash(&bytes[t.offset as usize..(t.offset + t.n_bytes) as usize]),
+            }
+        })
+        .collect();
+
+    let empty = tempdir("hole");
+    let worker = WorkerProc::start(&empty, Some(TOKEN), &[]);
+    let mut link = connect(&worker.addr, &LinkOptions::default()).unwrap();
+    client_handshake(link.as_mut(), Role::Head, Some(TOKEN.as_bytes())).unwrap();
+    link.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    link.send(Message::Describe {
+        model: model_ref.clone(),
+    })
+    .unwrap();
+    assert!(matches!(link.recv().unwrap(), Message::Capabilities(_)));
+    link.send(Message::LoadPlan(LoadPlan {
+        model: model_ref,
+        layer_start: 5,
+        layer_end: 6,
+        first: false,
+        last: false,
+        n_ctx: 256,
+        n_seq: 0,
+        next: None,
+        stream: true,
+        wire_f16: false,
+        repack: false,
+    }))
+    .unwrap();
+    link.send(Message::StreamStart {
+        header: bytes[..file.gguf().data_offset as usize].to_vec(),
+        tensors: entries.clone(),
+    })
+    .unwrap();
+    let Message::StreamStart { tensors: wanted, .. } = link.recv().unwrap() else {
+        panic!("the worker asks for the tensors it lacks")
+    };
+    assert_eq!(wanted.len(), entries.len());
+    for (index, entry) in entries.iter().enumerate() {
+        let data = &bytes[entry.offset as usize..(entry.offset + entry.len) as usize];
+        for (i, chunk) in data.chunks(8 << 20).enumerate() {
+            link.send(Message::TensorChunk {
+                index: index as u32,
+                offset: (i * (8 << 20)) as u64,
+                data: chunk.to_vec(),
+            })
+            .unwrap();
+        }
+    }
+    let answer = link.recv();
+    let _ = std::fs::remove_dir_all(&empty);
+    match answer {
+        Ok(Message::Refused {
+            code: RefusalCode::LoadFailed,
+            reason,
+        }) => assert!(
+            reason.contains("did not send") && reason.contains(&left_out),
+            "{reason}"
+        ),
+        other => panic!("the stage loaded with {left_out} missing: {other:?}\n{}", worker.log()),
+    }
+}

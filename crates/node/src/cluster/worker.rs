@@ -25,7 +25,7 @@ use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, PROTOCOL_V
 
 use super::admission::{Accepted, Admission, ConnId, Limits};
 use super::models::ModelDir;
-use super::stream::receive_stage_tensors;
+use super::stream::{check_stage_complete, receive_stage_tensors};
 use crate::worker::{run, StageWorker};
 use crate::NodeError;
 
@@ -557,8 +557,9 @@ fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, 
 
 /// Loads the planned stage from a local file, or from tensors the head streams.
 fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage, u64), NodeError> {
-    let (path, received) = if plan.stream {
-        receive_stage_tensors(&shared.models, &plan.model, link)?
+    let (path, received, verified) = if plan.stream {
+        let got = receive_stage_tensors(&shared.models, &plan.model, link)?;
+        (got.path, got.bytes, Some(got.verified))
     } else {
         let path = shared
             .models
@@ -570,7 +571,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage,
                     shared.config.models.display()
                 ))
             })?;
-        (path, 0)
+        (path, 0, None)
     };
     let file = ModelFile::open(&path)?;
     let span = StageSpan {
@@ -578,6 +579,9 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage,
         first: plan.first,
         last: plan.last,
     };
+    if let Some(verified) = &verified {
+        check_stage_complete(&file, &span, verified)?;
+    }
     let config = StageConfig {
         n_ctx: plan.n_ctx as usize,
         n_threads: shared.config.threads,
