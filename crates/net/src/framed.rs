@@ -4,9 +4,9 @@
 //! only decides how the socket is set up (`Stream`); framing, TLS, halves and closing
 //! are the same for every kind.
 //!
-//! After a handshake with a token ([`Link::authenticate_frames`]) every frame carries a
-//! tag after its payload, written in the same vectored write; a frame whose tag does not
-//! check out is not decoded and ends the link. While a deadline is set
+//! After a handshake with a token ([`Link::authenticate_frames`]) every frame's payload
+//! is sealed in place and its tag written after it, in the same vectored write; a frame
+//! whose tag does not check out is not decoded and ends the link. While a deadline is set
 //! ([`Link::set_deadline`]), every read waits at most until then, however the peer
 //! spaces its bytes: a handshake cannot be stretched by a byte every few seconds.
 
@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_proto::auth::{FrameKeys, FrameMac, TAG_LEN};
+use baton_proto::auth::{FrameKeys, FrameSeal, TAG_LEN};
 use baton_proto::{decode, encode_payload, header, parse_header, Message, RefusalCode, DEFAULT_MAX_FRAME, HEADER_LEN};
 
 use crate::tls::{looks_like_tls, TlsConfig, TlsSession};
@@ -121,10 +121,10 @@ pub(crate) struct FramedLink<S: Stream> {
     read_timeout: Option<Duration>,
     /// No read waits past this (the end of the handshake), when set.
     deadline: Option<Instant>,
-    /// Tags frames sent, once the handshake has keyed them.
-    send_mac: Option<FrameMac>,
-    /// Checks the tags of frames received, once the handshake has keyed them.
-    recv_mac: Option<FrameMac>,
+    /// Seals frames sent, once the handshake has keyed them.
+    send_seal: Option<FrameSeal>,
+    /// Opens frames received, once the handshake has keyed them.
+    recv_seal: Option<FrameSeal>,
 }
 
 impl<S: Stream> FramedLink<S> {
@@ -261,8 +261,8 @@ impl<S: Stream> FramedLink<S> {
             pending: Vec::new(),
             read_timeout: opts.read_timeout,
             deadline: None,
-            send_mac: None,
-            recv_mac: None,
+            send_seal: None,
+            recv_seal: None,
         })
     }
 
@@ -290,18 +290,18 @@ impl<S: Stream> FramedLink<S> {
         Ok(())
     }
 
-    /// Tags every frame from now on (both directions) with `keys`.
+    /// Seals every frame from now on (both directions) with `keys`.
     pub(crate) fn authenticate_frames(&mut self, keys: FrameKeys) {
-        self.send_mac = Some(keys.send);
-        self.recv_mac = Some(keys.recv);
+        self.send_seal = Some(keys.send);
+        self.recv_seal = Some(keys.recv);
     }
 
-    /// Sends one message as one frame (and its tag, once frames are tagged).
+    /// Sends one message as one frame (sealed, with its tag, once frames are sealed).
     pub(crate) fn send(&mut self, msg: &Message) -> Result<(), NetError> {
         self.buf.clear();
         let kind = encode_payload(msg, &mut self.buf);
         let head = header(kind, self.buf.len());
-        let tag = self.send_mac.as_mut().map(|mac| mac.tag(&head, &self.buf));
+        let tag = self.send_seal.as_mut().map(|seal| seal.seal(&head, &mut self.buf));
         let tag: &[u8] = tag.as_ref().map_or(&[], |t| t);
         let mut slices = [IoSlice::new(&head), IoSlice::new(&self.buf), IoSlice::new(tag)];
         let total = HEADER_LEN + self.buf.len() + tag.len();
@@ -344,30 +344,31 @@ impl<S: Stream> FramedLink<S> {
         let mut payload = std::mem::take(&mut self.buf);
         let read = self
             .read_exact(&mut payload)
-            .and_then(|()| self.check_tag(&head, &payload));
+            .and_then(|()| self.open(&head, &mut payload));
         let msg = read.and_then(|()| decode(kind, &payload).map_err(|e| self.proto(e)));
         self.buf = payload;
-        let tag_len = if self.recv_mac.is_some() { TAG_LEN } else { 0 };
+        let tag_len = if self.recv_seal.is_some() { TAG_LEN } else { 0 };
         self.counters
             .received
             .fetch_add((HEADER_LEN + len + tag_len) as u64, Ordering::Relaxed);
         msg
     }
 
-    /// Reads the tag that follows a frame, once frames are tagged, and checks it.
-    fn check_tag(&mut self, head: &[u8], payload: &[u8]) -> Result<(), NetError> {
-        if self.recv_mac.is_none() {
+    /// Once frames are sealed: reads the tag that follows a frame, checks it, and
+    /// decrypts the payload in place.
+    fn open(&mut self, head: &[u8], payload: &mut [u8]) -> Result<(), NetError> {
+        if self.recv_seal.is_none() {
             return Ok(());
         }
         let mut tag = [0u8; TAG_LEN];
         self.read_exact(&mut tag)?;
-        let mac = self.recv_mac.as_mut().expect("checked above");
-        if mac.verify(head, payload, &tag) {
+        let seal = self.recv_seal.as_mut().expect("checked above");
+        if seal.open(head, payload, &tag) {
             return Ok(());
         }
         Err(NetError::Tampered {
             peer: self.peer.clone(),
-            frame: mac.frames() - 1,
+            frame: seal.frames() - 1,
         })
     }
 
@@ -414,8 +415,8 @@ impl<S: Stream> FramedLink<S> {
             pending: Vec::new(),
             read_timeout: rx.read_timeout,
             deadline: None,
-            send_mac: rx.send_mac.take(),
-            recv_mac: None,
+            send_seal: rx.send_seal.take(),
+            recv_seal: None,
         };
         Ok((FramedTx(tx), FramedRx(rx)))
     }

@@ -120,8 +120,8 @@ pub trait Link: Send {
     /// bytes (`None`: only the read timeout again). Handshakes run under one, so that a
     /// peer cannot hold a connection by sending a byte every few seconds.
     fn set_deadline(&mut self, deadline: Option<Instant>) -> Result<(), NetError>;
-    /// Tags every frame from now on, both ways, with the keys of a handshake that
-    /// proved a token (see [`baton_proto::auth::FrameMac`]); a frame whose tag does not
+    /// Seals every frame from now on, both ways, with the keys of a handshake that
+    /// proved a token (see [`baton_proto::auth::FrameSeal`]); a frame whose tag does not
     /// check out fails with [`NetError::Tampered`]. In-process links carry values that
     /// nothing between the ends can touch, and ignore this.
     fn authenticate_frames(&mut self, keys: FrameKeys);

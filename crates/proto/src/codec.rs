@@ -10,11 +10,12 @@
 //! | 6..8  | flags, u16, always 0 (reserved) |
 //! | 8..   | payload                         |
 //!
-//! After a handshake with a token, each frame is followed by a 16-byte tag (not counted
-//! in the length): [`auth::FrameMac`](crate::auth::FrameMac) over the frame's sequence
-//! number in its direction, its header and its payload. Both ends know from the
-//! handshake whether tags follow, so nothing in the frame says so (a flag would only
-//! invite a peer to clear it).
+//! After a handshake with a token, each frame's payload is sealed and followed by a
+//! 16-byte tag (not counted in the length): [`auth::FrameSeal`](crate::auth::FrameSeal),
+//! AES-256-GCM keyed per connection and direction, nonce the frame's sequence number,
+//! the header authenticated as associated data. Both ends know from the handshake
+//! whether frames are sealed, so nothing in the frame says so (a flag would only invite
+//! a peer to clear it).
 //!
 //! # Primitives
 //!

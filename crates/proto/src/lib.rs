@@ -19,7 +19,7 @@ use baton_sample::SamplingParams;
 
 /// Version of the wire protocol; peers with another version are refused.
 /// 4: `Refused` carries a [`RefusalCode`]; a version refusal follows the server's `Hello`.
-/// 5: after a handshake with a token every frame carries a tag ([`auth::FrameMac`]);
+/// 5: after a handshake with a token every frame is sealed ([`auth::FrameSeal`]);
 /// `Capabilities` names the head's session and `Ping` the session it watches.
 pub const PROTOCOL_VERSION: u32 = 5;
 

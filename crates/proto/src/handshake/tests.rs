@@ -460,10 +460,13 @@ fn a_handshake_with_a_token_leaves_both_sides_matching_frame_keys() {
     let mut c = client.take_frame_keys().expect("client keys");
     let mut s = server.take_frame_keys().expect("server keys");
     assert!(client.take_frame_keys().is_none(), "taken once");
-    let tag = c.send.tag(b"header", b"payload");
-    assert!(s.recv.verify(b"header", b"payload", &tag));
-    let tag = s.send.tag(b"header", b"reply");
-    assert!(c.recv.verify(b"header", b"reply", &tag));
+    let mut payload = b"payload".to_vec();
+    let tag = c.send.seal(b"header", &mut payload);
+    assert!(s.recv.open(b"header", &mut payload, &tag));
+    assert_eq!(payload, b"payload");
+    let mut reply = b"reply".to_vec();
+    let tag = s.send.seal(b"header", &mut reply);
+    assert!(c.recv.open(b"header", &mut reply, &tag));
 
     // Without tokens there is nothing to key frames with.
     let (mut client, hello) = Client::start(Role::Head, None, NONCE_C);
