@@ -29,11 +29,13 @@ fn main() {
     while let Ok(incoming) = listener.accept() {
         let (token, addr) = (token.clone(), addr.clone());
         std::thread::spawn(move || {
-            let Ok(mut link) = incoming.into_link(&LinkOptions::default()) else {
-                return;
+            let mut link = match incoming.into_link(&LinkOptions::default()) {
+                Ok(link) => link,
+                Err(e) => return eprintln!("dropping a connection: {e}"),
             };
-            let Ok(role) = server_handshake(link.as_mut(), token.as_deref().map(str::as_bytes)) else {
-                return;
+            let role = match server_handshake(link.as_mut(), token.as_deref().map(str::as_bytes)) {
+                Ok(role) => role,
+                Err(e) => return eprintln!("dropping a connection: {e}"),
             };
             match role {
                 Role::Head => head(link.as_mut(), &addr, bad_id),
@@ -52,7 +54,11 @@ fn main() {
 
 /// Plays a whole ring (first and last stage) for one head, lying about every token.
 fn head(link: &mut dyn Link, addr: &str, bad_id: u32) {
-    while let Ok(msg) = link.recv() {
+    loop {
+        let msg = match link.recv() {
+            Ok(msg) => msg,
+            Err(e) => return eprintln!("the head's connection ended: {e}"),
+        };
         let reply = match msg {
             Message::Describe { model } => Message::Capabilities(Capabilities {
                 devices: vec!["CPU".into()],
