@@ -17,7 +17,7 @@ use baton_proto::{Capabilities, HeldModel, LoadPlan, Message, ModelRef, Role};
 
 use super::stream::send_stage_tensors;
 use crate::head::{Head, RingEnds};
-use crate::worker::{run, StageWorker};
+use crate::stage_loop::{run, StageWorker};
 use crate::NodeError;
 
 /// Called with a worker's address, the session it opened for this head (which the

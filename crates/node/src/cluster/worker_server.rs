@@ -26,7 +26,7 @@ use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, PROTOCOL_V
 use super::admission::{Accepted, Admission, ConnId, Limits};
 use super::models::ModelDir;
 use super::stream::{check_stage_complete, receive_stage_tensors};
-use crate::worker::{run, StageWorker};
+use crate::stage_loop::{run, StageWorker};
 use crate::NodeError;
 
 /// How a worker is set up.
@@ -546,7 +546,7 @@ fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, 
     let ring_addr = config.advertise.clone().unwrap_or_else(|| local.to_string());
     Capabilities {
         devices: vec!["CPU".into()],
-        memory: config.memory.unwrap_or_else(super::available_memory),
+        memory: describe_memory(config),
         threads: config.threads as u32,
         secs_per_layer,
         models: shared.models.list(),
@@ -588,7 +588,32 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage,
         repack: plan.repack,
         n_seq: plan.n_seq as usize,
     };
+    check_kv_fits(&file, &span, &config, describe_memory(&shared.config))?;
     Ok((Stage::load(file, span, &config)?, received))
+}
+
+/// The memory this worker offers heads (`--memory`, or what the system has free).
+fn describe_memory(config: &WorkerConfig) -> u64 {
+    config.memory.unwrap_or_else(super::available_memory)
+}
+
+/// Refuses a plan whose KV cache alone exceeds the memory this worker offers: the head
+/// chose `n_ctx`, and the cache is allocated and zeroed at once, so an absurd one would
+/// otherwise take the worker's memory (or the process) with it.
+fn check_kv_fits(file: &ModelFile, span: &StageSpan, config: &StageConfig, offered: u64) -> Result<(), NodeError> {
+    let hp = file.hparams();
+    let kv = (hp.kv_cell_bytes() as u128) * (config.n_ctx as u128) * (span.layers.len() as u128);
+    if kv > offered as u128 {
+        return Err(NodeError::Request(format!(
+            "a context of {} tokens needs {:.1} GiB of KV cache for layers {:?}, more than the {:.1} GiB this \
+             worker offers (--memory)",
+            config.n_ctx,
+            kv as f64 / (1u64 << 30) as f64,
+            span.layers,
+            offered as f64 / (1u64 << 30) as f64
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
