@@ -92,6 +92,7 @@ fn bench_drafting(
             top_logprobs: 0,
             stop: Vec::new(),
             draft,
+            grammar: None,
             events,
         })?;
         let (mut first, mut tokens) = (None, Vec::new());

@@ -217,6 +217,7 @@ fn generate_drafting(
         top_logprobs: 0,
         stop: Vec::new(),
         draft,
+        grammar: None,
         events,
     })?;
     let mut first = None;

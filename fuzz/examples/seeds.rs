@@ -136,6 +136,7 @@ fn messages() -> Vec<(String, Message)> {
             top_logprobs: 2,
             logprobs: true,
             drawn: 0,
+            grammar: Some("root ::= [a-z]+".into()),
         },
         Message::TruncateSeq { seq: 1, len: 12 },
         Message::EndSeq { seq: 1 },

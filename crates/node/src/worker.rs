@@ -3,7 +3,9 @@
 //! drives it over any transport.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use baton_grammar::{Grammar, Matcher, TokenTable};
 use baton_model::{Batch, Stage, StageInput, StageOutput};
 use baton_net::{NetError, Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
@@ -16,6 +18,9 @@ pub struct StageWorker {
     stage: Stage,
     samplers: HashMap<u32, SeqSampler>,
     wire_f16: bool,
+    /// The vocabulary as grammars see it, read from the model file the first time a
+    /// sequence brings a grammar.
+    tokens: Option<Arc<TokenTable>>,
 }
 
 /// A sequence's sampler and whether it wants log-probabilities.
@@ -24,6 +29,11 @@ struct SeqSampler {
     logprobs: bool,
     /// Alternatives to report with each token.
     n_top: usize,
+    /// Where the sequence is in its grammar, if it has one.
+    grammar: Option<Matcher>,
+    /// Scratch for grammar masks.
+    allowed: Vec<bool>,
+    masked: Vec<f32>,
 }
 
 impl StageWorker {
@@ -33,6 +43,7 @@ impl StageWorker {
             stage,
             samplers: HashMap::new(),
             wire_f16: false,
+            tokens: None,
         }
     }
 
@@ -61,9 +72,18 @@ impl StageWorker {
                 top_logprobs,
                 logprobs,
                 drawn,
+                grammar,
             } => {
                 self.stage.kv_mut().truncate_seq(seq, keep as usize);
                 if last {
+                    let generated = &history[history.len().saturating_sub(drawn as usize)..];
+                    let matcher = match grammar.as_deref().map(|g| self.matcher(g, generated)).transpose() {
+                        Ok(matcher) => matcher,
+                        Err(message) => {
+                            self.samplers.remove(&seq);
+                            return self.error(message);
+                        }
+                    };
                     match Sampler::new(params.clone()) {
                         Ok(mut sampler) => {
                             history.iter().for_each(|&t| sampler.accept(t));
@@ -75,6 +95,9 @@ impl StageWorker {
                                     sampler,
                                     logprobs,
                                     n_top,
+                                    grammar: matcher,
+                                    allowed: Vec::new(),
+                                    masked: Vec::new(),
                                 },
                             );
                         }
@@ -89,6 +112,7 @@ impl StageWorker {
                     top_logprobs,
                     logprobs,
                     drawn,
+                    grammar,
                 }
             }
             Message::TruncateSeq { seq, len } => {
@@ -131,6 +155,37 @@ impl StageWorker {
         } else {
             reply
         }
+    }
+
+    /// A matcher for `gbnf`, advanced past the tokens the sequence already generated.
+    fn matcher(&mut self, gbnf: &str, generated: &[u32]) -> Result<Matcher, String> {
+        let grammar = Grammar::parse(gbnf).map_err(|e| e.to_string())?;
+        let tokens = self.tokens()?;
+        let mut matcher = Matcher::new(Arc::new(grammar)).map_err(|e| e.to_string())?;
+        for &token in generated {
+            matcher
+                .accept(token, &tokens)
+                .map_err(|e| format!("replaying the sequence's tokens: {e}"))?;
+        }
+        Ok(matcher)
+    }
+
+    /// The vocabulary for grammars: libllama's, from the stage's own model file, so
+    /// that token texts are exactly the ones the head detokenizes.
+    fn tokens(&mut self) -> Result<Arc<TokenTable>, String> {
+        if let Some(tokens) = &self.tokens {
+            return Ok(tokens.clone());
+        }
+        let path = self.stage.weights().file().path().to_path_buf();
+        let started = std::time::Instant::now();
+        let vocab = baton_ggml::LlamaModel::load_vocab(&path)
+            .map_err(|e| format!("loading the vocabulary for a grammar: {e}"))?;
+        let tokens = Arc::new(TokenTable::new(
+            (0..vocab.n_vocab() as u32).map(|t| (vocab.token_bytes(t, false), vocab.is_end_of_generation(t))),
+        ));
+        tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "vocabulary read for grammars");
+        self.tokens = Some(tokens.clone());
+        Ok(tokens)
     }
 
     fn error(&self, message: String) -> Message {
@@ -276,20 +331,8 @@ impl StageWorker {
                 .samplers
                 .get_mut(&seq)
                 .ok_or_else(|| format!("sequence {seq} has no sampler: StartSeq must come first"))?;
-            let sampler = &mut seq_sampler.sampler;
-            let (token, logprob, top) = if seq_sampler.logprobs {
-                let sampled = sampler
-                    .sample_with_logprobs(row_logits, seq_sampler.n_top)
-                    .map_err(|e| e.to_string())?;
-                (sampled.token, sampled.logprob, sampled.top)
-            } else {
-                (
-                    sampler.sample(row_logits).map_err(|e| e.to_string())?,
-                    f32::NAN,
-                    Vec::new(),
-                )
-            };
-            sampler.accept(token);
+            let (token, logprob, top) = seq_sampler.sample(row_logits, self.tokens.as_deref())?;
+            seq_sampler.sampler.accept(token);
             tokens.push(SampledToken {
                 seq,
                 token,
@@ -312,6 +355,51 @@ impl StageWorker {
     }
 }
 
+impl SeqSampler {
+    /// The next token from one row of logits: within the grammar, if the sequence has
+    /// one. Greedy without log-probabilities first tries the unconstrained choice (the
+    /// arg-max of the masked row whenever the grammar allows it, as it usually does), so
+    /// the mask over the whole vocabulary is computed only when that fails.
+    fn sample(&mut self, logits: &[f32], tokens: Option<&TokenTable>) -> Result<(u32, f32, Vec<(u32, f32)>), String> {
+        let Some(matcher) = self.grammar.as_mut() else {
+            return draw(&mut self.sampler, logits, self.logprobs, self.n_top);
+        };
+        let tokens = tokens.ok_or("a grammar without a vocabulary")?;
+        if self.sampler.params().is_greedy() && !self.logprobs {
+            let token = self.sampler.sample(logits).map_err(|e| e.to_string())?;
+            if matcher.allows(token, tokens) {
+                matcher.accept(token, tokens).map_err(|e| e.to_string())?;
+                return Ok((token, f32::NAN, Vec::new()));
+            }
+        }
+        matcher.fill_allowed(tokens, &mut self.allowed).map_err(|e| e.to_string())?;
+        if !self.allowed.iter().any(|&a| a) {
+            return Err("the grammar allows no token here".into());
+        }
+        self.masked.clear();
+        self.masked.extend(logits.iter().enumerate().map(|(token, &logit)| {
+            if self.allowed.get(token).copied().unwrap_or(false) {
+                logit
+            } else {
+                f32::NEG_INFINITY
+            }
+        }));
+        let sampled = draw(&mut self.sampler, &self.masked, self.logprobs, self.n_top)?;
+        matcher.accept(sampled.0, tokens).map_err(|e| e.to_string())?;
+        Ok(sampled)
+    }
+}
+
+/// One draw from `logits`, with log-probabilities when asked.
+fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> Result<(u32, f32, Vec<(u32, f32)>), String> {
+    if logprobs {
+        let sampled = sampler.sample_with_logprobs(logits, n_top).map_err(|e| e.to_string())?;
+        Ok((sampled.token, sampled.logprob, sampled.top))
+    } else {
+        Ok((sampler.sample(logits).map_err(|e| e.to_string())?, f32::NAN, Vec::new()))
+    }
+}
+
 /// Serves `worker` until `Shutdown` or a closed link: receive, handle, send on.
 /// `Shutdown` is forwarded so every stage of the ring stops.
 pub fn run(mut worker: StageWorker, mut rx: impl Rx, mut tx: impl Tx) -> Result<(), NetError> {
@@ -327,3 +415,6 @@ pub fn run(mut worker: StageWorker, mut rx: impl Rx, mut tx: impl Tx) -> Result<
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

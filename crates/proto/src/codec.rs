@@ -46,7 +46,7 @@
 //! | 8    | TensorChunk  | index u32, offset u64, data bytes                                        |
 //! | 9    | Loaded       | resident u64, received u64                                               |
 //! | 10   | StartSeq     | seq u32, keep u32, params: SamplingParams, history [u32],                |
-//! |      |              | top_logprobs u8, logprobs bool, drawn u32                                |
+//! |      |              | top_logprobs u8, logprobs bool, drawn u32, grammar opt<str>              |
 //! | 11   | TruncateSeq  | seq u32, len u32                                                         |
 //! | 12   | EndSeq       | seq u32                                                                  |
 //! | 13   | Forward      | step u64, payload: Payload, positions [i32], seq_ids [u32],              |

@@ -19,7 +19,7 @@ use baton_sample::SamplingParams;
 
 /// Version of the wire protocol; peers with another version are refused.
 /// 4: `Refused` carries a [`RefusalCode`]; a version refusal follows the server's `Hello`.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -311,6 +311,10 @@ pub enum Message {
         /// Random draws the sequence's sampler already made (it skips them): a
         /// sequence rebuilt after a node was lost continues the same random stream.
         drawn: u32,
+        /// GBNF grammar the generated text must follow (the last stage masks every
+        /// token it does not allow); the last `drawn` tokens of `history` were already
+        /// generated under it.
+        grammar: Option<String>,
     },
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
@@ -351,6 +355,7 @@ pub struct StartSeq {
     top_logprobs: u8,
     logprobs: bool,
     drawn: u32,
+    grammar: Option<String>,
 }
 
 impl StartSeq {
@@ -365,6 +370,7 @@ impl StartSeq {
             top_logprobs: 0,
             logprobs: false,
             drawn: 0,
+            grammar: None,
         }
     }
 
@@ -386,6 +392,12 @@ impl StartSeq {
         self.drawn = drawn;
         self
     }
+
+    /// Constrains the generated text to a GBNF grammar.
+    pub fn with_grammar(mut self, grammar: Option<String>) -> StartSeq {
+        self.grammar = grammar;
+        self
+    }
 }
 
 impl From<StartSeq> for Message {
@@ -398,6 +410,7 @@ impl From<StartSeq> for Message {
             top_logprobs: s.top_logprobs,
             logprobs: s.logprobs,
             drawn: s.drawn,
+            grammar: s.grammar,
         }
     }
 }

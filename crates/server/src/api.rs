@@ -335,6 +335,7 @@ fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result
         top_logprobs: generation.top_logprobs,
         stop: generation.stop,
         draft,
+        grammar: None,
         events: tx,
     };
     Ok(Prepared {

@@ -151,6 +151,7 @@ mod tests {
             top_logprobs: 0,
             stop: Vec::new(),
             draft: crate::engine::draft::Draft::OFF,
+            grammar: None,
             events,
         };
         let runs = vec![chunk as u32; n_reused / chunk];

@@ -194,7 +194,8 @@ impl Core {
                 .fetch_add(repeated as u64, Ordering::Relaxed);
             let start = StartSeq::new(seq as u32, active.job.params.clone(), active.tokens.clone())
                 .with_logprobs(active.job.logprobs, active.job.top_logprobs)
-                .with_drawn(active.generated as u32);
+                .with_drawn(active.generated as u32)
+                .with_grammar(active.job.grammar.clone());
             self.send(start.into(), Pending::Control, now);
         }
     }
@@ -488,7 +489,8 @@ impl Core {
                 .fetch_add((job.prompt.len() - n_reused) as u64, Ordering::Relaxed);
             let start = StartSeq::new(seq as u32, job.params.clone(), job.prompt.clone())
                 .keeping(n_reused as u32)
-                .with_logprobs(job.logprobs, job.top_logprobs);
+                .with_logprobs(job.logprobs, job.top_logprobs)
+                .with_grammar(job.grammar.clone());
             let epoch = self.next_epoch;
             self.next_epoch += 1;
             slot.last_used = epoch;

@@ -84,6 +84,7 @@ impl Harness {
             top_logprobs: 0,
             stop: Vec::new(),
             draft: Draft::OFF,
+            grammar: None,
             events,
         }));
         receiver

@@ -110,6 +110,9 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Speculative decoding: where drafted tokens come from, and how many at most.
     pub draft: super::draft::Draft,
+    /// GBNF grammar the generated text must follow, enforced by the last stage's
+    /// sampling (structured output, forced tool calls).
+    pub grammar: Option<String>,
     /// Where the engine reports; dropping the receiver cancels the request.
     pub events: UnboundedSender<Event>,
 }

@@ -54,6 +54,10 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             top_logprobs: r.u8("top_logprobs")?,
             logprobs: r.bool("logprobs")?,
             drawn: r.u32("drawn")?,
+            grammar: match r.present("grammar")? {
+                false => None,
+                true => Some(r.str("grammar")?),
+            },
         },
         kind::TRUNCATE_SEQ => Message::TruncateSeq {
             seq: r.u32("seq")?,

@@ -197,6 +197,7 @@ const MESSAGES: [Layout; 20] = [
             Field("top_logprobs", Ty::U8),
             Field("logprobs", Ty::Bool),
             Field("drawn", Ty::U32),
+            Field("grammar", Ty::Opt(&Ty::Str)),
         ],
     },
     Layout {

@@ -153,6 +153,7 @@ pub(super) fn samples() -> Vec<Message> {
             history: vec![1, 2, u32::MAX],
             logprobs: true,
             drawn: 17,
+            grammar: Some("root ::= \"a\"".into()),
         },
         Message::StartSeq {
             seq: 0,
@@ -162,6 +163,7 @@ pub(super) fn samples() -> Vec<Message> {
             history: vec![],
             logprobs: false,
             drawn: 0,
+            grammar: None,
         },
         Message::TruncateSeq { seq: 9, len: 100 },
         Message::EndSeq { seq: u32::MAX },
@@ -437,9 +439,10 @@ fn unknown_role_and_tags_are_refused() {
         history: vec![],
         logprobs: true,
         drawn: 0,
+        grammar: None,
     });
-    // The logprobs byte, before the 4-byte `drawn`.
-    let at = payload.len() - 5;
+    // The logprobs byte, before the 4-byte `drawn` and the 1-byte absent `grammar`.
+    let at = payload.len() - 6;
     payload[at] = 2;
     assert_eq!(
         invalid_reason(decode(kind, &payload)),
@@ -593,6 +596,7 @@ fn invalid_values_are_refused() {
         history: vec![],
         logprobs: false,
         drawn: 0,
+        grammar: None,
     };
     let (kind, payload) = payload_of(&msg);
     let err = decode(kind, &payload).unwrap_err();
@@ -617,6 +621,7 @@ fn invalid_values_are_refused() {
         history: vec![],
         logprobs: false,
         drawn: 0,
+        grammar: None,
     };
     assert!(invalid_reason(decode(kind, &payload_of(&top_p).1)).contains("top_p"));
 

@@ -79,6 +79,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             top_logprobs,
             logprobs,
             drawn,
+            grammar,
         } => {
             w.u32(*seq);
             w.u32(*keep);
@@ -87,6 +88,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u8(*top_logprobs);
             w.bool(*logprobs);
             w.u32(*drawn);
+            w.opt_str(grammar.as_deref());
         }
         Message::TruncateSeq { seq, len } => {
             w.u32(*seq);
