@@ -160,6 +160,9 @@ fn messages() -> Vec<(String, Message)> {
         Message::Stats {
             resident: vec![250 << 20, 260 << 20],
             kv_used: vec![17, 17],
+            busy_us: vec![1000, 2000],
+            rows: vec![10, 10],
+            link_sent: vec![0, 4096],
         },
         Message::Shutdown,
         Message::Ping { timeout_ms: 2000 },

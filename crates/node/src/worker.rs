@@ -21,6 +21,9 @@ pub struct StageWorker {
     /// The vocabulary as grammars see it, read from the model file the first time a
     /// sequence brings a grammar.
     tokens: Option<Arc<TokenTable>>,
+    /// Time spent computing, and token rows computed (for `Stats`).
+    busy: std::time::Duration,
+    rows: u64,
 }
 
 /// A sequence's sampler and whether it wants log-probabilities.
@@ -44,6 +47,8 @@ impl StageWorker {
             samplers: HashMap::new(),
             wire_f16: false,
             tokens: None,
+            busy: std::time::Duration::ZERO,
+            rows: 0,
         }
     }
 
@@ -128,20 +133,35 @@ impl StageWorker {
                 let span = tracing::debug_span!("step", step = forward.step, rows = forward.positions.len());
                 let _entered = span.enter();
                 let started = std::time::Instant::now();
+                let rows = forward.positions.len() as u64;
                 let reply = match self.forward(forward) {
                     Ok(msg) => msg,
                     Err(message) => self.error(message),
                 };
+                self.busy += started.elapsed();
+                self.rows += rows;
                 tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "computed");
                 return reply;
             }
             Message::Stats {
                 mut resident,
                 mut kv_used,
+                mut busy_us,
+                mut rows,
+                link_sent,
             } => {
                 resident.push(self.stage.resident_bytes());
                 kv_used.push(self.stage.kv().n_used() as u32);
-                return Message::Stats { resident, kv_used };
+                busy_us.push(self.busy.as_micros() as u64);
+                rows.push(self.rows);
+                // `run` appends the link's bytes: only it holds the link.
+                return Message::Stats {
+                    resident,
+                    kv_used,
+                    busy_us,
+                    rows,
+                    link_sent,
+                };
             }
             // Replies and errors from upstream pass through untouched.
             other @ (Message::Sampled { .. } | Message::Done | Message::Error { .. } | Message::Shutdown) => {
@@ -183,7 +203,10 @@ impl StageWorker {
         let tokens = Arc::new(TokenTable::new(
             (0..vocab.n_vocab() as u32).map(|t| (vocab.token_bytes(t, false), vocab.is_end_of_generation(t))),
         ));
-        tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "vocabulary read for grammars");
+        tracing::debug!(
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "vocabulary read for grammars"
+        );
         self.tokens = Some(tokens.clone());
         Ok(tokens)
     }
@@ -372,7 +395,9 @@ impl SeqSampler {
                 return Ok((token, f32::NAN, Vec::new()));
             }
         }
-        matcher.fill_allowed(tokens, &mut self.allowed).map_err(|e| e.to_string())?;
+        matcher
+            .fill_allowed(tokens, &mut self.allowed)
+            .map_err(|e| e.to_string())?;
         if !self.allowed.iter().any(|&a| a) {
             return Err("the grammar allows no token here".into());
         }
@@ -391,7 +416,12 @@ impl SeqSampler {
 }
 
 /// One draw from `logits`, with log-probabilities when asked.
-fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> Result<(u32, f32, Vec<(u32, f32)>), String> {
+fn draw(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    logprobs: bool,
+    n_top: usize,
+) -> Result<(u32, f32, Vec<(u32, f32)>), String> {
     if logprobs {
         let sampled = sampler.sample_with_logprobs(logits, n_top).map_err(|e| e.to_string())?;
         Ok((sampled.token, sampled.logprob, sampled.top))
@@ -408,7 +438,10 @@ pub fn run(mut worker: StageWorker, mut rx: impl Rx, mut tx: impl Tx) -> Result<
     loop {
         let msg = rx.recv()?;
         let stop = matches!(msg, Message::Shutdown);
-        let out = worker.handle(msg);
+        let mut out = worker.handle(msg);
+        if let Message::Stats { link_sent, .. } = &mut out {
+            link_sent.push(tx.counters().sent());
+        }
         tx.send(out)?;
         if stop {
             return Ok(());

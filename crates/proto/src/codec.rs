@@ -54,7 +54,8 @@
 //! | 14   | Sampled      | step u64, tokens [SampledToken]                                          |
 //! | 15   | Done         | (empty)                                                                  |
 //! | 16   | Error        | first_layer u32, message str                                             |
-//! | 17   | Stats        | resident [u64], kv_used [u32]                                            |
+//! | 17   | Stats        | resident [u64], kv_used [u32], busy_us [u64], rows [u64],                |
+//! |      |              | link_sent [u64]                                                          |
 //! | 18   | Shutdown     | (empty)                                                                  |
 //! | 19   | Ping         | timeout_ms u32                                                           |
 //! | 20   | Pong         | (empty)                                                                  |

@@ -330,9 +330,17 @@ pub enum Message {
     /// stage is named by the first (global) layer it holds, which every node knows
     /// without knowing the ring's order.
     Error { first_layer: u32, message: String },
-    /// Each stage appends its resident bytes and the KV cache cells in use and passes the
-    /// message on; the head gets one entry per stage, in ring order.
-    Stats { resident: Vec<u64>, kv_used: Vec<u32> },
+    /// Each stage appends its resident bytes, the KV cache cells in use, the
+    /// microseconds it has spent computing, the token rows it has computed and the bytes
+    /// it has sent to the next hop, and passes the message on; the head gets one entry
+    /// per stage in each list, in ring order.
+    Stats {
+        resident: Vec<u64>,
+        kv_used: Vec<u32>,
+        busy_us: Vec<u64>,
+        rows: Vec<u64>,
+        link_sent: Vec<u64>,
+    },
     /// Stop the stage's loop.
     Shutdown,
 

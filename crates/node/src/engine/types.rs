@@ -219,6 +219,13 @@ pub struct Counters {
     pub draft_tokens: AtomicU64,
     /// Drafted tokens the last stage's sampling agreed with.
     pub draft_accepted: AtomicU64,
+    /// Times the ring broke or a node of it stopped answering.
+    pub workers_lost: AtomicU64,
+    /// Times a lost worker answered again and the ring was formed again with it.
+    pub workers_returned: AtomicU64,
+    /// Microseconds from sending each answered micro-batch to its answer, summed (divide
+    /// by `steps` answered for the mean round trip).
+    pub round_trip_us: AtomicU64,
 }
 
 /// Per-stage figures, in ring order.
@@ -228,6 +235,12 @@ pub struct StageStats {
     pub resident: Vec<u64>,
     /// KV cache cells holding a token.
     pub kv_used: Vec<u32>,
+    /// Microseconds spent computing, since the stage loaded.
+    pub busy_us: Vec<u64>,
+    /// Token rows computed, since the stage loaded.
+    pub rows: Vec<u64>,
+    /// Bytes sent to the next hop (0 where the link counts nothing: in process).
+    pub link_sent: Vec<u64>,
 }
 
 /// What the engine needs of a tokenizer: when generation ends, and each token's bytes.

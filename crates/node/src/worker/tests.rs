@@ -81,11 +81,17 @@ fn grammar_keeps_greedy_text_inside_it_with_drafts_and_after_a_rebuild() {
 
     assert_eq!(start(&mut worker, 0, prompt.clone(), 0, None), Message::Done);
     let free = generate(&mut worker, &vocab, 0, &prompt, 12);
-    assert!(!vocab.detokenize(&free, false).starts_with("{\"n\""), "the test needs a prompt the grammar changes");
+    assert!(
+        !vocab.detokenize(&free, false).starts_with("{\"n\""),
+        "the test needs a prompt the grammar changes"
+    );
 
     assert_eq!(start(&mut worker, 1, prompt.clone(), 0, Some(GRAMMAR)), Message::Done);
     let constrained = generate(&mut worker, &vocab, 1, &prompt, 16);
-    assert!(vocab.is_end_of_generation(*constrained.last().unwrap()), "the grammar ends: {constrained:?}");
+    assert!(
+        vocab.is_end_of_generation(*constrained.last().unwrap()),
+        "the grammar ends: {constrained:?}"
+    );
     let text = vocab.detokenize(&constrained, false);
     let value: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
     assert!(value["n"].as_u64().is_some_and(|n| n >= 1), "{text}");

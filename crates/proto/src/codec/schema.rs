@@ -239,6 +239,9 @@ const MESSAGES: [Layout; 20] = [
         fields: &[
             Field("resident", Ty::List(&Ty::U64)),
             Field("kv_used", Ty::List(&Ty::U32)),
+            Field("busy_us", Ty::List(&Ty::U64)),
+            Field("rows", Ty::List(&Ty::U64)),
+            Field("link_sent", Ty::List(&Ty::U64)),
         ],
     },
     Layout {

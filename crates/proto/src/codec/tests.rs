@@ -216,6 +216,9 @@ pub(super) fn samples() -> Vec<Message> {
         Message::Stats {
             resident: vec![1, u64::MAX, 0],
             kv_used: vec![0, 4096, u32::MAX],
+            busy_us: vec![5, 0, u64::MAX],
+            rows: vec![7, 8, 9],
+            link_sent: vec![0, 1 << 40, 3],
         },
         Message::Shutdown,
         Message::Ping { timeout_ms: 2000 },

@@ -110,9 +110,18 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u32(*first_layer);
             w.str(message);
         }
-        Message::Stats { resident, kv_used } => {
+        Message::Stats {
+            resident,
+            kv_used,
+            busy_us,
+            rows,
+            link_sent,
+        } => {
             w.array(resident, u64::to_le_bytes);
             w.array(kv_used, u32::to_le_bytes);
+            w.array(busy_us, u64::to_le_bytes);
+            w.array(rows, u64::to_le_bytes);
+            w.array(link_sent, u64::to_le_bytes);
         }
         Message::Ping { timeout_ms } => {
             w.u32(*timeout_ms);
