@@ -410,8 +410,9 @@ def test_tool_call_round_trip(client):
     text = answer.choices[0].message.content
     assert isinstance(text, str) and text.strip(), answer
     assert not answer.choices[0].message.tool_calls
-    # The tool's answer reached the model: it is in the prompt.
-    assert answer.usage.prompt_tokens > r.usage.prompt_tokens
+    # The call and its result reached the model: they are in the prompt.
+    without = chat(client, WEATHER_QUESTION, tools=[WEATHER, TIME], tool_choice="none", max_tokens=1)
+    assert answer.usage.prompt_tokens > without.usage.prompt_tokens + 20, (answer.usage, without.usage)
 
 
 def test_tool_call_streamed_matches_whole(client):
@@ -499,8 +500,9 @@ def value(samples, name, **labels):
 
 def test_metrics_grow_with_traffic(client):
     before = scrape()
-    whole = chat(client, capital_messages(), max_tokens=8)
-    streamed = list(chat(client, capital_messages(), max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    story = [{"role": "user", "content": STORY}]
+    whole = chat(client, story, max_tokens=8)
+    streamed = list(chat(client, story, max_tokens=8, stream=True, stream_options={"include_usage": True}))
     after = scrape()
     generated = whole.usage.completion_tokens + streamed[-1].usage.completion_tokens
     assert value(after, "baton_generated_tokens_total") - value(before, "baton_generated_tokens_total") >= generated

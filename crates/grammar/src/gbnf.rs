@@ -8,6 +8,8 @@ use crate::GrammarError;
 
 /// Largest bound a `{m,n}` repetition may give (each copy is expanded).
 const MAX_REPEAT: u32 = 1000;
+/// Deepest nesting of parentheses (the reader recurses on them).
+const MAX_DEPTH: usize = 64;
 /// Longest grammar text.
 pub const MAX_TEXT: usize = 256 << 10;
 
@@ -24,6 +26,7 @@ pub(crate) fn parse(text: &str) -> Result<Grammar, GrammarError> {
         rules: Vec::new(),
         names: HashMap::new(),
         defined: Vec::new(),
+        depth: 0,
     };
     parser.grammar()?;
     for (i, defined) in parser.defined.iter().enumerate() {
@@ -45,6 +48,7 @@ struct Parser<'a> {
     rules: Vec<Rule>,
     names: HashMap<String, u32>,
     defined: Vec<bool>,
+    depth: usize,
 }
 
 type Alts = Vec<Vec<Sym>>;
@@ -227,9 +231,15 @@ impl Parser<'_> {
                     }));
                 }
                 Some(b'(') => {
+                    if self.depth >= MAX_DEPTH {
+                        return self.error(format!("parentheses nested deeper than {MAX_DEPTH}"));
+                    }
                     self.pos += 1;
                     self.space(true);
-                    let alts = self.alternatives(rule, true)?;
+                    self.depth += 1;
+                    let alts = self.alternatives(rule, true);
+                    self.depth -= 1;
+                    let alts = alts?;
                     if self.peek() != Some(b')') {
                         return self.error("expected ')'");
                     }
@@ -418,6 +428,7 @@ mod tests {
             ("root ::= <[x]>", 11, "token id"),
             ("root ::= \"\\q\"", 12, "unknown escape"),
             ("root ::= \"a\"\nroot ::= \"b\"", 22, "defined twice"),
+            (&format!("root ::= {}", "(".repeat(100)), 73, "nested deeper than 64"),
         ] {
             match parse(text) {
                 Err(GrammarError::Syntax { at: got, message }) => {

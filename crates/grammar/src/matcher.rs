@@ -15,7 +15,7 @@ use crate::vocab::{decode, Kind, Partial, TokenTable};
 use crate::GrammarError;
 
 /// Most parses kept at once; past this the grammar is refused as too ambiguous.
-const MAX_STACKS: usize = 2048;
+const MAX_STACKS: usize = 256;
 
 /// A position in a rule: alternative `alt` of rule `rule`, before symbol `index`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -281,38 +281,43 @@ fn advanced(stack: &Stack) -> Stack {
 }
 
 /// Resolves `stack` until its top is a terminal (or it is empty), adding every result
-/// to `out` once. Terminates because the grammar has no left recursion.
-fn expand(grammar: &Grammar, mut stack: Stack, out: &mut Vec<Stack>) -> Result<(), GrammarError> {
-    while let Some(&top) = stack.last() {
-        match sym(grammar, top) {
-            None => {
-                stack.pop();
-            }
-            Some(Sym::Rule(rule)) => {
-                let rule = *rule;
-                stack.pop();
-                let after = Pos {
-                    index: top.index + 1,
-                    ..top
-                };
-                if sym(grammar, after).is_some() {
-                    stack.push(after);
+/// to `out` once. Terminates because the grammar has no left recursion; iterative, so
+/// that a long chain of rules cannot exhaust the thread's stack.
+fn expand(grammar: &Grammar, stack: Stack, out: &mut Vec<Stack>) -> Result<(), GrammarError> {
+    let mut work = vec![stack];
+    'stacks: while let Some(mut stack) = work.pop() {
+        while let Some(&top) = stack.last() {
+            match sym(grammar, top) {
+                None => {
+                    stack.pop();
                 }
-                for alt in 0..grammar.rules[rule as usize].alts.len() as u32 {
-                    let mut branch = stack.clone();
-                    branch.push(Pos { rule, alt, index: 0 });
-                    expand(grammar, branch, out)?;
+                Some(Sym::Rule(rule)) => {
+                    let rule = *rule;
+                    stack.pop();
+                    let after = Pos {
+                        index: top.index + 1,
+                        ..top
+                    };
+                    if sym(grammar, after).is_some() {
+                        stack.push(after);
+                    }
+                    // Reversed, so that alternatives come out in order.
+                    for alt in (0..grammar.rules[rule as usize].alts.len() as u32).rev() {
+                        let mut branch = stack.clone();
+                        branch.push(Pos { rule, alt, index: 0 });
+                        work.push(branch);
+                    }
+                    continue 'stacks;
                 }
-                return Ok(());
+                Some(_) => break,
             }
-            Some(_) => break,
         }
-    }
-    if !out.contains(&stack) {
-        if out.len() >= MAX_STACKS {
-            return Err(GrammarError::Ambiguous(MAX_STACKS));
+        if !out.contains(&stack) {
+            if out.len() >= MAX_STACKS {
+                return Err(GrammarError::Ambiguous(MAX_STACKS));
+            }
+            out.push(stack);
         }
-        out.push(stack);
     }
     Ok(())
 }

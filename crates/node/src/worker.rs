@@ -383,7 +383,7 @@ impl SeqSampler {
     /// one. Greedy without log-probabilities first tries the unconstrained choice (the
     /// arg-max of the masked row whenever the grammar allows it, as it usually does), so
     /// the mask over the whole vocabulary is computed only when that fails.
-    fn sample(&mut self, logits: &[f32], tokens: Option<&TokenTable>) -> Result<(u32, f32, Vec<(u32, f32)>), String> {
+    fn sample(&mut self, logits: &[f32], tokens: Option<&TokenTable>) -> Result<Drawn, String> {
         let Some(matcher) = self.grammar.as_mut() else {
             return draw(&mut self.sampler, logits, self.logprobs, self.n_top);
         };
@@ -415,13 +415,11 @@ impl SeqSampler {
     }
 }
 
+/// A sampled token, its log-probability and the best alternatives.
+type Drawn = (u32, f32, Vec<(u32, f32)>);
+
 /// One draw from `logits`, with log-probabilities when asked.
-fn draw(
-    sampler: &mut Sampler,
-    logits: &[f32],
-    logprobs: bool,
-    n_top: usize,
-) -> Result<(u32, f32, Vec<(u32, f32)>), String> {
+fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> Result<Drawn, String> {
     if logprobs {
         let sampled = sampler.sample_with_logprobs(logits, n_top).map_err(|e| e.to_string())?;
         Ok((sampled.token, sampled.logprob, sampled.top))

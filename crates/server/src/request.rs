@@ -221,7 +221,10 @@ pub fn check_grammar(grammar: &str) -> Result<(), ApiError> {
             grammar.len()
         )));
     }
-    Grammar::parse(grammar).map_err(|e| ApiError::invalid(format!("the schema's grammar is refused: {e}")))?;
+    let refused = |e: baton_grammar::GrammarError| ApiError::invalid(format!("the schema's grammar is refused: {e}"));
+    let grammar = Grammar::parse(grammar).map_err(refused)?;
+    // Its first step, as the last stage will take it (too ambiguous a grammar fails here).
+    baton_grammar::Matcher::new(std::sync::Arc::new(grammar)).map_err(refused)?;
     Ok(())
 }
 

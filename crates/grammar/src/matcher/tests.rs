@@ -124,3 +124,23 @@ fn ambiguity_is_bounded() {
     }
     assert!(m.stacks.len() <= 4, "duplicate parses are merged: {}", m.stacks.len());
 }
+
+#[test]
+fn hostile_grammars_fail_cleanly() {
+    // A chain of 5,000 rules down the left edge: expanded without recursion.
+    let mut text = String::from("root ::= r0\n");
+    for i in 0..5000 {
+        text.push_str(&format!("r{i} ::= r{} \"a\"\n", i + 1));
+    }
+    text.push_str("r5000 ::= \"b\"");
+    let table = table();
+    let m = matcher(&text);
+    assert!(m.allows(token(&table, b"b"), &table));
+    // 300 parses of the same text at once: refused, not followed.
+    let alternatives = vec!["\"a\""; 300].join(" | ");
+    let grammar = Grammar::parse(&format!("root ::= ({alternatives}) \"b\"")).unwrap();
+    assert_eq!(
+        Matcher::new(Arc::new(grammar)).unwrap_err(),
+        GrammarError::Ambiguous(256)
+    );
+}
