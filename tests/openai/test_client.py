@@ -460,6 +460,10 @@ def test_json_schema_output_parses_and_validates(client):
     jsonschema.validate(value, PERSON)
     chunks = list(chat(client, messages, response_format=form, max_tokens=120, stream=True))
     assert json.loads(chat_stream_text(chunks)) == value
+    # With drafted tokens verified on the last stage, the grammar follows only the kept
+    # ones: greedy, the same text.
+    drafted = chat(client, messages, response_format=form, max_tokens=120, extra_body={"draft": "ngram", "draft_max": 4})
+    assert drafted.choices[0].message.content == whole.choices[0].message.content
     # Sampled, not greedy: still valid.
     sampled = chat(client, messages, response_format=form, max_tokens=120, temperature=1.0, seed=7)
     if sampled.choices[0].finish_reason == "stop":
