@@ -221,6 +221,9 @@ pub struct ToolParser {
     /// Llama 3 and Mistral: undecided (nothing but whitespace yet), or holding a
     /// possible call list until the end.
     decided: Option<bool>,
+    /// gpt-oss: the channel whose message is being read (`None` between messages), and
+    /// the function it calls, if any.
+    channel: Option<(String, Option<String>)>,
     /// Trailing whitespace of the content so far, held back: dropped if a call follows.
     pending_space: String,
     /// Calls released so far.
@@ -239,6 +242,7 @@ impl ToolParser {
             held: String::new(),
             in_call: false,
             decided: None,
+            channel: None,
             pending_space: String::new(),
             n_calls: 0,
         }
@@ -273,8 +277,7 @@ impl ToolParser {
                     out.push(Out::Content(std::mem::take(&mut self.held)));
                 }
             }
-            // Channels are separated once the answer is whole.
-            ToolFormat::Harmony => {}
+            ToolFormat::Harmony => self.harmony_stream(&mut out, false),
         }
         self.tidy(out)
     }
@@ -293,7 +296,10 @@ impl ToolParser {
                 Some(calls) => out.extend(calls.into_iter().map(Out::Call)),
                 None => out.push(Out::Content(held)),
             },
-            ToolFormat::Harmony => out.extend(self.harmony(&held)),
+            ToolFormat::Harmony => {
+                self.held = held;
+                self.harmony_stream(&mut out, true);
+            }
         }
         let mut out = self.tidy(out);
         // Whitespace after the last call is not an answer.
@@ -326,6 +332,7 @@ impl ToolParser {
                     self.n_calls += 1;
                     tidy.push(Out::Call(call));
                 }
+                Out::Reasoning(text) if text.is_empty() => {}
                 other => tidy.push(other),
             }
         }
@@ -410,41 +417,80 @@ impl ToolParser {
     }
 
     /// gpt-oss: `<|channel|>NAME[ to=functions.F][ <|constrain|>json]<|message|>BODY`
-    /// segments (each may start with `<|start|>assistant` and end with `<|end|>`).
-    fn harmony(&self, text: &str) -> Vec<Out> {
+    /// messages, each after `<|start|>assistant` but the first (the `<|end|>` between them
+    /// is a control token and renders as nothing). `final` bodies stream as content,
+    /// `analysis` as reasoning; a body addressed `to=functions.F` is a call, released
+    /// whole when it ends.
+    fn harmony_stream(&mut self, out: &mut Vec<Out>, end: bool) {
         const CHANNEL: &str = "<|channel|>";
         const MESSAGE: &str = "<|message|>";
-        if !text.contains(CHANNEL) {
-            return vec![Out::Content(text.to_string())];
-        }
-        let mut out = Vec::new();
-        for segment in text.split(CHANNEL).skip(1) {
-            let Some((header, body)) = segment.split_once(MESSAGE) else {
-                out.push(Out::Content(format!("{CHANNEL}{segment}")));
-                continue;
-            };
-            let body = body
-                .trim_end_matches("<|start|>assistant")
-                .trim_end_matches("<|end|>")
-                .trim_end_matches("<|call|>");
-            let channel = header.split_whitespace().next().unwrap_or_default();
-            let recipient = header
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("to=functions."))
-                .map(|n| n.trim_end_matches("<|constrain|>json").to_string());
-            match (channel, recipient) {
-                (_, Some(name)) if self.calls => match serde_json::from_str::<Value>(body.trim()) {
-                    Ok(args) => out.push(Out::Call(ToolCall {
-                        name,
-                        arguments: args.to_string(),
-                    })),
-                    Err(_) => out.push(Out::Content(body.to_string())),
-                },
-                ("analysis", _) => out.push(Out::Reasoning(body.to_string())),
-                _ => out.push(Out::Content(body.to_string())),
+        const START: &str = "<|start|>";
+        loop {
+            match self.channel.clone() {
+                None => {
+                    let Some(at) = self.held.find(CHANNEL) else {
+                        if end {
+                            let rest = std::mem::take(&mut self.held);
+                            let rest = rest.trim_start_matches(START).trim_start_matches("assistant");
+                            out.push(Out::Content(rest.to_string()));
+                        }
+                        return;
+                    };
+                    let Some(header_end) = self.held[at..].find(MESSAGE).map(|m| at + m) else {
+                        if end {
+                            out.push(Out::Content(std::mem::take(&mut self.held)));
+                        }
+                        return;
+                    };
+                    // Before the first channel: nothing but `<|start|>assistant`, or text.
+                    let before = self.held[..at]
+                        .trim_start_matches(START)
+                        .trim_start_matches("assistant");
+                    if !before.trim().is_empty() {
+                        out.push(Out::Content(before.to_string()));
+                    }
+                    let header = &self.held[at + CHANNEL.len()..header_end];
+                    let name = header.split_whitespace().next().unwrap_or_default().to_string();
+                    let recipient = header
+                        .split_whitespace()
+                        .find_map(|w| w.strip_prefix("to=functions."))
+                        .map(|n| n.trim_end_matches("<|constrain|>json").to_string());
+                    self.channel = Some((name, recipient));
+                    self.held.drain(..header_end + MESSAGE.len());
+                }
+                Some((name, recipient)) => {
+                    let stop = [START, CHANNEL].iter().filter_map(|m| self.held.find(m)).min();
+                    let is_call = recipient.is_some() && self.calls;
+                    let (body, finished) = match stop {
+                        Some(at) => (self.held[..at].to_string(), true),
+                        None if end => (std::mem::take(&mut self.held), true),
+                        None if is_call => return,
+                        None => {
+                            let keep = partial_suffix(&self.held, START).max(partial_suffix(&self.held, CHANNEL));
+                            let release = self.held.len() - keep;
+                            (self.held[..release].to_string(), false)
+                        }
+                    };
+                    self.held.drain(..body.len().min(self.held.len()));
+                    let item = match (&recipient, name.as_str()) {
+                        (Some(function), _) if self.calls => match serde_json::from_str::<Value>(body.trim()) {
+                            Ok(args) => Out::Call(ToolCall {
+                                name: function.clone(),
+                                arguments: args.to_string(),
+                            }),
+                            Err(_) => Out::Content(body),
+                        },
+                        (_, "analysis") => Out::Reasoning(body),
+                        _ => Out::Content(body),
+                    };
+                    out.push(item);
+                    if !finished {
+                        return;
+                    }
+                    self.channel = None;
+                }
             }
         }
-        out
     }
 }
 

@@ -14,6 +14,7 @@ fn parse(format: ToolFormat, pieces: &[&str]) -> Vec<Out> {
     for item in out {
         match (merged.last_mut(), item) {
             (Some(Out::Content(a)), Out::Content(b)) => a.push_str(&b),
+            (Some(Out::Reasoning(a)), Out::Reasoning(b)) => a.push_str(&b),
             (_, item) => merged.push(item),
         }
     }
@@ -122,7 +123,7 @@ fn llama3_and_mistral_calls_are_the_whole_answer() {
 
 #[test]
 fn harmony_channels_become_reasoning_content_and_calls() {
-    let text = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary \
+    let text = "<|channel|>analysis<|message|>Need weather.<|start|>assistant<|channel|>commentary \
                 to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Lima\"}";
     assert_eq!(
         same_for_every_split(ToolFormat::Harmony, text),
@@ -131,10 +132,18 @@ fn harmony_channels_become_reasoning_content_and_calls() {
             call("get_weather", r#"{"city":"Lima"}"#)
         ]
     );
-    let answer = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Four.";
+    // Without tools the final channel streams as content, token by token.
+    let answer = "<|channel|>analysis<|message|>Easy.<|start|>assistant<|channel|>final<|message|>Four.";
+    assert_eq!(
+        same_for_every_split(ToolFormat::Harmony, answer),
+        [Out::Reasoning("Easy.".into()), content("Four.")]
+    );
     let mut parser = ToolParser::new(ToolFormat::Harmony, false);
-    assert!(parser.push(answer).is_empty());
-    assert_eq!(parser.finish(), [Out::Reasoning("Easy.".into()), content("Four.")]);
+    assert_eq!(
+        parser.push(&answer[..answer.len() - 3]),
+        [Out::Reasoning("Easy.".into()), content("Fo")]
+    );
+    assert_eq!(parser.push("ur."), [content("ur.")]);
     assert_eq!(parse(ToolFormat::Harmony, &["plain"]), [content("plain")]);
 }
 
