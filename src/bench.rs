@@ -93,6 +93,7 @@ fn bench_drafting(
             stop: Vec::new(),
             draft,
             grammar: None,
+            show: Vec::new(),
             events,
         })?;
         let (mut first, mut tokens) = (None, Vec::new());

@@ -218,6 +218,7 @@ fn generate_drafting(
         stop: Vec::new(),
         draft,
         grammar: None,
+        show: Vec::new(),
         events,
     })?;
     let mut first = None;

@@ -164,6 +164,18 @@ fn prompts_are_prepared_off_the_async_threads_and_oversized_ones_refused_before(
         "{text}"
     );
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    // The tools a chat template renders count too: a short message with huge tools.
+    let tool = json!({"type": "function", "function": {
+        "name": "lookup", "description": prose(7 << 20), "parameters": {"type": "object"}}});
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 1});
+    let started = Instant::now();
+    let (status, text) = server.request("POST", "/v1/chat/completions", Some(&chat), Some(KEY));
+    assert_eq!(status, 400, "{text}");
+    assert!(
+        text.contains("bytes") && text.contains("context_length_exceeded"),
+        "{text}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
 
     // Prompts that take seconds to tokenize (and then do not fit either) keep both of
     // the server's async threads busy unless the work runs elsewhere: meanwhile the

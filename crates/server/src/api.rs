@@ -79,6 +79,9 @@ pub struct AppState {
     tool_format: ToolFormat,
     /// Mistral's `[TOOL_CALLS]` control token, if the vocabulary has one.
     tool_calls_token: Option<u32>,
+    /// Mistral's tool-call markers that are control tokens: shown in the output when
+    /// tools are offered, so that the parser sees them.
+    tool_markers: Vec<u32>,
     /// Bounds prompt preparation ([`AppState::off_runtime`]).
     prepare_permits: tokio::sync::Semaphore,
     /// Longest text one token stands for, special tokens included.
@@ -93,11 +96,18 @@ impl AppState {
     /// Serves `engine`'s model; `vocab` tokenizes, `template` renders chats.
     pub fn new(engine: Engine, vocab: Arc<LlamaModel>, template: ChatTemplate, config: ServerConfig) -> AppState {
         let tool_format = ToolFormat::detect(template.source());
-        let tool_calls_token = vocab
-            .tokenize("[TOOL_CALLS]", false, true)
-            .ok()
-            .filter(|t| t.len() == 1 && vocab.token_bytes(t[0], false).is_empty())
-            .map(|t| t[0]);
+        let control = |text: &str| {
+            vocab
+                .tokenize(text, false, true)
+                .ok()
+                .filter(|t| t.len() == 1 && vocab.token_bytes(t[0], false).is_empty())
+                .map(|t| t[0])
+        };
+        let tool_calls_token = control("[TOOL_CALLS]");
+        let tool_markers = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
+            .iter()
+            .filter_map(|m| control(m))
+            .collect();
         let mut max_token_bytes = 1;
         let mut control_texts = Vec::new();
         for token in 0..vocab.n_vocab() as u32 {
@@ -110,6 +120,7 @@ impl AppState {
         AppState {
             tool_format,
             tool_calls_token,
+            tool_markers,
             prepare_permits: tokio::sync::Semaphore::new(config.prepare_concurrency.max(1)),
             max_token_bytes,
             control_texts,
@@ -673,6 +684,7 @@ fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result
         stop: generation.stop,
         draft,
         grammar: generation.grammar,
+        show: Vec::new(),
         events: tx,
     };
     Ok(Prepared {
@@ -748,7 +760,9 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
         req.generation.grammar = Some(grammar);
     }
     let parser = ToolParser::active(format, offer_tools).then(|| ToolParser::new(format, offer_tools));
-    let content_bytes: usize = req.messages.iter().map(|m| m.content.len()).sum();
+    // What the prompt holds at least: every message's text, and the tools it shows.
+    let content_bytes: usize = req.messages.iter().map(|m| m.content.len()).sum::<usize>()
+        + template_tools.map_or(0, |tools| tools.iter().map(|t| t.to_string().len()).sum());
     state.check_size(content_bytes, "messages")?;
     let tools = template_tools.map(<[Value]>::to_vec);
     let messages = std::mem::take(&mut req.messages);
@@ -756,7 +770,10 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
         .off_runtime(move |state| state.chat_prompt(&messages, tools.as_deref()))
         .await?;
     let logprobs = req.generation.logprobs;
-    let prepared = prepare(&state, req.generation, prompt)?;
+    let mut prepared = prepare(&state, req.generation, prompt)?;
+    if offer_tools && format == ToolFormat::Mistral {
+        prepared.job.show = state.tool_markers.clone();
+    }
     respond(state, prepared, Kind::Chat, logprobs, parser, arrived).await
 }
 

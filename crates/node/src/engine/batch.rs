@@ -152,6 +152,7 @@ mod tests {
             stop: Vec::new(),
             draft: crate::engine::draft::Draft::OFF,
             grammar: None,
+            show: Vec::new(),
             events,
         };
         let runs = vec![chunk as u32; n_reused / chunk];

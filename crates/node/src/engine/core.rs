@@ -641,7 +641,12 @@ impl Core {
         } else {
             active.tokens.push(sampled.token);
             active.generated += 1;
-            let (text, stopped) = match active.text.push(&vocab.token_bytes(sampled.token)) {
+            let bytes = if active.job.show.contains(&sampled.token) {
+                vocab.special_bytes(sampled.token)
+            } else {
+                vocab.token_bytes(sampled.token)
+            };
+            let (text, stopped) = match active.text.push(&bytes) {
                 Piece::Text(text) => (text, false),
                 Piece::Stop(text) => (text, true),
             };

@@ -113,6 +113,9 @@ pub struct Job {
     /// GBNF grammar the generated text must follow, enforced by the last stage's
     /// sampling (structured output, forced tool calls).
     pub grammar: Option<String>,
+    /// Control tokens whose text is part of the output (the tool-call markers a parser
+    /// reads, such as Mistral's `[TOOL_CALLS]`); other control tokens render as nothing.
+    pub show: Vec<u32>,
     /// Where the engine reports; dropping the receiver cancels the request.
     pub events: UnboundedSender<Event>,
 }
@@ -250,6 +253,10 @@ pub trait Vocab: Send + Sync {
     fn is_end_of_generation(&self, token: u32) -> bool;
     /// The bytes `token` stands for in generated text (special tokens render empty).
     fn token_bytes(&self, token: u32) -> Vec<u8>;
+    /// The text of `token` with control tokens rendered too (see [`Job::show`]).
+    fn special_bytes(&self, token: u32) -> Vec<u8> {
+        self.token_bytes(token)
+    }
     /// Tokens in the vocabulary: a larger id from a stage is a fault, never looked up.
     fn n_vocab(&self) -> usize;
 }
@@ -261,6 +268,10 @@ impl Vocab for baton_ggml::LlamaModel {
 
     fn token_bytes(&self, token: u32) -> Vec<u8> {
         baton_ggml::LlamaModel::token_bytes(self, token, false)
+    }
+
+    fn special_bytes(&self, token: u32) -> Vec<u8> {
+        baton_ggml::LlamaModel::token_bytes(self, token, true)
     }
 
     fn n_vocab(&self) -> usize {
