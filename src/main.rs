@@ -8,6 +8,7 @@ mod ring;
 mod run;
 mod serve;
 mod synth;
+mod token;
 mod worker;
 
 use std::path::{Path, PathBuf};

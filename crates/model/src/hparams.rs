@@ -204,14 +204,16 @@ impl<'a> Keys<'a> {
 impl HParams {
     /// Reads the hyper-parameters of `gguf`, failing with the key that is missing or wrong.
     pub fn from_gguf(gguf: &Gguf) -> Result<HParams, ModelError> {
+        // The architecture first: a model baton does not run is named as such, whatever
+        // else it lacks.
+        let arch_name = gguf.architecture()?;
+        arch::find(arch_name)?;
         let n_vocab = gguf
             .tensor("token_embd.weight")
             .and_then(|t| t.dims.get(1).copied())
             .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))? as usize;
         // Every layer has tensors: a block count beyond the tensor index is a broken (or
         // hostile) file, and must not size anything.
-        let arch_name = gguf.architecture()?;
-        arch::find(arch_name)?;
         let n_layer_all = gguf.get_u32(&format!("{arch_name}.block_count"))? as usize;
         if n_layer_all > gguf.tensors.len() {
             return Err(ModelError::BadHParams(format!(
@@ -326,7 +328,47 @@ impl HParams {
         };
         (arch.hparams)(&mut hp, &keys)?;
         hp.finish_rope();
+        hp.check()?;
         Ok(hp)
+    }
+
+    /// Refuses values ggml would abort the process on (it asserts on shapes rather than
+    /// returning errors), so that a hostile or broken file fails to load instead: head
+    /// sizes, RoPE dimensions, the sliding window. Tensor shapes are checked against
+    /// these values when the weights load.
+    fn check(&self) -> Result<(), ModelError> {
+        let bad = |why: String| Err(ModelError::BadHParams(why));
+        const MAX_HEAD_DIM: usize = 1 << 14;
+        for (name, dim) in [("key_length", self.head_dim_k), ("value_length", self.head_dim_v)] {
+            if dim == 0 || dim > MAX_HEAD_DIM {
+                return bad(format!("attention.{name} {dim} must be between 1 and {MAX_HEAD_DIM}"));
+            }
+        }
+        for (name, rope) in [("rope", &self.rope), ("sliding-window rope", &self.rope_swa)] {
+            let n_dims = rope.n_dims;
+            if n_dims <= 0 || n_dims % 2 != 0 || n_dims as usize > self.head_dim_k {
+                return bad(format!(
+                    "{name} dimension count {n_dims} must be even, positive and at most the head size {}",
+                    self.head_dim_k
+                ));
+            }
+            if !(rope.freq_base.is_finite() && rope.freq_base > 0.0 && rope.freq_scale.is_finite()) {
+                return bad(format!(
+                    "{name} frequency base {} and scale {} must be finite and the base positive",
+                    rope.freq_base, rope.freq_scale
+                ));
+            }
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            return bad(format!(
+                "layer norm epsilon {} must be finite and not negative",
+                self.rms_eps
+            ));
+        }
+        if self.swa_layers.iter().any(|&swa| swa) && self.n_swa == 0 {
+            return bad("sliding-window layers with a window of 0 tokens".into());
+        }
+        Ok(())
     }
 
     /// The attention factor RoPE scales by, as llama.cpp's context computes it from

@@ -267,6 +267,36 @@ fn loader_errors_are_clear() {
     });
     let text = err_text("blocks.gguf", &huge);
     assert!(text.contains("block_count 4294967295 is more than"), "{text}");
+
+    // Values ggml asserts on (it aborts the process) are refused before a graph is built.
+    let rope = tiny_model("phi3", |w| {
+        w.without_kv("phi3.rope.dimension_count")
+            .kv_u32("phi3.rope.dimension_count", 10)
+    });
+    assert_eq!(
+        err_text("rope.gguf", &rope),
+        "bad hyper-parameters: rope dimension count 10 must be even, positive and at most the head size 8"
+    );
+    let odd = tiny_model("phi3", |w| {
+        w.without_kv("phi3.rope.dimension_count")
+            .kv_u32("phi3.rope.dimension_count", 7)
+    });
+    assert!(err_text("odd-rope.gguf", &odd).contains("must be even"));
+    let head = tiny_model("qwen2", |w| {
+        w.without_kv("qwen2.attention.key_length")
+            .kv_u32("qwen2.attention.key_length", 0)
+    });
+    let text = err_text("head.gguf", &head);
+    assert!(
+        text.starts_with("bad hyper-parameters: ") && text.contains("key 0"),
+        "{text}"
+    );
+    let base = tiny_model("llama", |w| {
+        w.without_kv("llama.rope.freq_base")
+            .kv("llama.rope.freq_base", Value::F32(f32::NAN))
+    });
+    let text = err_text("base.gguf", &base);
+    assert!(text.contains("must be finite"), "{text}");
 }
 
 /// The KV cache holds what llama.cpp's holds: keys and values of `head_dim × n_head_kv`

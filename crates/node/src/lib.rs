@@ -6,11 +6,11 @@ pub mod cluster;
 pub mod engine;
 mod head;
 mod local;
-mod worker;
+mod stage_loop;
 
 pub use head::{GenerateRequest, Generation, Head, RingEnds};
 pub use local::LocalRing;
-pub use worker::{run, StageWorker};
+pub use stage_loop::{run, StageWorker};
 
 /// Errors seen by the head or a worker loop.
 #[derive(Debug, thiserror::Error)]
@@ -18,6 +18,9 @@ pub enum NodeError {
     /// A stage could not be loaded.
     #[error(transparent)]
     Model(#[from] baton_model::ModelError),
+    /// The cluster token cannot be used (empty, too short).
+    #[error(transparent)]
+    Token(#[from] baton_proto::auth::TokenError),
     /// A link failed.
     #[error(transparent)]
     Net(#[from] baton_net::NetError),

@@ -9,7 +9,7 @@ use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
 use baton_net::local_link;
 
 use crate::head::{Head, RingEnds};
-use crate::worker::{run, StageWorker};
+use crate::stage_loop::{run, StageWorker};
 use crate::NodeError;
 
 /// A running in-process ring and the head that drives it.

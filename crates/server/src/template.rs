@@ -92,6 +92,9 @@ pub struct ChatTemplate {
     is_default: bool,
 }
 
+/// Instructions one render may execute (minijinja's fuel).
+const TEMPLATE_FUEL: u64 = 20_000_000;
+
 impl ChatTemplate {
     /// `source`: the GGUF's tokenizer.chat_template, or None for DEFAULT_TEMPLATE.
     /// `bos_token`/`eos_token` are the texts of those tokens, passed to the template.
@@ -100,6 +103,10 @@ impl ChatTemplate {
         // transformers builds its Jinja2 environment with these two on; llama.cpp copies it.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        // The template comes from the model file: a hostile one must not spin a render
+        // thread forever (issue 16). Real templates take a few thousand instructions per
+        // message; fuel runs out after a second or so of work.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
@@ -782,6 +789,29 @@ mod tests {
                 other => panic!("{source:?}: expected a compile error, got {other:?}"),
             }
         }
+    }
+
+    /// Issue 16: a model file's template that loops without end is stopped, with an
+    /// error, instead of holding a render thread; a long real conversation still renders.
+    #[test]
+    fn a_template_that_never_ends_runs_out_of_fuel() {
+        let source = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+        let started = std::time::Instant::now();
+        let err = render_source(source, &conversation()).unwrap_err();
+        assert!(
+            matches!(err, TemplateError::Render { ref message } if message.contains("fuel")),
+            "{err:?}"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+        let long: Vec<ChatMessage> = (0..2000)
+            .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "a turn of a long chat"))
+            .collect();
+        let source = model_template(QWEN_MODEL).unwrap();
+        let rendered = ChatTemplate::new(Some(&source), "", "<|im_end|>")
+            .unwrap()
+            .render(&long, true)
+            .unwrap();
+        assert_eq!(rendered.matches("a turn of a long chat").count(), 2000);
     }
 
     #[test]

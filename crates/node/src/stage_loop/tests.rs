@@ -129,3 +129,34 @@ fn grammar_keeps_greedy_text_inside_it_with_drafts_and_after_a_rebuild() {
         other => panic!("expected an error, got {other:?}"),
     }
 }
+
+/// Issue 16: a panic in a session's thread left the worker wedged. The stage loop
+/// turns it into an error for that session, and tells the next hop.
+#[test]
+fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
+    use super::{serve, NodeError};
+    use baton_net::{local_link, Rx, Tx};
+
+    let (mut to_stage, stage_rx) = local_link("stage");
+    let (stage_tx, mut from_stage) = local_link("next");
+    to_stage.send(Message::EndSeq { seq: 1 }).unwrap();
+    to_stage.send(Message::EndSeq { seq: 2 }).unwrap();
+    let handler = |msg: Message| match msg {
+        Message::EndSeq { seq: 2 } => panic!("seq 2 broke the stage"),
+        other => other,
+    };
+    let result = serve(handler, 12, stage_rx, stage_tx);
+    let Err(NodeError::Stage { first_layer, message }) = result else {
+        panic!("{result:?}")
+    };
+    assert_eq!(first_layer, 12);
+    assert_eq!(message, "the stage panicked handling EndSeq: seq 2 broke the stage");
+    assert_eq!(from_stage.recv().unwrap(), Message::EndSeq { seq: 1 });
+    assert_eq!(
+        from_stage.recv().unwrap(),
+        Message::Error {
+            first_layer: 12,
+            message: message.clone()
+        }
+    );
+}

@@ -7,11 +7,12 @@ use std::sync::Arc;
 
 use baton_grammar::{Grammar, Matcher, TokenTable};
 use baton_model::{Batch, Stage, StageInput, StageOutput};
-use baton_net::{NetError, Rx, Tx};
+use baton_net::{Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::Sampler;
 
 use crate::engine::max_decode_rows;
+use crate::NodeError;
 
 /// A stage plus, on the last stage, one sampler per live sequence.
 pub struct StageWorker {
@@ -429,14 +430,40 @@ fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> 
 }
 
 /// Serves `worker` until `Shutdown` or a closed link: receive, handle, send on.
-/// `Shutdown` is forwarded so every stage of the ring stops.
-pub fn run(mut worker: StageWorker, mut rx: impl Rx, mut tx: impl Tx) -> Result<(), NetError> {
+/// `Shutdown` is forwarded so every stage of the ring stops. A panic while handling a
+/// message ends the loop with an error ([`NodeError::Stage`]) after passing a
+/// `Message::Error` on, so the head fails what was in flight instead of waiting; the
+/// stage's state is suspect after a panic, so it serves nothing more.
+pub fn run(mut worker: StageWorker, rx: impl Rx, tx: impl Tx) -> Result<(), NodeError> {
     let span = tracing::debug_span!("stage", layers = ?worker.stage.span().layers);
     let _entered = span.enter();
+    let first_layer = worker.stage.span().layers.start as u32;
+    serve(|msg| worker.handle(msg), first_layer, rx, tx)
+}
+
+/// The loop of [`run`] over any handler.
+fn serve(
+    mut handle: impl FnMut(Message) -> Message,
+    first_layer: u32,
+    mut rx: impl Rx,
+    mut tx: impl Tx,
+) -> Result<(), NodeError> {
     loop {
         let msg = rx.recv()?;
         let stop = matches!(msg, Message::Shutdown);
-        let mut out = worker.handle(msg);
+        let kind = msg.kind();
+        let mut out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg))) {
+            Ok(out) => out,
+            Err(panic) => {
+                let message = format!("the stage panicked handling {kind}: {}", panic_text(&panic));
+                tracing::error!(first_layer, "{message}");
+                let _ = tx.send(Message::Error {
+                    first_layer,
+                    message: message.clone(),
+                });
+                return Err(NodeError::Stage { first_layer, message });
+            }
+        };
         if let Message::Stats { link_sent, .. } = &mut out {
             link_sent.push(tx.counters().sent());
         }
@@ -445,6 +472,15 @@ pub fn run(mut worker: StageWorker, mut rx: impl Rx, mut tx: impl Tx) -> Result<
             return Ok(());
         }
     }
+}
+
+/// What a panic said, when it said it with a string.
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 #[cfg(test)]
