@@ -129,7 +129,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         generate_drafting(&mut ring, &args, &vocab, prompt.clone(), params, draft, &mut print)?
     };
-    drop(print);
     println!("{}", String::from_utf8_lossy(&pending));
 
     let resident = &generated.resident;
