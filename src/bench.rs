@@ -93,6 +93,8 @@ fn bench_drafting(
             top_logprobs: 0,
             stop: Vec::new(),
             draft,
+            grammar: None,
+            show: Vec::new(),
             events,
         })?;
         let (mut first, mut tokens) = (None, Vec::new());

@@ -228,6 +228,8 @@ fn generate_drafting(
         top_logprobs: 0,
         stop: Vec::new(),
         draft,
+        grammar: None,
+        show: Vec::new(),
         events,
     })?;
     let mut first = None;
