@@ -44,6 +44,9 @@ MODELS = {
 }
 N_LAYERS = {MODELS["qwen2"]: 24, MODELS["gemma3"]: 18}
 TOKEN = "bench-suite-token"
+# Every baton process of the suite reads the cluster token from its environment, never
+# from its command line (which every user of the machine can read).
+os.environ["BATON_TOKEN"] = TOKEN
 
 
 def log(msg):
@@ -310,7 +313,7 @@ class Baton:
             port = free_port()
             proxy = tox.proxy(port)
             proc = procs.start([BATON, "worker", "--listen", f"127.0.0.1:{port}", "--advertise",
-                                f"127.0.0.1:{proxy}", "--models", models, "--threads", 1, "--token", TOKEN])
+                                f"127.0.0.1:{proxy}", "--models", models, "--threads", 1])
             wait_port(port, proc, "baton worker")
             dial.append(f"127.0.0.1:{proxy}")
         return tox, ",".join(dial)
@@ -335,7 +338,7 @@ class Baton:
         return wrapped
 
     def head(self, dial):
-        return ["--model", self.model, "--workers", dial, "--token", TOKEN, "--no-head-stage",
+        return ["--model", self.model, "--workers", dial, "--no-head-stage",
                 "--split", self.split, "--threads", 1]
 
     @session

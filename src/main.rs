@@ -9,6 +9,7 @@ mod ring;
 mod run;
 mod serve;
 mod synth;
+mod token;
 mod worker;
 
 use std::path::{Path, PathBuf};

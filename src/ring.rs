@@ -35,9 +35,9 @@ pub struct ClusterArgs {
     /// sockets in a private temporary directory).
     #[arg(long)]
     pub local_workers: Option<usize>,
-    /// Cluster secret for --workers (or the BATON_TOKEN environment variable).
-    #[arg(long, env = "BATON_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
+    /// The cluster secret for --workers.
+    #[command(flatten)]
+    pub token: crate::token::TokenArgs,
     /// Element type of hidden states on the wire between workers.
     #[arg(long, value_enum, default_value_t = WireDtype::F32)]
     pub wire_dtype: WireDtype,
@@ -176,7 +176,7 @@ impl Ring {
             }
             None if !cluster.workers.is_empty() => (
                 cluster.workers.clone(),
-                cluster.token.clone(),
+                cluster.token.load()?,
                 None,
                 stages.threads_for(1),
             ),

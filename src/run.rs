@@ -103,9 +103,21 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             n_batch: args.batch_size,
             logprobs: false,
         };
-        let generation = ring
-            .head()?
-            .generate(&req, |t| vocab.is_end_of_generation(t), &mut print)?;
+        // A token id outside the vocabulary (a faulty or hostile last stage) ends the
+        // generation before libllama sees it: its lookups throw across the C boundary.
+        let n_vocab = vocab.n_vocab();
+        let outside = std::cell::Cell::new(None);
+        let is_end = |t: u32| {
+            if t as usize >= n_vocab {
+                outside.set(Some(t));
+                return true;
+            }
+            vocab.is_end_of_generation(t)
+        };
+        let generation = ring.head()?.generate(&req, is_end, &mut print)?;
+        if let Some(t) = outside.get() {
+            anyhow::bail!("the last stage sampled token {t}, outside the vocabulary of {n_vocab}");
+        }
         let resident = ring.head()?.resident_bytes()?;
         Generated {
             n_tokens: generation.tokens.len(),

@@ -19,9 +19,8 @@ pub struct WorkerArgs {
     /// Directory of GGUF models (streamed tensors are cached under DIR/.baton).
     #[arg(long)]
     models: PathBuf,
-    /// Cluster secret (or the BATON_TOKEN environment variable).
-    #[arg(long, env = "BATON_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+    #[command(flatten)]
+    token: crate::token::TokenArgs,
     /// Listen on a non-loopback address without a token (anyone who can connect can use it).
     #[arg(long)]
     insecure: bool,
@@ -38,12 +37,20 @@ pub struct WorkerArgs {
     /// authenticated, 64 KiB).
     #[arg(long, default_value_t = baton_proto::DEFAULT_MAX_FRAME)]
     max_frame: usize,
-    /// Seconds a peer may take to complete the handshake.
+    /// Seconds a peer may take to complete the handshake (TLS included), however it
+    /// spaces its bytes.
     #[arg(long, default_value_t = 10.0)]
     handshake_timeout: f64,
-    /// Most connections served at once; more are closed at once, with a log line.
+    /// Most authenticated connections served at once (heads, ring links, heartbeats):
+    /// one more is told "too many connections". Also the most connections in their
+    /// handshake at once.
     #[arg(long, default_value_t = 64)]
     max_connections: usize,
+    /// Most connections in their handshake at once from one IPv4 address (or IPv6 /64).
+    /// A connection over a limit may take the slot of the oldest handshake by sending
+    /// its Hello within half a second; otherwise it is closed.
+    #[arg(long, default_value_t = 8)]
+    max_handshakes_per_source: usize,
     /// Kernel socket buffer sizes in bytes (SO_SNDBUF and SO_RCVBUF).
     #[arg(long)]
     socket_buffer: Option<usize>,
@@ -60,10 +67,11 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     let local = Addr::parse(&args.listen)
         .and_then(|addr| addr.is_local())
         .with_context(|| format!("bad --listen address {}", args.listen))?;
-    if !local && args.token.is_none() && !args.insecure {
+    let token = args.token.load()?;
+    if !local && token.is_none() && !args.insecure {
         anyhow::bail!(
             "refusing to listen on {} without --token: any machine that can reach it could drive this \
-             worker. Set a cluster token (--token or BATON_TOKEN), or pass --insecure to accept that.",
+             worker. Set a cluster token (--token-file or BATON_TOKEN), or pass --insecure to accept that.",
             args.listen
         );
     }
@@ -76,6 +84,10 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         "--max-connections must be at least 4 (a head, its heartbeat, a ring link and a spare)"
     );
     anyhow::ensure!(
+        args.max_handshakes_per_source >= 1,
+        "--max-handshakes-per-source must be at least 1"
+    );
+    anyhow::ensure!(
         args.max_frame >= 1 << 20,
         "--max-frame must be at least 1 MiB (a prompt chunk's hidden states must fit)"
     );
@@ -86,7 +98,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     let config = WorkerConfig {
         listen: args.listen.clone(),
         models: args.models,
-        token: args.token,
+        token,
         threads,
         memory: args.memory,
         advertise: args.advertise,
@@ -99,6 +111,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         },
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
         max_connections: args.max_connections,
+        max_handshakes_per_source: args.max_handshakes_per_source,
     };
     let worker = Worker::bind(config)?;
     if args.exit_on_stdin_close {

@@ -404,6 +404,7 @@ fn start_worker_that_hangs_while_loading() -> String {
                             secs_per_layer: Some(0.001),
                             models: vec![held],
                             ring_addr: ring_addr.clone(),
+                            session: 1,
                         };
                         link.send(Message::Capabilities(caps)).unwrap();
                     }

@@ -1,5 +1,6 @@
-//! Writes the binary seed inputs of the `frame`, `handshake` and `gguf` targets with the
-//! real encoders, so that fuzzing starts from valid inputs of every shape:
+//! Writes the binary seed inputs of the `frame`, `handshake`, `gguf` and `stage_plan`
+//! targets with the real encoders, so that fuzzing starts from valid inputs of every
+//! shape:
 //!
 //! ```text
 //! cargo run --manifest-path fuzz/Cargo.toml --example seeds -- fuzz/seeds
@@ -29,6 +30,9 @@ fn main() -> std::io::Result<()> {
     }
     for (name, bytes) in ggufs() {
         write(&root.join("gguf"), name, &bytes)?;
+    }
+    for (name, bytes) in stage_plans() {
+        write(&root.join("stage_plan"), &name, &bytes)?;
     }
     Ok(())
 }
@@ -71,6 +75,7 @@ fn messages() -> Vec<(String, Message)> {
         positions: vec![7, 8],
         seq_ids: vec![1, 1],
         sample_rows: vec![1],
+        row_tokens: vec![],
     };
     let messages = vec![
         Message::Hello {
@@ -102,6 +107,7 @@ fn messages() -> Vec<(String, Message)> {
                 content: Some(nonce(5)),
             }],
             ring_addr: "10.0.0.3:7301".into(),
+            session: 0x5e55_1000,
         }),
         Message::LoadPlan(plan.clone()),
         Message::LoadPlan(LoadPlan {
@@ -161,7 +167,10 @@ fn messages() -> Vec<(String, Message)> {
             kv_used: vec![17, 17],
         },
         Message::Shutdown,
-        Message::Ping { timeout_ms: 2000 },
+        Message::Ping {
+            timeout_ms: 2000,
+            session: 0x5e55_1000,
+        },
         Message::Pong,
     ];
     let mut named: Vec<(String, Message)> = Vec::new();
@@ -255,4 +264,86 @@ fn ggufs() -> Vec<(&'static str, Vec<u8>)> {
         ("aligned", aligned.to_bytes()),
         ("empty", GgufWriter::new().to_bytes()),
     ]
+}
+
+/// A tiny model of `arch` (every key and tensor its loader reads, zero weights):
+/// `n_layer` layers of width 16, 2 heads of 8, 1 KV head, vocabulary 32.
+fn tiny_model(arch: &str, n_layer: u32) -> Vec<u8> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let (embd, ff, vocab, head_dim, heads, kv_heads) = (16u64, 32u64, 32u64, 8u64, 2u64, 1u64);
+    let mut w = GgufWriter::new()
+        .kv_str("general.architecture", arch)
+        .kv_u32(key("block_count"), n_layer)
+        .kv_u32(key("embedding_length"), embd as u32)
+        .kv_u32(key("feed_forward_length"), ff as u32)
+        .kv_u32(key("attention.head_count"), heads as u32)
+        .kv_u32(key("attention.head_count_kv"), kv_heads as u32)
+        .kv_u32(key("attention.key_length"), head_dim as u32)
+        .kv_u32(key("attention.value_length"), head_dim as u32)
+        .kv_u32(key("context_length"), 256)
+        .kv_f32(key("attention.layer_norm_rms_epsilon"), 1e-6)
+        .kv_f32(key("rope.freq_base"), 10000.0);
+    if arch == "gemma3" {
+        w = w
+            .kv_u32("gemma3.attention.sliding_window", 2)
+            .kv_u32("gemma3.attention.sliding_window_pattern", 2);
+    }
+    let t = |w: GgufWriter, name: &str, dims: &[u64]| {
+        let n: u64 = dims.iter().product();
+        w.tensor_f32(name, dims, &vec![0.0; n as usize])
+    };
+    w = t(w, "token_embd.weight", &[embd, vocab]);
+    w = t(w, "output_norm.weight", &[embd]);
+    if arch == "llama" {
+        w = t(w, "output.weight", &[embd, vocab]);
+    }
+    let (q, kv) = (heads * head_dim, kv_heads * head_dim);
+    for layer in 0..n_layer {
+        let b = |n: &str| format!("blk.{layer}.{n}");
+        w = t(w, &b("attn_norm.weight"), &[embd]);
+        w = t(w, &b("attn_q.weight"), &[embd, q]);
+        w = t(w, &b("attn_k.weight"), &[embd, kv]);
+        w = t(w, &b("attn_v.weight"), &[embd, kv]);
+        w = t(w, &b("attn_output.weight"), &[q, embd]);
+        w = t(w, &b("ffn_norm.weight"), &[embd]);
+        w = t(w, &b("ffn_gate.weight"), &[embd, ff]);
+        w = t(w, &b("ffn_up.weight"), &[embd, ff]);
+        w = t(w, &b("ffn_down.weight"), &[ff, embd]);
+        match arch {
+            "qwen2" => {
+                w = t(w, &b("attn_q.bias"), &[q]);
+                w = t(w, &b("attn_k.bias"), &[kv]);
+                w = t(w, &b("attn_v.bias"), &[kv]);
+            }
+            "qwen3" | "gemma3" => {
+                w = t(w, &b("attn_q_norm.weight"), &[head_dim]);
+                w = t(w, &b("attn_k_norm.weight"), &[head_dim]);
+                if arch == "gemma3" {
+                    w = t(w, &b("post_attention_norm.weight"), &[embd]);
+                    w = t(w, &b("post_ffw_norm.weight"), &[embd]);
+                }
+            }
+            _ => {}
+        }
+    }
+    w.to_bytes()
+}
+
+/// `stage_plan` inputs: 8 bytes of cluster (node count and context size, then each
+/// node's memory and speed), then a tiny model of each architecture.
+fn stage_plans() -> Vec<(String, Vec<u8>)> {
+    let clusters: [(&str, [u8; 8]); 3] = [
+        ("one-node", [0x00, 0x1f, 0, 0, 0, 0, 0, 0]),
+        ("three-nodes", [0x22, 0x14, 0x34, 0x54, 0, 0, 0, 0]),
+        ("four-tight-nodes", [0x53, 0x01, 0x02, 0x01, 0x03, 0, 0, 0]),
+    ];
+    let mut seeds = Vec::new();
+    for arch in ["llama", "qwen2", "qwen3", "gemma3"] {
+        for (name, cluster) in clusters {
+            let mut bytes = cluster.to_vec();
+            bytes.extend(tiny_model(arch, 3));
+            seeds.push((format!("{arch}-{name}"), bytes));
+        }
+    }
+    seeds
 }

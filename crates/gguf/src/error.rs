@@ -157,6 +157,15 @@ pub enum GgufError {
         /// Elements expected.
         expected: usize,
     },
+
+    /// Bytes given as a file's header run past where its tensor data starts.
+    #[error("GGUF header of {len} bytes runs past the start of the tensor data at offset {data_offset}")]
+    TrailingHeader {
+        /// Where the tensor data starts.
+        data_offset: u64,
+        /// Bytes given as the header.
+        len: u64,
+    },
 }
 
 /// Points out the likely cause when a version reads as 2 or 3 once its bytes are swapped.

@@ -59,7 +59,23 @@ impl Gguf {
     /// Parses the header, metadata and tensor index of a GGUF file held in `bytes`, and
     /// checks that every tensor's data lies within `bytes`.
     pub fn parse(bytes: &[u8]) -> Result<Gguf, GgufError> {
-        parse::parse(bytes)
+        parse::parse(bytes, bytes.len() as u64)
+    }
+
+    /// Parses the part of a GGUF file before its tensor data (`header`: header,
+    /// metadata, tensor index and padding, as [`header_len`](Gguf::header_len) counts
+    /// it), and checks that every tensor's data lies within a file of `file_len` bytes:
+    /// how a node that receives a file's tensors one by one knows where each belongs.
+    /// Bytes after the index's padding are an error.
+    pub fn parse_index(header: &[u8], file_len: u64) -> Result<Gguf, GgufError> {
+        let gguf = parse::parse(header, file_len)?;
+        if gguf.data_offset != header.len() as u64 {
+            return Err(GgufError::TrailingHeader {
+                data_offset: gguf.data_offset,
+                len: header.len() as u64,
+            });
+        }
+        Ok(gguf)
     }
 
     /// Rebuilds the name indexes after `metadata` or `tensors` were edited; fails on

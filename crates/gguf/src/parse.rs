@@ -23,7 +23,9 @@ const MIN_KV_BYTES: u64 = 8 + 4 + 1;
 /// Smallest encoding of a tensor info: name length, dim count, one dim, type, offset.
 const MIN_TENSOR_INFO_BYTES: u64 = 8 + 4 + 8 + 4 + 8;
 
-pub(crate) fn parse(bytes: &[u8]) -> Result<Gguf, GgufError> {
+/// Parses `bytes` (the whole file, or at least its header and tensor index) and checks
+/// every tensor against a file of `file_len` bytes.
+pub(crate) fn parse(bytes: &[u8], file_len: u64) -> Result<Gguf, GgufError> {
     let mut r = Reader::new(bytes);
     let found = r.bytes4().what(|| "the magic".into())?;
     if &found != GGUF_MAGIC {
@@ -58,7 +60,6 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Gguf, GgufError> {
     check_count(&r, n_tensors, MIN_TENSOR_INFO_BYTES, || "tensor count".into())?;
     let mut tensors = read_tensor_infos(&mut r, n_tensors, alignment)?;
     gguf.data_offset = data_offset(&mut r, alignment)?;
-    let file_len = bytes.len() as u64;
     for tensor in &mut tensors {
         // `offset` is still relative to the data section here.
         let start = gguf.data_offset.checked_add(tensor.offset);

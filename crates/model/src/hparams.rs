@@ -204,14 +204,16 @@ impl<'a> Keys<'a> {
 impl HParams {
     /// Reads the hyper-parameters of `gguf`, failing with the key that is missing or wrong.
     pub fn from_gguf(gguf: &Gguf) -> Result<HParams, ModelError> {
+        // The architecture first: a model baton does not run is named as such, whatever
+        // else it lacks.
+        let arch_name = gguf.architecture()?;
+        arch::find(arch_name)?;
         let n_vocab = gguf
             .tensor("token_embd.weight")
             .and_then(|t| t.dims.get(1).copied())
             .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))? as usize;
         // Every layer has tensors: a block count beyond the tensor index is a broken (or
         // hostile) file, and must not size anything.
-        let arch_name = gguf.architecture()?;
-        arch::find(arch_name)?;
         let n_layer_all = gguf.get_u32(&format!("{arch_name}.block_count"))? as usize;
         if n_layer_all > gguf.tensors.len() {
             return Err(ModelError::BadHParams(format!(

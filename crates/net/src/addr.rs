@@ -6,12 +6,13 @@
 //!
 //! Either may carry TLS ([`LinkOptions::tls`]).
 
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
-use crate::framed::{FramedLink, LinkOptions};
+use crate::framed::{FramedLink, LinkCloser, LinkOptions};
 use crate::unix::SocketFile;
 use crate::{Link, NetError};
 
@@ -70,9 +71,20 @@ impl std::fmt::Display for Addr {
 /// Connects to `addr` (see [`Addr::parse`]); with `opts.tls`, runs the client side of
 /// the TLS handshake. No baton handshake yet: see [`client_handshake`](crate::client_handshake).
 pub fn connect(addr: &str, opts: &LinkOptions) -> Result<Box<dyn Link>, NetError> {
+    connect_until(addr, opts, None)
+}
+
+/// Like [`connect`], but nothing waits past `deadline`: not the connection, not the TLS
+/// handshake, and no read of the link until [`Link::set_deadline`] clears it (so the
+/// baton handshake that follows is bounded too).
+pub fn connect_by(addr: &str, opts: &LinkOptions, deadline: Instant) -> Result<Box<dyn Link>, NetError> {
+    connect_until(addr, opts, Some(deadline))
+}
+
+fn connect_until(addr: &str, opts: &LinkOptions, deadline: Option<Instant>) -> Result<Box<dyn Link>, NetError> {
     Ok(match Addr::parse(addr)? {
-        Addr::Tcp(tcp) => Box::new(crate::tcp::connect(&tcp, opts)?),
-        Addr::Unix(path) => Box::new(crate::unix::connect(&path, addr, opts)?),
+        Addr::Tcp(tcp) => Box::new(crate::tcp::connect(&tcp, opts, deadline)?),
+        Addr::Unix(path) => Box::new(crate::unix::connect(&path, addr, opts, deadline)?),
     })
 }
 
@@ -153,6 +165,7 @@ impl Listener {
                 Ok(Incoming {
                     stream: IncomingStream::Tcp(stream),
                     peer: peer.to_string(),
+                    source: source_of(&peer),
                     local,
                 })
             }
@@ -162,6 +175,8 @@ impl Listener {
                 Ok(Incoming {
                     stream: IncomingStream::Unix(stream),
                     peer: format!("peer {n} of {}", self.addr),
+                    // Whoever may open the socket file is one local party.
+                    source: format!("local socket {}", self.addr),
                     local: self.addr.clone(),
                 })
             }
@@ -178,7 +193,24 @@ impl Listener {
 pub struct Incoming {
     stream: IncomingStream,
     peer: String,
+    source: String,
     local: String,
+}
+
+/// The party behind a TCP peer address, as far as an address tells: the IPv4 address,
+/// or the /64 network of an IPv6 one (one host or site gets a whole /64, so counting
+/// single IPv6 addresses would count nothing).
+fn source_of(peer: &SocketAddr) -> String {
+    match peer.ip() {
+        IpAddr::V4(ip) => ip.to_string(),
+        IpAddr::V6(ip) => match ip.to_ipv4_mapped() {
+            Some(v4) => v4.to_string(),
+            None => {
+                let s = ip.segments();
+                format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+            }
+        },
+    }
 }
 
 enum IncomingStream {
@@ -193,6 +225,36 @@ impl Incoming {
         &self.peer
     }
 
+    /// Who is behind the connection, for per-source limits: the peer's IPv4 address or
+    /// IPv6 /64 network on TCP; the socket itself on a Unix socket (anyone allowed to
+    /// open it).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// A handle that closes the connection from another thread (its reads end at once),
+    /// whatever becomes of it.
+    pub fn closer(&self) -> Result<LinkCloser, NetError> {
+        let io = |source| NetError::Io {
+            peer: self.peer.clone(),
+            source,
+        };
+        Ok(match &self.stream {
+            IncomingStream::Tcp(stream) => {
+                let stream = stream.try_clone().map_err(io)?;
+                LinkCloser::new(move || {
+                    let _ = stream.shutdown(Shutdown::Both);
+                })
+            }
+            IncomingStream::Unix(stream) => {
+                let stream = stream.try_clone().map_err(io)?;
+                LinkCloser::new(move || {
+                    let _ = stream.shutdown(Shutdown::Both);
+                })
+            }
+        })
+    }
+
     /// Where the peer reached this node: the address by which nodes that reach it the
     /// same way can reach it too (the interface and port on TCP, the socket path).
     pub fn local_addr(&self) -> &str {
@@ -203,9 +265,21 @@ impl Incoming {
     /// handshake; a peer that speaks TLS when this end does not (or the other way round)
     /// is refused with an error that says so.
     pub fn into_link(self, opts: &LinkOptions) -> Result<Box<dyn Link>, NetError> {
+        self.into_link_until(opts, None)
+    }
+
+    /// Like [`into_link`](Incoming::into_link), but nothing waits past `deadline`: not
+    /// the first bytes, not the TLS handshake, and no read of the link until
+    /// [`Link::set_deadline`] clears it (so the baton handshake that follows is bounded
+    /// too, however the peer spaces its bytes).
+    pub fn into_link_by(self, opts: &LinkOptions, deadline: Instant) -> Result<Box<dyn Link>, NetError> {
+        self.into_link_until(opts, Some(deadline))
+    }
+
+    fn into_link_until(self, opts: &LinkOptions, deadline: Option<Instant>) -> Result<Box<dyn Link>, NetError> {
         Ok(match self.stream {
-            IncomingStream::Tcp(stream) => Box::new(FramedLink::accept(stream, self.peer, opts)?),
-            IncomingStream::Unix(stream) => Box::new(FramedLink::accept(stream, self.peer, opts)?),
+            IncomingStream::Tcp(stream) => Box::new(FramedLink::accept_until(stream, self.peer, opts, deadline)?),
+            IncomingStream::Unix(stream) => Box::new(FramedLink::accept_until(stream, self.peer, opts, deadline)?),
         })
     }
 }
@@ -229,6 +303,20 @@ mod tests {
         }
         let err = Addr::parse("unix:").unwrap_err().to_string();
         assert!(err.contains("needs a socket path"), "{err}");
+    }
+
+    #[test]
+    fn sources_are_ipv4_addresses_and_ipv6_networks() {
+        let cases = [
+            ("127.0.0.1:5000", "127.0.0.1"),
+            ("10.1.2.3:1", "10.1.2.3"),
+            ("[2001:db8:1:2:aaaa::1]:7070", "2001:db8:1:2::/64"),
+            ("[2001:db8:1:2:bbbb::9]:7071", "2001:db8:1:2::/64"),
+            ("[::ffff:192.0.2.7]:80", "192.0.2.7"),
+        ];
+        for (peer, source) in cases {
+            assert_eq!(source_of(&peer.parse().unwrap()), source, "{peer}");
+        }
     }
 
     #[test]

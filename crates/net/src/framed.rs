@@ -3,6 +3,12 @@
 //! [`LinkOptions::tls`] the same frames travel inside TLS (see `tls.rs`). The stream kind
 //! only decides how the socket is set up (`Stream`); framing, TLS, halves and closing
 //! are the same for every kind.
+//!
+//! After a handshake with a token ([`Link::authenticate_frames`]) every frame's payload
+//! is sealed in place and its tag written after it, in the same vectored write; a frame
+//! whose tag does not check out is not decoded and ends the link. While a deadline is set
+//! ([`Link::set_deadline`]), every read waits at most until then, however the peer
+//! spaces its bytes: a handshake cannot be stretched by a byte every few seconds.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::Shutdown;
@@ -10,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use baton_proto::auth::{FrameKeys, FrameSeal, TAG_LEN};
 use baton_proto::{decode, encode_payload, header, parse_header, Message, RefusalCode, DEFAULT_MAX_FRAME, HEADER_LEN};
 
 use crate::tls::{looks_like_tls, TlsConfig, TlsSession};
@@ -43,8 +50,8 @@ impl Default for LinkOptions {
     }
 }
 
-/// Bytes that crossed a link, both ways, including frame headers (frame bytes: with
-/// TLS, the records' own overhead is not counted; in-process links count nothing).
+/// Bytes that crossed a link, both ways, including frame headers and tags (frame bytes:
+/// with TLS, the records' own overhead is not counted; in-process links count nothing).
 #[derive(Debug, Default)]
 pub struct Counters {
     sent: AtomicU64,
@@ -110,30 +117,64 @@ pub(crate) struct FramedLink<S: Stream> {
     buf: Vec<u8>,
     /// Bytes read while telling TLS from plain frames, to be read again first.
     pending: Vec<u8>,
+    /// How long one read may wait (`None`: forever), as last set.
+    read_timeout: Option<Duration>,
+    /// No read waits past this (the end of the handshake), when set.
+    deadline: Option<Instant>,
+    /// Seals frames sent, once the handshake has keyed them.
+    send_seal: Option<FrameSeal>,
+    /// Opens frames received, once the handshake has keyed them.
+    recv_seal: Option<FrameSeal>,
 }
 
 impl<S: Stream> FramedLink<S> {
     /// Runs the client side of the TLS handshake on a connected stream when `opts` asks
-    /// for TLS.
-    pub(crate) fn connected(stream: S, peer: String, opts: &LinkOptions) -> Result<FramedLink<S>, NetError> {
+    /// for TLS, finished by `deadline` (when given: the link's reads then stay bounded by
+    /// it until [`Link::set_deadline`] clears it), or else within the read timeout.
+    pub(crate) fn connected(
+        stream: S,
+        peer: String,
+        opts: &LinkOptions,
+        deadline: Option<Instant>,
+    ) -> Result<FramedLink<S>, NetError> {
         let mut link = FramedLink::plain(stream, peer, opts)?;
+        link.deadline = deadline;
         if let Some(tls) = &opts.tls {
-            let session = TlsSession::client(&mut link.stream, tls, &link.peer, opts.read_timeout)?;
+            let until = deadline.unwrap_or_else(|| tls_deadline(opts));
+            let session = TlsSession::client(&mut link.stream, tls, &link.peer, until, opts.read_timeout)?;
             link.tls = Some(session);
         }
         Ok(link)
     }
 
+    /// [`accept_until`](FramedLink::accept_until) without a deadline.
+    #[cfg(test)]
+    pub(crate) fn accept(stream: S, peer: String, opts: &LinkOptions) -> Result<FramedLink<S>, NetError> {
+        FramedLink::accept_until(stream, peer, opts, None)
+    }
+
     /// Wraps an accepted stream; with TLS, runs the server side of the handshake. A
     /// peer that does not speak what this end speaks (TLS or not) is refused with an
     /// error saying so; a plain peer of a TLS node is told why in a `Refused` frame.
-    pub(crate) fn accept(stream: S, peer: String, opts: &LinkOptions) -> Result<FramedLink<S>, NetError> {
+    /// With a `deadline`, nothing here (nor any read of the link until
+    /// [`Link::set_deadline`] clears it) waits past it.
+    pub(crate) fn accept_until(
+        stream: S,
+        peer: String,
+        opts: &LinkOptions,
+        deadline: Option<Instant>,
+    ) -> Result<FramedLink<S>, NetError> {
         let mut link = FramedLink::plain(stream, peer, opts)?;
+        link.deadline = deadline;
         // The first bytes tell a TLS handshake from a frame. They are read, not peeked
         // (not every stream can peek), and handed to whichever reads next.
         let mut head = [0u8; 3];
         let n = loop {
-            match link.stream.read(&mut head) {
+            let read = match deadline {
+                Some(deadline) => Bounded::new(&mut link.stream, deadline, opts.read_timeout).read(&mut head),
+                None => link.stream.read(&mut head),
+            };
+            match read {
                 Ok(0) => return Err(NetError::Closed { peer: link.peer }),
                 Ok(n) => break n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -146,11 +187,20 @@ impl<S: Stream> FramedLink<S> {
                 link.pending = head.to_vec();
                 Ok(link)
             }
-            (Some(tls), true) => match TlsSession::server(&mut link.stream, tls, &link.peer, opts.read_timeout, head) {
+            (Some(tls), true) => match TlsSession::server(
+                &mut link.stream,
+                tls,
+                &link.peer,
+                deadline.unwrap_or_else(|| tls_deadline(opts)),
+                opts.read_timeout,
+                head,
+            ) {
                 Ok(session) => {
                     link.tls = Some(session);
                     Ok(link)
                 }
+                // A peer out of time has had its chance: no lingering for it.
+                Err(e @ NetError::Timeout { .. }) => Err(e),
                 Err(e) => {
                     close_gently(&mut link.stream);
                     Err(e)
@@ -209,6 +259,10 @@ impl<S: Stream> FramedLink<S> {
             counters: Arc::default(),
             buf: Vec::new(),
             pending: Vec::new(),
+            read_timeout: opts.read_timeout,
+            deadline: None,
+            send_seal: None,
+            recv_seal: None,
         })
     }
 
@@ -218,20 +272,39 @@ impl<S: Stream> FramedLink<S> {
     }
 
     /// Changes how long a read may wait.
-    pub(crate) fn set_read_timeout(&self, timeout: Option<Duration>) -> Result<(), NetError> {
+    pub(crate) fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), NetError> {
+        self.read_timeout = timeout;
         self.stream.set_read_timeout(timeout).map_err(|source| NetError::Io {
             peer: self.peer.clone(),
             source,
         })
     }
 
-    /// Sends one message as one frame.
+    /// Bounds every read by `deadline` (`None`: only the read timeout again).
+    pub(crate) fn set_deadline(&mut self, deadline: Option<Instant>) -> Result<(), NetError> {
+        self.deadline = deadline;
+        if deadline.is_none() {
+            // A bounded read left a shorter timeout on the socket.
+            self.set_read_timeout(self.read_timeout)?;
+        }
+        Ok(())
+    }
+
+    /// Seals every frame from now on (both directions) with `keys`.
+    pub(crate) fn authenticate_frames(&mut self, keys: FrameKeys) {
+        self.send_seal = Some(keys.send);
+        self.recv_seal = Some(keys.recv);
+    }
+
+    /// Sends one message as one frame (sealed, with its tag, once frames are sealed).
     pub(crate) fn send(&mut self, msg: &Message) -> Result<(), NetError> {
         self.buf.clear();
         let kind = encode_payload(msg, &mut self.buf);
         let head = header(kind, self.buf.len());
-        let mut slices = [IoSlice::new(&head), IoSlice::new(&self.buf)];
-        let total = HEADER_LEN + self.buf.len();
+        let tag = self.send_seal.as_mut().map(|seal| seal.seal(&head, &mut self.buf));
+        let tag: &[u8] = tag.as_ref().map_or(&[], |t| t);
+        let mut slices = [IoSlice::new(&head), IoSlice::new(&self.buf), IoSlice::new(tag)];
+        let total = HEADER_LEN + self.buf.len() + tag.len();
         if let Some(tls) = &mut self.tls {
             tls.send(&mut self.stream, &slices, &self.peer)?;
             self.counters.sent.fetch_add(total as u64, Ordering::Relaxed);
@@ -260,7 +333,8 @@ impl<S: Stream> FramedLink<S> {
         Ok(())
     }
 
-    /// Receives one message. Any malformed frame is an error; the caller drops the link.
+    /// Receives one message. Any malformed frame, or one whose tag does not check out,
+    /// is an error; the caller drops the link. An untrusted frame is never decoded.
     pub(crate) fn recv(&mut self) -> Result<Message, NetError> {
         let mut head = [0u8; HEADER_LEN];
         self.read_exact(&mut head)?;
@@ -268,13 +342,34 @@ impl<S: Stream> FramedLink<S> {
         self.buf.clear();
         self.buf.resize(len, 0);
         let mut payload = std::mem::take(&mut self.buf);
-        let read = self.read_exact(&mut payload);
+        let read = self
+            .read_exact(&mut payload)
+            .and_then(|()| self.open(&head, &mut payload));
         let msg = read.and_then(|()| decode(kind, &payload).map_err(|e| self.proto(e)));
         self.buf = payload;
+        let tag_len = if self.recv_seal.is_some() { TAG_LEN } else { 0 };
         self.counters
             .received
-            .fetch_add((HEADER_LEN + len) as u64, Ordering::Relaxed);
+            .fetch_add((HEADER_LEN + len + tag_len) as u64, Ordering::Relaxed);
         msg
+    }
+
+    /// Once frames are sealed: reads the tag that follows a frame, checks it, and
+    /// decrypts the payload in place.
+    fn open(&mut self, head: &[u8], payload: &mut [u8]) -> Result<(), NetError> {
+        if self.recv_seal.is_none() {
+            return Ok(());
+        }
+        let mut tag = [0u8; TAG_LEN];
+        self.read_exact(&mut tag)?;
+        let seal = self.recv_seal.as_mut().expect("checked above");
+        if seal.open(head, payload, &tag) {
+            return Ok(());
+        }
+        Err(NetError::Tampered {
+            peer: self.peer.clone(),
+            frame: seal.frames() - 1,
+        })
     }
 
     fn proto(&self, error: baton_proto::ProtoError) -> NetError {
@@ -289,9 +384,17 @@ impl<S: Stream> FramedLink<S> {
         buf[..from_pending].copy_from_slice(&self.pending[..from_pending]);
         self.pending.drain(..from_pending);
         let rest = &mut buf[from_pending..];
-        match &mut self.tls {
-            Some(tls) => tls.read_exact(&mut self.stream, rest, &self.peer),
-            None => self.stream.read_exact(rest).map_err(|e| read_error(&self.peer, e)),
+        match (&mut self.tls, self.deadline) {
+            (Some(tls), None) => tls.read_exact(&mut self.stream, rest, &self.peer),
+            (Some(tls), Some(deadline)) => tls.read_exact(
+                &mut Bounded::new(&mut self.stream, deadline, self.read_timeout),
+                rest,
+                &self.peer,
+            ),
+            (None, None) => self.stream.read_exact(rest).map_err(|e| read_error(&self.peer, e)),
+            (None, Some(deadline)) => Bounded::new(&mut self.stream, deadline, self.read_timeout)
+                .read_exact(rest)
+                .map_err(|e| read_error(&self.peer, e)),
         }
     }
 
@@ -301,16 +404,21 @@ impl<S: Stream> FramedLink<S> {
             peer: self.peer.clone(),
             source,
         })?;
+        let mut rx = self;
         let tx = FramedLink {
             stream: clone,
-            tls: self.tls.as_ref().map(TlsSession::half),
-            peer: self.peer.clone(),
-            max_frame: self.max_frame,
-            counters: self.counters.clone(),
+            tls: rx.tls.as_ref().map(TlsSession::half),
+            peer: rx.peer.clone(),
+            max_frame: rx.max_frame,
+            counters: rx.counters.clone(),
             buf: Vec::new(),
             pending: Vec::new(),
+            read_timeout: rx.read_timeout,
+            deadline: None,
+            send_seal: rx.send_seal.take(),
+            recv_seal: None,
         };
-        Ok((FramedTx(tx), FramedRx(self)))
+        Ok((FramedTx(tx), FramedRx(rx)))
     }
 
     /// A handle that closes this link from another thread.
@@ -340,6 +448,14 @@ impl<S: Stream> Link for FramedLink<S> {
 
     fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), NetError> {
         FramedLink::set_read_timeout(self, timeout)
+    }
+
+    fn set_deadline(&mut self, deadline: Option<Instant>) -> Result<(), NetError> {
+        FramedLink::set_deadline(self, deadline)
+    }
+
+    fn authenticate_frames(&mut self, keys: FrameKeys) {
+        FramedLink::authenticate_frames(self, keys);
     }
 
     fn set_max_frame(&mut self, max_frame: usize) {
@@ -413,6 +529,77 @@ pub(crate) fn close_gently<S: Stream>(stream: &mut S) {
     }
 }
 
+/// When a TLS handshake without a deadline of its own must be done: within the link's
+/// read timeout, or [`HANDSHAKE_TIMEOUT`](crate::tls::HANDSHAKE_TIMEOUT).
+fn tls_deadline(opts: &LinkOptions) -> Instant {
+    Instant::now() + opts.read_timeout.unwrap_or(crate::tls::HANDSHAKE_TIMEOUT)
+}
+
+/// A stream whose reads give up at `deadline`: a read never waits past it, however the
+/// peer spaces its bytes, so a peer that sends a byte every few seconds cannot keep a
+/// read (or a TLS handshake, which reads many times) going. The socket's timeout is set
+/// to the time left (at most the link's own read timeout) when a read could otherwise
+/// outlast the deadline by more than [`Bounded::SLACK`]; a handshake that moves along
+/// sets it once. Writes go straight through.
+pub(crate) struct Bounded<'a, S: Stream> {
+    stream: &'a mut S,
+    deadline: Instant,
+    timeout: Option<Duration>,
+    /// The latest a read started now could end with the socket timeout last set here.
+    armed: Option<(Instant, Duration)>,
+}
+
+impl<'a, S: Stream> Bounded<'a, S> {
+    /// How far past the deadline a read may end before the socket timeout is set again.
+    const SLACK: Duration = Duration::from_millis(20);
+
+    pub(crate) fn new(stream: &'a mut S, deadline: Instant, timeout: Option<Duration>) -> Bounded<'a, S> {
+        Bounded {
+            stream,
+            deadline,
+            timeout,
+            armed: None,
+        }
+    }
+}
+
+impl<S: Stream> Read for Bounded<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let now = Instant::now();
+        let left = self.deadline.saturating_duration_since(now);
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        let wait = self.timeout.map_or(left, |t| t.min(left));
+        let fresh = match self.armed {
+            Some((_, set)) => now + set > self.deadline + Self::SLACK || set < wait,
+            None => true,
+        };
+        if fresh {
+            self.stream.set_read_timeout(Some(wait))?;
+            self.armed = Some((now, wait));
+        }
+        self.stream.read(buf)
+    }
+}
+
+impl<S: Stream> Write for Bounded<'_, S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.write(buf)
+    }
+
+    /// rustls writes queued records with one vectored write, and after an error only
+    /// once: the default (first buffer only) would drop the alert behind a
+    /// ChangeCipherSpec, and the peer would see the connection end with no reason.
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.stream.write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
 /// A failed socket read, as the link reports it.
 pub(crate) fn read_error(peer: &str, source: io::Error) -> NetError {
     match source.kind() {
@@ -424,3 +611,6 @@ pub(crate) fn read_error(peer: &str, source: io::Error) -> NetError {
         },
     }
 }
+
+#[cfg(test)]
+mod tests;

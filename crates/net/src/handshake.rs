@@ -1,20 +1,26 @@
 //! Drives the handshake state machines of `baton_proto::handshake` over a link: receive,
 //! feed, send what they return. All the decisions (versions, tokens, refusals and their
-//! reasons) are theirs; this file only moves messages.
+//! reasons) are theirs; this file only moves messages, and keys the link's frames when
+//! a handshake with a token completes.
 
 use baton_proto::auth::new_nonce;
-use baton_proto::handshake::{stray_auth, Client, Failure, HandshakeError, Server, Step};
-use baton_proto::Role;
+use baton_proto::handshake::{stray_auth, turn_away, Client, Failure, HandshakeError, Server, Step};
+use baton_proto::{Message, Role};
 
 use crate::{Link, NetError};
 
-/// Runs the client side as `role`; returns the server's role.
+/// Runs the client side as `role`; returns the server's role (always a worker: any
+/// other is refused). With a token, the link's frames are tagged from here on.
 pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -> Result<Role, NetError> {
     let (mut client, hello) = Client::start(role, token, new_nonce());
     link.send(hello)?;
     loop {
         let msg = link.recv()?;
-        if let Some(peer) = drive(link, client.handle(msg))? {
+        if let Some((send, peer)) = drive(link, client.handle(msg))? {
+            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            if let Some(keys) = client.take_frame_keys() {
+                link.authenticate_frames(keys);
+            }
             return Ok(peer);
         }
     }
@@ -23,11 +29,41 @@ pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -
 /// Runs the server side; returns the client's role. After an error the caller drops
 /// the connection (a `Refused` has already told the client why, where it could).
 pub fn server_handshake(link: &mut dyn Link, token: Option<&[u8]>) -> Result<Role, NetError> {
+    let first = link.recv()?;
+    server_handshake_admitting(link, token, first, |_| Ok(())).map(|(role, ())| role)
+}
+
+/// Runs the server side from the client's `first` message (already read: a worker looks
+/// at it before it gives the connection a slot), and once the client has proved the
+/// token (or announced itself, without one) asks `admit` whether this connection may be
+/// served. `admit` returns what the caller keeps while it serves the connection (a
+/// slot, say), or the reason it cannot; the client is then told that reason in a `Busy`
+/// refusal instead of this side's last handshake message, never just cut off. With a
+/// token, the link's frames are tagged from here on.
+pub fn server_handshake_admitting<T>(
+    link: &mut dyn Link,
+    token: Option<&[u8]>,
+    first: Message,
+    admit: impl FnOnce(Role) -> Result<T, String>,
+) -> Result<(Role, T), NetError> {
     let mut server = Server::new(token, new_nonce());
+    let mut next = Some(first);
     loop {
-        let msg = link.recv()?;
-        if let Some(peer) = drive(link, server.handle(msg))? {
-            return Ok(peer);
+        let msg = match next.take() {
+            Some(msg) => msg,
+            None => link.recv()?,
+        };
+        if let Some((send, peer)) = drive(link, server.handle(msg))? {
+            let admitted = match admit(peer) {
+                Ok(admitted) => admitted,
+                Err(reason) => return Err(fail(link, turn_away(reason))),
+            };
+            // The last handshake message goes untagged, like every one before it.
+            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            if let Some(keys) = server.take_frame_keys() {
+                link.authenticate_frames(keys);
+            }
+            return Ok((peer, admitted));
         }
     }
 }
@@ -38,17 +74,15 @@ pub fn refuse_unexpected_auth(link: &mut dyn Link) -> NetError {
     fail(link, stray_auth())
 }
 
-/// Sends what one step asks for; `Some(role)` when the handshake is complete.
-fn drive(link: &mut dyn Link, step: Result<Step, Failure>) -> Result<Option<Role>, NetError> {
+/// Sends what a step that continues asks for; when the handshake is complete, returns
+/// what is left to send and the peer's role, for the caller to finish with.
+fn drive(link: &mut dyn Link, step: Result<Step, Failure>) -> Result<Option<(Vec<Message>, Role)>, NetError> {
     match step {
         Ok(Step::Continue(send)) => {
             send.into_iter().try_for_each(|msg| link.send(msg))?;
             Ok(None)
         }
-        Ok(Step::Done { send, peer }) => {
-            send.into_iter().try_for_each(|msg| link.send(msg))?;
-            Ok(Some(peer))
-        }
+        Ok(Step::Done { send, peer }) => Ok(Some((send, peer))),
         Err(failure) => Err(fail(link, failure)),
     }
 }
@@ -65,6 +99,11 @@ fn fail(link: &mut dyn Link, failure: Failure) -> NetError {
         HandshakeError::Auth { reason } => NetError::Auth { peer, reason },
         HandshakeError::Version { theirs, reason } => NetError::Version { peer, theirs, reason },
         HandshakeError::Unexpected { expected, got } => NetError::Unexpected { peer, expected, got },
+        error @ HandshakeError::Role { .. } => NetError::Auth {
+            peer,
+            reason: error.to_string(),
+        },
+        HandshakeError::TurnedAway { reason } => NetError::TurnedAway { peer, reason },
     }
 }
 
@@ -128,5 +167,28 @@ mod tests {
         );
         assert_eq!(err.refusal(), Some(RefusalCode::Auth));
         assert!(matches!(serving.join().unwrap(), NetError::Auth { .. }));
+    }
+
+    #[test]
+    fn a_server_that_cannot_admit_the_client_tells_it_why_with_and_without_a_token() {
+        for token in [Some(&b"k"[..]), None] {
+            let (mut client, mut server) = local_pair("client", "worker");
+            let serving = std::thread::spawn(move || {
+                let first = server.recv().unwrap();
+                server_handshake_admitting(&mut server, token, first, |role| {
+                    assert_eq!(role, Role::Heartbeat, "asked once the peer is known");
+                    Err::<(), _>("too many connections: 4 are open".to_string())
+                })
+                .map(|(role, ())| role)
+            });
+            let err = client_handshake(&mut client, Role::Heartbeat, token).unwrap_err();
+            assert_eq!(err.refusal(), Some(RefusalCode::Busy), "{err}");
+            assert_eq!(
+                err.to_string(),
+                "worker refused the connection: too many connections: 4 are open"
+            );
+            let served = serving.join().unwrap().unwrap_err().to_string();
+            assert_eq!(served, "turned client away: too many connections: 4 are open");
+        }
     }
 }

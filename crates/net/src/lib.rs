@@ -21,13 +21,14 @@ mod tls;
 mod unix;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use baton_proto::auth::FrameKeys;
 use baton_proto::{Message, ProtoError, RefusalCode};
 
-pub use addr::{connect, Addr, Incoming, Listener};
+pub use addr::{connect, connect_by, Addr, Incoming, Listener};
 pub use framed::{Counters, LinkCloser, LinkOptions};
-pub use handshake::{client_handshake, refuse_unexpected_auth, server_handshake};
+pub use handshake::{client_handshake, refuse_unexpected_auth, server_handshake, server_handshake_admitting};
 pub use local::{local_link, local_pair, LocalLink, LocalRx, LocalTx};
 pub use tls::{TlsConfig, TlsError};
 
@@ -79,6 +80,16 @@ pub enum NetError {
         expected: &'static str,
         got: &'static str,
     },
+    /// A frame's tag did not check out: something between the two nodes changed,
+    /// dropped, replayed or added a frame (or the peer holds another token's keys).
+    #[error(
+        "frame {frame} from {peer} failed authentication (its tag does not match): something between \
+         the nodes changed, dropped or injected a frame"
+    )]
+    Tampered { peer: String, frame: u64 },
+    /// This node authenticated the peer but turned it away, telling it why.
+    #[error("turned {peer} away: {reason}")]
+    TurnedAway { peer: String, reason: String },
 }
 
 impl NetError {
@@ -105,6 +116,15 @@ pub trait Link: Send {
     fn peer(&self) -> &str;
     /// Changes how long a read may wait (`None`: forever).
     fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), NetError>;
+    /// Makes every read wait at most until `deadline`, however the peer spaces its
+    /// bytes (`None`: only the read timeout again). Handshakes run under one, so that a
+    /// peer cannot hold a connection by sending a byte every few seconds.
+    fn set_deadline(&mut self, deadline: Option<Instant>) -> Result<(), NetError>;
+    /// Seals every frame from now on, both ways, with the keys of a handshake that
+    /// proved a token (see [`baton_proto::auth::FrameSeal`]); a frame whose tag does not
+    /// check out fails with [`NetError::Tampered`]. In-process links carry values that
+    /// nothing between the ends can touch, and ignore this.
+    fn authenticate_frames(&mut self, keys: FrameKeys);
     /// Changes the largest frame accepted from the peer (e.g. small until the peer has
     /// authenticated, so a stranger cannot make this node allocate much).
     fn set_max_frame(&mut self, max_frame: usize);

@@ -5,7 +5,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use baton_proto::auth::FrameKeys;
 
 use baton_proto::Message;
 
@@ -33,6 +35,8 @@ pub struct LocalRx {
     peer: String,
     closed: Arc<AtomicBool>,
     timeout: Option<Duration>,
+    /// No receive waits past this, when set.
+    deadline: Option<Instant>,
     counters: Arc<Counters>,
 }
 
@@ -53,6 +57,7 @@ pub fn local_link(peer: &str) -> (LocalTx, LocalRx) {
             peer: peer.to_string(),
             closed,
             timeout: None,
+            deadline: None,
             counters,
         },
     )
@@ -82,7 +87,12 @@ impl Rx for LocalRx {
         if self.closed.load(Ordering::SeqCst) {
             return Err(closed());
         }
-        let item = match self.timeout {
+        let left = self.deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let wait = match (self.timeout, left) {
+            (Some(t), Some(l)) => Some(t.min(l)),
+            (t, l) => t.or(l),
+        };
+        let item = match wait {
             None => self.inner.recv().map_err(|_| closed())?,
             Some(timeout) => self.inner.recv_timeout(timeout).map_err(|e| match e {
                 mpsc::RecvTimeoutError::Timeout => NetError::Timeout {
@@ -129,6 +139,7 @@ pub fn local_pair(a_name: &str, b_name: &str) -> (LocalLink, LocalLink) {
             peer: peer.to_string(),
             closed: closed.clone(),
             timeout: None,
+            deadline: None,
             counters: counters.clone(),
         },
         wake: own.clone(),
@@ -154,6 +165,15 @@ impl Link for LocalLink {
     fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), NetError> {
         self.rx.timeout = timeout;
         Ok(())
+    }
+
+    fn set_deadline(&mut self, deadline: Option<Instant>) -> Result<(), NetError> {
+        self.rx.deadline = deadline;
+        Ok(())
+    }
+
+    fn authenticate_frames(&mut self, _keys: FrameKeys) {
+        // Values in a channel of this process: nothing can change them on the way.
     }
 
     fn set_max_frame(&mut self, _max_frame: usize) {

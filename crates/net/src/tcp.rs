@@ -3,7 +3,7 @@
 
 use std::io;
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::framed::{FramedLink, LinkOptions, Stream};
 use crate::NetError;
@@ -54,8 +54,13 @@ fn connect_failure(e: &io::Error) -> String {
     format!("{what} ({e})")
 }
 
-/// Connects to `addr` (`host:port`), trying each address it resolves to.
-pub(crate) fn connect(addr: &str, opts: &LinkOptions) -> Result<FramedLink<TcpStream>, NetError> {
+/// Connects to `addr` (`host:port`), trying each address it resolves to; with a
+/// `deadline`, no attempt (nor the TLS handshake) waits past it.
+pub(crate) fn connect(
+    addr: &str,
+    opts: &LinkOptions,
+    deadline: Option<Instant>,
+) -> Result<FramedLink<TcpStream>, NetError> {
     let unreachable = |reason: String| NetError::Unreachable {
         peer: addr.to_string(),
         reason,
@@ -66,8 +71,16 @@ pub(crate) fn connect(addr: &str, opts: &LinkOptions) -> Result<FramedLink<TcpSt
         .collect();
     let mut last = None;
     for a in addrs {
-        match TcpStream::connect_timeout(&a, CONNECT_TIMEOUT) {
-            Ok(stream) => return FramedLink::connected(stream, addr.to_string(), opts),
+        let timeout = match deadline {
+            Some(deadline) => CONNECT_TIMEOUT.min(deadline.saturating_duration_since(Instant::now())),
+            None => CONNECT_TIMEOUT,
+        };
+        if timeout.is_zero() {
+            last = Some(io::ErrorKind::TimedOut.into());
+            break;
+        }
+        match TcpStream::connect_timeout(&a, timeout) {
+            Ok(stream) => return FramedLink::connected(stream, addr.to_string(), opts, deadline),
             Err(e) => last = Some(e),
         }
     }
@@ -81,7 +94,7 @@ impl FramedLink<TcpStream> {
     /// Connects to `addr` (`host:port`); see [`connect`].
     #[cfg(test)]
     pub(crate) fn connect(addr: &str, opts: &LinkOptions) -> Result<FramedLink<TcpStream>, NetError> {
-        connect(addr, opts)
+        connect(addr, opts, None)
     }
 }
 

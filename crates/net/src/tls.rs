@@ -26,14 +26,14 @@ use rustls::{
     DistinguishedName, InconsistentKeys, OtherError, ServerConfig, ServerConnection, SignatureScheme,
 };
 
-use crate::framed::{read_error, Stream};
+use crate::framed::{read_error, Bounded, Stream};
 use crate::NetError;
 
 /// The name a client asks for. The pinned verifiers ignore it; rustls needs one.
 const SERVER_NAME: &str = "baton-cluster";
 
 /// Longest a TLS handshake may take when the link has no read timeout of its own.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Ciphertext read from the socket per system call.
 const READ_CHUNK: usize = 64 << 10;
@@ -289,24 +289,28 @@ pub(crate) struct TlsSession {
 }
 
 impl TlsSession {
-    /// Runs the client side of the handshake on `stream`.
+    /// Runs the client side of the handshake on `stream`, done by `deadline`; the
+    /// stream's reads then wait at most `timeout` again.
     pub(crate) fn client<S: Stream>(
         stream: &mut S,
         config: &TlsConfig,
         peer: &str,
+        deadline: Instant,
         timeout: Option<Duration>,
     ) -> Result<TlsSession, NetError> {
         let name = ServerName::try_from(SERVER_NAME).expect("a valid DNS name");
         let conn = ClientConnection::new(config.client.clone(), name).map_err(|e| tls_error(peer, &e))?;
-        TlsSession::handshake(stream, conn.into(), peer, timeout)
+        TlsSession::handshake(stream, conn.into(), peer, deadline, timeout)
     }
 
     /// Runs the server side of the handshake on an accepted `stream`, of which
-    /// `already_read` are the first bytes (read to tell TLS from plain frames).
+    /// `already_read` are the first bytes (read to tell TLS from plain frames), done by
+    /// `deadline`.
     pub(crate) fn server<S: Stream>(
         stream: &mut S,
         config: &TlsConfig,
         peer: &str,
+        deadline: Instant,
         timeout: Option<Duration>,
         mut already_read: &[u8],
     ) -> Result<TlsSession, NetError> {
@@ -314,28 +318,30 @@ impl TlsSession {
         while !already_read.is_empty() {
             conn.read_tls(&mut already_read).map_err(|e| handshake_error(peer, e))?;
         }
-        TlsSession::handshake(stream, conn.into(), peer, timeout)
+        TlsSession::handshake(stream, conn.into(), peer, deadline, timeout)
     }
 
+    /// Runs the handshake to its end or `deadline`, whichever comes first. rustls's
+    /// `complete_io` reads until the handshake is done, so the deadline must bound each
+    /// read (`Bounded`), not the loop: checked between calls, a peer dripping a byte per
+    /// read timeout kept it going for as long as it liked (issue 16).
     fn handshake<S: Stream>(
         stream: &mut S,
         mut conn: Connection,
         peer: &str,
+        deadline: Instant,
         timeout: Option<Duration>,
     ) -> Result<TlsSession, NetError> {
-        let limit = timeout.unwrap_or(HANDSHAKE_TIMEOUT);
-        let deadline = Instant::now() + limit;
         let io = |source| NetError::Io {
             peer: peer.to_string(),
             source,
         };
-        stream.set_read_timeout(Some(limit)).map_err(io)?;
-        while conn.is_handshaking() {
-            if Instant::now() > deadline {
-                return Err(NetError::Timeout { peer: peer.to_string() });
-            }
-            if let Err(e) = conn.complete_io(stream) {
-                return Err(handshake_error(peer, e));
+        {
+            let mut bounded = Bounded::new(stream, deadline, None);
+            while conn.is_handshaking() {
+                if let Err(e) = conn.complete_io(&mut bounded) {
+                    return Err(handshake_error(peer, e));
+                }
             }
         }
         stream.set_read_timeout(timeout).map_err(io)?;

@@ -32,8 +32,14 @@ impl Stream for UnixStream {
     }
 }
 
-/// Connects to the socket at `path`; `addr` (`unix:PATH`) names it in errors.
-pub(crate) fn connect(path: &Path, addr: &str, opts: &LinkOptions) -> Result<FramedLink<UnixStream>, NetError> {
+/// Connects to the socket at `path`; `addr` (`unix:PATH`) names it in errors. With a
+/// `deadline`, the TLS handshake (and the link's reads until it is cleared) end by then.
+pub(crate) fn connect(
+    path: &Path,
+    addr: &str,
+    opts: &LinkOptions,
+    deadline: Option<std::time::Instant>,
+) -> Result<FramedLink<UnixStream>, NetError> {
     let stream = UnixStream::connect(path).map_err(|e| {
         use io::ErrorKind;
         let what = match e.kind() {
@@ -47,7 +53,7 @@ pub(crate) fn connect(path: &Path, addr: &str, opts: &LinkOptions) -> Result<Fra
             reason: format!("{what} ({e})"),
         }
     })?;
-    FramedLink::connected(stream, addr.to_string(), opts)
+    FramedLink::connected(stream, addr.to_string(), opts, deadline)
 }
 
 /// The socket file a listener made; removed when dropped, unless another listener has

@@ -18,6 +18,9 @@ pub enum NodeError {
     /// A stage could not be loaded.
     #[error(transparent)]
     Model(#[from] baton_model::ModelError),
+    /// The cluster token cannot be used (empty, too short).
+    #[error(transparent)]
+    Token(#[from] baton_proto::auth::TokenError),
     /// A link failed.
     #[error(transparent)]
     Net(#[from] baton_net::NetError),

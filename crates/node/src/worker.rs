@@ -5,11 +5,12 @@
 use std::collections::HashMap;
 
 use baton_model::{Batch, Stage, StageInput, StageOutput};
-use baton_net::{NetError, Rx, Tx};
+use baton_net::{Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::Sampler;
 
 use crate::engine::max_decode_rows;
+use crate::NodeError;
 
 /// A stage plus, on the last stage, one sampler per live sequence.
 pub struct StageWorker {
@@ -313,17 +314,87 @@ impl StageWorker {
 }
 
 /// Serves `worker` until `Shutdown` or a closed link: receive, handle, send on.
-/// `Shutdown` is forwarded so every stage of the ring stops.
-pub fn run(mut worker: StageWorker, mut rx: impl Rx, mut tx: impl Tx) -> Result<(), NetError> {
+/// `Shutdown` is forwarded so every stage of the ring stops. A panic while handling a
+/// message ends the loop with an error ([`NodeError::Stage`]) after passing a
+/// `Message::Error` on, so the head fails what was in flight instead of waiting; the
+/// stage's state is suspect after a panic, so it serves nothing more.
+pub fn run(mut worker: StageWorker, rx: impl Rx, tx: impl Tx) -> Result<(), NodeError> {
     let span = tracing::debug_span!("stage", layers = ?worker.stage.span().layers);
     let _entered = span.enter();
+    let first_layer = worker.stage.span().layers.start as u32;
+    serve(|msg| worker.handle(msg), first_layer, rx, tx)
+}
+
+/// The loop of [`run`] over any handler.
+fn serve(
+    mut handle: impl FnMut(Message) -> Message,
+    first_layer: u32,
+    mut rx: impl Rx,
+    mut tx: impl Tx,
+) -> Result<(), NodeError> {
     loop {
         let msg = rx.recv()?;
         let stop = matches!(msg, Message::Shutdown);
-        let out = worker.handle(msg);
+        let kind = msg.kind();
+        let out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg))) {
+            Ok(out) => out,
+            Err(panic) => {
+                let message = format!("the stage panicked handling {kind}: {}", panic_text(&panic));
+                tracing::error!(first_layer, "{message}");
+                let _ = tx.send(Message::Error {
+                    first_layer,
+                    message: message.clone(),
+                });
+                return Err(NodeError::Stage { first_layer, message });
+            }
+        };
         tx.send(out)?;
         if stop {
             return Ok(());
         }
+    }
+}
+
+/// What a panic said, when it said it with a string.
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+#[cfg(test)]
+mod tests {
+    use baton_net::local_link;
+
+    use super::*;
+
+    /// Issue 16: a panic in a session's thread left the worker wedged. The stage loop
+    /// turns it into an error for that session, and tells the next hop.
+    #[test]
+    fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
+        let (mut to_stage, stage_rx) = local_link("stage");
+        let (stage_tx, mut from_stage) = local_link("next");
+        to_stage.send(Message::EndSeq { seq: 1 }).unwrap();
+        to_stage.send(Message::EndSeq { seq: 2 }).unwrap();
+        let handler = |msg: Message| match msg {
+            Message::EndSeq { seq: 2 } => panic!("seq 2 broke the stage"),
+            other => other,
+        };
+        let result = serve(handler, 12, stage_rx, stage_tx);
+        let Err(NodeError::Stage { first_layer, message }) = result else {
+            panic!("{result:?}")
+        };
+        assert_eq!(first_layer, 12);
+        assert_eq!(message, "the stage panicked handling EndSeq: seq 2 broke the stage");
+        assert_eq!(from_stage.recv().unwrap(), Message::EndSeq { seq: 1 });
+        assert_eq!(
+            from_stage.recv().unwrap(),
+            Message::Error {
+                first_layer: 12,
+                message: message.clone()
+            }
+        );
     }
 }

@@ -10,6 +10,13 @@
 //! | 6..8  | flags, u16, always 0 (reserved) |
 //! | 8..   | payload                         |
 //!
+//! After a handshake with a token, each frame's payload is sealed and followed by a
+//! 16-byte tag (not counted in the length): [`auth::FrameSeal`](crate::auth::FrameSeal),
+//! AES-256-GCM keyed per connection and direction, nonce the frame's sequence number,
+//! the header authenticated as associated data. Both ends know from the handshake
+//! whether frames are sealed, so nothing in the frame says so (a flag would only invite
+//! a peer to clear it).
+//!
 //! # Primitives
 //!
 //! Every integer and float is little-endian; f32 travels as its bit pattern. `bool` is one
@@ -38,7 +45,7 @@
 //! | 3    | Refused      | reason str, code u16                                                     |
 //! | 4    | Describe     | model: ModelRef                                                          |
 //! | 5    | Capabilities | devices [str], memory u64, threads u32, secs_per_layer opt<f32>,         |
-//! |      |              | models [HeldModel], ring_addr str                                        |
+//! |      |              | models [HeldModel], ring_addr str, session u64                           |
 //! | 6    | LoadPlan     | model: ModelRef, layer_start u32, layer_end u32, first bool, last bool,  |
 //! |      |              | n_ctx u32, n_seq u32, next opt<str>, stream bool, wire_f16 bool,         |
 //! |      |              | repack bool                                                              |
@@ -56,7 +63,7 @@
 //! | 16   | Error        | first_layer u32, message str                                             |
 //! | 17   | Stats        | resident [u64], kv_used [u32]                                            |
 //! | 18   | Shutdown     | (empty)                                                                  |
-//! | 19   | Ping         | timeout_ms u32                                                           |
+//! | 19   | Ping         | timeout_ms u32, session u64                                              |
 //! | 20   | Pong         | (empty)                                                                  |
 //!
 //! | structure      | fields, in order                                                            |

@@ -17,8 +17,16 @@
 //! that sends anything but `Auth` next. A server without one has finished after its
 //! `Hello`; if the client then sends `Auth` (it holds a token this end lacks), the server
 //! refuses that first message with [`stray_auth`].
+//!
+//! A client accepts only a server that announces itself as a worker (checked once the
+//! server has proved the token, when there is one): two clients relayed into each other
+//! would otherwise each take the other's proof for a worker's. After a handshake with a
+//! token both sides hold the connection's frame keys ([`Client::take_frame_keys`],
+//! [`Server::take_frame_keys`]); the transport tags every later frame with them. A
+//! server that has authenticated a peer but cannot take one more connection sends
+//! [`turn_away`]'s refusal in place of its last handshake message.
 
-use crate::auth::{proof, verify};
+use crate::auth::{frame_keys, proof, verify, FrameKeys, Side};
 use crate::{Message, RefusalCode, Role, PROTOCOL_VERSION};
 
 /// Why a handshake failed, from this side's point of view.
@@ -36,6 +44,12 @@ pub enum HandshakeError {
     /// The peer sent a valid message that does not belong at this point.
     #[error("{got} where {expected} was expected")]
     Unexpected { expected: &'static str, got: &'static str },
+    /// The server announced a role other than worker.
+    #[error("the peer announced itself as {got:?} where a worker was expected")]
+    Role { got: Role },
+    /// This server authenticated the peer but cannot take another connection.
+    #[error("{reason}")]
+    TurnedAway { reason: String },
 }
 
 /// A failed handshake: why, and what to send the peer before closing the connection
@@ -84,6 +98,7 @@ pub struct Client {
     token: Option<Vec<u8>>,
     nonce: [u8; 32],
     state: ClientState,
+    keys: Option<FrameKeys>,
 }
 
 #[derive(Debug)]
@@ -107,6 +122,7 @@ impl Client {
             token: token.map(<[u8]>::to_vec),
             nonce,
             state: ClientState::AwaitHello,
+            keys: None,
         };
         (client, hello)
     }
@@ -124,6 +140,7 @@ impl Client {
                     }));
                 }
                 let Some(token) = &self.token else {
+                    expect_worker(role)?;
                     return Ok(Step::Done {
                         send: Vec::new(),
                         peer: role,
@@ -145,6 +162,8 @@ impl Client {
                     let reason = "the worker's proof of the token is wrong: it has another token".to_string();
                     return Err(Failure::refusing(RefusalCode::Auth, HandshakeError::Auth { reason }));
                 }
+                expect_worker(peer)?;
+                self.keys = Some(frame_keys(token, &self.nonce, &peer_nonce, Side::Client));
                 Ok(Step::Done { send: Vec::new(), peer })
             }
             (state, other) => Err(Failure::silent(HandshakeError::Unexpected {
@@ -159,12 +178,29 @@ impl Client {
     }
 }
 
+impl Client {
+    /// The connection's frame keys, once the handshake has completed with a token
+    /// (`None` before, without a token, and after the first call).
+    pub fn take_frame_keys(&mut self) -> Option<FrameKeys> {
+        self.keys.take()
+    }
+}
+
+/// Servers are workers; a client accepts no other role (see the module documentation).
+fn expect_worker(role: Role) -> Result<(), Failure> {
+    match role {
+        Role::Worker => Ok(()),
+        got => Err(Failure::silent(HandshakeError::Role { got })),
+    }
+}
+
 /// The side that accepts the connection (a worker).
 #[derive(Debug)]
 pub struct Server {
     token: Option<Vec<u8>>,
     nonce: [u8; 32],
     state: ServerState,
+    keys: Option<FrameKeys>,
 }
 
 #[derive(Debug)]
@@ -181,6 +217,7 @@ impl Server {
             token: token.map(<[u8]>::to_vec),
             nonce,
             state: ServerState::AwaitHello,
+            keys: None,
         }
     }
 
@@ -232,6 +269,7 @@ impl Server {
                     let reason = "wrong token: the proof does not match this worker's --token".to_string();
                     return Err(Failure::refusing(RefusalCode::Auth, HandshakeError::Auth { reason }));
                 }
+                self.keys = Some(frame_keys(token, &peer_nonce, &self.nonce, Side::Server));
                 Ok(Step::Done {
                     send: vec![Message::Auth {
                         proof: proof(token, &peer_nonce, &self.nonce, Role::Worker),
@@ -261,6 +299,21 @@ impl Server {
             }
         }
     }
+}
+
+impl Server {
+    /// The connection's frame keys, once the handshake has completed with a token
+    /// (`None` before, without a token, and after the first call).
+    pub fn take_frame_keys(&mut self) -> Option<FrameKeys> {
+        self.keys.take()
+    }
+}
+
+/// What a server sends in place of its last handshake message (its `Hello` without a
+/// token, its `Auth` with one) when it has authenticated the peer but cannot take the
+/// connection: a `Busy` refusal that says why, so the peer is told instead of reset.
+pub fn turn_away(reason: String) -> Failure {
+    Failure::refusing(RefusalCode::Busy, HandshakeError::TurnedAway { reason })
 }
 
 /// What a server without a token answers when the first message after its handshake is

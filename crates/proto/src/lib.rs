@@ -19,7 +19,9 @@ use baton_sample::SamplingParams;
 
 /// Version of the wire protocol; peers with another version are refused.
 /// 4: `Refused` carries a [`RefusalCode`]; a version refusal follows the server's `Hello`.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// 5: after a handshake with a token every frame is sealed ([`auth::FrameSeal`]);
+/// `Capabilities` names the head's session and `Ping` the session it watches.
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -123,7 +125,9 @@ pub struct SampledToken {
 /// new code takes a new number and a retired one is never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RefusalCode {
-    /// The worker serves another head (it may be free again in a moment).
+    /// The worker cannot take this connection now: it serves another head, or holds as
+    /// many connections as it allows (the reason says which; it may be free again in a
+    /// moment).
     Busy,
     /// The token proof failed, or only one of the two sides has a token.
     Auth,
@@ -225,6 +229,9 @@ pub struct Capabilities {
     pub models: Vec<HeldModel>,
     /// Address other stages reach this worker's ring port at.
     pub ring_addr: String,
+    /// The session this head's connection opened on the worker (random): the head's
+    /// heartbeat names it in every `Ping`, so that a heartbeat ends only its own session.
+    pub session: u64,
 }
 
 /// What the head tells a worker to load.
@@ -333,9 +340,11 @@ pub enum Message {
     Shutdown,
 
     // --- heartbeat: head ↔ worker, on a connection of its own ---
-    /// Head → worker: are you there? The worker ends its session when no `Ping` comes
-    /// within `timeout_ms` (the head is gone or hung).
-    Ping { timeout_ms: u32 },
+    /// Head → worker: are you there? The worker ends session `session` (from
+    /// [`Capabilities::session`]) when no `Ping` comes within `timeout_ms` (the head is
+    /// gone or hung). A heartbeat that names no current session (0, or one that ended)
+    /// is answered and ends nothing: a bare probe of whether the worker is up.
+    Ping { timeout_ms: u32, session: u64 },
     /// Worker → head: yes.
     Pong,
 }

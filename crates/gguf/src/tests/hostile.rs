@@ -315,3 +315,25 @@ fn duplicate_tensor_name() {
         "tensor 'x' appears more than once in the GGUF tensor index"
     );
 }
+
+#[test]
+fn an_index_is_read_from_the_header_alone_and_checked_against_the_file_size() {
+    let bytes = small();
+    let index = Gguf::parse_index(&bytes[..128], 160).unwrap();
+    assert_eq!(index.tensor("x").map(|t| (t.offset, t.n_bytes)), Some((128, 32)));
+    // A file announced too short for its tensors.
+    let err = Gguf::parse_index(&bytes[..128], 150).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "tensor 'x' (bytes 128..160) lies beyond the end of the file (150 bytes): the file is truncated"
+    );
+    // Bytes past the padding are not header.
+    let err = Gguf::parse_index(&bytes[..140], 160).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "GGUF header of 140 bytes runs past the start of the tensor data at offset 128"
+    );
+    // A header cut short fails like a truncated file.
+    let err = Gguf::parse_index(&bytes[..110], 160).unwrap_err().to_string();
+    assert!(err.contains("truncated while reading the padding"), "{err}");
+}

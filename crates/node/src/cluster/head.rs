@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
-use baton_net::{client_handshake, connect, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx};
+use baton_net::{
+    client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx,
+};
 use baton_plan::{ModelCost, NodeOffer, Plan};
 use baton_proto::auth::identity_hash;
 use baton_proto::{Capabilities, HeldModel, LoadPlan, Message, ModelRef, Role};
@@ -18,8 +20,10 @@ use crate::head::{Head, RingEnds};
 use crate::worker::{run, StageWorker};
 use crate::NodeError;
 
-/// Called with a worker's address and a handle that closes its control link.
-pub type OnReached = Arc<dyn Fn(&str, LinkCloser) + Send + Sync>;
+/// Called with a worker's address, the session it opened for this head (which the
+/// head's heartbeat names, see [`Capabilities::session`]) and a handle that closes its
+/// control link.
+pub type OnReached = Arc<dyn Fn(&str, u64, LinkCloser) + Send + Sync>;
 
 /// How the head forms the cluster.
 #[derive(Clone, Default)]
@@ -274,7 +278,7 @@ fn reach_all(
         check_held(addr, model_ref, own_content, &caps.models)?;
         tracing::info!(worker = %addr, memory = caps.memory, secs_per_layer = ?caps.secs_per_layer, "worker described itself");
         if let Some(on_reached) = &opts.on_reached {
-            on_reached(addr, link.closer()?);
+            on_reached(addr, caps.session, link.closer()?);
         }
         reached.links.push(link);
         reached.workers.push(RemoteWorker {
@@ -459,8 +463,9 @@ fn load(
             tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");
             let next = match nexts.first() {
                 Some(Some(next)) => {
-                    let mut down = connect(next, &opts.link)?;
+                    let mut down = dial(next, &opts.link, opts.handshake_timeout)?;
                     client_handshake(down.as_mut(), Role::Ring, opts.token.as_deref().map(str::as_bytes))?;
+                    down.set_deadline(None)?;
                     Some(down)
                 }
                 _ => None,
@@ -574,7 +579,7 @@ fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(Box
         read_timeout: opts.handshake_timeout,
         ..opts.link.clone()
     };
-    let mut link = connect(addr, &link_opts).map_err(|e| match e {
+    let mut link = dial(addr, &link_opts, opts.handshake_timeout).map_err(|e| match e {
         NetError::Unreachable { reason, .. } => NodeError::Unreachable {
             worker: addr.to_string(),
             reason,
@@ -582,6 +587,7 @@ fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(Box
         other => other.into(),
     })?;
     client_handshake(link.as_mut(), Role::Head, opts.token.as_deref().map(str::as_bytes))?;
+    link.set_deadline(None)?;
     link.send(Message::Describe {
         model: model_ref.clone(),
     })?;
@@ -606,12 +612,26 @@ fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(Box
     Ok((link, caps))
 }
 
+/// Connects to `addr`; with a handshake timeout, the connection, TLS and the baton
+/// handshake that follows must all be done within it (the caller clears the deadline
+/// after the handshake), so a peer cannot stall the head by answering a byte at a time.
+fn dial(
+    addr: &str,
+    link: &LinkOptions,
+    handshake_timeout: Option<std::time::Duration>,
+) -> Result<Box<dyn Link>, NetError> {
+    match handshake_timeout {
+        Some(timeout) => connect_by(addr, link, std::time::Instant::now() + timeout),
+        None => connect(addr, link),
+    }
+}
+
 /// Runs the head's own stage on a thread of its own, like a worker would.
 fn spawn_stage(worker: StageWorker, rx: impl Rx + 'static, tx: impl Tx + 'static) -> Result<JoinHandle<()>, NodeError> {
     std::thread::Builder::new()
         .name("head-stage".into())
         .spawn(move || match run(worker, rx, tx) {
-            Ok(()) | Err(NetError::Closed { .. }) => {}
+            Ok(()) | Err(NodeError::Net(NetError::Closed { .. })) => {}
             Err(e) => tracing::warn!("the head's stage stopped: {e}"),
         })
         .map_err(|e| NodeError::Protocol(format!("cannot start the head's stage thread: {e}")))

@@ -1,6 +1,7 @@
 //! Nodes in separate processes: the worker server and the head that forms a cluster
 //! of workers over `baton_net` links (TCP or Unix-domain sockets, optionally in TLS).
 
+mod admission;
 mod head;
 mod models;
 mod speed;

@@ -2,8 +2,9 @@
 //! files received by streaming, and cached speed measurements. Names from the network
 //! are resolved only inside the directory.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::UNIX_EPOCH;
@@ -126,6 +127,62 @@ fn hash_file(path: &Path) -> std::io::Result<[u8; 32]> {
     Ok(hasher.finalize().into())
 }
 
+/// Makes a rename in `dir` durable.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    fs::File::open(dir)?.sync_all()
+}
+
+/// A tensor received into a partial copy: where it lies, and the SHA-256 it was
+/// verified against when it arrived.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CachedTensor {
+    /// Absolute offset in the file.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// SHA-256 of its bytes.
+    pub sha256: [u8; 32],
+}
+
+impl CachedTensor {
+    /// One record line: `v2 HASH OFFSET LEN NAME`, the name last (names never hold
+    /// control characters: see [`check_tensor_name`], so a line ends where it should).
+    fn line(&self, name: &str) -> String {
+        format!("v2 {} {} {} {name}\n", hex(&self.sha256), self.offset, self.len)
+    }
+
+    fn parse_line(line: &str) -> Option<(String, CachedTensor)> {
+        let mut fields = line.splitn(5, ' ');
+        if fields.next()? != "v2" {
+            return None;
+        }
+        let hash = fields.next()?;
+        let offset = fields.next()?.parse().ok()?;
+        let len = fields.next()?.parse().ok()?;
+        let name = fields.next()?;
+        if hash.len() != 64 || check_tensor_name(name).is_err() {
+            return None;
+        }
+        let mut sha256 = [0u8; 32];
+        for (byte, pair) in sha256.iter_mut().zip(hash.as_bytes().chunks(2)) {
+            *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+        }
+        Some((name.to_string(), CachedTensor { offset, len, sha256 }))
+    }
+}
+
+/// Refuses a tensor name from the network that could not be recorded as one line, or
+/// printed as itself: empty, or holding a control character (a newline would add a
+/// line of its own to the record of received tensors).
+pub fn check_tensor_name(name: &str) -> Result<(), NodeError> {
+    if name.is_empty() || name.chars().any(char::is_control) {
+        return Err(NodeError::Protocol(format!(
+            "tensor name {name:?} is empty or holds control characters"
+        )));
+    }
+    Ok(())
+}
+
 /// A worker's view of its models directory.
 pub struct ModelDir {
     root: PathBuf,
@@ -202,23 +259,120 @@ impl ModelDir {
         self.root.join(STATE_DIR).join(format!("{}.gguf", hex(identity)))
     }
 
-    /// Tensors already received (and verified) into the partial copy.
-    pub fn partial_tensors(&self, identity: &[u8; 32]) -> BTreeSet<String> {
-        let list = self.root.join(STATE_DIR).join(format!("{}.have", hex(identity)));
-        fs::read_to_string(list)
-            .map(|s| s.lines().map(str::to_string).collect())
+    fn record_path(&self, identity: &[u8; 32]) -> PathBuf {
+        self.root.join(STATE_DIR).join(format!("{}.have", hex(identity)))
+    }
+
+    /// Tensors recorded as received into the partial copy: where each lies and the
+    /// SHA-256 it was verified against. What the record claims is checked again before
+    /// it is used (see `stream.rs`); lines that do not parse (an older record that
+    /// listed names only, damage) are left out, so those tensors are streamed again.
+    pub fn partial_tensors(&self, identity: &[u8; 32]) -> BTreeMap<String, CachedTensor> {
+        fs::read_to_string(self.record_path(identity))
+            .map(|text| text.lines().filter_map(CachedTensor::parse_line).collect())
             .unwrap_or_default()
     }
 
-    /// Records that the partial copy now holds `tensors`.
-    pub fn record_partial(&self, identity: &[u8; 32], tensors: &BTreeSet<String>) -> Result<(), NodeError> {
-        let list = self.root.join(STATE_DIR).join(format!("{}.have", hex(identity)));
-        let text: String = tensors.iter().map(|t| format!("{t}\n")).collect();
-        fs::write(&list, text).map_err(|source| NodeError::File {
-            path: list,
+    /// Records that the partial copy holds `tensors`, replacing the record at once
+    /// (a new file renamed over the old, then synced: a crash leaves the old record or
+    /// the new one). The caller has synced the tensors' data first, so the record never
+    /// claims bytes that are not on disk.
+    pub fn record_partial(
+        &self,
+        identity: &[u8; 32],
+        tensors: &BTreeMap<String, CachedTensor>,
+    ) -> Result<(), NodeError> {
+        let record = self.record_path(identity);
+        let text: String = tensors.iter().map(|(name, t)| t.line(name)).collect();
+        let error = |source| NodeError::File {
+            path: record.clone(),
             action: "write",
             source,
-        })
+        };
+        let temp = record.with_extension(format!("have.{}.tmp", std::process::id()));
+        let written = fs::File::create(&temp)
+            .and_then(|mut file| {
+                file.write_all(text.as_bytes())?;
+                file.sync_all()
+            })
+            .and_then(|()| fs::rename(&temp, &record));
+        if let Err(e) = written {
+            let _ = fs::remove_file(&temp);
+            return Err(error(e));
+        }
+        sync_dir(&self.root.join(STATE_DIR)).map_err(error)
+    }
+
+    /// Opens the partial copy of a model of `size` bytes whose header is `header`, for
+    /// writing received tensors into. A copy of another size is never cut or grown in
+    /// place, since another worker sharing this directory may have it mapped (a mapped
+    /// file cut under a process kills it with SIGBUS): a new sparse file replaces it
+    /// under the same name, and its record goes with it; mappings of the old one stay
+    /// valid.
+    pub fn open_partial(&self, identity: &[u8; 32], size: u64, header: &[u8]) -> Result<fs::File, NodeError> {
+        use std::os::unix::fs::FileExt as _;
+        let path = self.partial_path(identity);
+        let error = |action, source| NodeError::File {
+            path: path.clone(),
+            action,
+            source,
+        };
+        if let Ok(file) = fs::OpenOptions::new().read(true).write(true).open(&path) {
+            if file.metadata().map_err(|e| error("read", e))?.len() == size {
+                // The same identity means the same header; rewrite it only if damaged.
+                let mut on_disk = vec![0u8; header.len()];
+                if file.read_exact_at(&mut on_disk, 0).is_err() || on_disk != header {
+                    file.write_all_at(header, 0).map_err(|e| error("write", e))?;
+                }
+                return Ok(file);
+            }
+            tracing::info!(
+                "{} has another size than the head's model: replacing it",
+                path.display()
+            );
+        }
+        let temp = path.with_extension(format!("gguf.{}.tmp", std::process::id()));
+        let made = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&temp)
+            .and_then(|file| {
+                file.set_len(size)?;
+                file.write_all_at(header, 0)?;
+                file.sync_all()?;
+                Ok(file)
+            });
+        let file = match made {
+            Ok(file) => file,
+            Err(e) => {
+                let _ = fs::remove_file(&temp);
+                return Err(error("create", e));
+            }
+        };
+        let _ = fs::remove_file(self.record_path(identity));
+        fs::rename(&temp, &path).map_err(|e| error("replace", e))?;
+        Ok(file)
+    }
+
+    /// Holds the partial copy of a model for this process until dropped: workers that
+    /// share the directory receive into it one at a time.
+    pub fn lock_partial(&self, identity: &[u8; 32]) -> Result<fs::File, NodeError> {
+        let path = self.root.join(STATE_DIR).join(format!("{}.lock", hex(identity)));
+        let error = |source| NodeError::File {
+            path: path.clone(),
+            action: "lock",
+            source,
+        };
+        let file = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(error)?;
+        file.lock().map_err(error)?;
+        Ok(file)
     }
 
     /// A cached speed measurement (seconds per layer per token) for a model.

@@ -11,15 +11,22 @@
 //!   LoadPlan{stream: true}                      →
 //!   StreamStart{header, every stage tensor}     →
 //!                                               ← StreamStart{[], tensors still missing}
-//!   TensorChunk{index, offset, data} …          →   (verify, write, record)
+//!   TensorChunk{index, offset, data} …          →   (verify, write, sync, record)
 //! ```
+//!
+//! Nothing the head says is taken on trust (issue 16): where each tensor lies comes from
+//! the tensor index in the header the worker parses itself (whose hash is the model's
+//! identity), not from the head's list; a record of received tensors names each with
+//! its place and hash, and a recorded tensor is hashed again before it is reused; data
+//! is synced before it is recorded; and the caller checks that the stage's whole tensor
+//! set is there before loading (a tensor never sent would read as zeros).
 
-use std::collections::BTreeSet;
-use std::fs::OpenOptions;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use baton_gguf::Gguf;
 use baton_model::{ModelFile, StageSpan};
 use baton_net::Link;
 use baton_proto::auth::identity_hash;
@@ -27,19 +34,30 @@ use baton_proto::{Message, ModelRef, TensorEntry};
 use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 
-use super::models::ModelDir;
+use super::models::{check_tensor_name, CachedTensor, ModelDir};
 use crate::NodeError;
 
 /// Bytes per `TensorChunk`: large frames, few of them.
 const CHUNK: usize = 8 << 20;
 
-/// Worker side: receives what is missing of a stage; returns the sparse file's path and
-/// the tensor bytes received.
-pub fn receive_stage_tensors(
-    models: &ModelDir,
-    model: &ModelRef,
-    link: &mut dyn Link,
-) -> Result<(PathBuf, u64), NodeError> {
+/// Received bytes after which the data is synced and the record written, so that a
+/// crash loses little and the record never runs ahead of the disk.
+const RECORD_EVERY: u64 = 64 << 20;
+
+/// What a worker received: the sparse file, the tensor bytes that crossed the wire,
+/// and every tensor of the head's list now in the file and verified.
+pub struct Received {
+    /// The sparse copy.
+    pub path: PathBuf,
+    /// Tensor bytes received now.
+    pub bytes: u64,
+    /// Names of the tensors verified in the file (received now, or recorded before and
+    /// hashed again).
+    pub verified: BTreeSet<String>,
+}
+
+/// Worker side: receives what is missing of a stage into the sparse copy of the model.
+pub fn receive_stage_tensors(models: &ModelDir, model: &ModelRef, link: &mut dyn Link) -> Result<Received, NodeError> {
     let (header, entries) = match link.recv()? {
         Message::StreamStart { header, tensors } => (header, tensors),
         other => {
@@ -54,39 +72,48 @@ pub fn receive_stage_tensors(
             "the streamed header does not match the model's identity".into(),
         ));
     }
-    for entry in &entries {
-        let end = entry.offset.checked_add(entry.len);
-        if entry.offset < header.len() as u64 || end.is_none_or(|end| end > model.size) {
-            return Err(NodeError::Protocol(format!(
-                "tensor {} lies outside the model file",
-                entry.name
-            )));
-        }
-    }
+    let index = read_index(&header, model.size)?;
+    check_entries(&index, &entries)?;
+
+    // One worker at a time receives into a copy (workers may share the directory).
+    let _lock = models.lock_partial(&model.identity)?;
     let path = models.partial_path(&model.identity);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|source| NodeError::File {
-            path: path.clone(),
-            action: "open",
-            source,
-        })?;
-    let io = |source| NodeError::File {
+    let file = models.open_partial(&model.identity, model.size, &header)?;
+    let io = |action, source| NodeError::File {
         path: path.clone(),
-        action: "write",
+        action,
         source,
     };
-    if file.metadata().map_err(io)?.len() != model.size {
-        file.set_len(model.size).map_err(io)?;
-    }
-    file.write_all_at(&header, 0).map_err(io)?;
 
-    let mut have = models.partial_tensors(&model.identity);
-    let missing: Vec<TensorEntry> = entries.iter().filter(|e| !have.contains(&e.name)).cloned().collect();
+    // What the record says was received, checked against the head's list and hashed
+    // again: a tensor damaged on disk, or recorded with another hash, is sent again.
+    let recorded = models.partial_tensors(&model.identity);
+    let mut have: BTreeMap<String, CachedTensor> = BTreeMap::new();
+    let mut verified = BTreeSet::new();
+    let mut missing = Vec::new();
+    for entry in &entries {
+        let wanted = CachedTensor {
+            offset: entry.offset,
+            len: entry.len,
+            sha256: entry.sha256,
+        };
+        let reusable = recorded.get(&entry.name) == Some(&wanted)
+            && hash_range(&file, entry.offset, entry.len).map_err(|e| io("read", e))? == entry.sha256;
+        if reusable {
+            have.insert(entry.name.clone(), wanted);
+            verified.insert(entry.name.clone());
+        } else {
+            missing.push(entry.clone());
+        }
+    }
+    // Tensors of other stages keep their records (each is checked when reused).
+    for (name, tensor) in recorded {
+        have.entry(name).or_insert(tensor);
+    }
+    for entry in &missing {
+        have.remove(&entry.name);
+    }
+    models.record_partial(&model.identity, &have)?;
     link.send(Message::StreamStart {
         header: Vec::new(),
         tensors: missing.clone(),
@@ -94,6 +121,7 @@ pub fn receive_stage_tensors(
 
     let total: u64 = missing.iter().map(|e| e.len).sum();
     let mut received = 0u64;
+    let mut unrecorded = 0u64;
     let started = Instant::now();
     let mut last_report = Instant::now();
     for entry in &missing {
@@ -117,9 +145,11 @@ pub fn receive_stage_tensors(
                 )));
             }
             hasher.update(&data);
-            file.write_all_at(&data, entry.offset + done).map_err(io)?;
+            file.write_all_at(&data, entry.offset + done)
+                .map_err(|e| io("write", e))?;
             done += data.len() as u64;
             received += data.len() as u64;
+            unrecorded += data.len() as u64;
             if last_report.elapsed().as_secs_f32() >= 1.0 {
                 last_report = Instant::now();
                 log_progress(received, total, started);
@@ -131,14 +161,110 @@ pub fn receive_stage_tensors(
                 entry.name
             )));
         }
-        have.insert(entry.name.clone());
-        models.record_partial(&model.identity, &have)?;
+        have.insert(
+            entry.name.clone(),
+            CachedTensor {
+                offset: entry.offset,
+                len: entry.len,
+                sha256: entry.sha256,
+            },
+        );
+        verified.insert(entry.name.clone());
+        if unrecorded >= RECORD_EVERY {
+            file.sync_data().map_err(|e| io("sync", e))?;
+            models.record_partial(&model.identity, &have)?;
+            unrecorded = 0;
+        }
     }
-    file.sync_data().map_err(io)?;
+    file.sync_data().map_err(|e| io("sync", e))?;
+    models.record_partial(&model.identity, &have)?;
     if total > 0 {
         log_progress(received, total, started);
     }
-    Ok((path, received))
+    Ok(Received {
+        path,
+        bytes: received,
+        verified,
+    })
+}
+
+/// The tensor index of a streamed header, for a file of `size` bytes: parsed here, so
+/// that where each tensor lies is what the header (whose hash is the model's identity)
+/// says, not what the head's list says. A size far past the last tensor would make a
+/// huge sparse file.
+fn read_index(header: &[u8], size: u64) -> Result<Gguf, NodeError> {
+    let index = Gguf::parse_index(header, size)
+        .map_err(|e| NodeError::Protocol(format!("the streamed header is not a GGUF index: {e}")))?;
+    let end = index
+        .tensors
+        .iter()
+        .map(|t| t.offset + t.n_bytes)
+        .max()
+        .unwrap_or(index.data_offset);
+    if size > end.saturating_add(index.alignment) {
+        return Err(NodeError::Protocol(format!(
+            "the model is announced as {size} bytes, but its last tensor ends at byte {end}"
+        )));
+    }
+    Ok(index)
+}
+
+/// Checks the head's list of tensors against the index: each name printable, listed
+/// once, and at the place and of the length the index gives it.
+fn check_entries(index: &Gguf, entries: &[TensorEntry]) -> Result<(), NodeError> {
+    let mut seen = BTreeSet::new();
+    for entry in entries {
+        check_tensor_name(&entry.name)?;
+        if !seen.insert(entry.name.as_str()) {
+            return Err(NodeError::Protocol(format!("tensor {} is listed twice", entry.name)));
+        }
+        let tensor = index
+            .tensor(&entry.name)
+            .ok_or_else(|| NodeError::Protocol(format!("tensor {} is not in the model's tensor index", entry.name)))?;
+        if (entry.offset, entry.len) != (tensor.offset, tensor.n_bytes) {
+            return Err(NodeError::Protocol(format!(
+                "tensor {} is announced at bytes {}..{}, but the model's index puts it at {}..{}",
+                entry.name,
+                entry.offset,
+                entry.offset.saturating_add(entry.len),
+                tensor.offset,
+                tensor.offset + tensor.n_bytes
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// SHA-256 of `len` bytes of `file` from `offset`.
+fn hash_range(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<[u8; 32]> {
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; CHUNK.min(len as usize).max(1)];
+    let mut done = 0u64;
+    while done < len {
+        let n = buf.len().min((len - done) as usize);
+        file.read_exact_at(&mut buf[..n], offset + done)?;
+        hasher.update(&buf[..n]);
+        done += n as u64;
+    }
+    Ok(hasher.finalize().into())
+}
+
+/// Checks that the file holds every tensor the stage reads: `verified` are those this
+/// worker received and verified; any other would be a hole that reads as zeros.
+pub fn check_stage_complete(file: &ModelFile, span: &StageSpan, verified: &BTreeSet<String>) -> Result<(), NodeError> {
+    let missing: Vec<String> = baton_model::stage_tensor_sources(file, span)
+        .into_iter()
+        .filter(|name| !verified.contains(name))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(NodeError::Protocol(format!(
+        "the head did not send {} tensor(s) the stage needs ({}{}): they would read as zeros",
+        missing.len(),
+        missing[..missing.len().min(3)].join(", "),
+        if missing.len() > 3 { ", ..." } else { "" }
+    )))
 }
 
 fn log_progress(done: u64, total: u64, started: Instant) {
@@ -233,4 +359,251 @@ pub fn send_stage_tensors(
         tracing::info!(%worker, "sent {:.1} MiB of weights in {secs:.1} s", sent as f64 / 1048576.0);
     }
     Ok(sent)
+}
+
+#[cfg(test)]
+mod tests {
+    use baton_gguf::GgufWriter;
+    use baton_net::{local_pair, Link, LocalLink};
+    use baton_proto::auth::hex;
+
+    use super::*;
+
+    /// A small GGUF (two f32 tensors), its identity, and a fresh models directory.
+    struct Fixture {
+        bytes: Vec<u8>,
+        index: Gguf,
+        model: ModelRef,
+        dir: PathBuf,
+        models: ModelDir,
+    }
+
+    fn fixture(tag: &str, alignment: Option<u32>) -> Fixture {
+        let mut writer = GgufWriter::new().kv_str("general.architecture", "llama");
+        if let Some(alignment) = alignment {
+            writer = writer.kv_u32("general.alignment", alignment);
+        }
+        let bytes = writer
+            .tensor_f32("a", &[8], &[1.5; 8])
+            .tensor_f32("b", &[4], &[-2.0; 4])
+            .to_bytes();
+        let index = Gguf::parse(&bytes).unwrap();
+        let header = &bytes[..index.data_offset as usize];
+        let model = ModelRef {
+            file_name: "tiny.gguf".into(),
+            identity: identity_hash(header),
+            size: bytes.len() as u64,
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let dir = std::env::temp_dir().join(format!("baton-stream-{tag}-{}-{nanos}", std::process::id()));
+        let models = ModelDir::new(&dir).unwrap();
+        Fixture {
+            bytes,
+            index,
+            model,
+            dir,
+            models,
+        }
+    }
+
+    impl Fixture {
+        fn header(&self) -> Vec<u8> {
+            self.bytes[..self.index.data_offset as usize].to_vec()
+        }
+
+        /// The true entry of tensor `name`.
+        fn entry(&self, name: &str) -> TensorEntry {
+            let t = self.index.tensor(name).unwrap();
+            TensorEntry {
+                name: name.into(),
+                offset: t.offset,
+                len: t.n_bytes,
+                sha256: identity_hash(&self.bytes[t.offset as usize..(t.offset + t.n_bytes) as usize]),
+            }
+        }
+
+        /// Runs a head that offers `entries` and sends whatever is asked for (from the
+        /// real file), against the worker side; returns the worker's result and the
+        /// names the worker asked for.
+        fn stream(&self, model: &ModelRef, entries: Vec<TensorEntry>) -> (Result<Received, NodeError>, Vec<String>) {
+            let (mut head, mut worker): (LocalLink, LocalLink) = local_pair("worker", "head");
+            let bytes = self.bytes.clone();
+            let header = self.header();
+            let offered = entries.clone();
+            let head_side = std::thread::spawn(move || {
+                head.send(Message::StreamStart {
+                    header,
+                    tensors: offered.clone(),
+                })
+                .unwrap();
+                let Ok(Message::StreamStart { tensors: wanted, .. }) = head.recv() else {
+                    return Vec::new();
+                };
+                for want in &wanted {
+                    let index = offered.iter().position(|e| e.name == want.name).unwrap();
+                    let data = bytes[want.offset as usize..(want.offset + want.len) as usize].to_vec();
+                    let _ = head.send(Message::TensorChunk {
+                        index: index as u32,
+                        offset: 0,
+                        data,
+                    });
+                }
+                wanted.into_iter().map(|e| e.name).collect()
+            });
+            let result = receive_stage_tensors(&self.models, model, &mut worker);
+            // Wakes the head if the worker gave up before answering.
+            worker.closer().unwrap().close();
+            (result, head_side.join().unwrap())
+        }
+    }
+
+    impl Drop for Fixture {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    #[test]
+    fn tensors_land_where_the_header_puts_them_and_nowhere_else() {
+        let f = fixture("offsets", None);
+        let (a, b) = (f.entry("a"), f.entry("b"));
+        // `a` announced over `b`'s bytes, or over the header: refused before writing.
+        let over_b = TensorEntry {
+            offset: b.offset,
+            ..a.clone()
+        };
+        let (result, _) = f.stream(&f.model, vec![over_b]);
+        let err = result.err().unwrap().to_string();
+        assert!(
+            err.contains("tensor a is announced at bytes") && err.contains("index puts it at"),
+            "{err}"
+        );
+        let over_header = TensorEntry { offset: 0, ..a.clone() };
+        assert!(f.stream(&f.model, vec![over_header]).0.is_err());
+        let unknown = TensorEntry {
+            name: "c".into(),
+            ..a.clone()
+        };
+        let err = f.stream(&f.model, vec![unknown]).0.err().unwrap().to_string();
+        assert!(err.contains("not in the model's tensor index"), "{err}");
+        let err = f
+            .stream(&f.model, vec![a.clone(), a.clone()])
+            .0
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("listed twice"), "{err}");
+        // A size the index cannot fit in, or far past the last tensor.
+        for size in [b.offset + b.len - 1, f.model.size + 4096] {
+            let model = ModelRef {
+                size,
+                ..f.model.clone()
+            };
+            assert!(f.stream(&model, vec![a.clone()]).0.is_err(), "size {size}");
+        }
+        // The true entries go through, and the copy holds the true bytes.
+        let (result, asked) = f.stream(&f.model, vec![a.clone(), b.clone()]);
+        let received = result.unwrap();
+        assert_eq!(asked, ["a", "b"]);
+        assert_eq!(received.verified.len(), 2);
+        let copy = std::fs::read(&received.path).unwrap();
+        assert_eq!(copy, f.bytes);
+    }
+
+    #[test]
+    fn names_with_control_characters_are_refused() {
+        let f = fixture("names", None);
+        for name in ["a\nv2 0000 0 8 b", "a\r", "", "\u{7f}"] {
+            let entry = TensorEntry {
+                name: name.into(),
+                ..f.entry("a")
+            };
+            let err = f.stream(&f.model, vec![entry]).0.err().unwrap().to_string();
+            assert!(err.contains("control characters"), "{name:?}: {err}");
+        }
+        assert!(
+            !f.models.partial_path(&f.model.identity).exists()
+                || f.models.partial_tensors(&f.model.identity).is_empty()
+        );
+    }
+
+    /// Issue 16: a tensor recorded as received was reused on the record's word; damage
+    /// on disk (or a record naming a tensor it did not hold) went straight into the
+    /// stage.
+    #[test]
+    fn a_recorded_tensor_is_hashed_again_before_it_is_reused() {
+        let f = fixture("reuse", None);
+        let (a, b) = (f.entry("a"), f.entry("b"));
+        let (result, asked) = f.stream(&f.model, vec![a.clone(), b.clone()]);
+        let path = result.unwrap().path;
+        assert_eq!(asked, ["a", "b"]);
+        let (result, asked) = f.stream(&f.model, vec![a.clone(), b.clone()]);
+        assert!(asked.is_empty(), "nothing is sent twice: {asked:?}");
+        assert_eq!(result.unwrap().verified.len(), 2);
+
+        // One byte of `a` flips on disk: `a` is sent again, and only `a`.
+        let mut copy = std::fs::read(&path).unwrap();
+        copy[a.offset as usize + 3] ^= 0x10;
+        std::fs::write(&path, &copy).unwrap();
+        let (result, asked) = f.stream(&f.model, vec![a.clone(), b.clone()]);
+        assert_eq!(asked, ["a"]);
+        result.unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), f.bytes);
+
+        // The record names every tensor with its place and hash, one line each.
+        let record =
+            std::fs::read_to_string(f.dir.join(".baton").join(format!("{}.have", hex(&f.model.identity)))).unwrap();
+        assert_eq!(
+            record,
+            format!(
+                "v2 {} {} {} a\nv2 {} {} {} b\n",
+                hex(&a.sha256),
+                a.offset,
+                a.len,
+                hex(&b.sha256),
+                b.offset,
+                b.len
+            )
+        );
+        // An old record (names only) counts for nothing.
+        std::fs::write(
+            f.dir.join(".baton").join(format!("{}.have", hex(&f.model.identity))),
+            "a\nb\n",
+        )
+        .unwrap();
+        let (_, asked) = f.stream(&f.model, vec![a, b]);
+        assert_eq!(asked, ["a", "b"]);
+    }
+
+    /// Issue 16: a copy of another size was cut to the head's size in place; a worker
+    /// sharing the directory that had the copy mapped died of SIGBUS reading it.
+    #[test]
+    fn a_copy_another_worker_maps_is_never_cut_under_it() {
+        // Tensors aligned to 8 KiB: the file ends two pages past its last tensor's data.
+        let f = fixture("mapped", Some(8192));
+        let (a, b) = (f.entry("a"), f.entry("b"));
+        let (result, _) = f.stream(&f.model, vec![a.clone(), b.clone()]);
+        let path = result.unwrap().path;
+        let mapped = baton_ggml::MappedFile::open(&path).unwrap();
+        assert_eq!(mapped.bytes().len() as u64, f.model.size);
+
+        // A head announcing the size where the last tensor ends (valid, and smaller).
+        let end = b.offset + b.len;
+        assert!(f.model.size - end > 4096, "a page past the new end");
+        let model = ModelRef {
+            size: end,
+            ..f.model.clone()
+        };
+        let (result, asked) = f.stream(&model, vec![a, b]);
+        assert_eq!(asked, ["a", "b"], "the replaced copy's record went with it");
+        let received = result.unwrap();
+        assert_eq!(std::fs::metadata(&received.path).unwrap().len(), end);
+        // The old mapping still reads to its end (a cut file would raise SIGBUS here).
+        let last = mapped.bytes()[mapped.bytes().len() - 1];
+        assert_eq!(last, f.bytes[f.bytes.len() - 1]);
+        assert_eq!(mapped.bytes(), &f.bytes[..]);
+    }
 }

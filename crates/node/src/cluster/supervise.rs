@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, connect, LinkCloser, LinkOptions};
+use baton_net::{client_handshake, connect_by, LinkCloser, LinkOptions};
 use baton_plan::PlanError;
 use baton_proto::{RefusalCode, Role};
 
@@ -126,7 +126,7 @@ impl RingSource for Supervisor {
             let link = self.opts.link.clone();
             let token = self.opts.token.clone();
             let heartbeat = self.heartbeat;
-            move |addr: &str, closer: LinkCloser| {
+            move |addr: &str, session: u64, closer: LinkCloser| {
                 let lost = lost.clone();
                 let notify = on_lost.clone();
                 let callback: OnLost = Arc::new(move |addr: &str, why: &str| {
@@ -136,7 +136,8 @@ impl RingSource for Supervisor {
                     closer.close();
                     notify(addr, why);
                 });
-                match Watch::start(addr, &link, token.as_deref().map(str::as_bytes), heartbeat, callback) {
+                let token = token.as_deref().map(str::as_bytes);
+                match Watch::start(addr, &link, token, session, heartbeat, callback) {
                     Ok(watch) => reached
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -229,8 +230,10 @@ impl Supervisor {
         };
         let token = self.opts.token.as_deref().map(str::as_bytes);
         for addr in candidates {
-            let answered =
-                connect(addr, &opts).and_then(|mut conn| client_handshake(conn.as_mut(), Role::Heartbeat, token));
+            // A bare handshake: its heartbeat names no session, so ends none.
+            let deadline = Instant::now() + self.heartbeat;
+            let answered = connect_by(addr, &opts, deadline)
+                .and_then(|mut conn| client_handshake(conn.as_mut(), Role::Heartbeat, token));
             if let Err(e) = answered {
                 self.lost
                     .lock()
@@ -292,7 +295,7 @@ impl Prober {
                     return;
                 }
                 for addr in addrs {
-                    let answered = connect(&addr, &opts).and_then(|mut conn| {
+                    let answered = connect_by(&addr, &opts, Instant::now() + timeout).and_then(|mut conn| {
                         client_handshake(conn.as_mut(), Role::Heartbeat, token.as_deref().map(str::as_bytes))
                     });
                     if answered.is_ok() && !stopped.load(Ordering::SeqCst) {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, connect, Link, LinkOptions, NetError};
+use baton_net::{client_handshake, connect_by, Link, LinkOptions, NetError};
 use baton_proto::{Message, Role};
 
 use crate::NodeError;
@@ -23,11 +23,14 @@ pub struct Watch {
 }
 
 impl Watch {
-    /// Opens the heartbeat connection to `addr` and starts pinging it.
+    /// Opens the heartbeat connection to `addr` and starts pinging it on behalf of
+    /// `session` (the one the worker opened for this head: only that one ends when the
+    /// pings stop).
     pub fn start(
         addr: &str,
         link: &LinkOptions,
         token: Option<&[u8]>,
+        session: u64,
         timeout: Duration,
         on_lost: OnLost,
     ) -> Result<Watch, NodeError> {
@@ -35,8 +38,9 @@ impl Watch {
             read_timeout: Some(timeout),
             ..link.clone()
         };
-        let mut conn = connect(addr, &opts)?;
+        let mut conn = connect_by(addr, &opts, Instant::now() + timeout)?;
         client_handshake(conn.as_mut(), Role::Heartbeat, token)?;
+        conn.set_deadline(None)?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = stop.clone();
@@ -44,7 +48,7 @@ impl Watch {
             std::thread::Builder::new()
                 .name("heartbeat".into())
                 .spawn(move || {
-                    if let Some(why) = beat(conn.as_mut(), timeout, &stop) {
+                    if let Some(why) = beat(conn.as_mut(), session, timeout, &stop) {
                         if !stop.load(Ordering::SeqCst) {
                             on_lost(&addr, &why);
                         }
@@ -68,12 +72,12 @@ impl Drop for Watch {
 }
 
 /// Pings until stopped; returns why the worker is lost, if it is.
-fn beat(conn: &mut dyn Link, timeout: Duration, stop: &AtomicBool) -> Option<String> {
+fn beat(conn: &mut dyn Link, session: u64, timeout: Duration, stop: &AtomicBool) -> Option<String> {
     let interval = timeout / 4;
     let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
     while !stop.load(Ordering::SeqCst) {
         let sent = Instant::now();
-        if let Err(e) = conn.send(Message::Ping { timeout_ms }) {
+        if let Err(e) = conn.send(Message::Ping { timeout_ms, session }) {
             return Some(format!("its heartbeat connection failed: {e}"));
         }
         match conn.recv() {

@@ -13,18 +13,19 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
 use baton_net::{
-    client_handshake, connect, refuse_unexpected_auth, server_handshake, Incoming, Link, LinkCloser, LinkOptions,
-    Listener, NetError,
+    client_handshake, connect_by, refuse_unexpected_auth, server_handshake_admitting, Incoming, Link, LinkCloser,
+    LinkOptions, Listener, NetError,
 };
-use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role};
+use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, PROTOCOL_VERSION};
 
+use super::admission::{Accepted, Admission, ConnId, Limits};
 use super::models::ModelDir;
-use super::stream::receive_stage_tensors;
+use super::stream::{check_stage_complete, receive_stage_tensors};
 use crate::worker::{run, StageWorker};
 use crate::NodeError;
 
@@ -35,7 +36,8 @@ pub struct WorkerConfig {
     pub listen: String,
     /// Directory of GGUF files (and baton's cache of streamed tensors).
     pub models: PathBuf,
-    /// Cluster secret; `None` accepts any peer (loopback or `--insecure` only).
+    /// Cluster secret; `None` accepts any peer (loopback or `--insecure` only). At least
+    /// [`MIN_TOKEN_LEN`](baton_proto::auth::MIN_TOKEN_LEN) bytes.
     pub token: Option<String>,
     /// Compute threads.
     pub threads: usize,
@@ -46,15 +48,28 @@ pub struct WorkerConfig {
     pub advertise: Option<String>,
     /// Socket settings.
     pub link: LinkOptions,
-    /// Longest a peer may take to complete the handshake.
+    /// Longest a peer may take to complete the handshake, TLS included: a deadline for
+    /// the whole of it, however the peer spaces its bytes.
     pub handshake_timeout: Duration,
-    /// Most connections served at once (heads, ring links, heartbeats, strangers).
+    /// Most authenticated connections served at once (heads, ring links, heartbeats),
+    /// and most connections in their handshake at once (see `admission.rs`).
     pub max_connections: usize,
+    /// Most connections in their handshake at once from one source (an IPv4 address,
+    /// an IPv6 /64).
+    pub max_handshakes_per_source: usize,
 }
 
 /// Largest frame a peer may send before it has authenticated: handshake frames are
 /// tiny, and a stranger must not make the worker allocate `max_frame` bytes.
 const HANDSHAKE_MAX_FRAME: usize = 64 << 10;
+
+/// How long a connection that found every handshake slot taken has to send its `Hello`
+/// (and finish TLS first, with TLS) to take one (see `admission.rs`). Heads send theirs
+/// at once; a stranger that dawdles is dropped instead of displacing anyone.
+const PROBATION_GRACE: Duration = Duration::from_millis(500);
+
+/// Connections waiting on probation at once; more are closed at once.
+const MAX_PROBATION: usize = 16;
 
 /// A bound, not yet serving, worker.
 pub struct Worker {
@@ -65,30 +80,103 @@ pub struct Worker {
 struct Shared {
     config: WorkerConfig,
     models: ModelDir,
+    /// Which connections are served (handshakes and authenticated ones).
+    admission: Mutex<Admission<LinkCloser>>,
     busy: AtomicBool,
-    /// Connections being served now.
-    connections: std::sync::atomic::AtomicUsize,
     /// The head session now running: its number, and closers of its links (control
     /// and upstream) that a heartbeat timeout uses to end it.
     session: Mutex<Session>,
-    upstream: Mutex<Option<Box<dyn Link>>>,
+    upstream: Mutex<Option<(Box<dyn Link>, ConnSlot)>>,
     upstream_ready: Condvar,
 }
 
 #[derive(Default)]
 struct Session {
+    /// Random, so that only the head this session serves (told it in `Capabilities`)
+    /// can name it in its heartbeat; 0 is never a session.
     id: u64,
     closers: Vec<LinkCloser>,
     aborted: bool,
 }
 
+/// A handshake slot; freed when dropped (the handshake failed, the thread panicked) or
+/// moved on to an authenticated slot.
+struct HandshakeSlot {
+    shared: Arc<Shared>,
+    id: ConnId,
+}
+
+impl HandshakeSlot {
+    /// The connection has authenticated: it takes an authenticated slot, or is told why
+    /// not.
+    fn authenticated(self) -> Result<ConnSlot, String> {
+        let admitted = self.shared.admission().authenticated(self.id);
+        let shared = self.shared.clone();
+        drop(self);
+        admitted.map(|()| ConnSlot { shared })
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        self.shared.admission().end_handshake(self.id);
+    }
+}
+
+/// An authenticated connection's slot; freed when dropped, whatever ends the
+/// connection (a panic included).
+struct ConnSlot {
+    shared: Arc<Shared>,
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.shared.admission().end_authenticated();
+    }
+}
+
+/// The one head this worker serves; dropping it (the session ended, or its thread
+/// panicked) frees the worker for the next head. Before this was a guard, a panic
+/// while a head was served left every later head refused as "another head".
+struct HeadSlot<'a> {
+    shared: &'a Shared,
+}
+
+impl Drop for HeadSlot<'_> {
+    fn drop(&mut self) {
+        let mut session = self.shared.session();
+        session.closers.clear();
+        self.shared.busy.store(false, Ordering::SeqCst);
+    }
+}
+
 impl Shared {
-    /// Starts session bookkeeping for a head whose control link `control` closes.
+    fn admission(&self) -> MutexGuard<'_, Admission<LinkCloser>> {
+        self.admission.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn session(&self) -> MutexGuard<'_, Session> {
+        self.session.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the worker for a head, unless one has it.
+    fn claim_head(&self) -> Option<HeadSlot<'_>> {
+        (!self.busy.swap(true, Ordering::SeqCst)).then_some(HeadSlot { shared: self })
+    }
+
+    /// Starts session bookkeeping for a head whose control link `control` closes;
+    /// returns the session's (random, non-zero) id.
     fn begin_session(&self, control: Option<LinkCloser>) -> u64 {
         // An upstream link left over from an earlier session is dead.
         *self.upstream.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
-        session.id += 1;
+        let mut session = self.session();
+        session.id = loop {
+            let nonce = baton_proto::auth::new_nonce();
+            let id = u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes"));
+            if id != 0 && id != session.id {
+                break id;
+            }
+        };
         session.closers = control.into_iter().collect();
         session.aborted = false;
         session.id
@@ -96,14 +184,13 @@ impl Shared {
 
     /// Adds a link that ending the current session must close.
     fn attach(&self, closer: Option<LinkCloser>) {
-        let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
-        session.closers.extend(closer);
+        self.session().closers.extend(closer);
     }
 
     /// Ends session `id` if it is still the current one: closes its links, so whatever
     /// it waits on returns an error and it unwinds.
     fn abort_session(&self, id: u64) -> bool {
-        let mut session = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        let mut session = self.session();
         if session.id != id || !self.busy.load(Ordering::SeqCst) {
             return false;
         }
@@ -117,26 +204,36 @@ impl Shared {
     }
 
     fn is_aborted(&self, id: u64) -> bool {
-        let session = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        let session = self.session();
         session.id == id && session.aborted
     }
 
-    fn current_session(&self) -> Option<u64> {
-        let session = self.session.lock().unwrap_or_else(|p| p.into_inner());
-        self.busy.load(Ordering::SeqCst).then_some(session.id)
+    /// Whether `id` is the session now running.
+    fn is_current(&self, id: u64) -> bool {
+        id != 0 && self.busy.load(Ordering::SeqCst) && self.session().id == id
     }
 }
 
 impl Worker {
-    /// Binds the listening socket and opens the models directory.
+    /// Binds the listening socket and opens the models directory. An empty or short
+    /// token is refused.
     pub fn bind(config: WorkerConfig) -> Result<Worker, NodeError> {
+        if let Some(token) = &config.token {
+            baton_proto::auth::check_token(token.as_bytes())?;
+        }
         let listener = Listener::bind(&config.listen)?;
         let models = ModelDir::new(&config.models)?;
+        let limits = Limits {
+            max_handshakes: config.max_connections,
+            per_source: config.max_handshakes_per_source.max(1),
+            max_authenticated: config.max_connections,
+            max_probation: MAX_PROBATION,
+        };
         let shared = Arc::new(Shared {
             config,
             models,
+            admission: Mutex::new(Admission::new(limits)),
             busy: AtomicBool::new(false),
-            connections: Default::default(),
             session: Mutex::default(),
             upstream: Mutex::new(None),
             upstream_ready: Condvar::new(),
@@ -162,81 +259,147 @@ impl Worker {
                     continue;
                 }
             };
-            let open = self.shared.connections.fetch_add(1, Ordering::SeqCst);
-            if open >= self.shared.config.max_connections {
-                self.shared.connections.fetch_sub(1, Ordering::SeqCst);
-                let peer = incoming.peer();
-                tracing::warn!(%peer, "dropping connection: {open} connections are open, the most allowed (--max-connections)");
-                continue;
-            }
-            let shared = self.shared.clone();
-            let spawned = std::thread::Builder::new().name("conn".into()).spawn({
-                let shared = shared.clone();
-                move || {
-                    handle(&shared, incoming);
-                    shared.connections.fetch_sub(1, Ordering::SeqCst);
+            let peer = incoming.peer().to_string();
+            let closer = match incoming.closer() {
+                Ok(closer) => closer,
+                Err(e) => {
+                    tracing::debug!(%peer, "dropping connection: {e}");
+                    continue;
                 }
-            });
+            };
+            let accepted = self
+                .shared
+                .admission()
+                .accept(incoming.source(), closer, Instant::now());
+            let (id, probation) = match accepted {
+                Accepted::Serve(id) => (id, None),
+                Accepted::Probation(id, why) => (id, Some(why)),
+                Accepted::Drop(why) => {
+                    tracing::warn!(%peer, "dropping connection: {why}");
+                    continue;
+                }
+            };
+            let slot = HandshakeSlot {
+                shared: self.shared.clone(),
+                id,
+            };
+            let spawned = std::thread::Builder::new()
+                .name("conn".into())
+                .spawn(move || handle(slot, incoming, probation));
             if spawned.is_err() {
-                shared.connections.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!("dropping a connection: cannot start a thread for it");
+                // The slot went down with the closure.
+                tracing::warn!(%peer, "dropping a connection: cannot start a thread for it");
             }
         }
     }
 }
 
-fn handle(shared: &Shared, incoming: Incoming) {
+/// Serves one connection: its handshake, under one deadline, then its role. `probation`
+/// says why it holds no handshake slot yet, if it does not.
+fn handle(slot: HandshakeSlot, incoming: Incoming, probation: Option<String>) {
+    let shared = slot.shared.clone();
     let peer = incoming.peer().to_string();
-    let local = incoming.local_addr().to_string();
-    let mut opts = shared.config.link.clone();
-    opts.read_timeout = Some(shared.config.handshake_timeout);
-    opts.max_frame = opts.max_frame.min(HANDSHAKE_MAX_FRAME);
-    let result = incoming.into_link(&opts).map_err(NodeError::from).and_then(|mut link| {
-        let token = shared.config.token.as_deref().map(str::as_bytes);
-        let role = server_handshake(link.as_mut(), token)?;
-        link.set_max_frame(shared.config.link.max_frame);
-        // A handle that can close this connection from another thread.
-        let closer = link.closer().ok();
-        match role {
-            Role::Head => {
-                if shared.busy.swap(true, Ordering::SeqCst) {
-                    let reason = "another head is already connected to this worker".to_string();
-                    refuse(link.as_mut(), RefusalCode::Busy, reason.clone());
-                    return Err(NodeError::Request(reason));
-                }
-                let id = shared.begin_session(closer);
-                let result = session(shared, link, &local, id);
-                shared.busy.store(false, Ordering::SeqCst);
-                result
-            }
-            Role::Ring => {
-                link.set_read_timeout(None)?;
-                shared.attach(closer);
-                *shared.upstream.lock().unwrap_or_else(|p| p.into_inner()) = Some(link);
-                shared.upstream_ready.notify_all();
-                Ok(())
-            }
-            Role::Heartbeat => heartbeat(shared, link),
-            Role::Worker => {
-                let reason = "workers do not connect to workers as workers";
-                refuse(link.as_mut(), RefusalCode::BadRequest, reason.into());
-                Err(NodeError::Request("a peer announced itself as a worker".into()))
-            }
-        }
-    });
+    let result = serve_connection(&shared, slot, incoming, probation);
     match result {
         Ok(()) => tracing::info!(%peer, "connection finished"),
         Err(e) => tracing::warn!(%peer, "dropping connection: {e}"),
     }
 }
 
+fn serve_connection(
+    shared: &Shared,
+    slot: HandshakeSlot,
+    incoming: Incoming,
+    probation: Option<String>,
+) -> Result<(), NodeError> {
+    let local = incoming.local_addr().to_string();
+    let peer = incoming.peer().to_string();
+    let started = Instant::now();
+    let deadline = started + shared.config.handshake_timeout;
+    let first_by = match probation {
+        Some(_) => deadline.min(started + PROBATION_GRACE),
+        None => deadline,
+    };
+    let mut opts = shared.config.link.clone();
+    opts.read_timeout = Some(shared.config.handshake_timeout);
+    opts.max_frame = opts.max_frame.min(HANDSHAKE_MAX_FRAME);
+    let first = incoming.into_link_by(&opts, first_by).and_then(|mut link| {
+        let first = link.recv()?;
+        Ok((link, first))
+    });
+    let (mut link, first) = match (first, &probation) {
+        (Ok(read), None) => read,
+        (Ok((link, first)), Some(why)) => {
+            if !matches!(first, Message::Hello { version, .. } if version == PROTOCOL_VERSION) {
+                return Err(NodeError::Request(format!(
+                    "{why}, and it sent {} where a Hello was expected",
+                    first.kind()
+                )));
+            }
+            if let Some((evicted, what)) = shared.admission().hello(slot.id) {
+                evicted.close();
+                tracing::info!(%peer, "closed {what} to make room for this connection");
+            }
+            (link, first)
+        }
+        (Err(e), None) => return Err(e.into()),
+        (Err(e), Some(why)) => {
+            return Err(NodeError::Request(format!(
+                "{why}; it sent no Hello within {:.1} s ({e})",
+                PROBATION_GRACE.as_secs_f32()
+            )))
+        }
+    };
+    link.set_deadline(Some(deadline))?;
+    let token = shared.config.token.as_deref().map(str::as_bytes);
+    let (role, conn) = server_handshake_admitting(link.as_mut(), token, first, |_| slot.authenticated())?;
+    link.set_deadline(None)?;
+    link.set_max_frame(shared.config.link.max_frame);
+    // A handle that can close this connection from another thread.
+    let closer = link.closer().ok();
+    match role {
+        Role::Head => {
+            let Some(_head) = shared.claim_head() else {
+                let reason = "another head is already connected to this worker".to_string();
+                refuse(link.as_mut(), RefusalCode::Busy, reason.clone());
+                return Err(NodeError::Request(reason));
+            };
+            let id = shared.begin_session(closer);
+            session(shared, link, &local, id)
+        }
+        Role::Ring => {
+            link.set_read_timeout(None)?;
+            shared.attach(closer);
+            *shared.upstream.lock().unwrap_or_else(|p| p.into_inner()) = Some((link, conn));
+            shared.upstream_ready.notify_all();
+            Ok(())
+        }
+        Role::Heartbeat => heartbeat(shared, link),
+        Role::Worker => {
+            let reason = "workers do not connect to workers as workers";
+            refuse(link.as_mut(), RefusalCode::BadRequest, reason.into());
+            Err(NodeError::Request("a peer announced itself as a worker".into()))
+        }
+    }
+}
+
 /// Answers the head's pings. When they stop for longer than the head said they might
 /// (or the connection closes), the session this heartbeat watches is ended.
 fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> {
-    let watched = shared.current_session();
+    // The session this heartbeat watches: the one its first `Ping` names, if that one
+    // is running. Issue 16: it used to be whichever session ran when the heartbeat
+    // connected, so a probe (or a head that was refused) ended another head's session
+    // when it hung up.
+    let mut watched: Option<Option<u64>> = None;
     let why = loop {
         match link.recv() {
-            Ok(Message::Ping { timeout_ms }) => {
+            Ok(Message::Ping { timeout_ms, session }) => {
+                let bound = *watched.get_or_insert_with(|| shared.is_current(session).then_some(session));
+                if bound.is_some_and(|id| id != session) {
+                    let reason = format!("this heartbeat watches another session than {session}");
+                    refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
+                    break reason;
+                }
                 link.set_read_timeout(Some(Duration::from_millis(u64::from(timeout_ms.max(1)))))?;
                 link.send(Message::Pong)?;
             }
@@ -251,7 +414,7 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
             Err(e) => break e.to_string(),
         }
     };
-    if let Some(id) = watched {
+    if let Some(Some(id)) = watched {
         if shared.abort_session(id) {
             tracing::warn!("{why}: ending the head's session");
         }
@@ -266,7 +429,11 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, local: &str, id: u64) -> Re
     let plan = loop {
         match link.recv()? {
             Message::Describe { model } => {
-                let caps = describe(shared, &model.file_name, &model.identity, local);
+                #[cfg(test)]
+                if tests::PANIC_ON_DESCRIBE.load(Ordering::SeqCst) {
+                    panic!("a test made this session panic");
+                }
+                let caps = describe(shared, &model.file_name, &model.identity, local, id);
                 link.send(Message::Capabilities(caps))?;
             }
             Message::LoadPlan(plan) => break plan,
@@ -296,16 +463,21 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, local: &str, id: u64) -> Re
     let token = shared.config.token.as_deref().map(str::as_bytes);
     let downstream = match &plan.next {
         Some(next) => {
-            let mut down = connect(next, &shared.config.link)?;
+            let deadline = Instant::now() + shared.config.handshake_timeout;
+            let mut down = connect_by(next, &shared.config.link, deadline)?;
             client_handshake(down.as_mut(), Role::Ring, token)?;
+            down.set_deadline(None)?;
             Some(down)
         }
         None => None,
     };
-    let upstream = if plan.first {
-        None
-    } else {
-        Some(wait_upstream(shared, id)?)
+    // The upstream link's slot is held as long as the link is used.
+    let (upstream, _upstream_slot) = match plan.first {
+        true => (None, None),
+        false => {
+            let (link, slot) = wait_upstream(shared, id)?;
+            (Some(link), Some(slot))
+        }
     };
     link.send(Message::Loaded {
         resident: stage.resident_bytes(),
@@ -321,8 +493,8 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, local: &str, id: u64) -> Re
         (Some(up), Some(down)) => run(worker, up.split()?.1, down.split()?.0),
     };
     match result {
-        Ok(()) | Err(NetError::Closed { .. }) => Ok(()),
-        Err(e) => Err(e.into()),
+        Ok(()) | Err(NodeError::Net(NetError::Closed { .. })) => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
@@ -333,7 +505,7 @@ fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
     }
 }
 
-fn wait_upstream(shared: &Shared, id: u64) -> Result<Box<dyn Link>, NodeError> {
+fn wait_upstream(shared: &Shared, id: u64) -> Result<(Box<dyn Link>, ConnSlot), NodeError> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut slot = shared.upstream.lock().unwrap_or_else(|p| p.into_inner());
     loop {
@@ -359,7 +531,7 @@ fn wait_upstream(shared: &Shared, id: u64) -> Result<Box<dyn Link>, NodeError> {
     }
 }
 
-fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str) -> Capabilities {
+fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, session: u64) -> Capabilities {
     let config = &shared.config;
     let secs_per_layer = shared.models.find_complete(file_name, identity).and_then(|path| {
         if let Some(secs) = shared.models.cached_speed(identity, config.threads) {
@@ -379,13 +551,15 @@ fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str) 
         secs_per_layer,
         models: shared.models.list(),
         ring_addr,
+        session,
     }
 }
 
 /// Loads the planned stage from a local file, or from tensors the head streams.
 fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage, u64), NodeError> {
-    let (path, received) = if plan.stream {
-        receive_stage_tensors(&shared.models, &plan.model, link)?
+    let (path, received, verified) = if plan.stream {
+        let got = receive_stage_tensors(&shared.models, &plan.model, link)?;
+        (got.path, got.bytes, Some(got.verified))
     } else {
         let path = shared
             .models
@@ -397,7 +571,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage,
                     shared.config.models.display()
                 ))
             })?;
-        (path, 0)
+        (path, 0, None)
     };
     let file = ModelFile::open(&path)?;
     let span = StageSpan {
@@ -405,6 +579,9 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage,
         first: plan.first,
         last: plan.last,
     };
+    if let Some(verified) = &verified {
+        check_stage_complete(&file, &span, verified)?;
+    }
     let config = StageConfig {
         n_ctx: plan.n_ctx as usize,
         n_threads: shared.config.threads,
@@ -412,4 +589,90 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage,
         n_seq: plan.n_seq as usize,
     };
     Ok((Stage::load(file, span, &config)?, received))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use baton_net::connect;
+    use baton_proto::ModelRef;
+
+    use super::*;
+
+    /// Makes every session panic when it is asked to describe the worker.
+    pub(super) static PANIC_ON_DESCRIBE: AtomicBool = AtomicBool::new(false);
+
+    const TOKEN: &str = "worker-test-secret";
+
+    /// Connects as a head and asks the worker to describe itself.
+    fn describe_once(addr: &str) -> Result<Message, NetError> {
+        let mut link = connect(addr, &LinkOptions::default())?;
+        client_handshake(link.as_mut(), Role::Head, Some(TOKEN.as_bytes()))?;
+        link.set_read_timeout(Some(Duration::from_secs(10)))?;
+        link.send(Message::Describe {
+            model: ModelRef {
+                file_name: "absent.gguf".into(),
+                identity: [0; 32],
+                size: 1,
+            },
+        })?;
+        link.recv()
+    }
+
+    /// Issue 16: a panic while a head was served left `busy` set, and every later
+    /// head was refused with "another head is already connected" (and each panic also
+    /// kept a connection counted for ever).
+    #[test]
+    fn a_panic_in_a_session_leaves_the_worker_free_for_the_next_head() {
+        let models = std::env::temp_dir().join(format!("baton-panic-{}", std::process::id()));
+        let worker = Worker::bind(WorkerConfig {
+            listen: "127.0.0.1:0".into(),
+            models: models.clone(),
+            token: Some(TOKEN.into()),
+            threads: 1,
+            memory: Some(1 << 30),
+            advertise: None,
+            link: LinkOptions::default(),
+            handshake_timeout: Duration::from_secs(5),
+            max_connections: 4,
+            max_handshakes_per_source: 8,
+        })
+        .unwrap();
+        let addr = worker.local_addr().to_string();
+        std::thread::spawn(move || worker.serve());
+
+        PANIC_ON_DESCRIBE.store(true, Ordering::SeqCst);
+        // More panicking heads than --max-connections: no slot may leak either.
+        for _ in 0..6 {
+            let answer = describe_once(&addr);
+            assert!(
+                answer.is_err(),
+                "the session panicked, its connection closed: {answer:?}"
+            );
+        }
+        PANIC_ON_DESCRIBE.store(false, Ordering::SeqCst);
+        let answer = describe_once(&addr).unwrap();
+        assert!(matches!(answer, Message::Capabilities(_)), "{answer:?}");
+        std::fs::remove_dir_all(&models).unwrap();
+    }
+
+    #[test]
+    fn a_short_token_is_refused_when_binding() {
+        let err = Worker::bind(WorkerConfig {
+            listen: "127.0.0.1:0".into(),
+            models: std::env::temp_dir(),
+            token: Some("tiny".into()),
+            threads: 1,
+            memory: None,
+            advertise: None,
+            link: LinkOptions::default(),
+            handshake_timeout: Duration::from_secs(5),
+            max_connections: 4,
+            max_handshakes_per_source: 8,
+        })
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("4 bytes long"), "{err}");
+    }
 }

@@ -79,6 +79,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         kind::SHUTDOWN => Message::Shutdown,
         kind::PING => Message::Ping {
             timeout_ms: r.u32("timeout_ms")?,
+            session: r.u64("session")?,
         },
         kind::PONG => Message::Pong,
         // `kind_name` accepted it, so a number is missing above.
@@ -285,6 +286,7 @@ impl<'a> Reader<'a> {
         let n = self.count("models", HELD_MODEL_MIN)?;
         let models = (0..n).map(|_| self.held_model()).collect::<Result<_, _>>()?;
         let ring_addr = self.str("ring_addr")?;
+        let session = self.u64("session")?;
         Ok(Capabilities {
             devices,
             memory,
@@ -292,6 +294,7 @@ impl<'a> Reader<'a> {
             secs_per_layer,
             models,
             ring_addr,
+            session,
         })
     }
 

@@ -150,6 +150,7 @@ const MESSAGES: [Layout; 20] = [
             Field("secs_per_layer", Ty::Opt(&Ty::F32)),
             Field("models", Ty::List(&Ty::Struct(&HELD_MODEL))),
             Field("ring_addr", Ty::Str),
+            Field("session", Ty::U64),
         ],
     },
     Layout {
@@ -246,7 +247,7 @@ const MESSAGES: [Layout; 20] = [
     },
     Layout {
         name: "Ping",
-        fields: &[Field("timeout_ms", Ty::U32)],
+        fields: &[Field("timeout_ms", Ty::U32), Field("session", Ty::U64)],
     },
     Layout {
         name: "Pong",

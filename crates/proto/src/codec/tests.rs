@@ -112,6 +112,7 @@ pub(super) fn samples() -> Vec<Message> {
             secs_per_layer: Some(0.000_25),
             models: vec![held("a.gguf", true), held("b.gguf", false)],
             ring_addr: "10.0.0.2:7311".into(),
+            session: u64::MAX,
         }),
         Message::Capabilities(Capabilities {
             devices: vec![],
@@ -120,6 +121,7 @@ pub(super) fn samples() -> Vec<Message> {
             secs_per_layer: None,
             models: vec![],
             ring_addr: "[::1]:0".into(),
+            session: 0,
         }),
         Message::LoadPlan(plan.clone()),
         Message::LoadPlan(LoadPlan {
@@ -216,7 +218,10 @@ pub(super) fn samples() -> Vec<Message> {
             kv_used: vec![0, 4096, u32::MAX],
         },
         Message::Shutdown,
-        Message::Ping { timeout_ms: 2000 },
+        Message::Ping {
+            timeout_ms: 2000,
+            session: 1 << 63,
+        },
         Message::Pong,
     ]
 }
@@ -628,6 +633,7 @@ fn invalid_values_are_refused() {
             secs_per_layer: Some(secs),
             models: vec![],
             ring_addr: String::new(),
+            session: 7,
         };
         let (kind, payload) = payload_of(&Message::Capabilities(caps));
         assert!(

@@ -112,8 +112,9 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.array(resident, u64::to_le_bytes);
             w.array(kv_used, u32::to_le_bytes);
         }
-        Message::Ping { timeout_ms } => {
+        Message::Ping { timeout_ms, session } => {
             w.u32(*timeout_ms);
+            w.u64(*session);
         }
     }
     kind_of(msg)
@@ -217,6 +218,7 @@ impl Writer<'_> {
         self.count(caps.models.len());
         caps.models.iter().for_each(|m| self.held_model(m));
         self.str(&caps.ring_addr);
+        self.u64(caps.session);
     }
 
     fn load_plan(&mut self, plan: &LoadPlan) {

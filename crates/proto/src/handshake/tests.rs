@@ -403,3 +403,93 @@ fn refusal_codes_have_stable_distinct_numbers() {
     assert_eq!(RefusalCode::from_number(0), None);
     assert_eq!(RefusalCode::from_number(7), None);
 }
+
+/// Issue 16: a relay that dials no worker at all but hands two clients each other's
+/// `Hello` and `Auth` made each take the other's proof for a worker's (both prove the
+/// same token over the same two nonces).
+#[test]
+fn two_clients_relayed_into_each_other_both_refuse() {
+    let token: &[u8] = b"cluster secret";
+    let (mut a, hello_a) = Client::start(Role::Head, Some(token), NONCE_C);
+    let (mut b, hello_b) = Client::start(Role::Ring, Some(token), NONCE_S);
+    let Step::Continue(auth_a) = a.handle(hello_b).unwrap() else {
+        panic!("a answers a Hello with its proof")
+    };
+    let Step::Continue(auth_b) = b.handle(hello_a).unwrap() else {
+        panic!("b answers a Hello with its proof")
+    };
+    let a_end = a.handle(auth_b[0].clone()).unwrap_err();
+    let b_end = b.handle(auth_a[0].clone()).unwrap_err();
+    assert_eq!(a_end.error, HandshakeError::Role { got: Role::Ring });
+    assert_eq!(b_end.error, HandshakeError::Role { got: Role::Head });
+    assert_eq!(
+        a_end.error.to_string(),
+        "the peer announced itself as Ring where a worker was expected"
+    );
+    assert!(a.take_frame_keys().is_none() && b.take_frame_keys().is_none());
+
+    // Without tokens the role is all there is to check.
+    let (mut a, _) = Client::start(Role::Head, None, NONCE_C);
+    let failure = a
+        .handle(Message::Hello {
+            version: PROTOCOL_VERSION,
+            role: Role::Heartbeat,
+            nonce: NONCE_S,
+        })
+        .unwrap_err();
+    assert_eq!(failure.error, HandshakeError::Role { got: Role::Heartbeat });
+    assert_eq!(failure.send, []);
+}
+
+#[test]
+fn a_handshake_with_a_token_leaves_both_sides_matching_frame_keys() {
+    let token: &[u8] = b"cluster secret";
+    let (mut client, hello) = Client::start(Role::Head, Some(token), NONCE_C);
+    let mut server = Server::new(Some(token), NONCE_S);
+    let Step::Continue(server_hello) = server.handle(hello).unwrap() else {
+        panic!()
+    };
+    assert!(server.take_frame_keys().is_none(), "no keys before the proof");
+    let Step::Continue(client_auth) = client.handle(server_hello[0].clone()).unwrap() else {
+        panic!()
+    };
+    let Step::Done { send, .. } = server.handle(client_auth[0].clone()).unwrap() else {
+        panic!()
+    };
+    assert!(matches!(client.handle(send[0].clone()).unwrap(), Step::Done { .. }));
+    let mut c = client.take_frame_keys().expect("client keys");
+    let mut s = server.take_frame_keys().expect("server keys");
+    assert!(client.take_frame_keys().is_none(), "taken once");
+    let mut payload = b"payload".to_vec();
+    let tag = c.send.seal(b"header", &mut payload);
+    assert!(s.recv.open(b"header", &mut payload, &tag));
+    assert_eq!(payload, b"payload");
+    let mut reply = b"reply".to_vec();
+    let tag = s.send.seal(b"header", &mut reply);
+    assert!(c.recv.open(b"header", &mut reply, &tag));
+
+    // Without tokens there is nothing to key frames with.
+    let (mut client, hello) = Client::start(Role::Head, None, NONCE_C);
+    let mut server = Server::new(None, NONCE_S);
+    let Step::Done { send, .. } = server.handle(hello).unwrap() else {
+        panic!()
+    };
+    client.handle(send[0].clone()).unwrap();
+    assert!(client.take_frame_keys().is_none() && server.take_frame_keys().is_none());
+}
+
+#[test]
+fn a_peer_turned_away_is_told_why_with_a_busy_refusal() {
+    let failure = turn_away("too many connections: 64 are open".into());
+    assert_eq!(
+        failure.send,
+        [Message::Refused {
+            code: RefusalCode::Busy,
+            reason: "too many connections: 64 are open".into()
+        }]
+    );
+    // A client waiting for the server's proof (or its Hello) reads it as a refusal.
+    let (mut client, _) = Client::start(Role::Head, None, NONCE_C);
+    let error = client.handle(failure.send[0].clone()).unwrap_err().error;
+    assert_eq!(error, refused(RefusalCode::Busy, "too many connections: 64 are open"));
+}
