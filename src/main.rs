@@ -69,8 +69,8 @@ pub struct StageArgs {
     pub no_repack: bool,
     /// Devices of the in-process stages, in order, e.g. Vulkan0,CPU (`baton devices`
     /// lists them): one per stage; stages past the end of the list go to the CPU when it
-    /// is last. With workers: the device of the head's own stage. Default: the
-    /// accelerators, one stage each, then the CPU.
+    /// is last. Default: the accelerators, one stage each, then the CPU. Not with
+    /// workers (each worker takes its own --device).
     #[arg(long, value_delimiter = ',')]
     pub device: Vec<String>,
 }

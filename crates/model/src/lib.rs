@@ -4,6 +4,7 @@
 
 mod arch;
 pub mod example;
+mod chain;
 mod hparams;
 mod kv;
 mod resident;
@@ -19,6 +20,7 @@ use std::path::PathBuf;
 
 pub use arch::moe::{Gating, MoeParams};
 pub use arch::{find as find_architecture, supported_names, Architecture, Shape, ARCHITECTURES};
+pub use chain::StageChain;
 pub use hparams::{AttnTemp, HParams, Keys, Mla, Yarn};
 pub use kv::{AttnSpan, KvCache};
 pub use resident::mapped_rss;

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use baton_model::{Batch, Stage, StageInput, StageOutput};
+use baton_model::{Batch, Stage, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::Sampler;
@@ -12,9 +12,10 @@ use baton_sample::Sampler;
 use crate::engine::max_decode_rows;
 use crate::NodeError;
 
-/// A stage plus, on the last stage, one sampler per live sequence.
+/// A stage (or a chain of stages on several devices) plus, on the last stage, one
+/// sampler per live sequence.
 pub struct StageWorker {
-    stage: Stage,
+    stage: StageChain,
     samplers: HashMap<u32, SeqSampler>,
     wire_f16: bool,
 }
@@ -30,6 +31,11 @@ struct SeqSampler {
 impl StageWorker {
     /// Wraps `stage`.
     pub fn new(stage: Stage) -> StageWorker {
+        StageWorker::chained(stage.into())
+    }
+
+    /// Wraps stages on several devices that compute one layer range together.
+    pub fn chained(stage: StageChain) -> StageWorker {
         StageWorker {
             stage,
             samplers: HashMap::new(),
@@ -43,8 +49,8 @@ impl StageWorker {
         self
     }
 
-    /// The stage.
-    pub fn stage(&self) -> &Stage {
+    /// The stage (or stages).
+    pub fn stage(&self) -> &StageChain {
         &self.stage
     }
 
@@ -63,7 +69,7 @@ impl StageWorker {
                 logprobs,
                 drawn,
             } => {
-                self.stage.kv_mut().truncate_seq(seq, keep as usize);
+                self.stage.truncate_seq(seq, keep as usize);
                 if last {
                     match Sampler::new(params.clone()) {
                         Ok(mut sampler) => {
@@ -93,11 +99,11 @@ impl StageWorker {
                 }
             }
             Message::TruncateSeq { seq, len } => {
-                self.stage.kv_mut().truncate_seq(seq, len as usize);
+                self.stage.truncate_seq(seq, len as usize);
                 Message::TruncateSeq { seq, len }
             }
             Message::EndSeq { seq } => {
-                self.stage.kv_mut().clear_seq(seq);
+                self.stage.clear_seq(seq);
                 self.samplers.remove(&seq);
                 Message::EndSeq { seq }
             }
@@ -117,7 +123,7 @@ impl StageWorker {
                 mut kv_used,
             } => {
                 resident.push(self.stage.resident_bytes());
-                kv_used.push(self.stage.kv().n_used() as u32);
+                kv_used.push(self.stage.kv_used() as u32);
                 return Message::Stats { resident, kv_used };
             }
             // Replies and errors from upstream pass through untouched.
@@ -227,7 +233,7 @@ impl StageWorker {
                 Err(e) => {
                     // Rows already computed hold cells: forget them with the failure.
                     for (&seq, &pos) in seq_ids[..start].iter().zip(&positions[..start]) {
-                        self.stage.kv_mut().truncate_seq(seq, pos as usize);
+                        self.stage.truncate_seq(seq, pos as usize);
                     }
                     return Err(e.to_string());
                 }
@@ -305,7 +311,7 @@ impl StageWorker {
                 })?;
                 if *drafted != token {
                     stopped.push(seq);
-                    self.stage.kv_mut().truncate_seq(seq, positions[next as usize] as usize);
+                    self.stage.truncate_seq(seq, positions[next as usize] as usize);
                 }
             }
         }
