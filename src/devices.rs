@@ -31,7 +31,9 @@ pub fn devices(_args: DevicesArgs) -> anyhow::Result<()> {
             device.description()
         );
     }
-    let backends: Vec<&str> = std::iter::once("CPU").chain(baton_ggml::BACKENDS.iter().copied()).collect();
+    let backends: Vec<&str> = std::iter::once("CPU")
+        .chain(baton_ggml::BACKENDS.iter().copied())
+        .collect();
     println!("backends in this binary: {}", backends.join(", "));
     let vulkan_devices = Device::all().iter().filter(|d| d.name().starts_with("Vulkan")).count();
     if baton_ggml::BACKENDS.contains(&"Vulkan") && vulkan_devices == 0 {

@@ -184,7 +184,10 @@ fn vulkan_stage_memory_is_on_the_device() {
     let stage = Stage::load_on(file.clone(), span, &config, device).unwrap();
     let memory = stage.memory();
     let kv = stage.kv().bytes() as u64;
-    println!("Vulkan0 stage: device {} B, host {} B, layers {layer_bytes} B, KV {kv} B", memory.device, memory.host);
+    println!(
+        "Vulkan0 stage: device {} B, host {} B, layers {layer_bytes} B, KV {kv} B",
+        memory.device, memory.host
+    );
     assert_eq!(stage.device(), device);
     assert!(memory.device >= layer_bytes + kv, "{memory:?}");
     assert!(memory.host < layer_bytes / 4, "{memory:?}: weights left on the host");

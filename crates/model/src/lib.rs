@@ -3,8 +3,8 @@
 #![deny(unsafe_code)]
 
 mod arch;
-pub mod example;
 mod chain;
+pub mod example;
 mod hparams;
 mod kv;
 mod resident;

@@ -65,13 +65,14 @@ impl LocalRing {
                 .name(format!("stage-{i}"))
                 .spawn(move || {
                     // Each stage maps the file on its own, as on its own machine.
-                    let stage = match ModelFile::open(&path).and_then(|file| Stage::load_on(file, span, &config, device)) {
-                        Ok(stage) => stage,
-                        Err(e) => {
-                            let _ = ready.send(Err(NodeError::from(e)));
-                            return;
-                        }
-                    };
+                    let stage =
+                        match ModelFile::open(&path).and_then(|file| Stage::load_on(file, span, &config, device)) {
+                            Ok(stage) => stage,
+                            Err(e) => {
+                                let _ = ready.send(Err(NodeError::from(e)));
+                                return;
+                            }
+                        };
                     let _ = ready.send(Ok(()));
                     if let Err(e) = run(StageWorker::new(stage), rx, tx) {
                         tracing::debug!(stage = i, error = %e, "stage loop ended");

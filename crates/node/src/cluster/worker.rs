@@ -609,7 +609,11 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(StageC
 fn split_between(span: &StageSpan, devices: &[Device]) -> Vec<(StageSpan, Device)> {
     let n_layers = span.layers.len();
     let n = devices.len().clamp(1, n_layers.max(1));
-    let devices = if devices.is_empty() { vec![Device::cpu()] } else { devices[..n].to_vec() };
+    let devices = if devices.is_empty() {
+        vec![Device::cpu()]
+    } else {
+        devices[..n].to_vec()
+    };
     let base = n_layers / n;
     let mut start = span.layers.start;
     devices
