@@ -92,7 +92,7 @@ impl StageArgs {
     /// The device of each of `n` in-process stages (see `--device`).
     pub fn stage_devices(&self, n: usize) -> anyhow::Result<Vec<baton_ggml::Device>> {
         let given = baton_ggml::Device::parse_list(&self.device)?;
-        Ok(assign_devices(&given, &baton_ggml::Device::all(), n)?)
+        assign_devices(&given, &baton_ggml::Device::all(), n)
     }
 
     /// The layer range of each stage.
