@@ -167,6 +167,11 @@ impl Ring {
         let head_stage = !cluster.no_head_stage;
         // Bad certificate files fail here, before any worker is started or reached.
         let tls = cluster.tls.load()?;
+        anyhow::ensure!(
+            stages.device.is_empty() || (cluster.local_workers.is_none() && cluster.workers.is_empty()),
+            "--device places in-process stages; with workers the head's stage is on the CPU and each \
+             worker takes its own --device"
+        );
         let (workers, token, local, threads) = match cluster.local_workers {
             Some(n) => {
                 // Head and workers share this machine's cores.
@@ -187,7 +192,10 @@ impl Ring {
                     repack: !stages.no_repack,
                     n_seq,
                 };
-                return Ok(Setup::Local(LocalRing::start(file, &stages.ranges(n_layer)?, &config)?));
+                let ranges = stages.ranges(n_layer)?;
+                let devices = stages.stage_devices(ranges.len())?;
+                let on: Vec<_> = ranges.into_iter().zip(devices).collect();
+                return Ok(Setup::Local(LocalRing::start_on(file, &on, &config)?));
             }
         };
         let split = stages.split.as_deref().map(baton_plan::parse_node_split).transpose()?;

@@ -1,12 +1,13 @@
-//! A stage: a contiguous layer range of one model on one ggml backend, with its own
+//! A stage: a contiguous layer range of one model on one ggml device, with its own
 //! KV cache. The first stage embeds tokens; the last produces logits.
 
 use std::sync::Arc;
 
-use baton_ggml::{Allocator, Context, CpuBackend, DType, Tensor};
+use baton_ggml::{Context, DType, Device, Tensor};
 
 use crate::arch::{Builder, SpanInputs, StepInputs};
 use crate::kv::{AttnSpan, KvCache};
+use crate::runner::Runner;
 use crate::weights::{ModelFile, StageSpan, StageWeights};
 use crate::ModelError;
 
@@ -75,20 +76,43 @@ pub enum StageOutput {
     Logits(Vec<f32>),
 }
 
+/// Where a stage's memory is, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StageMemory {
+    /// On the stage's device (0 on the CPU): weights copied there, the KV cache, the
+    /// device's compute buffer.
+    pub device: u64,
+    /// In host memory: mapped weight pages this process has resident, repacked
+    /// weights, and (on the CPU) the KV cache and compute buffer.
+    pub host: u64,
+}
+
 /// A layer range of a model, ready to compute.
 pub struct Stage {
     span: StageSpan,
+    device: Device,
     // Declared before `weights` so the compute state is freed first.
-    backend: CpuBackend,
-    alloc: Allocator,
+    runner: Runner,
     kv: KvCache,
     weights: StageWeights,
     repacked: bool,
 }
 
 impl Stage {
-    /// Loads the tensors of `span` from `file` and allocates the KV cache.
+    /// Loads the tensors of `span` from `file` and allocates the KV cache, on the CPU.
     pub fn load(file: Arc<ModelFile>, span: StageSpan, config: &StageConfig) -> Result<Stage, ModelError> {
+        Stage::load_on(file, span, config, Device::cpu())
+    }
+
+    /// Loads the tensors of `span` from `file` into `device`'s memory (those it can
+    /// use; the token embedding and weights of ops it lacks stay with the CPU) and
+    /// allocates the KV cache there.
+    pub fn load_on(
+        file: Arc<ModelFile>,
+        span: StageSpan,
+        config: &StageConfig,
+        device: Device,
+    ) -> Result<Stage, ModelError> {
         let hp = file.hparams();
         if span.layers.start >= span.layers.end || span.layers.end > hp.n_layer {
             return Err(ModelError::BadConfig(format!(
@@ -96,17 +120,24 @@ impl Stage {
                 span.layers, hp.n_layer
             )));
         }
-        let weights = StageWeights::load(file.clone(), &span, config.repack)?;
-        let kv = KvCache::new(hp, span.layers.clone(), config.n_ctx, config.n_seq)?;
-        tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, weight_bytes = weights.bytes(), "stage loaded");
+        let runner = Runner::new(device, config.n_threads)?;
+        let weights = StageWeights::load(file.clone(), &span, config.repack, device)?;
+        let own = (!device.is_cpu()).then(|| device.buffer_type());
+        let kv = KvCache::new_in(hp, span.layers.clone(), config.n_ctx, config.n_seq, own)?;
+        tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, ?device, weight_bytes = weights.bytes(), device_bytes = weights.device_bytes(), "stage loaded");
         Ok(Stage {
             span,
-            backend: CpuBackend::new(config.n_threads),
-            alloc: Allocator::new_cpu(),
+            device,
+            runner,
             kv,
             weights,
             repacked: config.repack,
         })
+    }
+
+    /// The device the stage computes on.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// The layers and roles of this stage.
@@ -135,11 +166,24 @@ impl Stage {
         &self.weights
     }
 
-    /// Bytes this stage has resident now: the pages of its mapping that are in memory,
-    /// its repacked weights, its KV cache and its compute buffer.
-    pub fn resident_bytes(&self) -> u64 {
+    /// Bytes this stage holds now, on its device and in host memory (see
+    /// [`StageMemory`]).
+    pub fn memory(&self) -> StageMemory {
         let mapped = crate::resident::mapped_rss(self.weights.file().map_address()).unwrap_or(0);
-        mapped + (self.weights.repacked_bytes() + self.kv.bytes() + self.alloc.size()) as u64
+        let compute = self.runner.bytes();
+        let kv = self.kv.bytes() as u64;
+        let (kv_device, kv_host) = if self.device.is_cpu() { (0, kv) } else { (kv, 0) };
+        StageMemory {
+            device: self.weights.device_bytes() as u64 + kv_device + compute.device as u64,
+            host: mapped + self.weights.repacked_bytes() as u64 + kv_host + compute.host as u64,
+        }
+    }
+
+    /// Bytes this stage has resident now, wherever they are: the pages of its mapping
+    /// that are in memory, its copied weights, its KV cache and its compute buffers.
+    pub fn resident_bytes(&self) -> u64 {
+        let memory = self.memory();
+        memory.device + memory.host
     }
 
     /// Runs the stage's layers over one batch.
@@ -328,7 +372,7 @@ impl Stage {
         let spans = b.inputs.spans;
         graph.expand(out);
 
-        self.alloc.alloc(&graph)?;
+        self.runner.alloc(&graph)?;
         positions.write(batch.positions)?;
         kv_slots.write(slots)?;
         for span in &spans {
@@ -357,7 +401,7 @@ impl Stage {
                 hidden_in.map(|t| t.write(hidden)).transpose()?;
             }
         }
-        self.backend.compute(&graph)?;
+        self.runner.compute(&graph)?;
 
         if want_logits {
             let mut logits = vec![0f32; hp.n_vocab * batch.logit_rows.len()];

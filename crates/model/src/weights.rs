@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use baton_ggml::{Buffer, Context, DType, ExtraBufferType, MappedBuffer, MappedFile, Tensor, TensorId, WeightOp};
+use baton_ggml::{Buffer, BufferType, Context, DType, Device, MappedBuffer, MappedFile, Tensor, TensorId, WeightOp};
 use baton_gguf::Gguf;
 
 use crate::hparams::HParams;
@@ -130,11 +130,11 @@ impl<'w> LayerTensors<'w> {
 /// The tensors of a stage, bound to the mapped file.
 pub struct StageWeights {
     // Field order matters for drop: tensor handles point into the contexts, tensor
-    // data into `file`'s mapping (through `mapped`) or into the repack buffers.
+    // data into `file`'s mapping (through `mapped`) or into the groups' buffers.
     ctx: Context,
     /// Holds the mapping for the tensors placed in it; never read directly.
     _mapped: MappedBuffer,
-    repacked: Vec<Repacked>,
+    groups: Vec<Group>,
     /// Per layer of the stage (index `layer - first layer`).
     layers: Vec<Vec<(String, TensorId)>>,
     first_layer: usize,
@@ -142,9 +142,13 @@ pub struct StageWeights {
     file: Arc<ModelFile>,
 }
 
-/// Weights copied into one of ggml's repacking buffer types.
-struct Repacked {
+/// Weights copied out of the mapping into memory of one buffer type: the device's own
+/// memory, or one of ggml's CPU repacking buffer types.
+struct Group {
     ctx: Context,
+    buft: BufferType,
+    /// Whether the memory is the stage's device's (not the CPU's).
+    on_device: bool,
     buffer: Option<Buffer>,
 }
 
@@ -161,24 +165,31 @@ pub struct StageSpan {
 
 impl StageWeights {
     /// Creates the stage's tensors with the shapes `hparams` implies and checks them
-    /// against the file's index (name, shape, type). Matrices that one of ggml's
-    /// repacking buffer types supports are copied into it when `repack` is set (what
-    /// llama.cpp does by default, so results stay identical to it); every other tensor
-    /// points straight into the mapping.
-    pub fn load(file: Arc<ModelFile>, span: &StageSpan, repack: bool) -> Result<StageWeights, ModelError> {
+    /// against the file's index (name, shape, type), and places them for `device` as
+    /// llama.cpp places a layer's weights (see [`candidates`]): each in the first
+    /// buffer type that supports its use, copied there from the mapping; every other
+    /// tensor points straight into the mapping (on the CPU).
+    pub fn load(
+        file: Arc<ModelFile>,
+        span: &StageSpan,
+        repack: bool,
+        device: Device,
+    ) -> Result<StageWeights, ModelError> {
         let plan = stage_plan(&file, span, true)?;
-        let extra = if repack { ExtraBufferType::cpu() } else { Vec::new() };
+        let bufts = candidates(device, repack);
         let ctx = Context::new(plan.len() + 1, 0);
-        let mut repacked: Vec<Repacked> = extra
+        let mut groups: Vec<Group> = bufts
             .iter()
-            .map(|_| Repacked {
+            .map(|&(buft, on_device)| Group {
                 ctx: Context::new(plan.len() + 1, 0),
+                buft,
+                on_device,
                 buffer: None,
             })
             .collect();
         let n_used = file.hparams.moe.n_expert_used;
         let mut bytes = 0;
-        // (tensor, source in the file, group: None = mapped, Some(i) = extra[i])
+        // (tensor, source in the file, group: None = mapped, Some(i) = groups[i])
         let mut placed = Vec::new();
         for spec in &plan {
             let info = file
@@ -208,25 +219,33 @@ impl StageWeights {
                 });
             }
             let tensor = ctx.new_tensor(dtype, &dims).named(&spec.name);
-            // Weights go to the first repacking buffer type that supports their use,
-            // as llama.cpp places them.
+            // The token embedding stays in the mapping on the CPU (llama.cpp's input
+            // layer): a step reads only its tokens' rows.
             let op = match spec.usage {
                 Use::MulMat => Some(WeightOp::MulMat),
                 Use::Experts => Some(WeightOp::MulMatId { n_used }),
-                Use::Elementwise | Use::Embedding => None,
+                Use::Elementwise => Some(WeightOp::Elementwise),
+                Use::Embedding => None,
             };
-            let group = op.and_then(|op| extra.iter().position(|buft| buft.supports(tensor, op)));
+            let group = op.and_then(|op| {
+                groups
+                    .iter()
+                    .position(|g| (g.on_device || op != WeightOp::Elementwise) && g.buft.supports(tensor, op))
+            });
             if let Some(g) = group {
-                repacked[g].ctx.new_tensor(dtype, &dims).named(&spec.name);
+                groups[g].ctx.new_tensor(dtype, &dims).named(&spec.name);
             }
             placed.push((spec.name.clone(), info.offset as usize, info.n_bytes as usize, group));
             bytes += info.n_bytes;
         }
-        let mapped = MappedBuffer::new(file.map.clone())?;
-        for (g, group) in repacked.iter_mut().enumerate() {
+        let mut mapped = MappedBuffer::new(file.map.clone())?;
+        mapped.mark_weights();
+        for (g, group) in groups.iter_mut().enumerate() {
             if placed.iter().any(|p| p.3 == Some(g)) {
-                group.buffer = Some(extra[g].alloc(&group.ctx)?);
-                tracing::debug!(buffer = extra[g].name(), "repacking weights");
+                let mut buffer = group.buft.alloc(&group.ctx)?;
+                buffer.mark_weights();
+                group.buffer = Some(buffer);
+                tracing::debug!(buffer = group.buft.name(), "copying weights");
             }
         }
         for (name, offset, n_bytes, group) in &placed {
@@ -237,7 +256,7 @@ impl StageWeights {
                         .bytes()
                         .get(*offset..offset + n_bytes)
                         .ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
-                    named(&repacked[*g].ctx, name)?.write_bytes(bytes)?;
+                    named(&groups[*g].ctx, name)?.write_bytes(bytes)?;
                     file.map.release(*offset, *n_bytes);
                 }
             }
@@ -245,7 +264,7 @@ impl StageWeights {
         let mut weights = StageWeights {
             ctx,
             _mapped: mapped,
-            repacked,
+            groups,
             layers: Vec::new(),
             first_layer: span.layers.start,
             bytes,
@@ -270,18 +289,28 @@ impl StageWeights {
         Ok(weights)
     }
 
-    /// Bytes held in repacking buffers (copies, not mapped pages).
+    /// Bytes held in the CPU's repacking buffers (copies, not mapped pages).
     pub fn repacked_bytes(&self) -> usize {
-        self.repacked
+        self.copied_bytes(false)
+    }
+
+    /// Bytes of weights in the device's own memory (0 on the CPU).
+    pub fn device_bytes(&self) -> usize {
+        self.copied_bytes(true)
+    }
+
+    fn copied_bytes(&self, on_device: bool) -> usize {
+        self.groups
             .iter()
-            .filter_map(|r| r.buffer.as_ref())
+            .filter(|g| g.on_device == on_device)
+            .filter_map(|g| g.buffer.as_ref())
             .map(|b| b.size())
             .sum()
     }
 
-    /// The context a tensor named `name` computes from: its repacked copy if any.
+    /// The context a tensor named `name` computes from: its copy if any.
     fn lookup(&self, name: &str) -> Option<(Tensor<'_>, &Context)> {
-        for group in self.repacked.iter().filter(|g| g.buffer.is_some()) {
+        for group in self.groups.iter().filter(|g| g.buffer.is_some()) {
             if let Some(t) = group.ctx.get_tensor(name) {
                 return Some((t, &group.ctx));
             }
@@ -304,7 +333,7 @@ impl StageWeights {
 
     fn resolve(&self, id: TensorId) -> Tensor<'_> {
         let ctx = self
-            .repacked
+            .groups
             .iter()
             .map(|g| &g.ctx)
             .find(|c| c.owns(id))
@@ -350,6 +379,16 @@ impl StageWeights {
     pub fn file(&self) -> &Arc<ModelFile> {
         &self.file
     }
+}
+
+/// Where a stage on `device` may copy weights to, in order of preference, each with
+/// whether it is the device's own memory. As llama.cpp: on a device other than the CPU,
+/// its own memory first; then, with `repack`, the CPU's repacking buffer types (for
+/// weights the device cannot use); whatever fits none is read from the mapping.
+fn candidates(device: Device, repack: bool) -> Vec<(BufferType, bool)> {
+    let own = (!device.is_cpu()).then(|| (device.buffer_type(), true));
+    let extra = if repack { BufferType::cpu_extra() } else { Vec::new() };
+    own.into_iter().chain(extra.into_iter().map(|b| (b, false))).collect()
 }
 
 /// The file tensors a stage reads (what a worker without the file must receive).

@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use baton_ggml::Device;
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
 use baton_net::local_link;
 
@@ -25,31 +26,28 @@ impl LocalRing {
     /// stage maps the file on its own, as it would on its own machine, so its resident
     /// memory is its own.
     pub fn start(file: Arc<ModelFile>, ranges: &[Range<usize>], config: &StageConfig) -> Result<LocalRing, NodeError> {
-        let n = ranges.len();
-        let stages: Vec<Stage> = std::thread::scope(|scope| {
-            let loads: Vec<_> = ranges
-                .iter()
-                .enumerate()
-                .map(|(i, range)| {
-                    let span = StageSpan {
-                        layers: range.clone(),
-                        first: i == 0,
-                        last: i + 1 == n,
-                    };
-                    let path = file.path().to_path_buf();
-                    scope.spawn(move || Stage::load(ModelFile::open(&path)?, span, config))
-                })
-                .collect();
-            loads
-                .into_iter()
-                .map(|h| h.join().expect("stage loader panicked"))
-                .collect::<Result<_, _>>()
-        })?;
+        let on_cpu: Vec<(Range<usize>, Device)> = ranges.iter().map(|r| (r.clone(), Device::cpu())).collect();
+        LocalRing::start_on(file, &on_cpu, config)
+    }
 
+    /// [`start`](Self::start) with each stage on its own device: `stages` pairs each
+    /// range with the device that computes it. Hidden states pass from stage to stage
+    /// in memory, whatever the devices.
+    pub fn start_on(
+        file: Arc<ModelFile>,
+        stages: &[(Range<usize>, Device)],
+        config: &StageConfig,
+    ) -> Result<LocalRing, NodeError> {
+        check_one_stage_per_accelerator(stages)?;
+        let n = stages.len();
+        let ranges: Vec<Range<usize>> = stages.iter().map(|(r, _)| r.clone()).collect();
+        // Each stage is loaded, run and dropped on its own thread, so a device's
+        // backend is only ever used by the thread that made it.
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         // Links: head → s0 → s1 → … → s(n-1) → head.
         let (head_tx, mut prev_rx) = local_link("stage 0");
         let mut threads = Vec::new();
-        for (i, stage) in stages.into_iter().enumerate() {
+        for (i, (range, device)) in stages.iter().enumerate() {
             let peer = if i + 1 == n {
                 "head".to_string()
             } else {
@@ -57,16 +55,52 @@ impl LocalRing {
             };
             let (tx, next_rx) = local_link(&peer);
             let rx = std::mem::replace(&mut prev_rx, next_rx);
-            let worker = StageWorker::new(stage);
+            let span = StageSpan {
+                layers: range.clone(),
+                first: i == 0,
+                last: i + 1 == n,
+            };
+            let (path, config, device, ready) = (file.path().to_path_buf(), config.clone(), *device, ready_tx.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("stage-{i}"))
                 .spawn(move || {
-                    if let Err(e) = run(worker, rx, tx) {
+                    // Each stage maps the file on its own, as on its own machine.
+                    let stage =
+                        match ModelFile::open(&path).and_then(|file| Stage::load_on(file, span, &config, device)) {
+                            Ok(stage) => stage,
+                            Err(e) => {
+                                let _ = ready.send(Err(NodeError::from(e)));
+                                return;
+                            }
+                        };
+                    let _ = ready.send(Ok(()));
+                    if let Err(e) = run(StageWorker::new(stage), rx, tx) {
                         tracing::debug!(stage = i, error = %e, "stage loop ended");
                     }
                 })
                 .map_err(|e| NodeError::Protocol(format!("cannot start stage thread: {e}")))?;
             threads.push(thread);
+        }
+        drop(ready_tx);
+        let mut failed = None;
+        for _ in 0..n {
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    failed.get_or_insert(e);
+                }
+                Err(_) => {
+                    failed.get_or_insert(NodeError::Protocol("a stage thread ended while loading".into()));
+                }
+            }
+        }
+        if let Some(e) = failed {
+            // Closing the head's ends stops the stages that loaded, one after another.
+            drop((head_tx, prev_rx));
+            for thread in threads {
+                let _ = thread.join();
+            }
+            return Err(e);
         }
         Ok(LocalRing {
             head: Some(Head::new(RingEnds {
@@ -74,7 +108,7 @@ impl LocalRing {
                 rx: Box::new(prev_rx),
             })),
             threads,
-            ranges: ranges.to_vec(),
+            ranges,
         })
     }
 
@@ -94,6 +128,23 @@ impl LocalRing {
     pub fn take_ends(&mut self) -> Option<RingEnds> {
         self.head.take().map(Head::into_ends)
     }
+}
+
+/// A device other than the CPU computes one stage per process: each stage runs on a
+/// thread of its own, stages compute at once when the pipe is full, and ggml's Vulkan
+/// backend is not safe with two threads computing on one device at once
+/// (ggml-org/ggml#1087, ggml-org/llama.cpp#11371). Splitting layers on one device gains
+/// nothing anyway: give it one larger range.
+fn check_one_stage_per_accelerator(stages: &[(Range<usize>, Device)]) -> Result<(), NodeError> {
+    for (i, (_, device)) in stages.iter().enumerate() {
+        if !device.is_cpu() && stages[..i].iter().any(|(_, d)| d == device) {
+            return Err(NodeError::Model(baton_model::ModelError::BadConfig(format!(
+                "{device:?} is given more than one stage; a device other than the CPU computes one \
+                 stage per process (give it one larger layer range)"
+            ))));
+        }
+    }
+    Ok(())
 }
 
 impl Drop for LocalRing {

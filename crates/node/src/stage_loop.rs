@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use baton_grammar::{Grammar, Matcher, TokenTable};
-use baton_model::{Batch, Stage, StageInput, StageOutput};
+use baton_model::{Batch, Stage, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::Sampler;
@@ -14,9 +14,10 @@ use baton_sample::Sampler;
 use crate::engine::max_decode_rows;
 use crate::NodeError;
 
-/// A stage plus, on the last stage, one sampler per live sequence.
+/// A stage (or a chain of stages on several devices) plus, on the last stage, one
+/// sampler per live sequence.
 pub struct StageWorker {
-    stage: Stage,
+    stage: StageChain,
     samplers: HashMap<u32, SeqSampler>,
     wire_f16: bool,
     /// The vocabulary as grammars see it, read from the model file the first time a
@@ -43,6 +44,11 @@ struct SeqSampler {
 impl StageWorker {
     /// Wraps `stage`.
     pub fn new(stage: Stage) -> StageWorker {
+        StageWorker::chained(stage.into())
+    }
+
+    /// Wraps stages on several devices that compute one layer range together.
+    pub fn chained(stage: StageChain) -> StageWorker {
         StageWorker {
             stage,
             samplers: HashMap::new(),
@@ -59,8 +65,8 @@ impl StageWorker {
         self
     }
 
-    /// The stage.
-    pub fn stage(&self) -> &Stage {
+    /// The stage (or stages).
+    pub fn stage(&self) -> &StageChain {
         &self.stage
     }
 
@@ -80,7 +86,7 @@ impl StageWorker {
                 drawn,
                 grammar,
             } => {
-                self.stage.kv_mut().truncate_seq(seq, keep as usize);
+                self.stage.truncate_seq(seq, keep as usize);
                 if last {
                     let generated = &history[history.len().saturating_sub(drawn as usize)..];
                     let matcher = match grammar.as_deref().map(|g| self.matcher(g, generated)).transpose() {
@@ -122,11 +128,11 @@ impl StageWorker {
                 }
             }
             Message::TruncateSeq { seq, len } => {
-                self.stage.kv_mut().truncate_seq(seq, len as usize);
+                self.stage.truncate_seq(seq, len as usize);
                 Message::TruncateSeq { seq, len }
             }
             Message::EndSeq { seq } => {
-                self.stage.kv_mut().clear_seq(seq);
+                self.stage.clear_seq(seq);
                 self.samplers.remove(&seq);
                 Message::EndSeq { seq }
             }
@@ -152,7 +158,7 @@ impl StageWorker {
                 link_sent,
             } => {
                 resident.push(self.stage.resident_bytes());
-                kv_used.push(self.stage.kv().n_used() as u32);
+                kv_used.push(self.stage.kv_used() as u32);
                 busy_us.push(self.busy.as_micros() as u64);
                 rows.push(self.rows);
                 // `run` appends the link's bytes: only it holds the link.
@@ -197,7 +203,7 @@ impl StageWorker {
         if let Some(tokens) = &self.tokens {
             return Ok(tokens.clone());
         }
-        let path = self.stage.weights().file().path().to_path_buf();
+        let path = self.stage.stages()[0].weights().file().path().to_path_buf();
         let started = std::time::Instant::now();
         let vocab = baton_ggml::LlamaModel::load_vocab(&path)
             .map_err(|e| format!("loading the vocabulary for a grammar: {e}"))?;
@@ -305,7 +311,7 @@ impl StageWorker {
                 Err(e) => {
                     // Rows already computed hold cells: forget them with the failure.
                     for (&seq, &pos) in seq_ids[..start].iter().zip(&positions[..start]) {
-                        self.stage.kv_mut().truncate_seq(seq, pos as usize);
+                        self.stage.truncate_seq(seq, pos as usize);
                     }
                     return Err(e.to_string());
                 }
@@ -371,7 +377,7 @@ impl StageWorker {
                 })?;
                 if *drafted != token {
                     stopped.push(seq);
-                    self.stage.kv_mut().truncate_seq(seq, positions[next as usize] as usize);
+                    self.stage.truncate_seq(seq, positions[next as usize] as usize);
                 }
             }
         }
