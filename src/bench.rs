@@ -137,11 +137,17 @@ fn peer_llama_bench(
     bin: &Path,
     model: &Path,
     threads: usize,
+    accelerator: Option<baton_ggml::Device>,
     pp: usize,
     tg: usize,
     reps: usize,
 ) -> anyhow::Result<(f64, f64)> {
-    let out = std::process::Command::new(bin)
+    let mut cmd = std::process::Command::new(bin);
+    match accelerator {
+        Some(device) => cmd.args(["-ngl", "999", "-dev", &device.name()]),
+        None => cmd.args(["-ngl", "0"]),
+    };
+    let out = cmd
         .arg("-m")
         .arg(model)
         .args(["-t", &threads.to_string(), "-p", &pp.to_string(), "-n", &tg.to_string()])
@@ -256,7 +262,20 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut ring = Ring::start(path, &stage_args, &args.cluster, 0)?;
     let ready = started.elapsed();
     let ranges = ring.ranges();
-    let oracle = LlamaModel::load_full(path, !args.stages.no_repack)?;
+    // libllama and llama-bench compute where baton's stages do when every stage is on one
+    // accelerator (all layers offloaded to it); otherwise on the CPU.
+    let local_devices = match &ring {
+        Ring::Local(_) => stage_args.stage_devices(ranges.len())?,
+        _ => Vec::new(),
+    };
+    let accelerator = local_devices
+        .first()
+        .copied()
+        .filter(|d| !d.is_cpu() && local_devices.iter().all(|e| e == d));
+    let oracle = match accelerator {
+        Some(device) => LlamaModel::load_full_on(path, !args.stages.no_repack, device)?,
+        None => LlamaModel::load_full(path, !args.stages.no_repack)?,
+    };
     let mut ctx = LlamaContext::new(&oracle, n_ctx as u32, args.pp.max(1) as u32, threads)?;
 
     // Warm-up: fault in the weights of both and size the compute buffers.
@@ -278,7 +297,15 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         None => Some(std::path::PathBuf::from("bench/peer/build/bin/llama-bench")).filter(|p| p.exists()),
     };
     let peer = match &peer_bin {
-        Some(bin) => Some(peer_llama_bench(bin, path, threads, args.pp, args.tg, reps)?),
+        Some(bin) => Some(peer_llama_bench(
+            bin,
+            path,
+            threads,
+            accelerator,
+            args.pp,
+            args.tg,
+            reps,
+        )?),
         None => None,
     };
     let rate = |n: usize, t: Duration| n as f64 / t.as_secs_f64();
@@ -302,22 +329,23 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     let place = match &ring {
-        Ring::Local(_) => "in-process stages",
+        Ring::Local(_) => format!("in-process stages on {local_devices:?}"),
         Ring::Remote { .. } | Ring::Supervised { .. } => {
             let unix = |w: &String| matches!(baton_net::Addr::parse(w), Ok(baton_net::Addr::Unix(_)));
             if args.cluster.local_workers.is_some() || args.cluster.workers.iter().all(unix) {
-                "worker processes over Unix sockets"
+                "worker processes over Unix sockets".to_string()
             } else {
-                "worker processes over TCP"
+                "worker processes over TCP".to_string()
             }
         }
     };
     let mut table = format!(
         "model: {model_name}\nstages: {} ({}), {place}, {threads} thread(s) per stage, ready in {:.2} s; \
-         libllama: 1 process, {threads} thread(s), built as {}; llama-bench: {}; median of {reps}\n\n",
+         libllama: 1 process, {threads} thread(s), on {}, built as {}; llama-bench: {}; median of {reps}\n\n",
         ranges.len(),
         split.join(" "),
         ready.as_secs_f64(),
+        accelerator.map_or("the CPU".to_string(), |d| format!("{d:?} (every layer)")),
         baton_ggml::LLAMA_BUILD_TYPE,
         peer_bin
             .as_ref()

@@ -16,6 +16,19 @@ fn main() {
         .and_then(|text| cache_value(&text, "CMAKE_BUILD_TYPE"))
         .unwrap_or_else(|| "unknown".to_string());
     println!("cargo:rustc-env=BATON_LLAMA_BUILD_TYPE={build_type}");
+    if std::env::var_os("CARGO_FEATURE_DYNAMIC_BACKENDS").is_some() {
+        // llama-cpp-sys-2's own `dynamic-backends` builds a dozen CPU variants (20 minutes
+        // on 2 cores); baton asks CMake for one CPU library through GGML_BACKEND_DL.
+        let dl = cmake_cache()
+            .and_then(|cache| std::fs::read_to_string(cache).ok())
+            .and_then(|text| cache_value(&text, "GGML_BACKEND_DL"));
+        if dl.as_deref() != Some("ON") {
+            panic!(
+                "the dynamic-backends feature needs llama.cpp configured with GGML_BACKEND_DL=ON \
+                 (found {dl:?}): build with scripts/dyn-cargo"
+            );
+        }
+    }
     if build_type != "Release" && std::env::var("BATON_ALLOW_SLOW_LLAMA").is_err() {
         panic!(
             "llama.cpp was configured as {build_type:?}, not Release (-O3): set \

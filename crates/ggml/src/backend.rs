@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
+use crate::device::Device;
 use crate::graph::{Context, Graph, Tensor};
 use crate::GgmlError;
 
@@ -21,12 +22,11 @@ unsafe impl Send for CpuBackend {}
 impl CpuBackend {
     /// A CPU backend computing with `n_threads` threads.
     pub fn new(n_threads: usize) -> CpuBackend {
-        crate::init();
-        // SAFETY: plain constructor; null means allocation failure.
-        let ptr = unsafe { sys::ggml_backend_cpu_init() };
-        let ptr = NonNull::new(ptr).expect("ggml_backend_cpu_init failed");
-        // SAFETY: a valid CPU backend.
-        unsafe { sys::ggml_backend_cpu_set_n_threads(ptr.as_ptr(), n_threads.max(1) as i32) };
+        let cpu = Device::cpu();
+        // SAFETY: valid device; no parameters; null means allocation failure.
+        let ptr = unsafe { sys::ggml_backend_dev_init(cpu.raw(), std::ptr::null()) };
+        let ptr = NonNull::new(ptr).expect("the CPU backend did not start");
+        cpu.set_threads(ptr, n_threads);
         CpuBackend { ptr }
     }
 
@@ -59,8 +59,7 @@ unsafe impl Send for Buffer {}
 impl Buffer {
     /// Allocates CPU memory for every tensor in `ctx` (used for KV caches).
     pub fn alloc_cpu(ctx: &Context) -> Result<Buffer, GgmlError> {
-        // SAFETY: the CPU buffer type is a static singleton.
-        let buft = unsafe { sys::ggml_backend_cpu_buffer_type() };
+        let buft = Device::cpu().buffer_type().raw();
         // SAFETY: allocates and places all tensors of a valid context.
         let ptr = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.raw(), buft) };
         Buffer::from_raw(ptr).ok_or_else(|| GgmlError::OutOfMemory {
@@ -162,8 +161,15 @@ impl MappedBuffer {
     pub fn new(file: Arc<MappedFile>) -> Result<MappedBuffer, GgmlError> {
         let bytes = file.bytes();
         // SAFETY: the buffer holds an Arc to the mapping, so the memory outlives it;
-        // ggml only reads weight memory.
-        let ptr = unsafe { sys::ggml_backend_cpu_buffer_from_ptr(bytes.as_ptr() as *mut _, bytes.len()) };
+        // ggml only reads weight memory. The CPU device wraps host memory.
+        let ptr = unsafe {
+            sys::ggml_backend_dev_buffer_from_host_ptr(
+                Device::cpu().raw(),
+                bytes.as_ptr() as *mut _,
+                bytes.len(),
+                bytes.len(),
+            )
+        };
         let ptr = NonNull::new(ptr).ok_or_else(|| GgmlError::OutOfMemory {
             what: format!("a CPU buffer over a mapping of {} bytes", bytes.len()),
         })?;
@@ -221,7 +227,7 @@ impl Allocator {
     /// An allocator for the CPU buffer type.
     pub fn new_cpu() -> Allocator {
         // SAFETY: static buffer type; null means allocation failure.
-        let ptr = unsafe { sys::ggml_gallocr_new(sys::ggml_backend_cpu_buffer_type()) };
+        let ptr = unsafe { sys::ggml_gallocr_new(Device::cpu().buffer_type().raw()) };
         Allocator {
             ptr: NonNull::new(ptr).expect("ggml_gallocr_new failed"),
         }

@@ -69,7 +69,13 @@ impl Device {
         // SAFETY: registry lookup of a static device.
         let dev = unsafe { sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU) };
         Device {
-            dev: NonNull::new(dev).expect("ggml always registers its CPU device"),
+            dev: NonNull::new(dev).unwrap_or_else(|| {
+                panic!(
+                    "no CPU backend: this build loads its backends at run time \
+                     (libggml-cpu.so) and found none next to the program or in \
+                     BATON_BACKEND_DIR"
+                )
+            }),
         }
     }
 
@@ -141,6 +147,27 @@ impl Device {
         DeviceMemory {
             free: free as u64,
             total: total as u64,
+        }
+    }
+
+    /// Sets the threads of `backend` (one of this device's) where the device has threads
+    /// to set (the CPU): through the registry's `ggml_backend_set_n_threads`, which a
+    /// CPU backend loaded at run time offers as well as a linked one.
+    pub(crate) fn set_threads(&self, backend: NonNull<sys::ggml_backend>, n_threads: usize) {
+        let name = c"ggml_backend_set_n_threads";
+        // SAFETY: valid device; its registry is static; the name is NUL-terminated.
+        let proc = unsafe {
+            let reg = sys::ggml_backend_dev_backend_reg(self.raw());
+            sys::ggml_backend_reg_get_proc_address(reg, name.as_ptr())
+        };
+        if proc.is_null() {
+            return;
+        }
+        // SAFETY: the registry returns this name's function with this signature.
+        let set: sys::ggml_backend_set_n_threads_t = unsafe { std::mem::transmute(proc) };
+        if let Some(set) = set {
+            // SAFETY: a valid backend of this device.
+            unsafe { set(backend.as_ptr(), n_threads.max(1) as i32) };
         }
     }
 

@@ -143,6 +143,8 @@ pub struct Context {
     id: u64,
     /// Node capacity of the one graph this context may hold (0: none).
     graph_size: usize,
+    /// Tensors it has room for.
+    n_tensors: usize,
 }
 
 /// A lifetime-free name for a tensor of a long-lived context (model weights), turned
@@ -187,7 +189,24 @@ impl Context {
             ptr: NonNull::new(ptr).expect("ggml_init failed to allocate its arena"),
             id: NEXT_CONTEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             graph_size,
+            n_tensors,
         }
+    }
+
+    /// Whether a context made by `Context::new(n_tensors, graph_size)` fits in this one
+    /// (after [`Context::reset`]).
+    pub fn fits(&self, n_tensors: usize, graph_size: usize) -> bool {
+        n_tensors <= self.n_tensors && graph_size <= self.graph_size && (graph_size == 0) == (self.graph_size == 0)
+    }
+
+    /// Forgets every tensor and graph of the context, keeping its memory: the next ones
+    /// are laid out at the same addresses when made in the same order. A step graph
+    /// rebuilt this way is the same graph to a backend that caches graphs by their
+    /// tensors' addresses (CUDA graphs in ggml-cuda), which then replays it instead of
+    /// recording it again every step.
+    pub fn reset(&mut self) {
+        // SAFETY: `&mut self`: no tensor or graph of this context is borrowed.
+        unsafe { sys::ggml_reset(self.raw()) }
     }
 
     pub(crate) fn raw(&self) -> *mut sys::ggml_context {

@@ -62,10 +62,45 @@ impl DType {
         {
             return false;
         }
-        // SAFETY: in-range type id; returns a pointer to a static traits table.
-        let traits = unsafe { sys::ggml_get_type_traits_cpu(self.0) };
-        // SAFETY: non-null pointer to a static table entry.
-        !traits.is_null() && unsafe { (*traits).vec_dot }.is_some()
+        cpu_has_vec_dot(self.0)
+    }
+}
+
+/// Whether ggml's CPU backend has a dot product for weights of type `t`.
+#[cfg(not(feature = "dynamic-backends"))]
+fn cpu_has_vec_dot(t: sys::ggml_type) -> bool {
+    // SAFETY: in-range type id; returns a pointer to a static traits table.
+    let traits = unsafe { sys::ggml_get_type_traits_cpu(t) };
+    // SAFETY: non-null pointer to a static table entry.
+    !traits.is_null() && unsafe { (*traits).vec_dot }.is_some()
+}
+
+/// Whether ggml's CPU backend has a dot product for weights of type `t`. With backends
+/// loaded at run time the CPU's traits table is not linked: the types of that table
+/// without `vec_dot` (activation-only types) are named here, and types ggml removed
+/// (block size 0) are refused.
+#[cfg(feature = "dynamic-backends")]
+fn cpu_has_vec_dot(t: sys::ggml_type) -> bool {
+    // SAFETY: in-range type id (checked by the caller); static traits table.
+    let traits = unsafe { sys::ggml_get_type_traits(t) };
+    // SAFETY: non-null pointer to a static table entry.
+    !traits.is_null() && unsafe { (*traits).blck_size } > 0 && !matches!(t, sys::GGML_TYPE_Q8_1 | sys::GGML_TYPE_Q8_K)
+}
+
+/// Loads ggml's backends (CPU, CUDA, Vulkan, ...) from shared libraries: from
+/// `BATON_BACKEND_DIR` when set, else from the program's directory (and the directory
+/// the build named). Only in builds with backends loaded at run time.
+#[cfg(feature = "dynamic-backends")]
+fn load_backends() {
+    match std::env::var_os("BATON_BACKEND_DIR") {
+        Some(dir) => {
+            use std::os::unix::ffi::OsStrExt;
+            let dir = std::ffi::CString::new(dir.as_bytes()).expect("BATON_BACKEND_DIR holds a NUL byte");
+            // SAFETY: a NUL-terminated path; ggml only reads it.
+            unsafe { sys::ggml_backend_load_all_from_path(dir.as_ptr()) }
+        }
+        // SAFETY: global registry initialisation, once.
+        None => unsafe { sys::ggml_backend_load_all() },
     }
 }
 
@@ -111,6 +146,8 @@ pub fn init() {
             sys::llama_log_set(Some(log_sink), std::ptr::null_mut());
             sys::ggml_log_set(Some(log_sink), std::ptr::null_mut());
         }
+        #[cfg(feature = "dynamic-backends")]
+        load_backends();
     });
 }
 

@@ -23,10 +23,7 @@ impl Backend {
             device: device.name(),
             message: format!("the backend did not start: {}", crate::take_logged_errors()),
         })?;
-        if device.is_cpu() {
-            // SAFETY: a CPU backend (the device says so).
-            unsafe { sys::ggml_backend_cpu_set_n_threads(ptr.as_ptr(), n_threads.max(1) as i32) };
-        }
+        device.set_threads(ptr, n_threads);
         Ok(Backend { ptr })
     }
 }
@@ -67,8 +64,7 @@ impl Scheduler {
         // SAFETY: valid device; buffer types are static singletons (null: none).
         let host = unsafe { sys::ggml_backend_dev_host_buffer_type(device.raw()) };
         let cpu_buft = if host.is_null() {
-            // SAFETY: static singleton.
-            unsafe { sys::ggml_backend_cpu_buffer_type() }
+            Device::cpu().buffer_type().raw()
         } else {
             host
         };

@@ -1,12 +1,15 @@
-//! Stages on a Vulkan device against libllama on the same device (in CI: Mesa's
-//! lavapipe, `GGML_VK_VISIBLE_DEVICES=0`, see scripts/vulkan-cargo). Built only with
-//! `--features vulkan`.
+//! Stages on an accelerator against libllama on the same device: Vulkan0 by default (in
+//! CI: Mesa's lavapipe, `GGML_VK_VISIBLE_DEVICES=0`, see scripts/vulkan-cargo), or the
+//! device `BATON_TEST_DEVICE` names (`CUDA0` on a GPU machine, with a build whose
+//! backends load at run time: scripts/dyn-cargo, scripts/gpu-check). Built only with an
+//! accelerator feature. `BATON_TEST_MODELS` (two paths, comma-separated: a qwen2 and a
+//! gemma3 file) replaces the test models where they cannot be fetched.
 //!
 //! On a GPU the kernels differ from the CPU's, and llama.cpp's graph differs from
 //! baton's in small ways (which node runs where when the device lacks an op), so the
 //! logits are compared by NMSE, with a bound from the measured worst case
 //! (docs/devices.md); the greedy continuations must be identical.
-#![cfg(feature = "vulkan")]
+#![cfg(any(feature = "vulkan", feature = "cuda", feature = "dynamic-backends"))]
 
 mod common;
 
@@ -16,23 +19,33 @@ use baton_node::{GenerateRequest, LocalRing};
 use baton_sample::{argmax, SamplingParams};
 use common::{model, nmse, Chain, GEMMA3, PROMPTS, QWEN2};
 
-/// Bound on the NMSE of logits on Vulkan0 against libllama on Vulkan0 (measured: 0,
-/// bit-identical; docs/devices.md).
-const MAX_VULKAN_NMSE: f64 = 1e-4;
+/// Bound on the NMSE of logits on the device against libllama on the same device
+/// (measured: 0, bit-identical, on Vulkan0 and CUDA0; docs/devices.md).
+const MAX_DEVICE_NMSE: f64 = 1e-4;
 
 /// Greedy tokens compared per prompt. Fewer than the CPU tests' 32: a token step on
 /// lavapipe costs about as much as a CPU step of a model 5x larger, and at 32 this file
 /// took 16 minutes of CI's 2 cores.
 const N_GREEDY: usize = 12;
 
-fn vulkan0() -> Device {
-    Device::by_name("Vulkan0").unwrap_or_else(|| {
+/// The accelerator under test: `BATON_TEST_DEVICE`, else Vulkan0.
+fn accelerator() -> Device {
+    let name = std::env::var("BATON_TEST_DEVICE").unwrap_or_else(|_| "Vulkan0".to_string());
+    Device::by_name(&name).unwrap_or_else(|| {
         panic!(
-            "no Vulkan0 device (devices: {:?}); on a machine without a GPU install lavapipe \
+            "no {name} device (devices: {:?}); on a machine without a GPU install lavapipe \
              (scripts/setup-vulkan) and set GGML_VK_VISIBLE_DEVICES=0 (scripts/vulkan-cargo does)",
             Device::all()
         )
     })
+}
+
+/// The qwen2 (`0`) or gemma3 (`1`) test model, or its stand-in from `BATON_TEST_MODELS`.
+fn test_model(which: usize) -> std::path::PathBuf {
+    match std::env::var("BATON_TEST_MODELS") {
+        Ok(list) => list.split(',').nth(which).expect("BATON_TEST_MODELS: two paths").into(),
+        Err(_) => model([QWEN2, GEMMA3][which]),
+    }
 }
 
 /// libllama's last-token logits and greedy tokens, every layer on `device`.
@@ -63,12 +76,13 @@ fn greedy(ring: &mut LocalRing, oracle: &LlamaModel, prompt: &[u32]) -> Vec<u32>
         .tokens
 }
 
-/// 1 and 2 stages on Vulkan0 against libllama with every layer on Vulkan0: logits
-/// within [`MAX_VULKAN_NMSE`] and the same argmax; the ring's greedy tokens the same
+/// 1 and 2 stages on the device against libllama with every layer on it: logits
+/// within [`MAX_DEVICE_NMSE`] and the same argmax; the ring's greedy tokens the same
 /// as libllama's. Returns the largest NMSE.
-fn check_on_vulkan(name: &str) -> f64 {
-    let device = vulkan0();
-    let path = model(name);
+fn check_on_device(which: usize) -> f64 {
+    let device = accelerator();
+    let path = test_model(which);
+    let name = path.file_name().unwrap().to_string_lossy().into_owned();
     let file = ModelFile::open(&path).unwrap();
     let oracle = LlamaModel::load_full_on(&path, true, device).unwrap();
     let n_layer = file.hparams().n_layer;
@@ -78,16 +92,16 @@ fn check_on_vulkan(name: &str) -> f64 {
         let (ref_logits, ref_tokens) = reference_on(&oracle, &prompt);
         for n_stages in [1, 2] {
             let ranges = baton_plan::even_split(n_layer, n_stages).unwrap();
-            let on_vulkan: Vec<_> = ranges.iter().map(|r| (r.clone(), device)).collect();
+            let on_device: Vec<_> = ranges.iter().map(|r| (r.clone(), device)).collect();
             // Chained in this thread: two stages of one device on two threads are refused.
-            let mut chain = Chain::load_on(&file, &on_vulkan, &StageConfig::new(512, 2));
+            let mut chain = Chain::load_on(&file, &on_device, &StageConfig::new(512, 2));
             let logits = chain.logits(0, &prompt, 0);
             let err = nmse(&logits, &ref_logits);
             worst = worst.max(err);
-            println!("{name} on Vulkan0, {n_stages} stage(s), {prompt_text:?}: nmse {err:.3e}");
+            println!("{name} on {device:?}, {n_stages} stage(s), {prompt_text:?}: nmse {err:.3e}");
             assert!(
-                err <= MAX_VULKAN_NMSE,
-                "{name}, {n_stages} stages on Vulkan0, {prompt_text:?}: NMSE {err:e}"
+                err <= MAX_DEVICE_NMSE,
+                "{name}, {n_stages} stages on {device:?}, {prompt_text:?}: NMSE {err:e}"
             );
             assert_eq!(argmax(&logits), argmax(&ref_logits));
         }
@@ -98,7 +112,7 @@ fn check_on_vulkan(name: &str) -> f64 {
         assert_eq!(
             tokens,
             ref_tokens,
-            "{name} on Vulkan0, {prompt_text:?}:\n ours: {:?}\n llama.cpp: {:?}",
+            "{name} on {device:?}, {prompt_text:?}:\n ours: {:?}\n llama.cpp: {:?}",
             oracle.detokenize(&tokens, false),
             oracle.detokenize(&ref_tokens, false)
         );
@@ -108,71 +122,75 @@ fn check_on_vulkan(name: &str) -> f64 {
 
 /// Two stages of one accelerator on two threads are refused with the reason.
 #[test]
-fn two_stages_on_one_vulkan_device_in_one_ring_are_refused() {
-    let device = vulkan0();
-    let file = ModelFile::open(&model(GEMMA3)).unwrap();
-    let stages = vec![(0..9, device), (9..18, device)];
+fn two_stages_on_one_device_in_one_ring_are_refused() {
+    let device = accelerator();
+    let file = ModelFile::open(&test_model(1)).unwrap();
+    let n_layer = file.hparams().n_layer;
+    let stages = vec![(0..n_layer / 2, device), (n_layer / 2..n_layer, device)];
     let err = LocalRing::start_on(file, &stages, &StageConfig::new(64, 1))
         .err()
         .expect("refused")
         .to_string();
-    assert!(err.contains("Vulkan0 is given more than one stage"), "{err}");
+    assert!(
+        err.contains(&format!("{device:?} is given more than one stage")),
+        "{err}"
+    );
 }
 
 #[test]
-fn qwen2_on_vulkan_matches_llama_cpp_on_vulkan() {
-    check_on_vulkan(QWEN2);
+fn qwen2_on_the_device_matches_llama_cpp_on_it() {
+    check_on_device(0);
 }
 
 #[test]
-fn gemma3_on_vulkan_matches_llama_cpp_on_vulkan() {
-    check_on_vulkan(GEMMA3);
+fn gemma3_on_the_device_matches_llama_cpp_on_it() {
+    check_on_device(1);
 }
 
-/// A stage on Vulkan0 then a stage on the CPU (one process, the hidden state handed
+/// A stage on the device then a stage on the CPU (one process, the hidden state handed
 /// over in memory): logits close to both references, and the greedy text equal to
-/// libllama's on the CPU wherever libllama on Vulkan0 agrees with it.
+/// libllama's on the CPU wherever libllama on the device agrees with it.
 #[test]
-fn vulkan_then_cpu_stages_match_llama_cpp() {
-    let device = vulkan0();
-    let path = model(QWEN2);
+fn device_then_cpu_stages_match_llama_cpp() {
+    let device = accelerator();
+    let path = test_model(0);
     let file = ModelFile::open(&path).unwrap();
     let cpu_oracle = LlamaModel::load_full(&path, true).unwrap();
-    let vk_oracle = LlamaModel::load_full_on(&path, true, device).unwrap();
+    let dev_oracle = LlamaModel::load_full_on(&path, true, device).unwrap();
     let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
     let stages = vec![(ranges[0].clone(), device), (ranges[1].clone(), Device::cpu())];
     for prompt_text in PROMPTS {
         let prompt = cpu_oracle.tokenize(prompt_text, true, true).unwrap();
         let (cpu_logits, cpu_tokens) = reference_on(&cpu_oracle, &prompt);
-        let (vk_logits, vk_tokens) = reference_on(&vk_oracle, &prompt);
+        let (dev_logits, dev_tokens) = reference_on(&dev_oracle, &prompt);
         let mut chain = Chain::load_on(&file, &stages, &StageConfig::new(512, 2));
         let logits = chain.logits(0, &prompt, 0);
-        let (to_cpu, to_vk) = (nmse(&logits, &cpu_logits), nmse(&logits, &vk_logits));
-        let apart = nmse(&vk_logits, &cpu_logits);
+        let (to_cpu, to_dev) = (nmse(&logits, &cpu_logits), nmse(&logits, &dev_logits));
+        let apart = nmse(&dev_logits, &cpu_logits);
         println!(
-            "Vulkan0 + CPU {prompt_text:?}: nmse {to_cpu:.3e} to the CPU, {to_vk:.3e} to Vulkan0 \
-             (libllama on Vulkan0 to libllama on the CPU: {apart:.3e})"
+            "{device:?} + CPU {prompt_text:?}: nmse {to_cpu:.3e} to the CPU, {to_dev:.3e} to {device:?} \
+             (libllama on {device:?} to libllama on the CPU: {apart:.3e})"
         );
-        assert!(to_cpu <= 1e-2 && to_vk <= 1e-2);
+        assert!(to_cpu <= 1e-2 && to_dev <= 1e-2);
         drop(chain);
         let mut ring = LocalRing::start_on(file.clone(), &stages, &StageConfig::new(512, 1)).unwrap();
         let tokens = greedy(&mut ring, &cpu_oracle, &prompt);
-        if vk_tokens == cpu_tokens {
+        if dev_tokens == cpu_tokens {
             assert_eq!(tokens, cpu_tokens, "{prompt_text:?}");
         } else {
-            println!("{prompt_text:?}: libllama on Vulkan0 and on the CPU disagree; not compared");
+            println!("{prompt_text:?}: libllama on {device:?} and on the CPU disagree; not compared");
         }
     }
 }
 
-/// A stage on Vulkan0 keeps its weights and KV cache in the device's memory: host
+/// A stage on the device keeps its weights and KV cache in the device's memory: host
 /// memory holds only the embedding rows it read and the CPU's share of the compute
 /// buffers.
 #[test]
-fn vulkan_stage_memory_is_on_the_device() {
-    let device = vulkan0();
-    let file = ModelFile::open(&model(QWEN2)).unwrap();
-    let layers = 0..12;
+fn stage_memory_is_on_the_device() {
+    let device = accelerator();
+    let file = ModelFile::open(&test_model(0)).unwrap();
+    let layers = 0..file.hparams().n_layer / 2;
     let layer_bytes: u64 = layers.clone().map(|l| file.layer_bytes(l)).sum();
     let span = StageSpan {
         layers,
@@ -185,7 +203,7 @@ fn vulkan_stage_memory_is_on_the_device() {
     let memory = stage.memory();
     let kv = stage.kv().bytes() as u64;
     println!(
-        "Vulkan0 stage: device {} B, host {} B, layers {layer_bytes} B, KV {kv} B",
+        "{device:?} stage: device {} B, host {} B, layers {layer_bytes} B, KV {kv} B",
         memory.device, memory.host
     );
     assert_eq!(stage.device(), device);
