@@ -162,6 +162,19 @@ unsafe impl Send for TensorId {}
 // SAFETY: as above.
 unsafe impl Sync for TensorId {}
 
+/// A lifetime-free name for a graph of a context, turned back into a [`Graph`] by
+/// [`Context::graph`] (a step graph kept to be computed again).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GraphId {
+    ptr: NonNull<sys::ggml_cgraph>,
+    ctx: u64,
+}
+
+// SAFETY: inert data, dereferenced only through the owning Context after a check.
+unsafe impl Send for GraphId {}
+// SAFETY: as above.
+unsafe impl Sync for GraphId {}
+
 static NEXT_CONTEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 // SAFETY: a ggml_context is plain memory with no thread affinity; &mut/& discipline
@@ -204,9 +217,29 @@ impl Context {
     /// rebuilt this way is the same graph to a backend that caches graphs by their
     /// tensors' addresses (CUDA graphs in ggml-cuda), which then replays it instead of
     /// recording it again every step.
+    /// Ids of its tensors and graphs made before are no longer valid (using one panics).
     pub fn reset(&mut self) {
         // SAFETY: `&mut self`: no tensor or graph of this context is borrowed.
         unsafe { sys::ggml_reset(self.raw()) }
+        self.id = NEXT_CONTEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The id of `graph`, one of this context's.
+    pub fn graph_id(&self, graph: &Graph<'_>) -> GraphId {
+        GraphId {
+            ptr: graph.ptr,
+            ctx: self.id,
+        }
+    }
+
+    /// The graph named by `id`; panics if `id` comes from another context (or from
+    /// this one before a reset).
+    pub fn graph(&self, id: GraphId) -> Graph<'_> {
+        assert_eq!(id.ctx, self.id, "graph id used with a context that did not create it");
+        Graph {
+            ptr: id.ptr,
+            _ctx: PhantomData,
+        }
     }
 
     pub(crate) fn raw(&self) -> *mut sys::ggml_context {
@@ -249,7 +282,8 @@ impl Context {
         id.ctx == self.id
     }
 
-    /// The tensor named by `id`; panics if `id` comes from another context.
+    /// The tensor named by `id`; panics if `id` comes from another context (or from
+    /// this one before a reset).
     pub fn tensor(&self, id: TensorId) -> Tensor<'_> {
         assert_eq!(id.ctx, self.id, "tensor id used with a context that did not create it");
         // SAFETY: the id was made by this context (checked), whose tensors live as long as it.

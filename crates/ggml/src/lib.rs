@@ -19,7 +19,7 @@ use llama_cpp_sys_2 as sys;
 
 pub use backend::{Allocator, Buffer, CpuBackend, MappedBuffer, MappedFile};
 pub use device::{BufferType, Device, DeviceKind, DeviceMemory, WeightOp};
-pub use graph::{Context, Graph, RopeParams, Tensor, TensorId};
+pub use graph::{Context, Graph, GraphId, RopeParams, Tensor, TensorId};
 pub use llama::{LlamaContext, LlamaModel};
 pub use quantize::{quantize, FileType};
 pub use sched::Scheduler;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use baton_ggml::{Context, DType, Device, Tensor};
+use baton_ggml::{Context, DType, Device, GraphId, Tensor, TensorId};
 
 use crate::arch::{Builder, SpanInputs, StepInputs};
 use crate::kv::{AttnSpan, KvCache};
@@ -95,6 +95,8 @@ pub struct Stage {
     runner: Runner,
     /// The metadata of the step graph, reused every step (see `compute`).
     step_ctx: Option<Context>,
+    /// The last step's graph, in `step_ctx`, computed again by a step of its shape.
+    step: Option<StepGraph>,
     kv: KvCache,
     weights: StageWeights,
     repacked: bool,
@@ -132,6 +134,7 @@ impl Stage {
             device,
             runner,
             step_ctx: None,
+            step: None,
             kv,
             weights,
             repacked: config.repack,
@@ -258,143 +261,178 @@ impl Stage {
         };
         // About 40 nodes per attention layer plus 10 per span, about 50 for experts plus
         // 4 per row of a decode batch (views included); generous so no model runs short.
-        let per_row = if decode_rows { 4 * n_tokens } else { 0 };
-        let n_nodes = (160 + 16 * spans.len() + per_row) * self.span.layers.len() + 64 + 4 * spans.len();
-        // The same context every step, reset: the graph's tensors keep their addresses,
-        // so a device that records graphs (CUDA) replays the step's instead of recording
-        // a new one each token (measured on an H100: 0.30x libllama's generation speed
-        // before, docs/devices.md).
-        if !self.step_ctx.as_ref().is_some_and(|c| c.fits(n_nodes, n_nodes)) {
-            self.step_ctx = Some(Context::new(n_nodes, n_nodes));
-        }
-        let ctx = self.step_ctx.as_mut().expect("made above");
-        ctx.reset();
-        let ctx: &Context = ctx;
+        let key = StepKey {
+            tokens: matches!(batch.input, StageInput::Tokens(_)),
+            n_tokens,
+            decode_rows,
+            spans: spans.iter().map(|s| (s.rows.clone(), s.cells.clone())).collect(),
+            logit_rows: batch.logit_rows.len(),
+        };
+        // A step shaped like the last one computes the last one's graph again: only its
+        // inputs change. Building about a thousand nodes and splitting them between
+        // backends is skipped, as llama.cpp skips it when it reuses its graph.
+        if self.step.as_ref().is_none_or(|step| step.key != key) {
+            self.step = None;
+            let per_row = if decode_rows { 4 * n_tokens } else { 0 };
+            let n_nodes = (160 + 16 * spans.len() + per_row) * self.span.layers.len() + 64 + 4 * spans.len();
+            // The same context every step, reset: the graph's tensors keep their addresses,
+            // so a device that records graphs (CUDA) replays the step's instead of recording
+            // a new one each token (measured on an H100: 0.30x libllama's generation speed
+            // before, docs/devices.md).
+            if !self.step_ctx.as_ref().is_some_and(|c| c.fits(n_nodes, n_nodes)) {
+                self.step_ctx = Some(Context::new(n_nodes, n_nodes));
+            }
+            let ctx = self.step_ctx.as_mut().expect("made above");
+            ctx.reset();
+            let ctx: &Context = ctx;
 
-        // Inputs (data written after allocation).
-        let positions = ctx
-            .new_tensor(DType::I32, &[n_tokens as i64])
-            .named("inp_pos")
-            .set_input();
-        let kv_slots = ctx
-            .new_tensor(DType::I64, &[n_tokens as i64])
-            .named("kv_slots")
-            .set_input();
-        // A mask is an input only if some layer of this stage reads it (an input that
-        // is not in the graph gets no memory).
-        let has_swa = self.span.layers.clone().any(|l| hp.is_swa(l));
-        let has_full = self.span.layers.clone().any(|l| !hp.is_swa(l));
-        let new_mask = |span: &AttnSpan, name: &str| {
-            ctx.new_tensor(DType::F16, &[span.cells.len() as i64, span.rows.len() as i64])
-                .named(&format!("{name}-{}", span.rows.start))
-                .set_input()
-        };
-        let spans: Vec<SpanInputs> = spans
-            .into_iter()
-            .map(|span| SpanInputs {
-                mask: has_full.then(|| new_mask(&span, "kq_mask")),
-                mask_swa: has_swa.then(|| new_mask(&span, "kq_mask_swa")),
-                span,
-            })
-            .collect();
-        let want_logits = self.span.last && !batch.logit_rows.is_empty();
-        let out_rows = want_logits.then(|| {
-            ctx.new_tensor(DType::I32, &[batch.logit_rows.len() as i64])
-                .named("out_rows")
-                .set_input()
-        });
-        let attn_temp = hp.attn_temp.as_ref().map(|_| {
-            ctx.new_tensor(DType::F32, &[1, 1, n_tokens as i64])
-                .named("inp_attn_scale")
-                .set_input()
-        });
-        let (tokens_in, hidden_in): (Option<Tensor>, Option<Tensor>) = match batch.input {
-            StageInput::Tokens(_) => (
-                Some(
-                    ctx.new_tensor(DType::I32, &[n_tokens as i64])
-                        .named("inp_tokens")
-                        .set_input(),
+            // Inputs (data written after allocation).
+            let positions = ctx
+                .new_tensor(DType::I32, &[n_tokens as i64])
+                .named("inp_pos")
+                .set_input();
+            let kv_slots = ctx
+                .new_tensor(DType::I64, &[n_tokens as i64])
+                .named("kv_slots")
+                .set_input();
+            // A mask is an input only if some layer of this stage reads it (an input that
+            // is not in the graph gets no memory).
+            let has_swa = self.span.layers.clone().any(|l| hp.is_swa(l));
+            let has_full = self.span.layers.clone().any(|l| !hp.is_swa(l));
+            let new_mask = |span: &AttnSpan, name: &str| {
+                ctx.new_tensor(DType::F16, &[span.cells.len() as i64, span.rows.len() as i64])
+                    .named(&format!("{name}-{}", span.rows.start))
+                    .set_input()
+            };
+            let spans: Vec<SpanInputs> = spans
+                .into_iter()
+                .map(|span| SpanInputs {
+                    mask: has_full.then(|| new_mask(&span, "kq_mask")),
+                    mask_swa: has_swa.then(|| new_mask(&span, "kq_mask_swa")),
+                    span,
+                })
+                .collect();
+            let want_logits = self.span.last && !batch.logit_rows.is_empty();
+            let out_rows = want_logits.then(|| {
+                ctx.new_tensor(DType::I32, &[batch.logit_rows.len() as i64])
+                    .named("out_rows")
+                    .set_input()
+            });
+            let attn_temp = hp.attn_temp.as_ref().map(|_| {
+                ctx.new_tensor(DType::F32, &[1, 1, n_tokens as i64])
+                    .named("inp_attn_scale")
+                    .set_input()
+            });
+            let (tokens_in, hidden_in): (Option<Tensor>, Option<Tensor>) = match batch.input {
+                StageInput::Tokens(_) => (
+                    Some(
+                        ctx.new_tensor(DType::I32, &[n_tokens as i64])
+                            .named("inp_tokens")
+                            .set_input(),
+                    ),
+                    None,
                 ),
-                None,
-            ),
-            StageInput::Hidden(_) => (
-                None,
-                Some(
-                    ctx.new_tensor(DType::F32, &[hp.n_embd as i64, n_tokens as i64])
-                        .named("inp_hidden")
-                        .set_input(),
+                StageInput::Hidden(_) => (
+                    None,
+                    Some(
+                        ctx.new_tensor(DType::F32, &[hp.n_embd as i64, n_tokens as i64])
+                            .named("inp_hidden")
+                            .set_input(),
+                    ),
                 ),
-            ),
-        };
+            };
 
-        let mut b = Builder {
-            ctx: &ctx,
-            graph: ctx.new_graph(),
-            hp,
-            weights: &self.weights,
-            kv: &self.kv,
-            inputs: StepInputs {
-                positions,
-                kv_slots,
-                spans,
-                out_rows,
-                attn_temp,
-                n_tokens,
-                decode_rows,
-            },
-            outputs_selected: false,
-        };
-        let mut hidden = match (tokens_in, hidden_in) {
-            (Some(tokens), _) => {
-                let embd = ctx.get_rows(self.weights.token_embd()?, tokens); // [n_embd, n_tokens]
-                if hp.embd_scale != 1.0 {
-                    ctx.scale(embd, hp.embd_scale)
-                } else {
-                    embd
+            let mut b = Builder {
+                ctx: &ctx,
+                graph: ctx.new_graph(),
+                hp,
+                weights: &self.weights,
+                kv: &self.kv,
+                inputs: StepInputs {
+                    positions,
+                    kv_slots,
+                    spans,
+                    out_rows,
+                    attn_temp,
+                    n_tokens,
+                    decode_rows,
+                },
+                outputs_selected: false,
+            };
+            let mut hidden = match (tokens_in, hidden_in) {
+                (Some(tokens), _) => {
+                    let embd = ctx.get_rows(self.weights.token_embd()?, tokens); // [n_embd, n_tokens]
+                    if hp.embd_scale != 1.0 {
+                        ctx.scale(embd, hp.embd_scale)
+                    } else {
+                        embd
+                    }
+                }
+                (None, Some(hidden)) => hidden,
+                (None, None) => unreachable!("one of the two inputs is always created above"),
+            };
+            for layer in self.span.layers.clone() {
+                let w = self.weights.layer(layer);
+                hidden = (hp.arch.layer)(&mut b, &w, layer, hidden).named(&format!("l_out-{layer}"));
+            }
+            // Architectures that compute every row through the last layer (gpt-oss) keep
+            // the rows that need logits here, as llama.cpp does.
+            if let (Some(rows), false) = (out_rows, b.outputs_selected) {
+                if self.span.layers.end == hp.n_layer {
+                    hidden = ctx.get_rows(hidden, rows);
                 }
             }
-            (None, Some(hidden)) => hidden,
-            (None, None) => unreachable!("one of the two inputs is always created above"),
-        };
-        for layer in self.span.layers.clone() {
-            let w = self.weights.layer(layer);
-            hidden = (hp.arch.layer)(&mut b, &w, layer, hidden).named(&format!("l_out-{layer}"));
-        }
-        // Architectures that compute every row through the last layer (gpt-oss) keep
-        // the rows that need logits here, as llama.cpp does.
-        if let (Some(rows), false) = (out_rows, b.outputs_selected) {
-            if self.span.layers.end == hp.n_layer {
-                hidden = ctx.get_rows(hidden, rows);
-            }
-        }
-        let out = if want_logits {
-            let normed = b.norm(hidden, self.weights.output_norm()?);
-            let mut logits = ctx.mul_mat(self.weights.output()?, normed); // [n_vocab, n_out]
-            if hp.final_logit_softcap > 0.0 {
-                logits = ctx.scale(logits, 1.0 / hp.final_logit_softcap);
-                logits = ctx.tanh(logits);
-                logits = ctx.scale(logits, hp.final_logit_softcap);
-            }
-            logits
-        } else {
-            hidden
-        };
-        let out = out.named("stage_out").set_output();
-        let mut graph = b.graph;
-        let spans = b.inputs.spans;
-        graph.expand(out);
+            let out = if want_logits {
+                let normed = b.norm(hidden, self.weights.output_norm()?);
+                let mut logits = ctx.mul_mat(self.weights.output()?, normed); // [n_vocab, n_out]
+                if hp.final_logit_softcap > 0.0 {
+                    logits = ctx.scale(logits, 1.0 / hp.final_logit_softcap);
+                    logits = ctx.tanh(logits);
+                    logits = ctx.scale(logits, hp.final_logit_softcap);
+                }
+                logits
+            } else {
+                hidden
+            };
+            let out = out.named("stage_out").set_output();
+            let mut graph = b.graph;
+            let spans = b.inputs.spans;
+            graph.expand(out);
 
-        self.runner.alloc(&graph)?;
+            self.runner.alloc(&graph)?;
+            self.step = Some(StepGraph {
+                key,
+                graph: ctx.graph_id(&graph),
+                positions: ctx.id_of(positions),
+                kv_slots: ctx.id_of(kv_slots),
+                masks: spans
+                    .iter()
+                    .map(|s| (s.mask.map(|m| ctx.id_of(m)), s.mask_swa.map(|m| ctx.id_of(m))))
+                    .collect(),
+                out_rows: out_rows.map(|t| ctx.id_of(t)),
+                attn_temp: attn_temp.map(|t| ctx.id_of(t)),
+                tokens_in: tokens_in.map(|t| ctx.id_of(t)),
+                hidden_in: hidden_in.map(|t| ctx.id_of(t)),
+                out: ctx.id_of(out),
+            });
+        }
+        let ctx = self.step_ctx.as_ref().expect("built above");
+        let step = self.step.as_ref().expect("built above");
+        let tensor = |id: TensorId| ctx.tensor(id);
+        let (positions, kv_slots, out) = (tensor(step.positions), tensor(step.kv_slots), tensor(step.out));
+        let out_rows = step.out_rows.map(tensor);
+        let attn_temp = step.attn_temp.map(tensor);
+        let (tokens_in, hidden_in) = (step.tokens_in.map(tensor), step.hidden_in.map(tensor));
+        let want_logits = self.span.last && !batch.logit_rows.is_empty();
         positions.write(batch.positions)?;
         kv_slots.write(slots)?;
-        for span in &spans {
-            let (rows, cells) = (span.span.rows.clone(), span.span.cells.clone());
-            let (seq_ids, positions) = (&batch.seq_ids[rows.clone()], &batch.positions[rows]);
-            if let Some(m) = span.mask {
-                m.write(&self.kv.mask(seq_ids, positions, cells.clone(), None))?;
+        for ((rows, cells), (mask, mask_swa)) in step.key.spans.iter().zip(&step.masks) {
+            let (seq_ids, positions) = (&batch.seq_ids[rows.clone()], &batch.positions[rows.clone()]);
+            if let Some(m) = mask {
+                tensor(*m).write(&self.kv.mask(seq_ids, positions, cells.clone(), None))?;
             }
-            if let Some(m) = span.mask_swa {
-                m.write(&self.kv.mask(seq_ids, positions, cells, Some(hp.n_swa)))?;
+            if let Some(m) = mask_swa {
+                tensor(*m).write(&self.kv.mask(seq_ids, positions, cells.clone(), Some(hp.n_swa)))?;
             }
         }
         if let (Some(t), Some(temp)) = (attn_temp, &hp.attn_temp) {
@@ -413,7 +451,11 @@ impl Stage {
                 hidden_in.map(|t| t.write(hidden)).transpose()?;
             }
         }
-        self.runner.compute(&graph)?;
+        let graph = ctx.graph(step.graph);
+        if let Err(e) = self.runner.compute(&graph) {
+            self.step = None;
+            return Err(e);
+        }
 
         if want_logits {
             let mut logits = vec![0f32; hp.n_vocab * batch.logit_rows.len()];
@@ -427,4 +469,32 @@ impl Stage {
             Ok(StageOutput::Hidden(hidden))
         }
     }
+}
+
+/// What decides a step graph's shape: two steps with the same key build the same graph.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct StepKey {
+    /// Tokens in (the first stage), else hidden states.
+    tokens: bool,
+    n_tokens: usize,
+    decode_rows: bool,
+    /// Rows and cells of each attention span.
+    spans: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>,
+    /// Rows that need logits.
+    logit_rows: usize,
+}
+
+/// A built and allocated step graph and its inputs and output, by id.
+struct StepGraph {
+    key: StepKey,
+    graph: GraphId,
+    positions: TensorId,
+    kv_slots: TensorId,
+    /// `(mask, sliding-window mask)` of each span of `key.spans`.
+    masks: Vec<(Option<TensorId>, Option<TensorId>)>,
+    out_rows: Option<TensorId>,
+    attn_temp: Option<TensorId>,
+    tokens_in: Option<TensorId>,
+    hidden_in: Option<TensorId>,
+    out: TensorId,
 }
