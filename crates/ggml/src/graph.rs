@@ -92,6 +92,11 @@ impl<'a> Tensor<'a> {
         self
     }
 
+    /// Whether the tensor has memory (a graph input that no node reads gets none).
+    pub fn has_data(&self) -> bool {
+        !self.meta().data.is_null()
+    }
+
     /// Copies `data` into the tensor's backend memory.
     pub fn write<T: Copy>(&self, data: &[T]) -> Result<(), GgmlError> {
         let bytes = std::mem::size_of_val(data);
@@ -143,6 +148,9 @@ pub struct Context {
     id: u64,
     /// Node capacity of the one graph this context may hold (0: none).
     graph_size: usize,
+    /// Host ops whose nodes point at them (see [`Context::host_op`]): freed with the
+    /// context, after its nodes.
+    kept: std::cell::RefCell<Vec<std::sync::Arc<crate::HostOp>>>,
 }
 
 /// A lifetime-free name for a tensor of a long-lived context (model weights), turned
@@ -187,7 +195,13 @@ impl Context {
             ptr: NonNull::new(ptr).expect("ggml_init failed to allocate its arena"),
             id: NEXT_CONTEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             graph_size,
+            kept: std::cell::RefCell::new(Vec::new()),
         }
+    }
+
+    /// Keeps `op` alive as long as this context.
+    pub(crate) fn keep(&self, op: std::sync::Arc<crate::HostOp>) {
+        self.kept.borrow_mut().push(op);
     }
 
     pub(crate) fn raw(&self) -> *mut sys::ggml_context {

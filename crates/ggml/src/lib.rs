@@ -5,6 +5,7 @@
 
 mod backend;
 mod graph;
+mod host;
 mod llama;
 mod ops;
 mod quantize;
@@ -17,6 +18,7 @@ use llama_cpp_sys_2 as sys;
 
 pub use backend::{Allocator, Buffer, CpuBackend, ExtraBufferType, MappedBuffer, MappedFile, WeightOp};
 pub use graph::{Context, Graph, RopeParams, Tensor, TensorId};
+pub use host::{HostFn, HostOp};
 pub use llama::{LlamaContext, LlamaModel};
 pub use quantize::{quantize, FileType};
 

@@ -1,12 +1,15 @@
 //! A stage: a contiguous layer range of one model on one ggml backend, with its own
 //! KV cache. The first stage embeds tokens; the last produces logits.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use baton_ggml::{Allocator, Context, CpuBackend, DType, Tensor};
+use baton_ggml::{Allocator, Context, CpuBackend, DType, HostOp, Tensor};
 
-use crate::arch::{Builder, SpanInputs, StepInputs};
+use crate::arch::{Builder, Gather, SpanInputs, StepInputs, TpOps};
+use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
+use crate::tp::{Collective, CollectiveError, TpSplit};
+use crate::tp_group::{GroupMember, Helper};
 use crate::weights::{ModelFile, StageSpan, StageWeights};
 use crate::ModelError;
 
@@ -75,9 +78,18 @@ pub enum StageOutput {
     Logits(Vec<f32>),
 }
 
-/// A layer range of a model, ready to compute.
+/// A layer range of a model, ready to compute: the whole of each layer, or one member's
+/// slice of it ([`Stage::load_member`]); the first member of an in-process group
+/// drives the others ([`Stage::load_tp`]).
 pub struct Stage {
     span: StageSpan,
+    /// The other members of its tensor-parallel group (ranks 1.., in order) when this is
+    /// member 0: threads of this process or processes behind links. Declared first so
+    /// they stop before this member's state goes.
+    helpers: Vec<Box<dyn GroupMember>>,
+    /// The hyper-parameters the graph is built with (a member's: its heads, its FFN).
+    hp: HParams,
+    tp: Option<Member>,
     // Declared before `weights` so the compute state is freed first.
     backend: CpuBackend,
     alloc: Allocator,
@@ -86,27 +98,164 @@ pub struct Stage {
     repacked: bool,
 }
 
+/// What a tensor-parallel member exchanges with.
+struct Member {
+    split: TpSplit,
+    collective: Arc<dyn Collective>,
+    ops: TpOps,
+    /// The first failure of an exchange during the current computation.
+    error: Arc<Mutex<Option<CollectiveError>>>,
+}
+
+impl Member {
+    /// Member `split.rank` of a group over a model of `hp` (the whole model's).
+    fn new(hp: &HParams, split: TpSplit, collective: Arc<dyn Collective>) -> Result<Member, ModelError> {
+        let error: Arc<Mutex<Option<CollectiveError>>> = Arc::default();
+        let all = (0..split.size)
+            .map(|rank| TpSplit::new(hp, rank, split.size))
+            .collect::<Result<Vec<_>, _>>()?;
+        let gather = |width: &dyn Fn(&TpSplit) -> usize| {
+            let widths: Vec<usize> = all.iter().map(width).collect();
+            let total = widths.iter().sum();
+            let (collective, error, rank) = (collective.clone(), error.clone(), split.rank);
+            let op = HostOp::new(move |input: &[f32], out: &mut [f32]| {
+                let rows = out.len() / total;
+                // A member without heads gives nothing; its input only carries the shape.
+                let mine = if widths[rank] == 0 { &[][..] } else { input };
+                if let Err(e) = collective.all_gather(mine, &widths, rows, out) {
+                    out.fill(0.0);
+                    if let Ok(mut slot) = error.lock() {
+                        slot.get_or_insert(e);
+                    }
+                }
+            });
+            Gather { op, width: total }
+        };
+        let ops = TpOps {
+            heads: gather(&|s| s.q_heads(hp).len() * hp.head_dim_v),
+            ff: gather(&|s| s.ff.len()),
+            embd: gather(&|s| s.embd.len()),
+        };
+        Ok(Member {
+            split,
+            collective,
+            ops,
+            error,
+        })
+    }
+}
+
 impl Stage {
     /// Loads the tensors of `span` from `file` and allocates the KV cache.
     pub fn load(file: Arc<ModelFile>, span: StageSpan, config: &StageConfig) -> Result<Stage, ModelError> {
-        let hp = file.hparams();
-        if span.layers.start >= span.layers.end || span.layers.end > hp.n_layer {
+        Stage::load_member(file, span, config, None)
+    }
+
+    /// Loads one member of a tensor-parallel group: its slice of every layer of
+    /// `span` (see [`crate::tp`]), summing through `collective` with the other members,
+    /// which must be loaded with the same span and configuration. `None`: the whole
+    /// layers ([`Stage::load`]).
+    pub fn load_member(
+        file: Arc<ModelFile>,
+        span: StageSpan,
+        config: &StageConfig,
+        member: Option<(TpSplit, Arc<dyn Collective>)>,
+    ) -> Result<Stage, ModelError> {
+        let full = file.hparams();
+        if span.layers.start >= span.layers.end || span.layers.end > full.n_layer {
             return Err(ModelError::BadConfig(format!(
                 "layer range {:?} is not a non-empty part of the model's {} layers",
-                span.layers, hp.n_layer
+                span.layers, full.n_layer
             )));
         }
-        let weights = StageWeights::load(file.clone(), &span, config.repack)?;
-        let kv = KvCache::new(hp, span.layers.clone(), config.n_ctx, config.n_seq)?;
-        tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, weight_bytes = weights.bytes(), "stage loaded");
+        let split = member.as_ref().map(|(split, _)| split);
+        let hp = split.map_or_else(|| full.clone(), |split| split.hparams(full));
+        let weights = StageWeights::load_split(file.clone(), &span, config.repack, split)?;
+        let kv = KvCache::new(&hp, span.layers.clone(), config.n_ctx, config.n_seq)?;
+        let tp = member
+            .map(|(split, collective)| Member::new(full, split, collective))
+            .transpose()?;
+        tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, weight_bytes = weights.bytes(), tp = ?tp.as_ref().map(|m| &m.split), "stage loaded");
         Ok(Stage {
             span,
+            helpers: Vec::new(),
+            hp,
+            tp,
             backend: CpuBackend::new(config.n_threads),
             alloc: Allocator::new_cpu(),
             kv,
             weights,
             repacked: config.repack,
         })
+    }
+
+    /// A tensor-parallel group of `n` members in this process, each with
+    /// `config.n_threads` threads: the returned stage is member 0 and computes like
+    /// [`Stage::load`]'s would (up to summation order), driving members 1.. on threads
+    /// of their own. Each member maps the file on its own.
+    pub fn load_tp(file: Arc<ModelFile>, span: StageSpan, config: &StageConfig, n: usize) -> Result<Stage, ModelError> {
+        if n <= 1 {
+            return Stage::load(file, span, config);
+        }
+        let splits = crate::tp_group::splits(&file, &span, n)?;
+        let collectives = crate::tp::LocalGroup::members(n);
+        let mut members: Vec<Stage> = std::thread::scope(|scope| {
+            let loads: Vec<_> = splits
+                .into_iter()
+                .zip(collectives)
+                .map(|(split, collective)| {
+                    let (span, path) = (span.clone(), file.path().to_path_buf());
+                    scope.spawn(move || {
+                        let file = ModelFile::open(&path)?;
+                        Stage::load_member(file, span, config, Some((split, collective)))
+                    })
+                })
+                .collect();
+            loads
+                .into_iter()
+                .map(|h| h.join().expect("member loader panicked"))
+                .collect::<Result<_, _>>()
+        })?;
+        let helpers = members
+            .drain(1..)
+            .map(|m| Helper::start(m).map(|h| Box::new(h) as Box<dyn GroupMember>))
+            .collect::<Result<Vec<_>, _>>()?;
+        let first = members.pop().expect("n > 1 members were loaded");
+        Ok(first.driving(helpers))
+    }
+
+    /// Member 0 of a group whose other members are `members` (ranks 1.., in order),
+    /// each loaded with the same span and configuration: `forward` then runs the whole
+    /// group and returns what a whole stage would.
+    pub fn driving(mut self, members: Vec<Box<dyn GroupMember>>) -> Stage {
+        self.helpers = members;
+        self
+    }
+
+    /// The member's place in its tensor-parallel group (`None` for a whole stage).
+    pub fn tp_split(&self) -> Option<&TpSplit> {
+        self.tp.as_ref().map(|m| &m.split)
+    }
+
+    /// Members of the stage's in-process group, this one included (1 for a whole stage).
+    pub fn tp_size(&self) -> usize {
+        1 + self.helpers.len()
+    }
+
+    /// Forgets every token of `seq` (in every member's cache).
+    pub fn clear_seq(&mut self, seq: u32) {
+        self.truncate_seq(seq, 0);
+    }
+
+    /// Keeps only the tokens of `seq` at positions below `len` (in every member's cache).
+    pub fn truncate_seq(&mut self, seq: u32, len: usize) {
+        for helper in &mut self.helpers {
+            if let Err(e) = helper.truncate_seq(seq, len) {
+                // The next forward fails on that member and says why.
+                tracing::debug!(error = %e, "tensor-parallel member did not truncate");
+            }
+        }
+        self.kv.truncate_seq(seq, len);
     }
 
     /// The layers and roles of this stage.
@@ -125,7 +274,8 @@ impl Stage {
         &self.kv
     }
 
-    /// The KV cache (to clear or truncate sequences).
+    /// The KV cache (to clear or truncate sequences). Of member 0 only on a
+    /// tensor-parallel stage: use [`Stage::truncate_seq`] there.
     pub fn kv_mut(&mut self) -> &mut KvCache {
         &mut self.kv
     }
@@ -144,11 +294,50 @@ impl Stage {
 
     /// Runs the stage's layers over one batch.
     pub fn forward(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
+        if self.helpers.is_empty() {
+            return self.forward_member(batch);
+        }
+        let sent: Vec<_> = self.helpers.iter_mut().map(|h| h.send_forward(batch)).collect();
+        if let Some(Err(e)) = sent.into_iter().find(Result::is_err) {
+            if let Some(member) = &self.tp {
+                member.collective.abort(&e.to_string());
+            }
+            return Err(e);
+        }
+        let mine = self.forward_member(batch);
+        let theirs: Vec<_> = self.helpers.iter_mut().map(|h| h.recv()).collect();
+        match mine? {
+            StageOutput::Logits(logits) if !logits.is_empty() => {
+                let mut parts = vec![logits];
+                for part in theirs {
+                    match part? {
+                        StageOutput::Logits(l) => parts.push(l),
+                        StageOutput::Hidden(_) => unreachable!("every member of a last stage returns logits"),
+                    }
+                }
+                Ok(StageOutput::Logits(crate::tp_group::join_logits(
+                    &parts,
+                    batch.logit_rows.len(),
+                )))
+            }
+            out => {
+                theirs.into_iter().try_for_each(|r| r.map(drop))?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// [`forward`](Self::forward) on this member alone.
+    pub(crate) fn forward_member(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
         self.check(batch)?;
         let slots = self.kv.claim(batch.seq_ids, batch.positions)?;
         let result = self.compute(batch, &slots);
-        if result.is_err() {
+        if let Err(e) = &result {
             self.kv.release(&slots);
+            // The other members may wait for this one's sums: let them go.
+            if let Some(member) = &self.tp {
+                member.collective.abort(&e.to_string());
+            }
         }
         result
     }
@@ -198,8 +387,7 @@ impl Stage {
     }
 
     fn compute(&mut self, batch: &Batch<'_>, slots: &[i64]) -> Result<StageOutput, ModelError> {
-        let file = self.weights.file().clone();
-        let hp = file.hparams();
+        let hp = &self.hp;
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
         // A batch of decode steps: each row is the only one of its sequence.
@@ -287,6 +475,7 @@ impl Stage {
                 decode_rows,
             },
             outputs_selected: false,
+            tp: self.tp.as_ref().map(|m| m.ops.clone()),
         };
         let mut hidden = match (tokens_in, hidden_in) {
             (Some(tokens), _) => {
@@ -329,19 +518,24 @@ impl Stage {
         graph.expand(out);
 
         self.alloc.alloc(&graph)?;
-        positions.write(batch.positions)?;
-        kv_slots.write(slots)?;
+        // A tensor-parallel member without heads reads no positions, cells or masks.
+        if positions.has_data() {
+            positions.write(batch.positions)?;
+        }
+        if kv_slots.has_data() {
+            kv_slots.write(slots)?;
+        }
         for span in &spans {
             let (rows, cells) = (span.span.rows.clone(), span.span.cells.clone());
             let (seq_ids, positions) = (&batch.seq_ids[rows.clone()], &batch.positions[rows]);
-            if let Some(m) = span.mask {
+            if let Some(m) = span.mask.filter(Tensor::has_data) {
                 m.write(&self.kv.mask(seq_ids, positions, cells.clone(), None))?;
             }
-            if let Some(m) = span.mask_swa {
+            if let Some(m) = span.mask_swa.filter(Tensor::has_data) {
                 m.write(&self.kv.mask(seq_ids, positions, cells, Some(hp.n_swa)))?;
             }
         }
-        if let (Some(t), Some(temp)) = (attn_temp, &hp.attn_temp) {
+        if let (Some(t), Some(temp)) = (attn_temp.filter(Tensor::has_data), &hp.attn_temp) {
             t.write(&temp.factors(batch.positions))?;
         }
         if let Some(rows) = out_rows {
@@ -358,9 +552,13 @@ impl Stage {
             }
         }
         self.backend.compute(&graph)?;
+        if let Some(e) = self.tp.as_ref().and_then(|m| m.error.lock().ok()?.take()) {
+            return Err(e.into());
+        }
 
         if want_logits {
-            let mut logits = vec![0f32; hp.n_vocab * batch.logit_rows.len()];
+            // [n_vocab, n_out]; a tensor-parallel member's share of the vocabulary.
+            let mut logits = vec![0f32; out.ne()[0] as usize * batch.logit_rows.len()];
             out.read(&mut logits)?;
             Ok(StageOutput::Logits(logits))
         } else if self.span.last {

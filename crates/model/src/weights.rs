@@ -9,6 +9,7 @@ use baton_gguf::Gguf;
 
 use crate::hparams::HParams;
 use crate::tensors::{self, Presence, TensorSpec, Use};
+use crate::tp::{Cut, TpSplit};
 use crate::ModelError;
 
 /// A GGUF file, memory-mapped and parsed (header, metadata and tensor index only).
@@ -142,7 +143,26 @@ pub struct StageWeights {
     file: Arc<ModelFile>,
 }
 
-/// Weights copied into one of ggml's repacking buffer types.
+/// Where a tensor's bytes come from.
+enum Data {
+    /// This offset of the mapped file.
+    Mapped(usize),
+    /// A slice copied (or decoded) out of the file.
+    Owned(Vec<u8>),
+}
+
+/// A tensor of the stage and where it goes.
+struct Placed {
+    name: String,
+    data: Data,
+    /// Bytes of the whole file tensor.
+    n_bytes: usize,
+    /// `None`: the mapping; `Some(g)`: the buffer of `StageWeights::repacked[g]`.
+    group: Option<usize>,
+}
+
+/// Weights copied into one of ggml's repacking buffer types (or, last, a plain CPU
+/// buffer holding tensor-parallel slices that no repacking type takes).
 struct Repacked {
     ctx: Context,
     buffer: Option<Buffer>,
@@ -166,20 +186,32 @@ impl StageWeights {
     /// llama.cpp does by default, so results stay identical to it); every other tensor
     /// points straight into the mapping.
     pub fn load(file: Arc<ModelFile>, span: &StageSpan, repack: bool) -> Result<StageWeights, ModelError> {
+        Self::load_split(file, span, repack, None)
+    }
+
+    /// [`load`](Self::load) for one member of a tensor-parallel group: each tensor is
+    /// cut as `split` says ([`TpSplit::cut`]); the slices are copied out of the
+    /// mapping (into ggml's repacking buffers where they fit, else a plain buffer).
+    pub fn load_split(
+        file: Arc<ModelFile>,
+        span: &StageSpan,
+        repack: bool,
+        split: Option<&TpSplit>,
+    ) -> Result<StageWeights, ModelError> {
         let plan = stage_plan(&file, span, true)?;
         let extra = if repack { ExtraBufferType::cpu() } else { Vec::new() };
         let ctx = Context::new(plan.len() + 1, 0);
-        let mut repacked: Vec<Repacked> = extra
-            .iter()
+        // The repacking buffer types, then one plain buffer for slices nothing repacks.
+        let mut repacked: Vec<Repacked> = (0..extra.len() + 1)
             .map(|_| Repacked {
                 ctx: Context::new(plan.len() + 1, 0),
                 buffer: None,
             })
             .collect();
+        let copied = extra.len();
         let n_used = file.hparams.moe.n_expert_used;
         let mut bytes = 0;
-        // (tensor, source in the file, group: None = mapped, Some(i) = extra[i])
-        let mut placed = Vec::new();
+        let mut placed: Vec<Placed> = Vec::new();
         for spec in &plan {
             let info = file
                 .gguf
@@ -207,6 +239,19 @@ impl StageWeights {
                     expected,
                 });
             }
+            let cut = match split {
+                Some(split) => split.cut(&file.hparams, &spec.name)?,
+                None => Cut::Whole,
+            };
+            let source = file
+                .bytes()
+                .get(info.offset as usize..(info.offset + info.n_bytes) as usize)
+                .ok_or_else(|| ModelError::MissingTensor(spec.source.clone()))?;
+            let (dtype, dims, data) = match slice(&spec.name, dtype, &dims, source, &cut)? {
+                Some(sliced) => sliced,
+                None if cut == Cut::Skip => continue,
+                None => (dtype, dims, Data::Mapped(info.offset as usize)),
+            };
             let tensor = ctx.new_tensor(dtype, &dims).named(&spec.name);
             // Weights go to the first repacking buffer type that supports their use,
             // as llama.cpp places them.
@@ -215,30 +260,56 @@ impl StageWeights {
                 Use::Experts => Some(WeightOp::MulMatId { n_used }),
                 Use::Elementwise | Use::Embedding => None,
             };
-            let group = op.and_then(|op| extra.iter().position(|buft| buft.supports(tensor, op)));
+            let mut group = op.and_then(|op| extra.iter().position(|buft| buft.supports(tensor, op)));
+            if group.is_none() && matches!(data, Data::Owned(_)) {
+                group = Some(copied);
+            }
             if let Some(g) = group {
                 repacked[g].ctx.new_tensor(dtype, &dims).named(&spec.name);
             }
-            placed.push((spec.name.clone(), info.offset as usize, info.n_bytes as usize, group));
-            bytes += info.n_bytes;
+            bytes += match &data {
+                Data::Mapped(_) => info.n_bytes,
+                Data::Owned(owned) => owned.len() as u64,
+            };
+            placed.push(Placed {
+                name: spec.name.clone(),
+                data,
+                n_bytes: info.n_bytes as usize,
+                group,
+            });
         }
         let mapped = MappedBuffer::new(file.map.clone())?;
         for (g, group) in repacked.iter_mut().enumerate() {
-            if placed.iter().any(|p| p.3 == Some(g)) {
-                group.buffer = Some(extra[g].alloc(&group.ctx)?);
-                tracing::debug!(buffer = extra[g].name(), "repacking weights");
+            if placed.iter().any(|p| p.group == Some(g)) {
+                group.buffer = Some(match extra.get(g) {
+                    Some(buft) => {
+                        tracing::debug!(buffer = buft.name(), "repacking weights");
+                        buft.alloc(&group.ctx)?
+                    }
+                    None => Buffer::alloc_cpu(&group.ctx)?,
+                });
             }
         }
-        for (name, offset, n_bytes, group) in &placed {
-            match group {
-                None => mapped.place(named(&ctx, name)?, *offset)?,
-                Some(g) => {
+        for p in &placed {
+            match (&p.data, p.group) {
+                (Data::Mapped(offset), None) => mapped.place(named(&ctx, &p.name)?, *offset)?,
+                (Data::Mapped(offset), Some(g)) => {
                     let bytes = file
                         .bytes()
-                        .get(*offset..offset + n_bytes)
-                        .ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
-                    named(&repacked[*g].ctx, name)?.write_bytes(bytes)?;
-                    file.map.release(*offset, *n_bytes);
+                        .get(*offset..offset + p.n_bytes)
+                        .ok_or_else(|| ModelError::MissingTensor(p.name.clone()))?;
+                    named(&repacked[g].ctx, &p.name)?.write_bytes(bytes)?;
+                    file.map.release(*offset, p.n_bytes);
+                }
+                (Data::Owned(owned), Some(g)) => named(&repacked[g].ctx, &p.name)?.write_bytes(owned)?,
+                (Data::Owned(_), None) => unreachable!("copied slices always get a buffer above"),
+            }
+        }
+        if split.is_some() {
+            // The slices are copies: the pages read to make them are not needed again.
+            for p in placed.iter().filter(|p| matches!(p.data, Data::Owned(_))) {
+                if let Some(info) = file.gguf.tensor(plan_source(&plan, &p.name)) {
+                    file.map.release(info.offset as usize, info.n_bytes as usize);
                 }
             }
         }
@@ -270,7 +341,7 @@ impl StageWeights {
         Ok(weights)
     }
 
-    /// Bytes held in repacking buffers (copies, not mapped pages).
+    /// Bytes held in repacking buffers and slice copies (not mapped pages).
     pub fn repacked_bytes(&self) -> usize {
         self.repacked
             .iter()
@@ -408,6 +479,46 @@ fn stage_plan(file: &ModelFile, span: &StageSpan, strict: bool) -> Result<Vec<Te
         );
     }
     Ok(specs)
+}
+
+fn plan_source<'p>(plan: &'p [TensorSpec], name: &'p str) -> &'p str {
+    plan.iter().find(|s| s.name == name).map_or(name, |s| s.source.as_str())
+}
+
+/// The slice `cut` of a tensor `name` of type `dtype` and shape `dims` whose file
+/// bytes are `source`: its type, shape and bytes; `None` for a whole tensor (read in
+/// place) or a skipped one.
+fn slice(
+    name: &str,
+    dtype: DType,
+    dims: &[i64],
+    source: &[u8],
+    cut: &Cut,
+) -> Result<Option<(DType, Vec<i64>, Data)>, ModelError> {
+    let bad = |why: String| ModelError::BadConfig(format!("cannot slice '{name}' {dims:?}: {why}"));
+    let ne0 = dims[0] as usize;
+    let n_rows: usize = dims[1..].iter().map(|&d| d as usize).product();
+    let row_bytes = dtype.row_bytes(ne0);
+    // Rows only: a slice along the input dimension would round differently from
+    // llama.cpp's dot products (see `crate::tp`).
+    match cut {
+        Cut::Whole | Cut::Skip => Ok(None),
+        Cut::Rows(rows) if dims.len() == 1 => {
+            // A vector (f32, checked by the caller): elements.
+            if rows.end > ne0 || dtype != DType::F32 {
+                return Err(bad(format!("elements {rows:?}")));
+            }
+            let bytes = source[rows.start * 4..rows.end * 4].to_vec();
+            Ok(Some((dtype, vec![rows.len() as i64], Data::Owned(bytes))))
+        }
+        Cut::Rows(rows) => {
+            if dims.len() != 2 || rows.end > n_rows || rows.is_empty() {
+                return Err(bad(format!("rows {rows:?}")));
+            }
+            let bytes = source[rows.start * row_bytes..rows.end * row_bytes].to_vec();
+            Ok(Some((dtype, vec![dims[0], rows.len() as i64], Data::Owned(bytes))))
+        }
+    }
 }
 
 fn named<'c>(ctx: &'c Context, name: &str) -> Result<Tensor<'c>, ModelError> {

@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod engine;
 mod head;
 mod local;
+pub mod tp_net;
 mod worker;
 
 pub use head::{GenerateRequest, Generation, Head, RingEnds};

@@ -25,6 +25,17 @@ impl LocalRing {
     /// stage maps the file on its own, as it would on its own machine, so its resident
     /// memory is its own.
     pub fn start(file: Arc<ModelFile>, ranges: &[Range<usize>], config: &StageConfig) -> Result<LocalRing, NodeError> {
+        LocalRing::start_tp(file, ranges, config, 1)
+    }
+
+    /// [`start`](Self::start) with every stage a tensor-parallel group of `tp` members
+    /// (threads of `config.n_threads` each; see [`Stage::load_tp`]).
+    pub fn start_tp(
+        file: Arc<ModelFile>,
+        ranges: &[Range<usize>],
+        config: &StageConfig,
+        tp: usize,
+    ) -> Result<LocalRing, NodeError> {
         let n = ranges.len();
         let stages: Vec<Stage> = std::thread::scope(|scope| {
             let loads: Vec<_> = ranges
@@ -37,7 +48,7 @@ impl LocalRing {
                         last: i + 1 == n,
                     };
                     let path = file.path().to_path_buf();
-                    scope.spawn(move || Stage::load(ModelFile::open(&path)?, span, config))
+                    scope.spawn(move || Stage::load_tp(ModelFile::open(&path)?, span, config, tp))
                 })
                 .collect();
             loads
@@ -45,6 +56,12 @@ impl LocalRing {
                 .map(|h| h.join().expect("stage loader panicked"))
                 .collect::<Result<_, _>>()
         })?;
+        LocalRing::from_stages(stages, ranges)
+    }
+
+    /// A ring over stages already loaded (one per range of `ranges`, in order).
+    pub fn from_stages(stages: Vec<Stage>, ranges: &[Range<usize>]) -> Result<LocalRing, NodeError> {
+        let n = stages.len();
 
         // Links: head → s0 → s1 → … → s(n-1) → head.
         let (head_tx, mut prev_rx) = local_link("stage 0");

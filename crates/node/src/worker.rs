@@ -63,7 +63,7 @@ impl StageWorker {
                 logprobs,
                 drawn,
             } => {
-                self.stage.kv_mut().truncate_seq(seq, keep as usize);
+                self.stage.truncate_seq(seq, keep as usize);
                 if last {
                     match Sampler::new(params.clone()) {
                         Ok(mut sampler) => {
@@ -93,11 +93,11 @@ impl StageWorker {
                 }
             }
             Message::TruncateSeq { seq, len } => {
-                self.stage.kv_mut().truncate_seq(seq, len as usize);
+                self.stage.truncate_seq(seq, len as usize);
                 Message::TruncateSeq { seq, len }
             }
             Message::EndSeq { seq } => {
-                self.stage.kv_mut().clear_seq(seq);
+                self.stage.clear_seq(seq);
                 self.samplers.remove(&seq);
                 Message::EndSeq { seq }
             }
@@ -227,7 +227,7 @@ impl StageWorker {
                 Err(e) => {
                     // Rows already computed hold cells: forget them with the failure.
                     for (&seq, &pos) in seq_ids[..start].iter().zip(&positions[..start]) {
-                        self.stage.kv_mut().truncate_seq(seq, pos as usize);
+                        self.stage.truncate_seq(seq, pos as usize);
                     }
                     return Err(e.to_string());
                 }
@@ -305,7 +305,7 @@ impl StageWorker {
                 })?;
                 if *drafted != token {
                     stopped.push(seq);
-                    self.stage.kv_mut().truncate_seq(seq, positions[next as usize] as usize);
+                    self.stage.truncate_seq(seq, positions[next as usize] as usize);
                 }
             }
         }

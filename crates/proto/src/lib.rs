@@ -347,6 +347,13 @@ pub enum Message {
     Ping { timeout_ms: u32, session: u64 },
     /// Worker → head: yes.
     Pong,
+
+    // --- tensor parallelism: member ↔ member ---
+    /// A member's partial result for its group's collective number `sum`: `n_embd`
+    /// values per row to be summed (after attention, after the FFN), or its share of
+    /// the logits for the first member to gather. NaN is refused, as in hidden states.
+    /// (Only members of a tensor-parallel group send it; older nodes never see one.)
+    Partial { sum: u64, values: Vec<f32> },
 }
 
 /// The one way to build a [`Message::StartSeq`]: a fresh sequence with its sampler
