@@ -7,13 +7,15 @@
 //!   `t_pp = c + n × (ℓ + e / β)`;
 //! - a tensor-parallel group of `n` splits every layer: each member computes `1/n` of
 //!   it (at efficiency `η` ≤ 1, what the slices lose to smaller matmuls and the graph's
-//!   extra nodes), then sums twice per layer, sending its `e` bytes to the `n − 1`
-//!   others at once (latency-first: one link latency per sum, the sends serialised on
-//!   its link): `t_tp = c / (n η) + 2 L (ℓ + (n − 1) e / β)`.
+//!   extra nodes), and the members exchange their slices four times per layer (attention
+//!   heads, attention output, FFN activations, FFN output: `W = 3 n_embd + n_ff` values
+//!   gathered per layer), each sending its `W / n` to the `n − 1` others at once
+//!   (latency-first: one link latency per exchange, the sends serialised on its link):
+//!   `t_tp = c / (n η) + L (4 ℓ + (n − 1) (4 W / n) / β)`.
 //!
 //! `c`: compute seconds per token of the whole model on one node; `ℓ`: one-way link
 //! latency; `β`: bytes per second; `e`: bytes of one hidden row (`4 × n_embd`); `L`:
-//! layers. TP pays while `2 L ℓ` is small next to `c (1 − 1/(n η))`.
+//! layers. TP pays while `4 L ℓ` is small next to `c (1 − 1/(n η))`.
 
 /// What the planner knows for the choice.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -24,6 +26,8 @@ pub struct TpInputs {
     pub n_layer: usize,
     /// Hidden size (values per row).
     pub n_embd: usize,
+    /// Inner size of the FFN.
+    pub n_ff: usize,
     /// Nodes available (the group size TP would use, the stage count PP would use).
     pub n_nodes: usize,
     /// One-way link latency between nodes, seconds.
@@ -52,6 +56,7 @@ pub fn choose(inputs: &TpInputs) -> TpChoice {
         secs_per_token: c,
         n_layer,
         n_embd,
+        n_ff,
         n_nodes,
         latency,
         bandwidth,
@@ -65,7 +70,9 @@ pub fn choose(inputs: &TpInputs) -> TpChoice {
         f64::INFINITY
     };
     let pp_secs = c + n * (latency + row * per_byte);
-    let tp_secs = c / (n * efficiency.clamp(1e-3, 1.0)) + 2.0 * n_layer as f64 * (latency + (n - 1.0) * row * per_byte);
+    let gathered = 4.0 * (3 * n_embd + n_ff) as f64;
+    let tp_secs =
+        c / (n * efficiency.clamp(1e-3, 1.0)) + n_layer as f64 * (4.0 * latency + (n - 1.0) * gathered / n * per_byte);
     let usable = n_nodes > 1 && c.is_finite() && c > 0.0 && tp_secs.is_finite();
     TpChoice {
         tp: usable && tp_secs < pp_secs,
@@ -84,6 +91,7 @@ mod tests {
             secs_per_token: 0.034,
             n_layer: 24,
             n_embd: 896,
+            n_ff: 4864,
             n_nodes: 2,
             latency,
             bandwidth,
@@ -96,8 +104,8 @@ mod tests {
         // (one-way latency s, bandwidth B/s, TP chosen)
         let table = [
             (20e-6, 2e9, true),     // loopback
-            (100e-6, 117e6, true),  // gigabit LAN
-            (300e-6, 117e6, false), // 48 sums × 0.3 ms eat the gain
+            (100e-6, 117e6, true),  // gigabit LAN, barely: 31.6 ms against 34.3
+            (150e-6, 117e6, false), // 96 exchanges × 0.15 ms eat the gain
             (2e-3, 5e6, false),     // wifi
             (15e-3, 15e6, false),   // the 30 ms RTT profile
         ];
