@@ -294,7 +294,7 @@ fn tp_over_links(
         first: true,
         last: true,
     };
-    let split = baton_model::tp_splits(&file, &span, n)?.swap_remove(0);
+    let split = baton_model::tp_splits(&file, n)?.swap_remove(0);
     let token = cluster.token.load()?;
     let opts = LinkOptions {
         tls: cluster.tls.load()?,

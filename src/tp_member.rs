@@ -74,7 +74,7 @@ pub fn tp_member(args: TpMemberArgs) -> anyhow::Result<()> {
         first: true,
         last: true,
     };
-    let split = baton_model::tp_splits(&file, &span, n)?.swap_remove(args.rank);
+    let split = baton_model::tp_splits(&file, n)?.swap_remove(args.rank);
     let config = StageConfig {
         n_ctx: args.ctx_size,
         n_threads: args.threads,

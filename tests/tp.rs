@@ -166,7 +166,7 @@ fn tp_over_tcp_matches_llama_cpp() {
             .collect();
         let peers = dial_members(&addrs, None, &Default::default()).unwrap();
         let span = whole_model(&file);
-        let split = baton_model::tp_splits(&file, &span, n).unwrap().remove(0);
+        let split = baton_model::tp_splits(&file, n).unwrap().remove(0);
         let collective = Arc::new(MeshCollective::new(0, peers.clone()));
         let members: Vec<Box<dyn baton_model::GroupMember>> = peers
             .into_iter()

@@ -122,7 +122,11 @@ impl Member {
                 let rows = out.len() / total;
                 // A member without heads gives nothing; its input only carries the shape.
                 let mine = if widths[rank] == 0 { &[][..] } else { input };
-                if let Err(e) = collective.all_gather(mine, &widths, rows, out) {
+                let gathered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    collective.all_gather(mine, &widths, rows, &mut *out)
+                }))
+                .unwrap_or_else(|_| Err(CollectiveError::Aborted("an exchange panicked".into())));
+                if let Err(e) = gathered {
                     out.fill(0.0);
                     if let Ok(mut slot) = error.lock() {
                         slot.get_or_insert(e);
@@ -197,7 +201,7 @@ impl Stage {
         if n <= 1 {
             return Stage::load(file, span, config);
         }
-        let splits = crate::tp_group::splits(&file, &span, n)?;
+        let splits = crate::tp_group::splits(&file, n)?;
         let collectives = crate::tp::LocalGroup::members(n);
         let mut members: Vec<Stage> = std::thread::scope(|scope| {
             let loads: Vec<_> = splits
@@ -237,7 +241,15 @@ impl Stage {
         self.tp.as_ref().map(|m| &m.split)
     }
 
-    /// Members of the stage's in-process group, this one included (1 for a whole stage).
+    /// Tells the other members of its group that this one will not exchange any more.
+    pub fn abort_group(&self, reason: &str) {
+        if let Some(member) = &self.tp {
+            member.collective.abort(reason);
+        }
+    }
+
+    /// Members of the stage's group that this one drives, itself included (1 for a whole
+    /// stage or a member driven by another).
     pub fn tp_size(&self) -> usize {
         1 + self.helpers.len()
     }
@@ -286,7 +298,8 @@ impl Stage {
     }
 
     /// Bytes this stage has resident now: the pages of its mapping that are in memory,
-    /// its repacked weights, its KV cache and its compute buffer.
+    /// its repacked weights, its KV cache and its compute buffer (of member 0 only, on
+    /// a tensor-parallel stage).
     pub fn resident_bytes(&self) -> u64 {
         let mapped = crate::resident::mapped_rss(self.weights.file().map_address()).unwrap_or(0);
         mapped + (self.weights.repacked_bytes() + self.kv.bytes() + self.alloc.size()) as u64

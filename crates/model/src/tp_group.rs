@@ -8,11 +8,11 @@ use std::thread::JoinHandle;
 
 use crate::stage::{Batch, Stage, StageInput, StageOutput};
 use crate::tp::{CollectiveError, TpSplit};
-use crate::weights::{ModelFile, StageSpan};
+use crate::weights::ModelFile;
 use crate::ModelError;
 
-/// The splits of a group of `n` over `span` of `file` (every member computes the same).
-pub fn splits(file: &ModelFile, _span: &StageSpan, n: usize) -> Result<Vec<TpSplit>, ModelError> {
+/// The splits of a group of `n` over a model of `file` (every member computes the same).
+pub fn splits(file: &ModelFile, n: usize) -> Result<Vec<TpSplit>, ModelError> {
     (0..n).map(|rank| TpSplit::new(file.hparams(), rank, n)).collect()
 }
 
@@ -88,7 +88,16 @@ impl Helper {
                                 seq_ids: &b.seq_ids,
                                 logit_rows: &b.logit_rows,
                             };
-                            if outbox.send(stage.forward_member(&batch)).is_err() {
+                            let result =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stage.forward_member(&batch)))
+                                    .unwrap_or_else(|_| {
+                                        // Release the members waiting for this one's slices.
+                                        stage.abort_group("a member thread panicked");
+                                        Err(ModelError::Collective(CollectiveError::Aborted(format!(
+                                            "tensor-parallel member {rank} panicked"
+                                        ))))
+                                    });
+                            if outbox.send(result).is_err() {
                                 return;
                             }
                         }
