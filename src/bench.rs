@@ -59,6 +59,7 @@ return {\"total\": total, \"count\": count, \"largest\": largest, \"average\": a
 
 /// Generation tok/s on [`CODE_EDIT`] through an engine over `ring`'s head, without and
 /// with drafts (median of `reps`), and the tokens drafted and kept.
+#[allow(clippy::too_many_arguments)] // one call site, every argument a bench setting
 fn bench_drafting(
     ring: &mut Ring,
     model: &Path,
@@ -92,6 +93,8 @@ fn bench_drafting(
             top_logprobs: 0,
             stop: Vec::new(),
             draft,
+            grammar: None,
+            show: Vec::new(),
             events,
         })?;
         let (mut first, mut tokens) = (None, Vec::new());

@@ -2,6 +2,7 @@
 
 mod bench;
 mod cert;
+mod devices;
 mod draft;
 mod local_workers;
 mod ring;
@@ -43,6 +44,8 @@ enum Command {
     /// Write a synthetic model of any supported architecture (random weights, a real
     /// tokenizer, quantized by libllama), for tests and benchmarks.
     Synth(synth::SynthArgs),
+    /// List the devices stages can compute on (CPU, GPUs), with their memory.
+    Devices(devices::DevicesArgs),
 }
 
 /// How the model is split into in-process stages.
@@ -74,6 +77,12 @@ pub struct StageArgs {
     /// docs/tensor-parallel.md).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// Devices of the in-process stages, in order, e.g. Vulkan0,CPU (`baton devices`
+    /// lists them): one per stage; stages past the end of the list go to the CPU when it
+    /// is last. Default: the accelerators, one stage each, then the CPU. Not with
+    /// workers (each worker takes its own --device).
+    #[arg(long, value_delimiter = ',')]
+    pub device: Vec<String>,
 }
 
 impl StageArgs {
@@ -90,6 +99,12 @@ impl StageArgs {
         })
     }
 
+    /// The device of each of `n` in-process stages (see `--device`).
+    pub fn stage_devices(&self, n: usize) -> anyhow::Result<Vec<baton_ggml::Device>> {
+        let given = baton_ggml::Device::parse_list(&self.device)?;
+        assign_devices(&given, &baton_ggml::Device::all(), n)
+    }
+
     /// The layer range of each stage.
     pub fn ranges(&self, n_layers: usize) -> anyhow::Result<Vec<std::ops::Range<usize>>> {
         Ok(match &self.split {
@@ -97,6 +112,43 @@ impl StageArgs {
             None => baton_plan::even_split(n_layers, self.stages)?,
         })
     }
+}
+
+/// Devices for `n` stages: `given` in order (stages past its end go to its last device
+/// when that is the CPU); without `given`, the accelerators of `available` one stage
+/// each, then the CPU. A device other than the CPU takes one stage (see
+/// `baton_node::LocalRing::start_on`).
+fn assign_devices(
+    given: &[baton_ggml::Device],
+    available: &[baton_ggml::Device],
+    n: usize,
+) -> anyhow::Result<Vec<baton_ggml::Device>> {
+    let cpu = baton_ggml::Device::cpu();
+    let mut devices: Vec<baton_ggml::Device> = if given.is_empty() {
+        available.iter().copied().filter(|d| !d.is_cpu()).take(n).collect()
+    } else {
+        given.to_vec()
+    };
+    anyhow::ensure!(
+        devices.len() <= n,
+        "--device names {} devices for {n} stages (give --stages {})",
+        devices.len(),
+        devices.len()
+    );
+    let fill = match devices.last() {
+        _ if given.is_empty() => cpu,
+        Some(last) if last.is_cpu() => cpu,
+        _ if devices.len() == n => cpu,
+        Some(last) => anyhow::bail!(
+            "--device names {} devices for {n} stages, and {last:?} can take only one (a device \
+             other than the CPU computes one stage per process): name one per stage, or end \
+             the list with CPU",
+            devices.len()
+        ),
+        None => cpu,
+    };
+    devices.resize(n, fill);
+    Ok(devices)
 }
 
 fn main() -> std::process::ExitCode {
@@ -113,6 +165,7 @@ fn main() -> std::process::ExitCode {
         Command::TpMember(args) => tp_member::tp_member(args),
         Command::Cert(args) => cert::cert(args),
         Command::Synth(args) => synth::synth(args),
+        Command::Devices(args) => devices::devices(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -163,6 +216,15 @@ fn error_chain(error: &anyhow::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stages_past_the_device_list_go_to_the_cpu() {
+        let cpu = baton_ggml::Device::cpu();
+        assert_eq!(assign_devices(&[], &[cpu], 3).unwrap(), vec![cpu; 3]);
+        assert_eq!(assign_devices(&[cpu], &[cpu], 2).unwrap(), vec![cpu; 2]);
+        let err = assign_devices(&[cpu, cpu, cpu], &[cpu], 2).unwrap_err().to_string();
+        assert!(err.contains("3 devices for 2 stages"), "{err}");
+    }
 
     #[test]
     fn error_chains_name_each_cause_once() {

@@ -178,6 +178,20 @@ impl Ring {
                  (--tp-members); tensor parallelism on cluster workers is not built yet"
             );
         }
+        anyhow::ensure!(
+            stages.device.is_empty() || (cluster.local_workers.is_none() && cluster.workers.is_empty()),
+            "--device places in-process stages; with workers the head's stage is on the CPU and each \
+             worker takes its own --device"
+        );
+        if stages.tp > 1 {
+            let devices = baton_ggml::Device::parse_list(&stages.device)?;
+            if let Some(device) = devices.iter().find(|d| !d.is_cpu()) {
+                anyhow::bail!(
+                    "--tp {} with --device {device:?}: tensor-parallel members run on the CPU only",
+                    stages.tp
+                );
+            }
+        }
         if !cluster.tp_members.is_empty() {
             return Ok(Setup::Local(tp_over_links(file, stages, cluster, n_seq)?));
         }
@@ -201,12 +215,14 @@ impl Ring {
                     repack: !stages.no_repack,
                     n_seq,
                 };
-                return Ok(Setup::Local(LocalRing::start_tp(
-                    file,
-                    &stages.ranges(n_layer)?,
-                    &config,
-                    stages.tp.max(1),
-                )?));
+                let ranges = stages.ranges(n_layer)?;
+                if stages.tp > 1 {
+                    // Members run on the CPU (checked above), whatever devices there are.
+                    return Ok(Setup::Local(LocalRing::start_tp(file, &ranges, &config, stages.tp)?));
+                }
+                let devices = stages.stage_devices(ranges.len())?;
+                let on: Vec<_> = ranges.into_iter().zip(devices).collect();
+                return Ok(Setup::Local(LocalRing::start_on(file, &on, &config)?));
             }
         };
         let split = stages.split.as_deref().map(baton_plan::parse_node_split).transpose()?;
@@ -247,7 +263,6 @@ impl Ring {
         head.context("the ring is driven by an engine")
     }
 
-    /// The layer range of each stage, in ring order.
     /// Why the layers are split as they are (`None` for in-process stages).
     pub fn plan_why(&self) -> Option<&str> {
         match self {
@@ -256,6 +271,7 @@ impl Ring {
         }
     }
 
+    /// The layer range of each stage, in ring order.
     pub fn ranges(&self) -> Vec<std::ops::Range<usize>> {
         match self {
             Ring::Local(ring) => ring.ranges().to_vec(),

@@ -129,7 +129,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         generate_drafting(&mut ring, &args, &vocab, prompt.clone(), params, draft, &mut print)?
     };
-    drop(print);
     println!("{}", String::from_utf8_lossy(&pending));
 
     let resident = &generated.resident;
@@ -229,6 +228,8 @@ fn generate_drafting(
         top_logprobs: 0,
         stop: Vec::new(),
         draft,
+        grammar: None,
+        show: Vec::new(),
         events,
     })?;
     let mut first = None;

@@ -49,6 +49,19 @@ pub struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 8 << 20)]
     max_body: usize,
+    /// HTTP connections open at once; the next is answered 503 and closed.
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+    /// Seconds a client may take to send a request's headers.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds a client may take to send a request's body.
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+    /// An origin (e.g. http://localhost:3000) whose web pages may call a server without
+    /// --api-key; repeat for several. The server's own page is always allowed.
+    #[arg(long = "allow-origin")]
+    allow_origins: Vec<String>,
     /// Seconds running requests wait for a new ring after a worker is lost before they
     /// fail (they fail at once when the workers left cannot hold the model).
     #[arg(long, default_value_t = 30.0)]
@@ -74,9 +87,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(args.parallel > 0, "--parallel must be at least 1");
+    anyhow::ensure!(args.max_connections > 0, "--max-connections must be at least 1");
     for (flag, secs) in [
         ("--recovery-timeout", args.recovery_timeout),
         ("--step-timeout", args.step_timeout),
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
     ] {
         anyhow::ensure!(
             secs.is_finite() && secs > 0.0 && secs <= 86_400.0,
@@ -148,11 +164,19 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         vocab,
         template,
         ServerConfig {
-            model_id,
             api_key: args.api_key.clone(),
             max_body: args.max_body,
             draft,
             has_draft_model,
+            body_timeout: std::time::Duration::from_secs_f64(args.body_timeout),
+            loopback,
+            allowed_origins: args
+                .allow_origins
+                .iter()
+                .map(|o| o.trim_end_matches('/').to_string())
+                .collect(),
+            prepare_concurrency: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            ..ServerConfig::new(model_id)
         },
     ));
 
@@ -174,8 +198,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
         // The first stdout line is the address: scripts and tests read it.
         println!("listening on http://{addr}");
-        axum::serve(listener, baton_server::router(state.clone()))
-            .with_graceful_shutdown(stop_signal())
+        let limits = baton_server::listen::Limits {
+            max_connections: args.max_connections,
+            header_timeout: std::time::Duration::from_secs_f64(args.header_timeout),
+            shutdown_grace: std::time::Duration::from_secs(5),
+        };
+        baton_server::listen::serve(listener, baton_server::router(state.clone()), limits, stop_signal())
             .await
             .context("serving HTTP")
     })?;

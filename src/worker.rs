@@ -30,6 +30,12 @@ pub struct WorkerArgs {
     /// Bytes of memory to offer (default: what the machine has available).
     #[arg(long)]
     memory: Option<u64>,
+    /// Devices the stage computes on, e.g. Vulkan0 or Vulkan0,CPU (`baton devices`
+    /// lists them; default: the first accelerator, else the CPU). The worker's layers are
+    /// split evenly between them in this order; the hidden state passes from one to the
+    /// next in memory. Without --memory the worker offers the devices' free memory.
+    #[arg(long, value_delimiter = ',')]
+    device: Vec<String>,
     /// Address other stages reach this worker at (default: the one the head used).
     #[arg(long)]
     advertise: Option<String>,
@@ -95,6 +101,13 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let devices = match args.device.is_empty() {
+        true => vec![baton_ggml::Device::preferred()],
+        false => baton_ggml::Device::parse_list(&args.device)?,
+    };
+    for (i, device) in devices.iter().enumerate() {
+        anyhow::ensure!(!devices[..i].contains(device), "--device names {device:?} twice");
+    }
     let config = WorkerConfig {
         listen: args.listen.clone(),
         models: args.models,
@@ -112,6 +125,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
         max_connections: args.max_connections,
         max_handshakes_per_source: args.max_handshakes_per_source,
+        devices,
     };
     let worker = Worker::bind(config)?;
     if args.exit_on_stdin_close {

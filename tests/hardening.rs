@@ -512,3 +512,58 @@ fn a_streamed_stage_with_a_tensor_left_out_is_refused_not_loaded_as_zeros() {
         other => panic!("the stage loaded with {left_out} missing: {other:?}\n{}", worker.log()),
     }
 }
+
+/// Issue 16: the head chooses `n_ctx`, and a worker allocated (and zeroed) whatever KV
+/// cache that asked for. A plan whose cache exceeds the memory the worker offers is
+/// refused, saying so, and the worker goes on serving.
+#[test]
+fn a_plan_whose_kv_cache_exceeds_the_workers_memory_is_refused() {
+    use baton_model::ModelFile;
+    use baton_proto::LoadPlan;
+
+    let file = ModelFile::open(&model(GEMMA3)).unwrap();
+    let model_ref = baton_node::cluster::model_ref(&file);
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &["--memory", "1000000000"]);
+    let ask = |n_ctx: u32| {
+        let mut link = connect(&worker.addr, &LinkOptions::default()).unwrap();
+        client_handshake(link.as_mut(), Role::Head, Some(TOKEN.as_bytes())).unwrap();
+        link.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        link.send(Message::Describe {
+            model: model_ref.clone(),
+        })
+        .unwrap();
+        assert!(matches!(link.recv().unwrap(), Message::Capabilities(_)));
+        link.send(Message::LoadPlan(LoadPlan {
+            model: model_ref.clone(),
+            layer_start: 0,
+            layer_end: 2,
+            first: true,
+            last: false,
+            n_ctx,
+            n_seq: 0,
+            next: None,
+            stream: false,
+            wire_f16: false,
+            repack: false,
+        }))
+        .unwrap();
+        link.recv()
+    };
+    match ask(u32::MAX) {
+        Ok(Message::Refused {
+            code: RefusalCode::LoadFailed,
+            reason,
+        }) => assert!(
+            reason.contains("4294967295 tokens") && reason.contains("KV cache") && reason.contains("--memory"),
+            "{reason}"
+        ),
+        other => panic!("a 4-billion-token cache was not refused: {other:?}\n{}", worker.log()),
+    }
+    // The worker is still there, and loads a sane plan.
+    let answer = ask(256);
+    assert!(
+        !matches!(answer, Ok(Message::Refused { .. }) | Err(_)),
+        "{answer:?}\n{}",
+        worker.log()
+    );
+}

@@ -142,7 +142,7 @@ impl Server {
         stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         write!(
             stream,
-            "{method} {path} HTTP/1.0\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "{method} {path} HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         )
         .unwrap();

@@ -1,5 +1,5 @@
 //! `baton serve` as a real process, on a head + 2 local workers: the official `openai`
-//! Python client against it, curl streaming, concurrent requests, prefix reuse across
+//! Python and Node clients against it, the web page in Chromium, curl streaming, concurrent requests, prefix reuse across
 //! chat turns, cancellation on disconnect, and errors in OpenAI's shape.
 
 mod common;
@@ -33,6 +33,30 @@ fn the_openai_python_client_works_against_the_server() {
         .status()
         .expect("python runs (scripts/setup installs tests/openai/requirements.txt into .venv)");
     assert!(status.success(), "the openai client tests failed (output above)");
+}
+
+/// The official `openai` Node client (tests/node/client.test.mjs) and the web page in
+/// headless Chromium (tests/node/page.test.mjs); scripts/setup installs both.
+#[test]
+fn the_openai_node_client_and_the_web_page_work_against_the_server() {
+    let _serial = lock();
+    let server = Server::start(&["--parallel", "4", "-c", "2048"]);
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/node");
+    assert!(
+        std::path::Path::new(dir).join("node_modules/openai").exists(),
+        "tests/node/node_modules is missing: run scripts/setup"
+    );
+    let screenshot = concat!(env!("CARGO_TARGET_TMPDIR"), "/page.png");
+    let status = Command::new("node")
+        .args(["--test", "--test-concurrency=1", "client.test.mjs", "page.test.mjs"])
+        .current_dir(dir)
+        .env("BATON_URL", server.url())
+        .env("BATON_API_KEY", KEY)
+        .env("BATON_MODEL", server.model_id())
+        .env("BATON_SCREENSHOT", screenshot)
+        .status()
+        .expect("node runs (scripts/setup installs tests/node)");
+    assert!(status.success(), "the Node tests failed (output above)");
 }
 
 #[test]
@@ -339,6 +363,6 @@ fn bad_requests_get_openai_shaped_errors() {
     assert!(text.contains("overloaded"), "{text}");
     drop(first);
 
-    let (status, text) = server.request("GET", "/health", None, None);
+    let (status, text) = server.request("GET", "/health", None, Some(KEY));
     assert_eq!(status, 200, "{text}");
 }

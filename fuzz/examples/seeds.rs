@@ -142,6 +142,7 @@ fn messages() -> Vec<(String, Message)> {
             top_logprobs: 2,
             logprobs: true,
             drawn: 0,
+            grammar: Some("root ::= [a-z]+".into()),
         },
         Message::TruncateSeq { seq: 1, len: 12 },
         Message::EndSeq { seq: 1 },
@@ -165,6 +166,9 @@ fn messages() -> Vec<(String, Message)> {
         Message::Stats {
             resident: vec![250 << 20, 260 << 20],
             kv_used: vec![17, 17],
+            busy_us: vec![1000, 2000],
+            rows: vec![10, 10],
+            link_sent: vec![0, 4096],
         },
         Message::Shutdown,
         Message::Ping {

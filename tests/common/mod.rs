@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use baton_ggml::Device;
 use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
 
 pub mod fidelity;
@@ -53,17 +54,23 @@ impl Chain {
     }
 
     pub fn load_with(file: &Arc<ModelFile>, ranges: &[Range<usize>], config: &StageConfig) -> Chain {
-        let n = ranges.len();
-        let stages = ranges
+        let on_cpu: Vec<_> = ranges.iter().map(|r| (r.clone(), Device::cpu())).collect();
+        Self::load_on(file, &on_cpu, config)
+    }
+
+    /// Stages for `ranges`, each on its device.
+    pub fn load_on(file: &Arc<ModelFile>, stages: &[(Range<usize>, Device)], config: &StageConfig) -> Chain {
+        let n = stages.len();
+        let stages = stages
             .iter()
             .enumerate()
-            .map(|(i, r)| {
+            .map(|(i, (r, device))| {
                 let span = StageSpan {
                     layers: r.clone(),
                     first: i == 0,
                     last: i + 1 == n,
                 };
-                Stage::load(file.clone(), span, config).expect("stage loads")
+                Stage::load_on(file.clone(), span, config, *device).expect("stage loads")
             })
             .collect();
         Chain {

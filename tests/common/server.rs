@@ -24,6 +24,13 @@ pub struct Server {
 
 impl Server {
     pub fn start(extra: &[&str]) -> Server {
+        let mut args = vec!["--api-key", KEY];
+        args.extend_from_slice(extra);
+        Server::start_keyless(&args)
+    }
+
+    /// A server without `--api-key` (only loopback names and its own page's origin).
+    pub fn start_keyless(extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
             .args([
                 "serve",
@@ -31,8 +38,6 @@ impl Server {
                 "2",
                 "--port",
                 "0",
-                "--api-key",
-                KEY,
                 "--threads",
                 "1",
                 "--model",
@@ -87,7 +92,7 @@ impl Server {
     }
 
     pub fn stats(&self) -> Value {
-        let (status, text) = self.request("GET", "/stats", None, None);
+        let (status, text) = self.request("GET", "/stats", None, Some(KEY));
         assert_eq!(status, 200, "{text}");
         serde_json::from_str(&text).unwrap()
     }

@@ -26,8 +26,10 @@ import math
 import os
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 BATON_URL = os.environ.get("BATON_URL", "").rstrip("/")
 BATON_API_KEY = os.environ.get("BATON_API_KEY", "")
@@ -113,12 +115,18 @@ def check_usage_chunk(chunks, expected_completion_tokens):
     assert all(c.usage is None for c in chunks[:-1]), "usage on a chunk other than the last"
 
 
+def get(path):
+    """GET a path of the server with the key; the body's text."""
+    request = urllib.request.Request(BATON_URL + path, headers={"Authorization": f"Bearer {BATON_API_KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.read().decode()
+
+
 def slot_ctx():
-    """Tokens one request may hold, from the server's /stats (None if it does not say)."""
+    """Tokens one request may hold, from /v1/models (None if it does not say)."""
     try:
-        with urllib.request.urlopen(BATON_URL + "/stats", timeout=60) as response:
-            value = json.load(response).get("slot_ctx")
-    except (OSError, ValueError):
+        value = json.loads(get("/v1/models"))["data"][0].get("context_length")
+    except (OSError, ValueError, KeyError, IndexError):
         return None
     return value if isinstance(value, int) and value > 0 else None
 
@@ -345,3 +353,171 @@ def test_max_tokens_one(client):
     assert r.usage.completion_tokens == 1, r.usage
     assert r.choices[0].finish_reason == "length"
     assert isinstance(r.choices[0].message.content, str)
+
+
+# 9. tools
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The current time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 40}}, "required": ["zone"]},
+    },
+}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris right now? Use celsius."}]
+
+
+def check_weather_call(call):
+    assert call.type == "function", call
+    assert call.id, call
+    assert call.function.name == "get_weather", call
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    return arguments
+
+
+def test_tool_call_round_trip(client):
+    r = chat(client, WEATHER_QUESTION, tools=[WEATHER, TIME], tool_choice="required", max_tokens=64)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls, choice.message
+    arguments = check_weather_call(choice.message.tool_calls[0])
+    call = choice.message.tool_calls[0]
+    # The result goes back as a `tool` message; the answer is text.
+    messages = WEATHER_QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "unit": arguments["unit"]})},
+    ]
+    answer = chat(client, messages, tools=[WEATHER, TIME], tool_choice="none", max_tokens=32)
+    text = answer.choices[0].message.content
+    assert isinstance(text, str) and text.strip(), answer
+    assert not answer.choices[0].message.tool_calls
+    # The call and its result reached the model: they are in the prompt.
+    without = chat(client, WEATHER_QUESTION, tools=[WEATHER, TIME], tool_choice="none", max_tokens=1)
+    assert answer.usage.prompt_tokens > without.usage.prompt_tokens + 20, (answer.usage, without.usage)
+
+
+def test_tool_call_streamed_matches_whole(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = chat(client, WEATHER_QUESTION, tools=[WEATHER, TIME], tool_choice=named, max_tokens=64)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    [call] = whole.choices[0].message.tool_calls
+    check_weather_call(call)
+    chunks = list(chat(client, WEATHER_QUESTION, tools=[WEATHER, TIME], tool_choice=named, max_tokens=64, stream=True))
+    calls = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = delta.id or entry["id"]
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+    assert list(calls) == [0], calls
+    assert calls[0]["name"] == "get_weather"
+    assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)
+    assert finish_reasons(chunks) == ["tool_calls"]
+
+
+# 10. structured output
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "languages", "employed"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_parses_and_validates(client):
+    messages = [{"role": "user", "content": "Invent a programmer and describe them."}]
+    form = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
+    whole = chat(client, messages, response_format=form, max_tokens=120)
+    assert whole.choices[0].finish_reason == "stop", whole
+    value = json.loads(whole.choices[0].message.content)
+    jsonschema.validate(value, PERSON)
+    chunks = list(chat(client, messages, response_format=form, max_tokens=120, stream=True))
+    assert json.loads(chat_stream_text(chunks)) == value
+    # With drafted tokens verified on the last stage, the grammar follows only the kept
+    # ones: greedy, the same text.
+    drafted = chat(client, messages, response_format=form, max_tokens=120, extra_body={"draft": "ngram", "draft_max": 4})
+    assert drafted.choices[0].message.content == whole.choices[0].message.content
+    # Sampled, not greedy: still valid.
+    sampled = chat(client, messages, response_format=form, max_tokens=120, temperature=1.0, seed=7)
+    if sampled.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(sampled.choices[0].message.content), PERSON)
+
+
+def test_json_object_output_is_an_object(client):
+    messages = [{"role": "user", "content": "List three colors."}]
+    r = chat(client, messages, response_format={"type": "json_object"}, max_tokens=60)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_unenforceable_schema_is_400(client):
+    form = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a+$"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, [{"role": "user", "content": "hi"}], response_format=form, max_tokens=4)
+    assert "pattern" in caught.value.message
+
+
+# 11. metrics
+
+
+def scrape():
+    """The server's /metrics through Prometheus' own OpenMetrics parser: {(name, labels): value}."""
+    samples = {}
+    for family in text_string_to_metric_families(get("/metrics")):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples, name, **labels):
+    return samples.get((name, tuple(sorted(labels.items()))), 0)
+
+
+def test_metrics_grow_with_traffic(client):
+    before = scrape()
+    story = [{"role": "user", "content": STORY}]
+    whole = chat(client, story, max_tokens=8)
+    streamed = list(chat(client, story, max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    after = scrape()
+    generated = whole.usage.completion_tokens + streamed[-1].usage.completion_tokens
+    assert value(after, "baton_generated_tokens_total") - value(before, "baton_generated_tokens_total") >= generated
+    grew = value(after, "baton_requests_total", endpoint="chat", outcome="ok") - value(
+        before, "baton_requests_total", endpoint="chat", outcome="ok"
+    )
+    assert grew == 2, grew
+    ttft = value(after, "baton_time_to_first_token_seconds_count") - value(before, "baton_time_to_first_token_seconds_count")
+    assert ttft == 2, ttft
+    assert value(after, "baton_inter_token_latency_seconds_count") > value(before, "baton_inter_token_latency_seconds_count")
+    computed = value(after, "baton_prompt_tokens_total", source="computed") + value(after, "baton_prompt_tokens_total", source="cache")
+    assert computed >= whole.usage.prompt_tokens
+    assert ("baton_kv_cells_used", (("stage", "0"),)) in after, sorted(after)[:20]
+    assert value(after, "baton_queue_depth") == 0

@@ -63,9 +63,22 @@ impl Buffer {
         let buft = unsafe { sys::ggml_backend_cpu_buffer_type() };
         // SAFETY: allocates and places all tensors of a valid context.
         let ptr = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.raw(), buft) };
-        NonNull::new(ptr)
-            .map(|ptr| Buffer { ptr })
-            .ok_or(GgmlError::OutOfMemory)
+        Buffer::from_raw(ptr).ok_or_else(|| GgmlError::OutOfMemory {
+            what: format!("{} tensors in CPU memory", ctx.n_tensors()),
+        })
+    }
+
+    /// Takes ownership of a buffer ggml allocated (`None` for null: allocation failed).
+    pub(crate) fn from_raw(ptr: *mut sys::ggml_backend_buffer) -> Option<Buffer> {
+        NonNull::new(ptr).map(|ptr| Buffer { ptr })
+    }
+
+    /// Marks the buffer as holding weights, as llama.cpp marks its weight buffers: the
+    /// backend scheduler runs an op where its weights are (and may offload it to a
+    /// faster device for large batches), and keeps other tensors out of weight memory.
+    pub fn mark_weights(&mut self) {
+        // SAFETY: valid buffer; sets a flag.
+        unsafe { sys::ggml_backend_buffer_set_usage(self.ptr.as_ptr(), sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS) }
     }
 
     /// Sets every byte of the buffer to `value`.
@@ -151,16 +164,24 @@ impl MappedBuffer {
         // SAFETY: the buffer holds an Arc to the mapping, so the memory outlives it;
         // ggml only reads weight memory.
         let ptr = unsafe { sys::ggml_backend_cpu_buffer_from_ptr(bytes.as_ptr() as *mut _, bytes.len()) };
-        let ptr = NonNull::new(ptr).ok_or(GgmlError::OutOfMemory)?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| GgmlError::OutOfMemory {
+            what: format!("a CPU buffer over a mapping of {} bytes", bytes.len()),
+        })?;
         Ok(MappedBuffer { ptr, file })
+    }
+
+    /// Marks the buffer as holding weights (see [`Buffer::mark_weights`]).
+    pub fn mark_weights(&mut self) {
+        // SAFETY: valid buffer; sets a flag.
+        unsafe { sys::ggml_backend_buffer_set_usage(self.ptr.as_ptr(), sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS) }
     }
 
     /// Points `tensor` at `offset..offset + tensor.n_bytes()` of the mapped file.
     /// The tensor must not be used after this buffer is dropped.
     pub fn place(&self, tensor: Tensor<'_>, offset: usize) -> Result<(), GgmlError> {
         let len = self.file.bytes().len();
-        let end = offset.checked_add(tensor.n_bytes()).ok_or(GgmlError::OutOfMemory)?;
-        if end > len {
+        let end = offset.checked_add(tensor.n_bytes());
+        if end.is_none_or(|end| end > len) {
             return Err(GgmlError::Place {
                 tensor: tensor.name(),
                 offset,
@@ -212,7 +233,9 @@ impl Allocator {
         if unsafe { sys::ggml_gallocr_alloc_graph(self.ptr.as_ptr(), graph.raw()) } {
             Ok(())
         } else {
-            Err(GgmlError::OutOfMemory)
+            Err(GgmlError::OutOfMemory {
+                what: format!("the compute buffer of a graph of {} nodes", graph.n_nodes()),
+            })
         }
     }
 
@@ -227,108 +250,5 @@ impl Drop for Allocator {
     fn drop(&mut self) {
         // SAFETY: we own the allocator.
         unsafe { sys::ggml_gallocr_free(self.ptr.as_ptr()) }
-    }
-}
-
-/// How a weight is used, for [`ExtraBufferType::supports`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightOp {
-    /// Multiplied by activations with `mul_mat`.
-    MulMat,
-    /// Expert matrices, multiplied with `mul_mat_id` selecting `n_used` per token.
-    MulMatId { n_used: usize },
-}
-
-/// A buffer type of the CPU device other than plain memory: ggml's "extra" buffer
-/// types, which repack weights into layouts its fastest matmul kernels read
-/// (llama.cpp puts every weight a repack type supports into one, by default).
-#[derive(Clone, Copy, Debug)]
-pub struct ExtraBufferType {
-    buft: sys::ggml_backend_buffer_type_t,
-    dev: sys::ggml_backend_dev_t,
-}
-
-// SAFETY: buffer types and devices are process-wide static singletons in ggml.
-unsafe impl Send for ExtraBufferType {}
-// SAFETY: as above; they are only read.
-unsafe impl Sync for ExtraBufferType {}
-
-impl ExtraBufferType {
-    /// The CPU device's extra buffer types, in llama.cpp's order of preference.
-    pub fn cpu() -> Vec<ExtraBufferType> {
-        crate::init();
-        // SAFETY: device and registry lookups return static singletons or null.
-        unsafe {
-            let dev = sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU);
-            if dev.is_null() {
-                return Vec::new();
-            }
-            let reg = sys::ggml_backend_dev_backend_reg(dev);
-            let name = c"ggml_backend_dev_get_extra_bufts";
-            let proc = sys::ggml_backend_reg_get_proc_address(reg, name.as_ptr());
-            if proc.is_null() {
-                return Vec::new();
-            }
-            // The registry returns this function under exactly this name and type.
-            let get: sys::ggml_backend_dev_get_extra_bufts_t = std::mem::transmute(proc);
-            let Some(get) = get else { return Vec::new() };
-            let mut list = get(dev);
-            let mut out = Vec::new();
-            while !list.is_null() && !(*list).is_null() {
-                out.push(ExtraBufferType { buft: *list, dev });
-                list = list.add(1);
-            }
-            out
-        }
-    }
-
-    /// The buffer type's name (e.g. `CPU_REPACK`).
-    pub fn name(&self) -> String {
-        // SAFETY: static NUL-terminated name of a valid buffer type.
-        unsafe { std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(self.buft)) }
-            .to_string_lossy()
-            .into_owned()
-    }
-
-    /// Whether a weight like `weight` can live in this buffer type and be used there by
-    /// `op`, decided as llama.cpp decides it: a dummy op over a 512-token batch.
-    pub fn supports(&self, weight: Tensor<'_>, op: WeightOp) -> bool {
-        let ctx = Context::new(8, 0);
-        let probe = ctx.new_tensor(weight.dtype(), &weight.ne());
-        let ne = weight.ne();
-        let node = match op {
-            WeightOp::MulMat => {
-                let batch = ctx.new_tensor(crate::DType::F32, &[ne[0], 512, ne[2], ne[3]]);
-                ctx.mul_mat(probe, batch)
-            }
-            WeightOp::MulMatId { n_used } => {
-                let n_used = n_used.max(1) as i64;
-                let batch = ctx.new_tensor(crate::DType::F32, &[ne[0], n_used, 512]);
-                let ids = ctx.new_tensor(crate::DType::I32, &[n_used, 512]);
-                ctx.mul_mat_id(probe, batch, ids)
-            }
-        };
-        // SAFETY: `probe` is a fresh tensor of our context; it borrows a zero-size
-        // buffer of this type only for the check and gives it back before returning.
-        unsafe {
-            let dummy = sys::ggml_backend_buft_alloc_buffer(self.buft, 0);
-            if dummy.is_null() {
-                return false;
-            }
-            (*probe.raw()).buffer = dummy;
-            let supported = sys::ggml_backend_dev_supports_op(self.dev, node.raw());
-            (*probe.raw()).buffer = std::ptr::null_mut();
-            sys::ggml_backend_buffer_free(dummy);
-            supported
-        }
-    }
-
-    /// Allocates memory of this type for every tensor of `ctx`.
-    pub fn alloc(&self, ctx: &Context) -> Result<Buffer, GgmlError> {
-        // SAFETY: allocates and places all tensors of a valid context.
-        let ptr = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.raw(), self.buft) };
-        NonNull::new(ptr)
-            .map(|ptr| Buffer { ptr })
-            .ok_or(GgmlError::OutOfMemory)
     }
 }

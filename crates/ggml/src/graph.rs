@@ -251,6 +251,20 @@ impl Context {
         unsafe { self.wrap(id.ptr.as_ptr()) }
     }
 
+    /// Number of tensors (and views) created in this context so far.
+    pub fn n_tensors(&self) -> usize {
+        let mut n = 0;
+        // SAFETY: walks the context's own tensor list; each pointer is valid while it lives.
+        unsafe {
+            let mut t = sys::ggml_get_first_tensor(self.raw());
+            while !t.is_null() {
+                n += 1;
+                t = sys::ggml_get_next_tensor(self.raw(), t);
+            }
+        }
+        n
+    }
+
     /// A new, empty graph in this context; add nodes with [`Graph::expand`].
     pub fn new_graph(&self) -> Graph<'_> {
         assert!(self.graph_size > 0, "this context was created without room for a graph");
@@ -292,6 +306,12 @@ impl Graph<'_> {
     pub fn n_nodes(&self) -> i32 {
         // SAFETY: valid graph.
         unsafe { sys::ggml_graph_n_nodes(self.raw()) }
+    }
+
+    /// Most nodes the graph can hold.
+    pub fn capacity(&self) -> usize {
+        // SAFETY: valid graph.
+        unsafe { sys::ggml_graph_size(self.raw()) as usize }
     }
 }
 

@@ -4,11 +4,13 @@
 //! on drop; every `unsafe` block says why it is sound.
 
 mod backend;
+mod device;
 mod graph;
 mod host;
 mod llama;
 mod ops;
 mod quantize;
+mod sched;
 #[cfg(test)]
 mod tests;
 
@@ -16,11 +18,23 @@ use std::sync::Once;
 
 use llama_cpp_sys_2 as sys;
 
-pub use backend::{Allocator, Buffer, CpuBackend, ExtraBufferType, MappedBuffer, MappedFile, WeightOp};
+pub use backend::{Allocator, Buffer, CpuBackend, MappedBuffer, MappedFile};
+pub use device::{BufferType, Device, DeviceKind, DeviceMemory, WeightOp};
 pub use graph::{Context, Graph, RopeParams, Tensor, TensorId};
 pub use host::{HostFn, HostOp};
 pub use llama::{LlamaContext, LlamaModel};
 pub use quantize::{quantize, FileType};
+pub use sched::Scheduler;
+
+/// Accelerator backends compiled into this binary (by crate features).
+pub const BACKENDS: &[&str] = &[
+    #[cfg(feature = "cuda")]
+    "CUDA",
+    #[cfg(feature = "metal")]
+    "Metal",
+    #[cfg(feature = "vulkan")]
+    "Vulkan",
+];
 
 /// How llama.cpp inside this binary was configured (CMake build type, read back from
 /// its CMake cache by this crate's build script): "Release" means -O3.
@@ -64,8 +78,11 @@ pub enum GgmlError {
     #[error("ggml graph computation failed with status {0}")]
     Compute(i32),
     /// A buffer or compute allocation failed.
-    #[error("ggml could not allocate memory")]
-    OutOfMemory,
+    #[error("ggml could not allocate memory for {what}")]
+    OutOfMemory { what: String },
+    /// A device name that is not one of this machine's (or this build's).
+    #[error("no device '{name}' here (devices: {known}); `baton devices` lists them")]
+    UnknownDevice { name: String, known: String },
     /// A tensor does not fit where it was to be placed.
     #[error("tensor '{tensor}' at offset {offset} does not fit in a mapped region of {len} bytes")]
     Place { tensor: String, offset: usize, len: usize },
@@ -76,6 +93,9 @@ pub enum GgmlError {
         bytes: usize,
         expected: usize,
     },
+    /// A device could not be used.
+    #[error("device {device}: {message}")]
+    Device { device: String, message: String },
     /// libllama refused an operation.
     #[error("libllama: {0}")]
     Llama(String),

@@ -7,7 +7,7 @@ use std::ptr::NonNull;
 
 use llama_cpp_sys_2 as sys;
 
-use crate::GgmlError;
+use crate::{Device, GgmlError};
 
 /// A model loaded through libllama, either vocabulary only or with all weights.
 pub struct LlamaModel {
@@ -23,24 +23,41 @@ unsafe impl Sync for LlamaModel {}
 impl LlamaModel {
     /// Loads only the vocabulary (tokenizer), no weights: fast and small.
     pub fn load_vocab(path: &Path) -> Result<LlamaModel, GgmlError> {
-        Self::load(path, true, false)
+        Self::load(path, true, false, None)
     }
 
     /// Loads the whole model on the CPU (the reference implementation); `repack` is
-    /// llama.cpp's default, off is its `--no-repack`.
+    /// llama.cpp's default, off is its `--no-repack`. No other device takes part, not
+    /// even for large batches (llama.cpp would offload those to a GPU it sees).
     pub fn load_full(path: &Path, repack: bool) -> Result<LlamaModel, GgmlError> {
-        Self::load(path, false, repack)
+        Self::load(path, false, repack, None)
     }
 
-    fn load(path: &Path, vocab_only: bool, repack: bool) -> Result<LlamaModel, GgmlError> {
+    /// Loads the whole model with every layer and the output on `device`, as
+    /// llama.cpp's `--device NAME -ngl 999` does: the reference for stages on it.
+    pub fn load_full_on(path: &Path, repack: bool, device: Device) -> Result<LlamaModel, GgmlError> {
+        Self::load(path, false, repack, Some(device))
+    }
+
+    fn load(path: &Path, vocab_only: bool, repack: bool, device: Option<Device>) -> Result<LlamaModel, GgmlError> {
         crate::init();
         let c_path = CString::new(path.to_string_lossy().as_bytes())
             .map_err(|_| GgmlError::Llama(format!("model path {} contains a NUL byte", path.display())))?;
         // SAFETY: returns a plain struct of defaults.
         let mut params = unsafe { sys::llama_model_default_params() };
         params.vocab_only = vocab_only;
-        params.n_gpu_layers = 0;
         params.use_extra_bufts = repack;
+        // A null-terminated device list: empty keeps everything on the CPU.
+        let mut devices = [std::ptr::null_mut(); 2];
+        match device.filter(|d| !d.is_cpu()) {
+            Some(device) => {
+                devices[0] = device.raw();
+                params.n_gpu_layers = 999;
+            }
+            None => params.n_gpu_layers = 0,
+        }
+        // The list outlives the load call, which copies it.
+        params.devices = devices.as_mut_ptr();
         crate::take_logged_errors();
         // SAFETY: valid C string and params; null on failure.
         let ptr = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), params) };

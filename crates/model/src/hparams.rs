@@ -328,7 +328,47 @@ impl HParams {
         };
         (arch.hparams)(&mut hp, &keys)?;
         hp.finish_rope();
+        hp.check()?;
         Ok(hp)
+    }
+
+    /// Refuses values ggml would abort the process on (it asserts on shapes rather than
+    /// returning errors), so that a hostile or broken file fails to load instead: head
+    /// sizes, RoPE dimensions, the sliding window. Tensor shapes are checked against
+    /// these values when the weights load.
+    fn check(&self) -> Result<(), ModelError> {
+        let bad = |why: String| Err(ModelError::BadHParams(why));
+        const MAX_HEAD_DIM: usize = 1 << 14;
+        for (name, dim) in [("key_length", self.head_dim_k), ("value_length", self.head_dim_v)] {
+            if dim == 0 || dim > MAX_HEAD_DIM {
+                return bad(format!("attention.{name} {dim} must be between 1 and {MAX_HEAD_DIM}"));
+            }
+        }
+        for (name, rope) in [("rope", &self.rope), ("sliding-window rope", &self.rope_swa)] {
+            let n_dims = rope.n_dims;
+            if n_dims <= 0 || n_dims % 2 != 0 || n_dims as usize > self.head_dim_k {
+                return bad(format!(
+                    "{name} dimension count {n_dims} must be even, positive and at most the head size {}",
+                    self.head_dim_k
+                ));
+            }
+            if !(rope.freq_base.is_finite() && rope.freq_base > 0.0 && rope.freq_scale.is_finite()) {
+                return bad(format!(
+                    "{name} frequency base {} and scale {} must be finite and the base positive",
+                    rope.freq_base, rope.freq_scale
+                ));
+            }
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            return bad(format!(
+                "layer norm epsilon {} must be finite and not negative",
+                self.rms_eps
+            ));
+        }
+        if self.swa_layers.iter().any(|&swa| swa) && self.n_swa == 0 {
+            return bad("sliding-window layers with a window of 0 tokens".into());
+        }
+        Ok(())
     }
 
     /// The attention factor RoPE scales by, as llama.cpp's context computes it from

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use baton_ggml::{Buffer, Context, DType, Tensor};
+use baton_ggml::{Buffer, BufferType, Context, DType, Tensor};
 
 use crate::hparams::HParams;
 use crate::ModelError;
@@ -60,6 +60,18 @@ impl KvCache {
     /// so a sequence computes the same in any batch (ggml accumulates attention in f16,
     /// where order shows). With `n_seq = 0` any free cell is taken.
     pub fn new(hp: &HParams, layers: Range<usize>, n_ctx: usize, n_seq: usize) -> Result<KvCache, ModelError> {
+        KvCache::new_in(hp, layers, n_ctx, n_seq, None)
+    }
+
+    /// [`KvCache::new`] with the keys and values in memory of `buft` (a device's own
+    /// memory) instead of the CPU's.
+    pub fn new_in(
+        hp: &HParams,
+        layers: Range<usize>,
+        n_ctx: usize,
+        n_seq: usize,
+        buft: Option<BufferType>,
+    ) -> Result<KvCache, ModelError> {
         if n_ctx == 0 {
             return Err(ModelError::BadConfig("context size must be at least 1".into()));
         }
@@ -80,7 +92,10 @@ impl KvCache {
             }
         }
         let buffer = if has_heads {
-            let mut buffer = Buffer::alloc_cpu(&ctx)?;
+            let mut buffer = match buft {
+                Some(buft) => buft.alloc(&ctx)?,
+                None => Buffer::alloc_cpu(&ctx)?,
+            };
             // Zeroed so that never-written cells hold finite values (masked, but multiplied).
             buffer.clear(0);
             Some(buffer)

@@ -3,10 +3,12 @@
 #![deny(unsafe_code)]
 
 mod arch;
+mod chain;
 pub mod example;
 mod hparams;
 mod kv;
 mod resident;
+mod runner;
 mod stage;
 mod tensors;
 pub mod tp;
@@ -20,10 +22,12 @@ use std::path::PathBuf;
 
 pub use arch::moe::{Gating, MoeParams};
 pub use arch::{find as find_architecture, supported_names, Architecture, Shape, ARCHITECTURES};
+pub use chain::StageChain;
 pub use hparams::{AttnTemp, HParams, Keys, Mla, Yarn};
 pub use kv::{AttnSpan, KvCache};
 pub use resident::mapped_rss;
-pub use stage::{Batch, Stage, StageConfig, StageInput, StageOutput};
+pub use runner::ComputeBytes;
+pub use stage::{Batch, Stage, StageConfig, StageInput, StageMemory, StageOutput};
 pub use tensors::{Presence, TensorSpec, Use};
 pub use tp::{Collective, CollectiveError, LocalGroup, TpSplit, TP_ARCHITECTURES};
 pub use tp_group::{join_logits, splits as tp_splits, GroupMember};

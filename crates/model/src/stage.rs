@@ -1,13 +1,14 @@
-//! A stage: a contiguous layer range of one model on one ggml backend, with its own
+//! A stage: a contiguous layer range of one model on one ggml device, with its own
 //! KV cache. The first stage embeds tokens; the last produces logits.
 
 use std::sync::{Arc, Mutex};
 
-use baton_ggml::{Allocator, Context, CpuBackend, DType, HostOp, Tensor};
+use baton_ggml::{Context, DType, Device, HostOp, Tensor};
 
 use crate::arch::{Builder, Gather, SpanInputs, StepInputs, TpOps};
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
+use crate::runner::Runner;
 use crate::tp::{Collective, CollectiveError, TpSplit};
 use crate::tp_group::{GroupMember, Helper};
 use crate::weights::{ModelFile, StageSpan, StageWeights};
@@ -78,6 +79,17 @@ pub enum StageOutput {
     Logits(Vec<f32>),
 }
 
+/// Where a stage's memory is, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StageMemory {
+    /// On the stage's device (0 on the CPU): weights copied there, the KV cache, the
+    /// device's compute buffer.
+    pub device: u64,
+    /// In host memory: mapped weight pages this process has resident, repacked
+    /// weights, and (on the CPU) the KV cache and compute buffer.
+    pub host: u64,
+}
+
 /// A layer range of a model, ready to compute: the whole of each layer, or one member's
 /// slice of it ([`Stage::load_member`]); the first member of an in-process group
 /// drives the others ([`Stage::load_tp`]).
@@ -90,9 +102,9 @@ pub struct Stage {
     /// The hyper-parameters the graph is built with (a member's: its heads, its FFN).
     hp: HParams,
     tp: Option<Member>,
+    device: Device,
     // Declared before `weights` so the compute state is freed first.
-    backend: CpuBackend,
-    alloc: Allocator,
+    runner: Runner,
     kv: KvCache,
     weights: StageWeights,
     repacked: bool,
@@ -150,19 +162,41 @@ impl Member {
 }
 
 impl Stage {
-    /// Loads the tensors of `span` from `file` and allocates the KV cache.
+    /// Loads the tensors of `span` from `file` and allocates the KV cache, on the CPU.
     pub fn load(file: Arc<ModelFile>, span: StageSpan, config: &StageConfig) -> Result<Stage, ModelError> {
-        Stage::load_member(file, span, config, None)
+        Stage::load_on(file, span, config, Device::cpu())
     }
 
-    /// Loads one member of a tensor-parallel group: its slice of every layer of
-    /// `span` (see [`crate::tp`]), summing through `collective` with the other members,
-    /// which must be loaded with the same span and configuration. `None`: the whole
-    /// layers ([`Stage::load`]).
+    /// Loads the tensors of `span` from `file` into `device`'s memory (those it can
+    /// use; the token embedding and weights of ops it lacks stay with the CPU) and
+    /// allocates the KV cache there.
+    pub fn load_on(
+        file: Arc<ModelFile>,
+        span: StageSpan,
+        config: &StageConfig,
+        device: Device,
+    ) -> Result<Stage, ModelError> {
+        Stage::load_member_on(file, span, config, device, None)
+    }
+
+    /// Loads one member of a tensor-parallel group on the CPU: its slice of every
+    /// layer of `span` (see [`crate::tp`]), exchanging through `collective` with the
+    /// other members, which must be loaded with the same span and configuration.
+    /// `None`: the whole layers ([`Stage::load`]).
     pub fn load_member(
         file: Arc<ModelFile>,
         span: StageSpan,
         config: &StageConfig,
+        member: Option<(TpSplit, Arc<dyn Collective>)>,
+    ) -> Result<Stage, ModelError> {
+        Stage::load_member_on(file, span, config, Device::cpu(), member)
+    }
+
+    fn load_member_on(
+        file: Arc<ModelFile>,
+        span: StageSpan,
+        config: &StageConfig,
+        device: Device,
         member: Option<(TpSplit, Arc<dyn Collective>)>,
     ) -> Result<Stage, ModelError> {
         let full = file.hparams();
@@ -172,21 +206,30 @@ impl Stage {
                 span.layers, full.n_layer
             )));
         }
+        // The exchanges are host ops reading and writing the member's activations in
+        // host memory, which only the CPU backend gives them.
+        if member.is_some() && !device.is_cpu() {
+            return Err(ModelError::BadConfig(format!(
+                "tensor parallelism runs on the CPU only; {device:?} cannot hold a tensor-parallel member"
+            )));
+        }
         let split = member.as_ref().map(|(split, _)| split);
         let hp = split.map_or_else(|| full.clone(), |split| split.hparams(full));
-        let weights = StageWeights::load_split(file.clone(), &span, config.repack, split)?;
-        let kv = KvCache::new(&hp, span.layers.clone(), config.n_ctx, config.n_seq)?;
+        let runner = Runner::new(device, config.n_threads)?;
+        let weights = StageWeights::load_split(file.clone(), &span, config.repack, device, split)?;
+        let own = (!device.is_cpu()).then(|| device.buffer_type());
+        let kv = KvCache::new_in(&hp, span.layers.clone(), config.n_ctx, config.n_seq, own)?;
         let tp = member
             .map(|(split, collective)| Member::new(full, split, collective))
             .transpose()?;
-        tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, weight_bytes = weights.bytes(), tp = ?tp.as_ref().map(|m| &m.split), "stage loaded");
+        tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, ?device, weight_bytes = weights.bytes(), device_bytes = weights.device_bytes(), tp = ?tp.as_ref().map(|m| &m.split), "stage loaded");
         Ok(Stage {
             span,
             helpers: Vec::new(),
             hp,
             tp,
-            backend: CpuBackend::new(config.n_threads),
-            alloc: Allocator::new_cpu(),
+            device,
+            runner,
             kv,
             weights,
             repacked: config.repack,
@@ -270,6 +313,11 @@ impl Stage {
         self.kv.truncate_seq(seq, len);
     }
 
+    /// The device the stage computes on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
     /// The layers and roles of this stage.
     pub fn span(&self) -> &StageSpan {
         &self.span
@@ -297,12 +345,24 @@ impl Stage {
         &self.weights
     }
 
-    /// Bytes this stage has resident now: the pages of its mapping that are in memory,
-    /// its repacked weights, its KV cache and its compute buffer (of member 0 only, on
-    /// a tensor-parallel stage).
-    pub fn resident_bytes(&self) -> u64 {
+    /// Bytes this stage holds now, on its device and in host memory (see
+    /// [`StageMemory`]); of member 0 only, on a tensor-parallel stage.
+    pub fn memory(&self) -> StageMemory {
         let mapped = crate::resident::mapped_rss(self.weights.file().map_address()).unwrap_or(0);
-        mapped + (self.weights.repacked_bytes() + self.kv.bytes() + self.alloc.size()) as u64
+        let compute = self.runner.bytes();
+        let kv = self.kv.bytes() as u64;
+        let (kv_device, kv_host) = if self.device.is_cpu() { (0, kv) } else { (kv, 0) };
+        StageMemory {
+            device: self.weights.device_bytes() as u64 + kv_device + compute.device as u64,
+            host: mapped + self.weights.repacked_bytes() as u64 + kv_host + compute.host as u64,
+        }
+    }
+
+    /// Bytes this stage has resident now, wherever they are: the pages of its mapping
+    /// that are in memory, its copied weights, its KV cache and its compute buffers.
+    pub fn resident_bytes(&self) -> u64 {
+        let memory = self.memory();
+        memory.device + memory.host
     }
 
     /// Runs the stage's layers over one batch.
@@ -530,7 +590,7 @@ impl Stage {
         let spans = b.inputs.spans;
         graph.expand(out);
 
-        self.alloc.alloc(&graph)?;
+        self.runner.alloc(&graph)?;
         // A tensor-parallel member without heads reads no positions, cells or masks.
         if positions.has_data() {
             positions.write(batch.positions)?;
@@ -564,7 +624,7 @@ impl Stage {
                 hidden_in.map(|t| t.write(hidden)).transpose()?;
             }
         }
-        self.backend.compute(&graph)?;
+        self.runner.compute(&graph)?;
         if let Some(e) = self.tp.as_ref().and_then(|m| m.error.lock().ok()?.take()) {
             return Err(e.into());
         }

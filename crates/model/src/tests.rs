@@ -8,7 +8,8 @@ use baton_gguf::{GgmlType, GgufWriter, Value};
 
 use crate::example::{example_gguf, ExampleOptions};
 use crate::{
-    Batch, ModelError, ModelFile, Shape, Stage, StageConfig, StageInput, StageOutput, StageSpan, ARCHITECTURES,
+    Batch, ModelError, ModelFile, Shape, Stage, StageChain, StageConfig, StageInput, StageOutput, StageSpan,
+    ARCHITECTURES,
 };
 
 const N_LAYER: usize = 3;
@@ -132,6 +133,36 @@ fn every_architecture_runs_and_a_split_chain_equals_one_stage() {
             assert!(diff < 1e-5, "{arch} split {sizes:?}: max diff {diff}");
         }
     }
+}
+
+/// Several devices behind one worker run as a `StageChain`: stages of consecutive
+/// layers chained in one thread give what the same stages give one by one, keep
+/// their caches in step, and refuse stages that do not chain.
+#[test]
+fn a_stage_chain_equals_its_stages_run_one_by_one() {
+    let tokens = [1, 5, 9, 2, 7, 3];
+    let file = open("chain.gguf", &tiny_model("llama", |w| w)).unwrap();
+    let expected = chain_logits(&file, &[1, 2], &tokens);
+    let load = |layers: std::ops::Range<usize>, first, last| {
+        Stage::load(file.clone(), StageSpan { layers, first, last }, &config()).unwrap()
+    };
+    let mut chain = StageChain::new(vec![load(0..1, true, false), load(1..3, false, true)]).unwrap();
+    assert_eq!(chain.span().layers, 0..3);
+    let positions: Vec<i32> = (0..tokens.len() as i32).collect();
+    let batch = Batch {
+        input: StageInput::Tokens(&tokens),
+        positions: &positions,
+        seq_ids: &[0; 6],
+        logit_rows: &[5],
+    };
+    assert_eq!(chain.forward(&batch).unwrap(), StageOutput::Logits(expected));
+    assert_eq!(chain.kv_used(), tokens.len());
+    chain.truncate_seq(0, 2);
+    assert!(chain.stages().iter().all(|s| s.kv().n_used() == 2));
+
+    let gap = StageChain::new(vec![load(0..1, true, false), load(2..3, false, true)]);
+    let err = gap.err().expect("refused").to_string();
+    assert!(err.contains("do not chain"), "{err}");
 }
 
 #[test]
@@ -267,6 +298,36 @@ fn loader_errors_are_clear() {
     });
     let text = err_text("blocks.gguf", &huge);
     assert!(text.contains("block_count 4294967295 is more than"), "{text}");
+
+    // Values ggml asserts on (it aborts the process) are refused before a graph is built.
+    let rope = tiny_model("phi3", |w| {
+        w.without_kv("phi3.rope.dimension_count")
+            .kv_u32("phi3.rope.dimension_count", 10)
+    });
+    assert_eq!(
+        err_text("rope.gguf", &rope),
+        "bad hyper-parameters: rope dimension count 10 must be even, positive and at most the head size 8"
+    );
+    let odd = tiny_model("phi3", |w| {
+        w.without_kv("phi3.rope.dimension_count")
+            .kv_u32("phi3.rope.dimension_count", 7)
+    });
+    assert!(err_text("odd-rope.gguf", &odd).contains("must be even"));
+    let head = tiny_model("qwen2", |w| {
+        w.without_kv("qwen2.attention.key_length")
+            .kv_u32("qwen2.attention.key_length", 0)
+    });
+    let text = err_text("head.gguf", &head);
+    assert!(
+        text.starts_with("bad hyper-parameters: ") && text.contains("key 0"),
+        "{text}"
+    );
+    let base = tiny_model("llama", |w| {
+        w.without_kv("llama.rope.freq_base")
+            .kv("llama.rope.freq_base", Value::F32(f32::NAN))
+    });
+    let text = err_text("base.gguf", &base);
+    assert!(text.contains("must be finite"), "{text}");
 }
 
 /// The KV cache holds what llama.cpp's holds: keys and values of `head_dim × n_head_kv`

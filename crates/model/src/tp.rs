@@ -246,7 +246,7 @@ impl LocalGroup {
         let mut spins = 0u32;
         while self.generation.load(Ordering::Acquire) == generation {
             spins += 1;
-            if spins % 64 == 0 && started.elapsed() > SPIN {
+            if spins.is_multiple_of(64) && started.elapsed() > SPIN {
                 break;
             }
             std::hint::spin_loop();

@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use baton_ggml::{Buffer, Context, DType, ExtraBufferType, MappedBuffer, MappedFile, Tensor, TensorId, WeightOp};
+use baton_ggml::{Buffer, BufferType, Context, DType, Device, MappedBuffer, MappedFile, Tensor, TensorId, WeightOp};
 use baton_gguf::Gguf;
 
 use crate::hparams::HParams;
@@ -131,11 +131,11 @@ impl<'w> LayerTensors<'w> {
 /// The tensors of a stage, bound to the mapped file.
 pub struct StageWeights {
     // Field order matters for drop: tensor handles point into the contexts, tensor
-    // data into `file`'s mapping (through `mapped`) or into the repack buffers.
+    // data into `file`'s mapping (through `mapped`) or into the groups' buffers.
     ctx: Context,
     /// Holds the mapping for the tensors placed in it; never read directly.
     _mapped: MappedBuffer,
-    repacked: Vec<Repacked>,
+    groups: Vec<Group>,
     /// Per layer of the stage (index `layer - first layer`).
     layers: Vec<Vec<(String, TensorId)>>,
     first_layer: usize,
@@ -157,14 +157,18 @@ struct Placed {
     data: Data,
     /// Bytes of the whole file tensor.
     n_bytes: usize,
-    /// `None`: the mapping; `Some(g)`: the buffer of `StageWeights::repacked[g]`.
+    /// `None`: the mapping; `Some(g)`: the buffer of `StageWeights::groups[g]`.
     group: Option<usize>,
 }
 
-/// Weights copied into one of ggml's repacking buffer types (or, last, a plain CPU
-/// buffer holding tensor-parallel slices that no repacking type takes).
-struct Repacked {
+/// Weights copied out of the mapping into memory of one buffer type: the device's own
+/// memory, one of ggml's CPU repacking buffer types, or (last) a plain CPU buffer
+/// holding tensor-parallel slices that no other type takes.
+struct Group {
     ctx: Context,
+    buft: BufferType,
+    /// Whether the memory is the stage's device's (not the CPU's).
+    on_device: bool,
     buffer: Option<Buffer>,
 }
 
@@ -181,34 +185,45 @@ pub struct StageSpan {
 
 impl StageWeights {
     /// Creates the stage's tensors with the shapes `hparams` implies and checks them
-    /// against the file's index (name, shape, type). Matrices that one of ggml's
-    /// repacking buffer types supports are copied into it when `repack` is set (what
-    /// llama.cpp does by default, so results stay identical to it); every other tensor
-    /// points straight into the mapping.
-    pub fn load(file: Arc<ModelFile>, span: &StageSpan, repack: bool) -> Result<StageWeights, ModelError> {
-        Self::load_split(file, span, repack, None)
+    /// against the file's index (name, shape, type), and places them for `device` as
+    /// llama.cpp places a layer's weights (see [`candidates`]): each in the first
+    /// buffer type that supports its use, copied there from the mapping; every other
+    /// tensor points straight into the mapping (on the CPU).
+    pub fn load(
+        file: Arc<ModelFile>,
+        span: &StageSpan,
+        repack: bool,
+        device: Device,
+    ) -> Result<StageWeights, ModelError> {
+        Self::load_split(file, span, repack, device, None)
     }
 
     /// [`load`](Self::load) for one member of a tensor-parallel group: each tensor is
     /// cut as `split` says ([`TpSplit::cut`]); the slices are copied out of the
-    /// mapping (into ggml's repacking buffers where they fit, else a plain buffer).
+    /// mapping (into the buffer types of [`candidates`] where they fit, else a plain
+    /// CPU buffer).
     pub fn load_split(
         file: Arc<ModelFile>,
         span: &StageSpan,
         repack: bool,
+        device: Device,
         split: Option<&TpSplit>,
     ) -> Result<StageWeights, ModelError> {
         let plan = stage_plan(&file, span, true)?;
-        let extra = if repack { ExtraBufferType::cpu() } else { Vec::new() };
+        let mut bufts = candidates(device, repack);
+        // Last, one plain CPU buffer for slices nothing else takes.
+        let copied = bufts.len();
+        bufts.push((Device::cpu().buffer_type(), false));
         let ctx = Context::new(plan.len() + 1, 0);
-        // The repacking buffer types, then one plain buffer for slices nothing repacks.
-        let mut repacked: Vec<Repacked> = (0..extra.len() + 1)
-            .map(|_| Repacked {
+        let mut groups: Vec<Group> = bufts
+            .iter()
+            .map(|&(buft, on_device)| Group {
                 ctx: Context::new(plan.len() + 1, 0),
+                buft,
+                on_device,
                 buffer: None,
             })
             .collect();
-        let copied = extra.len();
         let n_used = file.hparams.moe.n_expert_used;
         let mut bytes = 0;
         let mut placed: Vec<Placed> = Vec::new();
@@ -253,19 +268,24 @@ impl StageWeights {
                 None => (dtype, dims, Data::Mapped(info.offset as usize)),
             };
             let tensor = ctx.new_tensor(dtype, &dims).named(&spec.name);
-            // Weights go to the first repacking buffer type that supports their use,
-            // as llama.cpp places them.
+            // The token embedding stays in the mapping on the CPU (llama.cpp's input
+            // layer): a step reads only its tokens' rows.
             let op = match spec.usage {
                 Use::MulMat => Some(WeightOp::MulMat),
                 Use::Experts => Some(WeightOp::MulMatId { n_used }),
-                Use::Elementwise | Use::Embedding => None,
+                Use::Elementwise => Some(WeightOp::Elementwise),
+                Use::Embedding => None,
             };
-            let mut group = op.and_then(|op| extra.iter().position(|buft| buft.supports(tensor, op)));
+            let mut group = op.and_then(|op| {
+                groups[..copied]
+                    .iter()
+                    .position(|g| (g.on_device || op != WeightOp::Elementwise) && g.buft.supports(tensor, op))
+            });
             if group.is_none() && matches!(data, Data::Owned(_)) {
                 group = Some(copied);
             }
             if let Some(g) = group {
-                repacked[g].ctx.new_tensor(dtype, &dims).named(&spec.name);
+                groups[g].ctx.new_tensor(dtype, &dims).named(&spec.name);
             }
             bytes += match &data {
                 Data::Mapped(_) => info.n_bytes,
@@ -278,16 +298,14 @@ impl StageWeights {
                 group,
             });
         }
-        let mapped = MappedBuffer::new(file.map.clone())?;
-        for (g, group) in repacked.iter_mut().enumerate() {
+        let mut mapped = MappedBuffer::new(file.map.clone())?;
+        mapped.mark_weights();
+        for (g, group) in groups.iter_mut().enumerate() {
             if placed.iter().any(|p| p.group == Some(g)) {
-                group.buffer = Some(match extra.get(g) {
-                    Some(buft) => {
-                        tracing::debug!(buffer = buft.name(), "repacking weights");
-                        buft.alloc(&group.ctx)?
-                    }
-                    None => Buffer::alloc_cpu(&group.ctx)?,
-                });
+                let mut buffer = group.buft.alloc(&group.ctx)?;
+                buffer.mark_weights();
+                group.buffer = Some(buffer);
+                tracing::debug!(buffer = group.buft.name(), "copying weights");
             }
         }
         for p in &placed {
@@ -298,10 +316,10 @@ impl StageWeights {
                         .bytes()
                         .get(*offset..offset + p.n_bytes)
                         .ok_or_else(|| ModelError::MissingTensor(p.name.clone()))?;
-                    named(&repacked[g].ctx, &p.name)?.write_bytes(bytes)?;
+                    named(&groups[g].ctx, &p.name)?.write_bytes(bytes)?;
                     file.map.release(*offset, p.n_bytes);
                 }
-                (Data::Owned(owned), Some(g)) => named(&repacked[g].ctx, &p.name)?.write_bytes(owned)?,
+                (Data::Owned(owned), Some(g)) => named(&groups[g].ctx, &p.name)?.write_bytes(owned)?,
                 (Data::Owned(_), None) => unreachable!("copied slices always get a buffer above"),
             }
         }
@@ -316,7 +334,7 @@ impl StageWeights {
         let mut weights = StageWeights {
             ctx,
             _mapped: mapped,
-            repacked,
+            groups,
             layers: Vec::new(),
             first_layer: span.layers.start,
             bytes,
@@ -341,18 +359,29 @@ impl StageWeights {
         Ok(weights)
     }
 
-    /// Bytes held in repacking buffers and slice copies (not mapped pages).
+    /// Bytes held in the CPU's repacking buffers and tensor-parallel slice copies (not
+    /// mapped pages).
     pub fn repacked_bytes(&self) -> usize {
-        self.repacked
+        self.copied_bytes(false)
+    }
+
+    /// Bytes of weights in the device's own memory (0 on the CPU).
+    pub fn device_bytes(&self) -> usize {
+        self.copied_bytes(true)
+    }
+
+    fn copied_bytes(&self, on_device: bool) -> usize {
+        self.groups
             .iter()
-            .filter_map(|r| r.buffer.as_ref())
+            .filter(|g| g.on_device == on_device)
+            .filter_map(|g| g.buffer.as_ref())
             .map(|b| b.size())
             .sum()
     }
 
-    /// The context a tensor named `name` computes from: its repacked copy if any.
+    /// The context a tensor named `name` computes from: its copy if any.
     fn lookup(&self, name: &str) -> Option<(Tensor<'_>, &Context)> {
-        for group in self.repacked.iter().filter(|g| g.buffer.is_some()) {
+        for group in self.groups.iter().filter(|g| g.buffer.is_some()) {
             if let Some(t) = group.ctx.get_tensor(name) {
                 return Some((t, &group.ctx));
             }
@@ -375,7 +404,7 @@ impl StageWeights {
 
     fn resolve(&self, id: TensorId) -> Tensor<'_> {
         let ctx = self
-            .repacked
+            .groups
             .iter()
             .map(|g| &g.ctx)
             .find(|c| c.owns(id))
@@ -421,6 +450,16 @@ impl StageWeights {
     pub fn file(&self) -> &Arc<ModelFile> {
         &self.file
     }
+}
+
+/// Where a stage on `device` may copy weights to, in order of preference, each with
+/// whether it is the device's own memory. As llama.cpp: on a device other than the CPU,
+/// its own memory first; then, with `repack`, the CPU's repacking buffer types (for
+/// weights the device cannot use); whatever fits none is read from the mapping.
+fn candidates(device: Device, repack: bool) -> Vec<(BufferType, bool)> {
+    let own = (!device.is_cpu()).then(|| (device.buffer_type(), true));
+    let extra = if repack { BufferType::cpu_extra() } else { Vec::new() };
+    own.into_iter().chain(extra.into_iter().map(|b| (b, false))).collect()
 }
 
 /// The file tensors a stage reads (what a worker without the file must receive).

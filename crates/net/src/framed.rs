@@ -125,6 +125,9 @@ pub(crate) struct FramedLink<S: Stream> {
     send_seal: Option<FrameSeal>,
     /// Opens frames received, once the handshake has keyed them.
     recv_seal: Option<FrameSeal>,
+    /// `link{peer}`: every frame sent or received is a trace event inside it, so
+    /// `BATON_LOG=trace` shows what crossed each link, in order.
+    span: tracing::Span,
 }
 
 impl<S: Stream> FramedLink<S> {
@@ -254,7 +257,6 @@ impl<S: Stream> FramedLink<S> {
         Ok(FramedLink {
             stream,
             tls: None,
-            peer,
             max_frame: opts.max_frame,
             counters: Arc::default(),
             buf: Vec::new(),
@@ -263,6 +265,8 @@ impl<S: Stream> FramedLink<S> {
             deadline: None,
             send_seal: None,
             recv_seal: None,
+            span: tracing::debug_span!("link", peer = %peer),
+            peer,
         })
     }
 
@@ -305,6 +309,8 @@ impl<S: Stream> FramedLink<S> {
         let tag: &[u8] = tag.as_ref().map_or(&[], |t| t);
         let mut slices = [IoSlice::new(&head), IoSlice::new(&self.buf), IoSlice::new(tag)];
         let total = HEADER_LEN + self.buf.len() + tag.len();
+        self.span
+            .in_scope(|| tracing::trace!(kind = msg.kind(), bytes = total, "sent"));
         if let Some(tls) = &mut self.tls {
             tls.send(&mut self.stream, &slices, &self.peer)?;
             self.counters.sent.fetch_add(total as u64, Ordering::Relaxed);
@@ -351,6 +357,11 @@ impl<S: Stream> FramedLink<S> {
         self.counters
             .received
             .fetch_add((HEADER_LEN + len + tag_len) as u64, Ordering::Relaxed);
+        if let Ok(msg) = &msg {
+            let bytes = HEADER_LEN + len + tag_len;
+            self.span
+                .in_scope(|| tracing::trace!(kind = msg.kind(), bytes, "received"));
+        }
         msg
     }
 
@@ -417,6 +428,7 @@ impl<S: Stream> FramedLink<S> {
             deadline: None,
             send_seal: rx.send_seal.take(),
             recv_seal: None,
+            span: rx.span.clone(),
         };
         Ok((FramedTx(tx), FramedRx(rx)))
     }

@@ -96,10 +96,22 @@ fn head(link: &mut dyn Link, addr: &str, bad_id: u32) {
             Message::Stats {
                 mut resident,
                 mut kv_used,
+                mut busy_us,
+                mut rows,
+                mut link_sent,
             } => {
                 resident.push(0);
                 kv_used.push(0);
-                Message::Stats { resident, kv_used }
+                busy_us.push(0);
+                rows.push(0);
+                link_sent.push(0);
+                Message::Stats {
+                    resident,
+                    kv_used,
+                    busy_us,
+                    rows,
+                    link_sent,
+                }
             }
             Message::Shutdown => {
                 let _ = link.send(Message::Shutdown);

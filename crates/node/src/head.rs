@@ -176,9 +176,12 @@ impl Head {
         self.tx.send(Message::Stats {
             resident: Vec::new(),
             kv_used: Vec::new(),
+            busy_us: Vec::new(),
+            rows: Vec::new(),
+            link_sent: Vec::new(),
         })?;
         match self.rx.recv()? {
-            Message::Stats { resident, kv_used } => Ok((resident, kv_used)),
+            Message::Stats { resident, kv_used, .. } => Ok((resident, kv_used)),
             other => Err(unexpected(other)),
         }
     }

@@ -6,12 +6,12 @@ pub mod cluster;
 pub mod engine;
 mod head;
 mod local;
+mod stage_loop;
 pub mod tp_net;
-mod worker;
 
 pub use head::{GenerateRequest, Generation, Head, RingEnds};
 pub use local::LocalRing;
-pub use worker::{run, StageWorker};
+pub use stage_loop::{run, StageWorker};
 
 /// Errors seen by the head or a worker loop.
 #[derive(Debug, thiserror::Error)]

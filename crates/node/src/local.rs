@@ -5,12 +5,16 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
+use baton_ggml::Device;
+use baton_model::{ModelError, ModelFile, Stage, StageConfig, StageSpan};
 use baton_net::local_link;
 
 use crate::head::{Head, RingEnds};
-use crate::worker::{run, StageWorker};
+use crate::stage_loop::{run, StageWorker};
 use crate::NodeError;
+
+/// Makes one stage of a ring, given its span, on the thread that will run it.
+type Loader = Box<dyn FnOnce(StageSpan) -> Result<Stage, ModelError> + Send>;
 
 /// A running in-process ring and the head that drives it.
 pub struct LocalRing {
@@ -25,48 +29,84 @@ impl LocalRing {
     /// stage maps the file on its own, as it would on its own machine, so its resident
     /// memory is its own.
     pub fn start(file: Arc<ModelFile>, ranges: &[Range<usize>], config: &StageConfig) -> Result<LocalRing, NodeError> {
-        LocalRing::start_tp(file, ranges, config, 1)
+        let on_cpu: Vec<(Range<usize>, Device)> = ranges.iter().map(|r| (r.clone(), Device::cpu())).collect();
+        LocalRing::start_on(file, &on_cpu, config)
+    }
+
+    /// [`start`](Self::start) with each stage on its own device: `stages` pairs each
+    /// range with the device that computes it. Hidden states pass from stage to stage
+    /// in memory, whatever the devices.
+    pub fn start_on(
+        file: Arc<ModelFile>,
+        stages: &[(Range<usize>, Device)],
+        config: &StageConfig,
+    ) -> Result<LocalRing, NodeError> {
+        check_one_stage_per_accelerator(stages)?;
+        let loaders = stages
+            .iter()
+            .map(|(_, device)| {
+                // Each stage maps the file on its own, as on its own machine.
+                let (path, config, device) = (file.path().to_path_buf(), config.clone(), *device);
+                Box::new(move |span| {
+                    ModelFile::open(&path).and_then(|file| Stage::load_on(file, span, &config, device))
+                }) as Loader
+            })
+            .collect();
+        LocalRing::start_with(stages.iter().map(|(r, _)| r.clone()).collect(), loaders)
     }
 
     /// [`start`](Self::start) with every stage a tensor-parallel group of `tp` members
-    /// (threads of `config.n_threads` each; see [`Stage::load_tp`]).
+    /// on the CPU (threads of `config.n_threads` each; see [`Stage::load_tp`]).
     pub fn start_tp(
         file: Arc<ModelFile>,
         ranges: &[Range<usize>],
         config: &StageConfig,
         tp: usize,
     ) -> Result<LocalRing, NodeError> {
-        let n = ranges.len();
-        let stages: Vec<Stage> = std::thread::scope(|scope| {
-            let loads: Vec<_> = ranges
-                .iter()
-                .enumerate()
-                .map(|(i, range)| {
-                    let span = StageSpan {
-                        layers: range.clone(),
-                        first: i == 0,
-                        last: i + 1 == n,
-                    };
-                    let path = file.path().to_path_buf();
-                    scope.spawn(move || Stage::load_tp(ModelFile::open(&path)?, span, config, tp))
-                })
-                .collect();
-            loads
-                .into_iter()
-                .map(|h| h.join().expect("stage loader panicked"))
-                .collect::<Result<_, _>>()
-        })?;
-        LocalRing::from_stages(stages, ranges)
+        let loaders = ranges
+            .iter()
+            .map(|_| {
+                let (path, config) = (file.path().to_path_buf(), config.clone());
+                Box::new(move |span| ModelFile::open(&path).and_then(|file| Stage::load_tp(file, span, &config, tp)))
+                    as Loader
+            })
+            .collect();
+        LocalRing::start_with(ranges.to_vec(), loaders)
     }
 
-    /// A ring over stages already loaded (one per range of `ranges`, in order).
+    /// A ring over stages already loaded on the CPU (one per range of `ranges`, in
+    /// order, each loaded with the span its place in the ring gives it).
     pub fn from_stages(stages: Vec<Stage>, ranges: &[Range<usize>]) -> Result<LocalRing, NodeError> {
-        let n = stages.len();
+        if let Some(stage) = stages.iter().find(|s| !s.device().is_cpu()) {
+            return Err(NodeError::Model(ModelError::BadConfig(format!(
+                "a ring of stages loaded elsewhere takes CPU stages only; one is on {:?}",
+                stage.device()
+            ))));
+        }
+        let loaders = stages
+            .into_iter()
+            .map(|stage| Box::new(move |_| Ok(stage)) as Loader)
+            .collect();
+        LocalRing::start_with(ranges.to_vec(), loaders)
+    }
 
+    /// Starts one thread per range, which loads its stage with its loader (given the
+    /// stage's span) and runs it.
+    fn start_with(ranges: Vec<Range<usize>>, loaders: Vec<Loader>) -> Result<LocalRing, NodeError> {
+        let n = ranges.len();
+        if loaders.len() != n {
+            return Err(NodeError::Protocol(format!(
+                "{} stages for {n} layer ranges",
+                loaders.len()
+            )));
+        }
+        // Each stage is loaded, run and dropped on its own thread, so a device's
+        // backend is only ever used by the thread that made it.
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         // Links: head → s0 → s1 → … → s(n-1) → head.
         let (head_tx, mut prev_rx) = local_link("stage 0");
         let mut threads = Vec::new();
-        for (i, stage) in stages.into_iter().enumerate() {
+        for (i, (range, load)) in ranges.iter().zip(loaders).enumerate() {
             let peer = if i + 1 == n {
                 "head".to_string()
             } else {
@@ -74,16 +114,50 @@ impl LocalRing {
             };
             let (tx, next_rx) = local_link(&peer);
             let rx = std::mem::replace(&mut prev_rx, next_rx);
-            let worker = StageWorker::new(stage);
+            let span = StageSpan {
+                layers: range.clone(),
+                first: i == 0,
+                last: i + 1 == n,
+            };
+            let ready = ready_tx.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("stage-{i}"))
                 .spawn(move || {
-                    if let Err(e) = run(worker, rx, tx) {
+                    let stage = match load(span) {
+                        Ok(stage) => stage,
+                        Err(e) => {
+                            let _ = ready.send(Err(NodeError::from(e)));
+                            return;
+                        }
+                    };
+                    let _ = ready.send(Ok(()));
+                    if let Err(e) = run(StageWorker::new(stage), rx, tx) {
                         tracing::debug!(stage = i, error = %e, "stage loop ended");
                     }
                 })
                 .map_err(|e| NodeError::Protocol(format!("cannot start stage thread: {e}")))?;
             threads.push(thread);
+        }
+        drop(ready_tx);
+        let mut failed = None;
+        for _ in 0..n {
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    failed.get_or_insert(e);
+                }
+                Err(_) => {
+                    failed.get_or_insert(NodeError::Protocol("a stage thread ended while loading".into()));
+                }
+            }
+        }
+        if let Some(e) = failed {
+            // Closing the head's ends stops the stages that loaded, one after another.
+            drop((head_tx, prev_rx));
+            for thread in threads {
+                let _ = thread.join();
+            }
+            return Err(e);
         }
         Ok(LocalRing {
             head: Some(Head::new(RingEnds {
@@ -91,7 +165,7 @@ impl LocalRing {
                 rx: Box::new(prev_rx),
             })),
             threads,
-            ranges: ranges.to_vec(),
+            ranges,
         })
     }
 
@@ -111,6 +185,23 @@ impl LocalRing {
     pub fn take_ends(&mut self) -> Option<RingEnds> {
         self.head.take().map(Head::into_ends)
     }
+}
+
+/// A device other than the CPU computes one stage per process: each stage runs on a
+/// thread of its own, stages compute at once when the pipe is full, and ggml's Vulkan
+/// backend is not safe with two threads computing on one device at once
+/// (ggml-org/ggml#1087, ggml-org/llama.cpp#11371). Splitting layers on one device gains
+/// nothing anyway: give it one larger range.
+fn check_one_stage_per_accelerator(stages: &[(Range<usize>, Device)]) -> Result<(), NodeError> {
+    for (i, (_, device)) in stages.iter().enumerate() {
+        if !device.is_cpu() && stages[..i].iter().any(|(_, d)| d == device) {
+            return Err(NodeError::Model(baton_model::ModelError::BadConfig(format!(
+                "{device:?} is given more than one stage; a device other than the CPU computes one \
+                 stage per process (give it one larger layer range)"
+            ))));
+        }
+    }
+    Ok(())
 }
 
 impl Drop for LocalRing {

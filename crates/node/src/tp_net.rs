@@ -293,6 +293,9 @@ fn dial(rank: usize, addr: &str, me: usize, token: Option<&[u8]>, opts: &LinkOpt
         sum: 0,
         values: vec![me as f32],
     })?;
+    // The dial's deadline bounds every read of the link until cleared: a member that
+    // computes for longer than FORM_TIMEOUT after the group formed must not time out.
+    link.set_deadline(None)?;
     link.set_read_timeout(None)?;
     Peer::new(rank, link)
 }

@@ -261,8 +261,8 @@ pub fn partition(cost: &ModelCost, measured: &[NodeOffer]) -> Result<Plan, PlanE
                 used: false,
             });
             // Node i holds layers s..l.
-            for s in 0..l {
-                let Some(prev) = best[i][s] else { continue };
+            for (s, prev) in best[i][..l].iter().enumerate() {
+                let Some(prev) = *prev else { continue };
                 if cost.stage_bytes(&(s..l)) > node.memory {
                     continue;
                 }
@@ -509,6 +509,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::type_complexity)] // a table: (name, model, nodes, expected ranges, head)
     fn partition_table() {
         let big = 10_000;
         let cases: Vec<(&str, ModelCost, Vec<NodeOffer>, Vec<(usize, Range<usize>)>, usize)> = vec![

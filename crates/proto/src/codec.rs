@@ -53,7 +53,7 @@
 //! | 8    | TensorChunk  | index u32, offset u64, data bytes                                        |
 //! | 9    | Loaded       | resident u64, received u64                                               |
 //! | 10   | StartSeq     | seq u32, keep u32, params: SamplingParams, history [u32],                |
-//! |      |              | top_logprobs u8, logprobs bool, drawn u32                                |
+//! |      |              | top_logprobs u8, logprobs bool, drawn u32, grammar opt<str>              |
 //! | 11   | TruncateSeq  | seq u32, len u32                                                         |
 //! | 12   | EndSeq       | seq u32                                                                  |
 //! | 13   | Forward      | step u64, payload: Payload, positions [i32], seq_ids [u32],              |
@@ -61,7 +61,8 @@
 //! | 14   | Sampled      | step u64, tokens [SampledToken]                                          |
 //! | 15   | Done         | (empty)                                                                  |
 //! | 16   | Error        | first_layer u32, message str                                             |
-//! | 17   | Stats        | resident [u64], kv_used [u32]                                            |
+//! | 17   | Stats        | resident [u64], kv_used [u32], busy_us [u64], rows [u64],                |
+//! |      |              | link_sent [u64]                                                          |
 //! | 18   | Shutdown     | (empty)                                                                  |
 //! | 19   | Ping         | timeout_ms u32, session u64                                              |
 //! | 20   | Pong         | (empty)                                                                  |

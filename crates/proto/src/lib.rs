@@ -21,7 +21,10 @@ use baton_sample::SamplingParams;
 /// 4: `Refused` carries a [`RefusalCode`]; a version refusal follows the server's `Hello`.
 /// 5: after a handshake with a token every frame is sealed ([`auth::FrameSeal`]);
 /// `Capabilities` names the head's session and `Ping` the session it watches.
-pub const PROTOCOL_VERSION: u32 = 5;
+/// 6: `StartSeq` carries an optional grammar; `Stats` carries each stage's busy time,
+/// computed rows and bytes sent to the next hop.
+/// 7: `Partial` (kind 21), the slices tensor-parallel members exchange.
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -318,6 +321,10 @@ pub enum Message {
         /// Random draws the sequence's sampler already made (it skips them): a
         /// sequence rebuilt after a node was lost continues the same random stream.
         drawn: u32,
+        /// GBNF grammar the generated text must follow (the last stage masks every
+        /// token it does not allow); the last `drawn` tokens of `history` were already
+        /// generated under it.
+        grammar: Option<String>,
     },
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
@@ -333,9 +340,17 @@ pub enum Message {
     /// stage is named by the first (global) layer it holds, which every node knows
     /// without knowing the ring's order.
     Error { first_layer: u32, message: String },
-    /// Each stage appends its resident bytes and the KV cache cells in use and passes the
-    /// message on; the head gets one entry per stage, in ring order.
-    Stats { resident: Vec<u64>, kv_used: Vec<u32> },
+    /// Each stage appends its resident bytes, the KV cache cells in use, the
+    /// microseconds it has spent computing, the token rows it has computed and the bytes
+    /// it has sent to the next hop, and passes the message on; the head gets one entry
+    /// per stage in each list, in ring order.
+    Stats {
+        resident: Vec<u64>,
+        kv_used: Vec<u32>,
+        busy_us: Vec<u64>,
+        rows: Vec<u64>,
+        link_sent: Vec<u64>,
+    },
     /// Stop the stage's loop.
     Shutdown,
 
@@ -367,6 +382,7 @@ pub struct StartSeq {
     top_logprobs: u8,
     logprobs: bool,
     drawn: u32,
+    grammar: Option<String>,
 }
 
 impl StartSeq {
@@ -381,6 +397,7 @@ impl StartSeq {
             top_logprobs: 0,
             logprobs: false,
             drawn: 0,
+            grammar: None,
         }
     }
 
@@ -402,6 +419,12 @@ impl StartSeq {
         self.drawn = drawn;
         self
     }
+
+    /// Constrains the generated text to a GBNF grammar.
+    pub fn with_grammar(mut self, grammar: Option<String>) -> StartSeq {
+        self.grammar = grammar;
+        self
+    }
 }
 
 impl From<StartSeq> for Message {
@@ -414,6 +437,7 @@ impl From<StartSeq> for Message {
             top_logprobs: s.top_logprobs,
             logprobs: s.logprobs,
             drawn: s.drawn,
+            grammar: s.grammar,
         }
     }
 }

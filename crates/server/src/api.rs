@@ -5,11 +5,11 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{to_bytes, Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -20,9 +20,11 @@ use baton_node::engine::{Draft, DraftMode, Engine, Event, FinishReason, Health, 
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+use crate::metrics::{Outcome, Timing};
 use crate::openai::{ErrorBody, ErrorDetail, PromptTokensDetails, Usage};
 use crate::request::{self, CompletionPrompt, Generation};
-use crate::template::ChatTemplate;
+use crate::template::{ChatMessage, ChatTemplate};
+use crate::tools::{self, Out, ToolChoice, ToolFormat, ToolParser};
 
 /// How the API behaves.
 #[derive(Clone, Debug)]
@@ -37,6 +39,32 @@ pub struct ServerConfig {
     pub draft: Draft,
     /// Whether the engine has a draft model (`--draft-model`).
     pub has_draft_model: bool,
+    /// Longest a client may take to send a request body.
+    pub body_timeout: Duration,
+    /// The server listens on loopback only: requests must name a loopback host (a web
+    /// page that rebinds its own name to 127.0.0.1 must not reach a keyless server).
+    pub loopback: bool,
+    /// Origins besides the server's own whose pages may call a keyless server.
+    pub allowed_origins: Vec<String>,
+    /// Prompts rendered and tokenized at once, off the async threads.
+    pub prepare_concurrency: usize,
+}
+
+impl ServerConfig {
+    /// A configuration with the defaults `baton serve` uses.
+    pub fn new(model_id: String) -> ServerConfig {
+        ServerConfig {
+            model_id,
+            api_key: None,
+            max_body: 8 << 20,
+            draft: Draft::OFF,
+            has_draft_model: false,
+            body_timeout: Duration::from_secs(30),
+            loopback: true,
+            allowed_origins: Vec::new(),
+            prepare_concurrency: 2,
+        }
+    }
 }
 
 /// Everything the handlers share.
@@ -47,12 +75,56 @@ pub struct AppState {
     config: ServerConfig,
     created: u64,
     next_id: AtomicU64,
+    /// How the model writes tool calls (from its template).
+    tool_format: ToolFormat,
+    /// Mistral's `[TOOL_CALLS]` control token, if the vocabulary has one.
+    tool_calls_token: Option<u32>,
+    /// Mistral's tool-call markers that are control tokens: shown in the output when
+    /// tools are offered, so that the parser sees them.
+    tool_markers: Vec<u32>,
+    /// Bounds prompt preparation ([`AppState::off_runtime`]).
+    prepare_permits: tokio::sync::Semaphore,
+    /// Longest text one token stands for, special tokens included.
+    max_token_bytes: usize,
+    /// Texts of control tokens (`<|im_start|>`), which typed content must not become.
+    control_texts: Vec<String>,
+    /// Prometheus figures the server keeps itself.
+    pub(crate) metrics: crate::metrics::Metrics,
 }
 
 impl AppState {
     /// Serves `engine`'s model; `vocab` tokenizes, `template` renders chats.
     pub fn new(engine: Engine, vocab: Arc<LlamaModel>, template: ChatTemplate, config: ServerConfig) -> AppState {
+        let tool_format = ToolFormat::detect(template.source());
+        let control = |text: &str| {
+            vocab
+                .tokenize(text, false, true)
+                .ok()
+                .filter(|t| t.len() == 1 && vocab.token_bytes(t[0], false).is_empty())
+                .map(|t| t[0])
+        };
+        let tool_calls_token = control("[TOOL_CALLS]");
+        let tool_markers = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
+            .iter()
+            .filter_map(|m| control(m))
+            .collect();
+        let mut max_token_bytes = 1;
+        let mut control_texts = Vec::new();
+        for token in 0..vocab.n_vocab() as u32 {
+            let special = vocab.token_bytes(token, true);
+            max_token_bytes = max_token_bytes.max(special.len());
+            if !special.is_empty() && vocab.token_bytes(token, false).is_empty() {
+                control_texts.push(String::from_utf8_lossy(&special).into_owned());
+            }
+        }
         AppState {
+            tool_format,
+            tool_calls_token,
+            tool_markers,
+            prepare_permits: tokio::sync::Semaphore::new(config.prepare_concurrency.max(1)),
+            max_token_bytes,
+            control_texts,
+            metrics: crate::metrics::Metrics::default(),
             engine,
             vocab,
             template,
@@ -60,6 +132,124 @@ impl AppState {
             created: unix_time(),
             next_id: AtomicU64::new(1),
         }
+    }
+
+    /// The engine.
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Runs `work` (template rendering, tokenizing: CPU work that scales with the
+    /// request) on the blocking pool, at most `prepare_permits` at once, so that large
+    /// prompts cannot stall the threads that serve every other connection.
+    async fn off_runtime<T: Send + 'static>(
+        self: &Arc<Self>,
+        work: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let _permit = self
+            .prepare_permits
+            .acquire()
+            .await
+            .map_err(|_| ApiError::server("the server is stopping"))?;
+        let state = self.clone();
+        tokio::task::spawn_blocking(move || work(&state))
+            .await
+            .map_err(|e| ApiError::server(format!("preparing the prompt failed: {e}")))?
+    }
+
+    /// Refuses, before any tokenizing, text that cannot fit a slot: no token stands for
+    /// more than `max_token_bytes` bytes, so `bytes` of text are at least that many
+    /// tokens.
+    fn check_size(&self, bytes: usize, param: &'static str) -> Result<(), ApiError> {
+        let slot_ctx = self.engine.slot_ctx();
+        let most = slot_ctx.saturating_mul(self.max_token_bytes.max(1));
+        if bytes > most {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("context_length_exceeded"),
+                format!(
+                    "the prompt is {bytes} bytes: at least {} tokens (no token is longer than {} bytes), \
+                     and this model's context per sequence is {slot_ctx} tokens",
+                    bytes.div_ceil(self.max_token_bytes.max(1)),
+                    self.max_token_bytes
+                ),
+            )
+            .param(param));
+        }
+        Ok(())
+    }
+
+    /// The prompt tokens of a chat. Only the template's own special tokens are special:
+    /// text a client typed that reads like one (`<|im_start|>`) is tokenized as text.
+    fn chat_prompt(&self, messages: &[ChatMessage], tools: Option<&[Value]>) -> Result<Vec<u32>, ApiError> {
+        let refused = |e: crate::template::TemplateError| {
+            ApiError::invalid(format!("the chat template refused the messages: {e}")).param("messages")
+        };
+        let typed = messages
+            .iter()
+            .any(|m| self.control_texts.iter().any(|c| m.content.contains(c.as_str())));
+        if !typed {
+            // The common case, tokenized exactly as before: the whole text at once.
+            let rendered = self
+                .template
+                .render_with_tools(messages, tools, true)
+                .map_err(refused)?;
+            return self.tokenize_rendered(&rendered, true);
+        }
+        // Mark each content with private-use characters, render, then tokenize content
+        // without special-token parsing and the template's text with it.
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| {
+                let clean: String = m
+                    .content
+                    .chars()
+                    .filter(|&c| c != CONTENT_OPEN && c != CONTENT_CLOSE)
+                    .collect();
+                ChatMessage {
+                    content: format!("{CONTENT_OPEN}{clean}{CONTENT_CLOSE}"),
+                    ..m.clone()
+                }
+            })
+            .collect();
+        let rendered = self.template.render_with_tools(&marked, tools, true).map_err(refused)?;
+        let mut tokens = Vec::new();
+        for (i, part) in rendered.split([CONTENT_OPEN, CONTENT_CLOSE]).enumerate() {
+            if part.is_empty() {
+                continue;
+            }
+            let first = tokens.is_empty();
+            let piece = match (i % 2 == 1, first) {
+                (false, true) => self.tokenize_rendered(part, true)?,
+                (false, false) => self.tokenize_plain(part, false, true)?,
+                (true, first) => self.tokenize_plain(part, first, false)?,
+            };
+            tokens.extend(piece);
+        }
+        Ok(tokens)
+    }
+
+    fn tokenize_plain(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>, ApiError> {
+        self.vocab
+            .tokenize(text, add_special, parse_special)
+            .map_err(|e| ApiError::invalid(e.to_string()))
+    }
+
+    /// Tokenizes rendered template text (special tokens parsed), without the second
+    /// BOS a template that writes `bos_token` would otherwise get.
+    fn tokenize_rendered(&self, rendered: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
+        let bos = self
+            .vocab
+            .bos_token()
+            .map(|t| String::from_utf8_lossy(&self.vocab.token_bytes(t, true)).into_owned());
+        let text = match bos {
+            Some(bos) if self.vocab.adds_bos() && !bos.is_empty() => rendered.strip_prefix(&bos).unwrap_or(rendered),
+            _ => rendered,
+        };
+        self.vocab
+            .tokenize(text, add_special, true)
+            .map_err(|e| ApiError::invalid(e.to_string()))
     }
 
     fn new_id(&self, prefix: &str) -> String {
@@ -74,14 +264,19 @@ impl AppState {
 /// The routes.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
+        .route("/", get(crate::page::index))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/stats", get(stats))
+        .route("/metrics", get(crate::metrics::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
 }
 
@@ -174,11 +369,71 @@ impl From<SubmitError> for ApiError {
     }
 }
 
+/// Keeps web pages from driving a keyless server: on loopback the `Host` must be a
+/// loopback name (DNS rebinding gives an attacker's name), and a request that a browser
+/// marks with an `Origin` must come from the server's own page or an allowed origin
+/// (a form or `fetch` from another site). With an API key neither applies: a page
+/// cannot send the key.
+async fn guard(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    if state.config.api_key.is_some() {
+        return next.run(request).await;
+    }
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| request.uri().authority().map(|a| a.as_str()))
+        .unwrap_or_default()
+        .to_string();
+    let forbidden = |message: String| {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            Some("forbidden"),
+            message,
+        )
+        .into_response()
+    };
+    if state.config.loopback && !is_loopback_host(&host) {
+        return forbidden(format!(
+            "Host '{host}' is not a loopback name: this server answers requests for localhost only"
+        ));
+    }
+    if let Some(origin) = request.headers().get(header::ORIGIN) {
+        let origin = origin.to_str().unwrap_or("null").trim_end_matches('/');
+        let own = [format!("http://{host}"), format!("https://{host}")];
+        let allowed = own.iter().any(|o| o == origin) || state.config.allowed_origins.iter().any(|o| o == origin);
+        if !allowed {
+            return forbidden(format!(
+                "requests from pages at {origin} are not allowed (serve with --api-key, or --allow-origin {origin})"
+            ));
+        }
+    }
+    next.run(request).await
+}
+
+/// `localhost`, `127.x.y.z` or `[::1]`, with or without a port.
+fn is_loopback_host(host: &str) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        rest.split(']').next().unwrap_or_default()
+    } else {
+        host.rsplit_once(':').map_or(host, |(name, port)| {
+            if port.chars().all(|c| c.is_ascii_digit()) {
+                name
+            } else {
+                host
+            }
+        })
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Every path but the page itself needs the key, when there is one.
 async fn authenticate(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let Some(key) = state.config.api_key.as_deref() else {
         return next.run(request).await;
     };
-    if !request.uri().path().starts_with("/v1/") {
+    if request.uri().path() == "/" {
         return next.run(request).await;
     }
     let given = request
@@ -228,10 +483,78 @@ async fn method_not_allowed(request: Request) -> ApiError {
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let slot_ctx = state.engine.slot_ctx();
     Json(json!({
         "object": "list",
-        "data": [{ "id": state.config.model_id, "object": "model", "created": state.created, "owned_by": "baton" }],
+        "data": [{
+            "id": state.config.model_id,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "baton",
+            // Tokens one request may hold (prompt plus generated): the cache per slot.
+            "context_length": slot_ctx,
+            "meta": { "slot_ctx": slot_ctx, "n_vocab": state.vocab.n_vocab() },
+        }],
     }))
+}
+
+/// `POST /tokenize {"content", "add_special"?, "parse_special"?, "with_pieces"?}`, as
+/// llama.cpp's server answers it: `{"tokens": [...]}` (or `[{"id", "piece"}]`).
+async fn tokenize(State(state): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct TokenizeRequest {
+        content: String,
+        #[serde(default)]
+        add_special: bool,
+        #[serde(default = "yes")]
+        parse_special: bool,
+        #[serde(default)]
+        with_pieces: bool,
+    }
+    fn yes() -> bool {
+        true
+    }
+    let body = read_body(&state, body).await?;
+    let req: TokenizeRequest = request::parse_json(&body)?;
+    state.check_size(req.content.len(), "content")?;
+    let tokens = state
+        .off_runtime(move |state| {
+            let tokens = state.tokenize_plain(&req.content, req.add_special, req.parse_special)?;
+            Ok(if req.with_pieces {
+                json!(tokens
+                    .iter()
+                    .map(|&id| {
+                        let bytes = state.vocab.token_bytes(id, true);
+                        match String::from_utf8(bytes) {
+                            Ok(piece) => json!({ "id": id, "piece": piece }),
+                            Err(e) => json!({ "id": id, "piece": e.into_bytes() }),
+                        }
+                    })
+                    .collect::<Vec<_>>())
+            } else {
+                json!(tokens)
+            })
+        })
+        .await?;
+    Ok(Json(json!({ "tokens": tokens })))
+}
+
+/// `POST /detokenize {"tokens": [...]}` → `{"content"}` (special tokens as text).
+async fn detokenize(State(state): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct DetokenizeRequest {
+        tokens: Vec<u32>,
+    }
+    let body = read_body(&state, body).await?;
+    let req: DetokenizeRequest = request::parse_json(&body)?;
+    let n_vocab = state.vocab.n_vocab();
+    if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= n_vocab) {
+        return Err(ApiError::invalid(format!("token {bad} is outside the vocabulary of {n_vocab}")).param("tokens"));
+    }
+    let content = state
+        .off_runtime(move |state| Ok(state.vocab.detokenize(&req.tokens, true)))
+        .await?;
+    Ok(Json(json!({ "content": content })))
 }
 
 /// `ok` (200) while a ring computes, with its stages and the workers lost from it;
@@ -273,6 +596,10 @@ async fn stats(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiErr
         .map_err(ApiError::server)?;
     let c = state.engine.counters();
     let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
+    let names = match state.engine.health() {
+        Health::Serving { stages, .. } => stages,
+        _ => Vec::new(),
+    };
     Ok(Json(json!({
         "prompt_tokens_computed": load(&c.prompt_tokens_computed),
         "prompt_tokens_reused": load(&c.prompt_tokens_reused),
@@ -286,14 +613,35 @@ async fn stats(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiErr
         "draft_tokens": c.draft_tokens.load(Ordering::Relaxed),
         "draft_accepted": c.draft_accepted.load(Ordering::Relaxed),
         "slot_ctx": state.engine.slot_ctx(),
-        "stages": stages.resident.iter().zip(&stages.kv_used)
-            .map(|(resident, kv)| json!({ "resident_bytes": resident, "kv_cells_used": kv }))
+        "round_trip_seconds": load(&c.round_trip_us) as f64 / 1e6,
+        "workers_lost": load(&c.workers_lost),
+        "workers_returned": load(&c.workers_returned),
+        "stages": stages.resident.iter().enumerate()
+            .map(|(i, resident)| json!({
+                "name": names.get(i),
+                "resident_bytes": resident,
+                "kv_cells_used": stages.kv_used.get(i),
+                "busy_seconds": stages.busy_us.get(i).map(|&us| us as f64 / 1e6),
+                "rows": stages.rows.get(i),
+                "link_bytes_sent": stages.link_sent.get(i),
+            }))
             .collect::<Vec<_>>(),
     })))
 }
 
 async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
-    to_bytes(body, state.config.max_body).await.map_err(|_| {
+    let timeout = state.config.body_timeout;
+    let read = tokio::time::timeout(timeout, to_bytes(body, state.config.max_body))
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                Some("request_timeout"),
+                format!("the request body did not arrive within {} s", timeout.as_secs_f32()),
+            )
+        })?;
+    read.map_err(|_| {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
@@ -335,6 +683,8 @@ fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result
         top_logprobs: generation.top_logprobs,
         stop: generation.stop,
         draft,
+        grammar: generation.grammar,
+        show: Vec::new(),
         events: tx,
     };
     Ok(Prepared {
@@ -345,44 +695,103 @@ fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result
     })
 }
 
+/// Marks a message's content in rendered text (Unicode private use: never in a
+/// template, and removed from content where a client sent it).
+const CONTENT_OPEN: char = '\u{F8F0}';
+const CONTENT_CLOSE: char = '\u{F8F1}';
+
 fn unix_time() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-async fn chat(State(state): State<Arc<AppState>>, _headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let body = read_body(&state, body).await?;
-    let req = request::chat(&body, &state.config.model_id)?;
-    let rendered = state
-        .template
-        .render(&req.messages, true)
-        .map_err(|e| ApiError::invalid(format!("the chat template refused the messages: {e}")).param("messages"))?;
-    // The template writes the BOS text itself where the model wants it; the tokenizer
-    // would add a second one.
-    let bos = state
-        .vocab
-        .bos_token()
-        .map(|t| String::from_utf8_lossy(&state.vocab.token_bytes(t, true)).into_owned());
-    let text = match bos {
-        Some(bos) if state.vocab.adds_bos() && !bos.is_empty() => rendered.strip_prefix(&bos).unwrap_or(&rendered),
-        _ => &rendered,
-    };
-    let prompt = state
-        .vocab
-        .tokenize(text, true, true)
-        .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let logprobs = req.generation.logprobs;
-    let prepared = prepare(&state, req.generation, prompt)?;
-    respond(state, prepared, Kind::Chat, logprobs).await
+async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
+    let result = chat_inner(state.clone(), body, Instant::now()).await;
+    record_refusal(&state, "chat", &result);
+    result
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
+    let result = completions_inner(state.clone(), body, Instant::now()).await;
+    record_refusal(&state, "completions", &result);
+    result
+}
+
+/// Counts a request that ended in an error response (the others count where they end).
+fn record_refusal(state: &AppState, endpoint: &str, result: &Result<Response, ApiError>) {
+    if let Err(e) = result {
+        let outcome = if e.status.is_client_error() {
+            Outcome::ClientError
+        } else {
+            Outcome::ServerError
+        };
+        state.metrics.request(endpoint, outcome);
+    }
+}
+
+async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Result<Response, ApiError> {
+    let body = read_body(&state, body).await?;
+    let mut req = request::chat(&body, &state.config.model_id)?;
+    let offer_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
+    // A template that knows nothing of tools gets them described in a system message,
+    // in the format the parser reads.
+    let (format, template_tools) = match (offer_tools, state.template.renders_tools()) {
+        (false, _) => (state.tool_format, None),
+        (true, true) => (state.tool_format, Some(req.tools.as_slice())),
+        (true, false) => {
+            let instructions = tools::instructions(&req.tools);
+            match req.messages.first_mut() {
+                Some(first) if first.role == "system" => {
+                    first.content = format!("{}\n\n{instructions}", first.content);
+                }
+                _ => req.messages.insert(0, ChatMessage::new("system", instructions)),
+            }
+            (ToolFormat::Hermes, None)
+        }
+    };
+    let forced = match &req.tool_choice {
+        ToolChoice::Required => Some(req.functions.clone()),
+        ToolChoice::Function(name) => Some(req.functions.iter().filter(|f| &f.name == name).cloned().collect()),
+        ToolChoice::Auto | ToolChoice::None => None,
+    };
+    if let Some(functions) = forced {
+        let parallel = req.parallel_tool_calls && matches!(req.tool_choice, ToolChoice::Required);
+        let grammar = tools::forced_grammar(format, &functions, parallel, state.tool_calls_token)?;
+        request::check_grammar(&grammar).map_err(|e| e.param("tools"))?;
+        req.generation.grammar = Some(grammar);
+    }
+    let parser = ToolParser::active(format, offer_tools).then(|| ToolParser::new(format, offer_tools));
+    // What the prompt holds at least: every message's text, and the tools it shows.
+    let content_bytes: usize = req.messages.iter().map(|m| m.content.len()).sum::<usize>()
+        + template_tools.map_or(0, |tools| tools.iter().map(|t| t.to_string().len()).sum());
+    state.check_size(content_bytes, "messages")?;
+    let tools = template_tools.map(<[Value]>::to_vec);
+    let messages = std::mem::take(&mut req.messages);
+    let prompt = state
+        .off_runtime(move |state| state.chat_prompt(&messages, tools.as_deref()))
+        .await?;
+    let logprobs = req.generation.logprobs;
+    let mut prepared = prepare(&state, req.generation, prompt)?;
+    if offer_tools && format == ToolFormat::Mistral {
+        prepared.job.show = state.tool_markers.clone();
+    }
+    respond(state, prepared, Kind::Chat, logprobs, parser, arrived).await
+}
+
+async fn completions_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Result<Response, ApiError> {
     let body = read_body(&state, body).await?;
     let req = request::completion(&body, &state.config.model_id, state.vocab.n_vocab())?;
     let prompt = match req.prompt {
-        CompletionPrompt::Text(text) => state
-            .vocab
-            .tokenize(&text, true, true)
-            .map_err(|e| ApiError::invalid(e.to_string()))?,
+        CompletionPrompt::Text(text) => {
+            state.check_size(text.len(), "prompt")?;
+            state
+                .off_runtime(move |state| {
+                    state
+                        .vocab
+                        .tokenize(&text, true, true)
+                        .map_err(|e| ApiError::invalid(e.to_string()))
+                })
+                .await?
+        }
         CompletionPrompt::Tokens(tokens) => tokens,
     };
     if prompt.is_empty() {
@@ -390,7 +799,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
     }
     let logprobs = req.generation.logprobs;
     let prepared = prepare(&state, req.generation, prompt)?;
-    respond(state, prepared, Kind::Completion, logprobs).await
+    respond(state, prepared, Kind::Completion, logprobs, None, arrived).await
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -399,7 +808,14 @@ enum Kind {
     Completion,
 }
 
-async fn respond(state: Arc<AppState>, prepared: Prepared, kind: Kind, logprobs: bool) -> Result<Response, ApiError> {
+async fn respond(
+    state: Arc<AppState>,
+    prepared: Prepared,
+    kind: Kind,
+    logprobs: bool,
+    parser: Option<ToolParser>,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
     let Prepared {
         job,
         events,
@@ -414,33 +830,50 @@ async fn respond(state: Arc<AppState>, prepared: Prepared, kind: Kind, logprobs:
         kind,
         logprobs,
         created: unix_time(),
+        timing: Timing::new(arrived),
     };
     if stream {
         let stream = SseStream {
             writer,
+            parser,
             events,
             queue: VecDeque::new(),
             include_usage,
             started: false,
             done: false,
+            calls_sent: 0,
         };
         let body = futures_util::stream::unfold(stream, |mut s| async move { s.next().await.map(|e| (e, s)) });
         return Ok(Sse::new(body).keep_alive(KeepAlive::default()).into_response());
     }
     let mut events = events;
+    let mut writer = writer;
     let mut text = String::new();
     let mut tokens = Vec::new();
     while let Some(event) = events.recv().await {
         match event {
             Event::Token(token) => {
+                writer.token_arrived();
                 text.push_str(&token.text);
                 tokens.push(token);
             }
             Event::Finished(finish) => {
                 text.push_str(&finish.tail);
                 let usage = usage(&finish);
-                let reason = finish_reason(finish.reason);
-                return Ok(Json(writer.whole(&text, &tokens, reason, usage)).into_response());
+                let mut reason = finish_reason(finish.reason);
+                let message = match parser {
+                    Some(mut parser) => {
+                        let mut outs = parser.push(&text);
+                        outs.extend(parser.finish());
+                        if parser.n_calls > 0 {
+                            reason = "tool_calls";
+                        }
+                        writer.message(&outs)
+                    }
+                    None => json!({ "role": "assistant", "content": text }),
+                };
+                writer.record(Outcome::Ok);
+                return Ok(Json(writer.whole(&text, message, &tokens, reason, usage)).into_response());
             }
             Event::Failed(reason) => return Err(ApiError::server(reason)),
         }
@@ -473,9 +906,25 @@ struct Writer {
     kind: Kind,
     logprobs: bool,
     created: u64,
+    timing: Timing,
 }
 
 impl Writer {
+    fn endpoint(&self) -> &'static str {
+        match self.kind {
+            Kind::Chat => "chat",
+            Kind::Completion => "completions",
+        }
+    }
+
+    fn record(&self, outcome: Outcome) {
+        self.state.metrics.request(self.endpoint(), outcome);
+    }
+
+    fn token_arrived(&mut self) {
+        self.timing.token(&self.state.metrics);
+    }
+
     fn token_text(&self, id: u32) -> String {
         String::from_utf8_lossy(&self.state.vocab.token_bytes(id, false)).into_owned()
     }
@@ -527,13 +976,54 @@ impl Writer {
         &self.state.config.model_id
     }
 
-    /// A whole (non-streamed) response.
-    fn whole(&self, text: &str, tokens: &[TokenOut], reason: &str, usage: Usage) -> Value {
+    /// A tool call as OpenAI writes it; `index` counts the request's calls.
+    fn tool_call(&self, index: usize, call: &tools::ToolCall) -> Value {
+        json!({
+            "index": index,
+            "id": format!("call_{}_{index}", self.id.rsplit('-').next().unwrap_or_default()),
+            "type": "function",
+            "function": { "name": call.name, "arguments": call.arguments },
+        })
+    }
+
+    /// The assistant message for what the tool parser released.
+    fn message(&self, outs: &[Out]) -> Value {
+        let mut content = String::new();
+        let mut reasoning = String::new();
+        let mut calls = Vec::new();
+        for out in outs {
+            match out {
+                Out::Content(text) => content.push_str(text),
+                Out::Reasoning(text) => reasoning.push_str(text),
+                Out::Call(call) => {
+                    let mut call = self.tool_call(calls.len(), call);
+                    if let Some(object) = call.as_object_mut() {
+                        object.remove("index");
+                    }
+                    calls.push(call);
+                }
+            }
+        }
+        let mut message = json!({ "role": "assistant", "content": content });
+        if !calls.is_empty() {
+            if content.is_empty() {
+                message["content"] = Value::Null;
+            }
+            message["tool_calls"] = Value::Array(calls);
+        }
+        if !reasoning.is_empty() {
+            message["reasoning_content"] = json!(reasoning);
+        }
+        message
+    }
+
+    /// A whole (non-streamed) response; `message` is the chat message to send.
+    fn whole(&self, text: &str, message: Value, tokens: &[TokenOut], reason: &str, usage: Usage) -> Value {
         let logprobs = self.logprobs_value(tokens, 0);
         let choice = match self.kind {
             Kind::Chat => json!({
                 "index": 0,
-                "message": { "role": "assistant", "content": text },
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": reason,
             }),
@@ -595,11 +1085,24 @@ impl Writer {
 /// Engine events turned into server-sent events.
 struct SseStream {
     writer: Writer,
+    /// Separates tool calls (and gpt-oss channels) from content.
+    parser: Option<ToolParser>,
     events: UnboundedReceiver<Event>,
     queue: VecDeque<SseEvent>,
     include_usage: bool,
     started: bool,
     done: bool,
+    /// Tool calls streamed so far.
+    calls_sent: usize,
+}
+
+impl Drop for SseStream {
+    /// A stream dropped before its end: the client went away.
+    fn drop(&mut self) {
+        if !self.done {
+            self.writer.record(Outcome::Cancelled);
+        }
+    }
 }
 
 impl SseStream {
@@ -617,8 +1120,32 @@ impl SseStream {
                     let error = ApiError::server("the engine stopped before the request finished").body;
                     self.push(&serde_json::to_value(error).unwrap_or_default());
                     self.done = true;
+                    self.writer.record(Outcome::ServerError);
                 }
             }
+        }
+    }
+
+    /// Chunks for what the tool parser released; `logprobs`: the token's, sent with
+    /// the first chunk (or alone when nothing was released).
+    fn push_outs(&mut self, outs: Vec<Out>, mut logprobs: Option<&[TokenOut]>) {
+        for out in outs {
+            let tokens = logprobs.take().unwrap_or(&[]);
+            let mut chunk = self.writer.chunk(None, false, tokens, 0, None);
+            let delta = &mut chunk["choices"][0]["delta"];
+            match out {
+                Out::Content(text) => delta["content"] = json!(text),
+                Out::Reasoning(text) => delta["reasoning_content"] = json!(text),
+                Out::Call(call) => {
+                    delta["tool_calls"] = json!([self.writer.tool_call(self.calls_sent, &call)]);
+                    self.calls_sent += 1;
+                }
+            }
+            self.push(&chunk);
+        }
+        if let Some(tokens) = logprobs {
+            let chunk = self.writer.chunk(Some(""), false, tokens, 0, None);
+            self.push(&chunk);
         }
     }
 
@@ -638,6 +1165,13 @@ impl SseStream {
         self.start();
         match event {
             Event::Token(token) => {
+                self.writer.token_arrived();
+                if let Some(parser) = self.parser.as_mut() {
+                    let outs = parser.push(&token.text);
+                    let logprobs = self.writer.logprobs.then(|| std::slice::from_ref(&token));
+                    self.push_outs(outs, logprobs);
+                    return;
+                }
                 if token.text.is_empty() && !self.writer.logprobs {
                     return;
                 }
@@ -647,13 +1181,19 @@ impl SseStream {
                 self.push(&chunk);
             }
             Event::Finished(finish) => {
-                if !finish.tail.is_empty() {
+                let mut reason = finish_reason(finish.reason);
+                if let Some(parser) = self.parser.as_mut() {
+                    let mut outs = parser.push(&finish.tail);
+                    outs.extend(parser.finish());
+                    if parser.n_calls > 0 {
+                        reason = "tool_calls";
+                    }
+                    self.push_outs(outs, None);
+                } else if !finish.tail.is_empty() {
                     let chunk = self.writer.chunk(Some(&finish.tail), false, &[], 0, None);
                     self.push(&chunk);
                 }
-                let last = self
-                    .writer
-                    .chunk(None, false, &[], 0, Some(finish_reason(finish.reason)));
+                let last = self.writer.chunk(None, false, &[], 0, Some(reason));
                 self.push(&last);
                 if self.include_usage {
                     let usage = self.writer.usage_chunk(usage(&finish));
@@ -661,11 +1201,13 @@ impl SseStream {
                 }
                 self.queue.push_back(SseEvent::default().data("[DONE]"));
                 self.done = true;
+                self.writer.record(Outcome::Ok);
             }
             Event::Failed(reason) => {
                 let error = ApiError::server(reason).body;
                 self.push(&serde_json::to_value(error).unwrap_or_default());
                 self.done = true;
+                self.writer.record(Outcome::ServerError);
             }
         }
     }

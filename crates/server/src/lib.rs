@@ -3,8 +3,12 @@
 #![deny(unsafe_code)]
 
 mod api;
+pub mod listen;
+mod metrics;
 mod openai;
+mod page;
 pub mod request;
 pub mod template;
+pub mod tools;
 
 pub use api::{router, ApiError, AppState, ServerConfig};

@@ -1,6 +1,7 @@
 //! The request and response shapes of OpenAI's API, as far as baton serves them.
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 /// `stop`: one string or several.
 #[derive(Clone, Debug, Deserialize)]
@@ -98,6 +99,12 @@ pub struct MessageIn {
     pub role: String,
     /// Its content (may be null for assistant messages with tool calls).
     pub content: Option<Content>,
+    /// An assistant message's calls: `{"id", "type": "function", "function": {"name", "arguments"}}`.
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// A `tool` message: the function's name (older clients).
+    pub name: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -110,6 +117,14 @@ pub struct ChatRequest {
     pub logprobs: bool,
     /// And this many alternatives per token (0..=20).
     pub top_logprobs: Option<u8>,
+    /// Functions the model may call: `{"type": "function", "function": {"name", "description", "parameters"}}`.
+    pub tools: Option<Vec<Value>>,
+    /// `"auto"`, `"none"`, `"required"` or `{"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<Value>,
+    /// Whether several calls may come in one answer (default true).
+    pub parallel_tool_calls: Option<bool>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema", …}}`.
+    pub response_format: Option<Value>,
     /// Shared fields.
     #[serde(flatten)]
     pub sampling: Sampling,

@@ -4,14 +4,20 @@
 //! and fuzzed (`fuzz/fuzz_targets/http_body.rs`), without loading one.
 
 use axum::http::StatusCode;
+use baton_grammar::{schema, Grammar};
 use baton_node::engine::draft::MAX_DRAFT;
 use baton_node::engine::{DraftMode, SubmitError};
 use baton_sample::SamplingParams;
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 use crate::api::ApiError;
 use crate::openai::{ChatRequest, CompletionRequest, Content, Prompt, Sampling};
 use crate::template::ChatMessage;
+use crate::tools::{self, Function, ToolChoice};
+
+/// Longest grammar a request may bring (it travels to the last stage in `StartSeq`).
+pub const MAX_GRAMMAR: usize = 60 << 10;
 
 /// What a request asks of generation, checked.
 #[derive(Clone, Debug, PartialEq)]
@@ -34,6 +40,8 @@ pub struct Generation {
     pub draft: Option<DraftMode>,
     /// Most drafted tokens per step, if the request says.
     pub draft_max: Option<usize>,
+    /// GBNF grammar the output must follow (`response_format`), checked.
+    pub grammar: Option<String>,
 }
 
 /// A checked `POST /v1/chat/completions`.
@@ -41,6 +49,14 @@ pub struct Generation {
 pub struct Chat {
     /// The conversation, at least one message, as the chat template sees it.
     pub messages: Vec<ChatMessage>,
+    /// The tools as the client sent them (for the template).
+    pub tools: Vec<Value>,
+    /// The same, checked.
+    pub functions: Vec<Function>,
+    /// Whether and which tool must be called.
+    pub tool_choice: ToolChoice,
+    /// Several calls in one answer.
+    pub parallel_tool_calls: bool,
     /// The rest of the request.
     pub generation: Generation,
 }
@@ -95,14 +111,121 @@ pub fn chat(body: &[u8], model_id: &str) -> Result<Chat, ApiError> {
         } else {
             message.role
         };
-        messages.push(ChatMessage { role, content });
+        let tool_calls = message
+            .tool_calls
+            .map(|calls| calls.into_iter().map(template_call).collect());
+        messages.push(ChatMessage {
+            role,
+            content,
+            tool_calls,
+            tool_call_id: message.tool_call_id,
+            name: message.name,
+        });
     }
+    let tools = req.tools.unwrap_or_default();
+    let functions = tools::functions(&tools)?;
+    let tool_choice = tool_choice(req.tool_choice.as_ref(), &functions)?;
     if req.top_logprobs.is_some_and(|n| n > 0) && !req.logprobs {
         return Err(ApiError::invalid("top_logprobs requires logprobs: true").param("top_logprobs"));
     }
     let top_logprobs = if req.logprobs { req.top_logprobs.unwrap_or(0) } else { 0 };
-    let generation = generation(&req.sampling, model_id, req.logprobs, top_logprobs)?;
-    Ok(Chat { messages, generation })
+    let mut generation = generation(&req.sampling, model_id, req.logprobs, top_logprobs)?;
+    generation.grammar = response_format(req.response_format.as_ref())?;
+    Ok(Chat {
+        messages,
+        tools,
+        functions,
+        tool_choice,
+        parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
+        generation,
+    })
+}
+
+/// An assistant message's call as templates expect it: `arguments` parsed from
+/// OpenAI's JSON string into an object (kept as a string if it is not JSON).
+fn template_call(mut call: Value) -> Value {
+    if let Some(arguments) = call.pointer_mut("/function/arguments") {
+        if let Some(parsed) = arguments
+            .as_str()
+            .and_then(|text| serde_json::from_str::<Value>(text).ok())
+        {
+            *arguments = parsed;
+        }
+    }
+    call
+}
+
+fn tool_choice(choice: Option<&Value>, functions: &[Function]) -> Result<ToolChoice, ApiError> {
+    let bad = |message: String| ApiError::invalid(message).param("tool_choice");
+    let choice = match choice {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            other => return Err(bad(format!("tool_choice '{other}' is not auto, none or required"))),
+        },
+        Some(object) => match object.pointer("/function/name").and_then(Value::as_str) {
+            Some(name) if object.get("type").and_then(Value::as_str) == Some("function") => {
+                if !functions.iter().any(|f| f.name == name) {
+                    return Err(bad(format!("tool_choice names '{name}', which is not in tools")));
+                }
+                ToolChoice::Function(name.to_string())
+            }
+            _ => {
+                return Err(bad(
+                    "tool_choice must be a string or {\"type\": \"function\", \"function\": {\"name\": …}}".into(),
+                ))
+            }
+        },
+    };
+    if functions.is_empty() && matches!(choice, ToolChoice::Required | ToolChoice::Function(_)) {
+        return Err(bad("tool_choice requires tools".into()));
+    }
+    Ok(choice)
+}
+
+/// The grammar `response_format` asks for (none for `text`), compiled and checked.
+fn response_format(format: Option<&Value>) -> Result<Option<String>, ApiError> {
+    let bad = |message: String| ApiError::invalid(message).param("response_format");
+    let Some(format) = format else { return Ok(None) };
+    let kind = format.get("type").and_then(Value::as_str).unwrap_or_default();
+    let grammar = match kind {
+        "text" => return Ok(None),
+        // llama.cpp's extension: a schema beside json_object.
+        "json_object" => match format.get("schema") {
+            Some(schema) => schema::to_gbnf(schema).map_err(|e| bad(e.to_string()))?,
+            None => schema::json_object(),
+        },
+        "json_schema" => {
+            let schema = format
+                .pointer("/json_schema/schema")
+                .ok_or_else(|| bad("response_format json_schema needs json_schema.schema".into()))?;
+            schema::to_gbnf(schema).map_err(|e| bad(e.to_string()))?
+        }
+        other => {
+            return Err(bad(format!(
+                "response_format type '{other}' is not text, json_object or json_schema"
+            )))
+        }
+    };
+    check_grammar(&grammar).map_err(|e| e.param("response_format"))?;
+    Ok(Some(grammar))
+}
+
+/// Refuses a grammar too large to send or that the last stage would refuse.
+pub fn check_grammar(grammar: &str) -> Result<(), ApiError> {
+    if grammar.len() > MAX_GRAMMAR {
+        return Err(ApiError::invalid(format!(
+            "the schema compiles to a grammar of {} bytes, more than {MAX_GRAMMAR}",
+            grammar.len()
+        )));
+    }
+    let refused = |e: baton_grammar::GrammarError| ApiError::invalid(format!("the schema's grammar is refused: {e}"));
+    let grammar = Grammar::parse(grammar).map_err(refused)?;
+    // Its first step, as the last stage will take it (too ambiguous a grammar fails here).
+    baton_grammar::Matcher::new(std::sync::Arc::new(grammar)).map_err(refused)?;
+    Ok(())
 }
 
 /// Parses and checks the body of a completion request for the model named `model_id`,
@@ -165,7 +288,7 @@ pub(crate) fn empty_prompt() -> ApiError {
     ApiError::invalid("the prompt is empty").param("prompt")
 }
 
-fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| {
         let what = if e.is_syntax() || e.is_eof() {
             "malformed JSON"
@@ -267,6 +390,7 @@ fn generation(sampling: &Sampling, model_id: &str, logprobs: bool, top_logprobs:
         include_usage: sampling.stream_options.as_ref().is_some_and(|o| o.include_usage),
         draft,
         draft_max,
+        grammar: None,
     })
 }
 

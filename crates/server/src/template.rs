@@ -16,13 +16,23 @@ use minijinja::{context, Environment, ErrorKind, Value};
 /// Name the template is registered under; it shows in error locations.
 const TEMPLATE_NAME: &str = "chat_template";
 
-/// One chat message as templates see it.
-#[derive(Clone, Debug, serde::Serialize)]
+/// One chat message as templates see it (the fields Hugging Face templates read).
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant` (or whatever role the template knows).
+    /// `system`, `user`, `assistant`, `tool` (or whatever role the template knows).
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant's calls, `{"id", "type", "function": {"name", "arguments"}}` with
+    /// `arguments` as a JSON object (what templates `tojson`), not OpenAI's string.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A tool result: the call it answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool result: the function's name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -31,6 +41,7 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            ..ChatMessage::default()
         }
     }
 }
@@ -74,10 +85,15 @@ pub const DEFAULT_TEMPLATE: &str = r#"{%- for message in messages -%}
 /// A compiled chat template with the model's BOS/EOS text, ready to render prompts.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
+    renders_tools: bool,
     bos_token: String,
     eos_token: String,
     is_default: bool,
 }
+
+/// Instructions one render may execute (minijinja's fuel).
+const TEMPLATE_FUEL: u64 = 20_000_000;
 
 impl ChatTemplate {
     /// `source`: the GGUF's tokenizer.chat_template, or None for DEFAULT_TEMPLATE.
@@ -87,6 +103,10 @@ impl ChatTemplate {
         // transformers builds its Jinja2 environment with these two on; llama.cpp copies it.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        // The template comes from the model file: a hostile one must not spin a render
+        // thread forever (issue 16). Real templates take a few thousand instructions per
+        // message; fuel runs out after a second or so of work.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
@@ -96,11 +116,15 @@ impl ChatTemplate {
             .map_err(|err| TemplateError::Compile {
                 message: describe(&err),
             })?;
+        let is_default = source.is_none();
+        let source = source.unwrap_or(DEFAULT_TEMPLATE).to_owned();
         Ok(ChatTemplate {
             env,
+            renders_tools: source.contains("tools"),
+            source,
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
-            is_default: source.is_none(),
+            is_default,
         })
     }
 
@@ -110,19 +134,31 @@ impl ChatTemplate {
     /// it with special-token parsing. Templates that start with `bos_token` duplicate the
     /// BOS a tokenizer adds itself; llama.cpp strips it, see [`ChatTemplate::bos_token`].
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TemplateError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders `messages` with `tools` (OpenAI's tool objects, passed to the template as
+    /// transformers passes them: the template decides how the model sees them).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|err| TemplateError::Render {
                 message: describe(&err),
             })?;
-        // `tools` is none, as transformers passes it without tools; templates test `if tools`.
+        // Without tools `tools` is none, as transformers passes it; templates test `if tools`.
+        let tools = tools.map_or(Value::from(()), Value::from_serialize);
         let variables = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
-            tools => (),
+            tools => tools,
         };
         template.render(variables).map_err(|err| match raised_message(&err) {
             Some(message) => TemplateError::Raised { message },
@@ -130,6 +166,17 @@ impl ChatTemplate {
                 message: describe(&err),
             },
         })
+    }
+
+    /// Whether the template shows the model `tools` (else the server describes them in
+    /// a system message).
+    pub fn renders_tools(&self) -> bool {
+        self.renders_tools
+    }
+
+    /// The template's text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Whether the template came from the model (false: the default).
@@ -742,6 +789,29 @@ mod tests {
                 other => panic!("{source:?}: expected a compile error, got {other:?}"),
             }
         }
+    }
+
+    /// Issue 16: a model file's template that loops without end is stopped, with an
+    /// error, instead of holding a render thread; a long real conversation still renders.
+    #[test]
+    fn a_template_that_never_ends_runs_out_of_fuel() {
+        let source = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+        let started = std::time::Instant::now();
+        let err = render_source(source, &conversation()).unwrap_err();
+        assert!(
+            matches!(err, TemplateError::Render { ref message } if message.contains("fuel")),
+            "{err:?}"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+        let long: Vec<ChatMessage> = (0..2000)
+            .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "a turn of a long chat"))
+            .collect();
+        let source = model_template(QWEN_MODEL).unwrap();
+        let rendered = ChatTemplate::new(Some(&source), "", "<|im_end|>")
+            .unwrap()
+            .render(&long, true)
+            .unwrap();
+        assert_eq!(rendered.matches("a turn of a long chat").count(), 2000);
     }
 
     #[test]

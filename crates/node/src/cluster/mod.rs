@@ -2,18 +2,18 @@
 //! of workers over `baton_net` links (TCP or Unix-domain sockets, optionally in TLS).
 
 mod admission;
-mod head;
+mod form;
 mod models;
 mod speed;
 mod stream;
 mod supervise;
 mod watch;
-mod worker;
+mod worker_server;
 
-pub use head::{connect_cluster, model_cost, model_ref, ClusterOptions, RemoteRing, RemoteWorker};
+pub use form::{connect_cluster, model_cost, model_ref, ClusterOptions, RemoteRing, RemoteWorker};
 pub use models::{identity_of, ModelDir};
 pub use supervise::Supervisor;
-pub use worker::{Worker, WorkerConfig};
+pub use worker_server::{Worker, WorkerConfig};
 
 /// `MemAvailable` from /proc/meminfo (Linux); a conservative 1 GiB elsewhere.
 pub fn available_memory() -> u64 {

@@ -376,20 +376,26 @@ impl ModelDir {
     }
 
     /// A cached speed measurement (seconds per layer per token) for a model.
-    pub fn cached_speed(&self, identity: &[u8; 32], threads: usize) -> Option<f32> {
-        let path = self.speed_path(identity, threads);
+    pub fn cached_speed(&self, identity: &[u8; 32], threads: usize, device: &str) -> Option<f32> {
+        let path = self.speed_path(identity, threads, device);
         fs::read_to_string(path).ok()?.trim().parse().ok()
     }
 
     /// Stores a speed measurement.
-    pub fn store_speed(&self, identity: &[u8; 32], threads: usize, secs: f32) {
-        let _ = fs::write(self.speed_path(identity, threads), format!("{secs}\n"));
+    pub fn store_speed(&self, identity: &[u8; 32], threads: usize, device: &str, secs: f32) {
+        let _ = fs::write(self.speed_path(identity, threads, device), format!("{secs}\n"));
     }
 
-    fn speed_path(&self, identity: &[u8; 32], threads: usize) -> PathBuf {
+    /// Measurements on the CPU keep the name they had before devices; others name theirs.
+    fn speed_path(&self, identity: &[u8; 32], threads: usize, device: &str) -> PathBuf {
+        let device = if device.eq_ignore_ascii_case("CPU") {
+            String::new()
+        } else {
+            format!(".{device}")
+        };
         self.root
             .join(STATE_DIR)
-            .join(format!("{}.t{threads}.speed", hex(identity)))
+            .join(format!("{}{device}.t{threads}.speed", hex(identity)))
     }
 }
 

@@ -3,12 +3,13 @@
 use std::path::Path;
 use std::time::Instant;
 
+use baton_ggml::Device;
 use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageSpan};
 
 use crate::NodeError;
 
-/// Times single-token steps through one middle layer of the model at `path`.
-pub fn measure(path: &Path, threads: usize) -> Result<f32, NodeError> {
+/// Times single-token steps through one middle layer of the model at `path`, on `device`.
+pub fn measure(path: &Path, threads: usize, device: Device) -> Result<f32, NodeError> {
     let file = ModelFile::open(path)?;
     let n_embd = file.hparams().n_embd;
     let layer = file.hparams().n_layer / 2;
@@ -17,7 +18,7 @@ pub fn measure(path: &Path, threads: usize) -> Result<f32, NodeError> {
         first: false,
         last: false,
     };
-    let mut stage = Stage::load(file, span, &StageConfig::new(64, threads))?;
+    let mut stage = Stage::load_on(file, span, &StageConfig::new(64, threads), device)?;
     let hidden = vec![0.01f32; n_embd];
     let mut step = |pos: i32| {
         let batch = Batch {

@@ -14,7 +14,7 @@ use baton_net::{client_handshake, connect_by, LinkCloser, LinkOptions};
 use baton_plan::PlanError;
 use baton_proto::{RefusalCode, Role};
 
-use super::head::{connect_cluster, ClusterOptions, OnReached, RemoteRing};
+use super::form::{connect_cluster, ClusterOptions, OnReached, RemoteRing};
 use super::watch::{OnLost, Watch};
 use crate::engine::{FormError, Formed, RingSource};
 use crate::NodeError;

@@ -151,6 +151,8 @@ mod tests {
             top_logprobs: 0,
             stop: Vec::new(),
             draft: crate::engine::draft::Draft::OFF,
+            grammar: None,
+            show: Vec::new(),
             events,
         };
         let runs = vec![chunk as u32; n_reused / chunk];

@@ -151,6 +151,9 @@ impl Core {
         let msg = Message::Stats {
             resident: Vec::new(),
             kv_used: Vec::new(),
+            busy_us: Vec::new(),
+            rows: Vec::new(),
+            link_sent: Vec::new(),
         };
         self.send(msg, Pending::Stats(reply), now);
     }
@@ -194,7 +197,8 @@ impl Core {
                 .fetch_add(repeated as u64, Ordering::Relaxed);
             let start = StartSeq::new(seq as u32, active.job.params.clone(), active.tokens.clone())
                 .with_logprobs(active.job.logprobs, active.job.top_logprobs)
-                .with_drawn(active.generated as u32);
+                .with_drawn(active.generated as u32)
+                .with_grammar(active.job.grammar.clone());
             self.send(start.into(), Pending::Control, now);
         }
     }
@@ -213,14 +217,32 @@ impl Core {
             (Pending::Control, Message::Error { first_layer, message }) => {
                 tracing::warn!(first_layer, "a control message failed: {message}");
             }
-            (Pending::Stats(answer), Message::Stats { resident, kv_used }) => {
-                let _ = answer.send(Ok(StageStats { resident, kv_used }));
+            (
+                Pending::Stats(answer),
+                Message::Stats {
+                    resident,
+                    kv_used,
+                    busy_us,
+                    rows,
+                    link_sent,
+                },
+            ) => {
+                let _ = answer.send(Ok(StageStats {
+                    resident,
+                    kv_used,
+                    busy_us,
+                    rows,
+                    link_sent,
+                }));
             }
             (Pending::Stats(answer), Message::Error { first_layer, message }) => {
                 let _ = answer.send(Err(format!("the stage from layer {first_layer}: {message}")));
             }
             (Pending::Step { members, decode_rows }, Message::Sampled { tokens, .. }) => {
                 self.steps_in_flight -= 1;
+                self.counters
+                    .round_trip_us
+                    .fetch_add(now.duration_since(sent).as_micros() as u64, Ordering::Relaxed);
                 if let Some(rows) = decode_rows {
                     self.policy.record_step(rows, now.duration_since(sent).as_secs_f64());
                 }
@@ -262,6 +284,7 @@ impl Core {
     /// Ring `gen` broke (a link failed, a node stopped answering).
     pub fn lost(&mut self, gen: u64, reason: &str, now: Instant) {
         if gen == self.gen && !self.stopping {
+            self.counters.workers_lost.fetch_add(1, Ordering::Relaxed);
             self.lose_ring(reason, now);
         }
     }
@@ -348,6 +371,7 @@ impl Core {
             return;
         }
         if returned && self.idle() {
+            self.counters.workers_returned.fetch_add(1, Ordering::Relaxed);
             self.lose_ring("a lost worker is back: moving to the better plan", now);
             return;
         }
@@ -488,7 +512,8 @@ impl Core {
                 .fetch_add((job.prompt.len() - n_reused) as u64, Ordering::Relaxed);
             let start = StartSeq::new(seq as u32, job.params.clone(), job.prompt.clone())
                 .keeping(n_reused as u32)
-                .with_logprobs(job.logprobs, job.top_logprobs);
+                .with_logprobs(job.logprobs, job.top_logprobs)
+                .with_grammar(job.grammar.clone());
             let epoch = self.next_epoch;
             self.next_epoch += 1;
             slot.last_used = epoch;
@@ -616,7 +641,12 @@ impl Core {
         } else {
             active.tokens.push(sampled.token);
             active.generated += 1;
-            let (text, stopped) = match active.text.push(&vocab.token_bytes(sampled.token)) {
+            let bytes = if active.job.show.contains(&sampled.token) {
+                vocab.special_bytes(sampled.token)
+            } else {
+                vocab.token_bytes(sampled.token)
+            };
+            let (text, stopped) = match active.text.push(&bytes) {
                 Piece::Text(text) => (text, false),
                 Piece::Stop(text) => (text, true),
             };

@@ -297,6 +297,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::type_complexity)] // a table of cases
     fn drafts_pay_where_the_link_dominates_and_not_where_compute_does() {
         // (measured steps, acceptance, max) -> draft length
         let cases: [(&[(usize, f64)], f64, usize, usize); 7] = [

@@ -188,6 +188,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::type_complexity)] // a table of cases
     fn reuse_is_cut_where_a_fresh_prompt_is_cut() {
         let prompt: Vec<u32> = (0..40).collect();
         // (cached tokens, their runs, chunk, prompt) -> reusable

@@ -21,7 +21,15 @@ impl Vocab for Tokens {
     }
 
     fn token_bytes(&self, token: u32) -> Vec<u8> {
+        // 900 and up: control tokens, which render as nothing unless shown.
+        if token >= 900 {
+            return Vec::new();
+        }
         format!("<{token}>").into_bytes()
+    }
+
+    fn special_bytes(&self, token: u32) -> Vec<u8> {
+        format!("[{token}]").into_bytes()
     }
 
     fn n_vocab(&self) -> usize {
@@ -84,6 +92,8 @@ impl Harness {
             top_logprobs: 0,
             stop: Vec::new(),
             draft: Draft::OFF,
+            grammar: None,
+            show: Vec::new(),
             events,
         }));
         receiver
@@ -259,6 +269,32 @@ fn a_request_runs_from_its_prompt_chunks_to_its_length() {
         other => panic!("expected the end, got {other:?}"),
     }
     assert!(h.poll().is_empty(), "nothing left to send");
+}
+
+#[test]
+fn control_tokens_a_job_shows_are_text_and_others_nothing() {
+    let mut h = Harness::new(false);
+    let (events_tx, mut rx) = unbounded_channel();
+    h.core.submit(Box::new(Job {
+        prompt: vec![1, 2],
+        params: SamplingParams::greedy(),
+        max_tokens: 3,
+        logprobs: false,
+        top_logprobs: 0,
+        stop: Vec::new(),
+        draft: Draft::OFF,
+        grammar: None,
+        show: vec![901],
+        events: events_tx,
+    }));
+    let sent = h.poll();
+    h.answer(&sent[0], &[]);
+    h.answer(&sent[1], &[901]);
+    for next in [902, 7] {
+        let sent = h.poll();
+        h.answer(&sent[0], &[next]);
+    }
+    assert_eq!(texts(&events(&mut rx)), vec!["[901]", "", "<7>"]);
 }
 
 #[test]

@@ -110,6 +110,12 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Speculative decoding: where drafted tokens come from, and how many at most.
     pub draft: super::draft::Draft,
+    /// GBNF grammar the generated text must follow, enforced by the last stage's
+    /// sampling (structured output, forced tool calls).
+    pub grammar: Option<String>,
+    /// Control tokens whose text is part of the output (the tool-call markers a parser
+    /// reads, such as Mistral's `[TOOL_CALLS]`); other control tokens render as nothing.
+    pub show: Vec<u32>,
     /// Where the engine reports; dropping the receiver cancels the request.
     pub events: UnboundedSender<Event>,
 }
@@ -216,6 +222,13 @@ pub struct Counters {
     pub draft_tokens: AtomicU64,
     /// Drafted tokens the last stage's sampling agreed with.
     pub draft_accepted: AtomicU64,
+    /// Times the ring broke or a node of it stopped answering.
+    pub workers_lost: AtomicU64,
+    /// Times a lost worker answered again and the ring was formed again with it.
+    pub workers_returned: AtomicU64,
+    /// Microseconds from sending each answered micro-batch to its answer, summed (divide
+    /// by `steps` answered for the mean round trip).
+    pub round_trip_us: AtomicU64,
 }
 
 /// Per-stage figures, in ring order.
@@ -225,6 +238,12 @@ pub struct StageStats {
     pub resident: Vec<u64>,
     /// KV cache cells holding a token.
     pub kv_used: Vec<u32>,
+    /// Microseconds spent computing, since the stage loaded.
+    pub busy_us: Vec<u64>,
+    /// Token rows computed, since the stage loaded.
+    pub rows: Vec<u64>,
+    /// Bytes sent to the next hop (0 where the link counts nothing: in process).
+    pub link_sent: Vec<u64>,
 }
 
 /// What the engine needs of a tokenizer: when generation ends, and each token's bytes.
@@ -234,6 +253,10 @@ pub trait Vocab: Send + Sync {
     fn is_end_of_generation(&self, token: u32) -> bool;
     /// The bytes `token` stands for in generated text (special tokens render empty).
     fn token_bytes(&self, token: u32) -> Vec<u8>;
+    /// The text of `token` with control tokens rendered too (see [`Job::show`]).
+    fn special_bytes(&self, token: u32) -> Vec<u8> {
+        self.token_bytes(token)
+    }
     /// Tokens in the vocabulary: a larger id from a stage is a fault, never looked up.
     fn n_vocab(&self) -> usize;
 }
@@ -245,6 +268,10 @@ impl Vocab for baton_ggml::LlamaModel {
 
     fn token_bytes(&self, token: u32) -> Vec<u8> {
         baton_ggml::LlamaModel::token_bytes(self, token, false)
+    }
+
+    fn special_bytes(&self, token: u32) -> Vec<u8> {
+        baton_ggml::LlamaModel::token_bytes(self, token, true)
     }
 
     fn n_vocab(&self) -> usize {

@@ -54,6 +54,10 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             top_logprobs: r.u8("top_logprobs")?,
             logprobs: r.bool("logprobs")?,
             drawn: r.u32("drawn")?,
+            grammar: match r.present("grammar")? {
+                false => None,
+                true => Some(r.str("grammar")?),
+            },
         },
         kind::TRUNCATE_SEQ => Message::TruncateSeq {
             seq: r.u32("seq")?,
@@ -75,6 +79,9 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         kind::STATS => Message::Stats {
             resident: r.array("resident", u64::from_le_bytes)?,
             kv_used: r.array("kv_used", u32::from_le_bytes)?,
+            busy_us: r.array("busy_us", u64::from_le_bytes)?,
+            rows: r.array("rows", u64::from_le_bytes)?,
+            link_sent: r.array("link_sent", u64::from_le_bytes)?,
         },
         kind::SHUTDOWN => Message::Shutdown,
         kind::PING => Message::Ping {

@@ -198,6 +198,7 @@ const MESSAGES: [Layout; 21] = [
             Field("top_logprobs", Ty::U8),
             Field("logprobs", Ty::Bool),
             Field("drawn", Ty::U32),
+            Field("grammar", Ty::Opt(&Ty::Str)),
         ],
     },
     Layout {
@@ -239,6 +240,9 @@ const MESSAGES: [Layout; 21] = [
         fields: &[
             Field("resident", Ty::List(&Ty::U64)),
             Field("kv_used", Ty::List(&Ty::U32)),
+            Field("busy_us", Ty::List(&Ty::U64)),
+            Field("rows", Ty::List(&Ty::U64)),
+            Field("link_sent", Ty::List(&Ty::U64)),
         ],
     },
     Layout {

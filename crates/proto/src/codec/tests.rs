@@ -155,6 +155,7 @@ pub(super) fn samples() -> Vec<Message> {
             history: vec![1, 2, u32::MAX],
             logprobs: true,
             drawn: 17,
+            grammar: Some("root ::= \"a\"".into()),
         },
         Message::StartSeq {
             seq: 0,
@@ -164,6 +165,7 @@ pub(super) fn samples() -> Vec<Message> {
             history: vec![],
             logprobs: false,
             drawn: 0,
+            grammar: None,
         },
         Message::TruncateSeq { seq: 9, len: 100 },
         Message::EndSeq { seq: u32::MAX },
@@ -216,6 +218,9 @@ pub(super) fn samples() -> Vec<Message> {
         Message::Stats {
             resident: vec![1, u64::MAX, 0],
             kv_used: vec![0, 4096, u32::MAX],
+            busy_us: vec![5, 0, u64::MAX],
+            rows: vec![7, 8, 9],
+            link_sent: vec![0, 1 << 40, 3],
         },
         Message::Shutdown,
         Message::Ping {
@@ -450,9 +455,10 @@ fn unknown_role_and_tags_are_refused() {
         history: vec![],
         logprobs: true,
         drawn: 0,
+        grammar: None,
     });
-    // The logprobs byte, before the 4-byte `drawn`.
-    let at = payload.len() - 5;
+    // The logprobs byte, before the 4-byte `drawn` and the 1-byte absent `grammar`.
+    let at = payload.len() - 6;
     payload[at] = 2;
     assert_eq!(
         invalid_reason(decode(kind, &payload)),
@@ -606,6 +612,7 @@ fn invalid_values_are_refused() {
         history: vec![],
         logprobs: false,
         drawn: 0,
+        grammar: None,
     };
     let (kind, payload) = payload_of(&msg);
     let err = decode(kind, &payload).unwrap_err();
@@ -630,6 +637,7 @@ fn invalid_values_are_refused() {
         history: vec![],
         logprobs: false,
         drawn: 0,
+        grammar: None,
     };
     assert!(invalid_reason(decode(kind, &payload_of(&top_p).1)).contains("top_p"));
 

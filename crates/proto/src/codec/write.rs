@@ -79,6 +79,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             top_logprobs,
             logprobs,
             drawn,
+            grammar,
         } => {
             w.u32(*seq);
             w.u32(*keep);
@@ -87,6 +88,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u8(*top_logprobs);
             w.bool(*logprobs);
             w.u32(*drawn);
+            w.opt_str(grammar.as_deref());
         }
         Message::TruncateSeq { seq, len } => {
             w.u32(*seq);
@@ -108,9 +110,18 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u32(*first_layer);
             w.str(message);
         }
-        Message::Stats { resident, kv_used } => {
+        Message::Stats {
+            resident,
+            kv_used,
+            busy_us,
+            rows,
+            link_sent,
+        } => {
             w.array(resident, u64::to_le_bytes);
             w.array(kv_used, u32::to_le_bytes);
+            w.array(busy_us, u64::to_le_bytes);
+            w.array(rows, u64::to_le_bytes);
+            w.array(link_sent, u64::to_le_bytes);
         }
         Message::Ping { timeout_ms, session } => {
             w.u32(*timeout_ms);

@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
+use baton_ggml::Device;
+use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageSpan};
 use baton_net::{
     client_handshake, connect_by, refuse_unexpected_auth, server_handshake_admitting, Incoming, Link, LinkCloser,
     LinkOptions, Listener, NetError,
@@ -26,7 +27,7 @@ use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, PROTOCOL_V
 use super::admission::{Accepted, Admission, ConnId, Limits};
 use super::models::ModelDir;
 use super::stream::{check_stage_complete, receive_stage_tensors};
-use crate::worker::{run, StageWorker};
+use crate::stage_loop::{run, StageWorker};
 use crate::NodeError;
 
 /// How a worker is set up.
@@ -57,6 +58,10 @@ pub struct WorkerConfig {
     /// Most connections in their handshake at once from one source (an IPv4 address,
     /// an IPv6 /64).
     pub max_handshakes_per_source: usize,
+    /// The devices the worker's stage computes on (weights, KV cache and compute
+    /// there): the planned layer range is split evenly between them, in this order,
+    /// and the hidden state passes from one to the next in memory.
+    pub devices: Vec<Device>,
 }
 
 /// Largest frame a peer may send before it has authenticated: handshake frames are
@@ -484,7 +489,7 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, local: &str, id: u64) -> Re
         received,
     })?;
 
-    let worker = StageWorker::new(stage).with_wire_f16(plan.wire_f16);
+    let worker = StageWorker::chained(stage).with_wire_f16(plan.wire_f16);
     let (control_tx, control_rx) = link.split()?;
     let result = match (upstream, downstream) {
         (None, None) => run(worker, control_rx, control_tx),
@@ -534,19 +539,22 @@ fn wait_upstream(shared: &Shared, id: u64) -> Result<(Box<dyn Link>, ConnSlot), 
 fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, session: u64) -> Capabilities {
     let config = &shared.config;
     let secs_per_layer = shared.models.find_complete(file_name, identity).and_then(|path| {
-        if let Some(secs) = shared.models.cached_speed(identity, config.threads) {
+        // Measured on the first device: a rough figure for a worker with several.
+        let first = *config.devices.first()?;
+        let device = first.name();
+        if let Some(secs) = shared.models.cached_speed(identity, config.threads, &device) {
             return Some(secs);
         }
-        let secs = super::speed::measure(&path, config.threads).ok()?;
-        shared.models.store_speed(identity, config.threads, secs);
+        let secs = super::speed::measure(&path, config.threads, first).ok()?;
+        shared.models.store_speed(identity, config.threads, &device, secs);
         Some(secs)
     });
     // Other stages reach this worker where the head did (the same interface and port,
     // or the same socket), unless told otherwise.
     let ring_addr = config.advertise.clone().unwrap_or_else(|| local.to_string());
     Capabilities {
-        devices: vec!["CPU".into()],
-        memory: config.memory.unwrap_or_else(super::available_memory),
+        devices: config.devices.iter().map(Device::name).collect(),
+        memory: describe_memory(config),
         threads: config.threads as u32,
         secs_per_layer,
         models: shared.models.list(),
@@ -556,7 +564,7 @@ fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, 
 }
 
 /// Loads the planned stage from a local file, or from tensors the head streams.
-fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage, u64), NodeError> {
+fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(StageChain, u64), NodeError> {
     let (path, received, verified) = if plan.stream {
         let got = receive_stage_tensors(&shared.models, &plan.model, link)?;
         (got.path, got.bytes, Some(got.verified))
@@ -588,7 +596,74 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(Stage,
         repack: plan.repack,
         n_seq: plan.n_seq as usize,
     };
-    Ok((Stage::load(file, span, &config)?, received))
+    check_kv_fits(&file, &span, &config, describe_memory(&shared.config))?;
+    let stages = split_between(&span, &shared.config.devices)
+        .into_iter()
+        .map(|(span, device)| Stage::load_on(file.clone(), span, &config, device))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((StageChain::new(stages)?, received))
+}
+
+/// The span's layers split evenly between `devices`, in order (fewer devices when
+/// there are fewer layers): consecutive ranges, the first embedding, the last with
+/// logits.
+fn split_between(span: &StageSpan, devices: &[Device]) -> Vec<(StageSpan, Device)> {
+    let n_layers = span.layers.len();
+    let n = devices.len().clamp(1, n_layers.max(1));
+    let devices = if devices.is_empty() {
+        vec![Device::cpu()]
+    } else {
+        devices[..n].to_vec()
+    };
+    let base = n_layers / n;
+    let mut start = span.layers.start;
+    devices
+        .into_iter()
+        .enumerate()
+        .map(|(i, device)| {
+            let len = base + usize::from(i < n_layers % n);
+            let part = StageSpan {
+                layers: start..start + len,
+                first: span.first && i == 0,
+                last: span.last && i + 1 == n,
+            };
+            start += len;
+            (part, device)
+        })
+        .collect()
+}
+
+/// Memory a worker offers when not told: the host's available memory for the CPU, a
+/// device's free memory for each other device (a stage's weights, KV cache and compute
+/// buffers go there; the host only holds the embedding rows it reads).
+fn offered_memory(devices: &[Device]) -> u64 {
+    let host = devices.is_empty() || devices.iter().any(Device::is_cpu);
+    let on_devices: u64 = devices.iter().filter(|d| !d.is_cpu()).map(|d| d.memory().free).sum();
+    on_devices + if host { super::available_memory() } else { 0 }
+}
+
+/// The memory this worker offers heads (`--memory`, or what its devices have free).
+fn describe_memory(config: &WorkerConfig) -> u64 {
+    config.memory.unwrap_or_else(|| offered_memory(&config.devices))
+}
+
+/// Refuses a plan whose KV cache alone exceeds the memory this worker offers: the head
+/// chose `n_ctx`, and the cache is allocated and zeroed at once, so an absurd one would
+/// otherwise take the worker's memory (or the process) with it.
+fn check_kv_fits(file: &ModelFile, span: &StageSpan, config: &StageConfig, offered: u64) -> Result<(), NodeError> {
+    let hp = file.hparams();
+    let kv = (hp.kv_cell_bytes() as u128) * (config.n_ctx as u128) * (span.layers.len() as u128);
+    if kv > offered as u128 {
+        return Err(NodeError::Request(format!(
+            "a context of {} tokens needs {:.1} GiB of KV cache for layers {:?}, more than the {:.1} GiB this \
+             worker offers (--memory)",
+            config.n_ctx,
+            kv as f64 / (1u64 << 30) as f64,
+            span.layers,
+            offered as f64 / (1u64 << 30) as f64
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -637,6 +712,7 @@ mod tests {
             handshake_timeout: Duration::from_secs(5),
             max_connections: 4,
             max_handshakes_per_source: 8,
+            devices: vec![Device::cpu()],
         })
         .unwrap();
         let addr = worker.local_addr().to_string();
@@ -658,6 +734,27 @@ mod tests {
     }
 
     #[test]
+    fn a_workers_layers_are_split_evenly_between_its_devices() {
+        let cpu = Device::cpu();
+        let span = StageSpan {
+            layers: 3..10,
+            first: false,
+            last: true,
+        };
+        let parts = split_between(&span, &[cpu, cpu, cpu]);
+        let ranges: Vec<_> = parts.iter().map(|(s, _)| s.layers.clone()).collect();
+        assert_eq!(ranges, vec![3..6, 6..8, 8..10]);
+        let roles: Vec<_> = parts.iter().map(|(s, _)| (s.first, s.last)).collect();
+        assert_eq!(roles, vec![(false, false), (false, false), (false, true)]);
+        let one_layer = StageSpan {
+            layers: 0..1,
+            first: true,
+            last: false,
+        };
+        assert_eq!(split_between(&one_layer, &[cpu, cpu]), vec![(one_layer.clone(), cpu)]);
+    }
+
+    #[test]
     fn a_short_token_is_refused_when_binding() {
         let err = Worker::bind(WorkerConfig {
             listen: "127.0.0.1:0".into(),
@@ -670,6 +767,7 @@ mod tests {
             handshake_timeout: Duration::from_secs(5),
             max_connections: 4,
             max_handshakes_per_source: 8,
+            devices: vec![Device::cpu()],
         })
         .err()
         .unwrap();

@@ -17,7 +17,7 @@ use baton_proto::{Capabilities, HeldModel, LoadPlan, Message, ModelRef, Role};
 
 use super::stream::send_stage_tensors;
 use crate::head::{Head, RingEnds};
-use crate::worker::{run, StageWorker};
+use crate::stage_loop::{run, StageWorker};
 use crate::NodeError;
 
 /// Called with a worker's address, the session it opened for this head (which the
@@ -340,7 +340,7 @@ fn plan(
     if opts.head_stage {
         let secs_per_layer = match opts.head_secs_per_layer {
             Some(secs) => secs,
-            None => super::speed::measure(model, opts.threads)? as f64,
+            None => super::speed::measure(model, opts.threads, baton_ggml::Device::cpu())? as f64,
         };
         head_secs_per_layer = Some(secs_per_layer);
         offers.push(NodeOffer {

@@ -3,8 +3,10 @@
 //! drives it over any transport.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use baton_model::{Batch, Stage, StageInput, StageOutput};
+use baton_grammar::{Grammar, Matcher, TokenTable};
+use baton_model::{Batch, Stage, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::Sampler;
@@ -12,11 +14,18 @@ use baton_sample::Sampler;
 use crate::engine::max_decode_rows;
 use crate::NodeError;
 
-/// A stage plus, on the last stage, one sampler per live sequence.
+/// A stage (or a chain of stages on several devices) plus, on the last stage, one
+/// sampler per live sequence.
 pub struct StageWorker {
-    stage: Stage,
+    stage: StageChain,
     samplers: HashMap<u32, SeqSampler>,
     wire_f16: bool,
+    /// The vocabulary as grammars see it, read from the model file the first time a
+    /// sequence brings a grammar.
+    tokens: Option<Arc<TokenTable>>,
+    /// Time spent computing, and token rows computed (for `Stats`).
+    busy: std::time::Duration,
+    rows: u64,
 }
 
 /// A sequence's sampler and whether it wants log-probabilities.
@@ -25,15 +34,28 @@ struct SeqSampler {
     logprobs: bool,
     /// Alternatives to report with each token.
     n_top: usize,
+    /// Where the sequence is in its grammar, if it has one.
+    grammar: Option<Matcher>,
+    /// Scratch for grammar masks.
+    allowed: Vec<bool>,
+    masked: Vec<f32>,
 }
 
 impl StageWorker {
     /// Wraps `stage`.
     pub fn new(stage: Stage) -> StageWorker {
+        StageWorker::chained(stage.into())
+    }
+
+    /// Wraps stages on several devices that compute one layer range together.
+    pub fn chained(stage: StageChain) -> StageWorker {
         StageWorker {
             stage,
             samplers: HashMap::new(),
             wire_f16: false,
+            tokens: None,
+            busy: std::time::Duration::ZERO,
+            rows: 0,
         }
     }
 
@@ -43,8 +65,8 @@ impl StageWorker {
         self
     }
 
-    /// The stage.
-    pub fn stage(&self) -> &Stage {
+    /// The stage (or stages).
+    pub fn stage(&self) -> &StageChain {
         &self.stage
     }
 
@@ -62,9 +84,18 @@ impl StageWorker {
                 top_logprobs,
                 logprobs,
                 drawn,
+                grammar,
             } => {
                 self.stage.truncate_seq(seq, keep as usize);
                 if last {
+                    let generated = &history[history.len().saturating_sub(drawn as usize)..];
+                    let matcher = match grammar.as_deref().map(|g| self.matcher(g, generated)).transpose() {
+                        Ok(matcher) => matcher,
+                        Err(message) => {
+                            self.samplers.remove(&seq);
+                            return self.error(message);
+                        }
+                    };
                     match Sampler::new(params.clone()) {
                         Ok(mut sampler) => {
                             history.iter().for_each(|&t| sampler.accept(t));
@@ -76,6 +107,9 @@ impl StageWorker {
                                     sampler,
                                     logprobs,
                                     n_top,
+                                    grammar: matcher,
+                                    allowed: Vec::new(),
+                                    masked: Vec::new(),
                                 },
                             );
                         }
@@ -90,6 +124,7 @@ impl StageWorker {
                     top_logprobs,
                     logprobs,
                     drawn,
+                    grammar,
                 }
             }
             Message::TruncateSeq { seq, len } => {
@@ -105,20 +140,35 @@ impl StageWorker {
                 let span = tracing::debug_span!("step", step = forward.step, rows = forward.positions.len());
                 let _entered = span.enter();
                 let started = std::time::Instant::now();
+                let rows = forward.positions.len() as u64;
                 let reply = match self.forward(forward) {
                     Ok(msg) => msg,
                     Err(message) => self.error(message),
                 };
+                self.busy += started.elapsed();
+                self.rows += rows;
                 tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "computed");
                 return reply;
             }
             Message::Stats {
                 mut resident,
                 mut kv_used,
+                mut busy_us,
+                mut rows,
+                link_sent,
             } => {
                 resident.push(self.stage.resident_bytes());
-                kv_used.push(self.stage.kv().n_used() as u32);
-                return Message::Stats { resident, kv_used };
+                kv_used.push(self.stage.kv_used() as u32);
+                busy_us.push(self.busy.as_micros() as u64);
+                rows.push(self.rows);
+                // `run` appends the link's bytes: only it holds the link.
+                return Message::Stats {
+                    resident,
+                    kv_used,
+                    busy_us,
+                    rows,
+                    link_sent,
+                };
             }
             // Replies and errors from upstream pass through untouched.
             other @ (Message::Sampled { .. } | Message::Done | Message::Error { .. } | Message::Shutdown) => {
@@ -132,6 +182,40 @@ impl StageWorker {
         } else {
             reply
         }
+    }
+
+    /// A matcher for `gbnf`, advanced past the tokens the sequence already generated.
+    fn matcher(&mut self, gbnf: &str, generated: &[u32]) -> Result<Matcher, String> {
+        let grammar = Grammar::parse(gbnf).map_err(|e| e.to_string())?;
+        let tokens = self.tokens()?;
+        let mut matcher = Matcher::new(Arc::new(grammar)).map_err(|e| e.to_string())?;
+        for &token in generated {
+            matcher
+                .accept(token, &tokens)
+                .map_err(|e| format!("replaying the sequence's tokens: {e}"))?;
+        }
+        Ok(matcher)
+    }
+
+    /// The vocabulary for grammars: libllama's, from the stage's own model file, so
+    /// that token texts are exactly the ones the head detokenizes.
+    fn tokens(&mut self) -> Result<Arc<TokenTable>, String> {
+        if let Some(tokens) = &self.tokens {
+            return Ok(tokens.clone());
+        }
+        let path = self.stage.stages()[0].weights().file().path().to_path_buf();
+        let started = std::time::Instant::now();
+        let vocab = baton_ggml::LlamaModel::load_vocab(&path)
+            .map_err(|e| format!("loading the vocabulary for a grammar: {e}"))?;
+        let tokens = Arc::new(TokenTable::new(
+            (0..vocab.n_vocab() as u32).map(|t| (vocab.token_bytes(t, false), vocab.is_end_of_generation(t))),
+        ));
+        tracing::debug!(
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "vocabulary read for grammars"
+        );
+        self.tokens = Some(tokens.clone());
+        Ok(tokens)
     }
 
     fn error(&self, message: String) -> Message {
@@ -277,20 +361,8 @@ impl StageWorker {
                 .samplers
                 .get_mut(&seq)
                 .ok_or_else(|| format!("sequence {seq} has no sampler: StartSeq must come first"))?;
-            let sampler = &mut seq_sampler.sampler;
-            let (token, logprob, top) = if seq_sampler.logprobs {
-                let sampled = sampler
-                    .sample_with_logprobs(row_logits, seq_sampler.n_top)
-                    .map_err(|e| e.to_string())?;
-                (sampled.token, sampled.logprob, sampled.top)
-            } else {
-                (
-                    sampler.sample(row_logits).map_err(|e| e.to_string())?,
-                    f32::NAN,
-                    Vec::new(),
-                )
-            };
-            sampler.accept(token);
+            let (token, logprob, top) = seq_sampler.sample(row_logits, self.tokens.as_deref())?;
+            seq_sampler.sampler.accept(token);
             tokens.push(SampledToken {
                 seq,
                 token,
@@ -310,6 +382,56 @@ impl StageWorker {
             }
         }
         Ok(tokens)
+    }
+}
+
+impl SeqSampler {
+    /// The next token from one row of logits: within the grammar, if the sequence has
+    /// one. Greedy without log-probabilities first tries the unconstrained choice (the
+    /// arg-max of the masked row whenever the grammar allows it, as it usually does), so
+    /// the mask over the whole vocabulary is computed only when that fails.
+    fn sample(&mut self, logits: &[f32], tokens: Option<&TokenTable>) -> Result<Drawn, String> {
+        let Some(matcher) = self.grammar.as_mut() else {
+            return draw(&mut self.sampler, logits, self.logprobs, self.n_top);
+        };
+        let tokens = tokens.ok_or("a grammar without a vocabulary")?;
+        if self.sampler.params().is_greedy() && !self.logprobs {
+            let token = self.sampler.sample(logits).map_err(|e| e.to_string())?;
+            if matcher.allows(token, tokens) {
+                matcher.accept(token, tokens).map_err(|e| e.to_string())?;
+                return Ok((token, f32::NAN, Vec::new()));
+            }
+        }
+        matcher
+            .fill_allowed(tokens, &mut self.allowed)
+            .map_err(|e| e.to_string())?;
+        if !self.allowed.iter().any(|&a| a) {
+            return Err("the grammar allows no token here".into());
+        }
+        self.masked.clear();
+        self.masked.extend(logits.iter().enumerate().map(|(token, &logit)| {
+            if self.allowed.get(token).copied().unwrap_or(false) {
+                logit
+            } else {
+                f32::NEG_INFINITY
+            }
+        }));
+        let sampled = draw(&mut self.sampler, &self.masked, self.logprobs, self.n_top)?;
+        matcher.accept(sampled.0, tokens).map_err(|e| e.to_string())?;
+        Ok(sampled)
+    }
+}
+
+/// A sampled token, its log-probability and the best alternatives.
+type Drawn = (u32, f32, Vec<(u32, f32)>);
+
+/// One draw from `logits`, with log-probabilities when asked.
+fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> Result<Drawn, String> {
+    if logprobs {
+        let sampled = sampler.sample_with_logprobs(logits, n_top).map_err(|e| e.to_string())?;
+        Ok((sampled.token, sampled.logprob, sampled.top))
+    } else {
+        Ok((sampler.sample(logits).map_err(|e| e.to_string())?, f32::NAN, Vec::new()))
     }
 }
 
@@ -336,7 +458,7 @@ fn serve(
         let msg = rx.recv()?;
         let stop = matches!(msg, Message::Shutdown);
         let kind = msg.kind();
-        let out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg))) {
+        let mut out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg))) {
             Ok(out) => out,
             Err(panic) => {
                 let message = format!("the stage panicked handling {kind}: {}", panic_text(&panic));
@@ -348,6 +470,9 @@ fn serve(
                 return Err(NodeError::Stage { first_layer, message });
             }
         };
+        if let Message::Stats { link_sent, .. } = &mut out {
+            link_sent.push(tx.counters().sent());
+        }
         tx.send(out)?;
         if stop {
             return Ok(());
@@ -365,36 +490,4 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> &str {
 }
 
 #[cfg(test)]
-mod tests {
-    use baton_net::local_link;
-
-    use super::*;
-
-    /// Issue 16: a panic in a session's thread left the worker wedged. The stage loop
-    /// turns it into an error for that session, and tells the next hop.
-    #[test]
-    fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
-        let (mut to_stage, stage_rx) = local_link("stage");
-        let (stage_tx, mut from_stage) = local_link("next");
-        to_stage.send(Message::EndSeq { seq: 1 }).unwrap();
-        to_stage.send(Message::EndSeq { seq: 2 }).unwrap();
-        let handler = |msg: Message| match msg {
-            Message::EndSeq { seq: 2 } => panic!("seq 2 broke the stage"),
-            other => other,
-        };
-        let result = serve(handler, 12, stage_rx, stage_tx);
-        let Err(NodeError::Stage { first_layer, message }) = result else {
-            panic!("{result:?}")
-        };
-        assert_eq!(first_layer, 12);
-        assert_eq!(message, "the stage panicked handling EndSeq: seq 2 broke the stage");
-        assert_eq!(from_stage.recv().unwrap(), Message::EndSeq { seq: 1 });
-        assert_eq!(
-            from_stage.recv().unwrap(),
-            Message::Error {
-                first_layer: 12,
-                message: message.clone()
-            }
-        );
-    }
-}
+mod tests;

@@ -1,0 +1,162 @@
+//! Grammar-constrained sampling on a real last stage (all of Qwen2.5-0.5B in one stage):
+//! greedy text kept inside a grammar, drafted rows that advance the grammar only over
+//! the tokens kept, and a sequence rebuilt mid-way whose grammar replays what it generated.
+
+use std::path::Path;
+
+use baton_ggml::LlamaModel;
+use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
+use baton_proto::{Forward, Message, Payload, StartSeq};
+use baton_sample::SamplingParams;
+
+use super::StageWorker;
+
+const QWEN: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+);
+/// A number in an object, and nothing else; Qwen left alone answers in prose.
+const GRAMMAR: &str = r#"root ::= "{\"n\": " [1-9] [0-9]{0,3} "}""#;
+
+fn worker() -> StageWorker {
+    let file = ModelFile::open(Path::new(QWEN)).expect("scripts/fetch-models puts qwen2 in models/");
+    let n_layer = file.hparams().n_layer;
+    let span = StageSpan {
+        layers: 0..n_layer,
+        first: true,
+        last: true,
+    };
+    let config = StageConfig {
+        n_seq: 4,
+        ..StageConfig::new(1024, 2)
+    };
+    StageWorker::new(Stage::load(file, span, &config).expect("stage loads"))
+}
+
+fn prompt(vocab: &LlamaModel) -> Vec<u32> {
+    let text = "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n";
+    vocab.tokenize(text, false, true).unwrap()
+}
+
+fn start(worker: &mut StageWorker, seq: u32, history: Vec<u32>, drawn: u32, grammar: Option<&str>) -> Message {
+    let msg = StartSeq::new(seq, SamplingParams::greedy(), history)
+        .with_drawn(drawn)
+        .with_grammar(grammar.map(str::to_string));
+    worker.handle(msg.into())
+}
+
+/// Computes `tokens` at `start..` of `seq`; samples the last row, or every row when
+/// the tokens after the first are a draft.
+fn step(worker: &mut StageWorker, seq: u32, tokens: &[u32], start: i32, drafted: bool) -> Vec<u32> {
+    let n = tokens.len() as u32;
+    let forward = Forward {
+        step: 0,
+        payload: Payload::Tokens(tokens.to_vec()),
+        positions: (start..start + n as i32).collect(),
+        seq_ids: vec![seq; tokens.len()],
+        sample_rows: if drafted { (0..n).collect() } else { vec![n - 1] },
+        row_tokens: if drafted { tokens.to_vec() } else { Vec::new() },
+    };
+    match worker.handle(Message::Forward(forward)) {
+        Message::Sampled { tokens, .. } => tokens.iter().map(|t| t.token).collect(),
+        other => panic!("expected Sampled, got {other:?}"),
+    }
+}
+
+/// Greedy generation of `seq` after `prompt`, up to an end token or `max` tokens.
+fn generate(worker: &mut StageWorker, vocab: &LlamaModel, seq: u32, prompt: &[u32], max: usize) -> Vec<u32> {
+    let mut out = step(worker, seq, prompt, 0, false);
+    while out.len() < max && !vocab.is_end_of_generation(*out.last().unwrap()) {
+        let at = (prompt.len() + out.len() - 1) as i32;
+        out.extend(step(worker, seq, &[*out.last().unwrap()], at, false));
+    }
+    out
+}
+
+#[test]
+fn grammar_keeps_greedy_text_inside_it_with_drafts_and_after_a_rebuild() {
+    let vocab = LlamaModel::load_vocab(Path::new(QWEN)).unwrap();
+    let mut worker = worker();
+    let prompt = prompt(&vocab);
+
+    assert_eq!(start(&mut worker, 0, prompt.clone(), 0, None), Message::Done);
+    let free = generate(&mut worker, &vocab, 0, &prompt, 12);
+    assert!(
+        !vocab.detokenize(&free, false).starts_with("{\"n\""),
+        "the test needs a prompt the grammar changes"
+    );
+
+    assert_eq!(start(&mut worker, 1, prompt.clone(), 0, Some(GRAMMAR)), Message::Done);
+    let constrained = generate(&mut worker, &vocab, 1, &prompt, 16);
+    assert!(
+        vocab.is_end_of_generation(*constrained.last().unwrap()),
+        "the grammar ends: {constrained:?}"
+    );
+    let text = vocab.detokenize(&constrained, false);
+    let value: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    assert!(value["n"].as_u64().is_some_and(|n| n >= 1), "{text}");
+    let n = constrained.len();
+    assert!(n >= 4, "{constrained:?}");
+
+    // The same sequence with its generated tokens as a draft: the samples agree with
+    // every drafted token, then give the next; a wrong draft token stops the rows there.
+    assert_eq!(start(&mut worker, 2, prompt.clone(), 0, Some(GRAMMAR)), Message::Done);
+    assert_eq!(step(&mut worker, 2, &prompt, 0, false), constrained[..1]);
+    let at = prompt.len() as i32;
+    assert_eq!(step(&mut worker, 2, &constrained[..3], at, true), constrained[1..4]);
+    assert_eq!(start(&mut worker, 3, prompt.clone(), 0, Some(GRAMMAR)), Message::Done);
+    step(&mut worker, 3, &prompt, 0, false);
+    let wrong = vocab.tokenize("zzz", false, false).unwrap()[0];
+    let sampled = step(&mut worker, 3, &[constrained[0], constrained[1], wrong], at, true);
+    assert_eq!(sampled, constrained[1..3], "kept up to the wrong draft, plus one");
+    let rest = step(&mut worker, 3, &[constrained[2]], at + 2, false);
+    assert_eq!(rest, constrained[3..4], "the grammar advanced only over kept tokens");
+
+    // Rebuilt after 2 generated tokens: the grammar replays them.
+    let mut history = prompt.clone();
+    history.extend_from_slice(&constrained[..2]);
+    assert_eq!(start(&mut worker, 3, history.clone(), 2, Some(GRAMMAR)), Message::Done);
+    let rebuilt = step(&mut worker, 3, &history, 0, false);
+    assert_eq!(rebuilt, constrained[2..3]);
+    // A history the grammar does not allow is refused, naming why.
+    history.push(wrong);
+    match start(&mut worker, 3, history, 3, Some(GRAMMAR)) {
+        Message::Error { message, .. } => assert!(message.contains("replaying"), "{message}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    match start(&mut worker, 3, prompt, 0, Some("root ::= nothing")) {
+        Message::Error { message, .. } => assert!(message.contains("'nothing'"), "{message}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+/// Issue 16: a panic in a session's thread left the worker wedged. The stage loop
+/// turns it into an error for that session, and tells the next hop.
+#[test]
+fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
+    use super::{serve, NodeError};
+    use baton_net::{local_link, Rx, Tx};
+
+    let (mut to_stage, stage_rx) = local_link("stage");
+    let (stage_tx, mut from_stage) = local_link("next");
+    to_stage.send(Message::EndSeq { seq: 1 }).unwrap();
+    to_stage.send(Message::EndSeq { seq: 2 }).unwrap();
+    let handler = |msg: Message| match msg {
+        Message::EndSeq { seq: 2 } => panic!("seq 2 broke the stage"),
+        other => other,
+    };
+    let result = serve(handler, 12, stage_rx, stage_tx);
+    let Err(NodeError::Stage { first_layer, message }) = result else {
+        panic!("{result:?}")
+    };
+    assert_eq!(first_layer, 12);
+    assert_eq!(message, "the stage panicked handling EndSeq: seq 2 broke the stage");
+    assert_eq!(from_stage.recv().unwrap(), Message::EndSeq { seq: 1 });
+    assert_eq!(
+        from_stage.recv().unwrap(),
+        Message::Error {
+            first_layer: 12,
+            message: message.clone()
+        }
+    );
+}
