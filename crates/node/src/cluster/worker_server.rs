@@ -364,13 +364,13 @@ fn serve_connection(
     let closer = link.closer().ok();
     match role {
         Role::Head => {
-            let Some(_head) = shared.claim_head() else {
+            let Some(head) = shared.claim_head() else {
                 let reason = "another head is already connected to this worker".to_string();
                 refuse(link.as_mut(), RefusalCode::Busy, reason.clone());
                 return Err(NodeError::Request(reason));
             };
             let id = shared.begin_session(closer);
-            session(shared, link, &local, id)
+            session(shared, link, head, &local, id)
         }
         Role::Ring => {
             link.set_read_timeout(None)?;
@@ -428,7 +428,17 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
 }
 
 /// One head's session: describe, load, then run the stage until the ring closes.
-fn session(shared: &Shared, mut link: Box<dyn Link>, local: &str, id: u64) -> Result<(), NodeError> {
+///
+/// `_head` comes after `link` so that, when a panic unwinds this frame, the worker is
+/// free again before the head's connection closes (parameters drop in reverse order): a
+/// head that reconnects the moment it sees the close is not told "another head".
+fn session(
+    shared: &Shared,
+    mut link: Box<dyn Link>,
+    _head: HeadSlot<'_>,
+    local: &str,
+    id: u64,
+) -> Result<(), NodeError> {
     // The head may take its time between messages (planning, other workers loading).
     link.set_read_timeout(None)?;
     let plan = loop {
