@@ -339,8 +339,13 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             }
         }
     };
+    let tp = match (stage_args.tp, args.cluster.tp_members.is_empty()) {
+        (0 | 1, _) => String::new(),
+        (n, true) => format!(", each a tensor-parallel group of {n} threads"),
+        (n, false) => format!(", one tensor-parallel group of {n} processes over links"),
+    };
     let mut table = format!(
-        "model: {model_name}\nstages: {} ({}), {place}, {threads} thread(s) per stage, ready in {:.2} s; \
+        "model: {model_name}\nstages: {} ({}){tp}, {place}, {threads} thread(s) per stage (member), ready in {:.2} s; \
          libllama: 1 process, {threads} thread(s), on {}, built as {}; llama-bench: {}; median of {reps}\n\n",
         ranges.len(),
         split.join(" "),

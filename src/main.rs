@@ -10,6 +10,7 @@ mod run;
 mod serve;
 mod synth;
 mod token;
+mod tp_member;
 mod worker;
 
 use std::path::{Path, PathBuf};
@@ -35,6 +36,9 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Serve stages of a cluster: load the layers a head asks for, join its ring.
     Worker(worker::WorkerArgs),
+    /// Be member 1.. of a tensor-parallel group across processes (member 0 is
+    /// `baton run|bench|serve --tp N --tp-members ...`).
+    TpMember(tp_member::TpMemberArgs),
     /// Make a cluster certificate for TLS on every link (cluster.crt, cluster.key).
     Cert(cert::CertArgs),
     /// Write a synthetic model of any supported architecture (random weights, a real
@@ -67,6 +71,12 @@ pub struct StageArgs {
     /// can repack into faster layouts (llama.cpp's `--no-repack`).
     #[arg(long)]
     pub no_repack: bool,
+    /// Members of each stage's tensor-parallel group: each holds a slice of every layer
+    /// of the stage (heads, FFN, vocabulary) and they sum twice per layer. In this
+    /// process, members are threads (dense llama/qwen2/qwen3 models; see
+    /// docs/tensor-parallel.md).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     /// Devices of the in-process stages, in order, e.g. Vulkan0,CPU (`baton devices`
     /// lists them): one per stage; stages past the end of the list go to the CPU when it
     /// is last. Default: the accelerators, one stage each, then the CPU. Not with
@@ -78,7 +88,7 @@ pub struct StageArgs {
 impl StageArgs {
     /// Threads per stage.
     pub fn threads(&self) -> usize {
-        self.threads_for(self.stages)
+        self.threads_for(self.stages * self.tp.max(1))
     }
 
     /// Threads per stage when `n` stages share this machine.
@@ -152,6 +162,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => bench::bench(args),
         Command::Serve(args) => serve::serve(args),
         Command::Worker(args) => worker::worker(args),
+        Command::TpMember(args) => tp_member::tp_member(args),
         Command::Cert(args) => cert::cert(args),
         Command::Synth(args) => synth::synth(args),
         Command::Devices(args) => devices::devices(args),

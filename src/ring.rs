@@ -58,6 +58,11 @@ pub struct ClusterArgs {
     /// Seconds a worker may take to answer the handshake and describe itself.
     #[arg(long, default_value_t = 10.0, value_parser = positive_secs)]
     pub handshake_timeout: f64,
+    /// Members 1.. of the tensor-parallel group (`baton tp-member` processes, in rank
+    /// order); this process is member 0. The group runs the whole model as one stage;
+    /// --tp must be one more than the number of addresses.
+    #[arg(long, value_delimiter = ',')]
+    pub tp_members: Vec<String>,
 }
 
 fn positive_secs(s: &str) -> Result<f64, String> {
@@ -167,11 +172,29 @@ impl Ring {
         let head_stage = !cluster.no_head_stage;
         // Bad certificate files fail here, before any worker is started or reached.
         let tls = cluster.tls.load()?;
+        if stages.tp > 1 && (cluster.local_workers.is_some() || !cluster.workers.is_empty()) {
+            anyhow::bail!(
+                "--tp runs its members as threads of this process or as `baton tp-member` processes \
+                 (--tp-members); tensor parallelism on cluster workers is not built yet"
+            );
+        }
         anyhow::ensure!(
             stages.device.is_empty() || (cluster.local_workers.is_none() && cluster.workers.is_empty()),
             "--device places in-process stages; with workers the head's stage is on the CPU and each \
              worker takes its own --device"
         );
+        if stages.tp > 1 {
+            let devices = baton_ggml::Device::parse_list(&stages.device)?;
+            if let Some(device) = devices.iter().find(|d| !d.is_cpu()) {
+                anyhow::bail!(
+                    "--tp {} with --device {device:?}: tensor-parallel members run on the CPU only",
+                    stages.tp
+                );
+            }
+        }
+        if !cluster.tp_members.is_empty() {
+            return Ok(Setup::Local(tp_over_links(file, stages, cluster, n_seq)?));
+        }
         let (workers, token, local, threads) = match cluster.local_workers {
             Some(n) => {
                 // Head and workers share this machine's cores.
@@ -193,6 +216,10 @@ impl Ring {
                     n_seq,
                 };
                 let ranges = stages.ranges(n_layer)?;
+                if stages.tp > 1 {
+                    // Members run on the CPU (checked above), whatever devices there are.
+                    return Ok(Setup::Local(LocalRing::start_tp(file, &ranges, &config, stages.tp)?));
+                }
                 let devices = stages.stage_devices(ranges.len())?;
                 let on: Vec<_> = ranges.into_iter().zip(devices).collect();
                 return Ok(Setup::Local(LocalRing::start_on(file, &on, &config)?));
@@ -226,6 +253,7 @@ impl Ring {
     }
 
     /// The head end, while no engine drives the ring.
+    /// (See [`tp_over_links`] for `--tp-members`.)
     pub fn head(&mut self) -> anyhow::Result<&mut Head> {
         let head = match self {
             Ring::Local(ring) => ring.head(),
@@ -235,7 +263,6 @@ impl Ring {
         head.context("the ring is driven by an engine")
     }
 
-    /// The layer range of each stage, in ring order.
     /// Why the layers are split as they are (`None` for in-process stages).
     pub fn plan_why(&self) -> Option<&str> {
         match self {
@@ -244,6 +271,7 @@ impl Ring {
         }
     }
 
+    /// The layer range of each stage, in ring order.
     pub fn ranges(&self) -> Vec<std::ops::Range<usize>> {
         match self {
             Ring::Local(ring) => ring.ranges().to_vec(),
@@ -251,4 +279,55 @@ impl Ring {
             Ring::Supervised { .. } => Vec::new(),
         }
     }
+}
+
+/// This process as member 0 of a tensor-parallel group whose other members are the
+/// `baton tp-member` processes at `--tp-members`: one stage (the whole model), in a ring
+/// of this process.
+fn tp_over_links(
+    file: std::sync::Arc<ModelFile>,
+    stages: &StageArgs,
+    cluster: &ClusterArgs,
+    n_seq: usize,
+) -> anyhow::Result<LocalRing> {
+    use baton_model::{GroupMember, Stage, StageSpan};
+    use baton_node::tp_net::{dial_members, MeshCollective, RemoteMember};
+    let n = cluster.tp_members.len() + 1;
+    anyhow::ensure!(
+        stages.tp == n,
+        "--tp {} with {} --tp-members: the group is this process and its members",
+        stages.tp,
+        n - 1
+    );
+    let n_layer = file.hparams().n_layer;
+    let ranges = stages.ranges(n_layer)?;
+    anyhow::ensure!(
+        ranges.len() == 1,
+        "a tensor-parallel group across processes runs the whole model as one stage (--stages 1)"
+    );
+    let span = StageSpan {
+        layers: 0..n_layer,
+        first: true,
+        last: true,
+    };
+    let split = baton_model::tp_splits(&file, n)?.swap_remove(0);
+    let token = cluster.token.load()?;
+    let opts = LinkOptions {
+        tls: cluster.tls.load()?,
+        ..Default::default()
+    };
+    let peers = dial_members(&cluster.tp_members, token.as_deref().map(str::as_bytes), &opts)?;
+    let collective = std::sync::Arc::new(MeshCollective::new(0, peers.clone()));
+    let config = StageConfig {
+        n_ctx: stages.ctx_size,
+        n_threads: stages.threads_for(1),
+        repack: !stages.no_repack,
+        n_seq,
+    };
+    let members: Vec<Box<dyn GroupMember>> = peers
+        .into_iter()
+        .map(|p| Box::new(RemoteMember::new(p)) as Box<dyn GroupMember>)
+        .collect();
+    let stage = Stage::load_member(file, span, &config, Some((split, collective)))?.driving(members);
+    Ok(LocalRing::from_stages(vec![stage], &ranges)?)
 }

@@ -92,6 +92,11 @@ impl<'a> Tensor<'a> {
         self
     }
 
+    /// Whether the tensor has memory (a graph input that no node reads gets none).
+    pub fn has_data(&self) -> bool {
+        !self.meta().data.is_null()
+    }
+
     /// Copies `data` into the tensor's backend memory.
     pub fn write<T: Copy>(&self, data: &[T]) -> Result<(), GgmlError> {
         let bytes = std::mem::size_of_val(data);
@@ -145,6 +150,9 @@ pub struct Context {
     graph_size: usize,
     /// Tensors it has room for.
     n_tensors: usize,
+    /// Host ops whose nodes point at them (see [`Context::host_op`]): freed with the
+    /// context (or at a reset), after its nodes.
+    kept: std::cell::RefCell<Vec<std::sync::Arc<crate::HostOp>>>,
 }
 
 /// A lifetime-free name for a tensor of a long-lived context (model weights), turned
@@ -203,6 +211,7 @@ impl Context {
             id: NEXT_CONTEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             graph_size,
             n_tensors,
+            kept: std::cell::RefCell::new(Vec::new()),
         }
     }
 
@@ -222,6 +231,8 @@ impl Context {
         // SAFETY: `&mut self`: no tensor or graph of this context is borrowed.
         unsafe { sys::ggml_reset(self.raw()) }
         self.id = NEXT_CONTEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // No node points at the host ops any more.
+        self.kept.get_mut().clear();
     }
 
     /// The id of `graph`, one of this context's.
@@ -240,6 +251,11 @@ impl Context {
             ptr: id.ptr,
             _ctx: PhantomData,
         }
+    }
+
+    /// Keeps `op` alive as long as this context.
+    pub(crate) fn keep(&self, op: std::sync::Arc<crate::HostOp>) {
+        self.kept.borrow_mut().push(op);
     }
 
     pub(crate) fn raw(&self) -> *mut sys::ggml_context {

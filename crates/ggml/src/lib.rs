@@ -6,6 +6,7 @@
 mod backend;
 mod device;
 mod graph;
+mod host;
 mod llama;
 mod ops;
 mod quantize;
@@ -20,6 +21,7 @@ use llama_cpp_sys_2 as sys;
 pub use backend::{Allocator, Buffer, CpuBackend, MappedBuffer, MappedFile};
 pub use device::{BufferType, Device, DeviceKind, DeviceMemory, WeightOp};
 pub use graph::{Context, Graph, GraphId, RopeParams, Tensor, TensorId};
+pub use host::{HostFn, HostOp};
 pub use llama::{LlamaContext, LlamaModel};
 pub use quantize::{quantize, FileType};
 pub use sched::Scheduler;

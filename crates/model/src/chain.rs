@@ -55,12 +55,12 @@ impl StageChain {
 
     /// Forgets a sequence's cells from position `len` on, in every stage.
     pub fn truncate_seq(&mut self, seq: u32, len: usize) {
-        self.stages.iter_mut().for_each(|s| s.kv_mut().truncate_seq(seq, len));
+        self.stages.iter_mut().for_each(|s| s.truncate_seq(seq, len));
     }
 
     /// Forgets a sequence in every stage.
     pub fn clear_seq(&mut self, seq: u32) {
-        self.stages.iter_mut().for_each(|s| s.kv_mut().clear_seq(seq));
+        self.stages.iter_mut().for_each(|s| s.clear_seq(seq));
     }
 
     /// KV cells in use (every stage holds the same positions; the first is asked).
@@ -94,7 +94,7 @@ impl StageChain {
                 Err(e) => {
                     for stage in &mut self.stages[..i] {
                         for (&seq, &pos) in batch.seq_ids.iter().zip(batch.positions) {
-                            stage.kv_mut().truncate_seq(seq, pos.max(0) as usize);
+                            stage.truncate_seq(seq, pos.max(0) as usize);
                         }
                     }
                     return Err(e);

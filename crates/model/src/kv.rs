@@ -41,9 +41,10 @@ const FREE: Cell = Cell { pos: -1, seq: 0 };
 
 /// Keys and values for a stage's layers plus the cell bookkeeping.
 pub struct KvCache {
-    // Tensors `cache_k_l{layer}` / `cache_v_l{layer}` live in `ctx`, their data in `buffer`.
+    // Tensors `cache_k_l{layer}` / `cache_v_l{layer}` live in `ctx`, their data in
+    // `buffer`; none for a tensor-parallel member without heads (cells only).
     ctx: Context,
-    buffer: Buffer,
+    buffer: Option<Buffer>,
     layers: Range<usize>,
     cells: Vec<Cell>,
     n_used: usize,
@@ -80,7 +81,8 @@ impl KvCache {
             )));
         }
         let ctx = Context::new(2 * layers.len() + 2, 0);
-        for layer in layers.clone() {
+        let has_heads = hp.n_embd_k_gqa() > 0;
+        for layer in layers.clone().filter(|_| has_heads) {
             ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64])
                 .named(&format!("cache_k_l{layer}"));
             // MLA caches only the compressed keys; values are a view of them.
@@ -89,12 +91,17 @@ impl KvCache {
                     .named(&format!("cache_v_l{layer}"));
             }
         }
-        let mut buffer = match buft {
-            Some(buft) => buft.alloc(&ctx)?,
-            None => Buffer::alloc_cpu(&ctx)?,
+        let buffer = if has_heads {
+            let mut buffer = match buft {
+                Some(buft) => buft.alloc(&ctx)?,
+                None => Buffer::alloc_cpu(&ctx)?,
+            };
+            // Zeroed so that never-written cells hold finite values (masked, but multiplied).
+            buffer.clear(0);
+            Some(buffer)
+        } else {
+            None
         };
-        // Zeroed so that never-written cells hold finite values (masked, but multiplied).
-        buffer.clear(0);
         Ok(KvCache {
             ctx,
             buffer,
@@ -139,7 +146,7 @@ impl KvCache {
 
     /// Bytes of key and value memory.
     pub fn bytes(&self) -> usize {
-        self.buffer.size()
+        self.buffer.as_ref().map_or(0, Buffer::size)
     }
 
     /// Number of tokens `seq` holds.

@@ -11,6 +11,8 @@ mod resident;
 mod runner;
 mod stage;
 mod tensors;
+pub mod tp;
+mod tp_group;
 mod weights;
 
 #[cfg(test)]
@@ -27,6 +29,8 @@ pub use resident::mapped_rss;
 pub use runner::ComputeBytes;
 pub use stage::{Batch, Stage, StageConfig, StageInput, StageMemory, StageOutput};
 pub use tensors::{Presence, TensorSpec, Use};
+pub use tp::{Collective, CollectiveError, LocalGroup, TpSplit, TP_ARCHITECTURES};
+pub use tp_group::{join_logits, splits as tp_splits, GroupMember};
 pub use weights::{stage_tensor_sources, LayerTensors, ModelFile, StageSpan, StageWeights};
 
 /// Every tensor of a whole model of `hp` as its architecture lists them (both ends and
@@ -89,4 +93,7 @@ pub enum ModelError {
     /// ggml failed.
     #[error(transparent)]
     Ggml(#[from] baton_ggml::GgmlError),
+    /// A tensor-parallel sum failed (a member or its link).
+    #[error(transparent)]
+    Collective(#[from] tp::CollectiveError),
 }

@@ -1,13 +1,16 @@
 //! A stage: a contiguous layer range of one model on one ggml device, with its own
 //! KV cache. The first stage embeds tokens; the last produces logits.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use baton_ggml::{Context, DType, Device, GraphId, Tensor, TensorId};
+use baton_ggml::{Context, DType, Device, GraphId, HostOp, Tensor, TensorId};
 
-use crate::arch::{Builder, SpanInputs, StepInputs};
+use crate::arch::{Builder, Gather, SpanInputs, StepInputs, TpOps};
+use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
 use crate::runner::Runner;
+use crate::tp::{Collective, CollectiveError, TpSplit};
+use crate::tp_group::{GroupMember, Helper};
 use crate::weights::{ModelFile, StageSpan, StageWeights};
 use crate::ModelError;
 
@@ -87,9 +90,18 @@ pub struct StageMemory {
     pub host: u64,
 }
 
-/// A layer range of a model, ready to compute.
+/// A layer range of a model, ready to compute: the whole of each layer, or one member's
+/// slice of it ([`Stage::load_member`]); the first member of an in-process group
+/// drives the others ([`Stage::load_tp`]).
 pub struct Stage {
     span: StageSpan,
+    /// The other members of its tensor-parallel group (ranks 1.., in order) when this is
+    /// member 0: threads of this process or processes behind links. Declared first so
+    /// they stop before this member's state goes.
+    helpers: Vec<Box<dyn GroupMember>>,
+    /// The hyper-parameters the graph is built with (a member's: its heads, its FFN).
+    hp: HParams,
+    tp: Option<Member>,
     device: Device,
     // Declared before `weights` so the compute state is freed first.
     runner: Runner,
@@ -100,6 +112,57 @@ pub struct Stage {
     kv: KvCache,
     weights: StageWeights,
     repacked: bool,
+}
+
+/// What a tensor-parallel member exchanges with.
+struct Member {
+    split: TpSplit,
+    collective: Arc<dyn Collective>,
+    ops: TpOps,
+    /// The first failure of an exchange during the current computation.
+    error: Arc<Mutex<Option<CollectiveError>>>,
+}
+
+impl Member {
+    /// Member `split.rank` of a group over a model of `hp` (the whole model's).
+    fn new(hp: &HParams, split: TpSplit, collective: Arc<dyn Collective>) -> Result<Member, ModelError> {
+        let error: Arc<Mutex<Option<CollectiveError>>> = Arc::default();
+        let all = (0..split.size)
+            .map(|rank| TpSplit::new(hp, rank, split.size))
+            .collect::<Result<Vec<_>, _>>()?;
+        let gather = |width: &dyn Fn(&TpSplit) -> usize| {
+            let widths: Vec<usize> = all.iter().map(width).collect();
+            let total = widths.iter().sum();
+            let (collective, error, rank) = (collective.clone(), error.clone(), split.rank);
+            let op = HostOp::new(move |input: &[f32], out: &mut [f32]| {
+                let rows = out.len() / total;
+                // A member without heads gives nothing; its input only carries the shape.
+                let mine = if widths[rank] == 0 { &[][..] } else { input };
+                let gathered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    collective.all_gather(mine, &widths, rows, &mut *out)
+                }))
+                .unwrap_or_else(|_| Err(CollectiveError::Aborted("an exchange panicked".into())));
+                if let Err(e) = gathered {
+                    out.fill(0.0);
+                    if let Ok(mut slot) = error.lock() {
+                        slot.get_or_insert(e);
+                    }
+                }
+            });
+            Gather { op, width: total }
+        };
+        let ops = TpOps {
+            heads: gather(&|s| s.q_heads(hp).len() * hp.head_dim_v),
+            ff: gather(&|s| s.ff.len()),
+            embd: gather(&|s| s.embd.len()),
+        };
+        Ok(Member {
+            split,
+            collective,
+            ops,
+            error,
+        })
+    }
 }
 
 impl Stage {
@@ -117,20 +180,58 @@ impl Stage {
         config: &StageConfig,
         device: Device,
     ) -> Result<Stage, ModelError> {
-        let hp = file.hparams();
-        if span.layers.start >= span.layers.end || span.layers.end > hp.n_layer {
+        Stage::load_member_on(file, span, config, device, None)
+    }
+
+    /// Loads one member of a tensor-parallel group on the CPU: its slice of every
+    /// layer of `span` (see [`crate::tp`]), exchanging through `collective` with the
+    /// other members, which must be loaded with the same span and configuration.
+    /// `None`: the whole layers ([`Stage::load`]).
+    pub fn load_member(
+        file: Arc<ModelFile>,
+        span: StageSpan,
+        config: &StageConfig,
+        member: Option<(TpSplit, Arc<dyn Collective>)>,
+    ) -> Result<Stage, ModelError> {
+        Stage::load_member_on(file, span, config, Device::cpu(), member)
+    }
+
+    fn load_member_on(
+        file: Arc<ModelFile>,
+        span: StageSpan,
+        config: &StageConfig,
+        device: Device,
+        member: Option<(TpSplit, Arc<dyn Collective>)>,
+    ) -> Result<Stage, ModelError> {
+        let full = file.hparams();
+        if span.layers.start >= span.layers.end || span.layers.end > full.n_layer {
             return Err(ModelError::BadConfig(format!(
                 "layer range {:?} is not a non-empty part of the model's {} layers",
-                span.layers, hp.n_layer
+                span.layers, full.n_layer
             )));
         }
+        // The exchanges are host ops reading and writing the member's activations in
+        // host memory, which only the CPU backend gives them.
+        if member.is_some() && !device.is_cpu() {
+            return Err(ModelError::BadConfig(format!(
+                "tensor parallelism runs on the CPU only; {device:?} cannot hold a tensor-parallel member"
+            )));
+        }
+        let split = member.as_ref().map(|(split, _)| split);
+        let hp = split.map_or_else(|| full.clone(), |split| split.hparams(full));
         let runner = Runner::new(device, config.n_threads)?;
-        let weights = StageWeights::load(file.clone(), &span, config.repack, device)?;
+        let weights = StageWeights::load_split(file.clone(), &span, config.repack, device, split)?;
         let own = (!device.is_cpu()).then(|| device.buffer_type());
-        let kv = KvCache::new_in(hp, span.layers.clone(), config.n_ctx, config.n_seq, own)?;
-        tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, ?device, weight_bytes = weights.bytes(), device_bytes = weights.device_bytes(), "stage loaded");
+        let kv = KvCache::new_in(&hp, span.layers.clone(), config.n_ctx, config.n_seq, own)?;
+        let tp = member
+            .map(|(split, collective)| Member::new(full, split, collective))
+            .transpose()?;
+        tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, ?device, weight_bytes = weights.bytes(), device_bytes = weights.device_bytes(), tp = ?tp.as_ref().map(|m| &m.split), "stage loaded");
         Ok(Stage {
             span,
+            helpers: Vec::new(),
+            hp,
+            tp,
             device,
             runner,
             step_ctx: None,
@@ -139,6 +240,83 @@ impl Stage {
             weights,
             repacked: config.repack,
         })
+    }
+
+    /// A tensor-parallel group of `n` members in this process, each with
+    /// `config.n_threads` threads: the returned stage is member 0 and computes like
+    /// [`Stage::load`]'s would (up to summation order), driving members 1.. on threads
+    /// of their own. Each member maps the file on its own.
+    pub fn load_tp(file: Arc<ModelFile>, span: StageSpan, config: &StageConfig, n: usize) -> Result<Stage, ModelError> {
+        if n <= 1 {
+            return Stage::load(file, span, config);
+        }
+        let splits = crate::tp_group::splits(&file, n)?;
+        let collectives = crate::tp::LocalGroup::members(n);
+        let mut members: Vec<Stage> = std::thread::scope(|scope| {
+            let loads: Vec<_> = splits
+                .into_iter()
+                .zip(collectives)
+                .map(|(split, collective)| {
+                    let (span, path) = (span.clone(), file.path().to_path_buf());
+                    scope.spawn(move || {
+                        let file = ModelFile::open(&path)?;
+                        Stage::load_member(file, span, config, Some((split, collective)))
+                    })
+                })
+                .collect();
+            loads
+                .into_iter()
+                .map(|h| h.join().expect("member loader panicked"))
+                .collect::<Result<_, _>>()
+        })?;
+        let helpers = members
+            .drain(1..)
+            .map(|m| Helper::start(m).map(|h| Box::new(h) as Box<dyn GroupMember>))
+            .collect::<Result<Vec<_>, _>>()?;
+        let first = members.pop().expect("n > 1 members were loaded");
+        Ok(first.driving(helpers))
+    }
+
+    /// Member 0 of a group whose other members are `members` (ranks 1.., in order),
+    /// each loaded with the same span and configuration: `forward` then runs the whole
+    /// group and returns what a whole stage would.
+    pub fn driving(mut self, members: Vec<Box<dyn GroupMember>>) -> Stage {
+        self.helpers = members;
+        self
+    }
+
+    /// The member's place in its tensor-parallel group (`None` for a whole stage).
+    pub fn tp_split(&self) -> Option<&TpSplit> {
+        self.tp.as_ref().map(|m| &m.split)
+    }
+
+    /// Tells the other members of its group that this one will not exchange any more.
+    pub fn abort_group(&self, reason: &str) {
+        if let Some(member) = &self.tp {
+            member.collective.abort(reason);
+        }
+    }
+
+    /// Members of the stage's group that this one drives, itself included (1 for a whole
+    /// stage or a member driven by another).
+    pub fn tp_size(&self) -> usize {
+        1 + self.helpers.len()
+    }
+
+    /// Forgets every token of `seq` (in every member's cache).
+    pub fn clear_seq(&mut self, seq: u32) {
+        self.truncate_seq(seq, 0);
+    }
+
+    /// Keeps only the tokens of `seq` at positions below `len` (in every member's cache).
+    pub fn truncate_seq(&mut self, seq: u32, len: usize) {
+        for helper in &mut self.helpers {
+            if let Err(e) = helper.truncate_seq(seq, len) {
+                // The next forward fails on that member and says why.
+                tracing::debug!(error = %e, "tensor-parallel member did not truncate");
+            }
+        }
+        self.kv.truncate_seq(seq, len);
     }
 
     /// The device the stage computes on.
@@ -162,7 +340,8 @@ impl Stage {
         &self.kv
     }
 
-    /// The KV cache (to clear or truncate sequences).
+    /// The KV cache (to clear or truncate sequences). Of member 0 only on a
+    /// tensor-parallel stage: use [`Stage::truncate_seq`] there.
     pub fn kv_mut(&mut self) -> &mut KvCache {
         &mut self.kv
     }
@@ -173,7 +352,7 @@ impl Stage {
     }
 
     /// Bytes this stage holds now, on its device and in host memory (see
-    /// [`StageMemory`]).
+    /// [`StageMemory`]); of member 0 only, on a tensor-parallel stage.
     pub fn memory(&self) -> StageMemory {
         let mapped = crate::resident::mapped_rss(self.weights.file().map_address()).unwrap_or(0);
         let compute = self.runner.bytes();
@@ -194,11 +373,50 @@ impl Stage {
 
     /// Runs the stage's layers over one batch.
     pub fn forward(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
+        if self.helpers.is_empty() {
+            return self.forward_member(batch);
+        }
+        let sent: Vec<_> = self.helpers.iter_mut().map(|h| h.send_forward(batch)).collect();
+        if let Some(Err(e)) = sent.into_iter().find(Result::is_err) {
+            if let Some(member) = &self.tp {
+                member.collective.abort(&e.to_string());
+            }
+            return Err(e);
+        }
+        let mine = self.forward_member(batch);
+        let theirs: Vec<_> = self.helpers.iter_mut().map(|h| h.recv()).collect();
+        match mine? {
+            StageOutput::Logits(logits) if !logits.is_empty() => {
+                let mut parts = vec![logits];
+                for part in theirs {
+                    match part? {
+                        StageOutput::Logits(l) => parts.push(l),
+                        StageOutput::Hidden(_) => unreachable!("every member of a last stage returns logits"),
+                    }
+                }
+                Ok(StageOutput::Logits(crate::tp_group::join_logits(
+                    &parts,
+                    batch.logit_rows.len(),
+                )))
+            }
+            out => {
+                theirs.into_iter().try_for_each(|r| r.map(drop))?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// [`forward`](Self::forward) on this member alone.
+    pub(crate) fn forward_member(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
         self.check(batch)?;
         let slots = self.kv.claim(batch.seq_ids, batch.positions)?;
         let result = self.compute(batch, &slots);
-        if result.is_err() {
+        if let Err(e) = &result {
             self.kv.release(&slots);
+            // The other members may wait for this one's sums: let them go.
+            if let Some(member) = &self.tp {
+                member.collective.abort(&e.to_string());
+            }
         }
         result
     }
@@ -248,8 +466,7 @@ impl Stage {
     }
 
     fn compute(&mut self, batch: &Batch<'_>, slots: &[i64]) -> Result<StageOutput, ModelError> {
-        let file = self.weights.file().clone();
-        let hp = file.hparams();
+        let hp = &self.hp;
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
         // A batch of decode steps: each row is the only one of its sequence.
@@ -358,6 +575,7 @@ impl Stage {
                     decode_rows,
                 },
                 outputs_selected: false,
+                tp: self.tp.as_ref().map(|m| m.ops.clone()),
             };
             let mut hidden = match (tokens_in, hidden_in) {
                 (Some(tokens), _) => {
@@ -424,18 +642,23 @@ impl Stage {
         let attn_temp = step.attn_temp.map(tensor);
         let (tokens_in, hidden_in) = (step.tokens_in.map(tensor), step.hidden_in.map(tensor));
         let want_logits = self.span.last && !batch.logit_rows.is_empty();
-        positions.write(batch.positions)?;
-        kv_slots.write(slots)?;
+        // A tensor-parallel member without heads reads no positions, cells or masks.
+        if positions.has_data() {
+            positions.write(batch.positions)?;
+        }
+        if kv_slots.has_data() {
+            kv_slots.write(slots)?;
+        }
         for ((rows, cells), (mask, mask_swa)) in step.key.spans.iter().zip(&step.masks) {
             let (seq_ids, positions) = (&batch.seq_ids[rows.clone()], &batch.positions[rows.clone()]);
-            if let Some(m) = mask {
-                tensor(*m).write(&self.kv.mask(seq_ids, positions, cells.clone(), None))?;
+            if let Some(m) = mask.map(tensor).filter(Tensor::has_data) {
+                m.write(&self.kv.mask(seq_ids, positions, cells.clone(), None))?;
             }
-            if let Some(m) = mask_swa {
-                tensor(*m).write(&self.kv.mask(seq_ids, positions, cells.clone(), Some(hp.n_swa)))?;
+            if let Some(m) = mask_swa.map(tensor).filter(Tensor::has_data) {
+                m.write(&self.kv.mask(seq_ids, positions, cells.clone(), Some(hp.n_swa)))?;
             }
         }
-        if let (Some(t), Some(temp)) = (attn_temp, &hp.attn_temp) {
+        if let (Some(t), Some(temp)) = (attn_temp.filter(Tensor::has_data), &hp.attn_temp) {
             t.write(&temp.factors(batch.positions))?;
         }
         if let Some(rows) = out_rows {
@@ -456,9 +679,14 @@ impl Stage {
             self.step = None;
             return Err(e);
         }
+        if let Some(e) = self.tp.as_ref().and_then(|m| m.error.lock().ok()?.take()) {
+            self.step = None;
+            return Err(e.into());
+        }
 
         if want_logits {
-            let mut logits = vec![0f32; hp.n_vocab * batch.logit_rows.len()];
+            // [n_vocab, n_out]; a tensor-parallel member's share of the vocabulary.
+            let mut logits = vec![0f32; out.ne()[0] as usize * batch.logit_rows.len()];
             out.read(&mut logits)?;
             Ok(StageOutput::Logits(logits))
         } else if self.span.last {

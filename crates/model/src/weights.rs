@@ -9,6 +9,7 @@ use baton_gguf::Gguf;
 
 use crate::hparams::HParams;
 use crate::tensors::{self, Presence, TensorSpec, Use};
+use crate::tp::{Cut, TpSplit};
 use crate::ModelError;
 
 /// A GGUF file, memory-mapped and parsed (header, metadata and tensor index only).
@@ -142,8 +143,27 @@ pub struct StageWeights {
     file: Arc<ModelFile>,
 }
 
+/// Where a tensor's bytes come from.
+enum Data {
+    /// This offset of the mapped file.
+    Mapped(usize),
+    /// A slice copied (or decoded) out of the file.
+    Owned(Vec<u8>),
+}
+
+/// A tensor of the stage and where it goes.
+struct Placed {
+    name: String,
+    data: Data,
+    /// Bytes of the whole file tensor.
+    n_bytes: usize,
+    /// `None`: the mapping; `Some(g)`: the buffer of `StageWeights::groups[g]`.
+    group: Option<usize>,
+}
+
 /// Weights copied out of the mapping into memory of one buffer type: the device's own
-/// memory, or one of ggml's CPU repacking buffer types.
+/// memory, one of ggml's CPU repacking buffer types, or (last) a plain CPU buffer
+/// holding tensor-parallel slices that no other type takes.
 struct Group {
     ctx: Context,
     buft: BufferType,
@@ -175,8 +195,25 @@ impl StageWeights {
         repack: bool,
         device: Device,
     ) -> Result<StageWeights, ModelError> {
+        Self::load_split(file, span, repack, device, None)
+    }
+
+    /// [`load`](Self::load) for one member of a tensor-parallel group: each tensor is
+    /// cut as `split` says ([`TpSplit::cut`]); the slices are copied out of the
+    /// mapping (into the buffer types of [`candidates`] where they fit, else a plain
+    /// CPU buffer).
+    pub fn load_split(
+        file: Arc<ModelFile>,
+        span: &StageSpan,
+        repack: bool,
+        device: Device,
+        split: Option<&TpSplit>,
+    ) -> Result<StageWeights, ModelError> {
         let plan = stage_plan(&file, span, true)?;
-        let bufts = candidates(device, repack);
+        let mut bufts = candidates(device, repack);
+        // Last, one plain CPU buffer for slices nothing else takes.
+        let copied = bufts.len();
+        bufts.push((Device::cpu().buffer_type(), false));
         let ctx = Context::new(plan.len() + 1, 0);
         let mut groups: Vec<Group> = bufts
             .iter()
@@ -189,8 +226,7 @@ impl StageWeights {
             .collect();
         let n_used = file.hparams.moe.n_expert_used;
         let mut bytes = 0;
-        // (tensor, source in the file, group: None = mapped, Some(i) = groups[i])
-        let mut placed = Vec::new();
+        let mut placed: Vec<Placed> = Vec::new();
         for spec in &plan {
             let info = file
                 .gguf
@@ -218,6 +254,19 @@ impl StageWeights {
                     expected,
                 });
             }
+            let cut = match split {
+                Some(split) => split.cut(&file.hparams, &spec.name)?,
+                None => Cut::Whole,
+            };
+            let source = file
+                .bytes()
+                .get(info.offset as usize..(info.offset + info.n_bytes) as usize)
+                .ok_or_else(|| ModelError::MissingTensor(spec.source.clone()))?;
+            let (dtype, dims, data) = match slice(&spec.name, dtype, &dims, source, &cut)? {
+                Some(sliced) => sliced,
+                None if cut == Cut::Skip => continue,
+                None => (dtype, dims, Data::Mapped(info.offset as usize)),
+            };
             let tensor = ctx.new_tensor(dtype, &dims).named(&spec.name);
             // The token embedding stays in the mapping on the CPU (llama.cpp's input
             // layer): a step reads only its tokens' rows.
@@ -227,37 +276,58 @@ impl StageWeights {
                 Use::Elementwise => Some(WeightOp::Elementwise),
                 Use::Embedding => None,
             };
-            let group = op.and_then(|op| {
-                groups
+            let mut group = op.and_then(|op| {
+                groups[..copied]
                     .iter()
                     .position(|g| (g.on_device || op != WeightOp::Elementwise) && g.buft.supports(tensor, op))
             });
+            if group.is_none() && matches!(data, Data::Owned(_)) {
+                group = Some(copied);
+            }
             if let Some(g) = group {
                 groups[g].ctx.new_tensor(dtype, &dims).named(&spec.name);
             }
-            placed.push((spec.name.clone(), info.offset as usize, info.n_bytes as usize, group));
-            bytes += info.n_bytes;
+            bytes += match &data {
+                Data::Mapped(_) => info.n_bytes,
+                Data::Owned(owned) => owned.len() as u64,
+            };
+            placed.push(Placed {
+                name: spec.name.clone(),
+                data,
+                n_bytes: info.n_bytes as usize,
+                group,
+            });
         }
         let mut mapped = MappedBuffer::new(file.map.clone())?;
         mapped.mark_weights();
         for (g, group) in groups.iter_mut().enumerate() {
-            if placed.iter().any(|p| p.3 == Some(g)) {
+            if placed.iter().any(|p| p.group == Some(g)) {
                 let mut buffer = group.buft.alloc(&group.ctx)?;
                 buffer.mark_weights();
                 group.buffer = Some(buffer);
                 tracing::debug!(buffer = group.buft.name(), "copying weights");
             }
         }
-        for (name, offset, n_bytes, group) in &placed {
-            match group {
-                None => mapped.place(named(&ctx, name)?, *offset)?,
-                Some(g) => {
+        for p in &placed {
+            match (&p.data, p.group) {
+                (Data::Mapped(offset), None) => mapped.place(named(&ctx, &p.name)?, *offset)?,
+                (Data::Mapped(offset), Some(g)) => {
                     let bytes = file
                         .bytes()
-                        .get(*offset..offset + n_bytes)
-                        .ok_or_else(|| ModelError::MissingTensor(name.clone()))?;
-                    named(&groups[*g].ctx, name)?.write_bytes(bytes)?;
-                    file.map.release(*offset, *n_bytes);
+                        .get(*offset..offset + p.n_bytes)
+                        .ok_or_else(|| ModelError::MissingTensor(p.name.clone()))?;
+                    named(&groups[g].ctx, &p.name)?.write_bytes(bytes)?;
+                    file.map.release(*offset, p.n_bytes);
+                }
+                (Data::Owned(owned), Some(g)) => named(&groups[g].ctx, &p.name)?.write_bytes(owned)?,
+                (Data::Owned(_), None) => unreachable!("copied slices always get a buffer above"),
+            }
+        }
+        if split.is_some() {
+            // The slices are copies: the pages read to make them are not needed again.
+            for p in placed.iter().filter(|p| matches!(p.data, Data::Owned(_))) {
+                if let Some(info) = file.gguf.tensor(plan_source(&plan, &p.name)) {
+                    file.map.release(info.offset as usize, info.n_bytes as usize);
                 }
             }
         }
@@ -289,7 +359,8 @@ impl StageWeights {
         Ok(weights)
     }
 
-    /// Bytes held in the CPU's repacking buffers (copies, not mapped pages).
+    /// Bytes held in the CPU's repacking buffers and tensor-parallel slice copies (not
+    /// mapped pages).
     pub fn repacked_bytes(&self) -> usize {
         self.copied_bytes(false)
     }
@@ -447,6 +518,46 @@ fn stage_plan(file: &ModelFile, span: &StageSpan, strict: bool) -> Result<Vec<Te
         );
     }
     Ok(specs)
+}
+
+fn plan_source<'p>(plan: &'p [TensorSpec], name: &'p str) -> &'p str {
+    plan.iter().find(|s| s.name == name).map_or(name, |s| s.source.as_str())
+}
+
+/// The slice `cut` of a tensor `name` of type `dtype` and shape `dims` whose file
+/// bytes are `source`: its type, shape and bytes; `None` for a whole tensor (read in
+/// place) or a skipped one.
+fn slice(
+    name: &str,
+    dtype: DType,
+    dims: &[i64],
+    source: &[u8],
+    cut: &Cut,
+) -> Result<Option<(DType, Vec<i64>, Data)>, ModelError> {
+    let bad = |why: String| ModelError::BadConfig(format!("cannot slice '{name}' {dims:?}: {why}"));
+    let ne0 = dims[0] as usize;
+    let n_rows: usize = dims[1..].iter().map(|&d| d as usize).product();
+    let row_bytes = dtype.row_bytes(ne0);
+    // Rows only: a slice along the input dimension would round differently from
+    // llama.cpp's dot products (see `crate::tp`).
+    match cut {
+        Cut::Whole | Cut::Skip => Ok(None),
+        Cut::Rows(rows) if dims.len() == 1 => {
+            // A vector (f32, checked by the caller): elements.
+            if rows.end > ne0 || dtype != DType::F32 {
+                return Err(bad(format!("elements {rows:?}")));
+            }
+            let bytes = source[rows.start * 4..rows.end * 4].to_vec();
+            Ok(Some((dtype, vec![rows.len() as i64], Data::Owned(bytes))))
+        }
+        Cut::Rows(rows) => {
+            if dims.len() != 2 || rows.end > n_rows || rows.is_empty() {
+                return Err(bad(format!("rows {rows:?}")));
+            }
+            let bytes = source[rows.start * row_bytes..rows.end * row_bytes].to_vec();
+            Ok(Some((dtype, vec![dims[0], rows.len() as i64], Data::Owned(bytes))))
+        }
+    }
 }
 
 fn named<'c>(ctx: &'c Context, name: &str) -> Result<Tensor<'c>, ModelError> {

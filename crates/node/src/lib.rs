@@ -7,6 +7,7 @@ pub mod engine;
 mod head;
 mod local;
 mod stage_loop;
+pub mod tp_net;
 
 pub use head::{GenerateRequest, Generation, Head, RingEnds};
 pub use local::LocalRing;

@@ -6,12 +6,15 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use baton_ggml::Device;
-use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
+use baton_model::{ModelError, ModelFile, Stage, StageConfig, StageSpan};
 use baton_net::local_link;
 
 use crate::head::{Head, RingEnds};
 use crate::stage_loop::{run, StageWorker};
 use crate::NodeError;
+
+/// Makes one stage of a ring, given its span, on the thread that will run it.
+type Loader = Box<dyn FnOnce(StageSpan) -> Result<Stage, ModelError> + Send>;
 
 /// A running in-process ring and the head that drives it.
 pub struct LocalRing {
@@ -39,15 +42,71 @@ impl LocalRing {
         config: &StageConfig,
     ) -> Result<LocalRing, NodeError> {
         check_one_stage_per_accelerator(stages)?;
-        let n = stages.len();
-        let ranges: Vec<Range<usize>> = stages.iter().map(|(r, _)| r.clone()).collect();
+        let loaders = stages
+            .iter()
+            .map(|(_, device)| {
+                // Each stage maps the file on its own, as on its own machine.
+                let (path, config, device) = (file.path().to_path_buf(), config.clone(), *device);
+                Box::new(move |span| {
+                    ModelFile::open(&path).and_then(|file| Stage::load_on(file, span, &config, device))
+                }) as Loader
+            })
+            .collect();
+        LocalRing::start_with(stages.iter().map(|(r, _)| r.clone()).collect(), loaders)
+    }
+
+    /// [`start`](Self::start) with every stage a tensor-parallel group of `tp` members
+    /// on the CPU (threads of `config.n_threads` each; see [`Stage::load_tp`]).
+    pub fn start_tp(
+        file: Arc<ModelFile>,
+        ranges: &[Range<usize>],
+        config: &StageConfig,
+        tp: usize,
+    ) -> Result<LocalRing, NodeError> {
+        let loaders = ranges
+            .iter()
+            .map(|_| {
+                let (path, config) = (file.path().to_path_buf(), config.clone());
+                Box::new(move |span| ModelFile::open(&path).and_then(|file| Stage::load_tp(file, span, &config, tp)))
+                    as Loader
+            })
+            .collect();
+        LocalRing::start_with(ranges.to_vec(), loaders)
+    }
+
+    /// A ring over stages already loaded on the CPU (one per range of `ranges`, in
+    /// order, each loaded with the span its place in the ring gives it).
+    pub fn from_stages(stages: Vec<Stage>, ranges: &[Range<usize>]) -> Result<LocalRing, NodeError> {
+        if let Some(stage) = stages.iter().find(|s| !s.device().is_cpu()) {
+            return Err(NodeError::Model(ModelError::BadConfig(format!(
+                "a ring of stages loaded elsewhere takes CPU stages only; one is on {:?}",
+                stage.device()
+            ))));
+        }
+        let loaders = stages
+            .into_iter()
+            .map(|stage| Box::new(move |_| Ok(stage)) as Loader)
+            .collect();
+        LocalRing::start_with(ranges.to_vec(), loaders)
+    }
+
+    /// Starts one thread per range, which loads its stage with its loader (given the
+    /// stage's span) and runs it.
+    fn start_with(ranges: Vec<Range<usize>>, loaders: Vec<Loader>) -> Result<LocalRing, NodeError> {
+        let n = ranges.len();
+        if loaders.len() != n {
+            return Err(NodeError::Protocol(format!(
+                "{} stages for {n} layer ranges",
+                loaders.len()
+            )));
+        }
         // Each stage is loaded, run and dropped on its own thread, so a device's
         // backend is only ever used by the thread that made it.
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         // Links: head → s0 → s1 → … → s(n-1) → head.
         let (head_tx, mut prev_rx) = local_link("stage 0");
         let mut threads = Vec::new();
-        for (i, (range, device)) in stages.iter().enumerate() {
+        for (i, (range, load)) in ranges.iter().zip(loaders).enumerate() {
             let peer = if i + 1 == n {
                 "head".to_string()
             } else {
@@ -60,19 +119,17 @@ impl LocalRing {
                 first: i == 0,
                 last: i + 1 == n,
             };
-            let (path, config, device, ready) = (file.path().to_path_buf(), config.clone(), *device, ready_tx.clone());
+            let ready = ready_tx.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("stage-{i}"))
                 .spawn(move || {
-                    // Each stage maps the file on its own, as on its own machine.
-                    let stage =
-                        match ModelFile::open(&path).and_then(|file| Stage::load_on(file, span, &config, device)) {
-                            Ok(stage) => stage,
-                            Err(e) => {
-                                let _ = ready.send(Err(NodeError::from(e)));
-                                return;
-                            }
-                        };
+                    let stage = match load(span) {
+                        Ok(stage) => stage,
+                        Err(e) => {
+                            let _ = ready.send(Err(NodeError::from(e)));
+                            return;
+                        }
+                    };
                     let _ = ready.send(Ok(()));
                     if let Err(e) = run(StageWorker::new(stage), rx, tx) {
                         tracing::debug!(stage = i, error = %e, "stage loop ended");

@@ -1,6 +1,8 @@
 //! Partitioning a model's layers into stages. Pure functions, tested with tables.
 #![deny(unsafe_code)]
 
+pub mod tp;
+
 use std::ops::Range;
 
 /// Why a partition cannot be made.

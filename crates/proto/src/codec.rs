@@ -66,6 +66,7 @@
 //! | 18   | Shutdown     | (empty)                                                                  |
 //! | 19   | Ping         | timeout_ms u32, session u64                                              |
 //! | 20   | Pong         | (empty)                                                                  |
+//! | 21   | Partial      | sum u64, values [f32]                                                    |
 //!
 //! | structure      | fields, in order                                                            |
 //! |----------------|-----------------------------------------------------------------------------|
@@ -164,6 +165,7 @@ kinds! {
     18 SHUTDOWN Shutdown,
     19 PING Ping,
     20 PONG Pong,
+    21 PARTIAL Partial,
 }
 
 /// The name of `msg`'s kind (see [`Message::kind`]).

@@ -23,7 +23,8 @@ use baton_sample::SamplingParams;
 /// `Capabilities` names the head's session and `Ping` the session it watches.
 /// 6: `StartSeq` carries an optional grammar; `Stats` carries each stage's busy time,
 /// computed rows and bytes sent to the next hop.
-pub const PROTOCOL_VERSION: u32 = 6;
+/// 7: `Partial` (kind 21), the slices tensor-parallel members exchange.
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -361,6 +362,13 @@ pub enum Message {
     Ping { timeout_ms: u32, session: u64 },
     /// Worker → head: yes.
     Pong,
+
+    // --- tensor parallelism: member ↔ member ---
+    /// A member's partial result for its group's collective number `sum`: `n_embd`
+    /// values per row to be summed (after attention, after the FFN), or its share of
+    /// the logits for the first member to gather. NaN is refused, as in hidden states.
+    /// (Only members of a tensor-parallel group send it; older nodes never see one.)
+    Partial { sum: u64, values: Vec<f32> },
 }
 
 /// The one way to build a [`Message::StartSeq`]: a fresh sequence with its sampler

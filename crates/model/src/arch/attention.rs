@@ -4,6 +4,7 @@
 
 use baton_ggml::Tensor;
 
+use super::builder::Shard;
 use super::Builder;
 use crate::weights::LayerTensors;
 
@@ -24,6 +25,20 @@ impl<'g> Builder<'g> {
     /// attention (with sinks when the layer has them), and the output projection with
     /// its bias. `x`: `[n_embd, n_tokens]` in and out.
     pub fn attention(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+        let out = if self.hp.n_head == 0 {
+            // A tensor-parallel member without heads: only the others' heads.
+            self.gather(x, Shard::Heads)
+        } else {
+            let out = self.attention_heads(w, layer, x);
+            self.gather(out, Shard::Heads)
+        };
+        let out = self.linear(w.get("attn_output.weight"), w.opt("attn_output.bias"), out);
+        self.gather(out, Shard::Embd)
+    }
+
+    /// The heads' outputs `[d_v × n_head, n_tokens]` of [`attention`](Self::attention),
+    /// before the output projection.
+    fn attention_heads(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
         let hp = self.hp;
         let ctx = self.ctx;
         let (q, k, v) = self.qkv(w, x);
@@ -51,8 +66,7 @@ impl<'g> Builder<'g> {
             d_v: hp.head_dim_v,
         };
         let out = self.attend(layer, q, kv, w.opt("attn_sinks.weight"), hp.attn_scale);
-        let out = ctx.reshape_2d(out, (hp.head_dim_v * hp.n_head) as i64, self.inputs.n_tokens as i64);
-        self.linear(w.get("attn_output.weight"), w.opt("attn_output.bias"), out)
+        ctx.reshape_2d(out, (hp.head_dim_v * hp.n_head) as i64, self.inputs.n_tokens as i64)
     }
 
     /// Queries `[d_k, n_head, n_tokens]`, keys `[d_k, n_head_kv, n_tokens]` and values

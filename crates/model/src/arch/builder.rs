@@ -1,7 +1,9 @@
 //! The graph builder every layer function gets, with the small shared pieces: norms,
 //! projections, gated feed-forward blocks, and the last layer's output rows.
 
-use baton_ggml::{Context, Graph, Tensor};
+use std::sync::Arc;
+
+use baton_ggml::{Context, Graph, HostOp, Tensor};
 
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
@@ -47,6 +49,40 @@ pub struct Builder<'g> {
     pub inputs: StepInputs<'g>,
     /// Whether a layer already kept only the rows that need logits.
     pub outputs_selected: bool,
+    /// The group's sums, when this stage is one member of a tensor-parallel group.
+    pub tp: Option<TpOps>,
+}
+
+/// The host ops a tensor-parallel member's graph joins the members' slices with.
+#[derive(Clone)]
+pub struct TpOps {
+    /// The heads' attention outputs: `[d_v × its heads, n_tokens]` in (any tensor of
+    /// `n_tokens` rows for a member without heads), `[d_v × n_head, n_tokens]` out.
+    pub heads: Gather,
+    /// The FFN's activations: its share of the inner dimension in, all of it out.
+    pub ff: Gather,
+    /// Output projections: its share of `n_embd` in, `[n_embd, n_tokens]` out.
+    pub embd: Gather,
+}
+
+/// One all-gather of a tensor-parallel group, as a host op.
+#[derive(Clone)]
+pub struct Gather {
+    /// Gathers this member's slice with the others'.
+    pub op: Arc<HostOp>,
+    /// Width of the gathered rows.
+    pub width: usize,
+}
+
+/// Which slices a [`Builder::gather`] joins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shard {
+    /// Attention heads.
+    Heads,
+    /// The FFN's inner dimension.
+    Ff,
+    /// The hidden size.
+    Embd,
 }
 
 /// The activation of a gated feed-forward block.
@@ -72,6 +108,23 @@ impl<'g> Builder<'g> {
             Some(b) => self.ctx.add(y, b),
             None => y,
         }
+    }
+
+    /// In a tensor-parallel member, its slice `part` (`[its share, n_tokens]`) joined
+    /// with the other members' into the whole `[width, n_tokens]`; elsewhere `part`
+    /// itself (which is whole already).
+    pub fn gather(&self, part: Tensor<'g>, shard: Shard) -> Tensor<'g> {
+        let Some(tp) = &self.tp else {
+            return part;
+        };
+        let gather = match shard {
+            Shard::Heads => &tp.heads,
+            Shard::Ff => &tp.ff,
+            Shard::Embd => &tp.embd,
+        };
+        self.ctx
+            .host_op(part, gather.width, gather.op.clone())
+            .named("tp_gather")
     }
 
     /// `w x` for a weight whose matmul kernel depends on the number of rows: f32 (and
@@ -112,6 +165,8 @@ impl<'g> Builder<'g> {
             Act::Silu => self.ctx.swiglu_split(gate, up),
             Act::Gelu => self.ctx.geglu_split(gate, up),
         };
-        self.linear(weight("down"), t("down", "bias"), hidden)
+        let hidden = self.gather(hidden, Shard::Ff);
+        let out = self.linear(weight("down"), t("down", "bias"), hidden);
+        self.gather(out, Shard::Embd)
     }
 }

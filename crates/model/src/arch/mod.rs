@@ -26,7 +26,7 @@ mod qwen3moe;
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-pub use builder::{Builder, SpanInputs, StepInputs};
+pub use builder::{Builder, Gather, SpanInputs, StepInputs, TpOps};
 
 use crate::hparams::{HParams, Keys};
 use crate::tensors::LayerPlan;

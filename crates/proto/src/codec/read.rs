@@ -89,6 +89,14 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             session: r.u64("session")?,
         },
         kind::PONG => Message::Pong,
+        kind::PARTIAL => {
+            let sum = r.u64("sum")?;
+            let values = r.array("values", f32::from_le_bytes)?;
+            if values.iter().any(|x| x.is_nan()) {
+                return Err(r.invalid("values", "partial sums contain NaN".into()));
+            }
+            Message::Partial { sum, values }
+        }
         // `kind_name` accepted it, so a number is missing above.
         _ => return Err(ProtoError::UnknownKind(kind)),
     };

@@ -120,7 +120,7 @@ const STRUCTURES: [&Layout; 7] = [
 ];
 
 /// Messages, in kind-number order.
-const MESSAGES: [Layout; 20] = [
+const MESSAGES: [Layout; 21] = [
     Layout {
         name: "Hello",
         fields: &[
@@ -256,6 +256,10 @@ const MESSAGES: [Layout; 20] = [
     Layout {
         name: "Pong",
         fields: &[],
+    },
+    Layout {
+        name: "Partial",
+        fields: &[Field("sum", Ty::U64), Field("values", Ty::List(&Ty::F32))],
     },
 ];
 

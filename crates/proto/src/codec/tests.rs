@@ -228,6 +228,14 @@ pub(super) fn samples() -> Vec<Message> {
             session: 1 << 63,
         },
         Message::Pong,
+        Message::Partial {
+            sum: 47,
+            values: vec![1.5, -0.0, f32::INFINITY, 1e-30],
+        },
+        Message::Partial {
+            sum: u64::MAX,
+            values: vec![],
+        },
     ]
 }
 
@@ -352,7 +360,7 @@ fn header_checks_length_flags_and_kind() {
     let err = parse_header(&head(0, 999, 0), DEFAULT_MAX_FRAME).unwrap_err();
     assert_eq!(err.to_string(), "unknown message kind 999");
     assert_eq!(parse_header(&head(0, 0, 0), 100), Err(ProtoError::UnknownKind(0)));
-    assert_eq!(parse_header(&head(0, 21, 0), 100), Err(ProtoError::UnknownKind(21)));
+    assert_eq!(parse_header(&head(0, 22, 0), 100), Err(ProtoError::UnknownKind(22)));
     assert_eq!(parse_header(&head(0, 15, 1), 100), Err(ProtoError::BadFlags(1)));
     assert_eq!(decode(999, &[]), Err(ProtoError::UnknownKind(999)));
 }

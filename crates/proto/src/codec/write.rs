@@ -127,6 +127,10 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u32(*timeout_ms);
             w.u64(*session);
         }
+        Message::Partial { sum, values } => {
+            w.u64(*sum);
+            w.array(values, f32::to_le_bytes);
+        }
     }
     kind_of(msg)
 }

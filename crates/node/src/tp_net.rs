@@ -1,0 +1,345 @@
+//! Tensor-parallel groups across processes: the members' all-gathers over links (each
+//! member sends its slice to every other and joins what it gets in rank order: one link
+//! latency per exchange for 2-4 members), member 0 driving the others with the ring's
+//! own messages (`Forward`, `TruncateSeq`, `EndSeq`, `Shutdown`), and the loop a member
+//! process runs.
+//!
+//! Links form a full mesh. Member `r` (1..n) listens; it dials every member in `1..r`,
+//! then accepts one link from each member above it and one from member 0, which dials
+//! them all. A dialing member introduces itself with `Partial { sum: 0, values:
+//! [rank] }`; the group's exchanges are numbered from 1.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use baton_model::tp::join_rows;
+use baton_model::{Batch, Collective, CollectiveError, GroupMember, ModelError, Stage, StageInput, StageOutput};
+use baton_net::{client_handshake, connect_by, server_handshake, Link, LinkOptions, Listener, Rx, Tx};
+use baton_proto::{Forward, Message, Payload, Role};
+
+use crate::NodeError;
+
+/// Slices up to this size are sent from the computing thread before it reads the
+/// others' (they fit the sockets' buffers, so two members sending at once cannot block
+/// each other); larger ones (prompt chunks) are sent from a second thread meanwhile.
+const DIRECT_BYTES: usize = 64 << 10;
+
+/// One link of a member to another member.
+pub struct Peer {
+    rank: usize,
+    name: String,
+    tx: Mutex<Box<dyn Tx>>,
+    rx: Mutex<Box<dyn Rx>>,
+}
+
+impl Peer {
+    fn new(rank: usize, link: Box<dyn Link>) -> Result<Arc<Peer>, NodeError> {
+        let name = format!("member {rank} ({})", link.peer());
+        let (tx, rx) = link.split()?;
+        Ok(Arc::new(Peer {
+            rank,
+            name,
+            tx: Mutex::new(tx),
+            rx: Mutex::new(rx),
+        }))
+    }
+
+    fn send(&self, msg: Message) -> Result<(), CollectiveError> {
+        let mut tx = self.tx.lock().map_err(|_| self.aborted("its link's writer panicked"))?;
+        tx.send(msg).map_err(|e| self.aborted(&e.to_string()))
+    }
+
+    fn recv(&self) -> Result<Message, CollectiveError> {
+        let mut rx = self.rx.lock().map_err(|_| self.aborted("its link's reader panicked"))?;
+        rx.recv().map_err(|e| self.aborted(&e.to_string()))
+    }
+
+    fn aborted(&self, why: &str) -> CollectiveError {
+        CollectiveError::Aborted(format!("{}: {why}", self.name))
+    }
+
+    fn unexpected(&self, reason: String) -> CollectiveError {
+        CollectiveError::Peer {
+            peer: self.rank,
+            reason,
+        }
+    }
+}
+
+/// A member's exchanges over its links to all the others.
+pub struct MeshCollective {
+    rank: usize,
+    /// Every other member, by rank.
+    peers: Vec<Arc<Peer>>,
+    next_sum: AtomicU64,
+}
+
+impl MeshCollective {
+    /// Member `rank`'s exchanges over `peers` (every other member once).
+    pub fn new(rank: usize, mut peers: Vec<Arc<Peer>>) -> MeshCollective {
+        peers.sort_by_key(|p| p.rank);
+        MeshCollective {
+            rank,
+            peers,
+            next_sum: AtomicU64::new(1),
+        }
+    }
+
+    /// Sends `data` to every peer and receives each peer's slice of `expected(rank)`
+    /// values.
+    fn exchange(
+        &self,
+        sum: u64,
+        data: &[f32],
+        expected: &dyn Fn(usize) -> usize,
+    ) -> Result<Vec<(usize, Vec<f32>)>, CollectiveError> {
+        let msg = Message::Partial {
+            sum,
+            values: data.to_vec(),
+        };
+        let receive = || {
+            self.peers
+                .iter()
+                .map(|peer| match peer.recv()? {
+                    Message::Partial { sum: s, values } if s == sum && values.len() == expected(peer.rank) => {
+                        Ok((peer.rank, values))
+                    }
+                    Message::Partial { sum: s, values } => Err(peer.unexpected(format!(
+                        "exchange {s} of {} values where exchange {sum} of {} was due",
+                        values.len(),
+                        expected(peer.rank)
+                    ))),
+                    Message::Error { message, .. } => Err(peer.aborted(&message)),
+                    other => Err(peer.unexpected(format!("{} where a partial sum was due", other.kind()))),
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        if data.len() * 4 <= DIRECT_BYTES {
+            self.peers.iter().try_for_each(|p| p.send(msg.clone()))?;
+            return receive();
+        }
+        std::thread::scope(|scope| {
+            let sender = scope.spawn(|| self.peers.iter().try_for_each(|p| p.send(msg.clone())));
+            let received = receive();
+            let sent = sender
+                .join()
+                .unwrap_or_else(|_| Err(CollectiveError::Aborted("sender panicked".into())));
+            sent.and(received)
+        })
+    }
+}
+
+impl Collective for MeshCollective {
+    fn all_gather(&self, mine: &[f32], widths: &[usize], rows: usize, out: &mut [f32]) -> Result<(), CollectiveError> {
+        let sum = self.next_sum.fetch_add(1, Ordering::Relaxed);
+        let expected = |rank: usize| widths.get(rank).map_or(usize::MAX, |w| w * rows);
+        let theirs = self.exchange(sum, mine, &expected)?;
+        let mut parts: Vec<(usize, &[f32])> = theirs.iter().map(|(r, v)| (*r, v.as_slice())).collect();
+        parts.push((self.rank, mine));
+        parts.sort_by_key(|(r, _)| *r);
+        join_rows(parts.into_iter().map(|(_, p)| p), widths, rows, out)
+    }
+
+    fn abort(&self, reason: &str) {
+        for peer in &self.peers {
+            let _ = peer.send(Message::Error {
+                first_layer: 0,
+                message: format!("member {} aborted: {reason}", self.rank),
+            });
+        }
+    }
+}
+
+/// Member 0's handle on a member process (over the same link the two sum on).
+pub struct RemoteMember {
+    peer: Arc<Peer>,
+    step: u64,
+}
+
+impl RemoteMember {
+    /// Drives the member at the other end of `peer`.
+    pub fn new(peer: Arc<Peer>) -> RemoteMember {
+        RemoteMember { peer, step: 0 }
+    }
+}
+
+fn model_error(e: CollectiveError) -> ModelError {
+    ModelError::Collective(e)
+}
+
+impl GroupMember for RemoteMember {
+    fn send_forward(&mut self, batch: &Batch<'_>) -> Result<(), ModelError> {
+        self.step += 1;
+        let payload = match batch.input {
+            StageInput::Tokens(t) => Payload::Tokens(t.to_vec()),
+            StageInput::Hidden(h) => Payload::Hidden(h.to_vec()),
+        };
+        self.peer
+            .send(Message::Forward(Forward {
+                step: self.step,
+                payload,
+                positions: batch.positions.to_vec(),
+                seq_ids: batch.seq_ids.to_vec(),
+                sample_rows: batch.logit_rows.to_vec(),
+                row_tokens: Vec::new(),
+            }))
+            .map_err(model_error)
+    }
+
+    fn recv(&mut self) -> Result<StageOutput, ModelError> {
+        match self.peer.recv().map_err(model_error)? {
+            Message::Partial { sum, values } if sum == u64::MAX - self.step => Ok(StageOutput::Logits(values)),
+            Message::Done => Ok(StageOutput::Hidden(Vec::new())),
+            Message::Error { message, .. } => Err(model_error(self.peer.aborted(&message))),
+            other => Err(model_error(self.peer.unexpected(format!(
+                "{} where the answer to step {} was due",
+                other.kind(),
+                self.step
+            )))),
+        }
+    }
+
+    fn truncate_seq(&mut self, seq: u32, len: usize) -> Result<(), ModelError> {
+        self.peer
+            .send(Message::TruncateSeq { seq, len: len as u32 })
+            .map_err(model_error)
+    }
+}
+
+impl Drop for RemoteMember {
+    fn drop(&mut self) {
+        let _ = self.peer.send(Message::Shutdown);
+    }
+}
+
+/// Serves member 0 over `leader` until it sends `Shutdown` or goes: computes each
+/// `Forward` on `stage` (this member's slice) and answers with its logits (`Partial`
+/// numbered `u64::MAX - step`), `Done`, or `Error`.
+pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError> {
+    let first_layer = stage.span().layers.start as u32;
+    loop {
+        let msg = leader.recv().map_err(|e| NodeError::Protocol(e.to_string()))?;
+        let reply = match msg {
+            Message::Forward(f) => {
+                let hidden;
+                let input = match &f.payload {
+                    Payload::Tokens(t) => StageInput::Tokens(t),
+                    Payload::Hidden(h) => StageInput::Hidden(h),
+                    Payload::HiddenF16 { .. } => {
+                        hidden = f
+                            .payload
+                            .widen_f16()
+                            .ok_or_else(|| NodeError::Protocol("an f16 payload that does not widen".into()))?;
+                        StageInput::Hidden(&hidden)
+                    }
+                };
+                let batch = Batch {
+                    input,
+                    positions: &f.positions,
+                    seq_ids: &f.seq_ids,
+                    logit_rows: &f.sample_rows,
+                };
+                match stage.forward(&batch) {
+                    Ok(StageOutput::Logits(values)) => Message::Partial {
+                        sum: u64::MAX - f.step,
+                        values,
+                    },
+                    Ok(StageOutput::Hidden(_)) => Message::Done,
+                    Err(e) => Message::Error {
+                        first_layer,
+                        message: e.to_string(),
+                    },
+                }
+            }
+            Message::TruncateSeq { seq, len } => {
+                stage.truncate_seq(seq, len as usize);
+                continue;
+            }
+            Message::EndSeq { seq } => {
+                stage.clear_seq(seq);
+                continue;
+            }
+            Message::Shutdown => return Ok(()),
+            other => return Err(NodeError::Protocol(format!("{} from member 0", other.kind()))),
+        };
+        leader.send(reply).map_err(|e| NodeError::Protocol(e.to_string()))?;
+    }
+}
+
+/// How long member links wait for each other to come up.
+const FORM_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Member 0 dials members 1.. at `addrs` (in rank order); the links, by rank.
+pub fn dial_members(addrs: &[String], token: Option<&[u8]>, opts: &LinkOptions) -> Result<Vec<Arc<Peer>>, NodeError> {
+    addrs
+        .iter()
+        .enumerate()
+        .map(|(i, addr)| dial(i + 1, addr, 0, token, opts))
+        .collect()
+}
+
+fn dial(rank: usize, addr: &str, me: usize, token: Option<&[u8]>, opts: &LinkOptions) -> Result<Arc<Peer>, NodeError> {
+    let deadline = Instant::now() + FORM_TIMEOUT;
+    let mut link = loop {
+        match connect_by(addr, opts, deadline) {
+            Ok(link) => break link,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(e.into()),
+        }
+    };
+    client_handshake(link.as_mut(), Role::Ring, token)?;
+    link.send(Message::Partial {
+        sum: 0,
+        values: vec![me as f32],
+    })?;
+    // The dial's deadline bounds every read of the link until cleared: a member that
+    // computes for longer than FORM_TIMEOUT after the group formed must not time out.
+    link.set_deadline(None)?;
+    link.set_read_timeout(None)?;
+    Peer::new(rank, link)
+}
+
+/// Member `rank` (1..n) of a group whose members 1.. listen at `addrs` (in rank order;
+/// `listener` is this member's): dials those below it, accepts those above and member
+/// 0. Returns its collective's peers and the link to member 0.
+pub fn join_group(
+    rank: usize,
+    addrs: &[String],
+    listener: &Listener,
+    token: Option<&[u8]>,
+    opts: &LinkOptions,
+) -> Result<(Vec<Arc<Peer>>, Arc<Peer>), NodeError> {
+    let n = addrs.len() + 1;
+    let mut peers = Vec::new();
+    for lower in 1..rank {
+        peers.push(dial(lower, &addrs[lower - 1], rank, token, opts)?);
+    }
+    let mut leader = None;
+    for _ in rank + 1..n + 1 {
+        let mut link = listener.accept_link(opts)?;
+        server_handshake(link.as_mut(), token)?;
+        let their = match link.recv()? {
+            Message::Partial { sum: 0, values } if values.len() == 1 => values[0] as usize,
+            other => {
+                return Err(NodeError::Protocol(format!(
+                    "{} where a member's introduction was due",
+                    other.kind()
+                )))
+            }
+        };
+        if their >= n || their == rank || peers.iter().any(|p: &Arc<Peer>| p.rank == their) {
+            return Err(NodeError::Protocol(format!(
+                "a second or unknown member {their} dialed in"
+            )));
+        }
+        link.set_read_timeout(None)?;
+        let peer = Peer::new(their, link)?;
+        if their == 0 {
+            leader = Some(peer.clone());
+        }
+        peers.push(peer);
+    }
+    let leader = leader.ok_or_else(|| NodeError::Protocol("member 0 never dialed in".into()))?;
+    Ok((peers, leader))
+}

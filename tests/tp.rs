@@ -1,0 +1,254 @@
+//! Tensor parallelism computes what llama.cpp computes: groups of 2 and 3 members
+//! (threads, or processes over TCP) give libllama's logits (bit-identical: every weight
+//! is sliced by rows, see `baton_model::tp`) after each prompt and after every greedy
+//! step, and the same greedy tokens, alone and as pipeline stages of a ring.
+//!
+//! Kept within CI's budget (two cores): libllama's answers are computed once and shared,
+//! the groups run one at a time, and each prompt continues for [`N_STEPS`] tokens. A
+//! wrong split still fails at once: the all-reduce form measured NMSE 1.6e-4 on the first
+//! prompt's logits and left libllama's text after two tokens (docs/tensor-parallel.md).
+
+mod common;
+
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use baton_ggml::{LlamaContext, LlamaModel};
+use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
+use baton_node::{GenerateRequest, LocalRing};
+use baton_sample::{argmax, Sampler, SamplingParams};
+use common::{model, nmse, PROMPTS, QWEN2};
+
+/// The project's bound (docs/fidelity.md); measured: 0 (bit-identical). Issue 19 asked
+/// for 1e-5, expecting the all-reduce form, which measured 1.2e-4 to 1.6e-4 here.
+const MAX_TP_NMSE: f64 = common::fidelity::MAX_NMSE;
+/// Largest difference of a chosen token's log-probability from the one libllama's logits
+/// give (measured: 0).
+const MAX_LOGPROB_ERROR: f32 = 1e-5;
+/// Greedy tokens checked after each prompt (each with its logits).
+const N_STEPS: usize = 16;
+/// Context of every stage and of libllama's reference.
+const N_CTX: usize = 512;
+
+/// One group at a time: on two cores, two groups' threads computing at once keep each
+/// other waiting at every exchange.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// libllama's answer to one prompt: the logits after the prompt and after each greedy
+/// token fed back, with their argmax (the last may be an end of generation).
+struct Case {
+    text: &'static str,
+    prompt: Vec<u32>,
+    steps: Vec<(Vec<f32>, u32)>,
+}
+
+/// qwen2, libllama over it, and its answers to [`PROMPTS`], loaded once for every test.
+struct Fixture {
+    path: std::path::PathBuf,
+    file: Arc<ModelFile>,
+    oracle: LlamaModel,
+    cases: Vec<Case>,
+}
+
+fn fixture() -> &'static Fixture {
+    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+    FIXTURE.get_or_init(|| {
+        let path = model(QWEN2);
+        let file = ModelFile::open(&path).unwrap();
+        let oracle = LlamaModel::load_full(&path, true).unwrap();
+        let cases = PROMPTS.iter().map(|&text| reference(&oracle, text)).collect();
+        Fixture {
+            path,
+            file,
+            oracle,
+            cases,
+        }
+    })
+}
+
+fn reference(oracle: &LlamaModel, text: &'static str) -> Case {
+    let prompt = oracle.tokenize(text, true, true).unwrap();
+    let mut ctx = LlamaContext::new(oracle, N_CTX as u32, N_CTX as u32, 2).unwrap();
+    let mut logits = ctx.decode(&prompt).unwrap();
+    let mut steps = Vec::new();
+    loop {
+        let token = argmax(&logits).unwrap();
+        steps.push((logits, token));
+        if steps.len() == N_STEPS || oracle.is_end_of_generation(token) {
+            break;
+        }
+        logits = ctx.decode(&[token]).unwrap();
+    }
+    Case { text, prompt, steps }
+}
+
+fn whole_model(file: &ModelFile) -> StageSpan {
+    StageSpan {
+        layers: 0..file.hparams().n_layer,
+        first: true,
+        last: true,
+    }
+}
+
+/// Runs `tokens` from position `start` of sequence 0; the last row's logits.
+fn last_logits(stage: &mut Stage, tokens: &[u32], start: usize) -> Vec<f32> {
+    let positions: Vec<i32> = (start..start + tokens.len()).map(|p| p as i32).collect();
+    let seq_ids = vec![0; tokens.len()];
+    let batch = Batch {
+        input: StageInput::Tokens(tokens),
+        positions: &positions,
+        seq_ids: &seq_ids,
+        logit_rows: &[tokens.len() as u32 - 1],
+    };
+    match stage.forward(&batch).unwrap() {
+        StageOutput::Logits(l) => l,
+        StageOutput::Hidden(_) => panic!("a last stage returns logits"),
+    }
+}
+
+/// Every prompt through `stage`, then its greedy steps one token at a time as a decode
+/// runs them: each step's logits within [`MAX_TP_NMSE`] of libllama's and the same token.
+fn check_against_llama_cpp(stage: &mut Stage, label: &str) {
+    let fixture = fixture();
+    let mut worst = 0f64;
+    for case in &fixture.cases {
+        stage.clear_seq(0);
+        let mut logits = last_logits(stage, &case.prompt, 0);
+        let mut tokens = Vec::new();
+        for (step, (expected_logits, expected)) in case.steps.iter().enumerate() {
+            let err = nmse(&logits, expected_logits);
+            worst = worst.max(err);
+            assert!(
+                err <= MAX_TP_NMSE,
+                "{label}, {:?}, step {step}: NMSE {err:e}",
+                case.text
+            );
+            tokens.push(argmax(&logits).unwrap());
+            assert_eq!(
+                tokens.last(),
+                Some(expected),
+                "{label}, {:?}, step {step}:\n ours: {:?}",
+                case.text,
+                fixture.oracle.detokenize(&tokens, false)
+            );
+            if step + 1 < case.steps.len() {
+                logits = last_logits(stage, &[*expected], case.prompt.len() + step);
+            }
+        }
+    }
+    println!("{label}: worst nmse {worst:.3e}");
+}
+
+#[test]
+fn qwen2_tp_2_and_3_match_llama_cpp() {
+    let fixture = fixture();
+    let _serial = serial();
+    for n in [2, 3] {
+        let config = StageConfig::new(N_CTX, 1);
+        let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+        assert_eq!(stage.tp_size(), n);
+        check_against_llama_cpp(&mut stage, &format!("qwen2 tp {n}"));
+    }
+}
+
+/// Two pipeline stages, each a group of two: the ring's greedy tokens are libllama's, and
+/// so are their log-probabilities (the only trace of the logits a ring returns).
+#[test]
+fn tp_groups_chain_as_pipeline_stages() {
+    let fixture = fixture();
+    let _serial = serial();
+    let ranges = baton_plan::even_split(fixture.file.hparams().n_layer, 2).unwrap();
+    let mut ring = LocalRing::start_tp(fixture.file.clone(), &ranges, &StageConfig::new(N_CTX, 1), 2).unwrap();
+    let is_end = |t| fixture.oracle.is_end_of_generation(t);
+    let case = &fixture.cases[0];
+    let mut sampler = Sampler::new(SamplingParams::greedy()).unwrap();
+    let (expected_tokens, expected_logprobs): (Vec<u32>, Vec<f32>) = case
+        .steps
+        .iter()
+        .take_while(|&&(_, t)| !is_end(t))
+        .map(|(logits, t)| (*t, sampler.sample_with_logprobs(logits, 0).unwrap().logprob))
+        .unzip();
+    let req = GenerateRequest {
+        seq: 0,
+        prompt: &case.prompt,
+        params: SamplingParams::greedy(),
+        max_tokens: N_STEPS,
+        n_batch: N_CTX,
+        logprobs: true,
+    };
+    let generation = ring.head().unwrap().generate(&req, is_end, |_| {}).unwrap();
+    assert_eq!(generation.tokens, expected_tokens, "{:?}", case.text);
+    for (step, (ours, expected)) in generation.logprobs.iter().zip(&expected_logprobs).enumerate() {
+        assert!(
+            (ours - expected).abs() <= MAX_LOGPROB_ERROR,
+            "{:?}, step {step}: logprob {ours}, llama.cpp's logits give {expected}",
+            case.text
+        );
+    }
+}
+
+/// A model baton cannot split says so instead of computing something else.
+#[test]
+fn tp_refuses_architectures_it_cannot_split() {
+    let path = model(common::GEMMA3);
+    let file = ModelFile::open(&path).unwrap();
+    let err = Stage::load_tp(file.clone(), whole_model(&file), &StageConfig::new(64, 1), 2)
+        .err()
+        .expect("gemma3 is not split");
+    assert!(err.to_string().contains("gemma3 is not one"), "{err}");
+}
+
+/// Free loopback ports for members that must know each other's address up front.
+fn free_addrs(n: usize) -> Vec<String> {
+    let listeners: Vec<_> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    listeners.iter().map(|l| l.local_addr().unwrap().to_string()).collect()
+}
+
+/// Members 1.. as `baton tp-member` processes over TCP, member 0 here: the same logits
+/// as libllama (bit for bit) and the same greedy tokens, for groups of 2 and 3.
+#[test]
+fn tp_over_tcp_matches_llama_cpp() {
+    use baton_node::tp_net::{dial_members, MeshCollective, RemoteMember};
+    use std::process::{Command, Stdio};
+
+    let fixture = fixture();
+    let _serial = serial();
+    for n in [2, 3] {
+        let addrs = free_addrs(n - 1);
+        let mut children: Vec<_> = (1..n)
+            .map(|rank| {
+                Command::new(env!("CARGO_BIN_EXE_baton"))
+                    .args(["tp-member", "--threads", "1", "--ctx-size", &N_CTX.to_string()])
+                    .args(["--rank", &rank.to_string(), "--members", &addrs.join(","), "--model"])
+                    .arg(&fixture.path)
+                    .env_remove("BATON_TOKEN")
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .expect("tp-member starts")
+            })
+            .collect();
+        let peers = dial_members(&addrs, None, &Default::default()).unwrap();
+        let file = &fixture.file;
+        let split = baton_model::tp_splits(file, n).unwrap().remove(0);
+        let collective = Arc::new(MeshCollective::new(0, peers.clone()));
+        let members: Vec<Box<dyn baton_model::GroupMember>> = peers
+            .into_iter()
+            .map(|p| Box::new(RemoteMember::new(p)) as Box<dyn baton_model::GroupMember>)
+            .collect();
+        let config = StageConfig::new(N_CTX, 1);
+        let mut stage = Stage::load_member(file.clone(), whole_model(file), &config, Some((split, collective)))
+            .unwrap()
+            .driving(members);
+        check_against_llama_cpp(&mut stage, &format!("qwen2 tp {n} over TCP"));
+        drop(stage);
+        for child in &mut children {
+            let status = child.wait().unwrap();
+            assert!(status.success(), "a member ended with {status}");
+        }
+    }
+}
