@@ -535,9 +535,22 @@ async fn stats(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiErr
                 "busy_seconds": stages.busy_us.get(i).map(|&us| us as f64 / 1e6),
                 "rows": stages.rows.get(i),
                 "link_bytes_sent": stages.link_sent.get(i),
+                "link_round_trip_seconds": stages.link_rtt_us.get(i).copied().and_then(seconds),
+            }))
+            .collect::<Vec<_>>(),
+        "head_link_round_trip_seconds": seconds(stages.head_link_rtt_us),
+        "workers": state.engine.heartbeats().into_iter()
+            .map(|(addr, round_trip)| json!({
+                "addr": addr,
+                "heartbeat_round_trip_seconds": round_trip.map(|d| d.as_secs_f64()),
             }))
             .collect::<Vec<_>>(),
     })))
+}
+
+/// Microseconds as seconds; 0 (not measured) as nothing.
+fn seconds(micros: u64) -> Option<f64> {
+    (micros > 0).then(|| micros as f64 / 1e6)
 }
 
 async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {

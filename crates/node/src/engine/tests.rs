@@ -8,7 +8,7 @@ use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::SamplingParams;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use super::core::{Action, Core};
+use super::core::{Action, Core, EndCounters};
 use super::draft::{Draft, Drafters};
 use super::types::{Counters, EngineConfig, Event, FinishReason, FormError, Health, Job, Vocab};
 
@@ -73,7 +73,7 @@ impl Harness {
             Drafters { model: None },
         );
         let now = Instant::now();
-        core.installed(1, serving(), now);
+        core.installed(1, serving(), EndCounters::default(), now);
         Harness {
             core,
             counters,
@@ -367,7 +367,7 @@ fn a_lost_ring_rebuilds_running_requests_batch_for_batch() {
     // A late reply from the old ring changes nothing.
     h.core.reply(gen, Message::Done, h.now);
 
-    h.core.installed(1, serving(), h.now);
+    h.core.installed(1, serving(), EndCounters::default(), h.now);
     let rebuilt = sends(h.core.actions());
     match &rebuilt[..] {
         [Message::StartSeq {
@@ -539,4 +539,36 @@ fn a_token_outside_the_vocabulary_fails_its_request_not_the_head() {
         "{failed:?}"
     );
     assert!(spared.iter().any(|e| matches!(e, Event::Finished(_))), "{spared:?}");
+}
+
+#[test]
+fn the_last_links_round_trip_is_the_heads_own_where_the_stage_measured_none() {
+    let mut h = Harness::new(true);
+    let ends = EndCounters::default();
+    ends.into_first.record_round_trip(Duration::from_micros(700));
+    ends.from_last.record_round_trip(Duration::from_micros(3_000));
+    h.core.installed(2, serving(), ends, h.now);
+    let ask = |h: &mut Harness, link_rtt_us: Vec<u64>| {
+        let (reply, mut answer) = tokio::sync::oneshot::channel();
+        h.core.stats(reply, h.now);
+        assert!(matches!(h.poll().as_slice(), [Message::Stats { .. }]));
+        let stats = Message::Stats {
+            resident: vec![1, 2],
+            kv_used: vec![0, 0],
+            busy_us: vec![0, 0],
+            rows: vec![0, 0],
+            link_sent: vec![10, 20],
+            link_rtt_us,
+        };
+        let gen = h.core.gen();
+        h.core.reply(gen, stats, h.now);
+        answer.try_recv().unwrap().unwrap()
+    };
+    // The last stage was dialed by the head: it reports 0, and the head fills in what it
+    // measured on its end of that link.
+    let stats = ask(&mut h, vec![1_500, 0]);
+    assert_eq!(stats.link_rtt_us, [1_500, 3_000]);
+    assert_eq!(stats.head_link_rtt_us, 700);
+    // A figure the stage measured itself is kept.
+    assert_eq!(ask(&mut h, vec![1_500, 40]).link_rtt_us, [1_500, 40]);
 }

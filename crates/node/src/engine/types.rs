@@ -55,6 +55,18 @@ pub struct Formed {
     pub stages: Vec<String>,
     /// Nodes out of the ring because they were lost, and why.
     pub lost: Vec<(String, String)>,
+    /// The workers the head watches, each with the counters of the head's link to it
+    /// (whose round trip the heartbeat keeps current); empty for an in-process ring.
+    pub workers: Vec<WorkerLink>,
+}
+
+/// A worker of the ring as the head sees it.
+#[derive(Clone, Debug)]
+pub struct WorkerLink {
+    /// Its address.
+    pub addr: String,
+    /// The head's control link to it: its round trip is the heartbeat's latest.
+    pub counters: Arc<baton_net::Counters>,
 }
 
 /// Why no ring could be formed.
@@ -244,6 +256,13 @@ pub struct StageStats {
     pub rows: Vec<u64>,
     /// Bytes sent to the next hop (0 where the link counts nothing: in process).
     pub link_sent: Vec<u64>,
+    /// Latest round trip of each stage's link to the next hop, in microseconds (0: not
+    /// measured, or in process). The stage that dialed a link measured it and keeps it
+    /// current; the last stage's link to the head is the head's own measurement.
+    pub link_rtt_us: Vec<u64>,
+    /// Latest round trip of the head's link into the first stage, in microseconds (0:
+    /// in process, when the head runs the first stage itself).
+    pub head_link_rtt_us: u64,
 }
 
 /// What the engine needs of a tokenizer: when generation ends, and each token's bytes.
