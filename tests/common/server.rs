@@ -17,10 +17,13 @@ pub const KEY: &str = "test-api-key";
 /// One server at a time: they share two cores, and counters are read per server.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// A `baton serve --local-workers 2` process; killed on drop (its workers follow).
+/// A `baton serve` process (on 2 local workers unless started otherwise); killed on
+/// drop (its workers follow).
 pub struct Server {
     child: Child,
     pub addr: String,
+    /// File name of the model it serves.
+    model: &'static str,
 }
 
 impl Server {
@@ -32,7 +35,14 @@ impl Server {
 
     /// A server without `--api-key` (only loopback names and its own page's origin).
     pub fn start_keyless(extra: &[&str]) -> Server {
-        Server::launch(&["--local-workers", "2"], extra)
+        Server::launch(QWEN2, &["--local-workers", "2"], extra)
+    }
+
+    /// A server of `model` (a file name in models/) on 2 local workers.
+    pub fn start_model(model: &'static str, extra: &[&str]) -> Server {
+        let mut args = vec!["--api-key", KEY];
+        args.extend_from_slice(extra);
+        Server::launch(model, &["--local-workers", "2"], &args)
     }
 
     /// A server whose ring runs on `workers` (already started, requiring `token`).
@@ -40,15 +50,15 @@ impl Server {
         let workers = workers.join(",");
         let mut args = vec!["--api-key", KEY];
         args.extend_from_slice(extra);
-        Server::launch(&["--workers", &workers, "--token", token], &args)
+        Server::launch(QWEN2, &["--workers", &workers, "--token", token], &args)
     }
 
-    /// `baton serve` on the qwen2 model with `cluster` arguments (where the stages run)
-    /// and `extra` ones.
-    fn launch(cluster: &[&str], extra: &[&str]) -> Server {
+    /// `baton serve` on `served` (a file name in models/) with `cluster` arguments
+    /// (where the stages run) and `extra` ones.
+    fn launch(served: &'static str, cluster: &[&str], extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
             .args(["serve", "--port", "0", "--threads", "1", "--model"])
-            .arg(model(QWEN2))
+            .arg(model(served))
             .args(cluster)
             .args(extra)
             .env_remove("BATON_TOKEN")
@@ -57,15 +67,55 @@ impl Server {
             .spawn()
             .expect("baton serve starts");
         let addr = super::printed_addr(&mut child, "listening on http://");
-        Server { child, addr }
+        Server {
+            child,
+            addr,
+            model: served,
+        }
     }
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
+    /// `program` set up to talk to this server: BATON_URL, BATON_API_KEY and BATON_MODEL.
+    fn client(&self, program: &str) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.env("BATON_URL", self.url())
+            .env("BATON_API_KEY", KEY)
+            .env("BATON_MODEL", self.model_id());
+        cmd
+    }
+
+    /// Runs pytest on `target` (relative to the repository) against this server, with
+    /// the project's Python; whether every test passed (pytest prints what failed).
+    pub fn pytest(&self, target: &str) -> bool {
+        self.client(python())
+            .args(["-m", "pytest", target, "-q", "-x", "-p", "no:cacheprovider"])
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("python runs (scripts/setup installs tests/openai/requirements.txt into .venv)")
+            .success()
+    }
+
+    /// `node --test` on `files` of tests/node against this server, one file at a time
+    /// (scripts/setup installs what they import).
+    pub fn node_tests(&self, files: &[&str]) -> Command {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/node");
+        assert!(
+            std::path::Path::new(dir).join("node_modules/openai").exists(),
+            "tests/node/node_modules is missing: run scripts/setup"
+        );
+        let mut cmd = self.client("node");
+        cmd.args(["--test", "--test-concurrency=1"])
+            .args(files)
+            .current_dir(dir);
+        cmd
+    }
+
     pub fn model_id(&self) -> String {
-        QWEN2.trim_end_matches(".gguf").to_string()
+        self.model.trim_end_matches(".gguf").to_string()
     }
 
     /// One request (HTTP/1.0, so the body ends when the server closes).

@@ -609,6 +609,7 @@ fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result
         draft,
         grammar: generation.grammar,
         show: Vec::new(),
+        end: None,
         events: tx,
     };
     Ok(Prepared {
@@ -683,7 +684,10 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
         request::check_grammar(&grammar).map_err(|e| e.param("tools"))?;
         req.generation.grammar = Some(grammar);
     }
-    let parser = ToolParser::active(format, offer_tools).then(|| ToolParser::new(format, offer_tools));
+    // `parallel_tool_calls: false`: generation ends once the first call is written.
+    let one_call = offer_tools && !req.parallel_tool_calls;
+    let parser =
+        ToolParser::active(format, offer_tools).then(|| ToolParser::new(format, offer_tools).one_call(one_call));
     // What the prompt holds at least: every message's text, and the tools it shows.
     let content_bytes: usize = req.messages.iter().map(|m| m.content.len()).sum::<usize>()
         + template_tools.map_or(0, |tools| tools.iter().map(|t| t.to_string().len()).sum());
@@ -697,6 +701,9 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
     let mut prepared = prepare(&state, req.generation, prompt)?;
     if offer_tools && format == ToolFormat::Mistral {
         prepared.job.show = state.tool_markers.clone();
+    }
+    if one_call {
+        prepared.job.end = Some(Box::new(tools::FirstCallEnds::new(format)));
     }
     respond(state, prepared, Kind::Chat, logprobs, parser, arrived).await
 }

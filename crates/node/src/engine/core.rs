@@ -673,6 +673,7 @@ impl Core {
                 Piece::Text(text) => (text, false),
                 Piece::Stop(text) => (text, true),
             };
+            let complete = !stopped && active.job.end.as_mut().is_some_and(|end| end.ends_after(&text));
             let out = TokenOut {
                 id: sampled.token,
                 text,
@@ -685,6 +686,8 @@ impl Core {
             }
             if stopped {
                 Some((FinishReason::Stop, String::new()))
+            } else if complete {
+                Some((FinishReason::Stop, active.text.finish()))
             } else if active.generated >= active.job.max_tokens {
                 Some((FinishReason::Length, active.text.finish()))
             } else {

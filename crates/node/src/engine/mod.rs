@@ -50,8 +50,8 @@ pub use draft::{Draft, DraftMode, Drafter};
 pub use draft_model::ModelDrafter;
 pub use text::{Piece, TextStream};
 pub use types::{
-    max_decode_rows, Counters, EngineConfig, Event, Finish, FinishReason, FormError, Formed, Health, Job, OnLost,
-    RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
+    max_decode_rows, Counters, EndCheck, EngineConfig, Event, Finish, FinishReason, FormError, Formed, Health, Job,
+    OnLost, RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
 };
 
 use self::core::Core;

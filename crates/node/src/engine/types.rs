@@ -128,8 +128,20 @@ pub struct Job {
     /// Control tokens whose text is part of the output (the tool-call markers a parser
     /// reads, such as Mistral's `[TOOL_CALLS]`); other control tokens render as nothing.
     pub show: Vec<u32>,
+    /// Decides from the text that generation is complete (one tool call written, with
+    /// `parallel_tool_calls: false`).
+    pub end: Option<Box<dyn EndCheck>>,
     /// Where the engine reports; dropping the receiver cancels the request.
     pub events: UnboundedSender<Event>,
+}
+
+/// Decides from a request's text that its generation is complete. It runs on the
+/// engine's thread as each token is taken, so nothing after the end is computed or sent
+/// (the server ends a request that allows one tool call as soon as the call is written).
+pub trait EndCheck: Send + std::fmt::Debug {
+    /// Sees the text each generated token released, in order (what the request's events
+    /// carry); true ends generation after this token, with [`FinishReason::Stop`].
+    fn ends_after(&mut self, text: &str) -> bool;
 }
 
 /// What the engine reports about a request.
@@ -160,7 +172,7 @@ pub struct TokenOut {
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-generation token or a stop string.
+    /// An end-of-generation token, a stop string, or the job's [`EndCheck`].
     Stop,
     /// `max_tokens` reached.
     Length,
