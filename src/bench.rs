@@ -95,6 +95,7 @@ fn bench_drafting(
             draft,
             grammar: None,
             show: Vec::new(),
+            end: None,
             events,
         })?;
         let (mut first, mut tokens) = (None, Vec::new());

@@ -230,6 +230,7 @@ fn generate_drafting(
         draft,
         grammar: None,
         show: Vec::new(),
+        end: None,
         events,
     })?;
     let mut first = None;

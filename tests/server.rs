@@ -1,6 +1,8 @@
 //! `baton serve` as a real process, on a head + 2 local workers: the official `openai`
 //! Python and Node clients against it, the web page in Chromium, curl streaming, concurrent requests, prefix reuse across
-//! chat turns, cancellation on disconnect, and errors in OpenAI's shape.
+//! chat turns, cancellation on disconnect, errors in OpenAI's shape, one tool call under
+//! `parallel_tool_calls: false`, and each link's round trip in /metrics with one link
+//! delayed.
 
 mod common;
 
@@ -10,29 +12,37 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use common::server::{lock, split_response, Server, KEY};
+use common::proxy::DelayProxy;
+use common::server::{lock, parse_metrics, sample, split_response, Server, KEY};
+use common::worker::WorkerProc;
 
 #[test]
 fn the_openai_python_client_works_against_the_server() {
     let _serial = lock();
     let server = Server::start(&["--parallel", "4", "-c", "4096"]);
-    // scripts/setup puts the client in .venv; a python3 that has it works too.
-    let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/.venv/bin/python");
-    let python = if std::path::Path::new(venv).exists() {
-        venv
-    } else {
-        "python3"
-    };
-    let status = Command::new(python)
-        .args(["-m", "pytest", "tests/openai", "-q", "-x", "-p", "no:cacheprovider"])
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("BATON_URL", server.url())
-        .env("BATON_API_KEY", KEY)
-        .env("BATON_MODEL", server.model_id())
-        .status()
-        .expect("python runs (scripts/setup installs tests/openai/requirements.txt into .venv)");
-    assert!(status.success(), "the openai client tests failed (output above)");
+    assert!(
+        server.pytest("tests/openai"),
+        "the openai client tests failed (output above)"
+    );
+}
+
+/// `parallel_tool_calls: false` under `tool_choice: auto` with both official clients,
+/// whole and streamed (tests/openai/one_tool_call.py, tests/node/one_tool_call.mjs):
+/// a model that calls twice when allowed gets one call back, and generation ends with it.
+/// On gemma-3-270m, which follows the calls in its prompt (the files say why not Qwen).
+#[test]
+fn parallel_tool_calls_false_gives_one_call_under_auto() {
+    let _serial = lock();
+    let server = Server::start_model(common::GEMMA3, &["--parallel", "2", "-c", "2048"]);
+    assert!(
+        server.pytest("tests/openai/one_tool_call.py"),
+        "the Python client's one-call tests failed (output above)"
+    );
+    let status = server.node_tests(&["one_tool_call.mjs"]).status().expect("node runs");
+    assert!(
+        status.success(),
+        "the Node client's one-call test failed (output above)"
+    );
 }
 
 /// The official `openai` Node client (tests/node/client.test.mjs) and the web page in
@@ -41,18 +51,9 @@ fn the_openai_python_client_works_against_the_server() {
 fn the_openai_node_client_and_the_web_page_work_against_the_server() {
     let _serial = lock();
     let server = Server::start(&["--parallel", "4", "-c", "2048"]);
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/node");
-    assert!(
-        std::path::Path::new(dir).join("node_modules/openai").exists(),
-        "tests/node/node_modules is missing: run scripts/setup"
-    );
     let screenshot = concat!(env!("CARGO_TARGET_TMPDIR"), "/page.png");
-    let status = Command::new("node")
-        .args(["--test", "--test-concurrency=1", "client.test.mjs", "page.test.mjs"])
-        .current_dir(dir)
-        .env("BATON_URL", server.url())
-        .env("BATON_API_KEY", KEY)
-        .env("BATON_MODEL", server.model_id())
+    let status = server
+        .node_tests(&["client.test.mjs", "page.test.mjs"])
         .env("BATON_SCREENSHOT", screenshot)
         .status()
         .expect("node runs (scripts/setup installs tests/node)");
@@ -98,6 +99,73 @@ fn curl_streams_a_chat_completion() {
         .filter(|c| !c["choices"][0]["finish_reason"].is_null())
         .collect();
     assert_eq!(finished.len(), 1, "{text}");
+}
+
+/// Each link's round trip is timed on the link itself, where the node that dialed it
+/// sits, and kept current. Worker 0 reaches worker 1 through a proxy that delays each
+/// way by 50 ms: /metrics, read by Prometheus' own parser, shows that link's round trip
+/// at about 100 ms, and the head's links and heartbeats (straight to the workers) well
+/// under it. When the proxy's delay drops to 20 ms, the figure follows.
+#[test]
+fn a_delayed_link_shows_its_round_trip_in_metrics_and_the_others_stay_small() {
+    let _serial = lock();
+    const TOKEN: &str = "test-link-latency-secret";
+    let models = common::model(common::QWEN2).parent().unwrap().to_path_buf();
+    let mut proxy = DelayProxy::bind(Duration::from_millis(50));
+    let w0 = WorkerProc::start(&models, Some(TOKEN), &[]);
+    let w1 = WorkerProc::start(&models, Some(TOKEN), &["--advertise", &proxy.addr]);
+    proxy.forward_to(w1.addr.clone());
+    let workers = [w0.addr.clone(), w1.addr.clone()];
+    let server = Server::start_on_workers(&workers, TOKEN, &["--no-head-stage", "--parallel", "1", "-c", "512"]);
+    // Hidden states go through the proxy.
+    let answer = server.post(
+        "/v1/completions",
+        &json!({"model": server.model_id(), "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(answer["usage"]["completion_tokens"], 4, "{answer}");
+
+    // The figures are the latest measured: on a busy 2-core machine one heartbeat may
+    // be late, so the scrape is repeated (for at most 20 s) until the idle ring's hold.
+    let expect_hop = |delay: Duration| {
+        let delayed = 2.0 * delay.as_secs_f64();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (status, text) = server.request("GET", "/metrics", None, Some(KEY));
+            assert_eq!(status, 200, "{text}");
+            let samples = parse_metrics(&text);
+            let link = |stage: &str| sample(&samples, "baton_link_round_trip_seconds", &[("stage", stage)]);
+            let heartbeat = |addr: &str| sample(&samples, "baton_heartbeat_round_trip_seconds", &[("worker", addr)]);
+            // The head into worker 0, worker 0 into worker 1 (the proxy), worker 1 back
+            // to the head; the head's heartbeat to each worker.
+            let figures = [
+                link("head"),
+                link("0"),
+                link("1"),
+                heartbeat(&w0.addr),
+                heartbeat(&w1.addr),
+            ];
+            if let [Some(head), Some(hop), Some(back), Some(beat0), Some(beat1)] = figures {
+                let small = [head, back, beat0, beat1].iter().all(|&s| s < 0.015);
+                if small && hop >= delayed && hop < delayed + 0.03 {
+                    println!(
+                        "{delay:?} each way: round trips head->w0 {head} s, w0->w1 {hop} s, w1->head {back} s; \
+                         heartbeats {beat0} s, {beat1} s"
+                    );
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "expected the proxied link at {delayed} s (+30 ms at most) and the others under 15 ms; \
+                 [head, 0, 1, heartbeat w0, heartbeat w1] = {figures:?}\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    };
+    expect_hop(Duration::from_millis(50));
+    // The ring link itself is not dialed again: the stage's probe measures the change.
+    proxy.set_delay(Duration::from_millis(20));
+    expect_hop(Duration::from_millis(20));
 }
 
 /// Generated tokens with the top two log-probabilities at each position.

@@ -169,6 +169,7 @@ fn messages() -> Vec<(String, Message)> {
             busy_us: vec![1000, 2000],
             rows: vec![10, 10],
             link_sent: vec![0, 4096],
+            link_rtt_us: vec![0, 250],
         },
         Message::Shutdown,
         Message::Ping {

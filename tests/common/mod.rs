@@ -10,6 +10,7 @@ use baton_ggml::Device;
 use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
 
 pub mod fidelity;
+pub mod proxy;
 pub mod server;
 pub mod synth;
 pub mod worker;

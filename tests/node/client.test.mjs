@@ -11,6 +11,8 @@ import { test } from "node:test";
 import Ajv from "ajv";
 import OpenAI from "openai";
 
+import { WEATHER } from "./weather.mjs";
+
 const { BATON_URL, BATON_API_KEY, BATON_MODEL } = process.env;
 if (!BATON_URL || !BATON_API_KEY || !BATON_MODEL) {
   throw new Error("BATON_URL, BATON_API_KEY and BATON_MODEL must be set (cargo test --test server sets them)");
@@ -19,19 +21,6 @@ const client = new OpenAI({ baseURL: BATON_URL + "/v1", apiKey: BATON_API_KEY, m
 const chat = (messages, extra = {}) =>
   client.chat.completions.create({ model: BATON_MODEL, messages, temperature: 0, seed: 1234, ...extra });
 
-const WEATHER = {
-  type: "function",
-  function: {
-    name: "get_weather",
-    description: "Get the current weather in a city",
-    parameters: {
-      type: "object",
-      properties: { city: { type: "string", maxLength: 40 }, unit: { type: "string", enum: ["celsius", "fahrenheit"] } },
-      required: ["city", "unit"],
-      additionalProperties: false,
-    },
-  },
-};
 const QUESTION = [{ role: "user", content: "What is the weather in Paris right now? Use celsius." }];
 const ajv = new Ajv();
 

@@ -59,6 +59,8 @@ test("the page chats with streamed text and draws the ring", async () => {
       timeout: 10_000,
     }).catch(() => {});
     assert.match(await page.textContent("#ring"), /MiB/);
+    // Each link's round trip, measured on the link (Unix sockets here: well under a second).
+    assert.match(await page.textContent("#ring"), /RTT \d+\.\d+ ms/);
     if (BATON_SCREENSHOT) await page.screenshot({ path: BATON_SCREENSHOT });
     assert.deepEqual(foreign, [], "the page loaded something from elsewhere");
   } finally {

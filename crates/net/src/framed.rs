@@ -50,12 +50,15 @@ impl Default for LinkOptions {
     }
 }
 
-/// Bytes that crossed a link, both ways, including frame headers and tags (frame bytes:
-/// with TLS, the records' own overhead is not counted; in-process links count nothing).
+/// What a link measured: the bytes that crossed it, both ways, including frame headers
+/// and tags (frame bytes: with TLS, the records' own overhead is not counted;
+/// in-process links count nothing), and the latest round trip to its peer.
 #[derive(Debug, Default)]
 pub struct Counters {
     sent: AtomicU64,
     received: AtomicU64,
+    /// Microseconds, at least 1 once measured (0: never).
+    round_trip_us: AtomicU64,
 }
 
 impl Counters {
@@ -67,6 +70,28 @@ impl Counters {
     /// Bytes read from the peer.
     pub fn received(&self) -> u64 {
         self.received.load(Ordering::Relaxed)
+    }
+
+    /// The latest round trip measured to the peer, if any was: the first exchange of
+    /// the handshake on a link this end dialed ([`client_handshake`](crate::client_handshake)),
+    /// then whatever keeps it current (a heartbeat or a probe on the same path).
+    pub fn round_trip(&self) -> Option<Duration> {
+        match self.round_trip_us.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        }
+    }
+
+    /// [`round_trip`](Self::round_trip) in microseconds, 0 when none was measured (as
+    /// `Stats` carries it).
+    pub fn round_trip_us(&self) -> u64 {
+        self.round_trip_us.load(Ordering::Relaxed)
+    }
+
+    /// Records a round trip to the peer (what [`round_trip`](Self::round_trip) says next).
+    pub fn record_round_trip(&self, round_trip: Duration) {
+        let us = u64::try_from(round_trip.as_micros()).unwrap_or(u64::MAX).max(1);
+        self.round_trip_us.store(us, Ordering::Relaxed);
     }
 }
 

@@ -3,6 +3,8 @@
 //! reasons) are theirs; this file only moves messages, and keys the link's frames when
 //! a handshake with a token completes.
 
+use std::time::Instant;
+
 use baton_proto::auth::new_nonce;
 use baton_proto::handshake::{stray_auth, turn_away, Client, Failure, HandshakeError, Server, Step};
 use baton_proto::{Message, Role};
@@ -11,11 +13,21 @@ use crate::{Link, NetError};
 
 /// Runs the client side as `role`; returns the server's role (always a worker: any
 /// other is refused). With a token, the link's frames are tagged from here on.
+///
+/// The first exchange (`Hello` out, the server's first answer back) is timed and
+/// recorded as the link's round trip ([`Counters::round_trip`](crate::Counters::round_trip)):
+/// the server answers it at once, so it is the path's round trip plus a moment of the
+/// server's time, measured on the link itself, through whatever relays it.
 pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -> Result<Role, NetError> {
     let (mut client, hello) = Client::start(role, token, new_nonce());
+    let sent = Instant::now();
     link.send(hello)?;
+    let mut first = true;
     loop {
         let msg = link.recv()?;
+        if std::mem::take(&mut first) {
+            link.counters().record_round_trip(sent.elapsed());
+        }
         if let Some((send, peer)) = drive(link, client.handle(msg))? {
             send.into_iter().try_for_each(|msg| link.send(msg))?;
             if let Some(keys) = client.take_frame_keys() {
@@ -112,6 +124,7 @@ mod tests {
     use super::*;
     use crate::{local_pair, LocalLink};
     use baton_proto::{Message, RefusalCode};
+    use std::time::Duration;
 
     /// Runs both sides over an in-process link, each on its own thread.
     fn both(
@@ -167,6 +180,28 @@ mod tests {
         );
         assert_eq!(err.refusal(), Some(RefusalCode::Auth));
         assert!(matches!(serving.join().unwrap(), NetError::Auth { .. }));
+    }
+
+    #[test]
+    fn the_client_records_the_first_exchange_as_the_links_round_trip() {
+        for token in [Some(&b"k"[..]), None] {
+            let (mut client, mut server) = local_pair("client", "worker");
+            assert_eq!(client.counters().round_trip(), None);
+            let serving = std::thread::spawn(move || {
+                let first = server.recv().unwrap();
+                // The reply leaves 50 ms after the Hello arrived: the round trip is at
+                // least that, whenever this thread ran.
+                std::thread::sleep(Duration::from_millis(50));
+                server_handshake_admitting(&mut server, token, first, |_| Ok(())).unwrap();
+            });
+            client_handshake(&mut client, Role::Ring, token).unwrap();
+            serving.join().unwrap();
+            let round_trip = client.counters().round_trip().expect("measured");
+            assert!(
+                round_trip >= Duration::from_millis(50) && round_trip < Duration::from_secs(5),
+                "{round_trip:?}"
+            );
+        }
     }
 
     #[test]

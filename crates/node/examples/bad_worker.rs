@@ -99,18 +99,21 @@ fn head(link: &mut dyn Link, addr: &str, bad_id: u32) {
                 mut busy_us,
                 mut rows,
                 mut link_sent,
+                mut link_rtt_us,
             } => {
                 resident.push(0);
                 kv_used.push(0);
                 busy_us.push(0);
                 rows.push(0);
                 link_sent.push(0);
+                link_rtt_us.push(0);
                 Message::Stats {
                     resident,
                     kv_used,
                     busy_us,
                     rows,
                     link_sent,
+                    link_rtt_us,
                 }
             }
             Message::Shutdown => {

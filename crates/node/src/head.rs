@@ -179,6 +179,7 @@ impl Head {
             busy_us: Vec::new(),
             rows: Vec::new(),
             link_sent: Vec::new(),
+            link_rtt_us: Vec::new(),
         })?;
         match self.rx.recv()? {
             Message::Stats { resident, kv_used, .. } => Ok((resident, kv_used)),

@@ -156,18 +156,20 @@ impl StageWorker {
                 mut busy_us,
                 mut rows,
                 link_sent,
+                link_rtt_us,
             } => {
                 resident.push(self.stage.resident_bytes());
                 kv_used.push(self.stage.kv_used() as u32);
                 busy_us.push(self.busy.as_micros() as u64);
                 rows.push(self.rows);
-                // `run` appends the link's bytes: only it holds the link.
+                // `run` appends the link's figures: only it holds the link.
                 return Message::Stats {
                     resident,
                     kv_used,
                     busy_us,
                     rows,
                     link_sent,
+                    link_rtt_us,
                 };
             }
             // Replies and errors from upstream pass through untouched.
@@ -470,8 +472,13 @@ fn serve(
                 return Err(NodeError::Stage { first_layer, message });
             }
         };
-        if let Message::Stats { link_sent, .. } = &mut out {
-            link_sent.push(tx.counters().sent());
+        if let Message::Stats {
+            link_sent, link_rtt_us, ..
+        } = &mut out
+        {
+            let counters = tx.counters();
+            link_sent.push(counters.sent());
+            link_rtt_us.push(counters.round_trip_us());
         }
         tx.send(out)?;
         if stop {

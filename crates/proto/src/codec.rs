@@ -62,7 +62,7 @@
 //! | 15   | Done         | (empty)                                                                  |
 //! | 16   | Error        | first_layer u32, message str                                             |
 //! | 17   | Stats        | resident [u64], kv_used [u32], busy_us [u64], rows [u64],                |
-//! |      |              | link_sent [u64]                                                          |
+//! |      |              | link_sent [u64], link_rtt_us [u64]                                       |
 //! | 18   | Shutdown     | (empty)                                                                  |
 //! | 19   | Ping         | timeout_ms u32, session u64                                              |
 //! | 20   | Pong         | (empty)                                                                  |

@@ -24,7 +24,8 @@ use baton_sample::SamplingParams;
 /// 6: `StartSeq` carries an optional grammar; `Stats` carries each stage's busy time,
 /// computed rows and bytes sent to the next hop.
 /// 7: `Partial` (kind 21), the slices tensor-parallel members exchange.
-pub const PROTOCOL_VERSION: u32 = 7;
+/// 8: `Stats` carries the round trip of each stage's link to the next hop.
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -341,15 +342,18 @@ pub enum Message {
     /// without knowing the ring's order.
     Error { first_layer: u32, message: String },
     /// Each stage appends its resident bytes, the KV cache cells in use, the
-    /// microseconds it has spent computing, the token rows it has computed and the bytes
-    /// it has sent to the next hop, and passes the message on; the head gets one entry
-    /// per stage in each list, in ring order.
+    /// microseconds it has spent computing, the token rows it has computed, the bytes
+    /// it has sent to the next hop and the latest round trip measured on that link (in
+    /// microseconds; 0 where none was: in process, or the stage did not dial the link),
+    /// and passes the message on; the head gets one entry per stage in each list, in
+    /// ring order.
     Stats {
         resident: Vec<u64>,
         kv_used: Vec<u32>,
         busy_us: Vec<u64>,
         rows: Vec<u64>,
         link_sent: Vec<u64>,
+        link_rtt_us: Vec<u64>,
     },
     /// Stop the stage's loop.
     Shutdown,

@@ -535,9 +535,22 @@ async fn stats(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiErr
                 "busy_seconds": stages.busy_us.get(i).map(|&us| us as f64 / 1e6),
                 "rows": stages.rows.get(i),
                 "link_bytes_sent": stages.link_sent.get(i),
+                "link_round_trip_seconds": stages.link_rtt_us.get(i).copied().and_then(seconds),
+            }))
+            .collect::<Vec<_>>(),
+        "head_link_round_trip_seconds": seconds(stages.head_link_rtt_us),
+        "workers": state.engine.heartbeats().into_iter()
+            .map(|(addr, round_trip)| json!({
+                "addr": addr,
+                "heartbeat_round_trip_seconds": round_trip.map(|d| d.as_secs_f64()),
             }))
             .collect::<Vec<_>>(),
     })))
+}
+
+/// Microseconds as seconds; 0 (not measured) as nothing.
+fn seconds(micros: u64) -> Option<f64> {
+    (micros > 0).then(|| micros as f64 / 1e6)
 }
 
 async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
@@ -596,6 +609,7 @@ fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result
         draft,
         grammar: generation.grammar,
         show: Vec::new(),
+        end: None,
         events: tx,
     };
     Ok(Prepared {
@@ -670,7 +684,10 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
         request::check_grammar(&grammar).map_err(|e| e.param("tools"))?;
         req.generation.grammar = Some(grammar);
     }
-    let parser = ToolParser::active(format, offer_tools).then(|| ToolParser::new(format, offer_tools));
+    // `parallel_tool_calls: false`: generation ends once the first call is written.
+    let one_call = offer_tools && !req.parallel_tool_calls;
+    let parser =
+        ToolParser::active(format, offer_tools).then(|| ToolParser::new(format, offer_tools).one_call(one_call));
     // What the prompt holds at least: every message's text, and the tools it shows.
     let content_bytes: usize = req.messages.iter().map(|m| m.content.len()).sum::<usize>()
         + template_tools.map_or(0, |tools| tools.iter().map(|t| t.to_string().len()).sum());
@@ -684,6 +701,9 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
     let mut prepared = prepare(&state, req.generation, prompt)?;
     if offer_tools && format == ToolFormat::Mistral {
         prepared.job.show = state.tool_markers.clone();
+    }
+    if one_call {
+        prepared.job.end = Some(Box::new(tools::FirstCallEnds::new(format)));
     }
     respond(state, prepared, Kind::Chat, logprobs, parser, arrived).await
 }

@@ -14,7 +14,7 @@ use baton_node::engine::Health;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
@@ -221,8 +221,22 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         let busy = Family::<Labels, prometheus_client::metrics::counter::Counter<f64>>::default();
         let rows = Family::<Labels, Counter>::default();
         let link = Family::<Labels, Counter>::default();
+        let link_rtt = Family::<Labels, Gauge<f64, AtomicU64>>::default();
+        let stage_label = |stage: String| vec![("stage".to_string(), stage)];
+        if stages.head_link_rtt_us > 0 {
+            link_rtt
+                .get_or_create(&stage_label("head".into()))
+                .set(stages.head_link_rtt_us as f64 / 1e6);
+        }
+        for (i, &micros) in stages.link_rtt_us.iter().enumerate() {
+            if micros > 0 {
+                link_rtt
+                    .get_or_create(&stage_label(i.to_string()))
+                    .set(micros as f64 / 1e6);
+            }
+        }
         for (i, cells) in stages.kv_used.iter().enumerate() {
-            let stage = vec![("stage".to_string(), i.to_string())];
+            let stage = stage_label(i.to_string());
             kv.get_or_create(&stage).set(i64::from(*cells));
             if let Some(&bytes) = stages.resident.get(i) {
                 resident.get_or_create(&stage).set(bytes as i64);
@@ -242,6 +256,13 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "Bytes each stage sent to the next hop (the last stage: to the head; 0 in process)",
             link,
         );
+        registry.register(
+            "link_round_trip_seconds",
+            "Latest round trip of each stage's link to the next hop (stage=head: the head's link into the first \
+             stage), timed on that link's path; one-way latency is about half. Links in process or not measured \
+             have no sample",
+            link_rtt,
+        );
         registry.register("kv_cells_used", "KV cache cells holding a token, per stage", kv);
         registry.register("stage_resident_bytes", "Bytes resident per stage", resident);
         registry.register(
@@ -251,6 +272,20 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         );
         registry.register("stage_rows", "Token rows each stage computed", rows);
     }
+
+    let heartbeat = Family::<Labels, Gauge<f64, AtomicU64>>::default();
+    for (worker, round_trip) in state.engine().heartbeats() {
+        if let Some(round_trip) = round_trip {
+            heartbeat
+                .get_or_create(&vec![("worker".to_string(), worker)])
+                .set(round_trip.as_secs_f64());
+        }
+    }
+    registry.register(
+        "heartbeat_round_trip_seconds",
+        "Latest round trip of the head's heartbeat to each worker of the ring",
+        heartbeat,
+    );
 
     let mut text = String::new();
     if let Err(e) = encode(&mut text, &registry) {

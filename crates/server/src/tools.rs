@@ -10,8 +10,17 @@
 //! | Harmony | gpt-oss                  | `<|channel|>commentary to=functions.N <|constrain|>json<|message|>{…}<|call|>` |
 //!
 //! Text that does not parse as a call is returned as content: nothing is lost.
+//!
+//! With `parallel_tool_calls: false` the parser releases the first call as soon as it is
+//! complete and parses no other ([`ToolParser::one_call`]); [`FirstCallEnds`] runs the
+//! same parser on the engine's thread, which ends generation at that token, so the
+//! model writes nothing after the call. (llama.cpp's server gets the same from a lazy
+//! grammar that, once a call starts, admits one call and then only the end; the ring's
+//! grammars are not lazy, so baton ends generation instead. A call the model writes
+//! wrong is content, and the model may still write a good one.)
 
 use baton_grammar::schema::{literal, Builder};
+use baton_node::engine::EndCheck;
 use serde_json::{json, Value};
 
 use crate::api::ApiError;
@@ -226,6 +235,8 @@ pub struct ToolParser {
     channel: Option<(String, Option<String>)>,
     /// Trailing whitespace of the content so far, held back: dropped if a call follows.
     pending_space: String,
+    /// `parallel_tool_calls: false`: after the first call, none is parsed.
+    one_call: bool,
     /// Calls released so far.
     pub n_calls: usize,
 }
@@ -244,8 +255,17 @@ impl ToolParser {
             decided: None,
             channel: None,
             pending_space: String::new(),
+            one_call: false,
             n_calls: 0,
         }
+    }
+
+    /// With `one`: the first call is released as soon as it is complete (Llama 3 and
+    /// Mistral too, whose calls are otherwise read from the whole answer at its end),
+    /// and what follows it is content, never a call.
+    pub fn one_call(mut self, one: bool) -> ToolParser {
+        self.one_call = one;
+        self
     }
 
     /// Whether this parser changes anything (else text passes through untouched).
@@ -273,6 +293,9 @@ impl ToolParser {
                         self.decided = Some(looks_like_call);
                     }
                 }
+                if self.decided == Some(true) && self.one_call {
+                    self.first_listed_call(&mut out);
+                }
                 if self.decided == Some(false) {
                     out.push(Out::Content(std::mem::take(&mut self.held)));
                 }
@@ -280,6 +303,74 @@ impl ToolParser {
             ToolFormat::Harmony => self.harmony_stream(&mut out, false),
         }
         self.tidy(out)
+    }
+
+    /// A call was released: with [`one_call`](Self::one_call) no other will be, and
+    /// `rest` (what followed it, if the format is read as plain text after a call)
+    /// is content.
+    fn released(&mut self, out: &mut Vec<Out>, call: ToolCall, rest: Option<String>) {
+        out.push(Out::Call(call));
+        if self.one_call {
+            self.calls = false;
+            out.extend(rest.map(Out::Content));
+        }
+    }
+
+    /// Llama 3 / Mistral with [`one_call`](Self::one_call): releases the answer's first
+    /// call once it is complete (Llama 3: the first JSON object; Mistral: the first of
+    /// the list, or `name[ARGS]{…}`); a list's `,` or `]` right after it is the list's,
+    /// not content. An answer whose first value is not a call is content.
+    fn first_listed_call(&mut self, out: &mut Vec<Out>) {
+        const MARKER: &str = "[TOOL_CALLS]";
+        let mut rest = self.held.trim_start();
+        let mut name = None;
+        let mut list = false;
+        if self.format == ToolFormat::Mistral {
+            match rest.strip_prefix(MARKER) {
+                Some(after) => rest = after.trim_start(),
+                None if MARKER.starts_with(rest) => return,
+                None => {}
+            }
+            if let Some((called, args)) = rest.split_once("[ARGS]") {
+                name = Some(called.trim().to_string());
+                rest = args;
+            } else if let Some(items) = rest.strip_prefix('[') {
+                list = true;
+                rest = items;
+            } else {
+                // The name of a `name[ARGS]` call, still coming.
+                return;
+            }
+        }
+        let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        let value = match values.next() {
+            None => return,
+            Some(Err(e)) if e.is_eof() => return,
+            Some(Err(_)) => {
+                self.decided = Some(false);
+                return;
+            }
+            Some(Ok(value)) => value,
+        };
+        let call = match name {
+            Some(name) => Some(ToolCall {
+                name,
+                arguments: value.to_string(),
+            }),
+            None => call_of(&value),
+        };
+        let Some(call) = call else {
+            self.decided = Some(false);
+            return;
+        };
+        let mut after = &rest[values.byte_offset()..];
+        if list {
+            let trimmed = after.trim_start();
+            after = trimmed.strip_prefix([',', ']']).unwrap_or(after);
+        }
+        let after = after.to_string();
+        self.held.clear();
+        self.released(out, call, Some(after));
     }
 
     /// The end of generation: everything still held.
@@ -346,18 +437,24 @@ impl ToolParser {
                     let body = self.held[..at].to_string();
                     self.held.drain(..at + CLOSE.len());
                     self.in_call = false;
-                    out.push(match parse_call(&body) {
-                        Some(call) => Out::Call(call),
-                        None => Out::Content(format!("{OPEN}{body}{CLOSE}")),
-                    });
+                    match parse_call(&body) {
+                        Some(call) => {
+                            let rest = self.one_call.then(|| std::mem::take(&mut self.held));
+                            self.released(out, call, rest);
+                            if self.one_call {
+                                return;
+                            }
+                        }
+                        None => out.push(Out::Content(format!("{OPEN}{body}{CLOSE}"))),
+                    }
                     continue;
                 }
                 if end {
                     let body = std::mem::take(&mut self.held);
-                    out.push(match parse_call(&body) {
-                        Some(call) => Out::Call(call),
-                        None => Out::Content(format!("{OPEN}{body}")),
-                    });
+                    match parse_call(&body) {
+                        Some(call) => self.released(out, call, None),
+                        None => out.push(Out::Content(format!("{OPEN}{body}"))),
+                    }
                 }
                 return;
             }
@@ -472,18 +569,22 @@ impl ToolParser {
                         }
                     };
                     self.held.drain(..body.len().min(self.held.len()));
-                    let item = match (&recipient, name.as_str()) {
+                    match (&recipient, name.as_str()) {
                         (Some(function), _) if self.calls => match serde_json::from_str::<Value>(body.trim()) {
-                            Ok(args) => Out::Call(ToolCall {
-                                name: function.clone(),
-                                arguments: args.to_string(),
-                            }),
-                            Err(_) => Out::Content(body),
+                            Ok(args) => {
+                                let call = ToolCall {
+                                    name: function.clone(),
+                                    arguments: args.to_string(),
+                                };
+                                // Later messages are still read as channels: a later
+                                // call's body is content.
+                                self.released(out, call, None);
+                            }
+                            Err(_) => out.push(Out::Content(body)),
                         },
-                        (_, "analysis") => Out::Reasoning(body),
-                        _ => Out::Content(body),
-                    };
-                    out.push(item);
+                        (_, "analysis") => out.push(Out::Reasoning(body)),
+                        _ => out.push(Out::Content(body)),
+                    }
                     if !finished {
                         return;
                     }
@@ -518,6 +619,26 @@ fn call_of(value: &Value) -> Option<ToolCall> {
         name,
         arguments: arguments.to_string(),
     })
+}
+
+/// Ends generation as soon as the first tool call is complete (`parallel_tool_calls:
+/// false`): a [`ToolParser::one_call`] of its own, fed on the engine's thread the same
+/// text the response's parser is fed, so both see the call complete at the same token.
+#[derive(Debug)]
+pub struct FirstCallEnds(ToolParser);
+
+impl FirstCallEnds {
+    /// For answers in `format`.
+    pub fn new(format: ToolFormat) -> FirstCallEnds {
+        FirstCallEnds(ToolParser::new(format, true).one_call(true))
+    }
+}
+
+impl EndCheck for FirstCallEnds {
+    fn ends_after(&mut self, text: &str) -> bool {
+        self.0.push(text);
+        self.0.n_calls > 0
+    }
 }
 
 #[cfg(test)]

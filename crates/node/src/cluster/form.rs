@@ -15,15 +15,16 @@ use baton_plan::{ModelCost, NodeOffer, Plan};
 use baton_proto::auth::identity_hash;
 use baton_proto::{Capabilities, HeldModel, LoadPlan, Message, ModelRef, Role};
 
+use super::probe::LinkProbe;
 use super::stream::send_stage_tensors;
 use crate::head::{Head, RingEnds};
 use crate::stage_loop::{run, StageWorker};
 use crate::NodeError;
 
 /// Called with a worker's address, the session it opened for this head (which the
-/// head's heartbeat names, see [`Capabilities::session`]) and a handle that closes its
-/// control link.
-pub type OnReached = Arc<dyn Fn(&str, u64, LinkCloser) + Send + Sync>;
+/// head's heartbeat names, see [`Capabilities::session`]), a handle that closes its
+/// control link and that link's counters (where the heartbeat records round trips).
+pub type OnReached = Arc<dyn Fn(&str, u64, LinkCloser, Arc<Counters>) + Send + Sync>;
 
 /// How the head forms the cluster.
 #[derive(Clone, Default)]
@@ -100,6 +101,8 @@ pub struct RemoteRing {
     _idle: Vec<Box<dyn Link>>,
     // The head's own stage, when it runs one.
     head_stage: Option<JoinHandle<()>>,
+    // Keeps the round trip of the head's stage's link to the next stage current.
+    _probe: Option<LinkProbe>,
 }
 
 impl RemoteRing {
@@ -239,6 +242,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
         head_secs_per_layer: planned.head_secs_per_layer,
         _idle: ends.idle,
         head_stage: ends.head_stage,
+        _probe: ends.probe,
     })
 }
 
@@ -278,7 +282,7 @@ fn reach_all(
         check_held(addr, model_ref, own_content, &caps.models)?;
         tracing::info!(worker = %addr, memory = caps.memory, secs_per_layer = ?caps.secs_per_layer, "worker described itself");
         if let Some(on_reached) = &opts.on_reached {
-            on_reached(addr, caps.session, link.closer()?);
+            on_reached(addr, caps.session, link.closer()?, link.counters());
         }
         reached.links.push(link);
         reached.workers.push(RemoteWorker {
@@ -381,10 +385,12 @@ fn plan(
     })
 }
 
-/// The head's own stage, loaded, and its link to the second stage (when there is one).
+/// The head's own stage, loaded, its link to the second stage (when there is one) and
+/// the probe of that link.
 struct HeadStage {
     worker: StageWorker,
     next: Option<Box<dyn Link>>,
+    probe: Option<LinkProbe>,
 }
 
 /// Releases the workers the plan leaves out, tells the others their ranges (streaming
@@ -461,18 +467,21 @@ fn load(
             };
             let loaded = Stage::load(ModelFile::open(model)?, span, &config)?;
             tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");
-            let next = match nexts.first() {
+            let token = opts.token.as_deref().map(str::as_bytes);
+            let (next, probe) = match nexts.first() {
                 Some(Some(next)) => {
                     let mut down = dial(next, &opts.link, opts.handshake_timeout)?;
-                    client_handshake(down.as_mut(), Role::Ring, opts.token.as_deref().map(str::as_bytes))?;
+                    client_handshake(down.as_mut(), Role::Ring, token)?;
                     down.set_deadline(None)?;
-                    Some(down)
+                    let probe = LinkProbe::start(next, &opts.link, token, down.counters());
+                    (Some(down), Some(probe))
                 }
-                _ => None,
+                _ => (None, None),
             };
             Some(HeadStage {
                 worker: StageWorker::new(loaded).with_wire_f16(opts.wire_f16),
                 next,
+                probe,
             })
         }
         _ => None,
@@ -511,6 +520,8 @@ struct Linked {
     /// Control links of the middle stages: a worker's session lives as long as its
     /// control link.
     idle: Vec<Box<dyn Link>>,
+    /// The probe of the head's stage's link to the next stage.
+    probe: Option<LinkProbe>,
 }
 
 /// Closes the ring: the head sends on the first stage's link (its own stage's, or the
@@ -525,7 +536,7 @@ fn link(links: Vec<Box<dyn Link>>, planned: &Planned, head_stage: Option<HeadSta
         link.ok_or_else(|| NodeError::Protocol("a worker appears twice in the plan".into()))
     };
     let mut ends = match head_stage {
-        Some(HeadStage { worker, next }) => {
+        Some(HeadStage { worker, next, probe }) => {
             let (head_tx, stage_rx) = local_link("head stage");
             let (rx, stage_tx, counted): (Box<dyn Rx>, Box<dyn Tx>, _) = match next {
                 // The head holds every layer: its stage answers it directly.
@@ -548,6 +559,7 @@ fn link(links: Vec<Box<dyn Link>>, planned: &Planned, head_stage: Option<HeadSta
                 from_last,
                 head_stage: Some(spawn_stage(worker, stage_rx, stage_tx)?),
                 idle: Vec::new(),
+                probe,
             }
         }
         None => {
@@ -566,6 +578,7 @@ fn link(links: Vec<Box<dyn Link>>, planned: &Planned, head_stage: Option<HeadSta
                 rx,
                 head_stage: None,
                 idle: Vec::new(),
+                probe: None,
             }
         }
     };

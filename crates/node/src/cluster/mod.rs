@@ -4,6 +4,7 @@
 mod admission;
 mod form;
 mod models;
+mod probe;
 mod speed;
 mod stream;
 mod supervise;

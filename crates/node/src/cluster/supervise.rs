@@ -10,13 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, connect_by, LinkCloser, LinkOptions};
+use baton_net::{client_handshake, connect_by, Counters, LinkCloser, LinkOptions};
 use baton_plan::PlanError;
 use baton_proto::{RefusalCode, Role};
 
 use super::form::{connect_cluster, ClusterOptions, OnReached, RemoteRing};
 use super::watch::{OnLost, Watch};
-use crate::engine::{FormError, Formed, RingSource};
+use crate::engine::{FormError, Formed, RingSource, WorkerLink};
 use crate::NodeError;
 
 /// Forms and re-forms the ring over a fixed list of workers.
@@ -126,7 +126,7 @@ impl RingSource for Supervisor {
             let link = self.opts.link.clone();
             let token = self.opts.token.clone();
             let heartbeat = self.heartbeat;
-            move |addr: &str, session: u64, closer: LinkCloser| {
+            move |addr: &str, session: u64, closer: LinkCloser, counters: Arc<Counters>| {
                 let lost = lost.clone();
                 let notify = on_lost.clone();
                 let callback: OnLost = Arc::new(move |addr: &str, why: &str| {
@@ -137,7 +137,7 @@ impl RingSource for Supervisor {
                     notify(addr, why);
                 });
                 let token = token.as_deref().map(str::as_bytes);
-                match Watch::start(addr, &link, token, session, heartbeat, callback) {
+                match Watch::start(addr, &link, token, session, heartbeat, counters, callback) {
                     Ok(watch) => reached
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -208,10 +208,19 @@ impl RingSource for Supervisor {
         if !self.lost().is_empty() {
             self.start_prober();
         }
+        let workers = self
+            .watches
+            .iter()
+            .map(|watch| WorkerLink {
+                addr: watch.addr().to_string(),
+                counters: watch.round_trip(),
+            })
+            .collect();
         Ok(Formed {
             ends,
             stages,
             lost: self.lost().into_iter().collect(),
+            workers,
         })
     }
 

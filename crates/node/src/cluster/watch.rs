@@ -1,14 +1,17 @@
 //! The head's heartbeat on each worker: a connection of its own on which the head sends
 //! `Ping` every quarter of the timeout and expects `Pong` within the timeout. A worker
 //! that dies closes it at once; one that hangs (stopped, swapping, wedged in a driver)
-//! stops answering, and either way the watch reports it lost.
+//! stops answering, and either way the watch reports it lost. Each answer's round trip
+//! is recorded in the counters of the head's control link to the worker (the same path):
+//! when that link carries the ring (into the first stage, back from the last), its
+//! round trip stays current.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, connect_by, Link, LinkOptions, NetError};
+use baton_net::{client_handshake, connect_by, Counters, Link, LinkOptions, NetError};
 use baton_proto::{Message, Role};
 
 use crate::NodeError;
@@ -18,6 +21,8 @@ pub use crate::engine::OnLost;
 /// A running heartbeat; dropping it stops the pings, and the worker then ends the
 /// session it was watching.
 pub struct Watch {
+    addr: String,
+    round_trip: Arc<Counters>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -25,13 +30,14 @@ pub struct Watch {
 impl Watch {
     /// Opens the heartbeat connection to `addr` and starts pinging it on behalf of
     /// `session` (the one the worker opened for this head: only that one ends when the
-    /// pings stop).
+    /// pings stop); each answer's round trip goes to `round_trip`.
     pub fn start(
         addr: &str,
         link: &LinkOptions,
         token: Option<&[u8]>,
         session: u64,
         timeout: Duration,
+        round_trip: Arc<Counters>,
         on_lost: OnLost,
     ) -> Result<Watch, NodeError> {
         let opts = LinkOptions {
@@ -45,10 +51,11 @@ impl Watch {
         let thread = {
             let stop = stop.clone();
             let addr = addr.to_string();
+            let round_trip = round_trip.clone();
             std::thread::Builder::new()
                 .name("heartbeat".into())
                 .spawn(move || {
-                    if let Some(why) = beat(conn.as_mut(), session, timeout, &stop) {
+                    if let Some(why) = beat(conn.as_mut(), session, timeout, &round_trip, &stop) {
                         if !stop.load(Ordering::SeqCst) {
                             on_lost(&addr, &why);
                         }
@@ -57,9 +64,21 @@ impl Watch {
                 .map_err(|e| NodeError::Protocol(format!("cannot start a heartbeat thread: {e}")))?
         };
         Ok(Watch {
+            addr: addr.to_string(),
+            round_trip,
             stop,
             thread: Some(thread),
         })
+    }
+
+    /// The worker's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Where its round trips go (the head's control link's counters).
+    pub fn round_trip(&self) -> Arc<Counters> {
+        self.round_trip.clone()
     }
 }
 
@@ -71,31 +90,55 @@ impl Drop for Watch {
     }
 }
 
-/// Pings until stopped; returns why the worker is lost, if it is.
-fn beat(conn: &mut dyn Link, session: u64, timeout: Duration, stop: &AtomicBool) -> Option<String> {
+/// Pings until stopped, recording each round trip; returns why the worker is lost, if
+/// it is.
+fn beat(
+    conn: &mut dyn Link,
+    session: u64,
+    timeout: Duration,
+    round_trip: &Counters,
+    stop: &AtomicBool,
+) -> Option<String> {
     let interval = timeout / 4;
-    let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
     while !stop.load(Ordering::SeqCst) {
         let sent = Instant::now();
-        if let Err(e) = conn.send(Message::Ping { timeout_ms, session }) {
-            return Some(format!("its heartbeat connection failed: {e}"));
+        match ping(conn, session, timeout) {
+            Ok(took) => round_trip.record_round_trip(took),
+            Err(why) => return Some(why),
         }
-        match conn.recv() {
-            Ok(Message::Pong) => {}
-            Ok(other) => return Some(format!("it answered a heartbeat with {}", other.kind())),
-            Err(NetError::Timeout { .. }) => {
-                return Some(format!(
-                    "it did not answer a heartbeat within {} ms",
-                    timeout.as_millis()
-                ))
-            }
-            Err(NetError::Closed { .. }) => return Some("it closed its heartbeat connection".into()),
-            Err(e) => return Some(format!("its heartbeat connection failed: {e}")),
-        }
-        let next = sent + interval;
-        while !stop.load(Ordering::SeqCst) && Instant::now() < next {
-            std::thread::sleep(Duration::from_millis(20).min(interval));
-        }
+        sleep_until(sent + interval, stop);
     }
     None
+}
+
+/// One heartbeat on `conn`: a `Ping` for `session` telling the worker to expect the
+/// next within `timeout`, and its `Pong`; returns the round trip, or why the worker
+/// did not answer.
+pub(crate) fn ping(conn: &mut dyn Link, session: u64, timeout: Duration) -> Result<Duration, String> {
+    let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+    let sent = Instant::now();
+    if let Err(e) = conn.send(Message::Ping { timeout_ms, session }) {
+        return Err(format!("its heartbeat connection failed: {e}"));
+    }
+    match conn.recv() {
+        Ok(Message::Pong) => Ok(sent.elapsed()),
+        Ok(other) => Err(format!("it answered a heartbeat with {}", other.kind())),
+        Err(NetError::Timeout { .. }) => Err(format!(
+            "it did not answer a heartbeat within {} ms",
+            timeout.as_millis()
+        )),
+        Err(NetError::Closed { .. }) => Err("it closed its heartbeat connection".into()),
+        Err(e) => Err(format!("its heartbeat connection failed: {e}")),
+    }
+}
+
+/// Sleeps until `until`, or until `stop` is set (checked every 20 ms).
+pub(crate) fn sleep_until(until: Instant, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(20)));
+    }
 }

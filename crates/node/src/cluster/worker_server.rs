@@ -26,6 +26,7 @@ use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, PROTOCOL_V
 
 use super::admission::{Accepted, Admission, ConnId, Limits};
 use super::models::ModelDir;
+use super::probe::LinkProbe;
 use super::stream::{check_stage_complete, receive_stage_tensors};
 use crate::stage_loop::{run, StageWorker};
 use crate::NodeError;
@@ -476,15 +477,18 @@ fn session(
     tracing::info!(layers = ?(plan.layer_start..plan.layer_end), received, secs = started.elapsed().as_secs_f32(), "stage loaded");
 
     let token = shared.config.token.as_deref().map(str::as_bytes);
-    let downstream = match &plan.next {
+    // The link to the next stage, and the probe that keeps its round trip current for
+    // as long as the session runs.
+    let (downstream, _probe) = match &plan.next {
         Some(next) => {
             let deadline = Instant::now() + shared.config.handshake_timeout;
             let mut down = connect_by(next, &shared.config.link, deadline)?;
             client_handshake(down.as_mut(), Role::Ring, token)?;
             down.set_deadline(None)?;
-            Some(down)
+            let probe = LinkProbe::start(next, &shared.config.link, token, down.counters());
+            (Some(down), Some(probe))
         }
-        None => None,
+        None => (None, None),
     };
     // The upstream link's slot is held as long as the link is used.
     let (upstream, _upstream_slot) = match plan.first {

@@ -153,6 +153,7 @@ mod tests {
             draft: crate::engine::draft::Draft::OFF,
             grammar: None,
             show: Vec::new(),
+            end: None,
             events,
         };
         let runs = vec![chunk as u32; n_reused / chunk];

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use baton_net::Counters as LinkCounters;
 use baton_proto::{Message, SampledToken, StartSeq};
 use tokio::sync::oneshot;
 
@@ -43,6 +44,14 @@ pub(crate) enum Action {
     FormRing { gen: u64 },
 }
 
+/// The counters of the head's own two ends of the ring: what the head measures of the
+/// links into the first stage and back from the last.
+#[derive(Clone, Default)]
+pub(crate) struct EndCounters {
+    pub into_first: Arc<LinkCounters>,
+    pub from_last: Arc<LinkCounters>,
+}
+
 /// A ring being formed again.
 struct Recovery {
     since: Instant,
@@ -59,6 +68,8 @@ pub(crate) struct Core {
     health: Arc<Mutex<Health>>,
     /// Whether a ring is installed (messages can be sent).
     connected: bool,
+    /// The current ring's ends, as the head measures them.
+    ends: EndCounters,
     /// Number of the current ring (or of the one being formed); replies and losses of
     /// older rings are stale.
     gen: u64,
@@ -99,6 +110,7 @@ impl Core {
             counters,
             health,
             connected: false,
+            ends: EndCounters::default(),
             gen: 0,
             supervised,
             recovery: None,
@@ -154,15 +166,17 @@ impl Core {
             busy_us: Vec::new(),
             rows: Vec::new(),
             link_sent: Vec::new(),
+            link_rtt_us: Vec::new(),
         };
         self.send(msg, Pending::Stats(reply), now);
     }
 
     /// A ring was formed over `n_stages` stages (0: unknown, keep the configured
-    /// number): it takes the place of the lost one, and every running request is
-    /// rebuilt on it.
-    pub fn installed(&mut self, n_stages: usize, health: Health, now: Instant) {
+    /// number), with `ends` measuring the head's ends of it: it takes the place of the
+    /// lost one, and every running request is rebuilt on it.
+    pub fn installed(&mut self, n_stages: usize, health: Health, ends: EndCounters, now: Instant) {
         self.connected = true;
+        self.ends = ends;
         self.pending.clear();
         self.steps_in_flight = 0;
         self.last_decoded = false;
@@ -225,14 +239,23 @@ impl Core {
                     busy_us,
                     rows,
                     link_sent,
+                    mut link_rtt_us,
                 },
             ) => {
+                // The last stage's link is the head's control link to that worker: the
+                // worker was dialed and measured nothing; the head measured it, and its
+                // heartbeat keeps the figure current.
+                if let Some(last) = link_rtt_us.last_mut().filter(|rtt| **rtt == 0) {
+                    *last = self.ends.from_last.round_trip_us();
+                }
                 let _ = answer.send(Ok(StageStats {
                     resident,
                     kv_used,
                     busy_us,
                     rows,
                     link_sent,
+                    link_rtt_us,
+                    head_link_rtt_us: self.ends.into_first.round_trip_us(),
                 }));
             }
             (Pending::Stats(answer), Message::Error { first_layer, message }) => {
@@ -650,6 +673,7 @@ impl Core {
                 Piece::Text(text) => (text, false),
                 Piece::Stop(text) => (text, true),
             };
+            let complete = !stopped && active.job.end.as_mut().is_some_and(|end| end.ends_after(&text));
             let out = TokenOut {
                 id: sampled.token,
                 text,
@@ -662,6 +686,8 @@ impl Core {
             }
             if stopped {
                 Some((FinishReason::Stop, String::new()))
+            } else if complete {
+                Some((FinishReason::Stop, active.text.finish()))
             } else if active.generated >= active.job.max_tokens {
                 Some((FinishReason::Length, active.text.finish()))
             } else {

@@ -50,8 +50,8 @@ pub use draft::{Draft, DraftMode, Drafter};
 pub use draft_model::ModelDrafter;
 pub use text::{Piece, TextStream};
 pub use types::{
-    max_decode_rows, Counters, EngineConfig, Event, Finish, FinishReason, FormError, Formed, Health, Job, OnLost,
-    RingSource, StageStats, SubmitError, TokenOut, Vocab,
+    max_decode_rows, Counters, EndCheck, EngineConfig, Event, Finish, FinishReason, FormError, Formed, Health, Job,
+    OnLost, RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
 };
 
 use self::core::Core;
@@ -64,6 +64,7 @@ pub struct Engine {
     counters: Arc<Counters>,
     config: EngineConfig,
     health: Arc<Mutex<Health>>,
+    workers: Arc<Mutex<Vec<WorkerLink>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -79,6 +80,7 @@ impl Engine {
             ends,
             stages: Vec::new(),
             lost: Vec::new(),
+            workers: Vec::new(),
         };
         let (inbox, receiver) = mpsc::channel();
         Engine::launch(inbox, receiver, formed, None, vocab, config, draft_model)
@@ -127,7 +129,8 @@ impl Engine {
             source.is_some(),
             draft::Drafters { model: draft_model },
         );
-        let mut shell = Shell::new(core, inbox.clone(), source);
+        let workers = Arc::new(Mutex::new(Vec::new()));
+        let mut shell = Shell::new(core, inbox.clone(), source, workers.clone());
         shell.install(formed);
         let thread = std::thread::Builder::new()
             .name("engine".into())
@@ -138,6 +141,7 @@ impl Engine {
             counters,
             config,
             health,
+            workers,
             thread: Some(thread),
         }
     }
@@ -190,6 +194,16 @@ impl Engine {
     /// Tokens a request may hold (prompt plus generated).
     pub fn slot_ctx(&self) -> usize {
         self.config.slot_ctx
+    }
+
+    /// The latest round trip between the head and each worker of the ring, by address:
+    /// the heartbeat's (until its first answer, the control link's handshake).
+    pub fn heartbeats(&self) -> Vec<(String, Option<std::time::Duration>)> {
+        let workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        workers
+            .iter()
+            .map(|w| (w.addr.clone(), w.counters.round_trip()))
+            .collect()
     }
 
     /// What the engine can do now.

@@ -2,16 +2,16 @@
 //! threads. It feeds what happens to the [`Core`] and carries out what the core asks.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 use baton_net::{Rx, Tx};
 use baton_proto::Message;
 use tokio::sync::oneshot;
 
-use super::core::{Action, Core, POLL_INTERVAL};
+use super::core::{Action, Core, EndCounters, POLL_INTERVAL};
 use super::recovery::start_forming;
-use super::types::{FormError, Formed, Health, Job, RingSource, StageStats};
+use super::types::{FormError, Formed, Health, Job, RingSource, StageStats, WorkerLink};
 
 /// What reaches the engine thread.
 pub(crate) enum Inbox {
@@ -39,29 +39,47 @@ pub(crate) struct Shell {
     source: Option<Box<dyn RingSource>>,
     /// Tells a recovery thread to give up (the engine is stopping).
     stop_recovery: Arc<AtomicBool>,
+    /// The current ring's workers, shared with the [`Engine`](super::Engine).
+    workers: Arc<Mutex<Vec<WorkerLink>>>,
 }
 
 impl Shell {
-    pub fn new(core: Core, inbox: mpsc::Sender<Inbox>, source: Option<Box<dyn RingSource>>) -> Shell {
+    pub fn new(
+        core: Core,
+        inbox: mpsc::Sender<Inbox>,
+        source: Option<Box<dyn RingSource>>,
+        workers: Arc<Mutex<Vec<WorkerLink>>>,
+    ) -> Shell {
         Shell {
             core,
             tx: None,
             inbox,
             source,
             stop_recovery: Arc::default(),
+            workers,
         }
     }
 
     /// Takes `formed` as the current ring: starts reading its replies, and has the core
     /// rebuild every running sequence on it.
     pub fn install(&mut self, formed: Formed) {
-        let Formed { ends, stages, lost } = formed;
+        let Formed {
+            ends,
+            stages,
+            lost,
+            workers,
+        } = formed;
+        let counters = EndCounters {
+            into_first: ends.tx.counters(),
+            from_last: ends.rx.counters(),
+        };
         spawn_reader(ends.rx, self.inbox.clone(), self.core.gen());
         self.tx = Some(ends.tx);
+        *self.workers.lock().unwrap_or_else(|p| p.into_inner()) = workers;
         let n_stages = stages.len();
         tracing::info!(gen = self.core.gen(), ?stages, "ring installed");
         self.core
-            .installed(n_stages, Health::Serving { stages, lost }, Instant::now());
+            .installed(n_stages, Health::Serving { stages, lost }, counters, Instant::now());
         self.carry_out();
     }
 

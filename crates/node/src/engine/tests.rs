@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::SamplingParams;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::core::{Action, Core};
+use super::core::{Action, Core, EndCounters};
 use super::draft::{Draft, Drafters};
-use super::types::{Counters, EngineConfig, Event, FinishReason, FormError, Health, Job, Vocab};
+use super::types::{Counters, EndCheck, EngineConfig, Event, FinishReason, FormError, Health, Job, Vocab};
 
 /// Token 0 ends generation; token `t` reads `<t>`.
 struct Tokens;
@@ -73,7 +73,7 @@ impl Harness {
             Drafters { model: None },
         );
         let now = Instant::now();
-        core.installed(1, serving(), now);
+        core.installed(1, serving(), EndCounters::default(), now);
         Harness {
             core,
             counters,
@@ -84,18 +84,7 @@ impl Harness {
 
     fn job(&mut self, prompt: &[u32], max_tokens: usize) -> UnboundedReceiver<Event> {
         let (events, receiver) = unbounded_channel();
-        self.core.submit(Box::new(Job {
-            prompt: prompt.to_vec(),
-            params: SamplingParams::greedy(),
-            max_tokens,
-            logprobs: false,
-            top_logprobs: 0,
-            stop: Vec::new(),
-            draft: Draft::OFF,
-            grammar: None,
-            show: Vec::new(),
-            events,
-        }));
+        self.core.submit(Box::new(greedy_job(prompt, max_tokens, events)));
         receiver
     }
 
@@ -162,6 +151,23 @@ impl Harness {
 
     fn health(&self) -> Health {
         self.health.lock().unwrap().clone()
+    }
+}
+
+/// A greedy request for `max_tokens` after `prompt`, with nothing else asked.
+fn greedy_job(prompt: &[u32], max_tokens: usize, events: UnboundedSender<Event>) -> Job {
+    Job {
+        prompt: prompt.to_vec(),
+        params: SamplingParams::greedy(),
+        max_tokens,
+        logprobs: false,
+        top_logprobs: 0,
+        stop: Vec::new(),
+        draft: Draft::OFF,
+        grammar: None,
+        show: Vec::new(),
+        end: None,
+        events,
     }
 }
 
@@ -276,16 +282,8 @@ fn control_tokens_a_job_shows_are_text_and_others_nothing() {
     let mut h = Harness::new(false);
     let (events_tx, mut rx) = unbounded_channel();
     h.core.submit(Box::new(Job {
-        prompt: vec![1, 2],
-        params: SamplingParams::greedy(),
-        max_tokens: 3,
-        logprobs: false,
-        top_logprobs: 0,
-        stop: Vec::new(),
-        draft: Draft::OFF,
-        grammar: None,
         show: vec![901],
-        events: events_tx,
+        ..greedy_job(&[1, 2], 3, events_tx)
     }));
     let sent = h.poll();
     h.answer(&sent[0], &[]);
@@ -367,7 +365,7 @@ fn a_lost_ring_rebuilds_running_requests_batch_for_batch() {
     // A late reply from the old ring changes nothing.
     h.core.reply(gen, Message::Done, h.now);
 
-    h.core.installed(1, serving(), h.now);
+    h.core.installed(1, serving(), EndCounters::default(), h.now);
     let rebuilt = sends(h.core.actions());
     match &rebuilt[..] {
         [Message::StartSeq {
@@ -539,4 +537,76 @@ fn a_token_outside_the_vocabulary_fails_its_request_not_the_head() {
         "{failed:?}"
     );
     assert!(spared.iter().any(|e| matches!(e, Event::Finished(_))), "{spared:?}");
+}
+
+#[test]
+fn the_last_links_round_trip_is_the_heads_own_where_the_stage_measured_none() {
+    let mut h = Harness::new(true);
+    let ends = EndCounters::default();
+    ends.into_first.record_round_trip(Duration::from_micros(700));
+    ends.from_last.record_round_trip(Duration::from_micros(3_000));
+    h.core.installed(2, serving(), ends, h.now);
+    let ask = |h: &mut Harness, link_rtt_us: Vec<u64>| {
+        let (reply, mut answer) = tokio::sync::oneshot::channel();
+        h.core.stats(reply, h.now);
+        assert!(matches!(h.poll().as_slice(), [Message::Stats { .. }]));
+        let stats = Message::Stats {
+            resident: vec![1, 2],
+            kv_used: vec![0, 0],
+            busy_us: vec![0, 0],
+            rows: vec![0, 0],
+            link_sent: vec![10, 20],
+            link_rtt_us,
+        };
+        let gen = h.core.gen();
+        h.core.reply(gen, stats, h.now);
+        answer.try_recv().unwrap().unwrap()
+    };
+    // The last stage was dialed by the head: it reports 0, and the head fills in what it
+    // measured on its end of that link.
+    let stats = ask(&mut h, vec![1_500, 0]);
+    assert_eq!(stats.link_rtt_us, [1_500, 3_000]);
+    assert_eq!(stats.head_link_rtt_us, 700);
+    // A figure the stage measured itself is kept.
+    assert_eq!(ask(&mut h, vec![1_500, 40]).link_rtt_us, [1_500, 40]);
+}
+
+/// Ends generation once the text holds `<3>`.
+#[derive(Debug, Default)]
+struct EndsAtThree(String);
+
+impl EndCheck for EndsAtThree {
+    fn ends_after(&mut self, text: &str) -> bool {
+        self.0.push_str(text);
+        self.0.contains("<3>")
+    }
+}
+
+#[test]
+fn a_jobs_end_check_ends_it_at_the_token_that_completes_it() {
+    let mut h = Harness::new(false);
+    let (events_tx, mut rx) = unbounded_channel();
+    h.core.submit(Box::new(Job {
+        end: Some(Box::new(EndsAtThree::default())),
+        ..greedy_job(&[1, 2], 10, events_tx)
+    }));
+    // The ring would go on with 4, 5, ...: nothing after 3 is sent or reported.
+    let sent = h.poll_answering(&[2, 3, 4, 5]);
+    let events = events(&mut rx);
+    assert_eq!(texts(&events), ["<2>", "<3>"]);
+    match events.last() {
+        Some(Event::Finished(f)) => {
+            assert_eq!(f.reason, FinishReason::Stop);
+            assert_eq!(f.completion_tokens, 2);
+        }
+        other => panic!("expected the end, got {other:?}"),
+    }
+    let decoded: Vec<u32> = sent
+        .iter()
+        .filter_map(|m| match m {
+            Message::Forward(f) if f.positions[0] >= 2 => Some(tokens(f)[0]),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(decoded, [2], "only the token before the end goes back into the ring");
 }

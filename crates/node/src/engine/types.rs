@@ -55,6 +55,18 @@ pub struct Formed {
     pub stages: Vec<String>,
     /// Nodes out of the ring because they were lost, and why.
     pub lost: Vec<(String, String)>,
+    /// The workers the head watches, each with the counters of the head's link to it
+    /// (whose round trip the heartbeat keeps current); empty for an in-process ring.
+    pub workers: Vec<WorkerLink>,
+}
+
+/// A worker of the ring as the head sees it.
+#[derive(Clone, Debug)]
+pub struct WorkerLink {
+    /// Its address.
+    pub addr: String,
+    /// The head's control link to it: its round trip is the heartbeat's latest.
+    pub counters: Arc<baton_net::Counters>,
 }
 
 /// Why no ring could be formed.
@@ -116,8 +128,20 @@ pub struct Job {
     /// Control tokens whose text is part of the output (the tool-call markers a parser
     /// reads, such as Mistral's `[TOOL_CALLS]`); other control tokens render as nothing.
     pub show: Vec<u32>,
+    /// Decides from the text that generation is complete (one tool call written, with
+    /// `parallel_tool_calls: false`).
+    pub end: Option<Box<dyn EndCheck>>,
     /// Where the engine reports; dropping the receiver cancels the request.
     pub events: UnboundedSender<Event>,
+}
+
+/// Decides from a request's text that its generation is complete. It runs on the
+/// engine's thread as each token is taken, so nothing after the end is computed or sent
+/// (the server ends a request that allows one tool call as soon as the call is written).
+pub trait EndCheck: Send + std::fmt::Debug {
+    /// Sees the text each generated token released, in order (what the request's events
+    /// carry); true ends generation after this token, with [`FinishReason::Stop`].
+    fn ends_after(&mut self, text: &str) -> bool;
 }
 
 /// What the engine reports about a request.
@@ -148,7 +172,7 @@ pub struct TokenOut {
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-generation token or a stop string.
+    /// An end-of-generation token, a stop string, or the job's [`EndCheck`].
     Stop,
     /// `max_tokens` reached.
     Length,
@@ -244,6 +268,13 @@ pub struct StageStats {
     pub rows: Vec<u64>,
     /// Bytes sent to the next hop (0 where the link counts nothing: in process).
     pub link_sent: Vec<u64>,
+    /// Latest round trip of each stage's link to the next hop, in microseconds (0: not
+    /// measured, or in process). The stage that dialed a link measured it and keeps it
+    /// current; the last stage's link to the head is the head's own measurement.
+    pub link_rtt_us: Vec<u64>,
+    /// Latest round trip of the head's link into the first stage, in microseconds (0:
+    /// in process, when the head runs the first stage itself).
+    pub head_link_rtt_us: u64,
 }
 
 /// What the engine needs of a tokenizer: when generation ends, and each token's bytes.

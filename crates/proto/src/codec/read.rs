@@ -82,6 +82,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             busy_us: r.array("busy_us", u64::from_le_bytes)?,
             rows: r.array("rows", u64::from_le_bytes)?,
             link_sent: r.array("link_sent", u64::from_le_bytes)?,
+            link_rtt_us: r.array("link_rtt_us", u64::from_le_bytes)?,
         },
         kind::SHUTDOWN => Message::Shutdown,
         kind::PING => Message::Ping {

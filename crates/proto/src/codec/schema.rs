@@ -243,6 +243,7 @@ const MESSAGES: [Layout; 21] = [
             Field("busy_us", Ty::List(&Ty::U64)),
             Field("rows", Ty::List(&Ty::U64)),
             Field("link_sent", Ty::List(&Ty::U64)),
+            Field("link_rtt_us", Ty::List(&Ty::U64)),
         ],
     },
     Layout {

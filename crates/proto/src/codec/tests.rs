@@ -221,6 +221,7 @@ pub(super) fn samples() -> Vec<Message> {
             busy_us: vec![5, 0, u64::MAX],
             rows: vec![7, 8, 9],
             link_sent: vec![0, 1 << 40, 3],
+            link_rtt_us: vec![0, 1_500, u64::MAX],
         },
         Message::Shutdown,
         Message::Ping {

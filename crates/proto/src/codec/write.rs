@@ -116,12 +116,14 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             busy_us,
             rows,
             link_sent,
+            link_rtt_us,
         } => {
             w.array(resident, u64::to_le_bytes);
             w.array(kv_used, u32::to_le_bytes);
             w.array(busy_us, u64::to_le_bytes);
             w.array(rows, u64::to_le_bytes);
             w.array(link_sent, u64::to_le_bytes);
+            w.array(link_rtt_us, u64::to_le_bytes);
         }
         Message::Ping { timeout_ms, session } => {
             w.u32(*timeout_ms);

@@ -9,7 +9,11 @@ fn parse(format: ToolFormat, pieces: &[&str]) -> Vec<Out> {
     let mut parser = ToolParser::new(format, true);
     let mut out: Vec<Out> = pieces.iter().flat_map(|p| parser.push(p)).collect();
     out.extend(parser.finish());
-    // Adjacent content pieces read as one.
+    merged(out)
+}
+
+/// Adjacent content pieces read as one.
+fn merged(out: Vec<Out>) -> Vec<Out> {
     let mut merged: Vec<Out> = Vec::new();
     for item in out {
         match (merged.last_mut(), item) {
@@ -257,4 +261,133 @@ fn bad_tools_are_refused_naming_the_entry() {
         "{}",
         err.message()
     );
+}
+
+/// Feeds `pieces` as the engine would with `parallel_tool_calls: false`: each to the
+/// end check and then to the response's parser, stopping after the piece that ends
+/// generation. Returns what was released and how many pieces were generated.
+fn one_call(format: ToolFormat, pieces: &[&str]) -> (Vec<Out>, usize) {
+    let mut ends = FirstCallEnds::new(format);
+    let mut parser = ToolParser::new(format, true).one_call(true);
+    let mut out = Vec::new();
+    let mut generated = 0;
+    for piece in pieces {
+        generated += 1;
+        let end = ends.ends_after(piece);
+        out.extend(parser.push(piece));
+        if end {
+            break;
+        }
+    }
+    out.extend(parser.finish());
+    out.retain(|o| !matches!(o, Out::Content(text) if text.is_empty()));
+    (merged(out), generated)
+}
+
+#[test]
+fn with_one_call_generation_ends_at_the_token_that_completes_the_first_call() {
+    use ToolFormat::{Harmony, Hermes, Llama3, Mistral};
+    let weather = || call("get_weather", r#"{"city":"Paris"}"#);
+    // Format, the pieces the model would write, what comes back, and how many pieces
+    // are generated before the end.
+    let cases: Vec<(ToolFormat, Vec<&str>, Vec<Out>, usize)> = vec![
+        // Hermes: the second block is never generated.
+        (
+            Hermes,
+            vec![
+                "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", ",
+                "\"arguments\": {\"city\": \"Paris\"}}\n</tool_",
+                "call>\n",
+                "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>",
+            ],
+            vec![content("Let me check."), weather()],
+            3,
+        ),
+        // A block that is not a call is content, and the model may still write one.
+        (
+            Hermes,
+            vec![
+                "<tool_call>oops</tool_call>",
+                " <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+                "never",
+            ],
+            vec![content("<tool_call>oops</tool_call>"), weather()],
+            2,
+        ),
+        // Text in the same piece after the call is content, not lost; no second call.
+        (
+            Hermes,
+            vec!["<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call> and <tool_call>{\"name\": \"b\"}</tool_call>"],
+            vec![call("a", "{}"), content(" and <tool_call>{\"name\": \"b\"}</tool_call>")],
+            1,
+        ),
+        // Llama 3: the first object, as soon as it closes.
+        (
+            Llama3,
+            vec![
+                "{\"name\": \"get_weather\", \"parameters\": {\"city\": ",
+                "\"Paris\"}}",
+                "; {\"name\": \"f\", \"parameters\": {}}",
+            ],
+            vec![weather()],
+            2,
+        ),
+        (Llama3, vec!["{not", " a call}", " at all"], vec![content("{not a call} at all")], 3),
+        // Mistral: the list's first call (its separator is the list's), or name[ARGS]{…}.
+        (
+            Mistral,
+            vec![
+                "[TOOL_",
+                "CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}",
+                ", {\"name\": \"b\", \"arguments\": {}}]",
+            ],
+            vec![weather()],
+            2,
+        ),
+        (
+            Mistral,
+            vec!["[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]"],
+            vec![weather()],
+            1,
+        ),
+        (
+            Mistral,
+            vec!["[TOOL_CALLS]get_weather[ARGS]{\"city\": ", "\"Paris\"}", "[TOOL_CALLS]f[ARGS]{}"],
+            vec![weather()],
+            2,
+        ),
+        (Mistral, vec!["[1, 2] are numbers"], vec![content("[1, 2] are numbers")], 1),
+        // Harmony: the call ends with its message; later channels are still channels.
+        (
+            Harmony,
+            vec![
+                "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}",
+                "<|start|>assistant",
+                "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}",
+            ],
+            vec![weather()],
+            2,
+        ),
+    ];
+    for (format, pieces, expected, generated) in cases {
+        assert_eq!(
+            one_call(format, &pieces),
+            (expected, generated),
+            "{format:?} {pieces:?}"
+        );
+    }
+}
+
+#[test]
+fn with_one_call_a_whole_answer_parses_as_its_pieces_do() {
+    // The response's parser gets a whole answer at once when it is not streamed.
+    let text = "Sure.\n<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>\n";
+    let mut whole = ToolParser::new(ToolFormat::Hermes, true).one_call(true);
+    let mut out = whole.push(text);
+    out.extend(whole.finish());
+    assert_eq!(out, [content("Sure."), call("a", r#"{"x":1}"#)]);
+    for (at, _) in text.char_indices() {
+        let (pieces, _) = one_call(ToolFormat::Hermes, &[&text[..at], &text[at..]]);
+        assert_eq!(pieces, out, "split at {at}");
+    }
 }

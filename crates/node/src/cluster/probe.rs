@@ -1,0 +1,98 @@
+//! Keeps a ring link's round trip current. A ring link carries frames one way only, so
+//! nothing on it can be timed after its handshake; the stage that dialed it opens a
+//! heartbeat connection of its own to the same address and times a `Ping` every
+//! [`PROBE_INTERVAL`], recording each round trip in the ring link's counters. The probe
+//! is bare (it names no session, so it ends nothing on the next stage), takes the path
+//! the hidden states take (whatever relays it), and costs one small frame each way per
+//! interval.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use baton_net::{client_handshake, connect_by, Counters, LinkOptions};
+use baton_proto::Role;
+
+use super::watch::{ping, sleep_until};
+
+/// Time between two probes.
+const PROBE_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Longest a probe (connecting included) may wait for its answer; the next stage is
+/// told to expect the next ping within this too.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(6);
+
+/// A running probe; dropping it stops the probing (within a moment, or at the end of a
+/// ping still waiting for its answer).
+pub(crate) struct LinkProbe {
+    stop: Arc<AtomicBool>,
+}
+
+impl LinkProbe {
+    /// Starts probing `addr` (the address the ring link was dialed at, with the same
+    /// link options and token) on a thread of its own, recording round trips in
+    /// `counters` (the ring link's). A probe that cannot connect or gets no answer
+    /// leaves the last figure and tries again an interval later.
+    pub fn start(addr: &str, link: &LinkOptions, token: Option<&[u8]>, counters: Arc<Counters>) -> LinkProbe {
+        let stop = Arc::new(AtomicBool::new(false));
+        let probe = Probe {
+            addr: addr.to_string(),
+            opts: LinkOptions {
+                read_timeout: Some(PROBE_TIMEOUT),
+                ..link.clone()
+            },
+            token: token.map(<[u8]>::to_vec),
+            counters,
+            stop: stop.clone(),
+        };
+        let spawned = std::thread::Builder::new()
+            .name("link-probe".into())
+            .spawn(move || probe.run());
+        if let Err(e) = spawned {
+            tracing::warn!(%addr, "cannot start a thread to probe the link: {e}");
+        }
+        LinkProbe { stop }
+    }
+}
+
+impl Drop for LinkProbe {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// What the probe's thread holds.
+struct Probe {
+    addr: String,
+    opts: LinkOptions,
+    token: Option<Vec<u8>>,
+    counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Probe {
+    fn run(self) {
+        while !self.stop.load(Ordering::SeqCst) {
+            let started = Instant::now();
+            if let Err(why) = self.probe_until_failure() {
+                tracing::debug!(addr = %self.addr, "probing the ring link: {why}");
+            }
+            sleep_until(started + PROBE_INTERVAL, &self.stop);
+        }
+    }
+
+    /// Connects and pings every interval until stopped or until something fails.
+    fn probe_until_failure(&self) -> Result<(), String> {
+        let mut conn = connect_by(&self.addr, &self.opts, Instant::now() + PROBE_TIMEOUT).map_err(|e| e.to_string())?;
+        client_handshake(conn.as_mut(), Role::Heartbeat, self.token.as_deref()).map_err(|e| e.to_string())?;
+        conn.set_deadline(None).map_err(|e| e.to_string())?;
+        while !self.stop.load(Ordering::SeqCst) {
+            let sent = Instant::now();
+            // Session 0 is never a session: the next stage answers and ends nothing.
+            let took = ping(conn.as_mut(), 0, PROBE_TIMEOUT)?;
+            self.counters.record_round_trip(took);
+            sleep_until(sent + PROBE_INTERVAL, &self.stop);
+        }
+        Ok(())
+    }
+}
