@@ -560,7 +560,7 @@ impl Stage {
             };
 
             let mut b = Builder {
-                ctx: &ctx,
+                ctx,
                 graph: ctx.new_graph(),
                 hp,
                 weights: &self.weights,
