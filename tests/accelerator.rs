@@ -13,10 +13,11 @@
 
 mod common;
 
-use baton_ggml::{Device, LlamaContext, LlamaModel};
+use baton_ggml::{Device, LlamaModel};
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
 use baton_node::{GenerateRequest, LocalRing};
 use baton_sample::{argmax, SamplingParams};
+use common::fidelity::reference_n;
 use common::{model, nmse, Chain, GEMMA3, PROMPTS, QWEN2};
 
 /// Bound on the NMSE of logits on the device against libllama on the same device
@@ -48,19 +49,6 @@ fn test_model(which: usize) -> std::path::PathBuf {
     }
 }
 
-/// libllama's last-token logits and greedy tokens, every layer on `device`.
-fn reference_on(oracle: &LlamaModel, prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
-    let mut ctx = LlamaContext::new(oracle, 512, 512, 2).unwrap();
-    let logits = ctx.decode(prompt).unwrap();
-    let mut tokens = Vec::new();
-    let mut next = argmax(&logits).unwrap();
-    while tokens.len() < N_GREEDY && !oracle.is_end_of_generation(next) {
-        tokens.push(next);
-        next = argmax(&ctx.decode(&[next]).unwrap()).unwrap();
-    }
-    (logits, tokens)
-}
-
 fn greedy(ring: &mut LocalRing, oracle: &LlamaModel, prompt: &[u32]) -> Vec<u32> {
     let req = GenerateRequest {
         seq: 0,
@@ -89,7 +77,7 @@ fn check_on_device(which: usize) -> f64 {
     let mut worst = 0f64;
     for prompt_text in PROMPTS {
         let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
-        let (ref_logits, ref_tokens) = reference_on(&oracle, &prompt);
+        let (ref_logits, ref_tokens) = reference_n(&oracle, &prompt, N_GREEDY);
         for n_stages in [1, 2] {
             let ranges = baton_plan::even_split(n_layer, n_stages).unwrap();
             let on_device: Vec<_> = ranges.iter().map(|r| (r.clone(), device)).collect();
@@ -161,8 +149,8 @@ fn device_then_cpu_stages_match_llama_cpp() {
     let stages = vec![(ranges[0].clone(), device), (ranges[1].clone(), Device::cpu())];
     for prompt_text in PROMPTS {
         let prompt = cpu_oracle.tokenize(prompt_text, true, true).unwrap();
-        let (cpu_logits, cpu_tokens) = reference_on(&cpu_oracle, &prompt);
-        let (dev_logits, dev_tokens) = reference_on(&dev_oracle, &prompt);
+        let (cpu_logits, cpu_tokens) = reference_n(&cpu_oracle, &prompt, N_GREEDY);
+        let (dev_logits, dev_tokens) = reference_n(&dev_oracle, &prompt, N_GREEDY);
         let mut chain = Chain::load_on(&file, &stages, &StageConfig::new(512, 2));
         let logits = chain.logits(0, &prompt, 0);
         let (to_cpu, to_dev) = (nmse(&logits, &cpu_logits), nmse(&logits, &dev_logits));

@@ -18,11 +18,16 @@ pub const N_GREEDY: usize = 32;
 
 /// libllama's last-token logits of `prompt` and up to [`N_GREEDY`] greedy tokens.
 pub fn reference(oracle: &LlamaModel, prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
+    reference_n(oracle, prompt, N_GREEDY)
+}
+
+/// libllama's last-token logits of `prompt` and up to `n` greedy tokens.
+pub fn reference_n(oracle: &LlamaModel, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>) {
     let mut ctx = LlamaContext::new(oracle, 512, 512, 2).unwrap();
     let logits = ctx.decode(prompt).unwrap();
     let mut tokens = Vec::new();
     let mut next = argmax(&logits).unwrap();
-    while tokens.len() < N_GREEDY && !oracle.is_end_of_generation(next) {
+    while tokens.len() < n && !oracle.is_end_of_generation(next) {
         tokens.push(next);
         next = argmax(&ctx.decode(&[next]).unwrap()).unwrap();
     }
