@@ -430,13 +430,14 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
 
 /// One head's session: describe, load, then run the stage until the ring closes.
 ///
-/// `_head` comes after `link` so that, when a panic unwinds this frame, the worker is
+/// `head` comes after `link` so that, when a panic unwinds this frame, the worker is
 /// free again before the head's connection closes (parameters drop in reverse order): a
-/// head that reconnects the moment it sees the close is not told "another head".
+/// head that reconnects the moment it sees the close is not told "another head". For
+/// the same reason a refusal frees the worker before it is sent.
 fn session(
     shared: &Shared,
     mut link: Box<dyn Link>,
-    _head: HeadSlot<'_>,
+    head: HeadSlot<'_>,
     local: &str,
     id: u64,
 ) -> Result<(), NodeError> {
@@ -458,9 +459,13 @@ fn session(
                 tracing::info!("the head's plan leaves this worker out");
                 return Ok(());
             }
-            Message::Auth { .. } => return Err(refuse_unexpected_auth(link.as_mut()).into()),
+            Message::Auth { .. } => {
+                drop(head);
+                return Err(refuse_unexpected_auth(link.as_mut()).into());
+            }
             other => {
                 let reason = format!("{} is not expected before a load plan", other.kind());
+                drop(head);
                 refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
                 return Err(NodeError::Protocol(reason));
             }
@@ -470,6 +475,9 @@ fn session(
     let (stage, received) = match load(shared, &plan, link.as_mut()) {
         Ok(loaded) => loaded,
         Err(e) => {
+            // Regression (CI): the head read the refusal, connected again at once and
+            // was told "another head" while this session was still closing the link.
+            drop(head);
             refuse(link.as_mut(), RefusalCode::LoadFailed, e.to_string());
             return Err(e);
         }
@@ -692,6 +700,10 @@ mod tests {
     /// Makes every session panic when it is asked to describe the worker.
     pub(super) static PANIC_ON_DESCRIBE: AtomicBool = AtomicBool::new(false);
 
+    /// Held by the tests whose workers describe themselves, so that none of them runs
+    /// while another makes every description panic.
+    static DESCRIBING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     const TOKEN: &str = "worker-test-secret";
 
     /// Connects as a head and asks the worker to describe itself.
@@ -712,12 +724,11 @@ mod tests {
     /// Issue 16: a panic while a head was served left `busy` set, and every later
     /// head was refused with "another head is already connected" (and each panic also
     /// kept a connection counted for ever).
-    #[test]
-    fn a_panic_in_a_session_leaves_the_worker_free_for_the_next_head() {
-        let models = std::env::temp_dir().join(format!("baton-panic-{}", std::process::id()));
+    /// Starts a worker on loopback serving `models`; returns its address.
+    fn start_worker(models: &std::path::Path) -> String {
         let worker = Worker::bind(WorkerConfig {
             listen: "127.0.0.1:0".into(),
-            models: models.clone(),
+            models: models.to_path_buf(),
             token: Some(TOKEN.into()),
             threads: 1,
             memory: Some(1 << 30),
@@ -731,6 +742,14 @@ mod tests {
         .unwrap();
         let addr = worker.local_addr().to_string();
         std::thread::spawn(move || worker.serve());
+        addr
+    }
+
+    #[test]
+    fn a_panic_in_a_session_leaves_the_worker_free_for_the_next_head() {
+        let _serial = DESCRIBING.lock().unwrap_or_else(|p| p.into_inner());
+        let models = std::env::temp_dir().join(format!("baton-panic-{}", std::process::id()));
+        let addr = start_worker(&models);
 
         PANIC_ON_DESCRIBE.store(true, Ordering::SeqCst);
         // More panicking heads than --max-connections: no slot may leak either.
@@ -745,6 +764,36 @@ mod tests {
         let answer = describe_once(&addr).unwrap();
         assert!(matches!(answer, Message::Capabilities(_)), "{answer:?}");
         std::fs::remove_dir_all(&models).unwrap();
+    }
+
+    /// CI failure (tests/hardening.rs): a head that read a refusal and connected again
+    /// at once was told "another head", because the refused session held the worker
+    /// until its link had closed. The first head here keeps its link open, so that
+    /// closing takes its full second.
+    #[test]
+    fn a_refused_head_leaves_the_worker_free_before_the_refusal_arrives() {
+        let _serial = DESCRIBING.lock().unwrap_or_else(|p| p.into_inner());
+        let models = std::env::temp_dir().join(format!("baton-refused-{}", std::process::id()));
+        let addr = start_worker(&models);
+        let mut first = connect(&addr, &LinkOptions::default()).unwrap();
+        client_handshake(first.as_mut(), Role::Head, Some(TOKEN.as_bytes())).unwrap();
+        first.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        first.send(Message::Pong).unwrap();
+        let answer = first.recv().unwrap();
+        assert!(
+            matches!(
+                answer,
+                Message::Refused {
+                    code: RefusalCode::BadRequest,
+                    ..
+                }
+            ),
+            "{answer:?}"
+        );
+        let answer = describe_once(&addr).unwrap();
+        assert!(matches!(answer, Message::Capabilities(_)), "{answer:?}");
+        drop(first);
+        let _ = std::fs::remove_dir_all(&models);
     }
 
     #[test]
