@@ -79,8 +79,9 @@ pub struct StageArgs {
     pub tp: usize,
     /// Devices of the in-process stages, in order, e.g. Vulkan0,CPU (`baton devices`
     /// lists them): one per stage; stages past the end of the list go to the CPU when it
-    /// is last. Default: the accelerators, one stage each, then the CPU. Not with
-    /// workers (each worker takes its own --device).
+    /// is last. Default: the accelerators, one stage each, then the CPU. With workers,
+    /// the devices of the head's own stage (default: the first accelerator, else the
+    /// CPU), each given a layer range by the plan like a worker's devices.
     #[arg(long, value_delimiter = ',')]
     pub device: Vec<String>,
 }
@@ -155,6 +156,8 @@ fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("BATON_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, not in files and pipes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let result = match cli.command {

@@ -178,11 +178,6 @@ impl Ring {
                  (--tp-members); tensor parallelism on cluster workers is not built yet"
             );
         }
-        anyhow::ensure!(
-            stages.device.is_empty() || (cluster.local_workers.is_none() && cluster.workers.is_empty()),
-            "--device places in-process stages; with workers the head's stage is on the CPU and each \
-             worker takes its own --device"
-        );
         if stages.tp > 1 {
             let devices = baton_ggml::Device::parse_list(&stages.device)?;
             if let Some(device) = devices.iter().find(|d| !d.is_cpu()) {
@@ -240,7 +235,8 @@ impl Ring {
             head_stage,
             threads,
             head_memory: cluster.head_memory,
-            head_secs_per_layer: None,
+            head_devices: head_devices(&stages.device)?,
+            head_secs_per_layer: Vec::new(),
             skip_unreachable: false,
             handshake_timeout: Some(std::time::Duration::from_secs_f64(cluster.handshake_timeout)),
             on_reached: None,
@@ -267,6 +263,15 @@ impl Ring {
     pub fn plan_why(&self) -> Option<&str> {
         match self {
             Ring::Remote { ring, .. } => Some(&ring.plan.why),
+            Ring::Local(_) | Ring::Supervised { .. } => None,
+        }
+    }
+
+    /// Each stage's node, layers and devices, for people (`None` for in-process
+    /// stages).
+    pub fn describe_stages(&self) -> Option<Vec<String>> {
+        match self {
+            Ring::Remote { ring, .. } => Some(ring.describe_stages()),
             Ring::Local(_) | Ring::Supervised { .. } => None,
         }
     }
@@ -330,4 +335,27 @@ fn tp_over_links(
         .collect();
     let stage = Stage::load_member(file, span, &config, Some((split, collective)))?.driving(members);
     Ok(LocalRing::from_stages(vec![stage], &ranges)?)
+}
+
+/// The devices of the head's own stage when it runs one beside workers: `--device`, or
+/// the first accelerator (else the CPU), as a worker chooses its own.
+fn head_devices(given: &[String]) -> anyhow::Result<Vec<baton_ggml::Device>> {
+    let devices = match given.is_empty() {
+        true => vec![baton_ggml::Device::preferred()],
+        false => baton_ggml::Device::parse_list(given)?,
+    };
+    check_device_list(&devices)?;
+    Ok(devices)
+}
+
+/// Refuses a device list that names an accelerator twice (ggml computes one stage per
+/// device and process); the CPU may be named more than once, each a stage of its own.
+pub fn check_device_list(devices: &[baton_ggml::Device]) -> anyhow::Result<()> {
+    for (i, device) in devices.iter().enumerate() {
+        anyhow::ensure!(
+            device.is_cpu() || !devices[..i].contains(device),
+            "--device names {device:?} twice (a device other than the CPU computes one stage per process)"
+        );
+    }
+    Ok(())
 }

@@ -164,6 +164,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(why) = ring.plan_why() {
         eprintln!("plan: {why}");
     }
+    if let Some(stages) = ring.describe_stages() {
+        eprintln!("stages: {}", stages.join("; "));
+    }
     for (i, bytes) in resident.iter().enumerate() {
         eprintln!(
             "stage {i} ({:?}): resident {:.1} MiB",

@@ -31,9 +31,10 @@ pub struct WorkerArgs {
     #[arg(long)]
     memory: Option<u64>,
     /// Devices the stage computes on, e.g. Vulkan0 or Vulkan0,CPU (`baton devices`
-    /// lists them; default: the first accelerator, else the CPU). The worker's layers are
-    /// split evenly between them in this order; the hidden state passes from one to the
-    /// next in memory. Without --memory the worker offers the devices' free memory.
+    /// lists them; default: the first accelerator, else the CPU). Each is offered to the
+    /// head with its free memory and measured speed, and the head's plan gives each a
+    /// layer range of its own; the hidden state passes from one to the next in memory.
+    /// --memory caps what the worker offers in all, each device keeping its share.
     #[arg(long, value_delimiter = ',')]
     device: Vec<String>,
     /// Address other stages reach this worker at (default: the one the head used).
@@ -105,9 +106,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         true => vec![baton_ggml::Device::preferred()],
         false => baton_ggml::Device::parse_list(&args.device)?,
     };
-    for (i, device) in devices.iter().enumerate() {
-        anyhow::ensure!(!devices[..i].contains(device), "--device names {device:?} twice");
-    }
+    crate::ring::check_device_list(&devices)?;
     let config = WorkerConfig {
         listen: args.listen.clone(),
         models: args.models,

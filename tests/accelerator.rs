@@ -198,3 +198,55 @@ fn stage_memory_is_on_the_device() {
     assert!(memory.device >= layer_bytes + kv, "{memory:?}");
     assert!(memory.host < layer_bytes / 4, "{memory:?}: weights left on the host");
 }
+
+/// Issue 15: a real `baton worker --device <accelerator>,CPU` process offers both
+/// devices (each with its memory and measured speed), loads the ranges the head's plan
+/// gives them (not an even split of its own), and the ring's text is libllama's on the
+/// CPU wherever libllama on the device agrees with it.
+#[test]
+fn a_worker_process_over_the_device_and_the_cpu() {
+    use baton_node::cluster::{connect_cluster, ClusterOptions};
+    use common::worker::{greedy as ring_greedy, WorkerProc};
+
+    const TOKEN: &str = "accelerator-test-secret";
+    let device = accelerator();
+    let path = test_model(0);
+    let devices = format!("{},CPU", device.name());
+    let worker = WorkerProc::start(path.parent().unwrap(), Some(TOKEN), &["--device", &devices]);
+    let opts = ClusterOptions {
+        token: Some(TOKEN.into()),
+        n_ctx: 512,
+        repack: true,
+        ..Default::default()
+    };
+    let mut ring = connect_cluster(&path, std::slice::from_ref(&worker.addr), &opts).unwrap();
+    let offered = &ring.workers[0].caps.devices;
+    let names: Vec<&str> = offered.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, [device.name().as_str(), "CPU"]);
+    assert!(
+        offered.iter().all(|d| d.memory > 0 && d.secs_per_layer.is_some()),
+        "{offered:?}"
+    );
+    let stage = &ring.plan.stages[0];
+    let on: Vec<String> = stage
+        .parts
+        .iter()
+        .map(|p| format!("{} {:?}", names[p.device], p.layers))
+        .collect();
+    println!("plan: {} ({})", on.join(", "), ring.plan.why);
+    let log = worker.log();
+    assert!(log.contains(&format!("devices={}", on.join(", "))), "{log}");
+
+    let cpu_oracle = LlamaModel::load_full(&path, true).unwrap();
+    let dev_oracle = LlamaModel::load_full_on(&path, true, device).unwrap();
+    let prompt = cpu_oracle.tokenize(PROMPTS[0], true, true).unwrap();
+    let (_, cpu_tokens) = reference_n(&cpu_oracle, &prompt, N_GREEDY);
+    let (_, dev_tokens) = reference_n(&dev_oracle, &prompt, N_GREEDY);
+    let tokens = ring_greedy(&mut ring, &prompt, N_GREEDY, &cpu_oracle);
+    let on_device = stage.parts.iter().any(|p| p.device == 0);
+    if !on_device || dev_tokens == cpu_tokens {
+        assert_eq!(tokens, cpu_tokens, "plan {on:?}");
+    } else {
+        println!("libllama on {device:?} and on the CPU disagree; not compared");
+    }
+}

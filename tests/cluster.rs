@@ -404,6 +404,66 @@ fn the_head_runs_the_first_stage_when_planned() {
     assert_eq!(greedy(&mut ring, &prompt, 16, &oracle), reference(&oracle, &prompt, 16));
 }
 
+/// Issue 15: a worker offers each of its devices (with its memory and speed), and the
+/// plan gives each a layer range of its own; so does the head for its own stage. Two
+/// CPU devices stand in for a GPU and its host here; the hidden state passes between
+/// them in memory, and the text is llama.cpp's.
+#[test]
+fn each_device_of_a_worker_and_of_the_head_gets_its_own_range() {
+    let path = model(QWEN2);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let w0 = WorkerProc::start(&models_dir(), Some(TOKEN), &["--device", "CPU,CPU"]);
+    let w1 = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let cpu = baton_ggml::Device::cpu();
+    let opts = ClusterOptions {
+        head_stage: true,
+        threads: 1,
+        head_devices: vec![cpu, cpu],
+        split: Some(vec![8, 9, 7]),
+        ..options()
+    };
+    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &opts).unwrap();
+    let offered: Vec<usize> = ring.workers.iter().map(|w| w.caps.devices.len()).collect();
+    assert_eq!(offered, [2, 1]);
+    assert!(
+        ring.workers[0]
+            .caps
+            .devices
+            .iter()
+            .all(|d| d.secs_per_layer.is_some() && d.memory > 0),
+        "{:?}",
+        ring.workers[0].caps.devices
+    );
+    // Equal devices share their node's layers (of 9, the second takes 5: a worker
+    // left to split them itself gives the first the extra one); the last stage keeps
+    // its one device.
+    let parts: Vec<Vec<std::ops::Range<usize>>> = ring
+        .plan
+        .stages
+        .iter()
+        .map(|s| s.parts.iter().map(|p| p.layers.clone()).collect())
+        .collect();
+    assert_eq!(
+        parts,
+        [vec![0..4, 4..8], vec![8..12, 12..17], vec![17..24]],
+        "{}",
+        ring.plan.why
+    );
+    let log = w0.log();
+    assert!(
+        log.contains("devices=CPU 8..12, CPU 12..17"),
+        "the worker loads what the plan says: {log}"
+    );
+    for prompt_text in PROMPTS {
+        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
+        assert_eq!(
+            greedy(&mut ring, &prompt, 32, &oracle),
+            reference(&oracle, &prompt, 32),
+            "{prompt_text:?}"
+        );
+    }
+}
+
 #[test]
 fn a_worker_holding_a_different_file_of_that_name_is_named_in_the_error() {
     let dir = tempdir("mismatch");

@@ -112,11 +112,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
     );
 
     let nodes: Vec<NodeOffer> = (0..3)
-        .map(|i| NodeOffer {
-            name: format!("n{i}"),
-            memory: 1 << 30,
-            secs_per_layer: 1.0,
-        })
+        .map(|i| NodeOffer::single(format!("n{i}"), 1 << 30, 1.0))
         .collect();
     let plan = baton_plan::partition(&cost, &nodes).unwrap();
     assert_eq!(plan.stages.len(), 3, "{plan:?}");

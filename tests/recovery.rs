@@ -376,7 +376,7 @@ fn without_spare_capacity_clients_get_a_clear_error_at_once() {
 /// stopped while loading its range).
 fn start_worker_that_hangs_while_loading() -> String {
     use baton_net::{server_handshake, LinkOptions, Listener};
-    use baton_proto::{Capabilities, HeldModel, Message, Role};
+    use baton_proto::{Capabilities, DeviceCaps, HeldModel, Message, Role};
 
     let listener = Listener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().to_string();
@@ -398,10 +398,8 @@ fn start_worker_that_hangs_while_loading() -> String {
                             content: None,
                         };
                         let caps = Capabilities {
-                            devices: vec!["CPU".into()],
-                            memory: 1 << 40,
+                            devices: vec![DeviceCaps::cpu(1 << 40, Some(0.001))],
                             threads: 1,
-                            secs_per_layer: Some(0.001),
                             models: vec![held],
                             ring_addr: ring_addr.clone(),
                             session: 1,

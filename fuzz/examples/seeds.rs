@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use baton_gguf::{GgmlType, GgufWriter, Value};
 use baton_proto::auth::proof;
 use baton_proto::{
-    encode, Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, RefusalCode, Role, SampledToken,
-    TensorEntry, PROTOCOL_VERSION,
+    encode, Capabilities, DeviceCaps, DeviceRange, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload,
+    RefusalCode, Role, SampledToken, TensorEntry, PROTOCOL_VERSION,
 };
 use baton_sample::SamplingParams;
 
@@ -68,6 +68,10 @@ fn messages() -> Vec<(String, Message)> {
         stream: true,
         wire_f16: true,
         repack: false,
+        devices: vec![DeviceRange {
+            device: "CPU".into(),
+            layer_end: 24,
+        }],
     };
     let forward = |payload| Forward {
         step: 42,
@@ -95,10 +99,8 @@ fn messages() -> Vec<(String, Message)> {
         },
         Message::Describe { model: model() },
         Message::Capabilities(Capabilities {
-            devices: vec!["CPU".into()],
-            memory: 8 << 30,
+            devices: vec![DeviceCaps::cpu(8 << 30, Some(0.0004))],
             threads: 2,
-            secs_per_layer: Some(0.0004),
             models: vec![HeldModel {
                 file_name: model().file_name,
                 identity: nonce(3),

@@ -33,10 +33,12 @@ fn offers(cluster: &[u8; 8]) -> (Vec<NodeOffer>, usize) {
     let nodes = cluster[1..1 + n_nodes]
         .iter()
         .enumerate()
-        .map(|(i, &b)| NodeOffer {
-            name: format!("node{i}"),
-            memory: 1u64 << (20 + (b & 0x1f)),
-            secs_per_layer: 1e-4 * f64::from(1 + (b >> 5)),
+        .map(|(i, &b)| {
+            NodeOffer::single(
+                format!("node{i}"),
+                1u64 << (20 + (b & 0x1f)),
+                1e-4 * f64::from(1 + (b >> 5)),
+            )
         })
         .collect();
     (nodes, n_ctx)

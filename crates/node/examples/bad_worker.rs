@@ -9,7 +9,7 @@
 //! Prints `listening on ADDR` first.
 
 use baton_net::{server_handshake, Link, LinkOptions, Listener};
-use baton_proto::{Capabilities, HeldModel, Message, Role, SampledToken};
+use baton_proto::{Capabilities, DeviceCaps, HeldModel, Message, Role, SampledToken};
 
 fn main() {
     let mut listen = "127.0.0.1:0".to_string();
@@ -61,10 +61,8 @@ fn head(link: &mut dyn Link, addr: &str, bad_id: u32) {
         };
         let reply = match msg {
             Message::Describe { model } => Message::Capabilities(Capabilities {
-                devices: vec!["CPU".into()],
-                memory: 1 << 40,
+                devices: vec![DeviceCaps::cpu(1 << 40, Some(1e-4))],
                 threads: 1,
-                secs_per_layer: Some(1e-4),
                 models: vec![HeldModel {
                     file_name: model.file_name,
                     identity: model.identity,

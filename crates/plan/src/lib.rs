@@ -135,10 +135,11 @@ impl ModelCost {
     }
 }
 
-/// What a node offers the cluster.
+/// One device a node offers (its CPU, a GPU): the planner gives each device a range
+/// of its own.
 #[derive(Clone, Debug, PartialEq)]
-pub struct NodeOffer {
-    /// How the node is named in messages (its address).
+pub struct DeviceOffer {
+    /// How the device is named (`CPU`, `Vulkan0`, `CUDA0`).
     pub name: String,
     /// Bytes it can hold.
     pub memory: u64,
@@ -146,16 +147,58 @@ pub struct NodeOffer {
     pub secs_per_layer: f64,
 }
 
-/// One stage of a plan.
+/// What a node offers the cluster: one or more devices, in the order its stages chain
+/// (the hidden state moves between them in memory, never over a socket).
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeOffer {
+    /// How the node is named in messages (its address).
+    pub name: String,
+    /// Its devices; at least one.
+    pub devices: Vec<DeviceOffer>,
+}
+
+impl NodeOffer {
+    /// A node with one device (the CPU, named `CPU`).
+    pub fn single(name: impl Into<String>, memory: u64, secs_per_layer: f64) -> NodeOffer {
+        NodeOffer {
+            name: name.into(),
+            devices: vec![DeviceOffer {
+                name: "CPU".into(),
+                memory,
+                secs_per_layer,
+            }],
+        }
+    }
+
+    /// Bytes its devices hold together.
+    pub fn memory(&self) -> u64 {
+        self.devices.iter().map(|d| d.memory).sum()
+    }
+}
+
+/// The layers one device of a node's stage holds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DevicePart {
+    /// Index into the node's devices.
+    pub device: usize,
+    /// Its layers (consecutive with the parts around it).
+    pub layers: Range<usize>,
+}
+
+/// One stage of a plan: one node, its devices' ranges in order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlannedStage {
     /// Index into the offers.
     pub node: usize,
     /// Its layers.
     pub layers: Range<usize>,
+    /// How its layers lie on the node's devices, in order; one part for a node with one
+    /// device.
+    pub parts: Vec<DevicePart>,
     /// Memory it needs.
     pub bytes: u64,
-    /// Its expected time per generated token.
+    /// Its expected time per generated token (its devices' times added: a token passes
+    /// them in turn).
     pub secs_per_token: f64,
 }
 
@@ -171,28 +214,28 @@ pub struct Plan {
 }
 
 /// Speeds a node measures of itself vary from run to run (other processes, caches,
-/// frequency scaling): nodes within this fraction of each other count as equally fast,
-/// so that equal machines get the same balanced split every time.
+/// frequency scaling): devices within this fraction of each other count as equally
+/// fast, so that equal machines get the same balanced split every time.
 pub const SPEED_NOISE: f64 = 0.5;
 
-/// Each node's seconds per layer, with nodes whose measurements lie within
+/// Each device's seconds per layer, with devices whose measurements lie within
 /// [`SPEED_NOISE`] of the fastest of their group set to their group's mean. Groups are
-/// formed from the fastest node up: a node joins the group of the fastest node not yet
-/// grouped if it is within the noise of it.
-pub fn settled_speeds(nodes: &[NodeOffer]) -> Vec<f64> {
-    let mut order: Vec<usize> = (0..nodes.len()).collect();
-    order.sort_by(|&a, &b| nodes[a].secs_per_layer.total_cmp(&nodes[b].secs_per_layer));
-    let mut settled = vec![0.0; nodes.len()];
+/// formed from the fastest device up: a device joins the group of the fastest device
+/// not yet grouped if it is within the noise of it.
+pub fn settled_speeds(devices: &[&DeviceOffer]) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..devices.len()).collect();
+    order.sort_by(|&a, &b| devices[a].secs_per_layer.total_cmp(&devices[b].secs_per_layer));
+    let mut settled = vec![0.0; devices.len()];
     let mut start = 0;
     while start < order.len() {
-        let fastest = nodes[order[start]].secs_per_layer;
+        let fastest = devices[order[start]].secs_per_layer;
         let end = start
             + order[start..]
                 .iter()
-                .take_while(|&&i| nodes[i].secs_per_layer <= fastest * (1.0 + SPEED_NOISE))
+                .take_while(|&&i| devices[i].secs_per_layer <= fastest * (1.0 + SPEED_NOISE))
                 .count();
         let group = &order[start..end];
-        let mean = group.iter().map(|&i| nodes[i].secs_per_layer).sum::<f64>() / group.len() as f64;
+        let mean = group.iter().map(|&i| devices[i].secs_per_layer).sum::<f64>() / group.len() as f64;
         for &i in group {
             settled[i] = mean;
         }
@@ -208,28 +251,47 @@ impl Plan {
     }
 }
 
-/// Plans stages over `nodes`, kept in the given order: every layer lands on a node
-/// with the memory for it (memory limits come first), and among the plans that fit,
-/// the one whose slowest stage is fastest wins; ties go to the lower total time, then
-/// to fewer stages (fewer hops). A node that cannot hold even one layer is left out,
-/// and so is a node the best plan does not need.
-pub fn partition(cost: &ModelCost, measured: &[NodeOffer]) -> Result<Plan, PlanError> {
-    let n_layers = cost.n_layers();
-    if measured.is_empty() {
-        return Err(PlanError::NoStages);
-    }
-    let speeds = settled_speeds(measured);
-    let nodes: Vec<NodeOffer> = measured
+/// What the planner places layers on: one device of one node, in ring order.
+#[derive(Clone, Debug)]
+struct Unit {
+    node: usize,
+    device: usize,
+    memory: u64,
+    secs_per_layer: f64,
+}
+
+/// Every device of every node in ring order, with speeds settled (see
+/// [`settled_speeds`]).
+fn units(nodes: &[NodeOffer]) -> Vec<Unit> {
+    let devices: Vec<(usize, usize, &DeviceOffer)> = nodes
         .iter()
-        .zip(&speeds)
-        .map(|(node, &secs_per_layer)| NodeOffer {
-            secs_per_layer,
-            ..node.clone()
-        })
+        .enumerate()
+        .flat_map(|(n, node)| node.devices.iter().enumerate().map(move |(d, device)| (n, d, device)))
         .collect();
-    let nodes = &nodes[..];
-    // best[i][l]: the best way to place layers 0..l on nodes 0..i, as
-    // (bottleneck, total, stages) plus the choice made for node i-1.
+    let speeds = settled_speeds(&devices.iter().map(|&(_, _, d)| d).collect::<Vec<_>>());
+    devices
+        .iter()
+        .zip(speeds)
+        .map(|(&(node, device, offer), secs_per_layer)| Unit {
+            node,
+            device,
+            memory: offer.memory,
+            secs_per_layer,
+        })
+        .collect()
+}
+
+/// Places `layers` on `units` (kept in order): every range lands on a unit with the
+/// memory for it, and among the placements that fit, the one whose slowest unit is
+/// fastest wins; ties go to the lower total time, then to fewer pieces (fewer hops).
+/// Returns `(unit, range)` in order, or `None` when nothing fits.
+fn place(cost: &ModelCost, layers: Range<usize>, units: &[Unit]) -> Option<Vec<(usize, Range<usize>)>> {
+    let (first, n) = (layers.start, layers.len());
+    if n == 0 {
+        return None;
+    }
+    // best[i][l]: the best way to place layers first..first+l on units 0..i, as
+    // (bottleneck, total, pieces) plus the choice made for unit i-1.
     #[derive(Clone, Copy)]
     struct Cell {
         score: (f64, f64, usize),
@@ -246,27 +308,28 @@ pub fn partition(cost: &ModelCost, measured: &[NodeOffer]) -> Result<Plan, PlanE
         }
         a.2 < b.2
     };
-    let mut best: Vec<Vec<Option<Cell>>> = vec![vec![None; n_layers + 1]; nodes.len() + 1];
+    let mut best: Vec<Vec<Option<Cell>>> = vec![vec![None; n + 1]; units.len() + 1];
     best[0][0] = Some(Cell {
         score: (0.0, 0.0, 0),
         from: 0,
         used: false,
     });
-    for (i, node) in nodes.iter().enumerate() {
-        for l in 0..=n_layers {
-            // Node i holds nothing.
+    for (i, unit) in units.iter().enumerate() {
+        for l in 0..=n {
+            // Unit i holds nothing.
             let mut cell = best[i][l].map(|c| Cell {
                 score: c.score,
                 from: l,
                 used: false,
             });
-            // Node i holds layers s..l.
+            // Unit i holds layers s..l.
             for (s, prev) in best[i][..l].iter().enumerate() {
                 let Some(prev) = *prev else { continue };
-                if cost.stage_bytes(&(s..l)) > node.memory {
+                let range = first + s..first + l;
+                if cost.stage_bytes(&range) > unit.memory {
                     continue;
                 }
-                let secs = node.secs_per_layer * cost.stage_work(&(s..l));
+                let secs = unit.secs_per_layer * cost.stage_work(&range);
                 let score = (prev.score.0.max(secs), prev.score.1 + secs, prev.score.2 + 1);
                 if cell.is_none_or(|c| better(score, c.score)) {
                     cell = Some(Cell {
@@ -279,80 +342,137 @@ pub fn partition(cost: &ModelCost, measured: &[NodeOffer]) -> Result<Plan, PlanE
             best[i + 1][l] = cell;
         }
     }
-    if best[nodes.len()][n_layers].is_none() || n_layers == 0 {
-        return Err(not_enough_memory(cost, nodes));
-    }
-
-    let mut stages = Vec::new();
-    let mut l = n_layers;
-    for i in (0..nodes.len()).rev() {
+    best[units.len()][n]?;
+    let mut pieces = Vec::new();
+    let mut l = n;
+    for i in (0..units.len()).rev() {
         let cell = best[i + 1][l].expect("a reachable cell has a reachable predecessor");
         if cell.used {
-            let layers = cell.from..l;
-            stages.push(PlannedStage {
-                node: i,
-                bytes: cost.stage_bytes(&layers),
-                secs_per_token: nodes[i].secs_per_layer * cost.stage_work(&layers),
-                layers,
-            });
+            pieces.push((i, first + cell.from..first + l));
         }
         l = cell.from;
     }
-    stages.reverse();
+    pieces.reverse();
+    Some(pieces)
+}
+
+/// Joins the consecutive pieces that landed on devices of one node into that node's
+/// stage.
+fn stages_of(cost: &ModelCost, units: &[Unit], pieces: &[(usize, Range<usize>)]) -> Vec<PlannedStage> {
+    let mut stages: Vec<PlannedStage> = Vec::new();
+    for (u, range) in pieces {
+        let unit = &units[*u];
+        let part = DevicePart {
+            device: unit.device,
+            layers: range.clone(),
+        };
+        let bytes = cost.stage_bytes(range);
+        let secs = unit.secs_per_layer * cost.stage_work(range);
+        match stages.last_mut() {
+            Some(stage) if stage.node == unit.node => {
+                stage.layers.end = range.end;
+                stage.parts.push(part);
+                stage.bytes += bytes;
+                stage.secs_per_token += secs;
+            }
+            _ => stages.push(PlannedStage {
+                node: unit.node,
+                layers: range.clone(),
+                parts: vec![part],
+                bytes,
+                secs_per_token: secs,
+            }),
+        }
+    }
+    stages
+}
+
+/// Plans stages over `nodes`, kept in the given order, each device of a node planned
+/// as a place of its own (consecutive in the ring): every layer lands on a device with
+/// the memory for it (memory limits come first), and among the plans that fit, the one
+/// whose slowest device is fastest wins; ties go to the lower total time, then to fewer
+/// pieces (fewer hops). A node that cannot hold even one layer is left out, and so is a
+/// node the best plan does not need.
+pub fn partition(cost: &ModelCost, nodes: &[NodeOffer]) -> Result<Plan, PlanError> {
+    let n_layers = cost.n_layers();
+    if nodes.is_empty() {
+        return Err(PlanError::NoStages);
+    }
+    let units = units(nodes);
+    let pieces = place(cost, 0..n_layers, &units).ok_or_else(|| not_enough_memory(cost, nodes))?;
+    let stages = stages_of(cost, &units, &pieces);
     let min_layer = (0..n_layers).map(|l| cost.stage_bytes(&(l..l + 1))).min().unwrap_or(0);
     let left_out = nodes
         .iter()
         .enumerate()
         .filter(|(i, _)| !stages.iter().any(|s| s.node == *i))
         .map(|(_, node)| {
-            let why = if node.memory < min_layer {
-                format!(
-                    "it offers {} bytes, but the smallest layer needs {min_layer}",
-                    node.memory
-                )
+            let largest = node.devices.iter().map(|d| d.memory).max().unwrap_or(0);
+            let why = if node.devices.is_empty() {
+                "it offers no device".to_string()
+            } else if largest < min_layer {
+                format!("it offers {largest} bytes, but the smallest layer needs {min_layer}")
             } else {
                 "the plan is no faster with it".to_string()
             };
             (node.name.clone(), why)
         })
         .collect();
-    let why = explain(cost, measured, &speeds, &stages);
+    let why = explain(cost, nodes, &units, &stages);
     Ok(Plan { stages, left_out, why })
 }
 
 /// Says how the speeds were read and what the split balances.
-fn explain(cost: &ModelCost, measured: &[NodeOffer], speeds: &[f64], stages: &[PlannedStage]) -> String {
+fn explain(cost: &ModelCost, nodes: &[NodeOffer], units: &[Unit], stages: &[PlannedStage]) -> String {
     let ms = |secs: f64| format!("{:.2} ms", secs * 1e3);
-    let nodes: Vec<String> = measured
+    let measured: Vec<String> = units
         .iter()
-        .map(|n| format!("{} {}", n.name, ms(n.secs_per_layer)))
+        .map(|u| {
+            let node = &nodes[u.node];
+            let device = &node.devices[u.device];
+            match node.devices.len() {
+                1 => format!("{} {}", node.name, ms(device.secs_per_layer)),
+                _ => format!("{} {} {}", node.name, device.name, ms(device.secs_per_layer)),
+            }
+        })
         .collect();
     let groups = {
-        let mut distinct: Vec<f64> = speeds.to_vec();
+        let mut distinct: Vec<f64> = units.iter().map(|u| u.secs_per_layer).collect();
         distinct.sort_by(f64::total_cmp);
         distinct.dedup();
         distinct.len()
     };
-    let speed = if groups == 1 && measured.len() > 1 {
+    let speed = if groups == 1 && units.len() > 1 {
         format!(
             "measured per layer and token: {} (within {:.0}% of each other: equally fast)",
-            nodes.join(", "),
+            measured.join(", "),
             SPEED_NOISE * 100.0
         )
     } else {
-        format!("measured per layer and token: {}", nodes.join(", "))
+        format!("measured per layer and token: {}", measured.join(", "))
     };
     let output = cost.last_bytes as f64 / (cost.layer_bytes.iter().sum::<u64>() as f64 / cost.n_layers().max(1) as f64);
-    let bottleneck = stages.iter().map(|s| s.secs_per_token).fold(0.0, f64::max);
+    let bottleneck = stages
+        .iter()
+        .flat_map(|s| s.parts.iter().map(move |p| (s.node, p)))
+        .map(|(node, part)| {
+            let unit = units
+                .iter()
+                .find(|u| u.node == node && u.device == part.device)
+                .expect("every part is on a unit");
+            unit.secs_per_layer * cost.stage_work(&part.layers)
+        })
+        .fold(0.0, f64::max);
     format!(
         "{speed}; layers split to balance time per token (the last stage's output projection \
-         weighs {output:.1} layers), slowest stage {} per token",
+         weighs {output:.1} layers), slowest device {} per token",
         ms(bottleneck)
     )
 }
 
 /// A plan from `--split`: `sizes[i]` layers on node `i` (0 leaves the node out); every
-/// stage must fit its node's memory.
+/// stage must fit its node's memory. A node with several devices has its layers placed
+/// on them as [`partition`] would.
 pub fn plan_with_split(cost: &ModelCost, nodes: &[NodeOffer], sizes: &[usize]) -> Result<Plan, PlanError> {
     let n_layers = cost.n_layers();
     let split = sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
@@ -370,6 +490,7 @@ pub fn plan_with_split(cost: &ModelCost, nodes: &[NodeOffer], sizes: &[usize]) -
             layers: n_layers,
         });
     }
+    let units = units(nodes);
     let mut stages = Vec::new();
     let mut left_out = Vec::new();
     let mut start = 0;
@@ -381,23 +502,15 @@ pub fn plan_with_split(cost: &ModelCost, nodes: &[NodeOffer], sizes: &[usize]) -
         }
         let layers = start..start + n;
         start += n;
-        let bytes = cost.stage_bytes(&layers);
-        if bytes > node.memory {
-            return Err(PlanError::SplitTooBig {
-                node: node.name.clone(),
-                first: layers.start,
-                end: layers.end,
-                needed: bytes,
-                offered: node.memory,
-            });
-        }
-        let secs_per_token = node.secs_per_layer * cost.stage_work(&layers);
-        stages.push(PlannedStage {
-            node: i,
-            layers,
-            bytes,
-            secs_per_token,
-        });
+        let own: Vec<Unit> = units.iter().filter(|u| u.node == i).cloned().collect();
+        let pieces = place(cost, layers.clone(), &own).ok_or_else(|| PlanError::SplitTooBig {
+            node: node.name.clone(),
+            first: layers.start,
+            end: layers.end,
+            needed: cost.stage_bytes(&layers),
+            offered: node.memory(),
+        })?;
+        stages.extend(stages_of(cost, &own, &pieces));
     }
     Ok(Plan {
         stages,
@@ -408,7 +521,7 @@ pub fn plan_with_split(cost: &ModelCost, nodes: &[NodeOffer], sizes: &[usize]) -
 
 fn not_enough_memory(cost: &ModelCost, nodes: &[NodeOffer]) -> PlanError {
     let needed = cost.stage_bytes(&(0..cost.n_layers()));
-    let offered = nodes.iter().map(|n| n.memory).sum();
+    let offered = nodes.iter().map(NodeOffer::memory).sum();
     let largest = (0..cost.n_layers())
         .map(|l| cost.stage_bytes(&(l..l + 1)))
         .max()
@@ -497,11 +610,30 @@ mod tests {
     }
 
     fn node(name: &str, memory_mb: u64, secs_per_layer: f64) -> NodeOffer {
+        NodeOffer::single(name, memory_mb * MB, secs_per_layer)
+    }
+
+    /// A node with several devices: `(name, memory MB, seconds per layer)` each.
+    fn multi(name: &str, devices: &[(&str, u64, f64)]) -> NodeOffer {
         NodeOffer {
             name: name.into(),
-            memory: memory_mb * MB,
-            secs_per_layer,
+            devices: devices
+                .iter()
+                .map(|&(device, memory_mb, secs_per_layer)| DeviceOffer {
+                    name: device.into(),
+                    memory: memory_mb * MB,
+                    secs_per_layer,
+                })
+                .collect(),
         }
+    }
+
+    /// `(node, [(device, layers)])` of each stage.
+    fn parts(plan: &Plan) -> Vec<(usize, Vec<(usize, Range<usize>)>)> {
+        plan.stages
+            .iter()
+            .map(|s| (s.node, s.parts.iter().map(|p| (p.device, p.layers.clone())).collect()))
+            .collect()
     }
 
     fn layers(plan: &Plan) -> Vec<(usize, Range<usize>)> {
@@ -579,7 +711,7 @@ mod tests {
             assert_eq!(layers(&plan), expected, "{name}");
             assert_eq!(plan.left_out.len(), n_left_out, "{name}: {:?}", plan.left_out);
             for stage in &plan.stages {
-                assert!(stage.bytes <= nodes[stage.node].memory, "{name}: stage over memory");
+                assert!(stage.bytes <= nodes[stage.node].memory(), "{name}: stage over memory");
             }
         }
     }
@@ -615,7 +747,16 @@ mod tests {
 
     #[test]
     fn settled_speeds_table() {
-        let offers = |speeds: &[f64]| -> Vec<NodeOffer> { speeds.iter().map(|&s| node("n", 1, s)).collect() };
+        let offers = |speeds: &[f64]| -> Vec<DeviceOffer> {
+            speeds
+                .iter()
+                .map(|&secs_per_layer| DeviceOffer {
+                    name: "CPU".into(),
+                    memory: 1,
+                    secs_per_layer,
+                })
+                .collect()
+        };
         let cases: &[(&[f64], &[f64])] = &[
             (&[1.0], &[1.0]),
             (&[1.0, 1.2], &[1.1, 1.1]),
@@ -623,7 +764,8 @@ mod tests {
             (&[2.0, 1.0, 1.1, 2.2], &[2.1, 1.05, 1.05, 2.1]),
         ];
         for (measured, settled) in cases {
-            let got = settled_speeds(&offers(measured));
+            let offers = offers(measured);
+            let got = settled_speeds(&offers.iter().collect::<Vec<_>>());
             for (g, s) in got.iter().zip(*settled) {
                 assert!((g - s).abs() < 1e-9, "{measured:?}: {got:?}");
             }
@@ -726,6 +868,87 @@ mod tests {
         let small = [node("a", 50, 1.0), node("b", 10_000, 1.0)];
         let err = plan_with_split(&cost(), &small, &[12, 12]).unwrap_err();
         assert!(err.to_string().contains("gives a layers 0..12"), "{err}");
+    }
+
+    /// Issue 15: a worker offers each of its devices, and the plan gives each a
+    /// consecutive range of its own (not an even split made inside the worker).
+    #[test]
+    #[allow(clippy::type_complexity)] // a table: (name, nodes, expected parts per stage)
+    fn devices_of_a_node_get_ranges_of_their_own() {
+        let big = 10_000;
+        let cases: Vec<(&str, Vec<NodeOffer>, Vec<(usize, Vec<(usize, Range<usize>)>)>)> = vec![
+            // A GPU 4x faster than its host's CPU takes about 4/5 of the work (26 units:
+            // 24 layers and the two-layer output): 21 layers (5.25 units of time), the
+            // CPU 3 layers and the output (5).
+            (
+                "fast gpu and its cpu",
+                vec![multi("w", &[("CUDA0", big, 0.25), ("CPU", big, 1.0)])],
+                vec![(0, vec![(0, 0..21), (1, 21..24)])],
+            ),
+            // The GPU holds what fits (5 MB embeddings + 10 layers), the CPU the rest.
+            (
+                "small gpu",
+                vec![multi("w", &[("CUDA0", 105, 0.1), ("CPU", big, 1.0)])],
+                vec![(0, vec![(0, 0..10), (1, 10..24)])],
+            ),
+            // Two workers with a GPU each: every device is a place of its own (GPUs 9
+            // layers, 4.5 units of time; CPUs 4 units).
+            (
+                "two workers with gpu and cpu",
+                vec![
+                    multi("a", &[("CUDA0", big, 0.5), ("CPU", big, 1.0)]),
+                    multi("b", &[("CUDA0", big, 0.5), ("CPU", big, 1.0)]),
+                ],
+                vec![(0, vec![(0, 0..9), (1, 9..13)]), (1, vec![(0, 13..22), (1, 22..24)])],
+            ),
+            // A device too slow to help is left without a part; the node still serves
+            // with the other.
+            (
+                "slow cpu beside a fast gpu",
+                vec![
+                    multi("w", &[("CUDA0", big, 0.01), ("CPU", big, 1.0)]),
+                    node("b", big, 1.0),
+                ],
+                vec![(0, vec![(0, 0..24)])],
+            ),
+        ];
+        for (name, nodes, expected) in cases {
+            let plan = partition(&cost(), &nodes).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(parts(&plan), expected, "{name}: {}", plan.why);
+            for stage in &plan.stages {
+                let covered: usize = stage.parts.iter().map(|p| p.layers.len()).sum();
+                assert_eq!(covered, stage.layers.len(), "{name}");
+                for part in &stage.parts {
+                    let device = &nodes[stage.node].devices[part.device];
+                    assert!(
+                        cost().stage_bytes(&part.layers) <= device.memory,
+                        "{name}: part over memory"
+                    );
+                }
+            }
+        }
+        // The explanation names the devices of a node that has several.
+        let plan = partition(&cost(), &[multi("w", &[("CUDA0", big, 0.25), ("CPU", big, 1.0)])]).unwrap();
+        assert!(plan.why.contains("w CUDA0 250.00 ms, w CPU 1000.00 ms"), "{}", plan.why);
+    }
+
+    #[test]
+    fn split_places_a_nodes_layers_on_its_devices() {
+        let big = 10_000;
+        let nodes = [
+            node("a", big, 1.0),
+            multi("b", &[("CUDA0", big, 0.25), ("CPU", big, 1.0)]),
+        ];
+        let plan = plan_with_split(&cost(), &nodes, &[4, 20]).unwrap();
+        // b's 20 layers and the output (22 units): 18 layers on its GPU (4.5 units of time), 2 and the output on its CPU (4).
+        assert_eq!(
+            parts(&plan),
+            vec![(0, vec![(0, 0..4)]), (1, vec![(0, 4..22), (1, 22..24)])]
+        );
+        // A split that no arrangement of the node's devices can hold is refused.
+        let small = [multi("b", &[("CUDA0", 50, 0.25), ("CPU", 50, 1.0)])];
+        let err = plan_with_split(&cost(), &small, &[24]).unwrap_err();
+        assert!(matches!(err, PlanError::SplitTooBig { .. }), "{err}");
     }
 
     #[test]

@@ -44,11 +44,11 @@
 //! | 2    | Auth         | proof [32]                                                               |
 //! | 3    | Refused      | reason str, code u16                                                     |
 //! | 4    | Describe     | model: ModelRef                                                          |
-//! | 5    | Capabilities | devices [str], memory u64, threads u32, secs_per_layer opt<f32>,         |
-//! |      |              | models [HeldModel], ring_addr str, session u64                           |
+//! | 5    | Capabilities | devices [DeviceCaps], threads u32, models [HeldModel], ring_addr str,    |
+//! |      |              | session u64                                                              |
 //! | 6    | LoadPlan     | model: ModelRef, layer_start u32, layer_end u32, first bool, last bool,  |
 //! |      |              | n_ctx u32, n_seq u32, next opt<str>, stream bool, wire_f16 bool,         |
-//! |      |              | repack bool                                                              |
+//! |      |              | repack bool, devices [DeviceRange]                                       |
 //! | 7    | StreamStart  | header bytes, tensors [TensorEntry]                                      |
 //! | 8    | TensorChunk  | index u32, offset u64, data bytes                                        |
 //! | 9    | Loaded       | resident u64, received u64                                               |
@@ -72,6 +72,8 @@
 //! |----------------|-----------------------------------------------------------------------------|
 //! | ModelRef       | file_name str, identity [32], size u64                                      |
 //! | HeldModel      | file_name str, identity [32], size u64, complete bool, content opt<[32]>    |
+//! | DeviceCaps     | name str, memory u64, secs_per_layer opt<f32>                               |
+//! | DeviceRange    | device str, layer_end u32                                                   |
 //! | TensorEntry    | name str, offset u64, len u64, sha256 [32]                                  |
 //! | SamplingParams | temperature f32, top_k i32, top_p f32, min_p f32, repeat_penalty f32,       |
 //! |                | repeat_last_n u64, frequency_penalty f32, presence_penalty f32, seed u64    |
@@ -88,7 +90,9 @@
 //! row, and sample rows that exist; sampling parameters pass
 //! [`SamplingParams::validate`](baton_sample::SamplingParams::validate); no f32 is NaN
 //! except a log-probability (a NaN hidden state would silently poison every later
-//! stage, so it is stopped at the first hop); a tensor's offset plus length fits in u64.
+//! stage, so it is stopped at the first hop); a tensor's offset plus length fits in u64;
+//! a worker offers at least one device, and a `LoadPlan`'s device ranges are non-empty,
+//! in order, and end where the stage ends.
 
 mod read;
 mod write;

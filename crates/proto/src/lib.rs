@@ -25,7 +25,9 @@ use baton_sample::SamplingParams;
 /// computed rows and bytes sent to the next hop.
 /// 7: `Partial` (kind 21), the slices tensor-parallel members exchange.
 /// 8: `Stats` carries the round trip of each stage's link to the next hop.
-pub const PROTOCOL_VERSION: u32 = 8;
+/// 9: `Capabilities` offers each device with its memory and speed; `LoadPlan` gives
+/// each device its layers.
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -217,18 +219,25 @@ pub struct HeldModel {
     pub content: Option<[u8; 32]>,
 }
 
+/// One device a worker offers; the head plans a layer range for each.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceCaps {
+    /// The backend device's name, e.g. `CPU`, `Vulkan0`, `CUDA0`.
+    pub name: String,
+    /// Bytes of memory the worker offers on it.
+    pub memory: u64,
+    /// Measured seconds per token per layer for the described model on this device
+    /// (generation, one token), when the worker holds the model; cached on its disk.
+    pub secs_per_layer: Option<f32>,
+}
+
 /// What a worker offers, sent once in answer to `Describe`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Capabilities {
-    /// Backend devices, e.g. `["CPU"]`.
-    pub devices: Vec<String>,
-    /// Bytes of memory the worker offers.
-    pub memory: u64,
+    /// Its devices, in the order its stages chain; at least one.
+    pub devices: Vec<DeviceCaps>,
     /// Compute threads.
     pub threads: u32,
-    /// Measured seconds per token per layer for the described model (generation, one
-    /// token), when the worker holds it; cached on the worker's disk.
-    pub secs_per_layer: Option<f32>,
     /// GGUF files in the worker's models directory.
     pub models: Vec<HeldModel>,
     /// Address other stages reach this worker's ring port at.
@@ -236,6 +245,34 @@ pub struct Capabilities {
     /// The session this head's connection opened on the worker (random): the head's
     /// heartbeat names it in every `Ping`, so that a heartbeat ends only its own session.
     pub session: u64,
+}
+
+impl DeviceCaps {
+    /// The CPU, offering `memory` bytes at `secs_per_layer`.
+    pub fn cpu(memory: u64, secs_per_layer: Option<f32>) -> DeviceCaps {
+        DeviceCaps {
+            name: "CPU".into(),
+            memory,
+            secs_per_layer,
+        }
+    }
+}
+
+impl Capabilities {
+    /// Bytes the worker offers on all its devices together.
+    pub fn memory(&self) -> u64 {
+        self.devices.iter().map(|d| d.memory).fold(0, u64::saturating_add)
+    }
+}
+
+/// The layers of a stage that one of the worker's devices computes: from where the
+/// device before it stopped (or the stage's first layer) to `layer_end`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceRange {
+    /// A device the worker offered.
+    pub device: String,
+    /// One past the device's last layer.
+    pub layer_end: u32,
 }
 
 /// What the head tells a worker to load.
@@ -263,6 +300,9 @@ pub struct LoadPlan {
     pub wire_f16: bool,
     /// Copy repackable weights (llama.cpp's default).
     pub repack: bool,
+    /// How the stage's layers lie on the worker's devices, in order; the last ends at
+    /// `layer_end`. Empty: the worker splits them evenly between its devices.
+    pub devices: Vec<DeviceRange>,
 }
 
 /// One tensor the head will stream, with the hash the worker must verify.

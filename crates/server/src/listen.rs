@@ -13,7 +13,7 @@ use axum::Router;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
@@ -76,6 +76,11 @@ pub async fn serve(
 }
 
 /// Tells a client over the connection limit so, in OpenAI's error shape, and closes.
+///
+/// The close lingers: what the client goes on sending (its request) is read and
+/// dropped until it closes too, for at most 2 s and 64 KiB. Closing with its request
+/// unread would reset the connection, and a reset can reach the client before it has
+/// read the answer, or fail its writes (seen in tests/http.rs as a broken pipe).
 async fn refuse(mut stream: TcpStream, max: usize) {
     let body = serde_json::json!({"error": {
         "message": format!("the server has {max} connections open, its limit; retry later"),
@@ -89,6 +94,14 @@ async fn refuse(mut stream: TcpStream, max: usize) {
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
         let _ = stream.write_all(response.as_bytes()).await;
         let _ = stream.shutdown().await;
+        let mut sink = [0u8; 4096];
+        let mut left = 64usize << 10;
+        while left > 0 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
     })
     .await;
 }

@@ -7,13 +7,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
+use baton_ggml::Device;
+use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageSpan};
 use baton_net::{
     client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx,
 };
-use baton_plan::{ModelCost, NodeOffer, Plan};
+use baton_plan::{DeviceOffer, ModelCost, NodeOffer, Plan};
 use baton_proto::auth::identity_hash;
-use baton_proto::{Capabilities, HeldModel, LoadPlan, Message, ModelRef, Role};
+use baton_proto::{Capabilities, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role};
 
 use super::probe::LinkProbe;
 use super::stream::send_stage_tensors;
@@ -50,8 +51,12 @@ pub struct ClusterOptions {
     pub threads: usize,
     /// Memory the head offers (default: what the machine has available).
     pub head_memory: Option<u64>,
-    /// The head's own speed (seconds per layer per token), when already measured.
-    pub head_secs_per_layer: Option<f64>,
+    /// Devices of the head's own stage, in order (empty: the CPU); the planner gives
+    /// each a range like a worker's.
+    pub head_devices: Vec<Device>,
+    /// The head's own speed on each of its devices (seconds per layer per token), when
+    /// already measured (empty: measure).
+    pub head_secs_per_layer: Vec<f64>,
     /// Leave out workers that cannot be reached (instead of failing), and plan over the
     /// rest; `split` then applies only if every worker answered.
     pub skip_unreachable: bool,
@@ -88,6 +93,8 @@ pub struct RemoteRing {
     pub plan: Plan,
     /// The name of every planned node, in the plan's numbering.
     pub node_names: Vec<String>,
+    /// The names of every planned node's devices, in the plan's numbering.
+    pub node_devices: Vec<Vec<String>>,
     /// Bytes the head sent to the first stage.
     pub to_first: Arc<Counters>,
     /// Bytes the head received from the last stage.
@@ -95,8 +102,8 @@ pub struct RemoteRing {
     /// Workers left out because they could not be reached or refused, and why (only
     /// with `skip_unreachable`).
     pub unreachable: Vec<(String, NodeError)>,
-    /// The head's measured speed, when it offered itself.
-    pub head_secs_per_layer: Option<f64>,
+    /// The head's measured speed on each of its devices, when it offered itself.
+    pub head_secs_per_layer: Vec<f64>,
     // Control links of the middle stages stay open for the session's lifetime.
     _idle: Vec<Box<dyn Link>>,
     // The head's own stage, when it runs one.
@@ -110,6 +117,33 @@ impl RemoteRing {
     /// their own ([`take_ends`](Self::take_ends)).
     pub fn head(&mut self) -> Option<&mut Head> {
         self.head.as_mut()
+    }
+
+    /// Each stage for people, in ring order: its node and layers, and where they lie
+    /// on its devices (`head layers 0..11`, `10.0.0.2:7100 layers 11..24 (CUDA0
+    /// 11..20, CPU 20..24)`).
+    pub fn describe_stages(&self) -> Vec<String> {
+        self.plan
+            .stages
+            .iter()
+            .map(|s| {
+                let node = format!(
+                    "{} layers {}..{}",
+                    self.node_names[s.node], s.layers.start, s.layers.end
+                );
+                let devices = &self.node_devices[s.node];
+                match s.parts.as_slice() {
+                    [part] if devices[part.device] == "CPU" => node,
+                    parts => {
+                        let on: Vec<String> = parts
+                            .iter()
+                            .map(|p| format!("{} {}..{}", devices[p.device], p.layers.start, p.layers.end))
+                            .collect();
+                        format!("{node} ({})", on.join(", "))
+                    }
+                }
+            })
+            .collect()
     }
 
     /// Gives the ring's ends to another driver (the engine); the workers' sessions and
@@ -236,6 +270,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
         workers: reached.workers,
         plan: planned.plan,
         node_names: planned.node_names,
+        node_devices: planned.node_devices,
         to_first: ends.to_first,
         from_last: ends.from_last,
         unreachable: reached.unreachable,
@@ -280,7 +315,7 @@ fn reach_all(
             Err(e) => return Err(e),
         };
         check_held(addr, model_ref, own_content, &caps.models)?;
-        tracing::info!(worker = %addr, memory = caps.memory, secs_per_layer = ?caps.secs_per_layer, "worker described itself");
+        tracing::info!(worker = %addr, devices = ?caps.devices, "worker described itself");
         if let Some(on_reached) = &opts.on_reached {
             on_reached(addr, caps.session, link.closer()?, link.counters());
         }
@@ -304,8 +339,10 @@ struct Planned {
     plan: Plan,
     /// The name of every node offered, in the plan's numbering.
     node_names: Vec<String>,
-    /// The head's measured speed, when it offered itself.
-    head_secs_per_layer: Option<f64>,
+    /// The names of every offered node's devices.
+    node_devices: Vec<Vec<String>>,
+    /// The head's measured speed on each of its devices, when it offered itself.
+    head_secs_per_layer: Vec<f64>,
     /// Whether node 0 is the head (the workers follow).
     head_offered: bool,
 }
@@ -340,23 +377,39 @@ fn plan(
 ) -> Result<Planned, NodeError> {
     let cost = model_cost(file, opts.n_ctx);
     let mut offers = Vec::new();
-    let mut head_secs_per_layer = None;
+    let mut head_secs_per_layer = Vec::new();
     if opts.head_stage {
-        let secs_per_layer = match opts.head_secs_per_layer {
-            Some(secs) => secs,
-            None => super::speed::measure(model, opts.threads, baton_ggml::Device::cpu())? as f64,
+        let devices = head_devices(opts);
+        head_secs_per_layer = match opts.head_secs_per_layer.len() == devices.len() {
+            true => opts.head_secs_per_layer.clone(),
+            false => devices
+                .iter()
+                .map(|&device| super::speed::measure(model, opts.threads, device).map(f64::from))
+                .collect::<Result<_, _>>()?,
         };
-        head_secs_per_layer = Some(secs_per_layer);
+        let memory = super::device_memory(&devices, opts.head_memory);
         offers.push(NodeOffer {
             name: "head".into(),
-            memory: opts.head_memory.unwrap_or_else(super::available_memory),
-            secs_per_layer,
+            devices: devices
+                .iter()
+                .zip(memory)
+                .zip(&head_secs_per_layer)
+                .map(|((device, memory), &secs_per_layer)| DeviceOffer {
+                    name: device.name(),
+                    memory,
+                    secs_per_layer,
+                })
+                .collect(),
         });
     }
-    let known: Vec<f64> = offers
+    let known: Vec<f64> = head_secs_per_layer
         .iter()
-        .map(|o| o.secs_per_layer)
-        .chain(workers.iter().filter_map(|w| w.caps.secs_per_layer.map(f64::from)))
+        .copied()
+        .chain(
+            workers
+                .iter()
+                .flat_map(|w| w.caps.devices.iter().filter_map(|d| d.secs_per_layer.map(f64::from))),
+        )
         .collect();
     // A worker without the file cannot measure itself on it: assume the average.
     let fallback = if known.is_empty() {
@@ -364,10 +417,20 @@ fn plan(
     } else {
         known.iter().sum::<f64>() / known.len() as f64
     };
-    offers.extend(workers.iter().map(|w| NodeOffer {
-        name: w.addr.clone(),
-        memory: w.caps.memory,
-        secs_per_layer: w.caps.secs_per_layer.map_or(fallback, f64::from),
+    offers.extend(workers.iter().map(|w| {
+        NodeOffer {
+            name: w.addr.clone(),
+            devices: w
+                .caps
+                .devices
+                .iter()
+                .map(|d| DeviceOffer {
+                    name: d.name.clone(),
+                    memory: d.memory,
+                    secs_per_layer: d.secs_per_layer.map_or(fallback, f64::from),
+                })
+                .collect(),
+        }
     }));
     let plan = match &opts.split {
         Some(split) if unreachable.is_empty() => baton_plan::plan_with_split(&cost, &offers, split)?,
@@ -379,10 +442,22 @@ fn plan(
     }
     Ok(Planned {
         plan,
+        node_devices: offers
+            .iter()
+            .map(|o| o.devices.iter().map(|d| d.name.clone()).collect())
+            .collect(),
         node_names: offers.into_iter().map(|o| o.name).collect(),
         head_secs_per_layer,
         head_offered: opts.head_stage,
     })
+}
+
+/// The devices of the head's own stage (the CPU when none were given).
+fn head_devices(opts: &ClusterOptions) -> Vec<Device> {
+    match opts.head_devices.is_empty() {
+        true => vec![Device::cpu()],
+        false => opts.head_devices.clone(),
+    }
 }
 
 /// The head's own stage, loaded, its link to the second stage (when there is one) and
@@ -436,6 +511,14 @@ fn load(
             stream: !holds,
             wire_f16: opts.wire_f16,
             repack: opts.repack,
+            devices: stage
+                .parts
+                .iter()
+                .map(|part| DeviceRange {
+                    device: worker.caps.devices[part.device].name.clone(),
+                    layer_end: part.layers.end as u32,
+                })
+                .collect(),
         };
         let link = &mut reached.links[w];
         link.send(Message::LoadPlan(load))?;
@@ -465,7 +548,22 @@ fn load(
                 repack: opts.repack,
                 n_seq: opts.n_seq,
             };
-            let loaded = Stage::load(ModelFile::open(model)?, span, &config)?;
+            let file = ModelFile::open(model)?;
+            let devices = head_devices(opts);
+            let stages = stage
+                .parts
+                .iter()
+                .enumerate()
+                .map(|(i, part)| {
+                    let span = StageSpan {
+                        layers: part.layers.clone(),
+                        first: span.first && i == 0,
+                        last: span.last && i + 1 == stage.parts.len(),
+                    };
+                    Stage::load_on(file.clone(), span, &config, devices[part.device])
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let loaded = StageChain::new(stages)?;
             tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");
             let token = opts.token.as_deref().map(str::as_bytes);
             let (next, probe) = match nexts.first() {
@@ -479,7 +577,7 @@ fn load(
                 _ => (None, None),
             };
             Some(HeadStage {
-                worker: StageWorker::new(loaded).with_wire_f16(opts.wire_f16),
+                worker: StageWorker::chained(loaded).with_wire_f16(opts.wire_f16),
                 next,
                 probe,
             })

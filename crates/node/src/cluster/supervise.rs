@@ -169,7 +169,7 @@ impl RingSource for Supervisor {
                 lost.insert(addr.clone(), why.to_string());
             }
         }
-        self.opts.head_secs_per_layer = ring.head_secs_per_layer;
+        self.opts.head_secs_per_layer = ring.head_secs_per_layer.clone();
         // The first ring needs every worker (a wrong address or token is a mistake to
         // report); later ones are formed over whoever answers.
         self.opts.skip_unreachable = true;
@@ -189,17 +189,7 @@ impl RingSource for Supervisor {
             .collect();
         drop(watched);
 
-        let stages: Vec<String> = ring
-            .plan
-            .stages
-            .iter()
-            .map(|s| {
-                format!(
-                    "{} layers {}..{}",
-                    ring.node_names[s.node], s.layers.start, s.layers.end
-                )
-            })
-            .collect();
+        let stages = ring.describe_stages();
         let mut ring = ring;
         let ends = ring
             .take_ends()

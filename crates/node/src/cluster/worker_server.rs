@@ -22,7 +22,7 @@ use baton_net::{
     client_handshake, connect_by, refuse_unexpected_auth, server_handshake_admitting, Incoming, Link, LinkCloser,
     LinkOptions, Listener, NetError,
 };
-use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, PROTOCOL_VERSION};
+use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, RefusalCode, Role, PROTOCOL_VERSION};
 
 use super::admission::{Accepted, Admission, ConnId, Limits};
 use super::models::ModelDir;
@@ -60,8 +60,9 @@ pub struct WorkerConfig {
     /// an IPv6 /64).
     pub max_handshakes_per_source: usize,
     /// The devices the worker's stage computes on (weights, KV cache and compute
-    /// there): the planned layer range is split evenly between them, in this order,
-    /// and the hidden state passes from one to the next in memory.
+    /// there), in this order: each is offered to the head with its memory and speed,
+    /// the plan gives each its layers (an even split when the plan names none), and
+    /// the hidden state passes from one to the next in memory.
     pub devices: Vec<Device>,
 }
 
@@ -482,7 +483,12 @@ fn session(
             return Err(e);
         }
     };
-    tracing::info!(layers = ?(plan.layer_start..plan.layer_end), received, secs = started.elapsed().as_secs_f32(), "stage loaded");
+    let on: Vec<String> = stage
+        .stages()
+        .iter()
+        .map(|s| format!("{} {:?}", s.device().name(), s.span().layers))
+        .collect();
+    tracing::info!(layers = ?(plan.layer_start..plan.layer_end), devices = %on.join(", "), received, secs = started.elapsed().as_secs_f32(), "stage loaded");
 
     let token = shared.config.token.as_deref().map(str::as_bytes);
     // The link to the next stage, and the probe that keeps its round trip current for
@@ -560,28 +566,52 @@ fn wait_upstream(shared: &Shared, id: u64) -> Result<(Box<dyn Link>, ConnSlot), 
 
 fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, session: u64) -> Capabilities {
     let config = &shared.config;
-    let secs_per_layer = shared.models.find_complete(file_name, identity).and_then(|path| {
-        // Measured on the first device: a rough figure for a worker with several.
-        let first = *config.devices.first()?;
-        let device = first.name();
-        if let Some(secs) = shared.models.cached_speed(identity, config.threads, &device) {
-            return Some(secs);
-        }
-        let secs = super::speed::measure(&path, config.threads, first).ok()?;
-        shared.models.store_speed(identity, config.threads, &device, secs);
-        Some(secs)
-    });
+    let path = shared.models.find_complete(file_name, identity);
+    let devices = worker_devices(config);
+    let memory = super::device_memory(&devices, config.memory);
+    let devices = devices
+        .iter()
+        .zip(memory)
+        .map(|(&device, memory)| DeviceCaps {
+            name: device.name(),
+            memory,
+            secs_per_layer: path
+                .as_deref()
+                .and_then(|path| speed_on(shared, path, identity, device)),
+        })
+        .collect();
     // Other stages reach this worker where the head did (the same interface and port,
     // or the same socket), unless told otherwise.
     let ring_addr = config.advertise.clone().unwrap_or_else(|| local.to_string());
     Capabilities {
-        devices: config.devices.iter().map(Device::name).collect(),
-        memory: describe_memory(config),
+        devices,
         threads: config.threads as u32,
-        secs_per_layer,
         models: shared.models.list(),
         ring_addr,
         session,
+    }
+}
+
+/// The worker's seconds per layer and token on `device`: measured once, then cached
+/// on its disk.
+fn speed_on(shared: &Shared, path: &std::path::Path, identity: &[u8; 32], device: Device) -> Option<f32> {
+    let threads = shared.config.threads;
+    let name = device.name();
+    if let Some(secs) = shared.models.cached_speed(identity, threads, &name) {
+        return Some(secs);
+    }
+    let secs = super::speed::measure(path, threads, device)
+        .inspect_err(|e| tracing::warn!(device = %name, "could not measure this device's speed: {e}"))
+        .ok()?;
+    shared.models.store_speed(identity, threads, &name, secs);
+    Some(secs)
+}
+
+/// The devices a worker computes on (the CPU when none were given).
+fn worker_devices(config: &WorkerConfig) -> Vec<Device> {
+    match config.devices.is_empty() {
+        true => vec![Device::cpu()],
+        false => config.devices.clone(),
     }
 }
 
@@ -618,12 +648,57 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(StageC
         repack: plan.repack,
         n_seq: plan.n_seq as usize,
     };
-    check_kv_fits(&file, &span, &config, describe_memory(&shared.config))?;
-    let stages = split_between(&span, &shared.config.devices)
+    let devices = worker_devices(&shared.config);
+    let offered = super::device_memory(&devices, shared.config.memory)
+        .iter()
+        .fold(0, |a: u64, &m| a.saturating_add(m));
+    check_kv_fits(&file, &span, &config, offered)?;
+    let parts = match plan.devices.is_empty() {
+        true => split_between(&span, &devices),
+        false => planned_parts(&span, &plan.devices, &devices)?,
+    };
+    let stages = parts
         .into_iter()
         .map(|(span, device)| Stage::load_on(file.clone(), span, &config, device))
         .collect::<Result<Vec<_>, _>>()?;
     Ok((StageChain::new(stages)?, received))
+}
+
+/// The span's layers on the devices the plan names, in order (the codec checked that
+/// the ranges tile the span). The plan names devices as this worker offered them; a
+/// name given twice (two CPU devices) means the next device of that name.
+fn planned_parts(
+    span: &StageSpan,
+    ranges: &[DeviceRange],
+    devices: &[Device],
+) -> Result<Vec<(StageSpan, Device)>, NodeError> {
+    let mut parts = Vec::new();
+    let mut start = span.layers.start;
+    let mut next = 0;
+    for (i, range) in ranges.iter().enumerate() {
+        let found = devices[next..].iter().position(|d| d.name() == range.device);
+        let Some(at) = found.map(|at| next + at) else {
+            let offered: Vec<String> = devices.iter().map(Device::name).collect();
+            return Err(NodeError::Request(format!(
+                "the plan puts layers ..{} on device {}, which this worker does not offer in that order (it offers {})",
+                range.layer_end,
+                range.device,
+                offered.join(", ")
+            )));
+        };
+        let end = range.layer_end as usize;
+        parts.push((
+            StageSpan {
+                layers: start..end,
+                first: span.first && i == 0,
+                last: span.last && i + 1 == ranges.len(),
+            },
+            devices[at],
+        ));
+        start = end;
+        next = at + 1;
+    }
+    Ok(parts)
 }
 
 /// The span's layers split evenly between `devices`, in order (fewer devices when
@@ -653,20 +728,6 @@ fn split_between(span: &StageSpan, devices: &[Device]) -> Vec<(StageSpan, Device
             (part, device)
         })
         .collect()
-}
-
-/// Memory a worker offers when not told: the host's available memory for the CPU, a
-/// device's free memory for each other device (a stage's weights, KV cache and compute
-/// buffers go there; the host only holds the embedding rows it reads).
-fn offered_memory(devices: &[Device]) -> u64 {
-    let host = devices.is_empty() || devices.iter().any(Device::is_cpu);
-    let on_devices: u64 = devices.iter().filter(|d| !d.is_cpu()).map(|d| d.memory().free).sum();
-    on_devices + if host { super::available_memory() } else { 0 }
-}
-
-/// The memory this worker offers heads (`--memory`, or what its devices have free).
-fn describe_memory(config: &WorkerConfig) -> u64 {
-    config.memory.unwrap_or_else(|| offered_memory(&config.devices))
 }
 
 /// Refuses a plan whose KV cache alone exceeds the memory this worker offers: the head
@@ -815,6 +876,36 @@ mod tests {
             last: false,
         };
         assert_eq!(split_between(&one_layer, &[cpu, cpu]), vec![(one_layer.clone(), cpu)]);
+    }
+
+    /// Issue 15: the plan, not the worker, says which layers each device holds.
+    #[test]
+    fn the_plan_places_layers_on_the_named_devices() {
+        let cpu = Device::cpu();
+        let span = StageSpan {
+            layers: 4..12,
+            first: false,
+            last: true,
+        };
+        let range = |device: &str, layer_end| DeviceRange {
+            device: device.into(),
+            layer_end,
+        };
+        // Two devices of one name: each range takes the next.
+        let parts = planned_parts(&span, &[range("CPU", 9), range("CPU", 12)], &[cpu, cpu]).unwrap();
+        let got: Vec<_> = parts.iter().map(|(s, _)| (s.layers.clone(), s.first, s.last)).collect();
+        assert_eq!(got, vec![(4..9, false, false), (9..12, false, true)]);
+        // A plan may leave a device out.
+        let parts = planned_parts(&span, &[range("CPU", 12)], &[cpu, cpu]).unwrap();
+        assert_eq!(parts.len(), 1);
+        // A device the worker does not offer, or one named more often than offered.
+        for ranges in [vec![range("CUDA0", 12)], vec![range("CPU", 6), range("CPU", 12)]] {
+            let err = planned_parts(&span, &ranges, &[cpu]).unwrap_err().to_string();
+            assert!(
+                err.contains("which this worker does not offer in that order (it offers CPU)"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

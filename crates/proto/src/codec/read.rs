@@ -5,7 +5,10 @@
 use baton_sample::SamplingParams;
 
 use super::{kind, kind_name, role_from_byte, ProtoError, MAX_STRING};
-use crate::{Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken, TensorEntry};
+use crate::{
+    Capabilities, DeviceCaps, DeviceRange, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken,
+    TensorEntry,
+};
 
 /// Decodes the payload of one frame of message `kind` (as returned by
 /// [`parse_header`](super::parse_header)).
@@ -109,6 +112,8 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
 const STR_MIN: usize = 4;
 const HELD_MODEL_MIN: usize = STR_MIN + 32 + 8 + 1;
 const TENSOR_ENTRY_MIN: usize = STR_MIN + 8 + 8 + 32;
+const DEVICE_CAPS_MIN: usize = STR_MIN + 8 + 1;
+const DEVICE_RANGE_MIN: usize = STR_MIN + 4;
 const SAMPLED_TOKEN_LEN: usize = 16;
 
 /// A cursor over the unread part of a payload; its errors name the message and field.
@@ -282,32 +287,42 @@ impl<'a> Reader<'a> {
         })
     }
 
-    fn capabilities(&mut self) -> Result<Capabilities, ProtoError> {
-        let n = self.count("devices", STR_MIN)?;
-        let devices = (0..n).map(|_| self.str("devices")).collect::<Result<_, _>>()?;
+    fn device_caps(&mut self) -> Result<DeviceCaps, ProtoError> {
+        let name = self.str("device")?;
         let memory = self.u64("memory")?;
-        let threads = self.u32("threads")?;
         let secs_per_layer = match self.present("secs_per_layer")? {
             false => None,
             true => {
                 let secs = self.number("secs_per_layer")?;
                 // The planner divides work by speed; a negative or infinite time would
-                // hand this worker everything or nothing.
+                // hand this device everything or nothing.
                 if !(secs.is_finite() && secs >= 0.0) {
                     return Err(self.invalid("secs_per_layer", format!("{secs} is not a finite, non-negative time")));
                 }
                 Some(secs)
             }
         };
+        Ok(DeviceCaps {
+            name,
+            memory,
+            secs_per_layer,
+        })
+    }
+
+    fn capabilities(&mut self) -> Result<Capabilities, ProtoError> {
+        let n = self.count("devices", DEVICE_CAPS_MIN)?;
+        let devices: Vec<DeviceCaps> = (0..n).map(|_| self.device_caps()).collect::<Result<_, _>>()?;
+        if devices.is_empty() {
+            return Err(self.invalid("devices", "a worker offers at least one device".into()));
+        }
+        let threads = self.u32("threads")?;
         let n = self.count("models", HELD_MODEL_MIN)?;
         let models = (0..n).map(|_| self.held_model()).collect::<Result<_, _>>()?;
         let ring_addr = self.str("ring_addr")?;
         let session = self.u64("session")?;
         Ok(Capabilities {
             devices,
-            memory,
             threads,
-            secs_per_layer,
             models,
             ring_addr,
             session,
@@ -338,10 +353,38 @@ impl<'a> Reader<'a> {
             stream: self.bool("stream")?,
             wire_f16: self.bool("wire_f16")?,
             repack: self.bool("repack")?,
+            devices: {
+                let n = self.count("devices", DEVICE_RANGE_MIN)?;
+                (0..n)
+                    .map(|_| {
+                        Ok(DeviceRange {
+                            device: self.str("device")?,
+                            layer_end: self.u32("layer_end")?,
+                        })
+                    })
+                    .collect::<Result<_, ProtoError>>()?
+            },
         };
         if plan.layer_start > plan.layer_end {
             let reason = format!("layer_start {} is after layer_end {}", plan.layer_start, plan.layer_end);
             return Err(self.invalid("layers", reason));
+        }
+        // Each device's range starts where the one before it ended, is not empty, and
+        // the last ends with the stage.
+        let mut start = plan.layer_start;
+        for range in &plan.devices {
+            if range.layer_end <= start || range.layer_end > plan.layer_end {
+                let reason = format!(
+                    "device {} ends at layer {}, outside {}..{}",
+                    range.device, range.layer_end, start, plan.layer_end
+                );
+                return Err(self.invalid("devices", reason));
+            }
+            start = range.layer_end;
+        }
+        if plan.devices.last().is_some_and(|r| r.layer_end != plan.layer_end) {
+            let reason = format!("the devices' ranges end at {}, the stage at {}", start, plan.layer_end);
+            return Err(self.invalid("devices", reason));
         }
         Ok(plan)
     }

@@ -53,6 +53,18 @@ const HELD_MODEL: Layout = Layout {
         Field("content", Ty::Opt(&Ty::Raw32)),
     ],
 };
+const DEVICE_CAPS: Layout = Layout {
+    name: "DeviceCaps",
+    fields: &[
+        Field("name", Ty::Str),
+        Field("memory", Ty::U64),
+        Field("secs_per_layer", Ty::Opt(&Ty::F32)),
+    ],
+};
+const DEVICE_RANGE: Layout = Layout {
+    name: "DeviceRange",
+    fields: &[Field("device", Ty::Str), Field("layer_end", Ty::U32)],
+};
 const TENSOR_ENTRY: Layout = Layout {
     name: "TensorEntry",
     fields: &[
@@ -109,9 +121,11 @@ const TOP_LOGPROB: Layout = Layout {
 };
 
 /// Structures, in the order the second table lists them.
-const STRUCTURES: [&Layout; 7] = [
+const STRUCTURES: [&Layout; 9] = [
     &MODEL_REF,
     &HELD_MODEL,
+    &DEVICE_CAPS,
+    &DEVICE_RANGE,
     &TENSOR_ENTRY,
     &SAMPLING_PARAMS,
     &PAYLOAD,
@@ -144,10 +158,8 @@ const MESSAGES: [Layout; 21] = [
     Layout {
         name: "Capabilities",
         fields: &[
-            Field("devices", Ty::List(&Ty::Str)),
-            Field("memory", Ty::U64),
+            Field("devices", Ty::List(&Ty::Struct(&DEVICE_CAPS))),
             Field("threads", Ty::U32),
-            Field("secs_per_layer", Ty::Opt(&Ty::F32)),
             Field("models", Ty::List(&Ty::Struct(&HELD_MODEL))),
             Field("ring_addr", Ty::Str),
             Field("session", Ty::U64),
@@ -167,6 +179,7 @@ const MESSAGES: [Layout; 21] = [
             Field("stream", Ty::Bool),
             Field("wire_f16", Ty::Bool),
             Field("repack", Ty::Bool),
+            Field("devices", Ty::List(&Ty::Struct(&DEVICE_RANGE))),
         ],
     },
     Layout {

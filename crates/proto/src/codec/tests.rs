@@ -6,7 +6,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
 
 use super::*;
-use crate::{Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken, TensorEntry};
+use crate::{
+    Capabilities, DeviceCaps, DeviceRange, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken,
+    TensorEntry,
+};
 
 fn model_ref() -> ModelRef {
     ModelRef {
@@ -67,6 +70,16 @@ pub(super) fn samples() -> Vec<Message> {
         stream: true,
         wire_f16: false,
         repack: true,
+        devices: vec![
+            DeviceRange {
+                device: "CUDA0".into(),
+                layer_end: 20,
+            },
+            DeviceRange {
+                device: "CPU".into(),
+                layer_end: 28,
+            },
+        ],
     };
     let tensor = |name: &str, offset| TensorEntry {
         name: name.into(),
@@ -106,19 +119,30 @@ pub(super) fn samples() -> Vec<Message> {
         },
         Message::Describe { model: model_ref() },
         Message::Capabilities(Capabilities {
-            devices: vec!["CPU".into(), "CUDA0".into()],
-            memory: 64 << 30,
+            devices: vec![
+                DeviceCaps {
+                    name: "CUDA0".into(),
+                    memory: 24 << 30,
+                    secs_per_layer: Some(0.000_02),
+                },
+                DeviceCaps {
+                    name: "CPU".into(),
+                    memory: 64 << 30,
+                    secs_per_layer: Some(0.000_25),
+                },
+            ],
             threads: 16,
-            secs_per_layer: Some(0.000_25),
             models: vec![held("a.gguf", true), held("b.gguf", false)],
             ring_addr: "10.0.0.2:7311".into(),
             session: u64::MAX,
         }),
         Message::Capabilities(Capabilities {
-            devices: vec![],
-            memory: 0,
+            devices: vec![DeviceCaps {
+                name: "CPU".into(),
+                memory: 0,
+                secs_per_layer: None,
+            }],
             threads: 1,
-            secs_per_layer: None,
             models: vec![],
             ring_addr: "[::1]:0".into(),
             session: 0,
@@ -472,7 +496,8 @@ fn unknown_role_and_tags_are_refused() {
         "unknown payload tag 3"
     );
 
-    let caps = Bytes::default().u32(0).u64(1).u32(1).u8(2);
+    // One device: an empty name, memory 1, then the option tag of its speed.
+    let caps = Bytes::default().u32(1).u32(0).u64(1).u8(2);
     assert_eq!(
         invalid_reason(decode(kind::CAPABILITIES, &caps.0)),
         "option tag 2 is neither 0 nor 1"
@@ -644,10 +669,12 @@ fn invalid_values_are_refused() {
 
     for secs in [f32::NAN, -1.0, f32::INFINITY] {
         let caps = Capabilities {
-            devices: vec![],
-            memory: 0,
+            devices: vec![DeviceCaps {
+                name: "CPU".into(),
+                memory: 0,
+                secs_per_layer: Some(secs),
+            }],
             threads: 1,
-            secs_per_layer: Some(secs),
             models: vec![],
             ring_addr: String::new(),
             session: 7,
@@ -689,11 +716,52 @@ fn invalid_values_are_refused() {
         stream: false,
         wire_f16: false,
         repack: false,
+        devices: vec![],
     };
-    let (kind, payload) = payload_of(&Message::LoadPlan(plan));
+    let (kind, payload) = payload_of(&Message::LoadPlan(plan.clone()));
     assert_eq!(
         invalid_reason(decode(kind, &payload)),
         "layer_start 5 is after layer_end 4"
+    );
+
+    // Issue 15: the devices' ranges tile the stage, in order, none empty.
+    let range = |device: &str, layer_end| DeviceRange {
+        device: device.into(),
+        layer_end,
+    };
+    let cases = [
+        (vec![range("CPU", 2)], "device CPU ends at layer 2, outside 4..10"),
+        (
+            vec![range("CUDA0", 6), range("CPU", 6)],
+            "device CPU ends at layer 6, outside 6..10",
+        ),
+        (vec![range("CUDA0", 11)], "device CUDA0 ends at layer 11, outside 4..10"),
+        (
+            vec![range("CUDA0", 6), range("CPU", 8)],
+            "the devices' ranges end at 8, the stage at 10",
+        ),
+    ];
+    for (devices, reason) in cases {
+        let plan = LoadPlan {
+            layer_start: 4,
+            layer_end: 10,
+            devices,
+            ..plan.clone()
+        };
+        let (kind, payload) = payload_of(&Message::LoadPlan(plan));
+        assert_eq!(invalid_reason(decode(kind, &payload)), reason);
+    }
+    let caps = Capabilities {
+        devices: vec![],
+        threads: 1,
+        models: vec![],
+        ring_addr: String::new(),
+        session: 7,
+    };
+    let (kind, payload) = payload_of(&Message::Capabilities(caps));
+    assert_eq!(
+        invalid_reason(decode(kind, &payload)),
+        "a worker offers at least one device"
     );
 }
 

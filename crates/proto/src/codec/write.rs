@@ -222,16 +222,18 @@ impl Writer<'_> {
 
     fn capabilities(&mut self, caps: &Capabilities) {
         self.count(caps.devices.len());
-        caps.devices.iter().for_each(|d| self.str(d));
-        self.u64(caps.memory);
-        self.u32(caps.threads);
-        match caps.secs_per_layer {
-            None => self.u8(0),
-            Some(secs) => {
-                self.u8(1);
-                self.raw(&secs.to_le_bytes());
+        for device in &caps.devices {
+            self.str(&device.name);
+            self.u64(device.memory);
+            match device.secs_per_layer {
+                None => self.u8(0),
+                Some(secs) => {
+                    self.u8(1);
+                    self.raw(&secs.to_le_bytes());
+                }
             }
         }
+        self.u32(caps.threads);
         self.count(caps.models.len());
         caps.models.iter().for_each(|m| self.held_model(m));
         self.str(&caps.ring_addr);
@@ -250,6 +252,11 @@ impl Writer<'_> {
         self.bool(plan.stream);
         self.bool(plan.wire_f16);
         self.bool(plan.repack);
+        self.count(plan.devices.len());
+        for range in &plan.devices {
+            self.str(&range.device);
+            self.u32(range.layer_end);
+        }
     }
 
     fn tensor_entry(&mut self, entry: &TensorEntry) {
