@@ -382,10 +382,20 @@ fn plan(
         let devices = head_devices(opts);
         head_secs_per_layer = match opts.head_secs_per_layer.len() == devices.len() {
             true => opts.head_secs_per_layer.clone(),
-            false => devices
-                .iter()
-                .map(|&device| super::speed::measure(model, opts.threads, device).map(f64::from))
-                .collect::<Result<_, _>>()?,
+            false => {
+                // One measurement per distinct device: the CPU named twice is one speed.
+                let mut measured: Vec<(Device, f64)> = Vec::new();
+                for &device in &devices {
+                    if !measured.iter().any(|(d, _)| *d == device) {
+                        let secs = super::speed::measure(model, opts.threads, device)?;
+                        measured.push((device, f64::from(secs)));
+                    }
+                }
+                devices
+                    .iter()
+                    .map(|d| measured.iter().find(|(m, _)| m == d).map_or(0.0, |(_, secs)| *secs))
+                    .collect()
+            }
         };
         let memory = super::device_memory(&devices, opts.head_memory);
         offers.push(NodeOffer {
