@@ -227,7 +227,7 @@ fn a_worker_process_over_the_device_and_the_cpu() {
         offered.iter().all(|d| d.memory > 0 && d.secs_per_layer.is_some()),
         "{offered:?}"
     );
-    let stage = &ring.plan.stages[0];
+    let stage = ring.plan.stages[0].clone();
     let on: Vec<String> = stage
         .parts
         .iter()

@@ -15,7 +15,7 @@ use baton_ggml::LlamaModel;
 use baton_node::cluster::{connect_cluster, ClusterOptions};
 use baton_proto::{Payload, StartSeq};
 use baton_sample::SamplingParams;
-use common::worker::{greedy, reference, WorkerProc};
+use common::worker::{assert_prompts_match, greedy, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};
 
 const TOKEN: &str = "test-cluster-secret";
@@ -93,15 +93,7 @@ fn check_model_on_two_workers(name: &str) {
         ring.workers.iter().all(|w| w.streamed == 0),
         "both workers hold the file: no weights on the wire"
     );
-    for prompt_text in PROMPTS {
-        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
-        let expected = reference(&oracle, &prompt, 32);
-        assert_eq!(
-            greedy(&mut ring, &prompt, 32, &oracle),
-            expected,
-            "{name}: {prompt_text:?}"
-        );
-    }
+    assert_prompts_match(&mut ring, &oracle, name);
 }
 
 #[test]
@@ -382,14 +374,7 @@ fn the_head_runs_the_first_stage_when_planned() {
         "plan: {:?}",
         ring.plan
     );
-    for prompt_text in PROMPTS {
-        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
-        assert_eq!(
-            greedy(&mut ring, &prompt, 32, &oracle),
-            reference(&oracle, &prompt, 32),
-            "{prompt_text:?}"
-        );
-    }
+    assert_prompts_match(&mut ring, &oracle, "qwen2");
     drop(ring);
     std::thread::sleep(Duration::from_millis(300));
     // Forced onto the head alone, the ring never leaves the process.
@@ -454,14 +439,7 @@ fn each_device_of_a_worker_and_of_the_head_gets_its_own_range() {
         log.contains("devices=CPU 8..12, CPU 12..17"),
         "the worker loads what the plan says: {log}"
     );
-    for prompt_text in PROMPTS {
-        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
-        assert_eq!(
-            greedy(&mut ring, &prompt, 32, &oracle),
-            reference(&oracle, &prompt, 32),
-            "{prompt_text:?}"
-        );
-    }
+    assert_prompts_match(&mut ring, &oracle, "qwen2");
 }
 
 #[test]

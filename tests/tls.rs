@@ -12,7 +12,7 @@ use std::time::Duration;
 use baton_ggml::LlamaModel;
 use baton_net::{LinkOptions, TlsConfig};
 use baton_node::cluster::{connect_cluster, ClusterOptions};
-use common::worker::{greedy, reference, WorkerProc};
+use common::worker::{assert_prompts_match, greedy, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};
 
 const TOKEN: &str = "test-tls-secret";
@@ -99,14 +99,7 @@ fn qwen2_on_two_tls_workers_matches_llama_cpp() {
     )
     .unwrap();
     assert_eq!(ring.plan.stages.len(), 2);
-    for prompt_text in PROMPTS {
-        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
-        assert_eq!(
-            greedy(&mut ring, &prompt, 32, &oracle),
-            reference(&oracle, &prompt, 32),
-            "{prompt_text:?}"
-        );
-    }
+    assert_prompts_match(&mut ring, &oracle, "qwen2 over TLS");
 }
 
 #[test]

@@ -14,7 +14,7 @@ use std::time::Duration;
 use baton_ggml::LlamaModel;
 use baton_node::cluster::{connect_cluster, ClusterOptions};
 use baton_proto::{Message, RefusalCode, Role, PROTOCOL_VERSION};
-use common::worker::{greedy, reference, WorkerProc};
+use common::worker::{assert_prompts_match, greedy, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};
 
 const TOKEN: &str = "test-cluster-secret";
@@ -80,11 +80,7 @@ fn qwen2_on_two_workers_over_unix_sockets_matches_llama_cpp() {
     for (worker, proc) in ring.workers.iter().zip([&w0, &w1]) {
         assert_eq!(worker.caps.ring_addr, proc.addr);
     }
-    for prompt_text in PROMPTS {
-        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
-        let expected = reference(&oracle, &prompt, 32);
-        assert_eq!(greedy(&mut ring, &prompt, 32, &oracle), expected, "{prompt_text:?}");
-    }
+    assert_prompts_match(&mut ring, &oracle, "qwen2 over Unix sockets");
 }
 
 /// Sends raw bytes to the worker's socket, then reads until it closes (or 5 s pass).

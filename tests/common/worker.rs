@@ -96,3 +96,16 @@ pub fn greedy(ring: &mut RemoteRing, prompt: &[u32], n: usize, oracle: &LlamaMod
         .unwrap()
         .tokens
 }
+
+/// Asserts that the ring's greedy continuation of every test prompt (32 tokens) is
+/// libllama's. `label` names the case in a failure.
+pub fn assert_prompts_match(ring: &mut RemoteRing, oracle: &LlamaModel, label: &str) {
+    for prompt_text in super::PROMPTS {
+        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
+        assert_eq!(
+            greedy(ring, &prompt, 32, oracle),
+            reference(oracle, &prompt, 32),
+            "{label}: {prompt_text:?}"
+        );
+    }
+}

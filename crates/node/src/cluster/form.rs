@@ -377,41 +377,13 @@ fn plan(
 ) -> Result<Planned, NodeError> {
     let cost = model_cost(file, opts.n_ctx);
     let mut offers = Vec::new();
-    let mut head_secs_per_layer = Vec::new();
     if opts.head_stage {
-        let devices = head_devices(opts);
-        head_secs_per_layer = match opts.head_secs_per_layer.len() == devices.len() {
-            true => opts.head_secs_per_layer.clone(),
-            false => {
-                // One measurement per distinct device: the CPU named twice is one speed.
-                let mut measured: Vec<(Device, f64)> = Vec::new();
-                for &device in &devices {
-                    if !measured.iter().any(|(d, _)| *d == device) {
-                        let secs = super::speed::measure(model, opts.threads, device)?;
-                        measured.push((device, f64::from(secs)));
-                    }
-                }
-                devices
-                    .iter()
-                    .map(|d| measured.iter().find(|(m, _)| m == d).map_or(0.0, |(_, secs)| *secs))
-                    .collect()
-            }
-        };
-        let memory = super::device_memory(&devices, opts.head_memory);
-        offers.push(NodeOffer {
-            name: "head".into(),
-            devices: devices
-                .iter()
-                .zip(memory)
-                .zip(&head_secs_per_layer)
-                .map(|((device, memory), &secs_per_layer)| DeviceOffer {
-                    name: device.name(),
-                    memory,
-                    secs_per_layer,
-                })
-                .collect(),
-        });
+        offers.push(head_offer(model, opts)?);
     }
+    let head_secs_per_layer: Vec<f64> = offers
+        .first()
+        .map(|head| head.devices.iter().map(|d| d.secs_per_layer).collect())
+        .unwrap_or_default();
     let known: Vec<f64> = head_secs_per_layer
         .iter()
         .copied()
@@ -459,6 +431,43 @@ fn plan(
         node_names: offers.into_iter().map(|o| o.name).collect(),
         head_secs_per_layer,
         head_offered: opts.head_stage,
+    })
+}
+
+/// What the head offers for its own stage: each of its devices with its memory and
+/// speed (measured once per distinct device, unless known from an earlier ring: the
+/// CPU named twice is one speed).
+fn head_offer(model: &Path, opts: &ClusterOptions) -> Result<NodeOffer, NodeError> {
+    let devices = head_devices(opts);
+    let speeds = match opts.head_secs_per_layer.len() == devices.len() {
+        true => opts.head_secs_per_layer.clone(),
+        false => {
+            let mut measured: Vec<(Device, f64)> = Vec::new();
+            for &device in &devices {
+                if !measured.iter().any(|(d, _)| *d == device) {
+                    let secs = super::speed::measure(model, opts.threads, device)?;
+                    measured.push((device, f64::from(secs)));
+                }
+            }
+            devices
+                .iter()
+                .map(|d| measured.iter().find(|(m, _)| m == d).map_or(0.0, |(_, secs)| *secs))
+                .collect()
+        }
+    };
+    let memory = super::device_memory(&devices, opts.head_memory);
+    Ok(NodeOffer {
+        name: "head".into(),
+        devices: devices
+            .iter()
+            .zip(memory)
+            .zip(speeds)
+            .map(|((device, memory), secs_per_layer)| DeviceOffer {
+                name: device.name(),
+                memory,
+                secs_per_layer,
+            })
+            .collect(),
     })
 }
 
