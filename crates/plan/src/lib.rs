@@ -629,7 +629,9 @@ mod tests {
     }
 
     /// `(node, [(device, layers)])` of each stage.
-    fn parts(plan: &Plan) -> Vec<(usize, Vec<(usize, Range<usize>)>)> {
+    type Parts = Vec<(usize, Vec<(usize, Range<usize>)>)>;
+
+    fn parts(plan: &Plan) -> Parts {
         plan.stages
             .iter()
             .map(|s| (s.node, s.parts.iter().map(|p| (p.device, p.layers.clone())).collect()))
@@ -873,10 +875,9 @@ mod tests {
     /// Issue 15: a worker offers each of its devices, and the plan gives each a
     /// consecutive range of its own (not an even split made inside the worker).
     #[test]
-    #[allow(clippy::type_complexity)] // a table: (name, nodes, expected parts per stage)
     fn devices_of_a_node_get_ranges_of_their_own() {
         let big = 10_000;
-        let cases: Vec<(&str, Vec<NodeOffer>, Vec<(usize, Vec<(usize, Range<usize>)>)>)> = vec![
+        let cases: Vec<(&str, Vec<NodeOffer>, Parts)> = vec![
             // A GPU 4x faster than its host's CPU takes about 4/5 of the work (26 units:
             // 24 layers and the two-layer output): 21 layers (5.25 units of time), the
             // CPU 3 layers and the output (5).
