@@ -477,6 +477,7 @@ fn a_streamed_stage_with_a_tensor_left_out_is_refused_not_loaded_as_zeros() {
         stream: true,
         wire_f16: false,
         repack: false,
+        tp: None,
     }))
     .unwrap();
     link.send(Message::StreamStart {
@@ -545,6 +546,7 @@ fn a_plan_whose_kv_cache_exceeds_the_workers_memory_is_refused() {
             stream: false,
             wire_f16: false,
             repack: false,
+            tp: None,
         }))
         .unwrap();
         link.recv()

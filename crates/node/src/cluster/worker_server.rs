@@ -22,13 +22,15 @@ use baton_net::{
     client_handshake, connect_by, refuse_unexpected_auth, server_handshake_admitting, Incoming, Link, LinkCloser,
     LinkOptions, Listener, NetError,
 };
-use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, PROTOCOL_VERSION};
+use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, MAX_TP_MEMBERS, PROTOCOL_VERSION};
 
 use super::admission::{Accepted, Admission, ConnId, Limits};
 use super::models::ModelDir;
 use super::probe::LinkProbe;
 use super::stream::{check_stage_complete, receive_stage_tensors};
+use super::worker_tp::{form_mesh, Mesh};
 use crate::stage_loop::{run, StageWorker};
+use crate::tp_net::{serve_member, MeshCollective, Peer, RemoteMember};
 use crate::NodeError;
 
 /// How a worker is set up.
@@ -83,8 +85,8 @@ pub struct Worker {
     shared: Arc<Shared>,
 }
 
-struct Shared {
-    config: WorkerConfig,
+pub(super) struct Shared {
+    pub(super) config: WorkerConfig,
     models: ModelDir,
     /// Which connections are served (handshakes and authenticated ones).
     admission: Mutex<Admission<LinkCloser>>,
@@ -94,6 +96,19 @@ struct Shared {
     session: Mutex<Session>,
     upstream: Mutex<Option<(Box<dyn Link>, ConnSlot)>>,
     upstream_ready: Condvar,
+    /// Links other members of a tensor-parallel group dialed, until the session takes
+    /// them (see `worker_tp.rs`).
+    members: Mutex<Vec<Arrived>>,
+    members_ready: Condvar,
+}
+
+/// A member link another member of a tensor-parallel group dialed, waiting for this
+/// worker's session to take it.
+pub(super) struct Arrived {
+    group: u64,
+    rank: u32,
+    pub(super) link: Box<dyn Link>,
+    pub(super) slot: ConnSlot,
 }
 
 #[derive(Default)]
@@ -131,7 +146,7 @@ impl Drop for HandshakeSlot {
 
 /// An authenticated connection's slot; freed when dropped, whatever ends the
 /// connection (a panic included).
-struct ConnSlot {
+pub(super) struct ConnSlot {
     shared: Arc<Shared>,
 }
 
@@ -173,8 +188,9 @@ impl Shared {
     /// Starts session bookkeeping for a head whose control link `control` closes;
     /// returns the session's (random, non-zero) id.
     fn begin_session(&self, control: Option<LinkCloser>) -> u64 {
-        // An upstream link left over from an earlier session is dead.
+        // An upstream link or member links left over from an earlier session are dead.
         *self.upstream.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.arrived().clear();
         let mut session = self.session();
         session.id = loop {
             let nonce = baton_proto::auth::new_nonce();
@@ -188,8 +204,77 @@ impl Shared {
         session.id
     }
 
+    fn arrived(&self) -> MutexGuard<'_, Vec<Arrived>> {
+        self.members.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps a member link until the session takes it ([`Shared::wait_members`]); a
+    /// second link from the same member of the same group, or more links than a group
+    /// can have, are refused (given back with the reason).
+    fn arrive(&self, arrived: Arrived) -> Result<(), (Arrived, String)> {
+        let mut waiting = self.arrived();
+        if waiting
+            .iter()
+            .any(|a| a.group == arrived.group && a.rank == arrived.rank)
+        {
+            let why = format!("member {} of this group is linked already", arrived.rank);
+            return Err((arrived, why));
+        }
+        if waiting.len() >= MAX_TP_MEMBERS {
+            let why = format!("{} member links wait already, the most a group has", waiting.len());
+            return Err((arrived, why));
+        }
+        waiting.push(arrived);
+        self.members_ready.notify_all();
+        Ok(())
+    }
+
+    /// Waits until members `ranks` of `group` have linked to this worker (or session
+    /// `id` ends, or `deadline` passes); takes their links, by rank.
+    pub(super) fn wait_members(
+        &self,
+        id: u64,
+        group: u64,
+        ranks: std::ops::Range<usize>,
+        deadline: Instant,
+    ) -> Result<Vec<(usize, Arrived)>, NodeError> {
+        let mut waiting = self.arrived();
+        loop {
+            let here = |rank: usize| waiting.iter().any(|a| a.group == group && a.rank as usize == rank);
+            if ranks.clone().all(here) {
+                let mut taken = Vec::new();
+                for rank in ranks {
+                    let at = waiting
+                        .iter()
+                        .position(|a| a.group == group && a.rank as usize == rank)
+                        .expect("checked above");
+                    taken.push((rank, waiting.swap_remove(at)));
+                }
+                return Ok(taken);
+            }
+            if self.is_aborted(id) {
+                return Err(NodeError::Request(
+                    "the session ended while waiting for the other members of its tensor-parallel group".into(),
+                ));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let missing: Vec<String> = ranks.filter(|&r| !here(r)).map(|r| r.to_string()).collect();
+                return Err(NodeError::Request(format!(
+                    "members {} of this worker's tensor-parallel group did not link to it in time",
+                    missing.join(", ")
+                )));
+            }
+            waiting = self
+                .members_ready
+                .wait_timeout(waiting, left.min(Duration::from_millis(200)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
     /// Adds a link that ending the current session must close.
-    fn attach(&self, closer: Option<LinkCloser>) {
+    pub(super) fn attach(&self, closer: Option<LinkCloser>) {
         self.session().closers.extend(closer);
     }
 
@@ -204,8 +289,10 @@ impl Shared {
         for closer in session.closers.drain(..) {
             closer.close();
         }
-        // A session still waiting for its upstream wakes up and finds it never came.
+        // A session still waiting for its upstream (or its group's members) wakes up
+        // and finds it never came.
         self.upstream_ready.notify_all();
+        self.members_ready.notify_all();
         true
     }
 
@@ -243,6 +330,8 @@ impl Worker {
             session: Mutex::default(),
             upstream: Mutex::new(None),
             upstream_ready: Condvar::new(),
+            members: Mutex::new(Vec::new()),
+            members_ready: Condvar::new(),
         });
         Ok(Worker { listener, shared })
     }
@@ -381,6 +470,33 @@ fn serve_connection(
             Ok(())
         }
         Role::Heartbeat => heartbeat(shared, link),
+        Role::Member => {
+            // Its first frame, still within the handshake's read timeout, says which
+            // group and which member it is.
+            let (group, rank) = match link.recv()? {
+                Message::JoinGroup { group, rank } => (group, rank),
+                other => {
+                    let reason = format!("{} where a member's JoinGroup was due", other.kind());
+                    refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
+                    return Err(NodeError::Protocol(reason));
+                }
+            };
+            link.set_read_timeout(None)?;
+            shared.attach(closer);
+            let arrived = Arrived {
+                group,
+                rank,
+                link,
+                slot: conn,
+            };
+            match shared.arrive(arrived) {
+                Ok(()) => Ok(()),
+                Err((mut arrived, reason)) => {
+                    refuse(arrived.link.as_mut(), RefusalCode::BadRequest, reason.clone());
+                    Err(NodeError::Request(reason))
+                }
+            }
+        }
         Role::Worker => {
             let reason = "workers do not connect to workers as workers";
             refuse(link.as_mut(), RefusalCode::BadRequest, reason.into());
@@ -454,6 +570,8 @@ fn session(
                 link.send(Message::Capabilities(caps))?;
             }
             Message::LoadPlan(plan) => break plan,
+            // The head times its link to this worker (`--tp auto`).
+            Message::Probe { .. } => link.send(Message::Probe { data: Vec::new() })?,
             // The head planned without this worker.
             Message::Shutdown => {
                 tracing::info!("the head's plan leaves this worker out");
@@ -472,7 +590,7 @@ fn session(
         }
     };
     let started = Instant::now();
-    let (stage, received) = match load(shared, &plan, link.as_mut()) {
+    let loaded = match load(shared, &plan, link.as_mut(), id) {
         Ok(loaded) => loaded,
         Err(e) => {
             // Regression (CI): the head read the refusal, connected again at once and
@@ -480,6 +598,29 @@ fn session(
             drop(head);
             refuse(link.as_mut(), RefusalCode::LoadFailed, e.to_string());
             return Err(e);
+        }
+    };
+    let (stage, received, _member_links) = match loaded {
+        Loaded::Ring { stage, received, mesh } => (stage, received, mesh),
+        Loaded::Member {
+            stage,
+            leader,
+            received,
+            mesh,
+        } => {
+            tracing::info!(layers = ?(plan.layer_start..plan.layer_end), received, secs = started.elapsed().as_secs_f32(), "tensor-parallel member loaded");
+            link.send(Message::Loaded {
+                resident: stage.resident_bytes(),
+                received,
+            })?;
+            // Member 0 drives this one until it shuts the group down or goes; the head's
+            // control link stays open (the head watches this worker by heartbeat).
+            let result = serve_member(*stage, leader);
+            drop(mesh);
+            return match result {
+                Ok(()) | Err(NodeError::Net(NetError::Closed { .. })) => Ok(()),
+                Err(e) => Err(e),
+            };
         }
     };
     tracing::info!(layers = ?(plan.layer_start..plan.layer_end), received, secs = started.elapsed().as_secs_f32(), "stage loaded");
@@ -585,8 +726,30 @@ fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, 
     }
 }
 
-/// Loads the planned stage from a local file, or from tensors the head streams.
-fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(StageChain, u64), NodeError> {
+/// What a worker loaded for its session.
+enum Loaded {
+    /// A stage of the ring: whole, or member 0 of a group driving the others.
+    Ring {
+        stage: StageChain,
+        received: u64,
+        /// The group's links, when it is member 0 of one.
+        mesh: Option<Mesh>,
+    },
+    /// Another member of a group: it answers member 0 (`leader`) only.
+    Member {
+        stage: Box<Stage>,
+        leader: Arc<Peer>,
+        received: u64,
+        mesh: Mesh,
+    },
+}
+
+/// Loads the planned stage from a local file, or from tensors the head streams; the
+/// member's slice of it when the plan places this worker in a tensor-parallel group,
+/// after linking with the group's other members (before any tensor is received: the
+/// head sends every member its plan before it streams to any).
+fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Result<Loaded, NodeError> {
+    let mesh = plan.tp.as_ref().map(|place| form_mesh(shared, id, place)).transpose()?;
     let (path, received, verified) = if plan.stream {
         let got = receive_stage_tensors(&shared.models, &plan.model, link)?;
         (got.path, got.bytes, Some(got.verified))
@@ -619,11 +782,50 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(StageC
         n_seq: plan.n_seq as usize,
     };
     check_kv_fits(&file, &span, &config, describe_memory(&shared.config))?;
-    let stages = split_between(&span, &shared.config.devices)
-        .into_iter()
-        .map(|(span, device)| Stage::load_on(file.clone(), span, &config, device))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok((StageChain::new(stages)?, received))
+    let Some(mesh) = mesh else {
+        let stages = split_between(&span, &shared.config.devices)
+            .into_iter()
+            .map(|(span, device)| Stage::load_on(file.clone(), span, &config, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        return Ok(Loaded::Ring {
+            stage: StageChain::new(stages)?,
+            received,
+            mesh: None,
+        });
+    };
+    // The exchanges are host ops over activations in host memory: members compute on
+    // the CPU whatever devices the worker has (docs/tensor-parallel.md).
+    if shared.config.devices.iter().any(|d| !d.is_cpu()) {
+        tracing::info!("this worker's tensor-parallel slice computes on the CPU");
+    }
+    let (rank, size) = (mesh.rank, mesh.size);
+    let split = baton_model::tp_splits(&file, size)?.swap_remove(rank);
+    let collective = Arc::new(MeshCollective::new(rank, mesh.peers.clone()));
+    let stage = Stage::load_member(file, span, &config, Some((split, collective)))?;
+    if rank == 0 {
+        let members = mesh
+            .peers
+            .iter()
+            .map(|p| Box::new(RemoteMember::new(p.clone())) as Box<dyn baton_model::GroupMember>)
+            .collect();
+        return Ok(Loaded::Ring {
+            stage: StageChain::from(stage.driving(members)),
+            received,
+            mesh: Some(mesh),
+        });
+    }
+    let leader = mesh
+        .peers
+        .iter()
+        .find(|p| p.rank() == 0)
+        .cloned()
+        .ok_or_else(|| NodeError::Protocol("the group's member 0 is not among its links".into()))?;
+    Ok(Loaded::Member {
+        stage: Box::new(stage),
+        leader,
+        received,
+        mesh,
+    })
 }
 
 /// The span's layers split evenly between `devices`, in order (fewer devices when

@@ -103,13 +103,21 @@ const SAMPLED_TOKEN: Layout = Layout {
         Field("top", Ty::List(&Ty::Struct(&TOP_LOGPROB))),
     ],
 };
+const TP_PLACE: Layout = Layout {
+    name: "TpPlace",
+    fields: &[
+        Field("group", Ty::U64),
+        Field("rank", Ty::U32),
+        Field("members", Ty::List(&Ty::Str)),
+    ],
+};
 const TOP_LOGPROB: Layout = Layout {
     name: "TopLogprob",
     fields: &[Field("token", Ty::U32), Field("logprob", Ty::F32)],
 };
 
 /// Structures, in the order the second table lists them.
-const STRUCTURES: [&Layout; 7] = [
+const STRUCTURES: [&Layout; 8] = [
     &MODEL_REF,
     &HELD_MODEL,
     &TENSOR_ENTRY,
@@ -117,10 +125,11 @@ const STRUCTURES: [&Layout; 7] = [
     &PAYLOAD,
     &SAMPLED_TOKEN,
     &TOP_LOGPROB,
+    &TP_PLACE,
 ];
 
 /// Messages, in kind-number order.
-const MESSAGES: [Layout; 21] = [
+const MESSAGES: [Layout; 23] = [
     Layout {
         name: "Hello",
         fields: &[
@@ -167,6 +176,7 @@ const MESSAGES: [Layout; 21] = [
             Field("stream", Ty::Bool),
             Field("wire_f16", Ty::Bool),
             Field("repack", Ty::Bool),
+            Field("tp", Ty::Opt(&Ty::Struct(&TP_PLACE))),
         ],
     },
     Layout {
@@ -261,6 +271,14 @@ const MESSAGES: [Layout; 21] = [
     Layout {
         name: "Partial",
         fields: &[Field("sum", Ty::U64), Field("values", Ty::List(&Ty::F32))],
+    },
+    Layout {
+        name: "JoinGroup",
+        fields: &[Field("group", Ty::U64), Field("rank", Ty::U32)],
+    },
+    Layout {
+        name: "Probe",
+        fields: &[Field("data", Ty::Bytes)],
     },
 ];
 
