@@ -1,0 +1,172 @@
+//! Tensor-parallel groups of `baton worker` processes (issue 19), formed and planned by
+//! the head: four workers on loopback as two groups of two chained as pipeline stages,
+//! and three workers as one group of three. Each member loads its row slices from its
+//! own copy of the GGUF (no weight bytes on the wire); the ring's greedy tokens are
+//! libllama's, and so are their log-probabilities, bit for bit (the only trace of the
+//! logits a ring returns: equal log-probabilities of every chosen token after every
+//! prompt and step). `--tp auto` over loopback workers chooses a group and says why.
+
+mod common;
+
+use std::sync::Mutex;
+
+use baton_ggml::{LlamaContext, LlamaModel};
+use baton_node::cluster::{connect_cluster, ClusterOptions, RemoteRing};
+use baton_node::GenerateRequest;
+use baton_plan::TpDegree;
+use baton_sample::{argmax, Sampler, SamplingParams};
+use common::worker::WorkerProc;
+use common::{model, PROMPTS, QWEN2};
+
+const TOKEN: &str = "tp-cluster-test-secret";
+/// Greedy tokens checked after each prompt.
+const N_STEPS: usize = 16;
+const N_CTX: usize = 512;
+
+/// One cluster at a time: the workers share two cores.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn options(tp: TpDegree) -> ClusterOptions {
+    ClusterOptions {
+        token: Some(TOKEN.into()),
+        n_ctx: N_CTX,
+        repack: true,
+        tp,
+        ..Default::default()
+    }
+}
+
+/// libllama's greedy tokens after `prompt` and the log-probability its logits give each.
+fn reference(oracle: &LlamaModel, prompt: &[u32]) -> (Vec<u32>, Vec<f32>) {
+    let mut ctx = LlamaContext::new(oracle, N_CTX as u32, N_CTX as u32, 1).unwrap();
+    let mut sampler = Sampler::new(SamplingParams::greedy()).unwrap();
+    let mut logits = ctx.decode(prompt).unwrap();
+    let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+    while tokens.len() < N_STEPS {
+        let token = argmax(&logits).unwrap();
+        if oracle.is_end_of_generation(token) {
+            break;
+        }
+        logprobs.push(sampler.sample_with_logprobs(&logits, 0).unwrap().logprob);
+        tokens.push(token);
+        logits = ctx.decode(&[token]).unwrap();
+    }
+    (tokens, logprobs)
+}
+
+/// Every test prompt through the ring: libllama's tokens and log-probabilities, exactly.
+fn check_against_llama_cpp(ring: &mut RemoteRing, oracle: &LlamaModel, label: &str) {
+    for text in PROMPTS {
+        let prompt = oracle.tokenize(text, true, true).unwrap();
+        let (tokens, logprobs) = reference(oracle, &prompt);
+        let req = GenerateRequest {
+            seq: 0,
+            prompt: &prompt,
+            params: SamplingParams::greedy(),
+            max_tokens: N_STEPS,
+            n_batch: N_CTX,
+            logprobs: true,
+        };
+        let generation = ring
+            .head()
+            .unwrap()
+            .generate(&req, |t| oracle.is_end_of_generation(t), |_| {})
+            .unwrap();
+        assert_eq!(generation.tokens, tokens, "{label}, {text:?}");
+        // Bit for bit: the same logits give the same log-probabilities.
+        assert_eq!(generation.logprobs, logprobs, "{label}, {text:?}");
+    }
+}
+
+fn workers(n: usize) -> Vec<WorkerProc> {
+    let dir = model(QWEN2).parent().unwrap().to_path_buf();
+    (0..n).map(|_| WorkerProc::start(&dir, Some(TOKEN), &[])).collect()
+}
+
+#[test]
+fn two_groups_of_two_workers_match_llama_cpp() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = model(QWEN2);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let workers = workers(4);
+    let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
+    let mut ring = connect_cluster(&path, &addrs, &options(TpDegree::Fixed(2))).unwrap();
+    assert_eq!(ring.plan.stages.len(), 2, "{}", ring.plan.why);
+    let places: Vec<Option<(usize, usize)>> = ring.workers.iter().map(|w| w.tp).collect();
+    assert_eq!(places, vec![Some((0, 2)), Some((1, 2)), Some((0, 2)), Some((1, 2))]);
+    // Consecutive workers form the groups; the groups chain as pipeline stages.
+    assert_eq!(
+        ring.node_names[ring.plan.stages[0].node],
+        format!("{}+{}", addrs[0], addrs[1])
+    );
+    assert_eq!(
+        ring.node_names[ring.plan.stages[1].node],
+        format!("{}+{}", addrs[2], addrs[3])
+    );
+    assert_eq!(ring.plan.stages[0].layers.start, 0);
+    assert_eq!(ring.plan.stages[1].layers.end, 24);
+    assert!(
+        ring.workers.iter().all(|w| w.streamed == 0),
+        "no weight bytes on the wire"
+    );
+    check_against_llama_cpp(&mut ring, &oracle, "2 groups of 2 workers");
+    drop(ring);
+    for w in workers {
+        assert!(w.log().contains("linked with the tensor-parallel group"), "{}", w.log());
+    }
+}
+
+#[test]
+fn one_group_of_three_workers_matches_llama_cpp() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = model(QWEN2);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let workers = workers(3);
+    let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
+    let mut ring = connect_cluster(&path, &addrs, &options(TpDegree::Fixed(3))).unwrap();
+    assert_eq!(ring.plan.stages.len(), 1, "{}", ring.plan.why);
+    let places: Vec<Option<(usize, usize)>> = ring.workers.iter().map(|w| w.tp).collect();
+    assert_eq!(places, vec![Some((0, 3)), Some((1, 3)), Some((2, 3))]);
+    // qwen2 0.5B has two key/value heads: the third member computes no attention, only
+    // its rows of the FFN, the projections and the vocabulary.
+    check_against_llama_cpp(&mut ring, &oracle, "1 group of 3 workers");
+}
+
+/// On loopback TP pays (docs/tensor-parallel.md): `--tp auto` measures each link,
+/// chooses one group of both workers, and says why with the model's numbers.
+#[test]
+fn tp_auto_on_loopback_chooses_a_group_and_says_why() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = model(QWEN2);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let workers = workers(2);
+    let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
+    let mut ring = connect_cluster(&path, &addrs, &options(TpDegree::Auto)).unwrap();
+    let why = &ring.plan.why;
+    assert!(why.starts_with("--tp auto chose tp 2 with 1 stage(s)"), "{why}");
+    assert!(
+        why.contains("tp 1 ") && why.contains("tp 2 "),
+        "both layouts weighed: {why}"
+    );
+    for w in &ring.workers {
+        let link = w.link.expect("measured");
+        assert!(link.latency > 0.0 && link.latency < 5e-3, "{link:?}");
+        assert!(link.bandwidth > 10e6, "{link:?}");
+    }
+    let prompt = oracle.tokenize(PROMPTS[0], true, true).unwrap();
+    let expected = common::worker::reference(&oracle, &prompt, 8);
+    assert_eq!(common::worker::greedy(&mut ring, &prompt, 8, &oracle), expected);
+}
+
+/// A model tensor parallelism cannot split is refused before any worker loads.
+#[test]
+fn tp_on_workers_refuses_a_model_it_cannot_split() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = model(common::GEMMA3);
+    let workers = workers(2);
+    let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
+    let err = connect_cluster(&path, &addrs, &options(TpDegree::Fixed(2)))
+        .err()
+        .expect("gemma3 is not split");
+    assert!(err.to_string().contains("gemma3 is not one"), "{err}");
+}
