@@ -4,7 +4,8 @@
 //! own copy of the GGUF (no weight bytes on the wire); the ring's greedy tokens are
 //! libllama's, and so are their log-probabilities, bit for bit (the only trace of the
 //! logits a ring returns: equal log-probabilities of every chosen token after every
-//! prompt and step). `--tp auto` over loopback workers chooses a group and says why.
+//! prompt and step). gemma3 and a synthetic qwen3moe (experts split by rows) likewise
+//! on a group of two. `--tp auto` over loopback workers chooses a group and says why.
 
 mod common;
 
@@ -79,8 +80,27 @@ fn check_against_llama_cpp(ring: &mut RemoteRing, oracle: &LlamaModel, label: &s
 }
 
 fn workers(n: usize) -> Vec<WorkerProc> {
-    let dir = model(QWEN2).parent().unwrap().to_path_buf();
-    (0..n).map(|_| WorkerProc::start(&dir, Some(TOKEN), &[])).collect()
+    workers_in(n, model(QWEN2).parent().unwrap())
+}
+
+/// `n` workers serving the models in `dir`.
+fn workers_in(n: usize, dir: &std::path::Path) -> Vec<WorkerProc> {
+    (0..n).map(|_| WorkerProc::start(dir, Some(TOKEN), &[])).collect()
+}
+
+/// The model at `path` on one group of two workers serving `dir`: libllama's tokens and
+/// log-probabilities.
+fn one_group_of_two(path: &std::path::Path, dir: &std::path::Path, label: &str) {
+    let oracle = LlamaModel::load_full(path, true).unwrap();
+    let workers = workers_in(2, dir);
+    let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
+    let mut ring = connect_cluster(path, &addrs, &options(TpDegree::Fixed(2))).unwrap();
+    assert_eq!(ring.plan.stages.len(), 1, "{}", ring.plan.why);
+    assert!(
+        ring.workers.iter().all(|w| w.streamed == 0),
+        "no weight bytes on the wire"
+    );
+    check_against_llama_cpp(&mut ring, &oracle, label);
 }
 
 #[test]
@@ -158,15 +178,30 @@ fn tp_auto_on_loopback_chooses_a_group_and_says_why() {
     assert_eq!(common::worker::greedy(&mut ring, &prompt, 8, &oracle), expected);
 }
 
-/// A model tensor parallelism cannot split is refused before any worker loads.
+#[test]
+fn gemma3_on_a_group_of_two_workers_matches_llama_cpp() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = model(common::GEMMA3);
+    one_group_of_two(&path, path.parent().unwrap(), "gemma3 on a group of 2 workers");
+}
+
+#[test]
+fn experts_on_a_group_of_two_workers_match_llama_cpp() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = common::synth::synthetic("qwen3moe", baton_ggml::FileType::Q4KM);
+    one_group_of_two(&path, &common::synth::synth_dir(), "qwen3moe on a group of 2 workers");
+}
+
+/// A model tensor parallelism cannot split (shared experts) is refused before any
+/// worker loads.
 #[test]
 fn tp_on_workers_refuses_a_model_it_cannot_split() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let path = model(common::GEMMA3);
-    let workers = workers(2);
+    let path = common::synth::synthetic("glm4moe", baton_ggml::FileType::Q4KM);
+    let workers = workers_in(2, &common::synth::synth_dir());
     let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
     let err = connect_cluster(&path, &addrs, &options(TpDegree::Fixed(2)))
         .err()
-        .expect("gemma3 is not split");
-    assert!(err.to_string().contains("gemma3 is not one"), "{err}");
+        .expect("glm4moe is not split");
+    assert!(err.to_string().contains("glm4moe is not one"), "{err}");
 }

@@ -154,6 +154,7 @@ impl Member {
         let ops = TpOps {
             heads: gather(&|s| s.q_heads(hp).len() * hp.head_dim_v),
             ff: gather(&|s| s.ff.len()),
+            ff_exp: gather(&|s| s.ff_exp.len()),
             embd: gather(&|s| s.embd.len()),
         };
         Ok(Member {

@@ -12,6 +12,12 @@
 //! - the FFN: rows of `ffn_gate` and `ffn_up` (a share of the inner dimension); the
 //!   activations are gathered, each member computes its share of `ffn_down`'s rows, and
 //!   those are gathered.
+//! - routed experts (mixture-of-experts layers): every member holds a share of every
+//!   expert's FFN, cut exactly as the dense FFN is (rows of each expert's `gate` and
+//!   `up`, rows of each expert's `down`); the router is whole on every member, so all
+//!   choose the same experts; the chosen experts' activations are gathered, each member
+//!   computes its rows of their outputs and sums them with the router's weights
+//!   (element-wise, as llama.cpp sums them), and those rows are gathered.
 //! - the output projection by vocabulary rows: each member computes the logits of its
 //!   share of the vocabulary, gathered by the group's first member.
 //!
@@ -33,8 +39,9 @@ use std::time::{Duration, Instant};
 use crate::hparams::HParams;
 use crate::ModelError;
 
-/// Architectures whose layers baton can split (dense llama-style layers).
-pub const TP_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
+/// Architectures whose layers baton can split: llama-style attention with a dense FFN
+/// or routed experts without shared ones (`llama` covers Mixtral), and gemma3.
+pub const TP_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"];
 
 /// Rows of a matrix a member gets are a multiple of this where they can be (ggml repacks
 /// matrices whose row count is a multiple of 8 or 16 into its faster CPU layouts).
@@ -52,6 +59,9 @@ pub struct TpSplit {
     pub kv_heads: Range<usize>,
     /// Its share of the FFN's inner dimension (rows of `ffn_gate`, `ffn_up`).
     pub ff: Range<usize>,
+    /// Its share of each routed expert's inner dimension (rows of every expert's
+    /// `ffn_gate_exps`, `ffn_up_exps`); empty for a dense model.
+    pub ff_exp: Range<usize>,
     /// Its share of the hidden size (rows of `attn_output`, `ffn_down`).
     pub embd: Range<usize>,
     /// Its rows of the output projection.
@@ -72,15 +82,16 @@ impl TpSplit {
         if size == 0 || rank >= size {
             return Err(ModelError::BadConfig(format!("member {rank} of a group of {size}")));
         }
-        if !TP_ARCHITECTURES.contains(&hp.arch.name) || hp.moe.n_expert > 0 || hp.mla.is_some() {
+        if !TP_ARCHITECTURES.contains(&hp.arch.name) || hp.moe.n_expert_shared > 0 || hp.mla.is_some() {
             return Err(ModelError::BadConfig(format!(
-                "tensor parallelism splits dense {} layers; {} is not one",
+                "tensor parallelism splits {} layers; {} is not one",
                 TP_ARCHITECTURES.join("/"),
                 hp.arch.name
             )));
         }
         let unit = |n: usize| if n / ROW_UNIT >= size { ROW_UNIT } else { 1 };
-        if hp.n_ff < size || hp.n_embd < size {
+        let experts_too_narrow = hp.moe.n_expert > 0 && hp.moe.n_ff_exp < size;
+        if hp.n_ff < size || hp.n_embd < size || experts_too_narrow {
             return Err(ModelError::BadConfig(format!(
                 "a model of hidden size {} and FFN {} cannot be split {size} ways",
                 hp.n_embd, hp.n_ff
@@ -91,6 +102,7 @@ impl TpSplit {
             size,
             kv_heads: share(hp.n_head_kv, 1, rank, size),
             ff: share(hp.n_ff, unit(hp.n_ff), rank, size),
+            ff_exp: share(hp.moe.n_ff_exp, unit(hp.moe.n_ff_exp), rank, size),
             embd: share(hp.n_embd, unit(hp.n_embd), rank, size),
             vocab: share(hp.n_vocab, unit(hp.n_vocab), rank, size),
         })
@@ -108,6 +120,7 @@ impl TpSplit {
         sliced.n_head = self.q_heads(hp).len();
         sliced.n_head_kv = self.kv_heads.len();
         sliced.n_ff = self.ff.len();
+        sliced.moe.n_ff_exp = self.ff_exp.len();
         sliced
     }
 
@@ -132,7 +145,16 @@ impl TpSplit {
         let (d_k, d_v) = (hp.head_dim_k, hp.head_dim_v);
         let heads = |r: &Range<usize>, d: usize| r.start * d..r.end * d;
         Ok(match short {
-            "attn_norm.weight" | "ffn_norm.weight" | "attn_q_norm.weight" | "attn_k_norm.weight" => Cut::Whole,
+            "attn_norm.weight"
+            | "ffn_norm.weight"
+            | "attn_q_norm.weight"
+            | "attn_k_norm.weight"
+            | "post_attention_norm.weight"
+            | "post_ffw_norm.weight"
+            | "ffn_gate_inp.weight" => Cut::Whole,
+            // Every expert's matrix by rows, as the dense FFN's.
+            "ffn_gate_exps.weight" | "ffn_up_exps.weight" => Cut::Rows(self.ff_exp.clone()),
+            "ffn_down_exps.weight" => Cut::Rows(self.embd.clone()),
             "attn_q.weight" | "attn_q.bias" => Cut::Rows(heads(&q, d_k)),
             "attn_k.weight" | "attn_k.bias" => Cut::Rows(heads(&self.kv_heads, d_k)),
             "attn_v.weight" | "attn_v.bias" => Cut::Rows(heads(&self.kv_heads, d_v)),
@@ -154,7 +176,8 @@ impl TpSplit {
 pub enum Cut {
     /// All of it.
     Whole,
-    /// Rows (the outer dimension; elements of a vector).
+    /// Rows (the second dimension: of a matrix, of each expert's matrix; elements of a
+    /// vector).
     Rows(Range<usize>),
     /// None of it (attention weights of a member without heads).
     Skip,

@@ -551,11 +551,24 @@ fn slice(
             Ok(Some((dtype, vec![rows.len() as i64], Data::Owned(bytes))))
         }
         Cut::Rows(rows) => {
-            if dims.len() != 2 || rows.end > n_rows || rows.is_empty() {
+            // A matrix, or one matrix per expert (`[n, rows, n_expert]`): the same rows of
+            // each, contiguous bytes of the file.
+            let (per_matrix, matrices) = match dims {
+                [_, r] => (*r as usize, 1),
+                [_, r, e] => (*r as usize, *e as usize),
+                _ => return Err(bad(format!("rows {rows:?} of a {}-d tensor", dims.len()))),
+            };
+            if rows.end > per_matrix || rows.is_empty() || per_matrix * matrices != n_rows {
                 return Err(bad(format!("rows {rows:?}")));
             }
-            let bytes = source[rows.start * row_bytes..rows.end * row_bytes].to_vec();
-            Ok(Some((dtype, vec![dims[0], rows.len() as i64], Data::Owned(bytes))))
+            let mut bytes = Vec::with_capacity(rows.len() * row_bytes * matrices);
+            for matrix in 0..matrices {
+                let at = matrix * per_matrix;
+                bytes.extend_from_slice(&source[(at + rows.start) * row_bytes..(at + rows.end) * row_bytes]);
+            }
+            let mut shape = dims.to_vec();
+            shape[1] = rows.len() as i64;
+            Ok(Some((dtype, shape, Data::Owned(bytes))))
         }
     }
 }
@@ -563,4 +576,45 @@ fn slice(
 fn named<'c>(ctx: &'c Context, name: &str) -> Result<Tensor<'c>, ModelError> {
     ctx.get_tensor(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each expert's matrix is cut alike: the rows of every expert, in expert order, as
+    /// contiguous bytes of each (f32 here: 4 bytes a value, rows of 2).
+    #[test]
+    fn rows_of_every_experts_matrix() {
+        // [2, 3 rows, 2 experts]: expert e, row r holds values 100 e + 10 r + (0, 1).
+        let values: Vec<f32> = (0..2)
+            .flat_map(|e| (0..3).flat_map(move |r| [100 * e + 10 * r, 100 * e + 10 * r + 1]))
+            .map(|v| v as f32)
+            .collect();
+        let source: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (_, shape, data) = slice(
+            "blk.0.ffn_up_exps.weight",
+            DType::F32,
+            &[2, 3, 2],
+            &source,
+            &Cut::Rows(1..3),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(shape, vec![2, 2, 2]);
+        let Data::Owned(bytes) = data else {
+            panic!("a slice is a copy")
+        };
+        let got: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [10., 11., 20., 21., 110., 111., 120., 121.]);
+        let error = |dims: &[i64], rows| match slice("t", DType::F32, dims, &source, &Cut::Rows(rows)) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{dims:?} is not cut"),
+        };
+        assert!(error(&[2, 3, 2], 2..4).contains("rows 2..4"));
+        assert!(error(&[2, 3, 2, 1], 0..1).contains("4-d tensor"));
+    }
 }

@@ -61,6 +61,9 @@ pub struct TpOps {
     pub heads: Gather,
     /// The FFN's activations: its share of the inner dimension in, all of it out.
     pub ff: Gather,
+    /// Each chosen expert's activations: its share of an expert's inner dimension in
+    /// (one row per token and chosen expert), all of it out.
+    pub ff_exp: Gather,
     /// Output projections: its share of `n_embd` in, `[n_embd, n_tokens]` out.
     pub embd: Gather,
 }
@@ -81,6 +84,8 @@ pub enum Shard {
     Heads,
     /// The FFN's inner dimension.
     Ff,
+    /// A routed expert's inner dimension.
+    FfExp,
     /// The hidden size.
     Embd,
 }
@@ -120,6 +125,7 @@ impl<'g> Builder<'g> {
         let gather = match shard {
             Shard::Heads => &tp.heads,
             Shard::Ff => &tp.ff,
+            Shard::FfExp => &tp.ff_exp,
             Shard::Embd => &tp.embd,
         };
         self.ctx
