@@ -214,14 +214,15 @@ fn gemma3_tp_2_and_3_match_llama_cpp() {
     }
 }
 
-/// Routed experts split by rows of every expert (qwen3moe and Mixtral, synthetic): the
-/// router is whole on every member, so all choose the same experts, and the logits are
+/// Routed experts split by rows of every expert (qwen3moe, Mixtral, and glm4moe with
+/// its shared expert, dense leading layer and selection bias; synthetic): the router is
+/// whole on every member, so all choose the same experts, and the logits are
 /// libllama's bits, in groups of 2 and 3.
 #[test]
 fn experts_tp_2_and_3_match_llama_cpp() {
     use baton_ggml::FileType;
     let _serial = serial();
-    for arch in ["qwen3moe", "mixtral"] {
+    for arch in ["qwen3moe", "mixtral", "glm4moe"] {
         let fixture = Fixture::load(common::synth::synthetic(arch, FileType::Q4KM));
         for n in [2, 3] {
             let config = StageConfig::new(N_CTX, 1);
@@ -237,16 +238,16 @@ fn experts_tp_2_and_3_match_llama_cpp() {
     }
 }
 
-/// A model baton cannot split says so instead of computing something else: shared
-/// experts (glm4moe) are not split yet.
+/// A model baton cannot split says so instead of computing something else: MLA
+/// attention (deepseek2) is not split yet.
 #[test]
 fn tp_refuses_architectures_it_cannot_split() {
-    let path = common::synth::synthetic("glm4moe", baton_ggml::FileType::Q4KM);
+    let path = common::synth::synthetic("deepseek2", baton_ggml::FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
     let err = Stage::load_tp(file.clone(), whole_model(&file), &StageConfig::new(64, 1), 2)
         .err()
-        .expect("glm4moe is not split");
-    assert!(err.to_string().contains("glm4moe is not one"), "{err}");
+        .expect("deepseek2 is not split");
+    assert!(err.to_string().contains("deepseek2 is not one"), "{err}");
 }
 
 /// Free loopback ports for members that must know each other's address up front.

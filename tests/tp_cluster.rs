@@ -192,16 +192,16 @@ fn experts_on_a_group_of_two_workers_match_llama_cpp() {
     one_group_of_two(&path, &common::synth::synth_dir(), "qwen3moe on a group of 2 workers");
 }
 
-/// A model tensor parallelism cannot split (shared experts) is refused before any
-/// worker loads.
+/// A model tensor parallelism cannot split (MLA attention) is refused before any worker
+/// loads.
 #[test]
 fn tp_on_workers_refuses_a_model_it_cannot_split() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let path = common::synth::synthetic("glm4moe", baton_ggml::FileType::Q4KM);
+    let path = common::synth::synthetic("deepseek2", baton_ggml::FileType::Q4KM);
     let workers = workers_in(2, &common::synth::synth_dir());
     let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
     let err = connect_cluster(&path, &addrs, &options(TpDegree::Fixed(2)))
         .err()
-        .expect("glm4moe is not split");
-    assert!(err.to_string().contains("glm4moe is not one"), "{err}");
+        .expect("deepseek2 is not split");
+    assert!(err.to_string().contains("deepseek2 is not one"), "{err}");
 }

@@ -155,6 +155,7 @@ impl Member {
             heads: gather(&|s| s.q_heads(hp).len() * hp.head_dim_v),
             ff: gather(&|s| s.ff.len()),
             ff_exp: gather(&|s| s.ff_exp.len()),
+            ff_shexp: gather(&|s| s.ff_shexp.len()),
             embd: gather(&|s| s.embd.len()),
         };
         Ok(Member {

@@ -17,7 +17,8 @@
 //!   `up`, rows of each expert's `down`); the router is whole on every member, so all
 //!   choose the same experts; the chosen experts' activations are gathered, each member
 //!   computes its rows of their outputs and sums them with the router's weights
-//!   (element-wise, as llama.cpp sums them), and those rows are gathered.
+//!   (element-wise, as llama.cpp sums them), and those rows are gathered. Shared
+//!   experts are a dense FFN of their own width, cut the same way.
 //! - the output projection by vocabulary rows: each member computes the logits of its
 //!   share of the vocabulary, gathered by the group's first member.
 //!
@@ -40,8 +41,9 @@ use crate::hparams::HParams;
 use crate::ModelError;
 
 /// Architectures whose layers baton can split: llama-style attention with a dense FFN
-/// or routed experts without shared ones (`llama` covers Mixtral), and gemma3.
-pub const TP_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"];
+/// or routed experts (`llama` covers Mixtral; glm4moe has shared experts and dense
+/// leading layers), and gemma3.
+pub const TP_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3"];
 
 /// Rows of a matrix a member gets are a multiple of this where they can be (ggml repacks
 /// matrices whose row count is a multiple of 8 or 16 into its faster CPU layouts).
@@ -62,6 +64,9 @@ pub struct TpSplit {
     /// Its share of each routed expert's inner dimension (rows of every expert's
     /// `ffn_gate_exps`, `ffn_up_exps`); empty for a dense model.
     pub ff_exp: Range<usize>,
+    /// Its share of the shared experts' inner dimension (rows of `ffn_gate_shexp`,
+    /// `ffn_up_shexp`); empty without shared experts.
+    pub ff_shexp: Range<usize>,
     /// Its share of the hidden size (rows of `attn_output`, `ffn_down`).
     pub embd: Range<usize>,
     /// Its rows of the output projection.
@@ -82,7 +87,7 @@ impl TpSplit {
         if size == 0 || rank >= size {
             return Err(ModelError::BadConfig(format!("member {rank} of a group of {size}")));
         }
-        if !TP_ARCHITECTURES.contains(&hp.arch.name) || hp.moe.n_expert_shared > 0 || hp.mla.is_some() {
+        if !TP_ARCHITECTURES.contains(&hp.arch.name) || hp.mla.is_some() {
             return Err(ModelError::BadConfig(format!(
                 "tensor parallelism splits {} layers; {} is not one",
                 TP_ARCHITECTURES.join("/"),
@@ -90,7 +95,8 @@ impl TpSplit {
             )));
         }
         let unit = |n: usize| if n / ROW_UNIT >= size { ROW_UNIT } else { 1 };
-        let experts_too_narrow = hp.moe.n_expert > 0 && hp.moe.n_ff_exp < size;
+        let shexp = hp.moe.n_ff_exp * hp.moe.n_expert_shared;
+        let experts_too_narrow = hp.moe.n_expert > 0 && hp.moe.n_ff_exp < size || shexp > 0 && shexp < size;
         if hp.n_ff < size || hp.n_embd < size || experts_too_narrow {
             return Err(ModelError::BadConfig(format!(
                 "a model of hidden size {} and FFN {} cannot be split {size} ways",
@@ -103,6 +109,7 @@ impl TpSplit {
             kv_heads: share(hp.n_head_kv, 1, rank, size),
             ff: share(hp.n_ff, unit(hp.n_ff), rank, size),
             ff_exp: share(hp.moe.n_ff_exp, unit(hp.moe.n_ff_exp), rank, size),
+            ff_shexp: share(shexp, unit(shexp), rank, size),
             embd: share(hp.n_embd, unit(hp.n_embd), rank, size),
             vocab: share(hp.n_vocab, unit(hp.n_vocab), rank, size),
         })
@@ -151,10 +158,15 @@ impl TpSplit {
             | "attn_k_norm.weight"
             | "post_attention_norm.weight"
             | "post_ffw_norm.weight"
-            | "ffn_gate_inp.weight" => Cut::Whole,
+            | "ffn_gate_inp.weight"
+            | "exp_probs_b.bias" => Cut::Whole,
             // Every expert's matrix by rows, as the dense FFN's.
             "ffn_gate_exps.weight" | "ffn_up_exps.weight" => Cut::Rows(self.ff_exp.clone()),
             "ffn_down_exps.weight" => Cut::Rows(self.embd.clone()),
+            "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" | "ffn_gate_shexp.bias" | "ffn_up_shexp.bias" => {
+                Cut::Rows(self.ff_shexp.clone())
+            }
+            "ffn_down_shexp.weight" | "ffn_down_shexp.bias" => Cut::Rows(self.embd.clone()),
             "attn_q.weight" | "attn_q.bias" => Cut::Rows(heads(&q, d_k)),
             "attn_k.weight" | "attn_k.bias" => Cut::Rows(heads(&self.kv_heads, d_k)),
             "attn_v.weight" | "attn_v.bias" => Cut::Rows(heads(&self.kv_heads, d_v)),
