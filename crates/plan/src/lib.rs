@@ -1,10 +1,9 @@
 //! Partitioning a model's layers into stages. Pure functions, tested with tables.
 #![deny(unsafe_code)]
 
-pub mod groups;
 pub mod tp;
 
-pub use groups::{choose_layout, plan_groups, Dims, GroupPlan, LayoutChoice, LinkOffer, TpDegree};
+pub use tp::{choose_layout, plan_groups, Dims, GroupPlan, LayoutChoice, LinkOffer, TpDegree};
 
 use std::ops::Range;
 

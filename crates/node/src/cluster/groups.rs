@@ -101,7 +101,7 @@ pub(super) fn plan_nodes(
     let node_names = grouped
         .groups
         .iter()
-        .map(|g| baton_plan::groups::group_offer(offers, g.clone(), 1.0).name)
+        .map(|g| baton_plan::tp::group_offer(offers, g.clone(), 1.0).name)
         .collect();
     Ok(Planned {
         plan: grouped.plan,
