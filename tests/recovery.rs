@@ -508,3 +508,41 @@ fn a_worker_that_hangs_while_the_ring_forms_is_left_out_in_time() {
     let (FormError::Retry(text) | FormError::Capacity(text)) = error;
     assert!(text.contains(&addr), "{text}");
 }
+
+/// Issue 19: the second member of a tensor-parallel group describes itself and then
+/// hangs, so member 0 waits for it to link, and the head waits on member 0. The head's
+/// heartbeat finds the hung worker lost and ends the formation (every worker's control
+/// link is closed while the ring forms), instead of waiting for member 0 to give up.
+#[test]
+fn a_member_that_hangs_while_its_group_forms_ends_the_formation_in_time() {
+    use baton_node::cluster::{ClusterOptions, Supervisor};
+    use baton_node::engine::{FormError, RingSource};
+
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let w0 = Worker::start(&["--handshake-timeout", "60"]);
+    let hung = start_worker_that_hangs_while_loading();
+    let opts = ClusterOptions {
+        token: Some(TOKEN.into()),
+        n_ctx: 256,
+        repack: true,
+        tp: baton_plan::TpDegree::Fixed(2),
+        ..Default::default()
+    };
+    let workers = [w0.addr(), hung.clone()];
+    let mut supervisor = Supervisor::new(&model(QWEN2), &workers, opts, Duration::from_secs(1));
+    let (done, outcome) = std::sync::mpsc::channel();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        let result = supervisor.form(std::sync::Arc::new(|_: &str, _: &str| {}));
+        let _ = done.send(result.err());
+    });
+    let error = outcome
+        .recv_timeout(Duration::from_secs(30))
+        .expect("forming the ring must not wait for a hung member")
+        .expect("no ring can be formed with a hung member");
+    let took = started.elapsed();
+    eprintln!("forming gave up after {took:?}: {error:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let (FormError::Retry(text) | FormError::Capacity(text)) = error;
+    assert!(text.contains(&hung), "{text}");
+}

@@ -311,10 +311,10 @@ fn dial(rank: usize, addr: &str, me: usize, token: Option<&[u8]>, opts: &LinkOpt
     Peer::new(rank, link)
 }
 
-/// Member `from` of worker group `group` dials member `to` at `addr` (another
-/// `baton worker`'s listener, reached as [`Role::Member`]) and introduces itself with
+/// Member `from` of worker group `group` dials another member at `addr` (a `baton
+/// worker`'s listener, reached as [`Role::Member`]) and introduces itself with
 /// `JoinGroup`; the link is ready for the group's exchanges. Tries again until
-/// `deadline` while nothing answers.
+/// `deadline` while nothing answers and `keep_trying` says so (the session goes on).
 pub fn dial_group_member(
     addr: &str,
     group: u64,
@@ -322,11 +322,14 @@ pub fn dial_group_member(
     token: Option<&[u8]>,
     opts: &LinkOptions,
     deadline: Instant,
+    keep_trying: &dyn Fn() -> bool,
 ) -> Result<Box<dyn Link>, NodeError> {
     let mut link = loop {
-        match connect_by(addr, opts, deadline) {
+        // Each attempt is short, so that an ended session stops trying soon.
+        let attempt = deadline.min(Instant::now() + Duration::from_secs(2));
+        match connect_by(addr, opts, attempt) {
             Ok(link) => break link,
-            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(_) if Instant::now() < deadline && keep_trying() => std::thread::sleep(Duration::from_millis(50)),
             Err(e) => return Err(e.into()),
         }
     };

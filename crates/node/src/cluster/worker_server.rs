@@ -296,7 +296,7 @@ impl Shared {
         true
     }
 
-    fn is_aborted(&self, id: u64) -> bool {
+    pub(super) fn is_aborted(&self, id: u64) -> bool {
         let session = self.session();
         session.id == id && session.aborted
     }

@@ -7,17 +7,13 @@
 //! them all, so no member waits on a dead group.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use baton_proto::TpPlace;
 
 use super::worker_server::{ConnSlot, Shared};
 use crate::tp_net::{dial_group_member, Peer};
 use crate::NodeError;
-
-/// How long a member waits for the others to link (they get their plans within
-/// milliseconds of each other: the head sends every plan before it streams tensors).
-const MEMBER_WAIT: Duration = Duration::from_secs(60);
 
 /// A member's links to the rest of its group.
 pub(super) struct Mesh {
@@ -35,15 +31,19 @@ pub(super) struct Mesh {
 /// Links this worker (session `id`) with the rest of its group.
 pub(super) fn form_mesh(shared: &Shared, id: u64, place: &TpPlace) -> Result<Mesh, NodeError> {
     let (rank, size) = (place.rank as usize, place.members.len());
-    let deadline = Instant::now() + MEMBER_WAIT;
+    // The others get their plans within milliseconds of this one (the head sends every
+    // plan before it streams tensors): they have as long as a handshake.
+    let deadline = Instant::now() + shared.config.handshake_timeout;
     let token = shared.config.token.as_deref().map(str::as_bytes);
     let mut peers = Vec::with_capacity(size - 1);
     for (lower, addr) in place.members[..rank].iter().enumerate() {
-        let link = dial_group_member(addr, place.group, rank, token, &shared.config.link, deadline).map_err(|e| {
-            NodeError::Request(format!(
-                "cannot link to member {lower} of the tensor-parallel group at {addr}: {e}"
-            ))
-        })?;
+        let going_on = || !shared.is_aborted(id);
+        let link = dial_group_member(addr, place.group, rank, token, &shared.config.link, deadline, &going_on)
+            .map_err(|e| {
+                NodeError::Request(format!(
+                    "cannot link to member {lower} of the tensor-parallel group at {addr}: {e}"
+                ))
+            })?;
         shared.attach(link.closer().ok());
         peers.push(Peer::from_link(lower, link)?);
     }
