@@ -22,13 +22,13 @@ use baton_net::{
     client_handshake, connect_by, refuse_unexpected_auth, server_handshake_admitting, Incoming, Link, LinkCloser,
     LinkOptions, Listener, NetError,
 };
-use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, MAX_TP_MEMBERS, PROTOCOL_VERSION};
+use baton_proto::{Capabilities, LoadPlan, Message, RefusalCode, Role, PROTOCOL_VERSION};
 
 use super::admission::{Accepted, Admission, ConnId, Limits};
 use super::models::ModelDir;
 use super::probe::LinkProbe;
 use super::stream::{check_stage_complete, receive_stage_tensors};
-use super::worker_tp::{form_mesh, Mesh};
+use super::worker_tp::{form_mesh, Arrived, Mesh};
 use crate::stage_loop::{run, StageWorker};
 use crate::tp_net::{serve_member, MeshCollective, Peer, RemoteMember};
 use crate::NodeError;
@@ -98,17 +98,8 @@ pub(super) struct Shared {
     upstream_ready: Condvar,
     /// Links other members of a tensor-parallel group dialed, until the session takes
     /// them (see `worker_tp.rs`).
-    members: Mutex<Vec<Arrived>>,
-    members_ready: Condvar,
-}
-
-/// A member link another member of a tensor-parallel group dialed, waiting for this
-/// worker's session to take it.
-pub(super) struct Arrived {
-    group: u64,
-    rank: u32,
-    pub(super) link: Box<dyn Link>,
-    pub(super) slot: ConnSlot,
+    pub(super) members: Mutex<Vec<Arrived>>,
+    pub(super) members_ready: Condvar,
 }
 
 #[derive(Default)]
@@ -202,75 +193,6 @@ impl Shared {
         session.closers = control.into_iter().collect();
         session.aborted = false;
         session.id
-    }
-
-    fn arrived(&self) -> MutexGuard<'_, Vec<Arrived>> {
-        self.members.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Keeps a member link until the session takes it ([`Shared::wait_members`]); a
-    /// second link from the same member of the same group, or more links than a group
-    /// can have, are refused (given back with the reason).
-    fn arrive(&self, arrived: Arrived) -> Result<(), (Arrived, String)> {
-        let mut waiting = self.arrived();
-        if waiting
-            .iter()
-            .any(|a| a.group == arrived.group && a.rank == arrived.rank)
-        {
-            let why = format!("member {} of this group is linked already", arrived.rank);
-            return Err((arrived, why));
-        }
-        if waiting.len() >= MAX_TP_MEMBERS {
-            let why = format!("{} member links wait already, the most a group has", waiting.len());
-            return Err((arrived, why));
-        }
-        waiting.push(arrived);
-        self.members_ready.notify_all();
-        Ok(())
-    }
-
-    /// Waits until members `ranks` of `group` have linked to this worker (or session
-    /// `id` ends, or `deadline` passes); takes their links, by rank.
-    pub(super) fn wait_members(
-        &self,
-        id: u64,
-        group: u64,
-        ranks: std::ops::Range<usize>,
-        deadline: Instant,
-    ) -> Result<Vec<(usize, Arrived)>, NodeError> {
-        let mut waiting = self.arrived();
-        loop {
-            let here = |rank: usize| waiting.iter().any(|a| a.group == group && a.rank as usize == rank);
-            if ranks.clone().all(here) {
-                let mut taken = Vec::new();
-                for rank in ranks {
-                    let at = waiting
-                        .iter()
-                        .position(|a| a.group == group && a.rank as usize == rank)
-                        .expect("checked above");
-                    taken.push((rank, waiting.swap_remove(at)));
-                }
-                return Ok(taken);
-            }
-            if self.is_aborted(id) {
-                return Err(NodeError::Request(
-                    "the session ended while waiting for the other members of its tensor-parallel group".into(),
-                ));
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                let missing: Vec<String> = ranks.filter(|&r| !here(r)).map(|r| r.to_string()).collect();
-                return Err(NodeError::Request(format!(
-                    "members {} of this worker's tensor-parallel group did not link to it in time",
-                    missing.join(", ")
-                )));
-            }
-            waiting = self
-                .members_ready
-                .wait_timeout(waiting, left.min(Duration::from_millis(200)))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
     }
 
     /// Adds a link that ending the current session must close.
@@ -470,33 +392,7 @@ fn serve_connection(
             Ok(())
         }
         Role::Heartbeat => heartbeat(shared, link),
-        Role::Member => {
-            // Its first frame, still within the handshake's read timeout, says which
-            // group and which member it is.
-            let (group, rank) = match link.recv()? {
-                Message::JoinGroup { group, rank } => (group, rank),
-                other => {
-                    let reason = format!("{} where a member's JoinGroup was due", other.kind());
-                    refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
-                    return Err(NodeError::Protocol(reason));
-                }
-            };
-            link.set_read_timeout(None)?;
-            shared.attach(closer);
-            let arrived = Arrived {
-                group,
-                rank,
-                link,
-                slot: conn,
-            };
-            match shared.arrive(arrived) {
-                Ok(()) => Ok(()),
-                Err((mut arrived, reason)) => {
-                    refuse(arrived.link.as_mut(), RefusalCode::BadRequest, reason.clone());
-                    Err(NodeError::Request(reason))
-                }
-            }
-        }
+        Role::Member => super::worker_tp::accept_member(shared, link, closer, conn),
         Role::Worker => {
             let reason = "workers do not connect to workers as workers";
             refuse(link.as_mut(), RefusalCode::BadRequest, reason.into());
@@ -667,7 +563,7 @@ fn session(
 }
 
 /// Tells the peer why it is refused, and closes so that it can read it.
-fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
+pub(super) fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
     if link.send(Message::Refused { code, reason }).is_ok() {
         link.close_gently();
     }
