@@ -241,10 +241,10 @@ fn explain(
         })
         .collect();
     let link = worst(links);
-    let limit = if max_size < links.len() {
-        format!(" (the model splits at most {max_size} ways)")
-    } else {
-        String::new()
+    let limit = match max_size {
+        0 | 1 => " (the model cannot be split)".to_string(),
+        n if n < links.len() => format!(" (the model splits at most {n} ways)"),
+        _ => String::new(),
     };
     format!(
         "--tp auto chose tp {} with {} stage(s): modelled {}{limit}; worst link one-way {:.0} µs, {:.0} MB/s \
@@ -364,6 +364,13 @@ mod tests {
             ("wan", 4, 15e-3, 15e6, 16, 1, 4),
             ("a model that cannot be split", 4, 20e-6, 2e9, 1, 1, 4),
         ];
+        let why = |max_size| {
+            choose_layout(&qwen2(), &nodes(4), &links(4, 20e-6, 2e9), DIMS, max_size)
+                .unwrap()
+                .why
+        };
+        assert!(why(1).contains("(the model cannot be split)"), "{}", why(1));
+        assert!(why(2).contains("(the model splits at most 2 ways)"), "{}", why(2));
         for &(case, n, latency, bandwidth, max_size, size, stages) in table {
             let choice = choose_layout(&qwen2(), &nodes(n), &links(n, latency, bandwidth), DIMS, max_size).unwrap();
             assert_eq!(choice.chosen.size, size, "{case}: {}", choice.why);

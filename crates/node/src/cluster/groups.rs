@@ -79,6 +79,12 @@ pub(super) fn plan_nodes(
                 nodes,
             });
         }
+        TpDegree::Fixed(size) if size > baton_proto::MAX_TP_MEMBERS => {
+            return Err(NodeError::Request(format!(
+                "--tp {size}: a group has at most {} members",
+                baton_proto::MAX_TP_MEMBERS
+            )))
+        }
         TpDegree::Fixed(size) => {
             // Refused before any worker loads: the model must split this many ways.
             TpSplit::new(file.hparams(), 0, size)?;
