@@ -238,6 +238,23 @@ fn experts_tp_2_and_3_match_llama_cpp() {
     }
 }
 
+/// Dense architectures with more to them (synthetic): gemma2's attention and final
+/// logit soft-capping and sliding windows, mistral3's YaRN attention temperature.
+#[test]
+fn gemma2_and_mistral3_tp_2_and_3_match_llama_cpp() {
+    use baton_ggml::FileType;
+    let _serial = serial();
+    for arch in ["gemma2", "mistral3"] {
+        let fixture = Fixture::load(common::synth::synthetic(arch, FileType::Q4KM));
+        for n in [2, 3] {
+            let config = StageConfig::new(N_CTX, 1);
+            let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+            let worst = check_model(&fixture, &mut stage, &format!("{arch} tp {n}"));
+            assert_eq!(worst, 0.0, "{arch} tp {n}: the logits are libllama's bits");
+        }
+    }
+}
+
 /// A model baton cannot split says so instead of computing something else: MLA
 /// attention (deepseek2) is not split yet.
 #[test]

@@ -42,8 +42,10 @@ use crate::ModelError;
 
 /// Architectures whose layers baton can split: llama-style attention with a dense FFN
 /// or routed experts (`llama` covers Mixtral; glm4moe has shared experts and dense
-/// leading layers), and gemma3.
-pub const TP_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3"];
+/// leading layers), and gemma2/gemma3 (norms after attention and after the FFN).
+pub const TP_ARCHITECTURES: &[&str] = &[
+    "llama", "mistral3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma2", "gemma3",
+];
 
 /// Rows of a matrix a member gets are a multiple of this where they can be (ggml repacks
 /// matrices whose row count is a multiple of 8 or 16 into its faster CPU layouts).
