@@ -152,6 +152,70 @@ fn one_group_of_three_workers_matches_llama_cpp() {
     check_against_llama_cpp(&mut ring, &oracle, "1 group of 3 workers");
 }
 
+/// What crosses the member link of a group of two per decode step, for qwen2 (n_embd
+/// 896, 14 heads of 64 over 2 key/value heads, n_ff 4864, vocabulary 151,936): each
+/// member's slices of the four gathers of every layer (7 heads x 64, 448 rows of the
+/// attention output, 2432 of the FFN's activations, 448 of its output: 3776 values, in
+/// four frames of 36 bytes besides), both ways; member 0's `Forward` to member 1; and
+/// member 1's half of the logits (75,968 values) to member 0.
+#[test]
+fn per_token_traffic_between_members_is_their_slices_and_the_logits() {
+    use baton_proto::{Payload, StartSeq};
+    use common::proxy::DelayProxy;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = model(QWEN2);
+    let dir = path.parent().unwrap();
+    // Member 1 dials member 0 at the address member 0 advertises: a counting proxy.
+    let mut proxy = DelayProxy::bind(Duration::ZERO);
+    let w0 = WorkerProc::start(dir, Some(TOKEN), &["--advertise", &proxy.addr]);
+    let w1 = WorkerProc::start(dir, Some(TOKEN), &[]);
+    proxy.forward_to(w0.addr.clone());
+    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options(TpDegree::Fixed(2))).unwrap();
+    let head = ring.head().unwrap();
+    head.control(StartSeq::new(0, SamplingParams::greedy(), vec![]).into())
+        .unwrap();
+    let mut token = head
+        .forward(Payload::Tokens(vec![1, 2, 3]), vec![0, 1, 2], vec![0; 3], vec![2])
+        .unwrap()[0]
+        .token;
+    let counted = || {
+        // The proxy counts a chunk once written: let the last step's frames arrive.
+        std::thread::sleep(Duration::from_millis(200));
+        (
+            proxy.from_target.load(Ordering::Relaxed),
+            proxy.to_target.load(Ordering::Relaxed),
+        )
+    };
+    let (from0, to0) = counted();
+    const STEPS: u64 = 20;
+    for pos in 3..3 + STEPS as i32 {
+        token = ring
+            .head()
+            .unwrap()
+            .forward(Payload::Tokens(vec![token]), vec![pos], vec![0], vec![0])
+            .unwrap()[0]
+            .token;
+    }
+    let (from1, to1) = counted();
+    let (from_member0, to_member0) = ((from1 - from0) / STEPS, (to1 - to0) / STEPS);
+    println!("per token: member 0 -> member 1 {from_member0} bytes, member 1 -> member 0 {to_member0} bytes");
+    // 24 layers x (3776 values x 4 bytes + 4 frames x (8 header + 12 payload + 16 seal)).
+    let slices = 24 * (3776 * 4 + 4 * 36);
+    let logits = 75_968 * 4 + 36;
+    assert!(
+        (slices..slices + 200).contains(&from_member0),
+        "member 0 sends its slices and a Forward: {from_member0} bytes, expected {slices} + a Forward"
+    );
+    assert_eq!(
+        to_member0,
+        slices + logits,
+        "member 1 sends its slices and its half of the logits"
+    );
+}
+
 /// On loopback TP pays (docs/tensor-parallel.md): `--tp auto` measures each link,
 /// chooses one group of both workers, and says why with the model's numbers.
 #[test]

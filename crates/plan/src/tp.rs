@@ -15,6 +15,9 @@
 //!   output, FFN activations, FFN output; `n_ff` of the chosen experts for a mixture of
 //!   experts, see `baton_model::tp`);
 //!
+//! - on the last stage, a group of `t > 1` sends member 0 the others' shares of the
+//!   logits (member 0 samples): `(t − 1) 4 n_vocab / t / β`;
+//!
 //! with `ℓ`, `β` the group's worst link (largest one-way latency, smallest bandwidth).
 //! TP pays while `4 L ℓ` is small next to what splitting saves, `c (1 − 1/(t η))`.
 
@@ -59,6 +62,8 @@ pub struct Dims {
     pub n_embd: usize,
     /// Inner size of the FFN (of one expert's, for a mixture of experts).
     pub n_ff: usize,
+    /// Vocabulary: the last stage's members send member 0 their share of the logits.
+    pub n_vocab: usize,
 }
 
 /// The pipeline over groups of nodes.
@@ -166,7 +171,12 @@ pub fn stream_secs(plan: &GroupPlan, links: &[LinkOffer], dims: Dims) -> f64 {
             stage.secs_per_token + link.latency + hidden + exchanges
         })
         .sum();
-    let back = stages.last().map_or(0.0, |last| group_link(last.node).latency);
+    let back = stages.last().map_or(0.0, |last| {
+        let link = group_link(last.node);
+        let t = plan.groups[last.node].len() as f64;
+        let logits = (t - 1.0) * 4.0 * dims.n_vocab as f64 / t / link.bandwidth.max(1.0);
+        link.latency + logits
+    });
     through + back
 }
 
@@ -249,13 +259,14 @@ fn explain(
     format!(
         "--tp auto chose tp {} with {} stage(s): modelled {}{limit}; worst link one-way {:.0} µs, {:.0} MB/s \
          (measured from the head); per token = Σ stages (compute / (tp × {EFFICIENCY}) + hop + layers × (4 \
-         latency + (tp − 1) × {} bytes / tp / bandwidth))",
+         latency + (tp − 1) × {} bytes / tp / bandwidth)) + (tp − 1) × {} bytes of logits / tp / bandwidth",
         chosen.size,
         chosen.plan.stages.len(),
         tried.join(", "),
         link.latency * 1e6,
         link.bandwidth / 1e6,
         4 * (3 * dims.n_embd + dims.n_ff),
+        4 * dims.n_vocab,
     )
 }
 
@@ -279,6 +290,7 @@ mod tests {
     const DIMS: Dims = Dims {
         n_embd: 896,
         n_ff: 4864,
+        n_vocab: 151_936,
     };
 
     /// Equal nodes of 1 ms per layer (34 ms per token with the output) and a lot of
@@ -394,7 +406,8 @@ mod tests {
         assert!((secs(1) - ((24.0 + output) * 1e-3 + hops)).abs() < 1e-9, "{}", secs(1));
         // One group of two: the same work at 2 × 0.8, two hops, 24 layers of exchanges.
         let exchange = 4.0 * 20e-6 + 4.0 * (3.0 * 896.0 + 4864.0) / 2.0 / 2e9;
-        let expected = (24.0 + output) * 1e-3 / 1.6 + 2.0 * 20e-6 + 24.0 * exchange;
+        let logits = 4.0 * 151_936.0 / 2.0 / 2e9;
+        let expected = (24.0 + output) * 1e-3 / 1.6 + 2.0 * 20e-6 + 24.0 * exchange + logits;
         assert!((secs(2) - expected).abs() < 1e-9, "{} vs {expected}", secs(2));
         assert!((choice.secs - expected).abs() < 1e-12);
     }

@@ -136,6 +136,7 @@ fn dims(file: &ModelFile) -> Dims {
     Dims {
         n_embd: hp.n_embd,
         n_ff,
+        n_vocab: hp.n_vocab,
     }
 }
 
