@@ -214,16 +214,22 @@ fn gemma3_tp_2_and_3_match_llama_cpp() {
     }
 }
 
-/// Routed experts split by rows of every expert (qwen3moe, Mixtral, and glm4moe with
-/// its shared expert, dense leading layer and selection bias; synthetic): the router is
+/// Routed experts split by rows of every expert (qwen3moe, Mixtral, glm4moe with its
+/// shared expert, dense leading layer and selection bias, and gpt-oss with its expert
+/// biases, attention sinks and MXFP4 experts; synthetic): the router is
 /// whole on every member, so all choose the same experts, and the logits are
 /// libllama's bits, in groups of 2 and 3.
 #[test]
 fn experts_tp_2_and_3_match_llama_cpp() {
     use baton_ggml::FileType;
     let _serial = serial();
-    for arch in ["qwen3moe", "mixtral", "glm4moe"] {
-        let fixture = Fixture::load(common::synth::synthetic(arch, FileType::Q4KM));
+    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss"] {
+        let file_type = if arch == "gpt-oss" {
+            FileType::Mxfp4Moe
+        } else {
+            FileType::Q4KM
+        };
+        let fixture = Fixture::load(common::synth::synthetic(arch, file_type));
         for n in [2, 3] {
             let config = StageConfig::new(N_CTX, 1);
             let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
@@ -239,12 +245,13 @@ fn experts_tp_2_and_3_match_llama_cpp() {
 }
 
 /// Dense architectures with more to them (synthetic): gemma2's attention and final
-/// logit soft-capping and sliding windows, mistral3's YaRN attention temperature.
+/// logit soft-capping and sliding windows, mistral3's YaRN attention temperature,
+/// phi3's fused q/k/v and gate/up projections (each member's rows of each part).
 #[test]
-fn gemma2_and_mistral3_tp_2_and_3_match_llama_cpp() {
+fn gemma2_mistral3_and_phi3_tp_2_and_3_match_llama_cpp() {
     use baton_ggml::FileType;
     let _serial = serial();
-    for arch in ["gemma2", "mistral3"] {
+    for arch in ["gemma2", "mistral3", "phi3"] {
         let fixture = Fixture::load(common::synth::synthetic(arch, FileType::Q4KM));
         for n in [2, 3] {
             let config = StageConfig::new(N_CTX, 1);

@@ -42,9 +42,10 @@ use crate::ModelError;
 
 /// Architectures whose layers baton can split: llama-style attention with a dense FFN
 /// or routed experts (`llama` covers Mixtral; glm4moe has shared experts and dense
-/// leading layers), and gemma2/gemma3 (norms after attention and after the FFN).
+/// leading layers; gpt-oss has expert biases and attention sinks), gemma2/gemma3
+/// (norms after attention and after the FFN), and phi3 (fused projections). Not MLA.
 pub const TP_ARCHITECTURES: &[&str] = &[
-    "llama", "mistral3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma2", "gemma3",
+    "llama", "mistral3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gpt-oss", "gemma2", "gemma3", "phi3",
 ];
 
 /// Rows of a matrix a member gets are a multiple of this where they can be (ggml repacks
@@ -134,8 +135,8 @@ impl TpSplit {
     }
 
     /// How the member slices the stage tensor `name` (`blk.3.attn_q.weight`,
-    /// `output.weight`).
-    pub fn cut(&self, hp: &HParams, name: &str) -> Result<Cut, ModelError> {
+    /// `output.weight`) of shape `dims`.
+    pub fn cut(&self, hp: &HParams, name: &str, dims: &[i64]) -> Result<Cut, ModelError> {
         let short = match name.strip_prefix("blk.") {
             Some(rest) => rest.split_once('.').map_or(rest, |(_, short)| short),
             None => {
@@ -153,7 +154,17 @@ impl TpSplit {
         let q = self.q_heads(hp);
         let (d_k, d_v) = (hp.head_dim_k, hp.head_dim_v);
         let heads = |r: &Range<usize>, d: usize| r.start * d..r.end * d;
+        let shifted = |r: Range<usize>, by: usize| r.start + by..r.end + by;
+        // phi3's fused projections: `[q | k | v]` rows, and `[gate | up]` rows.
+        let (n_q, n_k) = (hp.n_head * d_k, hp.n_head_kv * d_k);
+        let fused_up = dims.get(1).is_some_and(|&rows| rows as usize == 2 * hp.n_ff);
         Ok(match short {
+            "attn_qkv.weight" | "attn_qkv.bias" => Cut::RowRanges(vec![
+                heads(&q, d_k),
+                shifted(heads(&self.kv_heads, d_k), n_q),
+                shifted(heads(&self.kv_heads, d_v), n_q + n_k),
+            ]),
+            "ffn_up.weight" if fused_up => Cut::RowRanges(vec![self.ff.clone(), shifted(self.ff.clone(), hp.n_ff)]),
             "attn_norm.weight"
             | "ffn_norm.weight"
             | "attn_q_norm.weight"
@@ -161,7 +172,13 @@ impl TpSplit {
             | "post_attention_norm.weight"
             | "post_ffw_norm.weight"
             | "ffn_gate_inp.weight"
+            | "ffn_gate_inp.bias"
             | "exp_probs_b.bias" => Cut::Whole,
+            // One value per query head.
+            "attn_sinks.weight" => Cut::Rows(q.clone()),
+            // Every expert's bias, `[n, n_expert]`: the elements of its rows.
+            "ffn_gate_exps.bias" | "ffn_up_exps.bias" => Cut::Columns(self.ff_exp.clone()),
+            "ffn_down_exps.bias" => Cut::Columns(self.embd.clone()),
             // Every expert's matrix by rows, as the dense FFN's.
             "ffn_gate_exps.weight" | "ffn_up_exps.weight" => Cut::Rows(self.ff_exp.clone()),
             "ffn_down_exps.weight" => Cut::Rows(self.embd.clone()),
@@ -193,6 +210,11 @@ pub enum Cut {
     /// Rows (the second dimension: of a matrix, of each expert's matrix; elements of a
     /// vector).
     Rows(Range<usize>),
+    /// Several ranges of rows, joined in order (fused projections).
+    RowRanges(Vec<Range<usize>>),
+    /// Elements of every row of an f32 matrix (one bias per expert: the same elements
+    /// of each).
+    Columns(Range<usize>),
     /// None of it (attention weights of a member without heads).
     Skip,
 }

@@ -255,7 +255,7 @@ impl StageWeights {
                 });
             }
             let cut = match split {
-                Some(split) => split.cut(&file.hparams, &spec.name)?,
+                Some(split) => split.cut(&file.hparams, &spec.name, &dims)?,
                 None => Cut::Whole,
             };
             let source = file
@@ -542,32 +542,50 @@ fn slice(
     // llama.cpp's dot products (see `crate::tp`).
     match cut {
         Cut::Whole | Cut::Skip => Ok(None),
-        Cut::Rows(rows) if dims.len() == 1 => {
+        Cut::Rows(rows) => slice(name, dtype, dims, source, &Cut::RowRanges(vec![rows.clone()])),
+        Cut::RowRanges(ranges) if dims.len() == 1 => {
             // A vector (f32, checked by the caller): elements.
-            if rows.end > ne0 || dtype != DType::F32 {
-                return Err(bad(format!("elements {rows:?}")));
+            if ranges.iter().any(|r| r.end > ne0) || dtype != DType::F32 {
+                return Err(bad(format!("elements {ranges:?}")));
             }
-            let bytes = source[rows.start * 4..rows.end * 4].to_vec();
-            Ok(Some((dtype, vec![rows.len() as i64], Data::Owned(bytes))))
+            let bytes: Vec<u8> = ranges
+                .iter()
+                .flat_map(|r| &source[r.start * 4..r.end * 4])
+                .copied()
+                .collect();
+            Ok(Some((dtype, vec![bytes.len() as i64 / 4], Data::Owned(bytes))))
         }
-        Cut::Rows(rows) => {
+        Cut::Columns(cols) => {
+            if dtype != DType::F32 || dims.len() != 2 || cols.end > ne0 || cols.is_empty() {
+                return Err(bad(format!("elements {cols:?} of every row")));
+            }
+            let mut bytes = Vec::with_capacity(cols.len() * 4 * n_rows);
+            for row in 0..n_rows {
+                bytes.extend_from_slice(&source[(row * ne0 + cols.start) * 4..(row * ne0 + cols.end) * 4]);
+            }
+            Ok(Some((dtype, vec![cols.len() as i64, dims[1]], Data::Owned(bytes))))
+        }
+        Cut::RowRanges(ranges) => {
             // A matrix, or one matrix per expert (`[n, rows, n_expert]`): the same rows of
             // each, contiguous bytes of the file.
             let (per_matrix, matrices) = match dims {
                 [_, r] => (*r as usize, 1),
                 [_, r, e] => (*r as usize, *e as usize),
-                _ => return Err(bad(format!("rows {rows:?} of a {}-d tensor", dims.len()))),
+                _ => return Err(bad(format!("rows {ranges:?} of a {}-d tensor", dims.len()))),
             };
-            if rows.end > per_matrix || rows.is_empty() || per_matrix * matrices != n_rows {
-                return Err(bad(format!("rows {rows:?}")));
+            let n_kept: usize = ranges.iter().map(|r| r.len()).sum();
+            if ranges.iter().any(|r| r.end > per_matrix) || n_kept == 0 || per_matrix * matrices != n_rows {
+                return Err(bad(format!("rows {ranges:?}")));
             }
-            let mut bytes = Vec::with_capacity(rows.len() * row_bytes * matrices);
+            let mut bytes = Vec::with_capacity(n_kept * row_bytes * matrices);
             for matrix in 0..matrices {
                 let at = matrix * per_matrix;
-                bytes.extend_from_slice(&source[(at + rows.start) * row_bytes..(at + rows.end) * row_bytes]);
+                for rows in ranges {
+                    bytes.extend_from_slice(&source[(at + rows.start) * row_bytes..(at + rows.end) * row_bytes]);
+                }
             }
             let mut shape = dims.to_vec();
-            shape[1] = rows.len() as i64;
+            shape[1] = n_kept as i64;
             Ok(Some((dtype, shape, Data::Owned(bytes))))
         }
     }
@@ -614,7 +632,33 @@ mod tests {
             Err(e) => e.to_string(),
             Ok(_) => panic!("{dims:?} is not cut"),
         };
-        assert!(error(&[2, 3, 2], 2..4).contains("rows 2..4"));
+        assert!(error(&[2, 3, 2], 2..4).contains("rows [2..4]"));
         assert!(error(&[2, 3, 2, 1], 0..1).contains("4-d tensor"));
+        // Biases of every expert, `[2 values, 6 experts]`: the second value of each.
+        let (_, shape, data) = slice("b", DType::F32, &[2, 6], &source, &Cut::Columns(1..2))
+            .unwrap()
+            .unwrap();
+        assert_eq!(shape, vec![1, 6]);
+        let Data::Owned(bytes) = data else {
+            panic!("a slice is a copy")
+        };
+        let got: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [1., 11., 21., 101., 111., 121.]);
+        // A fused projection `[2, 6 rows]`: rows 0 and 3..5, joined in order.
+        let (_, shape, data) = slice("qkv", DType::F32, &[2, 6], &source, &Cut::RowRanges(vec![0..1, 3..5]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(shape, vec![2, 3]);
+        let Data::Owned(bytes) = data else {
+            panic!("a slice is a copy")
+        };
+        let got: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [0., 1., 100., 101., 110., 111.]);
     }
 }
