@@ -215,15 +215,17 @@ fn gemma3_tp_2_and_3_match_llama_cpp() {
 }
 
 /// Routed experts split by rows of every expert (qwen3moe, Mixtral, glm4moe with its
-/// shared expert, dense leading layer and selection bias, and gpt-oss with its expert
-/// biases, attention sinks and MXFP4 experts; synthetic): the router is
+/// shared expert, dense leading layer and selection bias, gpt-oss with its expert
+/// biases, attention sinks and MXFP4 experts, and deepseek2 with MLA attention, whose
+/// compressed row every member caches whole, its query heads two at a time (a member
+/// of a group of 3 over 4 heads gets none); synthetic): the router is
 /// whole on every member, so all choose the same experts, and the logits are
 /// libllama's bits, in groups of 2 and 3.
 #[test]
 fn experts_tp_2_and_3_match_llama_cpp() {
     use baton_ggml::FileType;
     let _serial = serial();
-    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss"] {
+    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2"] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
         } else {
@@ -262,16 +264,15 @@ fn gemma2_mistral3_and_phi3_tp_2_and_3_match_llama_cpp() {
     }
 }
 
-/// A model baton cannot split says so instead of computing something else: MLA
-/// attention (deepseek2) is not split yet.
+/// A group a model cannot be split into says so instead of computing something else.
 #[test]
-fn tp_refuses_architectures_it_cannot_split() {
-    let path = common::synth::synthetic("deepseek2", baton_ggml::FileType::Q4KM);
+fn tp_refuses_groups_a_model_cannot_be_split_into() {
+    let path = common::synth::synthetic("qwen3moe", baton_ggml::FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
-    let err = Stage::load_tp(file.clone(), whole_model(&file), &StageConfig::new(64, 1), 2)
+    let err = Stage::load_tp(file.clone(), whole_model(&file), &StageConfig::new(64, 1), 300)
         .err()
-        .expect("deepseek2 is not split");
-    assert!(err.to_string().contains("deepseek2 is not one"), "{err}");
+        .expect("256 values a row are not split 300 ways");
+    assert!(err.to_string().contains("cannot be split 300 ways"), "{err}");
 }
 
 /// Free loopback ports for members that must know each other's address up front.

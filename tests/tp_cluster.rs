@@ -256,16 +256,30 @@ fn experts_on_a_group_of_two_workers_match_llama_cpp() {
     one_group_of_two(&path, &common::synth::synth_dir(), "qwen3moe on a group of 2 workers");
 }
 
-/// A model tensor parallelism cannot split (MLA attention) is refused before any worker
-/// loads.
+/// A group larger than the protocol allows is refused by the head before any worker
+/// gets a plan, and the workers serve the next head.
 #[test]
-fn tp_on_workers_refuses_a_model_it_cannot_split() {
+fn tp_on_workers_refuses_a_group_too_large() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let path = common::synth::synthetic("deepseek2", baton_ggml::FileType::Q4KM);
-    let workers = workers_in(2, &common::synth::synth_dir());
+    let path = model(QWEN2);
+    let workers = workers(2);
     let addrs: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
-    let err = connect_cluster(&path, &addrs, &options(TpDegree::Fixed(2)))
+    let err = connect_cluster(&path, &addrs, &options(TpDegree::Fixed(65)))
         .err()
-        .expect("deepseek2 is not split");
-    assert!(err.to_string().contains("deepseek2 is not one"), "{err}");
+        .expect("a group of 65 is refused");
+    assert!(
+        err.to_string().contains("--tp 65: a group has at most 64 members"),
+        "{err}"
+    );
+    // The workers may still be closing the refused head's sessions for a moment.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    let ring = loop {
+        match connect_cluster(&path, &addrs, &options(TpDegree::Fixed(2))) {
+            Err(e) if e.refusal() == Some(baton_proto::RefusalCode::Busy) && std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(100))
+            }
+            other => break other,
+        }
+    };
+    assert!(ring.is_ok(), "{:?}", ring.err());
 }

@@ -555,6 +555,21 @@ fn slice(
                 .collect();
             Ok(Some((dtype, vec![bytes.len() as i64 / 4], Data::Owned(bytes))))
         }
+        Cut::Matrices(matrices) => {
+            let [ne0, ne1, ne2] = dims else {
+                return Err(bad(format!("matrices {matrices:?} of a {}-d tensor", dims.len())));
+            };
+            if matrices.end > *ne2 as usize || matrices.is_empty() {
+                return Err(bad(format!("matrices {matrices:?}")));
+            }
+            let matrix_bytes = dtype.row_bytes(*ne0 as usize) * *ne1 as usize;
+            let bytes = source[matrices.start * matrix_bytes..matrices.end * matrix_bytes].to_vec();
+            Ok(Some((
+                dtype,
+                vec![*ne0, *ne1, matrices.len() as i64],
+                Data::Owned(bytes),
+            )))
+        }
         Cut::Columns(cols) => {
             if dtype != DType::F32 || dims.len() != 2 || cols.end > ne0 || cols.is_empty() {
                 return Err(bad(format!("elements {cols:?} of every row")));
