@@ -95,6 +95,14 @@ def main():
            f"libllama: 1 process, 1 thread, in the same `baton bench` run. Median of {args.reps}; load = "
            f"1-minute load average when the row started (the machine has 2 cores).", ""]
     choices = []
+
+    def flush():
+        # Written after every row, so that a run stopped midway keeps what it measured.
+        text = "\n".join(out + ["## What `--tp auto` chose", ""] + choices + [""])
+        if args.out:
+            args.out.write_text(text)
+        return text
+
     for profile in args.profiles.split(","):
         pp, tg = SIZES[profile]
         p = PROFILES[profile]
@@ -113,15 +121,14 @@ def main():
             at = load()
             print(f"{profile}: {name} (load {at})", file=sys.stderr, flush=True)
             b_pp, b_tg, l_pp, l_tg, plan = measure()
-            out.append(f"| {name} | {b_pp:.2f} | {b_tg:.2f} | {l_pp:.2f} | {l_tg:.2f} | {b_tg / l_tg:.2f} | {at} |")
+            row = f"| {name} | {b_pp:.2f} | {b_tg:.2f} | {l_pp:.2f} | {l_tg:.2f} | {b_tg / l_tg:.2f} | {at} |"
+            print(row, file=sys.stderr, flush=True)
+            out.append(row)
             if name == "--tp auto":
                 choices.append(f"- **{profile}**: {plan}")
+            flush()
         out.append("")
-    out += ["## What `--tp auto` chose", ""] + choices + [""]
-    text = "\n".join(out)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    print(flush())
 
 
 if __name__ == "__main__":
