@@ -340,10 +340,11 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             }
         }
     };
-    let tp = match (stage_args.tp, args.cluster.tp_members.is_empty()) {
-        (0 | 1, _) => String::new(),
-        (n, true) => format!(", each a tensor-parallel group of {n} threads"),
-        (n, false) => format!(", one tensor-parallel group of {n} processes over links"),
+    let tp = match (&ring, stage_args.tp_size(), args.cluster.tp_members.is_empty()) {
+        (Ring::Remote { .. } | Ring::Supervised { .. }, _, _) => String::new(),
+        (_, 0 | 1, _) => String::new(),
+        (_, n, true) => format!(", each a tensor-parallel group of {n} threads"),
+        (_, n, false) => format!(", one tensor-parallel group of {n} processes over links"),
     };
     let mut table = format!(
         "model: {model_name}\nstages: {} ({}){tp}, {place}, {threads} thread(s) per stage (member), ready in {:.2} s; \
@@ -360,6 +361,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 b.display()
             )),
     );
+    if let Some(why) = ring.plan_why() {
+        table.push_str(&format!("plan: {why}\n\n"));
+    }
     table.push_str(
         "| test | baton tok/s | libllama tok/s | llama-bench tok/s | baton / libllama | baton / llama-bench |\n\
          |---|---:|---:|---:|---:|---:|\n",

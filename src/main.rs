@@ -72,11 +72,13 @@ pub struct StageArgs {
     #[arg(long)]
     pub no_repack: bool,
     /// Members of each stage's tensor-parallel group: each holds a slice of every layer
-    /// of the stage (heads, FFN, vocabulary) and they sum twice per layer. In this
-    /// process, members are threads (dense llama/qwen2/qwen3 models; see
-    /// docs/tensor-parallel.md).
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
+    /// of the stage (heads, FFN, vocabulary) and they gather their slices four times per
+    /// layer. In this process, members are threads; with --workers or --local-workers,
+    /// workers taken in order N at a time, each group one pipeline stage. `auto` (with
+    /// workers): the planner chooses N and the split from the workers' speed and memory
+    /// and the measured links, and says why (docs/tensor-parallel.md).
+    #[arg(long, default_value = "1", value_parser = parse_tp)]
+    pub tp: baton_plan::TpDegree,
     /// Devices of the in-process stages, in order, e.g. Vulkan0,CPU (`baton devices`
     /// lists them): one per stage; stages past the end of the list go to the CPU when it
     /// is last. Default: the accelerators, one stage each, then the CPU. With workers,
@@ -86,10 +88,37 @@ pub struct StageArgs {
     pub device: Vec<String>,
 }
 
+/// `--tp`: a group size of 1 or more, or `auto`.
+fn parse_tp(s: &str) -> Result<baton_plan::TpDegree, String> {
+    match s {
+        "auto" => Ok(baton_plan::TpDegree::Auto),
+        _ => match s.parse::<usize>() {
+            Ok(n) if (1..=baton_proto::MAX_TP_MEMBERS).contains(&n) => Ok(baton_plan::TpDegree::Fixed(n)),
+            _ => Err(format!(
+                "'{s}' is neither a group size from 1 to {} nor auto",
+                baton_proto::MAX_TP_MEMBERS
+            )),
+        },
+    }
+}
+
 impl StageArgs {
     /// Threads per stage.
     pub fn threads(&self) -> usize {
-        self.threads_for(self.stages * self.tp.max(1))
+        self.threads_for(self.stages * self.tp_size())
+    }
+
+    /// Members of each in-process group (1 for `--tp auto`, which only workers take).
+    pub fn tp_size(&self) -> usize {
+        match self.tp {
+            baton_plan::TpDegree::Fixed(n) => n.max(1),
+            baton_plan::TpDegree::Auto => 1,
+        }
+    }
+
+    /// Whether the stages are split into tensor-parallel groups (or may be: `auto`).
+    pub fn tp_wanted(&self) -> bool {
+        self.tp != baton_plan::TpDegree::Fixed(1)
     }
 
     /// Threads per stage when `n` stages share this machine.

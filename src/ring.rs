@@ -60,7 +60,8 @@ pub struct ClusterArgs {
     pub handshake_timeout: f64,
     /// Members 1.. of the tensor-parallel group (`baton tp-member` processes, in rank
     /// order); this process is member 0. The group runs the whole model as one stage;
-    /// --tp must be one more than the number of addresses.
+    /// --tp must be one more than the number of addresses. (With --workers, the head
+    /// forms groups of workers itself: give --tp N or auto instead.)
     #[arg(long, value_delimiter = ',')]
     pub tp_members: Vec<String>,
 }
@@ -172,18 +173,31 @@ impl Ring {
         let head_stage = !cluster.no_head_stage;
         // Bad certificate files fail here, before any worker is started or reached.
         let tls = cluster.tls.load()?;
-        if stages.tp > 1 && (cluster.local_workers.is_some() || !cluster.workers.is_empty()) {
-            anyhow::bail!(
-                "--tp runs its members as threads of this process or as `baton tp-member` processes \
-                 (--tp-members); tensor parallelism on cluster workers is not built yet"
+        let with_workers = cluster.local_workers.is_some() || !cluster.workers.is_empty();
+        anyhow::ensure!(
+            with_workers || stages.tp != baton_plan::TpDegree::Auto,
+            "--tp auto chooses groups of workers (--workers or --local-workers); in one process give --tp N"
+        );
+        anyhow::ensure!(
+            cluster.tp_members.is_empty() || !with_workers,
+            "--tp-members makes this process member 0 of a group of `baton tp-member` processes; with \
+             --workers or --local-workers the head forms groups of workers itself (give --tp N)"
+        );
+        if let baton_plan::TpDegree::Fixed(n) = stages.tp {
+            let offered = cluster.local_workers.unwrap_or(cluster.workers.len());
+            anyhow::ensure!(
+                !with_workers || offered >= n,
+                "--tp {n} needs at least {n} workers to form one group; {offered} given"
             );
         }
-        if stages.tp > 1 {
+        // Groups of workers are the stages: the head runs none of its own.
+        let head_stage = head_stage && !(with_workers && stages.tp_wanted());
+        if stages.tp_size() > 1 {
             let devices = baton_ggml::Device::parse_list(&stages.device)?;
             if let Some(device) = devices.iter().find(|d| !d.is_cpu()) {
                 anyhow::bail!(
                     "--tp {} with --device {device:?}: tensor-parallel members run on the CPU only",
-                    stages.tp
+                    stages.tp_size()
                 );
             }
         }
@@ -211,9 +225,14 @@ impl Ring {
                     n_seq,
                 };
                 let ranges = stages.ranges(n_layer)?;
-                if stages.tp > 1 {
+                if stages.tp_size() > 1 {
                     // Members run on the CPU (checked above), whatever devices there are.
-                    return Ok(Setup::Local(LocalRing::start_tp(file, &ranges, &config, stages.tp)?));
+                    return Ok(Setup::Local(LocalRing::start_tp(
+                        file,
+                        &ranges,
+                        &config,
+                        stages.tp_size(),
+                    )?));
                 }
                 let devices = stages.stage_devices(ranges.len())?;
                 let on: Vec<_> = ranges.into_iter().zip(devices).collect();
@@ -240,6 +259,7 @@ impl Ring {
             skip_unreachable: false,
             handshake_timeout: Some(std::time::Duration::from_secs_f64(cluster.handshake_timeout)),
             on_reached: None,
+            tp: stages.tp,
         };
         Ok(Setup::Remote {
             workers,
@@ -299,8 +319,8 @@ fn tp_over_links(
     use baton_node::tp_net::{dial_members, MeshCollective, RemoteMember};
     let n = cluster.tp_members.len() + 1;
     anyhow::ensure!(
-        stages.tp == n,
-        "--tp {} with {} --tp-members: the group is this process and its members",
+        stages.tp == baton_plan::TpDegree::Fixed(n),
+        "--tp {:?} with {} --tp-members: the group is this process and its members",
         stages.tp,
         n - 1
     );

@@ -99,3 +99,44 @@ fn an_unreachable_worker_is_named_with_what_to_check() {
     assert!(error.contains("baton worker --listen"), "{error}");
     assert_eq!(error.matches("os error 111").count(), 1, "{error}");
 }
+
+/// `--tp` that cannot be formed is said before anything starts.
+#[test]
+fn tp_flags_that_cannot_form_a_group_are_refused() {
+    let model = model(GEMMA3);
+    let model = model.to_str().unwrap();
+    let auto = run_error(&["--model", model, "--tp", "auto", "-n", "1"]);
+    assert!(auto.contains("--tp auto chooses groups of workers"), "{auto}");
+    let zero = run_error(&["--model", model, "--tp", "0", "-n", "1"]);
+    assert!(
+        zero.contains("'0' is neither a group size from 1 to 64 nor auto"),
+        "{zero}"
+    );
+    let few = run_error(&[
+        "--model",
+        model,
+        "--tp",
+        "3",
+        "--workers",
+        "127.0.0.1:1,127.0.0.1:2",
+        "-n",
+        "1",
+    ]);
+    assert!(
+        few.contains("--tp 3 needs at least 3 workers to form one group; 2 given"),
+        "{few}"
+    );
+    let both = run_error(&[
+        "--model",
+        model,
+        "--tp",
+        "2",
+        "--tp-members",
+        "127.0.0.1:1",
+        "--local-workers",
+        "2",
+        "-n",
+        "1",
+    ]);
+    assert!(both.contains("--tp-members makes this process member 0"), "{both}");
+}

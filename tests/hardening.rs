@@ -365,6 +365,48 @@ fn a_heartbeat_ends_only_its_own_session() {
     assert!(!worker.log().contains("ending the head's session"), "{}", worker.log());
 }
 
+/// Issue 19: a link that announces itself as a member of a tensor-parallel group is
+/// refused unless its first frame is a `JoinGroup`, and a second link from the same
+/// member of the same group is refused; neither disturbs the ring the worker serves.
+#[test]
+fn member_links_are_refused_unless_they_join_a_group_once() {
+    use baton_ggml::LlamaModel;
+    use common::worker::{greedy, reference};
+
+    let path = model(GEMMA3);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let prompt = oracle.tokenize(common::PROMPTS[0], true, true).unwrap();
+    let expected = reference(&oracle, &prompt, 8);
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let mut ring = connect_cluster(&path, std::slice::from_ref(&worker.addr), &options()).unwrap();
+    let member = || {
+        let mut link = connect(&worker.addr, &LinkOptions::default()).unwrap();
+        client_handshake(link.as_mut(), Role::Member, Some(TOKEN.as_bytes())).unwrap();
+        link.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        link
+    };
+    let refusal = |link: &mut Box<dyn Link>| match link.recv() {
+        Ok(Message::Refused {
+            code: RefusalCode::BadRequest,
+            reason,
+        }) => reason,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let mut stranger = member();
+    stranger.send(Message::Pong).unwrap();
+    assert_eq!(refusal(&mut stranger), "Pong where a member's JoinGroup was due");
+
+    let mut first = member();
+    first.send(Message::JoinGroup { group: 7, rank: 1 }).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut again = member();
+    again.send(Message::JoinGroup { group: 7, rank: 1 }).unwrap();
+    assert_eq!(refusal(&mut again), "member 1 of this group is linked already");
+
+    assert_eq!(greedy(&mut ring, &prompt, 8, &oracle), expected, "{}", worker.log());
+    drop(first);
+}
+
 /// What `baton worker` says on stderr when it refuses to start with `args` and the
 /// token from `env` (if any) only; a worker that starts anyway fails the test.
 fn worker_refusal(args: &[&str], env: Option<&str>) -> String {
@@ -478,6 +520,7 @@ fn a_streamed_stage_with_a_tensor_left_out_is_refused_not_loaded_as_zeros() {
         wire_f16: false,
         repack: false,
         devices: vec![],
+        tp: None,
     }))
     .unwrap();
     link.send(Message::StreamStart {
@@ -547,6 +590,7 @@ fn a_plan_whose_kv_cache_exceeds_the_workers_memory_is_refused() {
             wire_f16: false,
             repack: false,
             devices: vec![],
+            tp: None,
         }))
         .unwrap();
         link.recv()

@@ -109,18 +109,15 @@ impl Server {
     }
 
     fn start_with(workers: &[&Worker], extra: &[&str]) -> Server {
+        Server::start_layout(workers, &["--split", "12,12"], extra)
+    }
+
+    /// With `layout` (`--split 12,12`, `--tp 2`) instead of the even split.
+    fn start_layout(workers: &[&Worker], layout: &[&str], extra: &[&str]) -> Server {
         let addrs: Vec<String> = workers.iter().map(|w| w.addr()).collect();
         let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
-            .args([
-                "serve",
-                "--port",
-                "0",
-                "--threads",
-                "1",
-                "--no-head-stage",
-                "--split",
-                "12,12",
-            ])
+            .args(["serve", "--port", "0", "--threads", "1", "--no-head-stage"])
+            .args(layout)
             .args(["--parallel", "2", "--ctx-size", "1024", "--heartbeat-timeout", "2"])
             // Chunks of 8: a repeated prompt reuses whole chunks of the cache, so the
             // disturbed stream is rebuilt from a partly cached prompt.
@@ -330,6 +327,72 @@ fn a_hung_worker_is_detected_and_replaced() {
     );
 }
 
+/// The stage names of `/health` (`"w0+w1 layers 0..24"` for a tensor-parallel group).
+fn stage_names(health: &Value) -> Vec<String> {
+    health["stages"]
+        .as_array()
+        .map(|stages| {
+            stages
+                .iter()
+                .map(|s| s.as_str().unwrap_or_default().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Issue 19: both workers form one tensor-parallel group (the whole model); member 1 is
+/// lost mid-stream. Member 0's exchange fails, its stage stops, the head sees the ring
+/// lost and forms a new one over member 0 alone (a pipeline of one), rebuilding the
+/// stream on it: the text is the undisturbed one. Back, member 1 rejoins the group.
+fn lose_a_tp_member_mid_stream(lose: impl FnOnce(&mut Worker), revive: impl FnOnce(&mut Worker)) {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let w0 = Worker::start(&[]);
+    let mut w1 = Worker::start(&[]);
+    let group = format!("{}+{} layers 0..24", w0.addr(), w1.addr());
+    let server = Server::start_layout(&[&w0, &w1], &["--tp", "2"], &[]);
+    let (_, health) = server.get("/health");
+    assert_eq!(stage_names(&health), vec![group.clone()], "{health}");
+    let undisturbed = server.stream(usize::MAX, || {});
+    assert_eq!(undisturbed.finish.as_deref(), Some("length"), "{undisturbed:?}");
+
+    let streamed = server.stream(8, || lose(&mut w1));
+    eprintln!("longest pause in the disturbed stream: {:?}", streamed.longest_gap);
+    assert!(streamed.error.is_none(), "{streamed:?}");
+    assert!(streamed.disturbed_at.is_some(), "the member was lost mid-stream");
+    assert_eq!(streamed.text, undisturbed.text, "the stream goes on unchanged");
+    assert_eq!(streamed.finish.as_deref(), Some("length"));
+    assert!(
+        streamed.longest_gap < Duration::from_secs(10),
+        "detected and recovered in {:?}",
+        streamed.longest_gap
+    );
+    let (status, health) = server.get("/health");
+    assert_eq!(status, 200, "{health}");
+    assert_eq!(
+        stage_names(&health),
+        vec![format!("{} layers 0..24", w0.addr())],
+        "{health}"
+    );
+    assert!(health["lost"].to_string().contains(&w1.addr()), "{health}");
+
+    revive(&mut w1);
+    let back = |status: u16, health: &Value| status == 200 && stage_names(health) == [group.clone()];
+    let (status, health) = server.wait_health(Duration::from_secs(30), back);
+    assert!(back(status, &health), "the member rejoins its group: {health}");
+    let again = server.stream(usize::MAX, || {});
+    assert_eq!(again.text, undisturbed.text);
+}
+
+#[test]
+fn a_killed_tp_member_is_replaced_and_the_stream_goes_on() {
+    lose_a_tp_member_mid_stream(|w| w.kill(), |w| w.restart());
+}
+
+#[test]
+fn a_hung_tp_member_is_detected_and_replaced() {
+    lose_a_tp_member_mid_stream(|w| w.signal("-STOP"), |w| w.signal("-CONT"));
+}
+
 #[test]
 fn without_spare_capacity_clients_get_a_clear_error_at_once() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -442,4 +505,42 @@ fn a_worker_that_hangs_while_the_ring_forms_is_left_out_in_time() {
     assert!(took < Duration::from_secs(5), "{took:?}");
     let (FormError::Retry(text) | FormError::Capacity(text)) = error;
     assert!(text.contains(&addr), "{text}");
+}
+
+/// Issue 19: the second member of a tensor-parallel group describes itself and then
+/// hangs, so member 0 waits for it to link, and the head waits on member 0. The head's
+/// heartbeat finds the hung worker lost and ends the formation (every worker's control
+/// link is closed while the ring forms), instead of waiting for member 0 to give up.
+#[test]
+fn a_member_that_hangs_while_its_group_forms_ends_the_formation_in_time() {
+    use baton_node::cluster::{ClusterOptions, Supervisor};
+    use baton_node::engine::{FormError, RingSource};
+
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let w0 = Worker::start(&["--handshake-timeout", "60"]);
+    let hung = start_worker_that_hangs_while_loading();
+    let opts = ClusterOptions {
+        token: Some(TOKEN.into()),
+        n_ctx: 256,
+        repack: true,
+        tp: baton_plan::TpDegree::Fixed(2),
+        ..Default::default()
+    };
+    let workers = [w0.addr(), hung.clone()];
+    let mut supervisor = Supervisor::new(&model(QWEN2), &workers, opts, Duration::from_secs(1));
+    let (done, outcome) = std::sync::mpsc::channel();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        let result = supervisor.form(std::sync::Arc::new(|_: &str, _: &str| {}));
+        let _ = done.send(result.err());
+    });
+    let error = outcome
+        .recv_timeout(Duration::from_secs(30))
+        .expect("forming the ring must not wait for a hung member")
+        .expect("no ring can be formed with a hung member");
+    let took = started.elapsed();
+    eprintln!("forming gave up after {took:?}: {error:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let (FormError::Retry(text) | FormError::Capacity(text)) = error;
+    assert!(text.contains(&hung), "{text}");
 }

@@ -1,7 +1,8 @@
 //! Tensor parallelism computes what llama.cpp computes: groups of 2 and 3 members
 //! (threads, or processes over TCP) give libllama's logits (bit-identical: every weight
 //! is sliced by rows, see `baton_model::tp`) after each prompt and after every greedy
-//! step, and the same greedy tokens, alone and as pipeline stages of a ring.
+//! step, and the same greedy tokens, alone and as pipeline stages of a ring: qwen2 and
+//! gemma3 (real models), qwen3moe and Mixtral (synthetic, their experts split by rows).
 //!
 //! Kept within CI's budget (two cores): libllama's answers are computed once and shared,
 //! the groups run one at a time, and each prompt continues for [`N_STEPS`] tokens. A
@@ -45,7 +46,7 @@ struct Case {
     steps: Vec<(Vec<f32>, u32)>,
 }
 
-/// qwen2, libllama over it, and its answers to [`PROMPTS`], loaded once for every test.
+/// A model, libllama over it, and its answers to [`PROMPTS`].
 struct Fixture {
     path: std::path::PathBuf,
     file: Arc<ModelFile>,
@@ -53,10 +54,8 @@ struct Fixture {
     cases: Vec<Case>,
 }
 
-fn fixture() -> &'static Fixture {
-    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
-    FIXTURE.get_or_init(|| {
-        let path = model(QWEN2);
+impl Fixture {
+    fn load(path: std::path::PathBuf) -> Fixture {
         let file = ModelFile::open(&path).unwrap();
         let oracle = LlamaModel::load_full(&path, true).unwrap();
         let cases = PROMPTS.iter().map(|&text| reference(&oracle, text)).collect();
@@ -66,7 +65,13 @@ fn fixture() -> &'static Fixture {
             oracle,
             cases,
         }
-    })
+    }
+}
+
+/// qwen2's, loaded once for every test.
+fn fixture() -> &'static Fixture {
+    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+    FIXTURE.get_or_init(|| Fixture::load(model(QWEN2)))
 }
 
 fn reference(oracle: &LlamaModel, text: &'static str) -> Case {
@@ -112,7 +117,11 @@ fn last_logits(stage: &mut Stage, tokens: &[u32], start: usize) -> Vec<f32> {
 /// Every prompt through `stage`, then its greedy steps one token at a time as a decode
 /// runs them: each step's logits within [`MAX_TP_NMSE`] of libllama's and the same token.
 fn check_against_llama_cpp(stage: &mut Stage, label: &str) {
-    let fixture = fixture();
+    check_model(fixture(), stage, label);
+}
+
+/// [`check_against_llama_cpp`] on `fixture`'s model; returns the worst NMSE.
+fn check_model(fixture: &Fixture, stage: &mut Stage, label: &str) -> f64 {
     let mut worst = 0f64;
     for case in &fixture.cases {
         stage.clear_seq(0);
@@ -140,6 +149,7 @@ fn check_against_llama_cpp(stage: &mut Stage, label: &str) {
         }
     }
     println!("{label}: worst nmse {worst:.3e}");
+    worst
 }
 
 #[test]
@@ -190,15 +200,79 @@ fn tp_groups_chain_as_pipeline_stages() {
     }
 }
 
-/// A model baton cannot split says so instead of computing something else.
+/// gemma3 (one key/value head: the second member computes no attention; norms after
+/// attention and after the FFN, on the gathered rows) in groups of 2 and 3.
 #[test]
-fn tp_refuses_architectures_it_cannot_split() {
-    let path = model(common::GEMMA3);
+fn gemma3_tp_2_and_3_match_llama_cpp() {
+    let fixture = Fixture::load(model(common::GEMMA3));
+    let _serial = serial();
+    for n in [2, 3] {
+        let config = StageConfig::new(N_CTX, 1);
+        let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+        let worst = check_model(&fixture, &mut stage, &format!("gemma3 tp {n}"));
+        assert_eq!(worst, 0.0, "gemma3 tp {n}: the logits are libllama's bits");
+    }
+}
+
+/// Routed experts split by rows of every expert (qwen3moe, Mixtral, glm4moe with its
+/// shared expert, dense leading layer and selection bias, gpt-oss with its expert
+/// biases, attention sinks and MXFP4 experts, and deepseek2 with MLA attention, whose
+/// compressed row every member caches whole, its query heads two at a time (a member
+/// of a group of 3 over 4 heads gets none); synthetic): the router is
+/// whole on every member, so all choose the same experts, and the logits are
+/// libllama's bits, in groups of 2 and 3.
+#[test]
+fn experts_tp_2_and_3_match_llama_cpp() {
+    use baton_ggml::FileType;
+    let _serial = serial();
+    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2"] {
+        let file_type = if arch == "gpt-oss" {
+            FileType::Mxfp4Moe
+        } else {
+            FileType::Q4KM
+        };
+        let fixture = Fixture::load(common::synth::synthetic(arch, file_type));
+        for n in [2, 3] {
+            let config = StageConfig::new(N_CTX, 1);
+            let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+            let split = stage.tp_split().unwrap().clone();
+            assert!(
+                !split.ff_exp.is_empty(),
+                "{arch}: every member holds a share of each expert"
+            );
+            let worst = check_model(&fixture, &mut stage, &format!("{arch} tp {n}"));
+            assert_eq!(worst, 0.0, "{arch} tp {n}: the logits are libllama's bits");
+        }
+    }
+}
+
+/// Dense architectures with more to them (synthetic): gemma2's attention and final
+/// logit soft-capping and sliding windows, mistral3's YaRN attention temperature,
+/// phi3's fused q/k/v and gate/up projections (each member's rows of each part).
+#[test]
+fn gemma2_mistral3_and_phi3_tp_2_and_3_match_llama_cpp() {
+    use baton_ggml::FileType;
+    let _serial = serial();
+    for arch in ["gemma2", "mistral3", "phi3"] {
+        let fixture = Fixture::load(common::synth::synthetic(arch, FileType::Q4KM));
+        for n in [2, 3] {
+            let config = StageConfig::new(N_CTX, 1);
+            let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+            let worst = check_model(&fixture, &mut stage, &format!("{arch} tp {n}"));
+            assert_eq!(worst, 0.0, "{arch} tp {n}: the logits are libllama's bits");
+        }
+    }
+}
+
+/// A group a model cannot be split into says so instead of computing something else.
+#[test]
+fn tp_refuses_groups_a_model_cannot_be_split_into() {
+    let path = common::synth::synthetic("qwen3moe", baton_ggml::FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
-    let err = Stage::load_tp(file.clone(), whole_model(&file), &StageConfig::new(64, 1), 2)
+    let err = Stage::load_tp(file.clone(), whole_model(&file), &StageConfig::new(64, 1), 300)
         .err()
-        .expect("gemma3 is not split");
-    assert!(err.to_string().contains("gemma3 is not one"), "{err}");
+        .expect("256 values a row are not split 300 ways");
+    assert!(err.to_string().contains("cannot be split 300 ways"), "{err}");
 }
 
 /// Free loopback ports for members that must know each other's address up front.

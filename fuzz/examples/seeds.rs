@@ -72,6 +72,7 @@ fn messages() -> Vec<(String, Message)> {
             device: "CPU".into(),
             layer_end: 24,
         }],
+        tp: None,
     };
     let forward = |payload| Forward {
         step: 42,
@@ -116,6 +117,14 @@ fn messages() -> Vec<(String, Message)> {
             next: None,
             first: true,
             layer_start: 0,
+            ..plan.clone()
+        }),
+        Message::LoadPlan(LoadPlan {
+            tp: Some(baton_proto::TpPlace {
+                group: 0x6e0_0001,
+                rank: 1,
+                members: vec!["10.0.0.2:7301".into(), "10.0.0.3:7301".into()],
+            }),
             ..plan
         }),
         Message::StreamStart {
@@ -179,6 +188,12 @@ fn messages() -> Vec<(String, Message)> {
             session: 0x5e55_1000,
         },
         Message::Pong,
+        Message::Partial {
+            sum: 3,
+            values: vec![0.5, -1.0],
+        },
+        Message::JoinGroup { group: 0x6e0_0001, rank: 1 },
+        Message::Probe { data: vec![0; 64] },
     ];
     let mut named: Vec<(String, Message)> = Vec::new();
     for message in messages {

@@ -17,6 +17,9 @@ pub struct DelayProxy {
     pub addr: String,
     /// Microseconds each way, for bytes read from now on.
     delay: Arc<AtomicU64>,
+    /// Bytes forwarded to the target, and back from it, over every connection.
+    pub to_target: Arc<AtomicU64>,
+    pub from_target: Arc<AtomicU64>,
 }
 
 impl DelayProxy {
@@ -28,6 +31,8 @@ impl DelayProxy {
             listener: Some(listener),
             addr,
             delay: Arc::new(AtomicU64::new(delay.as_micros() as u64)),
+            to_target: Arc::default(),
+            from_target: Arc::default(),
         }
     }
 
@@ -40,6 +45,7 @@ impl DelayProxy {
     pub fn forward_to(&mut self, target: String) {
         let listener = self.listener.take().expect("forwarding starts once");
         let delay = self.delay.clone();
+        let (up, down) = (self.to_target.clone(), self.from_target.clone());
         std::thread::spawn(move || {
             for client in listener.incoming().map_while(Result::ok) {
                 let Ok(server) = TcpStream::connect(&target) else {
@@ -47,17 +53,23 @@ impl DelayProxy {
                 };
                 client.set_nodelay(true).unwrap();
                 server.set_nodelay(true).unwrap();
-                delay_line(client.try_clone().unwrap(), server.try_clone().unwrap(), delay.clone());
-                delay_line(server, client, delay.clone());
+                let (up, down) = (up.clone(), down.clone());
+                delay_line(
+                    client.try_clone().unwrap(),
+                    server.try_clone().unwrap(),
+                    delay.clone(),
+                    up,
+                );
+                delay_line(server, client, delay.clone(), down);
             }
         });
     }
 }
 
 /// Copies `from` to `to`, each chunk written `delay` (microseconds, as it is when the
-/// chunk is read) after it was read; when `from` ends, `to` is shut down once
-/// everything read has been written.
-fn delay_line(mut from: TcpStream, mut to: TcpStream, delay: Arc<AtomicU64>) {
+/// chunk is read) after it was read, counting the bytes written in `count`; when `from`
+/// ends, `to` is shut down once everything read has been written.
+fn delay_line(mut from: TcpStream, mut to: TcpStream, delay: Arc<AtomicU64>, count: Arc<AtomicU64>) {
     let (chunks, due) = mpsc::channel::<(Instant, Vec<u8>)>();
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 1 << 16];
@@ -74,6 +86,7 @@ fn delay_line(mut from: TcpStream, mut to: TcpStream, delay: Arc<AtomicU64>) {
             if to.write_all(&bytes).is_err() {
                 break;
             }
+            count.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         }
         let _ = to.shutdown(Shutdown::Both);
     });

@@ -152,8 +152,10 @@ impl Member {
             Gather { op, width: total }
         };
         let ops = TpOps {
-            heads: gather(&|s| s.q_heads(hp).len() * hp.head_dim_v),
+            heads: gather(&|s| s.heads_width(hp)),
             ff: gather(&|s| s.ff.len()),
+            ff_exp: gather(&|s| s.ff_exp.len()),
+            ff_shexp: gather(&|s| s.ff_shexp.len()),
             embd: gather(&|s| s.embd.len()),
         };
         Ok(Member {

@@ -255,7 +255,7 @@ impl StageWeights {
                 });
             }
             let cut = match split {
-                Some(split) => split.cut(&file.hparams, &spec.name)?,
+                Some(split) => split.cut(&file.hparams, &spec.name, &dims)?,
                 None => Cut::Whole,
             };
             let source = file
@@ -542,20 +542,66 @@ fn slice(
     // llama.cpp's dot products (see `crate::tp`).
     match cut {
         Cut::Whole | Cut::Skip => Ok(None),
-        Cut::Rows(rows) if dims.len() == 1 => {
+        Cut::Rows(rows) => slice(name, dtype, dims, source, &Cut::RowRanges(vec![rows.clone()])),
+        Cut::RowRanges(ranges) if dims.len() == 1 => {
             // A vector (f32, checked by the caller): elements.
-            if rows.end > ne0 || dtype != DType::F32 {
-                return Err(bad(format!("elements {rows:?}")));
+            if ranges.iter().any(|r| r.end > ne0) || dtype != DType::F32 {
+                return Err(bad(format!("elements {ranges:?}")));
             }
-            let bytes = source[rows.start * 4..rows.end * 4].to_vec();
-            Ok(Some((dtype, vec![rows.len() as i64], Data::Owned(bytes))))
+            let bytes: Vec<u8> = ranges
+                .iter()
+                .flat_map(|r| &source[r.start * 4..r.end * 4])
+                .copied()
+                .collect();
+            Ok(Some((dtype, vec![bytes.len() as i64 / 4], Data::Owned(bytes))))
         }
-        Cut::Rows(rows) => {
-            if dims.len() != 2 || rows.end > n_rows || rows.is_empty() {
-                return Err(bad(format!("rows {rows:?}")));
+        Cut::Matrices(matrices) => {
+            let [ne0, ne1, ne2] = dims else {
+                return Err(bad(format!("matrices {matrices:?} of a {}-d tensor", dims.len())));
+            };
+            if matrices.end > *ne2 as usize || matrices.is_empty() {
+                return Err(bad(format!("matrices {matrices:?}")));
             }
-            let bytes = source[rows.start * row_bytes..rows.end * row_bytes].to_vec();
-            Ok(Some((dtype, vec![dims[0], rows.len() as i64], Data::Owned(bytes))))
+            let matrix_bytes = dtype.row_bytes(*ne0 as usize) * *ne1 as usize;
+            let bytes = source[matrices.start * matrix_bytes..matrices.end * matrix_bytes].to_vec();
+            Ok(Some((
+                dtype,
+                vec![*ne0, *ne1, matrices.len() as i64],
+                Data::Owned(bytes),
+            )))
+        }
+        Cut::Columns(cols) => {
+            if dtype != DType::F32 || dims.len() != 2 || cols.end > ne0 || cols.is_empty() {
+                return Err(bad(format!("elements {cols:?} of every row")));
+            }
+            let mut bytes = Vec::with_capacity(cols.len() * 4 * n_rows);
+            for row in 0..n_rows {
+                bytes.extend_from_slice(&source[(row * ne0 + cols.start) * 4..(row * ne0 + cols.end) * 4]);
+            }
+            Ok(Some((dtype, vec![cols.len() as i64, dims[1]], Data::Owned(bytes))))
+        }
+        Cut::RowRanges(ranges) => {
+            // A matrix, or one matrix per expert (`[n, rows, n_expert]`): the same rows of
+            // each, contiguous bytes of the file.
+            let (per_matrix, matrices) = match dims {
+                [_, r] => (*r as usize, 1),
+                [_, r, e] => (*r as usize, *e as usize),
+                _ => return Err(bad(format!("rows {ranges:?} of a {}-d tensor", dims.len()))),
+            };
+            let n_kept: usize = ranges.iter().map(|r| r.len()).sum();
+            if ranges.iter().any(|r| r.end > per_matrix) || n_kept == 0 || per_matrix * matrices != n_rows {
+                return Err(bad(format!("rows {ranges:?}")));
+            }
+            let mut bytes = Vec::with_capacity(n_kept * row_bytes * matrices);
+            for matrix in 0..matrices {
+                let at = matrix * per_matrix;
+                for rows in ranges {
+                    bytes.extend_from_slice(&source[(at + rows.start) * row_bytes..(at + rows.end) * row_bytes]);
+                }
+            }
+            let mut shape = dims.to_vec();
+            shape[1] = n_kept as i64;
+            Ok(Some((dtype, shape, Data::Owned(bytes))))
         }
     }
 }
@@ -563,4 +609,71 @@ fn slice(
 fn named<'c>(ctx: &'c Context, name: &str) -> Result<Tensor<'c>, ModelError> {
     ctx.get_tensor(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each expert's matrix is cut alike: the rows of every expert, in expert order, as
+    /// contiguous bytes of each (f32 here: 4 bytes a value, rows of 2).
+    #[test]
+    fn rows_of_every_experts_matrix() {
+        // [2, 3 rows, 2 experts]: expert e, row r holds values 100 e + 10 r + (0, 1).
+        let values: Vec<f32> = (0..2)
+            .flat_map(|e| (0..3).flat_map(move |r| [100 * e + 10 * r, 100 * e + 10 * r + 1]))
+            .map(|v| v as f32)
+            .collect();
+        let source: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (_, shape, data) = slice(
+            "blk.0.ffn_up_exps.weight",
+            DType::F32,
+            &[2, 3, 2],
+            &source,
+            &Cut::Rows(1..3),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(shape, vec![2, 2, 2]);
+        let Data::Owned(bytes) = data else {
+            panic!("a slice is a copy")
+        };
+        let got: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [10., 11., 20., 21., 110., 111., 120., 121.]);
+        let error = |dims: &[i64], rows| match slice("t", DType::F32, dims, &source, &Cut::Rows(rows)) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{dims:?} is not cut"),
+        };
+        assert!(error(&[2, 3, 2], 2..4).contains("rows [2..4]"));
+        assert!(error(&[2, 3, 2, 1], 0..1).contains("4-d tensor"));
+        // Biases of every expert, `[2 values, 6 experts]`: the second value of each.
+        let (_, shape, data) = slice("b", DType::F32, &[2, 6], &source, &Cut::Columns(1..2))
+            .unwrap()
+            .unwrap();
+        assert_eq!(shape, vec![1, 6]);
+        let Data::Owned(bytes) = data else {
+            panic!("a slice is a copy")
+        };
+        let got: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [1., 11., 21., 101., 111., 121.]);
+        // A fused projection `[2, 6 rows]`: rows 0 and 3..5, joined in order.
+        let (_, shape, data) = slice("qkv", DType::F32, &[2, 6], &source, &Cut::RowRanges(vec![0..1, 3..5]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(shape, vec![2, 3]);
+        let Data::Owned(bytes) = data else {
+            panic!("a slice is a copy")
+        };
+        let got: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [0., 1., 100., 101., 110., 111.]);
+    }
 }

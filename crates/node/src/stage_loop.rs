@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use baton_grammar::{Grammar, Matcher, TokenTable};
-use baton_model::{Batch, Stage, StageChain, StageInput, StageOutput};
+use baton_model::{Batch, ModelError, Stage, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::Sampler;
@@ -26,6 +26,10 @@ pub struct StageWorker {
     /// Time spent computing, and token rows computed (for `Stats`).
     busy: std::time::Duration,
     rows: u64,
+    /// Why the stage cannot compute any more: its tensor-parallel group lost a member
+    /// or fell out of step. [`run`] then ends the loop instead of answering, so the
+    /// ring breaks and its head forms a new one (or reports it).
+    broken: Option<String>,
 }
 
 /// A sequence's sampler and whether it wants log-probabilities.
@@ -56,6 +60,7 @@ impl StageWorker {
             tokens: None,
             busy: std::time::Duration::ZERO,
             rows: 0,
+            broken: None,
         }
     }
 
@@ -288,7 +293,7 @@ impl StageWorker {
                 seq_ids,
                 logit_rows: if last { sample_rows } else { &[] },
             };
-            return self.stage.forward(&batch).map_err(|e| e.to_string());
+            return self.stage.forward(&batch).map_err(|e| self.failed(e));
         }
         let width = match input {
             StageInput::Tokens(_) => 1,
@@ -315,7 +320,7 @@ impl StageWorker {
                     for (&seq, &pos) in seq_ids[..start].iter().zip(&positions[..start]) {
                         self.stage.truncate_seq(seq, pos as usize);
                     }
-                    return Err(e.to_string());
+                    return Err(self.failed(e));
                 }
             }
         }
@@ -324,6 +329,16 @@ impl StageWorker {
         } else {
             StageOutput::Hidden(out)
         })
+    }
+
+    /// The text of a failed computation; a failed exchange of a tensor-parallel group
+    /// also marks the stage broken (the members' exchanges are out of step for good).
+    fn failed(&mut self, e: ModelError) -> String {
+        let text = e.to_string();
+        if matches!(e, ModelError::Collective(_)) {
+            self.broken.get_or_insert_with(|| text.clone());
+        }
+        text
     }
 
     /// Samples the batch's sampled rows, in order, each with its sequence's sampler.
@@ -441,17 +456,27 @@ fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> 
 /// `Shutdown` is forwarded so every stage of the ring stops. A panic while handling a
 /// message ends the loop with an error ([`NodeError::Stage`]) after passing a
 /// `Message::Error` on, so the head fails what was in flight instead of waiting; the
-/// stage's state is suspect after a panic, so it serves nothing more.
+/// stage's state is suspect after a panic, so it serves nothing more. A stage whose
+/// tensor-parallel group broke ends the loop with an error and sends nothing more: its
+/// links close, the ring is lost, and a supervised head forms a new one and rebuilds
+/// the requests in flight on it (an `Error` would fail them instead).
 pub fn run(mut worker: StageWorker, rx: impl Rx, tx: impl Tx) -> Result<(), NodeError> {
     let span = tracing::debug_span!("stage", layers = ?worker.stage.span().layers);
     let _entered = span.enter();
     let first_layer = worker.stage.span().layers.start as u32;
-    serve(|msg| worker.handle(msg), first_layer, rx, tx)
+    let handle = |msg| {
+        let out = worker.handle(msg);
+        match worker.broken.take() {
+            Some(message) => Err(NodeError::Stage { first_layer, message }),
+            None => Ok(out),
+        }
+    };
+    serve(handle, first_layer, rx, tx)
 }
 
-/// The loop of [`run`] over any handler.
+/// The loop of [`run`] over any handler; an `Err` from the handler ends it at once.
 fn serve(
-    mut handle: impl FnMut(Message) -> Message,
+    mut handle: impl FnMut(Message) -> Result<Message, NodeError>,
     first_layer: u32,
     mut rx: impl Rx,
     mut tx: impl Tx,
@@ -461,7 +486,11 @@ fn serve(
         let stop = matches!(msg, Message::Shutdown);
         let kind = msg.kind();
         let mut out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg))) {
-            Ok(out) => out,
+            Ok(Ok(out)) => out,
+            Ok(Err(e)) => {
+                tracing::warn!(first_layer, "the stage stops: {e}");
+                return Err(e);
+            }
             Err(panic) => {
                 let message = format!("the stage panicked handling {kind}: {}", panic_text(&panic));
                 tracing::error!(first_layer, "{message}");

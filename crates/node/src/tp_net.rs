@@ -34,6 +34,17 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// Member `rank` at the other end of `link` (already through its handshake and
+    /// introduction).
+    pub fn from_link(rank: usize, link: Box<dyn Link>) -> Result<Arc<Peer>, NodeError> {
+        Peer::new(rank, link)
+    }
+
+    /// The member's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
     fn new(rank: usize, link: Box<dyn Link>) -> Result<Arc<Peer>, NodeError> {
         let name = format!("member {rank} ({})", link.peer());
         let (tx, rx) = link.split()?;
@@ -298,6 +309,38 @@ fn dial(rank: usize, addr: &str, me: usize, token: Option<&[u8]>, opts: &LinkOpt
     link.set_deadline(None)?;
     link.set_read_timeout(None)?;
     Peer::new(rank, link)
+}
+
+/// Member `from` of worker group `group` dials another member at `addr` (a `baton
+/// worker`'s listener, reached as [`Role::Member`]) and introduces itself with
+/// `JoinGroup`; the link is ready for the group's exchanges. Tries again until
+/// `deadline` while nothing answers and `keep_trying` says so (the session goes on).
+pub fn dial_group_member(
+    addr: &str,
+    group: u64,
+    from: usize,
+    token: Option<&[u8]>,
+    opts: &LinkOptions,
+    deadline: Instant,
+    keep_trying: &dyn Fn() -> bool,
+) -> Result<Box<dyn Link>, NodeError> {
+    let mut link = loop {
+        // Each attempt is short, so that an ended session stops trying soon.
+        let attempt = deadline.min(Instant::now() + Duration::from_secs(2));
+        match connect_by(addr, opts, attempt) {
+            Ok(link) => break link,
+            Err(_) if Instant::now() < deadline && keep_trying() => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(e.into()),
+        }
+    };
+    client_handshake(link.as_mut(), Role::Member, token)?;
+    link.send(Message::JoinGroup {
+        group,
+        rank: from as u32,
+    })?;
+    link.set_deadline(None)?;
+    link.set_read_timeout(None)?;
+    Ok(link)
 }
 
 /// Member `rank` (1..n) of a group whose members 1.. listen at `addrs` (in rank order;

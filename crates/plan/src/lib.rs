@@ -3,6 +3,8 @@
 
 pub mod tp;
 
+pub use tp::{choose_layout, plan_groups, Dims, GroupPlan, LayoutChoice, LinkOffer, TpDegree};
+
 use std::ops::Range;
 
 /// Why a partition cannot be made.

@@ -20,7 +20,8 @@
 //! # Primitives
 //!
 //! Every integer and float is little-endian; f32 travels as its bit pattern. `bool` is one
-//! byte, 0 or 1. `role` is one byte: 0 Head, 1 Worker, 2 Ring, 3 Heartbeat. `[32]` is 32 raw bytes.
+//! byte, 0 or 1. `role` is one byte: 0 Head, 1 Worker, 2 Ring, 3 Heartbeat,
+//! 4 Member. `[32]` is 32 raw bytes.
 //! `str` is a u32 byte length then UTF-8 (at most 64 KiB); `bytes` a u32 length then the
 //! bytes; `opt<T>` a byte 0 (absent) or 1 followed by `T`; `[T]` a u32 count then the
 //! elements. Nothing is padded or aligned. Decoding is strict: any other byte value,
@@ -48,7 +49,7 @@
 //! |      |              | session u64                                                              |
 //! | 6    | LoadPlan     | model: ModelRef, layer_start u32, layer_end u32, first bool, last bool,  |
 //! |      |              | n_ctx u32, n_seq u32, next opt<str>, stream bool, wire_f16 bool,         |
-//! |      |              | repack bool, devices [DeviceRange]                                       |
+//! |      |              | repack bool, devices [DeviceRange], tp opt<TpPlace>                      |
 //! | 7    | StreamStart  | header bytes, tensors [TensorEntry]                                      |
 //! | 8    | TensorChunk  | index u32, offset u64, data bytes                                        |
 //! | 9    | Loaded       | resident u64, received u64                                               |
@@ -67,6 +68,8 @@
 //! | 19   | Ping         | timeout_ms u32, session u64                                              |
 //! | 20   | Pong         | (empty)                                                                  |
 //! | 21   | Partial      | sum u64, values [f32]                                                    |
+//! | 22   | JoinGroup    | group u64, rank u32                                                      |
+//! | 23   | Probe        | data bytes                                                               |
 //!
 //! | structure      | fields, in order                                                            |
 //! |----------------|-----------------------------------------------------------------------------|
@@ -81,6 +84,7 @@
 //! |                | 2: HiddenF16 (values [u16], row_exps [u8])                                  |
 //! | SampledToken   | seq u32, token u32, logprob f32, top [TopLogprob]                           |
 //! | TopLogprob     | token u32, logprob f32                                                      |
+//! | TpPlace        | group u64, rank u32, members [str]                                          |
 //!
 //! Refusal codes (Refused.code): 1 Busy, 2 Auth, 3 Version, 4 TlsRequired, 5 BadRequest, 6 LoadFailed
 //! ```
@@ -170,6 +174,8 @@ kinds! {
     19 PING Ping,
     20 PONG Pong,
     21 PARTIAL Partial,
+    22 JOIN_GROUP JoinGroup,
+    23 PROBE Probe,
 }
 
 /// The name of `msg`'s kind (see [`Message::kind`]).
@@ -274,6 +280,7 @@ pub(crate) fn role_byte(role: Role) -> u8 {
         Role::Worker => 1,
         Role::Ring => 2,
         Role::Heartbeat => 3,
+        Role::Member => 4,
     }
 }
 
@@ -284,6 +291,7 @@ fn role_from_byte(byte: u8) -> Option<Role> {
         1 => Some(Role::Worker),
         2 => Some(Role::Ring),
         3 => Some(Role::Heartbeat),
+        4 => Some(Role::Member),
         _ => None,
     }
 }

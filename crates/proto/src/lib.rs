@@ -26,8 +26,15 @@ use baton_sample::SamplingParams;
 /// 7: `Partial` (kind 21), the slices tensor-parallel members exchange.
 /// 8: `Stats` carries the round trip of each stage's link to the next hop.
 /// 9: `Capabilities` offers each device with its memory and speed; `LoadPlan` gives
-/// each device its layers.
+/// each device its layers, and ends with the worker's place in its tensor-parallel
+/// group ([`TpPlace`]); members link to each other as [`Role::Member`] and introduce
+/// themselves with `JoinGroup` (kind 22); `Probe` (kind 23) times the head's link to a
+/// worker before the plan.
 pub const PROTOCOL_VERSION: u32 = 9;
+
+/// Most members a tensor-parallel group may have (the head never plans more; a
+/// `LoadPlan` naming more is refused at decoding).
+pub const MAX_TP_MEMBERS: usize = 64;
 
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
@@ -189,6 +196,9 @@ pub enum Role {
     /// The head watching a worker: `Ping` / `Pong` on a connection of their own, so a
     /// worker busy computing still answers, and a hung one is noticed.
     Heartbeat,
+    /// A member of a tensor-parallel group connecting to another member of its group
+    /// (its first frame is `JoinGroup`); the group's exchanges flow on it.
+    Member,
 }
 
 /// A model as the head names it to workers.
@@ -303,6 +313,23 @@ pub struct LoadPlan {
     /// How the stage's layers lie on the worker's devices, in order; the last ends at
     /// `layer_end`. Empty: the worker splits them evenly between its devices.
     pub devices: Vec<DeviceRange>,
+    /// The worker's place in a tensor-parallel group that computes this stage together
+    /// (`None`: it computes the whole stage alone). Every member gets the same layers;
+    /// member 0 sits in the ring (`next` is its), the others answer member 0 only.
+    pub tp: Option<TpPlace>,
+}
+
+/// A worker's place in a tensor-parallel group (see [`LoadPlan::tp`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TpPlace {
+    /// The group, named by a random number the head chose for this ring: a member
+    /// link that names another group is refused.
+    pub group: u64,
+    /// This worker's rank in the group (0 drives the others and sits in the ring).
+    pub rank: u32,
+    /// Every member's address (where other workers reach its listener), by rank;
+    /// 2 to [`MAX_TP_MEMBERS`] of them.
+    pub members: Vec<String>,
 }
 
 /// One tensor the head will stream, with the hash the worker must verify.
@@ -413,6 +440,14 @@ pub enum Message {
     /// the logits for the first member to gather. NaN is refused, as in hidden states.
     /// (Only members of a tensor-parallel group send it; older nodes never see one.)
     Partial { sum: u64, values: Vec<f32> },
+    /// The first frame on a [`Role::Member`] link: the dialing member's group (from its
+    /// [`TpPlace`]) and rank.
+    JoinGroup { group: u64, rank: u32 },
+
+    // --- link measurement: head ↔ worker, before the plan ---
+    /// Head → worker, between `Describe` and `LoadPlan`: `data` is filler whose time on
+    /// the wire the head measures; the worker answers with an empty `Probe` at once.
+    Probe { data: Vec<u8> },
 }
 
 /// The one way to build a [`Message::StartSeq`]: a fresh sequence with its sampler

@@ -61,6 +61,12 @@ pub struct TpOps {
     pub heads: Gather,
     /// The FFN's activations: its share of the inner dimension in, all of it out.
     pub ff: Gather,
+    /// Each chosen expert's activations: its share of an expert's inner dimension in
+    /// (one row per token and chosen expert), all of it out.
+    pub ff_exp: Gather,
+    /// The shared experts' activations: its share of their inner dimension in, all of
+    /// it out.
+    pub ff_shexp: Gather,
     /// Output projections: its share of `n_embd` in, `[n_embd, n_tokens]` out.
     pub embd: Gather,
 }
@@ -81,6 +87,10 @@ pub enum Shard {
     Heads,
     /// The FFN's inner dimension.
     Ff,
+    /// A routed expert's inner dimension.
+    FfExp,
+    /// The shared experts' inner dimension.
+    FfShexp,
     /// The hidden size.
     Embd,
 }
@@ -120,6 +130,8 @@ impl<'g> Builder<'g> {
         let gather = match shard {
             Shard::Heads => &tp.heads,
             Shard::Ff => &tp.ff,
+            Shard::FfExp => &tp.ff_exp,
+            Shard::FfShexp => &tp.ff_shexp,
             Shard::Embd => &tp.embd,
         };
         self.ctx
@@ -165,7 +177,8 @@ impl<'g> Builder<'g> {
             Act::Silu => self.ctx.swiglu_split(gate, up),
             Act::Gelu => self.ctx.geglu_split(gate, up),
         };
-        let hidden = self.gather(hidden, Shard::Ff);
+        let shard = if suffix == "_shexp" { Shard::FfShexp } else { Shard::Ff };
+        let hidden = self.gather(hidden, shard);
         let out = self.linear(weight("down"), t("down", "bias"), hidden);
         self.gather(out, Shard::Embd)
     }

@@ -12,7 +12,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::attention::KeyValues;
-use super::builder::Act;
+use super::builder::{Act, Shard};
 use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{AttnTemp, HParams, Keys, Mla};
@@ -161,6 +161,12 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     let n_rot = hp.rope.n_dims as i64;
     let (head_k, n_lora_kv) = (mla.head_dim_k as i64, mla.n_lora_kv as i64);
     let n_nope = head_k - n_rot;
+    if n_head == 0 {
+        // A tensor-parallel member without heads: only the others' heads, its rows of
+        // the projection.
+        let out = b.gather(x, Shard::Heads);
+        return b.gather(ctx.mul_mat(w.get("attn_output.weight"), out), Shard::Embd);
+    }
 
     let q = match w.opt("attn_q_a.weight") {
         Some(q_a) => {
@@ -217,7 +223,10 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     let out = ctx.mul_mat(w.get("attn_v_b.weight"), out); // [head_dim_v, n_tokens, n_head]
     let out = ctx.cont(ctx.permute(out, [0, 2, 1, 3])); // [head_dim_v, n_head, n_tokens]
     let out = ctx.reshape_2d(out, mla.head_dim_v as i64 * n_head, n_tokens);
-    ctx.mul_mat(w.get("attn_output.weight"), out)
+    // A tensor-parallel member: its heads' outputs joined with the others', then its rows
+    // of the projection joined too.
+    let out = b.gather(out, Shard::Heads);
+    b.gather(ctx.mul_mat(w.get("attn_output.weight"), out), Shard::Embd)
 }
 
 fn example(shape: &Shape) -> Vec<(&'static str, Value)> {

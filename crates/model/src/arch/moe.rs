@@ -6,6 +6,7 @@
 
 use baton_ggml::Tensor;
 
+use super::builder::Shard;
 use super::Builder;
 use crate::hparams::Keys;
 use crate::weights::LayerTensors;
@@ -261,15 +262,25 @@ impl<'g> Builder<'g> {
         let hidden = match routing.act {
             ExpertAct::Silu => ctx.swiglu_split(gate, up),
             ExpertAct::SwigluOai => ctx.swiglu_oai(gate, up, 1.702, 7.0),
+        }; // [n_ff, n_used, n_tokens]; a tensor-parallel member's share of n_ff
+        let hidden = if self.tp.is_some() {
+            let [n_ff, _, _, _] = hidden.ne();
+            let rows = ctx.reshape_2d(hidden, n_ff, n_used * n_tokens);
+            let joined = self.gather(rows, Shard::FfExp);
+            ctx.reshape_3d(joined, joined.ne()[0], n_used, n_tokens)
+        } else {
+            hidden
         };
-        let out = experts("ffn_down_exps", hidden); // [n_embd, n_used, n_tokens]
+        let out = experts("ffn_down_exps", hidden); // [n_embd, n_used, n_tokens] (a member: its rows)
         let out = ctx.mul(out, weights);
         self.graph.expand(out);
 
-        // Sum the experts' rows in order, each a view `[n_embd, n_tokens]`.
+        // Sum the experts' rows in order, each a view `[n_embd, n_tokens]`; element-wise,
+        // so a member's rows sum as they would in the whole.
+        let n_rows = out.ne()[0];
         let views: Vec<Tensor<'g>> = (0..n_used as usize)
             .map(|i| {
-                let view = ctx.view_2d(out, n_embd, n_tokens, out.nb()[2], i * out.nb()[1]);
+                let view = ctx.view_2d(out, n_rows, n_tokens, out.nb()[2], i * out.nb()[1]);
                 self.graph.expand(view);
                 view
             })
@@ -282,6 +293,7 @@ impl<'g> Builder<'g> {
         if views.len() == 1 {
             sum = ctx.cont(sum);
         }
+        let sum = self.gather(sum, Shard::Embd);
         named(sum, "ffn_moe_out")
     }
 

@@ -6,6 +6,7 @@
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
+use super::builder::Shard;
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::tensors::LayerPlan;
@@ -63,7 +64,9 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
 
     let cur = b.norm(ffn_in, w.get("ffn_norm.weight"));
     let gate_up = b.ctx.mul_mat(w.get("ffn_up.weight"), cur); // [2 n_ff, n_tokens]
-    let cur = b.ctx.mul_mat(w.get("ffn_down.weight"), b.ctx.swiglu(gate_up));
+                                                              // A tensor-parallel member: its rows of gate and of up, its rows of the output.
+    let hidden = b.gather(b.ctx.swiglu(gate_up), Shard::Ff);
+    let cur = b.gather(b.ctx.mul_mat(w.get("ffn_down.weight"), hidden), Shard::Embd);
     b.ctx.add(ffn_in, cur)
 }
 

@@ -12,10 +12,11 @@ use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageSpan};
 use baton_net::{
     client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx,
 };
-use baton_plan::{DeviceOffer, ModelCost, NodeOffer, Plan};
+use baton_plan::{DeviceOffer, LinkOffer, ModelCost, NodeOffer, Plan, TpDegree};
 use baton_proto::auth::identity_hash;
-use baton_proto::{Capabilities, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role};
+use baton_proto::{Capabilities, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role, TpPlace};
 
+use super::groups::{measure_link, plan_nodes, Planned};
 use super::probe::LinkProbe;
 use super::stream::send_stage_tensors;
 use crate::head::{Head, RingEnds};
@@ -67,6 +68,10 @@ pub struct ClusterOptions {
     /// watch can close it if the worker dies or hangs while the ring forms (loading
     /// may take long, and has no timeout of its own).
     pub on_reached: Option<OnReached>,
+    /// Tensor-parallel groups: workers taken in order, this many to a group, each group
+    /// one pipeline stage (`Auto`: the size the planner models fastest). With groups
+    /// the head runs no stage of its own.
+    pub tp: TpDegree,
 }
 
 /// A worker as the head sees it.
@@ -79,6 +84,10 @@ pub struct RemoteWorker {
     pub layers: Option<std::ops::Range<usize>>,
     /// Weight bytes it received by streaming.
     pub streamed: u64,
+    /// Its rank and its group's size, when the plan puts it in a tensor-parallel group.
+    pub tp: Option<(usize, usize)>,
+    /// The head's link to it, when measured (`--tp auto`).
+    pub link: Option<LinkOffer>,
 }
 
 /// A ring of remote stages, driven by its head.
@@ -305,7 +314,7 @@ fn reach_all(
         unreachable: Vec::new(),
     };
     for addr in workers {
-        let (link, caps) = match reach(addr, model_ref, opts) {
+        let (mut link, caps) = match reach(addr, model_ref, opts) {
             Ok(answered) => answered,
             Err(e) if opts.skip_unreachable => {
                 tracing::warn!(worker = %addr, "left out: {e}");
@@ -319,12 +328,18 @@ fn reach_all(
         if let Some(on_reached) = &opts.on_reached {
             on_reached(addr, caps.session, link.closer()?, link.counters());
         }
+        let measured = match opts.tp {
+            TpDegree::Auto => Some(measure_link(link.as_mut(), addr)?),
+            TpDegree::Fixed(_) => None,
+        };
         reached.links.push(link);
         reached.workers.push(RemoteWorker {
             addr: addr.clone(),
             caps,
             layers: None,
             streamed: 0,
+            tp: None,
+            link: measured,
         });
     }
     if reached.workers.is_empty() && !opts.head_stage {
@@ -334,40 +349,9 @@ fn reach_all(
     Ok(reached)
 }
 
-/// The plan, and how its nodes map to workers.
-struct Planned {
-    plan: Plan,
-    /// The name of every node offered, in the plan's numbering.
-    node_names: Vec<String>,
-    /// The names of every offered node's devices.
-    node_devices: Vec<Vec<String>>,
-    /// The head's measured speed on each of its devices, when it offered itself.
-    head_secs_per_layer: Vec<f64>,
-    /// Whether node 0 is the head (the workers follow).
-    head_offered: bool,
-}
-
-impl Planned {
-    /// The worker index of plan node `node` (`None`: the head itself).
-    fn worker_of(&self, node: usize) -> Option<usize> {
-        node.checked_sub(usize::from(self.head_offered))
-    }
-
-    /// The ring address of the stage after each stage (`None` for the last, which
-    /// answers the head, and for the head's own stage).
-    fn nexts(&self, workers: &[RemoteWorker]) -> Vec<Option<String>> {
-        let stages = &self.plan.stages;
-        (0..stages.len())
-            .map(|i| {
-                let next = stages.get(i + 1)?;
-                Some(workers[self.worker_of(next.node)?].caps.ring_addr.clone())
-            })
-            .collect()
-    }
-}
-
 /// Plans over the head (when offered) and the workers that answered: from their
-/// memory and measured speed, or `opts.split` when every worker answered.
+/// memory and measured speed, or `opts.split` when every worker answered; in
+/// tensor-parallel groups with `opts.tp` (see `groups.rs`).
 fn plan(
     file: &ModelFile,
     model: &Path,
@@ -375,18 +359,15 @@ fn plan(
     unreachable: &[(String, NodeError)],
     opts: &ClusterOptions,
 ) -> Result<Planned, NodeError> {
-    let cost = model_cost(file, opts.n_ctx);
-    let mut offers = Vec::new();
-    if opts.head_stage {
-        offers.push(head_offer(model, opts)?);
-    }
-    let head_secs_per_layer: Vec<f64> = offers
-        .first()
-        .map(|head| head.devices.iter().map(|d| d.secs_per_layer).collect())
-        .unwrap_or_default();
-    let known: Vec<f64> = head_secs_per_layer
+    // Groups of workers are the stages: the head runs none of its own.
+    let grouped = opts.tp != TpDegree::Fixed(1);
+    let head = match opts.head_stage && !grouped {
+        true => Some(head_offer(model, opts)?),
+        false => None,
+    };
+    let known: Vec<f64> = head
         .iter()
-        .copied()
+        .flat_map(|h| h.devices.iter().map(|d| d.secs_per_layer))
         .chain(
             workers
                 .iter()
@@ -399,8 +380,9 @@ fn plan(
     } else {
         known.iter().sum::<f64>() / known.len() as f64
     };
-    offers.extend(workers.iter().map(|w| {
-        NodeOffer {
+    let offers: Vec<NodeOffer> = workers
+        .iter()
+        .map(|w| NodeOffer {
             name: w.addr.clone(),
             devices: w
                 .caps
@@ -412,26 +394,23 @@ fn plan(
                     secs_per_layer: d.secs_per_layer.map_or(fallback, f64::from),
                 })
                 .collect(),
-        }
-    }));
-    let plan = match &opts.split {
-        Some(split) if unreachable.is_empty() => baton_plan::plan_with_split(&cost, &offers, split)?,
-        _ => baton_plan::partition(&cost, &offers)?,
-    };
-    tracing::info!("plan: {}", plan.why);
-    for (name, why) in &plan.left_out {
+        })
+        .collect();
+    let split = opts.split.as_deref().filter(|_| unreachable.is_empty());
+    let planned = plan_nodes(
+        file,
+        model_cost(file, opts.n_ctx),
+        head,
+        &offers,
+        workers,
+        split,
+        opts.tp,
+    )?;
+    tracing::info!("plan: {}", planned.plan.why);
+    for (name, why) in &planned.plan.left_out {
         tracing::warn!(node = %name, "left out of the plan: {why}");
     }
-    Ok(Planned {
-        plan,
-        node_devices: offers
-            .iter()
-            .map(|o| o.devices.iter().map(|d| d.name.clone()).collect())
-            .collect(),
-        node_names: offers.into_iter().map(|o| o.name).collect(),
-        head_secs_per_layer,
-        head_offered: opts.head_stage,
-    })
+    Ok(planned)
 }
 
 /// What the head offers for its own stage: each of its devices with its memory and
@@ -502,54 +481,77 @@ fn load(
     let n = stages.len();
     // Workers the plan leaves out are released now, not held for the session.
     for (w, link) in reached.links.iter_mut().enumerate() {
-        if !stages.iter().any(|s| planned.worker_of(s.node) == Some(w)) {
+        if !stages.iter().any(|s| planned.members(s.node).contains(&w)) {
             link.send(Message::Shutdown)?;
         }
     }
     let nexts = planned.nexts(&reached.workers);
+    // Every worker gets its plan before any tensor is streamed: the members of a group
+    // link with each other as soon as they have theirs.
+    let mut streams = Vec::new();
     for (i, stage) in stages.iter().enumerate() {
-        let Some(w) = planned.worker_of(stage.node) else {
-            continue;
-        };
-        let worker = &mut reached.workers[w];
-        worker.layers = Some(stage.layers.clone());
-        let holds = worker
-            .caps
-            .models
+        let members = planned.members(stage.node);
+        let addrs: Vec<String> = members
             .iter()
-            .any(|m| m.identity == model_ref.identity && m.complete);
-        let load = LoadPlan {
-            model: model_ref.clone(),
-            layer_start: stage.layers.start as u32,
-            layer_end: stage.layers.end as u32,
+            .map(|&w| reached.workers[w].caps.ring_addr.clone())
+            .collect();
+        let group = (members.len() > 1).then(random_group);
+        let span = StageSpan {
+            layers: stage.layers.clone(),
             first: i == 0,
             last: i + 1 == n,
-            n_ctx: opts.n_ctx as u32,
-            n_seq: opts.n_seq as u32,
-            next: nexts[i].clone(),
-            stream: !holds,
-            wire_f16: opts.wire_f16,
-            repack: opts.repack,
-            devices: stage
-                .parts
-                .iter()
-                .map(|part| DeviceRange {
-                    device: worker.caps.devices[part.device].name.clone(),
-                    layer_end: part.layers.end as u32,
-                })
-                .collect(),
         };
-        let link = &mut reached.links[w];
-        link.send(Message::LoadPlan(load))?;
-        if !holds {
-            let span = StageSpan {
-                layers: stage.layers.clone(),
-                first: i == 0,
-                last: i + 1 == n,
+        for (rank, &w) in members.iter().enumerate() {
+            let worker = &mut reached.workers[w];
+            worker.layers = Some(stage.layers.clone());
+            worker.tp = group.map(|_| (rank, members.len()));
+            let holds = worker
+                .caps
+                .models
+                .iter()
+                .any(|m| m.identity == model_ref.identity && m.complete);
+            let load = LoadPlan {
+                model: model_ref.clone(),
+                layer_start: stage.layers.start as u32,
+                layer_end: stage.layers.end as u32,
+                first: span.first,
+                last: span.last,
+                n_ctx: opts.n_ctx as u32,
+                n_seq: opts.n_seq as u32,
+                // Only member 0 sits in the ring.
+                next: if rank == 0 { nexts[i].clone() } else { None },
+                stream: !holds,
+                wire_f16: opts.wire_f16,
+                repack: opts.repack,
+                // A group's members compute on the CPU; a lone worker's devices take
+                // the ranges the plan gave them.
+                devices: match group {
+                    Some(_) => Vec::new(),
+                    None => stage
+                        .parts
+                        .iter()
+                        .map(|part| DeviceRange {
+                            device: worker.caps.devices[part.device].name.clone(),
+                            layer_end: part.layers.end as u32,
+                        })
+                        .collect(),
+                },
+                tp: group.map(|group| TpPlace {
+                    group,
+                    rank: rank as u32,
+                    members: addrs.clone(),
+                }),
             };
-            worker.streamed = send_stage_tensors(file, &span, link.as_mut(), &worker.addr)?;
-            tracing::info!(worker = %worker.addr, bytes = worker.streamed, "streamed weights");
+            reached.links[w].send(Message::LoadPlan(load))?;
+            if !holds {
+                streams.push((w, span.clone()));
+            }
         }
+    }
+    for (w, span) in streams {
+        let worker = &mut reached.workers[w];
+        worker.streamed = send_stage_tensors(file, &span, reached.links[w].as_mut(), &worker.addr)?;
+        tracing::info!(worker = %worker.addr, bytes = worker.streamed, "streamed weights");
     }
 
     // The head's own stage (always the first when it has one) loads while the workers
@@ -604,10 +606,7 @@ fn load(
         _ => None,
     };
 
-    for stage in stages {
-        let Some(w) = planned.worker_of(stage.node) else {
-            continue;
-        };
+    for &w in stages.iter().flat_map(|stage| planned.members(stage.node)) {
         let link = &mut reached.links[w];
         match link.recv()? {
             Message::Loaded { resident, received } => {
@@ -740,6 +739,13 @@ fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(Box
     // Loading may take long; from here on the heartbeat watches the worker.
     link.set_read_timeout(opts.link.read_timeout)?;
     Ok((link, caps))
+}
+
+/// A random name for a tensor-parallel group of this ring (its members refuse links
+/// that name another).
+fn random_group() -> u64 {
+    let nonce = baton_proto::auth::new_nonce();
+    u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes"))
 }
 
 /// Connects to `addr`; with a handshake timeout, the connection, TLS and the baton

@@ -3,6 +3,7 @@
 
 mod admission;
 mod form;
+mod groups;
 mod models;
 mod probe;
 mod speed;
@@ -10,6 +11,7 @@ mod stream;
 mod supervise;
 mod watch;
 mod worker_server;
+mod worker_tp;
 
 pub use form::{connect_cluster, model_cost, model_ref, ClusterOptions, RemoteRing, RemoteWorker};
 pub use models::{identity_of, ModelDir};

@@ -120,20 +120,37 @@ impl RingSource for Supervisor {
         // while the ring forms (loading has no timeout) has its control link closed,
         // which ends the formation instead of stalling it.
         let reached: Arc<Mutex<Vec<(String, Watch)>>> = Arc::default();
+        // While the ring forms, a worker lost ends the formation at once: every reached
+        // worker's control link is closed, wherever the head is blocked. (A member of a
+        // tensor-parallel group lost before it linked leaves the others waiting for it,
+        // and the head waiting on them, not on the lost one.)
+        let forming = Arc::new(AtomicBool::new(true));
+        let closers: Arc<Mutex<Vec<Arc<LinkCloser>>>> = Arc::default();
         let on_reached = {
             let reached = reached.clone();
             let lost = self.lost.clone();
             let link = self.opts.link.clone();
             let token = self.opts.token.clone();
             let heartbeat = self.heartbeat;
+            let (forming, closers) = (forming.clone(), closers.clone());
             move |addr: &str, session: u64, closer: LinkCloser, counters: Arc<Counters>| {
                 let lost = lost.clone();
                 let notify = on_lost.clone();
+                let closer = Arc::new(closer);
+                closers.lock().unwrap_or_else(|p| p.into_inner()).push(closer.clone());
+                let (forming, closers) = (forming.clone(), closers.clone());
                 let callback: OnLost = Arc::new(move |addr: &str, why: &str| {
                     lost.lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .insert(addr.to_string(), why.to_string());
                     closer.close();
+                    if forming.load(Ordering::SeqCst) {
+                        closers
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .iter()
+                            .for_each(|c| c.close());
+                    }
                     notify(addr, why);
                 });
                 let token = token.as_deref().map(str::as_bytes);
@@ -147,6 +164,7 @@ impl RingSource for Supervisor {
             }
         };
         let result = self.connect(&candidates, &reached, Arc::new(on_reached));
+        forming.store(false, Ordering::SeqCst);
         let ring = match result {
             Ok(ring) => ring,
             Err(e) => {

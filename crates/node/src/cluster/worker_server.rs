@@ -28,7 +28,9 @@ use super::admission::{Accepted, Admission, ConnId, Limits};
 use super::models::ModelDir;
 use super::probe::LinkProbe;
 use super::stream::{check_stage_complete, receive_stage_tensors};
+use super::worker_tp::{form_mesh, Arrived, Mesh};
 use crate::stage_loop::{run, StageWorker};
+use crate::tp_net::{serve_member, MeshCollective, Peer, RemoteMember};
 use crate::NodeError;
 
 /// How a worker is set up.
@@ -84,8 +86,8 @@ pub struct Worker {
     shared: Arc<Shared>,
 }
 
-struct Shared {
-    config: WorkerConfig,
+pub(super) struct Shared {
+    pub(super) config: WorkerConfig,
     models: ModelDir,
     /// Which connections are served (handshakes and authenticated ones).
     admission: Mutex<Admission<LinkCloser>>,
@@ -95,6 +97,10 @@ struct Shared {
     session: Mutex<Session>,
     upstream: Mutex<Option<(Box<dyn Link>, ConnSlot)>>,
     upstream_ready: Condvar,
+    /// Links other members of a tensor-parallel group dialed, until the session takes
+    /// them (see `worker_tp.rs`).
+    pub(super) members: Mutex<Vec<Arrived>>,
+    pub(super) members_ready: Condvar,
 }
 
 #[derive(Default)]
@@ -132,7 +138,7 @@ impl Drop for HandshakeSlot {
 
 /// An authenticated connection's slot; freed when dropped, whatever ends the
 /// connection (a panic included).
-struct ConnSlot {
+pub(super) struct ConnSlot {
     shared: Arc<Shared>,
 }
 
@@ -174,8 +180,9 @@ impl Shared {
     /// Starts session bookkeeping for a head whose control link `control` closes;
     /// returns the session's (random, non-zero) id.
     fn begin_session(&self, control: Option<LinkCloser>) -> u64 {
-        // An upstream link left over from an earlier session is dead.
+        // An upstream link or member links left over from an earlier session are dead.
         *self.upstream.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.arrived().clear();
         let mut session = self.session();
         session.id = loop {
             let nonce = baton_proto::auth::new_nonce();
@@ -190,7 +197,7 @@ impl Shared {
     }
 
     /// Adds a link that ending the current session must close.
-    fn attach(&self, closer: Option<LinkCloser>) {
+    pub(super) fn attach(&self, closer: Option<LinkCloser>) {
         self.session().closers.extend(closer);
     }
 
@@ -205,12 +212,14 @@ impl Shared {
         for closer in session.closers.drain(..) {
             closer.close();
         }
-        // A session still waiting for its upstream wakes up and finds it never came.
+        // A session still waiting for its upstream (or its group's members) wakes up
+        // and finds it never came.
         self.upstream_ready.notify_all();
+        self.members_ready.notify_all();
         true
     }
 
-    fn is_aborted(&self, id: u64) -> bool {
+    pub(super) fn is_aborted(&self, id: u64) -> bool {
         let session = self.session();
         session.id == id && session.aborted
     }
@@ -244,6 +253,8 @@ impl Worker {
             session: Mutex::default(),
             upstream: Mutex::new(None),
             upstream_ready: Condvar::new(),
+            members: Mutex::new(Vec::new()),
+            members_ready: Condvar::new(),
         });
         Ok(Worker { listener, shared })
     }
@@ -382,6 +393,7 @@ fn serve_connection(
             Ok(())
         }
         Role::Heartbeat => heartbeat(shared, link),
+        Role::Member => super::worker_tp::accept_member(shared, link, closer, conn),
         Role::Worker => {
             let reason = "workers do not connect to workers as workers";
             refuse(link.as_mut(), RefusalCode::BadRequest, reason.into());
@@ -455,6 +467,8 @@ fn session(
                 link.send(Message::Capabilities(caps))?;
             }
             Message::LoadPlan(plan) => break plan,
+            // The head times its link to this worker (`--tp auto`).
+            Message::Probe { .. } => link.send(Message::Probe { data: Vec::new() })?,
             // The head planned without this worker.
             Message::Shutdown => {
                 tracing::info!("the head's plan leaves this worker out");
@@ -473,7 +487,7 @@ fn session(
         }
     };
     let started = Instant::now();
-    let (stage, received) = match load(shared, &plan, link.as_mut()) {
+    let loaded = match load(shared, &plan, link.as_mut(), id) {
         Ok(loaded) => loaded,
         Err(e) => {
             // Regression (CI): the head read the refusal, connected again at once and
@@ -481,6 +495,29 @@ fn session(
             drop(head);
             refuse(link.as_mut(), RefusalCode::LoadFailed, e.to_string());
             return Err(e);
+        }
+    };
+    let (stage, received, _member_links) = match loaded {
+        Loaded::Ring { stage, received, mesh } => (stage, received, mesh),
+        Loaded::Member {
+            stage,
+            leader,
+            received,
+            mesh,
+        } => {
+            tracing::info!(layers = ?(plan.layer_start..plan.layer_end), received, secs = started.elapsed().as_secs_f32(), "tensor-parallel member loaded");
+            link.send(Message::Loaded {
+                resident: stage.resident_bytes(),
+                received,
+            })?;
+            // Member 0 drives this one until it shuts the group down or goes; the head's
+            // control link stays open (the head watches this worker by heartbeat).
+            let result = serve_member(*stage, leader);
+            drop(mesh);
+            return match result {
+                Ok(()) | Err(NodeError::Net(NetError::Closed { .. })) => Ok(()),
+                Err(e) => Err(e),
+            };
         }
     };
     let on: Vec<String> = stage
@@ -532,7 +569,7 @@ fn session(
 }
 
 /// Tells the peer why it is refused, and closes so that it can read it.
-fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
+pub(super) fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
     if link.send(Message::Refused { code, reason }).is_ok() {
         link.close_gently();
     }
@@ -615,8 +652,30 @@ fn worker_devices(config: &WorkerConfig) -> Vec<Device> {
     }
 }
 
-/// Loads the planned stage from a local file, or from tensors the head streams.
-fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(StageChain, u64), NodeError> {
+/// What a worker loaded for its session.
+enum Loaded {
+    /// A stage of the ring: whole, or member 0 of a group driving the others.
+    Ring {
+        stage: StageChain,
+        received: u64,
+        /// The group's links, when it is member 0 of one.
+        mesh: Option<Mesh>,
+    },
+    /// Another member of a group: it answers member 0 (`leader`) only.
+    Member {
+        stage: Box<Stage>,
+        leader: Arc<Peer>,
+        received: u64,
+        mesh: Mesh,
+    },
+}
+
+/// Loads the planned stage from a local file, or from tensors the head streams; the
+/// member's slice of it when the plan places this worker in a tensor-parallel group,
+/// after linking with the group's other members (before any tensor is received: the
+/// head sends every member its plan before it streams to any).
+fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Result<Loaded, NodeError> {
+    let mesh = plan.tp.as_ref().map(|place| form_mesh(shared, id, place)).transpose()?;
     let (path, received, verified) = if plan.stream {
         let got = receive_stage_tensors(&shared.models, &plan.model, link)?;
         (got.path, got.bytes, Some(got.verified))
@@ -653,15 +712,54 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link) -> Result<(StageC
         .iter()
         .fold(0, |a: u64, &m| a.saturating_add(m));
     check_kv_fits(&file, &span, &config, offered)?;
-    let parts = match plan.devices.is_empty() {
-        true => split_between(&span, &devices),
-        false => planned_parts(&span, &plan.devices, &devices)?,
+    let Some(mesh) = mesh else {
+        let parts = match plan.devices.is_empty() {
+            true => split_between(&span, &devices),
+            false => planned_parts(&span, &plan.devices, &devices)?,
+        };
+        let stages = parts
+            .into_iter()
+            .map(|(span, device)| Stage::load_on(file.clone(), span, &config, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        return Ok(Loaded::Ring {
+            stage: StageChain::new(stages)?,
+            received,
+            mesh: None,
+        });
     };
-    let stages = parts
-        .into_iter()
-        .map(|(span, device)| Stage::load_on(file.clone(), span, &config, device))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok((StageChain::new(stages)?, received))
+    // The exchanges are host ops over activations in host memory: members compute on
+    // the CPU whatever devices the worker has (docs/tensor-parallel.md).
+    if shared.config.devices.iter().any(|d| !d.is_cpu()) {
+        tracing::info!("this worker's tensor-parallel slice computes on the CPU");
+    }
+    let (rank, size) = (mesh.rank, mesh.size);
+    let split = baton_model::tp_splits(&file, size)?.swap_remove(rank);
+    let collective = Arc::new(MeshCollective::new(rank, mesh.peers.clone()));
+    let stage = Stage::load_member(file, span, &config, Some((split, collective)))?;
+    if rank == 0 {
+        let members = mesh
+            .peers
+            .iter()
+            .map(|p| Box::new(RemoteMember::new(p.clone())) as Box<dyn baton_model::GroupMember>)
+            .collect();
+        return Ok(Loaded::Ring {
+            stage: StageChain::from(stage.driving(members)),
+            received,
+            mesh: Some(mesh),
+        });
+    }
+    let leader = mesh
+        .peers
+        .iter()
+        .find(|p| p.rank() == 0)
+        .cloned()
+        .ok_or_else(|| NodeError::Protocol("the group's member 0 is not among its links".into()))?;
+    Ok(Loaded::Member {
+        stage: Box::new(stage),
+        leader,
+        received,
+        mesh,
+    })
 }
 
 /// The span's layers on the devices the plan names, in order (the codec checked that

@@ -143,7 +143,7 @@ fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
     to_stage.send(Message::EndSeq { seq: 2 }).unwrap();
     let handler = |msg: Message| match msg {
         Message::EndSeq { seq: 2 } => panic!("seq 2 broke the stage"),
-        other => other,
+        other => Ok(other),
     };
     let result = serve(handler, 12, stage_rx, stage_tx);
     let Err(NodeError::Stage { first_layer, message }) = result else {
@@ -158,5 +158,37 @@ fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
             first_layer: 12,
             message: message.clone()
         }
+    );
+}
+
+/// A stage whose tensor-parallel group broke stops without answering: its links close
+/// and the head sees the ring lost (and rebuilds its requests on a new one), where an
+/// `Error` would have failed them.
+#[test]
+fn a_broken_group_ends_the_loop_without_an_answer() {
+    use super::{serve, NodeError};
+    use baton_net::{local_link, NetError, Rx, Tx};
+
+    let (mut to_stage, stage_rx) = local_link("stage");
+    let (stage_tx, mut from_stage) = local_link("next");
+    to_stage.send(Message::EndSeq { seq: 1 }).unwrap();
+    to_stage.send(Message::EndSeq { seq: 2 }).unwrap();
+    to_stage.send(Message::EndSeq { seq: 3 }).unwrap();
+    let handler = |msg: Message| match msg {
+        Message::EndSeq { seq: 2 } => Err(NodeError::Stage {
+            first_layer: 12,
+            message: "tensor-parallel group aborted: member 1 left".into(),
+        }),
+        other => Ok(other),
+    };
+    let result = serve(handler, 12, stage_rx, stage_tx);
+    assert!(
+        matches!(&result, Err(NodeError::Stage { message, .. }) if message.contains("member 1 left")),
+        "{result:?}"
+    );
+    assert_eq!(from_stage.recv().unwrap(), Message::EndSeq { seq: 1 });
+    assert!(
+        matches!(from_stage.recv(), Err(NetError::Closed { .. })),
+        "nothing follows: the link closed"
     );
 }

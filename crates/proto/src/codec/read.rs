@@ -7,7 +7,7 @@ use baton_sample::SamplingParams;
 use super::{kind, kind_name, role_from_byte, ProtoError, MAX_STRING};
 use crate::{
     Capabilities, DeviceCaps, DeviceRange, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken,
-    TensorEntry,
+    TensorEntry, TpPlace, MAX_TP_MEMBERS,
 };
 
 /// Decodes the payload of one frame of message `kind` (as returned by
@@ -101,6 +101,11 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             }
             Message::Partial { sum, values }
         }
+        kind::JOIN_GROUP => Message::JoinGroup {
+            group: r.u64("group")?,
+            rank: r.u32("rank")?,
+        },
+        kind::PROBE => Message::Probe { data: r.bytes("data")? },
         // `kind_name` accepted it, so a number is missing above.
         _ => return Err(ProtoError::UnknownKind(kind)),
     };
@@ -364,6 +369,10 @@ impl<'a> Reader<'a> {
                     })
                     .collect::<Result<_, ProtoError>>()?
             },
+            tp: match self.present("tp")? {
+                false => None,
+                true => Some(self.tp_place()?),
+            },
         };
         if plan.layer_start > plan.layer_end {
             let reason = format!("layer_start {} is after layer_end {}", plan.layer_start, plan.layer_end);
@@ -387,6 +396,20 @@ impl<'a> Reader<'a> {
             return Err(self.invalid("devices", reason));
         }
         Ok(plan)
+    }
+
+    fn tp_place(&mut self) -> Result<TpPlace, ProtoError> {
+        let group = self.u64("tp group")?;
+        let rank = self.u32("tp rank")?;
+        let n = self.count("tp members", STR_MIN)?;
+        if !(2..=MAX_TP_MEMBERS).contains(&n) {
+            return Err(self.invalid("tp members", format!("{n} members; a group has 2 to {MAX_TP_MEMBERS}")));
+        }
+        let members = (0..n).map(|_| self.str("tp member")).collect::<Result<Vec<_>, _>>()?;
+        if rank as usize >= n {
+            return Err(self.invalid("tp rank", format!("rank {rank} in a group of {n}")));
+        }
+        Ok(TpPlace { group, rank, members })
     }
 
     fn tensor_entry(&mut self) -> Result<TensorEntry, ProtoError> {

@@ -115,13 +115,21 @@ const SAMPLED_TOKEN: Layout = Layout {
         Field("top", Ty::List(&Ty::Struct(&TOP_LOGPROB))),
     ],
 };
+const TP_PLACE: Layout = Layout {
+    name: "TpPlace",
+    fields: &[
+        Field("group", Ty::U64),
+        Field("rank", Ty::U32),
+        Field("members", Ty::List(&Ty::Str)),
+    ],
+};
 const TOP_LOGPROB: Layout = Layout {
     name: "TopLogprob",
     fields: &[Field("token", Ty::U32), Field("logprob", Ty::F32)],
 };
 
 /// Structures, in the order the second table lists them.
-const STRUCTURES: [&Layout; 9] = [
+const STRUCTURES: [&Layout; 10] = [
     &MODEL_REF,
     &HELD_MODEL,
     &DEVICE_CAPS,
@@ -131,10 +139,11 @@ const STRUCTURES: [&Layout; 9] = [
     &PAYLOAD,
     &SAMPLED_TOKEN,
     &TOP_LOGPROB,
+    &TP_PLACE,
 ];
 
 /// Messages, in kind-number order.
-const MESSAGES: [Layout; 21] = [
+const MESSAGES: [Layout; 23] = [
     Layout {
         name: "Hello",
         fields: &[
@@ -180,6 +189,7 @@ const MESSAGES: [Layout; 21] = [
             Field("wire_f16", Ty::Bool),
             Field("repack", Ty::Bool),
             Field("devices", Ty::List(&Ty::Struct(&DEVICE_RANGE))),
+            Field("tp", Ty::Opt(&Ty::Struct(&TP_PLACE))),
         ],
     },
     Layout {
@@ -274,6 +284,14 @@ const MESSAGES: [Layout; 21] = [
     Layout {
         name: "Partial",
         fields: &[Field("sum", Ty::U64), Field("values", Ty::List(&Ty::F32))],
+    },
+    Layout {
+        name: "JoinGroup",
+        fields: &[Field("group", Ty::U64), Field("rank", Ty::U32)],
+    },
+    Layout {
+        name: "Probe",
+        fields: &[Field("data", Ty::Bytes)],
     },
 ];
 

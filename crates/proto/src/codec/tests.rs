@@ -80,6 +80,7 @@ pub(super) fn samples() -> Vec<Message> {
                 layer_end: 28,
             },
         ],
+        tp: None,
     };
     let tensor = |name: &str, offset| TensorEntry {
         name: name.into(),
@@ -107,6 +108,11 @@ pub(super) fn samples() -> Vec<Message> {
             version: 3,
             role: crate::Role::Heartbeat,
             nonce: nonce(3),
+        },
+        Message::Hello {
+            version: 9,
+            role: crate::Role::Member,
+            nonce: nonce(4),
         },
         Message::Auth { proof: nonce(4) },
         Message::Refused {
@@ -152,6 +158,11 @@ pub(super) fn samples() -> Vec<Message> {
             next: Some("10.0.0.3:7311".into()),
             first: true,
             last: false,
+            tp: Some(crate::TpPlace {
+                group: u64::MAX - 3,
+                rank: 2,
+                members: vec!["10.0.0.3:7311".into(), "unix:/tmp/w1.sock".into(), "[::1]:7".into()],
+            }),
             ..plan
         }),
         Message::StreamStart {
@@ -261,6 +272,12 @@ pub(super) fn samples() -> Vec<Message> {
             sum: u64::MAX,
             values: vec![],
         },
+        Message::JoinGroup {
+            group: 0x0123_4567_89ab_cdef,
+            rank: 3,
+        },
+        Message::Probe { data: vec![0xa5; 300] },
+        Message::Probe { data: vec![] },
     ]
 }
 
@@ -385,7 +402,7 @@ fn header_checks_length_flags_and_kind() {
     let err = parse_header(&head(0, 999, 0), DEFAULT_MAX_FRAME).unwrap_err();
     assert_eq!(err.to_string(), "unknown message kind 999");
     assert_eq!(parse_header(&head(0, 0, 0), 100), Err(ProtoError::UnknownKind(0)));
-    assert_eq!(parse_header(&head(0, 22, 0), 100), Err(ProtoError::UnknownKind(22)));
+    assert_eq!(parse_header(&head(0, 24, 0), 100), Err(ProtoError::UnknownKind(24)));
     assert_eq!(parse_header(&head(0, 15, 1), 100), Err(ProtoError::BadFlags(1)));
     assert_eq!(decode(999, &[]), Err(ProtoError::UnknownKind(999)));
 }
@@ -469,8 +486,8 @@ fn strings_must_be_short_utf8() {
 
 #[test]
 fn unknown_role_and_tags_are_refused() {
-    let hello = Bytes::default().u32(1).u8(4).raw(&[0; 32]);
-    assert_eq!(invalid_reason(decode(kind::HELLO, &hello.0)), "unknown role byte 4");
+    let hello = Bytes::default().u32(1).u8(5).raw(&[0; 32]);
+    assert_eq!(invalid_reason(decode(kind::HELLO, &hello.0)), "unknown role byte 5");
 
     let (kind, mut payload) = payload_of(&Message::StartSeq {
         seq: 1,
@@ -717,6 +734,7 @@ fn invalid_values_are_refused() {
         wire_f16: false,
         repack: false,
         devices: vec![],
+        tp: None,
     };
     let (kind, payload) = payload_of(&Message::LoadPlan(plan.clone()));
     assert_eq!(
@@ -844,4 +862,36 @@ fn refusals_carry_a_known_code_after_the_reason() {
             what: "code"
         })
     );
+}
+
+#[test]
+fn tp_places_outside_their_group_are_refused() {
+    let place = |rank: u32, members: usize| LoadPlan {
+        model: model_ref(),
+        layer_start: 0,
+        layer_end: 4,
+        first: true,
+        last: false,
+        n_ctx: 64,
+        n_seq: 0,
+        next: None,
+        stream: false,
+        wire_f16: false,
+        repack: true,
+        devices: vec![],
+        tp: Some(crate::TpPlace {
+            group: 7,
+            rank,
+            members: (0..members).map(|m| format!("w{m}:1")).collect(),
+        }),
+    };
+    let reason = |plan: LoadPlan| {
+        let (kind, payload) = payload_of(&Message::LoadPlan(plan));
+        invalid_reason(decode(kind, &payload))
+    };
+    assert_eq!(reason(place(2, 2)), "rank 2 in a group of 2");
+    assert_eq!(reason(place(0, 1)), "1 members; a group has 2 to 64");
+    assert_eq!(reason(place(0, 65)), "65 members; a group has 2 to 64");
+    let (kind, payload) = payload_of(&Message::LoadPlan(place(1, 64)));
+    assert!(decode(kind, &payload).is_ok(), "64 members are allowed");
 }

@@ -133,6 +133,13 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u64(*sum);
             w.array(values, f32::to_le_bytes);
         }
+        Message::JoinGroup { group, rank } => {
+            w.u64(*group);
+            w.u32(*rank);
+        }
+        Message::Probe { data } => {
+            w.bytes(data);
+        }
     }
     kind_of(msg)
 }
@@ -256,6 +263,16 @@ impl Writer<'_> {
         for range in &plan.devices {
             self.str(&range.device);
             self.u32(range.layer_end);
+        }
+        match &plan.tp {
+            None => self.u8(0),
+            Some(place) => {
+                self.u8(1);
+                self.u64(place.group);
+                self.u32(place.rank);
+                self.count(place.members.len());
+                place.members.iter().for_each(|m| self.str(m));
+            }
         }
     }
 
