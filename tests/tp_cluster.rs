@@ -157,7 +157,8 @@ fn one_group_of_three_workers_matches_llama_cpp() {
 /// member's slices of the four gathers of every layer (7 heads x 64, 448 rows of the
 /// attention output, 2432 of the FFN's activations, 448 of its output: 3776 values, in
 /// four frames of 36 bytes besides), both ways; member 0's `Forward` to member 1; and
-/// member 1's half of the logits (75,968 values) to member 0.
+/// from member 1 to member 0 the best of its half of the vocabulary when the sampler is
+/// a plain arg-max (one value and its token), else its half of the logits (75,968 values).
 #[test]
 fn per_token_traffic_between_members_is_their_slices_and_the_logits() {
     use baton_proto::{Payload, StartSeq};
@@ -174,13 +175,14 @@ fn per_token_traffic_between_members_is_their_slices_and_the_logits() {
     let w1 = WorkerProc::start(dir, Some(TOKEN), &[]);
     proxy.forward_to(w0.addr.clone());
     let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options(TpDegree::Fixed(2))).unwrap();
-    let head = ring.head().unwrap();
-    head.control(StartSeq::new(0, SamplingParams::greedy(), vec![]).into())
-        .unwrap();
-    let mut token = head
-        .forward(Payload::Tokens(vec![1, 2, 3]), vec![0, 1, 2], vec![0; 3], vec![2])
-        .unwrap()[0]
-        .token;
+    // Starts sequence `seq` with `params` on a 3-token prompt; its first token.
+    let start = |ring: &mut RemoteRing, seq: u32, params: SamplingParams| {
+        let head = ring.head().unwrap();
+        head.control(StartSeq::new(seq, params, vec![]).into()).unwrap();
+        head.forward(Payload::Tokens(vec![1, 2, 3]), vec![0, 1, 2], vec![seq; 3], vec![2])
+            .unwrap()[0]
+            .token
+    };
     let counted = || {
         // The proxy counts a chunk once written: let the last step's frames arrive.
         std::thread::sleep(Duration::from_millis(200));
@@ -189,31 +191,44 @@ fn per_token_traffic_between_members_is_their_slices_and_the_logits() {
             proxy.to_target.load(Ordering::Relaxed),
         )
     };
-    let (from0, to0) = counted();
+    // Per decode step over `STEPS` steps of sequence `seq`: (member 0 -> member 1,
+    // member 1 -> member 0) bytes.
     const STEPS: u64 = 20;
-    for pos in 3..3 + STEPS as i32 {
-        token = ring
-            .head()
-            .unwrap()
-            .forward(Payload::Tokens(vec![token]), vec![pos], vec![0], vec![0])
-            .unwrap()[0]
-            .token;
-    }
-    let (from1, to1) = counted();
-    let (from_member0, to_member0) = ((from1 - from0) / STEPS, (to1 - to0) / STEPS);
-    println!("per token: member 0 -> member 1 {from_member0} bytes, member 1 -> member 0 {to_member0} bytes");
+    let per_token = |ring: &mut RemoteRing, seq: u32, mut token: u32| {
+        let (from0, to0) = counted();
+        for pos in 3..3 + STEPS as i32 {
+            token = ring
+                .head()
+                .unwrap()
+                .forward(Payload::Tokens(vec![token]), vec![pos], vec![seq], vec![0])
+                .unwrap()[0]
+                .token;
+        }
+        let (from1, to1) = counted();
+        ((from1 - from0) / STEPS, (to1 - to0) / STEPS)
+    };
     // 24 layers x (3776 values x 4 bytes + 4 frames x (8 header + 12 payload + 16 seal)).
     let slices = 24 * (3776 * 4 + 4 * 36);
-    let logits = 75_968 * 4 + 36;
-    assert!(
-        (slices..slices + 200).contains(&from_member0),
-        "member 0 sends its slices and a Forward: {from_member0} bytes, expected {slices} + a Forward"
-    );
-    assert_eq!(
-        to_member0,
-        slices + logits,
-        "member 1 sends its slices and its half of the logits"
-    );
+    let check = |what: &str, (from_member0, to_member0): (u64, u64), answer: u64| {
+        println!(
+            "per token, {what}: member 0 -> member 1 {from_member0} bytes, member 1 -> member 0 {to_member0} bytes"
+        );
+        assert!(
+            (slices..slices + 200).contains(&from_member0),
+            "{what}: member 0 sends its slices and a Forward: {from_member0} bytes, expected {slices} + a Forward"
+        );
+        assert_eq!(
+            to_member0,
+            slices + answer,
+            "{what}: member 1 sends its slices and its answer"
+        );
+    };
+    let token = start(&mut ring, 0, SamplingParams::greedy());
+    check("greedy", per_token(&mut ring, 0, token), 2 * 4 + 36);
+
+    // A sampler that draws needs the whole row: member 1 sends its half of the logits.
+    let token = start(&mut ring, 1, SamplingParams::default());
+    check("temperature 0.8", per_token(&mut ring, 1, token), 75_968 * 4 + 36);
 }
 
 /// On loopback TP pays (docs/tensor-parallel.md): `--tp auto` measures each link,

@@ -194,6 +194,7 @@ fn messages() -> Vec<(String, Message)> {
         },
         Message::JoinGroup { group: 0x6e0_0001, rank: 1 },
         Message::Probe { data: vec![0; 64] },
+        Message::ForwardBest(forward(Payload::Hidden(vec![0.5, -1.0, 2.0, 0.25]))),
     ];
     let mut named: Vec<(String, Message)> = Vec::new();
     for message in messages {

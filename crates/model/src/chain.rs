@@ -77,6 +77,26 @@ impl StageChain {
     /// the earlier ones claimed for the batch are given back (by position, as the
     /// worker forgets rows it computed before a failure).
     pub fn forward(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
+        self.run(batch, Stage::forward)
+    }
+
+    /// [`forward`](Self::forward) on a chain ending the model, returning each logit
+    /// row's arg-max token only ([`Stage::forward_best`]).
+    pub fn forward_best(&mut self, batch: &Batch<'_>) -> Result<Vec<u32>, ModelError> {
+        self.run(batch, Stage::forward_best)
+    }
+
+    /// Members in the tensor-parallel group of the chain's last stage (1: none).
+    pub fn last_tp_size(&self) -> usize {
+        self.stages.last().map_or(1, Stage::tp_size)
+    }
+
+    /// The batch through every stage but the last, then `last` on the last.
+    fn run<T>(
+        &mut self,
+        batch: &Batch<'_>,
+        last: impl FnOnce(&mut Stage, &Batch<'_>) -> Result<T, ModelError>,
+    ) -> Result<T, ModelError> {
         let n = self.stages.len();
         let mut hidden: Option<Vec<f32>> = None;
         for i in 0..n {
@@ -88,20 +108,34 @@ impl StageChain {
                 logit_rows: if i + 1 == n { batch.logit_rows } else { &[] },
                 ..*batch
             };
-            match self.stages[i].forward(&step) {
-                Ok(StageOutput::Hidden(h)) if i + 1 < n => hidden = Some(h),
-                Ok(out) => return Ok(out),
+            let result = match i + 1 == n {
+                true => return last(&mut self.stages[i], &step).inspect_err(|_| self.forget(i, batch)),
+                false => self.stages[i].forward(&step),
+            };
+            match result {
+                Ok(StageOutput::Hidden(h)) => hidden = Some(h),
+                Ok(StageOutput::Logits(_)) => {
+                    self.forget(i + 1, batch);
+                    return Err(ModelError::BadBatch(
+                        "a stage before the chain's last produced logits".into(),
+                    ));
+                }
                 Err(e) => {
-                    for stage in &mut self.stages[..i] {
-                        for (&seq, &pos) in batch.seq_ids.iter().zip(batch.positions) {
-                            stage.truncate_seq(seq, pos.max(0) as usize);
-                        }
-                    }
+                    self.forget(i, batch);
                     return Err(e);
                 }
             }
         }
         unreachable!("a chain has at least one stage and its last returns")
+    }
+
+    /// Gives back the cells the first `n` stages claimed for `batch`.
+    fn forget(&mut self, n: usize, batch: &Batch<'_>) {
+        for stage in &mut self.stages[..n] {
+            for (&seq, &pos) in batch.seq_ids.iter().zip(batch.positions) {
+                stage.truncate_seq(seq, pos.max(0) as usize);
+            }
+        }
     }
 }
 

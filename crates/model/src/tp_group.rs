@@ -29,6 +29,63 @@ pub fn join_logits(parts: &[Vec<f32>], n_rows: usize) -> Vec<f32> {
     joined
 }
 
+/// Vocabularies up to this size send each row's best as `[value, token]` in f32 (a
+/// token id is exact in an f32 below 2^24); larger ones send whole rows.
+pub const BEST_MAX_VOCAB: usize = 1 << 24;
+
+/// A member's share of each logit row reduced to its best: `[value, token]` per row,
+/// the token a global id (`first_token` is the share's first), or `[-inf, -1]` for a
+/// share of only NaN. Member 0 joins these with [`join_best`].
+pub fn encode_best(logits: &[f32], n_rows: usize, first_token: u32) -> Vec<f32> {
+    let width = logits.len() / n_rows.max(1);
+    let mut best = Vec::with_capacity(2 * n_rows);
+    for row in logits.chunks_exact(width.max(1)).take(n_rows) {
+        match baton_sample::argmax_value(row) {
+            Some((token, value)) => best.extend([value, (first_token + token) as f32]),
+            None => best.extend([f32::NEG_INFINITY, -1.0]),
+        }
+    }
+    best
+}
+
+/// Each row's arg-max over the whole vocabulary from the members' bests (in rank order,
+/// so shares in vocabulary order): the largest value, the lowest token among equal ones,
+/// exactly what the arg-max of the joined row gives. A part that is not `n_rows` pairs
+/// of a value (not NaN) and a whole token below `n_vocab` is refused (it may have come
+/// from another process).
+pub fn join_best(parts: &[Vec<f32>], n_rows: usize, n_vocab: usize) -> Result<Vec<u32>, ModelError> {
+    let bad = |why: String| ModelError::Collective(CollectiveError::Aborted(why));
+    let mut best: Vec<Option<(u32, f32)>> = vec![None; n_rows];
+    for (rank, part) in parts.iter().enumerate() {
+        if part.len() != 2 * n_rows {
+            return Err(bad(format!(
+                "member {rank} sent {} values for the best of {n_rows} rows",
+                part.len()
+            )));
+        }
+        for (row, pair) in part.chunks_exact(2).enumerate() {
+            let (value, token) = (pair[0], pair[1]);
+            if token == -1.0 {
+                continue;
+            }
+            if value.is_nan() || token.fract() != 0.0 || !(0.0..n_vocab as f32).contains(&token) {
+                return Err(bad(format!("member {rank} sent ({value}, {token}) as a row's best")));
+            }
+            let token = token as u32;
+            match best[row] {
+                Some((_, held)) if value <= held => {}
+                _ => best[row] = Some((token, value)),
+            }
+        }
+    }
+    best.into_iter()
+        .map(|b| {
+            b.map(|(token, _)| token)
+                .ok_or_else(|| bad("a logit row of only NaN".into()))
+        })
+        .collect()
+}
+
 /// A batch that owns its data, to send to another thread.
 struct OwnedBatch {
     tokens: Option<Vec<u32>>,
@@ -36,10 +93,12 @@ struct OwnedBatch {
     positions: Vec<i32>,
     seq_ids: Vec<u32>,
     logit_rows: Vec<u32>,
+    /// Answer each logit row with its best only ([`encode_best`]).
+    best: bool,
 }
 
 enum Job {
-    Forward(OwnedBatch),
+    Forward(Box<OwnedBatch>),
     Truncate { seq: u32, len: usize },
 }
 
@@ -49,10 +108,12 @@ enum Job {
 /// (the members sum with each other meanwhile), then [`recv`](Self::recv) on every
 /// member, in rank order.
 pub trait GroupMember: Send {
-    /// Starts the member on `batch`.
-    fn send_forward(&mut self, batch: &Batch<'_>) -> Result<(), ModelError>;
+    /// Starts the member on `batch`; with `best`, its logit rows are to come back as
+    /// their best only ([`encode_best`]).
+    fn send_forward(&mut self, batch: &Batch<'_>, best: bool) -> Result<(), ModelError>;
     /// The member's output for the batch last sent: logits of its vocabulary share on a
-    /// last stage, else the hidden state (which member 0 has too, and drops).
+    /// last stage (or their best, as asked), else the hidden state (which member 0 has
+    /// too, and drops).
     fn recv(&mut self) -> Result<StageOutput, ModelError>;
     /// Keeps only the tokens of `seq` below position `len` in the member's cache.
     fn truncate_seq(&mut self, seq: u32, len: usize) -> Result<(), ModelError>;
@@ -88,15 +149,16 @@ impl Helper {
                                 seq_ids: &b.seq_ids,
                                 logit_rows: &b.logit_rows,
                             };
-                            let result =
-                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stage.forward_member(&batch)))
-                                    .unwrap_or_else(|_| {
-                                        // Release the members waiting for this one's slices.
-                                        stage.abort_group("a member thread panicked");
-                                        Err(ModelError::Collective(CollectiveError::Aborted(format!(
-                                            "tensor-parallel member {rank} panicked"
-                                        ))))
-                                    });
+                            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                stage.forward_share(&batch, b.best)
+                            }))
+                            .unwrap_or_else(|_| {
+                                // Release the members waiting for this one's slices.
+                                stage.abort_group("a member thread panicked");
+                                Err(ModelError::Collective(CollectiveError::Aborted(format!(
+                                    "tensor-parallel member {rank} panicked"
+                                ))))
+                            });
                             if outbox.send(result).is_err() {
                                 return;
                             }
@@ -115,18 +177,19 @@ impl Helper {
 }
 
 impl GroupMember for Helper {
-    fn send_forward(&mut self, batch: &Batch<'_>) -> Result<(), ModelError> {
+    fn send_forward(&mut self, batch: &Batch<'_>, best: bool) -> Result<(), ModelError> {
         let (tokens, hidden) = match batch.input {
             StageInput::Tokens(t) => (Some(t.to_vec()), None),
             StageInput::Hidden(h) => (None, Some(h.to_vec())),
         };
-        let job = Job::Forward(OwnedBatch {
+        let job = Job::Forward(Box::new(OwnedBatch {
             tokens,
             hidden,
             positions: batch.positions.to_vec(),
             seq_ids: batch.seq_ids.to_vec(),
             logit_rows: batch.logit_rows.to_vec(),
-        });
+            best,
+        }));
         // A member thread only ends when its channel closes (or it panicked, which
         // `recv` reports).
         let _ = self.jobs.as_ref().map(|jobs| jobs.send(job));
@@ -157,6 +220,42 @@ impl Drop for Helper {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The joined bests are the arg-max of the joined rows, ties to the lower token
+    /// (the first share's), a share of only NaN skipped, a row of only -inf its first.
+    #[test]
+    fn members_bests_join_to_the_rows_arg_max() {
+        let nan = f32::NAN;
+        let ninf = f32::NEG_INFINITY;
+        // Three rows over a vocabulary of 5: member 0 holds [0, 2), member 1 [2, 5).
+        let rows: [[f32; 5]; 4] = [
+            [0.5, 3.0, 1.0, 3.0, 2.0],
+            [nan, nan, 1.0, -2.0, 7.0],
+            [ninf, ninf, ninf, ninf, ninf],
+            [9.0, nan, 9.5, nan, 9.5],
+        ];
+        let share = |range: std::ops::Range<usize>| -> Vec<f32> {
+            rows.iter().flat_map(|r| r[range.clone()].to_vec()).collect()
+        };
+        let parts = vec![encode_best(&share(0..2), 4, 0), encode_best(&share(2..5), 4, 2)];
+        let joined = join_best(&parts, 4, 5).unwrap();
+        let whole: Vec<u32> = rows.iter().map(|r| baton_sample::argmax(r).unwrap()).collect();
+        assert_eq!(joined, whole);
+        assert_eq!(joined, vec![1, 4, 0, 2]);
+        // What another process sends is checked.
+        for bad in [
+            vec![1.0, 7.0],
+            vec![nan, 1.0],
+            vec![1.0, 2.5],
+            vec![1.0, -3.0],
+            vec![1.0],
+        ] {
+            let err = join_best(std::slice::from_ref(&bad), 1, 5).unwrap_err().to_string();
+            assert!(err.contains("member 0 sent"), "{bad:?}: {err}");
+        }
+        let err = join_best(&[vec![ninf, -1.0]], 1, 5).unwrap_err().to_string();
+        assert!(err.contains("only NaN"), "{err}");
+    }
 
     #[test]
     fn logits_join_row_by_row_in_rank_order() {

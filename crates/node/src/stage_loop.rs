@@ -250,7 +250,18 @@ impl StageWorker {
                 StageInput::Hidden(&widened)
             }
         };
-        match self.compute(input, &positions, &seq_ids, &sample_rows)? {
+        let want = match self.best_only(&seq_ids, &sample_rows) {
+            true => Want::Best,
+            false => Want::Output,
+        };
+        let output = match self.compute(input, &positions, &seq_ids, &sample_rows, want)? {
+            Computed::Output(output) => output,
+            Computed::Best(best) => {
+                let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Best(&best))?;
+                return Ok(Message::Sampled { step, tokens });
+            }
+        };
+        match output {
             StageOutput::Hidden(hidden) => Ok(Message::Forward(Forward {
                 step,
                 payload: if self.wire_f16 {
@@ -264,24 +275,39 @@ impl StageWorker {
                 row_tokens,
             })),
             StageOutput::Logits(logits) => {
-                let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, &logits)?;
+                let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Logits(&logits))?;
                 Ok(Message::Sampled { step, tokens })
             }
         }
+    }
+
+    /// Whether every sampled row is a plain arg-max (greedy, no penalties, no
+    /// log-probabilities, no grammar) on a last stage whose tensor-parallel group can
+    /// then send member 0 each row's best instead of its share of the logits.
+    fn best_only(&self, seq_ids: &[u32], sample_rows: &[u32]) -> bool {
+        self.stage.span().last
+            && self.stage.last_tp_size() > 1
+            && !sample_rows.is_empty()
+            && sample_rows.iter().all(|&row| {
+                let sampler = seq_ids.get(row as usize).and_then(|seq| self.samplers.get(seq));
+                sampler.is_some_and(|s| s.sampler.params().is_plain_argmax() && !s.logprobs && s.grammar.is_none())
+            })
     }
 
     /// Runs the batch through the stage. A batch whose every row is sampled is decode
     /// rows (single tokens, or a token and its drafts): it is computed in pieces of at
     /// most [`max_decode_rows`] rows, each of which ggml computes exactly as one row
     /// alone, so a drafted token's row gives the bits a one-token step would have.
-    /// Prompt chunks are computed whole, as cut.
+    /// Prompt chunks are computed whole, as cut. With [`Want::Best`] the sampled rows
+    /// come back as their arg-max tokens.
     fn compute(
         &mut self,
         input: StageInput<'_>,
         positions: &[i32],
         seq_ids: &[u32],
         sample_rows: &[u32],
-    ) -> Result<StageOutput, String> {
+        want: Want,
+    ) -> Result<Computed, String> {
         let last = self.stage.span().last;
         let n = positions.len();
         let cap = max_decode_rows(self.stage.repacked());
@@ -293,13 +319,13 @@ impl StageWorker {
                 seq_ids,
                 logit_rows: if last { sample_rows } else { &[] },
             };
-            return self.stage.forward(&batch).map_err(|e| self.failed(e));
+            return self.run(&batch, want);
         }
         let width = match input {
             StageInput::Tokens(_) => 1,
             StageInput::Hidden(hidden) => hidden.len() / n,
         };
-        let mut out = Vec::new();
+        let (mut values, mut best) = (Vec::new(), Vec::new());
         for start in (0..n).step_by(cap) {
             let end = (start + cap).min(n);
             let piece = match input {
@@ -313,22 +339,32 @@ impl StageWorker {
                 seq_ids: &seq_ids[start..end],
                 logit_rows: if last { &rows } else { &[] },
             };
-            match self.stage.forward(&batch) {
-                Ok(StageOutput::Hidden(h) | StageOutput::Logits(h)) => out.extend_from_slice(&h),
+            match self.run(&batch, want) {
+                Ok(Computed::Output(StageOutput::Hidden(h) | StageOutput::Logits(h))) => values.extend_from_slice(&h),
+                Ok(Computed::Best(tokens)) => best.extend_from_slice(&tokens),
                 Err(e) => {
                     // Rows already computed hold cells: forget them with the failure.
                     for (&seq, &pos) in seq_ids[..start].iter().zip(&positions[..start]) {
                         self.stage.truncate_seq(seq, pos as usize);
                     }
-                    return Err(self.failed(e));
+                    return Err(e);
                 }
             }
         }
-        Ok(if last {
-            StageOutput::Logits(out)
-        } else {
-            StageOutput::Hidden(out)
+        Ok(match (want, last) {
+            (Want::Best, _) => Computed::Best(best),
+            (Want::Output, true) => Computed::Output(StageOutput::Logits(values)),
+            (Want::Output, false) => Computed::Output(StageOutput::Hidden(values)),
         })
+    }
+
+    /// One batch through the stage, as `want` asks.
+    fn run(&mut self, batch: &Batch<'_>, want: Want) -> Result<Computed, String> {
+        let computed = match want {
+            Want::Output => self.stage.forward(batch).map(Computed::Output),
+            Want::Best => self.stage.forward_best(batch).map(Computed::Best),
+        };
+        computed.map_err(|e| self.failed(e))
     }
 
     /// The text of a failed computation; a failed exchange of a tensor-parallel group
@@ -353,23 +389,23 @@ impl StageWorker {
         seq_ids: &[u32],
         sample_rows: &[u32],
         row_tokens: &[u32],
-        logits: &[f32],
+        rows: Rows<'_>,
     ) -> Result<Vec<SampledToken>, String> {
         if sample_rows.is_empty() {
             return Ok(Vec::new());
         }
-        let n_vocab = logits.len() / sample_rows.len();
+        let n_vocab = match rows {
+            Rows::Logits(logits) => logits.len() / sample_rows.len(),
+            Rows::Best(best) if best.len() == sample_rows.len() => 1,
+            Rows::Best(_) => 0,
+        };
         if n_vocab == 0 {
-            return Err(format!(
-                "{} logits for {} sampled rows",
-                logits.len(),
-                sample_rows.len()
-            ));
+            return Err(format!("{} values for {} sampled rows", rows.len(), sample_rows.len()));
         }
         let mut tokens = Vec::with_capacity(sample_rows.len());
         // Sequences whose draft was rejected: their later rows are not sampled.
         let mut stopped: Vec<u32> = Vec::new();
-        for (i, (&row, row_logits)) in sample_rows.iter().zip(logits.chunks_exact(n_vocab)).enumerate() {
+        for (i, &row) in sample_rows.iter().enumerate() {
             let seq = seq_ids[row as usize];
             if stopped.contains(&seq) {
                 continue;
@@ -378,7 +414,13 @@ impl StageWorker {
                 .samplers
                 .get_mut(&seq)
                 .ok_or_else(|| format!("sequence {seq} has no sampler: StartSeq must come first"))?;
-            let (token, logprob, top) = seq_sampler.sample(row_logits, self.tokens.as_deref())?;
+            let (token, logprob, top) = match rows {
+                Rows::Logits(logits) => {
+                    seq_sampler.sample(&logits[i * n_vocab..(i + 1) * n_vocab], self.tokens.as_deref())?
+                }
+                // The row's arg-max, which a plain greedy sampler takes (`best_only`).
+                Rows::Best(best) => (best[i], f32::NAN, Vec::new()),
+            };
             seq_sampler.sampler.accept(token);
             tokens.push(SampledToken {
                 seq,
@@ -399,6 +441,37 @@ impl StageWorker {
             }
         }
         Ok(tokens)
+    }
+}
+
+/// What a batch's computation is to return.
+#[derive(Clone, Copy)]
+enum Want {
+    /// The stage's output: hidden states, or the logits of the sampled rows.
+    Output,
+    /// Only each sampled row's arg-max token (see `StageWorker::best_only`).
+    Best,
+}
+
+/// What a batch's computation returned.
+enum Computed {
+    Output(StageOutput),
+    Best(Vec<u32>),
+}
+
+/// The sampled rows: their logits, `n_vocab` each, or their arg-max tokens.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Logits(&'a [f32]),
+    Best(&'a [u32]),
+}
+
+impl Rows<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Rows::Logits(logits) => logits.len(),
+            Rows::Best(best) => best.len(),
+        }
     }
 }
 

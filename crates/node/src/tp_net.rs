@@ -180,22 +180,25 @@ fn model_error(e: CollectiveError) -> ModelError {
 }
 
 impl GroupMember for RemoteMember {
-    fn send_forward(&mut self, batch: &Batch<'_>) -> Result<(), ModelError> {
+    fn send_forward(&mut self, batch: &Batch<'_>, best: bool) -> Result<(), ModelError> {
         self.step += 1;
         let payload = match batch.input {
             StageInput::Tokens(t) => Payload::Tokens(t.to_vec()),
             StageInput::Hidden(h) => Payload::Hidden(h.to_vec()),
         };
-        self.peer
-            .send(Message::Forward(Forward {
-                step: self.step,
-                payload,
-                positions: batch.positions.to_vec(),
-                seq_ids: batch.seq_ids.to_vec(),
-                sample_rows: batch.logit_rows.to_vec(),
-                row_tokens: Vec::new(),
-            }))
-            .map_err(model_error)
+        let forward = Forward {
+            step: self.step,
+            payload,
+            positions: batch.positions.to_vec(),
+            seq_ids: batch.seq_ids.to_vec(),
+            sample_rows: batch.logit_rows.to_vec(),
+            row_tokens: Vec::new(),
+        };
+        let msg = match best {
+            true => Message::ForwardBest(forward),
+            false => Message::Forward(forward),
+        };
+        self.peer.send(msg).map_err(model_error)
     }
 
     fn recv(&mut self) -> Result<StageOutput, ModelError> {
@@ -226,13 +229,15 @@ impl Drop for RemoteMember {
 
 /// Serves member 0 over `leader` until it sends `Shutdown` or goes: computes each
 /// `Forward` on `stage` (this member's slice) and answers with its logits (`Partial`
-/// numbered `u64::MAX - step`), `Done`, or `Error`.
+/// numbered `u64::MAX - step`; for a `ForwardBest`, each row's best of them), `Done`,
+/// or `Error`.
 pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError> {
     let first_layer = stage.span().layers.start as u32;
     loop {
         let msg = leader.recv().map_err(|e| NodeError::Protocol(e.to_string()))?;
         let reply = match msg {
-            Message::Forward(f) => {
+            Message::Forward(ref f) | Message::ForwardBest(ref f) => {
+                let best = matches!(msg, Message::ForwardBest(_));
                 let hidden;
                 let input = match &f.payload {
                     Payload::Tokens(t) => StageInput::Tokens(t),
@@ -251,7 +256,7 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
                     seq_ids: &f.seq_ids,
                     logit_rows: &f.sample_rows,
                 };
-                match stage.forward(&batch) {
+                match stage.forward_share(&batch, best) {
                     Ok(StageOutput::Logits(values)) => Message::Partial {
                         sum: u64::MAX - f.step,
                         values,

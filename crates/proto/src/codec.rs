@@ -70,6 +70,8 @@
 //! | 21   | Partial      | sum u64, values [f32]                                                    |
 //! | 22   | JoinGroup    | group u64, rank u32                                                      |
 //! | 23   | Probe        | data bytes                                                               |
+//! | 24   | ForwardBest  | step u64, payload: Payload, positions [i32], seq_ids [u32],              |
+//! |      |              | sample_rows [u32], row_tokens [u32]                                      |
 //!
 //! | structure      | fields, in order                                                            |
 //! |----------------|-----------------------------------------------------------------------------|
@@ -176,6 +178,7 @@ kinds! {
     21 PARTIAL Partial,
     22 JOIN_GROUP JoinGroup,
     23 PROBE Probe,
+    24 FORWARD_BEST ForwardBest,
 }
 
 /// The name of `msg`'s kind (see [`Message::kind`]).

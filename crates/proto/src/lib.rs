@@ -30,7 +30,9 @@ use baton_sample::SamplingParams;
 /// group ([`TpPlace`]); members link to each other as [`Role::Member`] and introduce
 /// themselves with `JoinGroup` (kind 22); `Probe` (kind 23) times the head's link to a
 /// worker before the plan.
-pub const PROTOCOL_VERSION: u32 = 9;
+/// 10: `ForwardBest` (kind 24): a last stage's member answers each logit row with the
+/// best of its vocabulary share only.
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Most members a tensor-parallel group may have (the head never plans more; a
 /// `LoadPlan` naming more is refused at decoding).
@@ -443,6 +445,11 @@ pub enum Message {
     /// The first frame on a [`Role::Member`] link: the dialing member's group (from its
     /// [`TpPlace`]) and rank.
     JoinGroup { group: u64, rank: u32 },
+    /// Member 0 → another member of a last stage's group: a `Forward` whose logit rows
+    /// are to be answered with each row's best of the member's share only (`Partial`
+    /// values `[value, token]` per row, the token a whole number in f32, `[-inf, -1]`
+    /// for a share of only NaN): what greedy sampling without penalties needs.
+    ForwardBest(Forward),
 
     // --- link measurement: head ↔ worker, before the plan ---
     /// Head → worker, between `Describe` and `LoadPlan`: `data` is filler whose time on

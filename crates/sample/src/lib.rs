@@ -28,7 +28,7 @@ mod sampler;
 mod select;
 
 pub use params::SamplingParams;
-pub use row::argmax;
+pub use row::{argmax, argmax_value};
 pub use sampler::{Sampled, Sampler};
 
 /// Why a token could not be sampled, or why parameters were refused.

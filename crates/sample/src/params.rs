@@ -62,8 +62,14 @@ impl SamplingParams {
         self.temperature <= 0.0
     }
 
+    /// Whether a token is the plain arg-max of its row: greedy, no penalties. Such a row
+    /// needs only its best logit and token, not the whole row.
+    pub fn is_plain_argmax(&self) -> bool {
+        self.is_greedy() && !self.has_penalties()
+    }
+
     /// Whether any penalty would change a logit.
-    pub(crate) fn has_penalties(&self) -> bool {
+    pub fn has_penalties(&self) -> bool {
         self.repeat_last_n > 0
             && (self.repeat_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0)
     }

@@ -174,6 +174,16 @@ pub fn argmax(logits: &[f32]) -> Option<u32> {
     argmax_slice(logits).map(|(at, _)| at as u32)
 }
 
+/// [`argmax`] with the maximum's value: `(index, value)`. A tensor-parallel group's
+/// members each take it over their share of the vocabulary, and the best of those (the
+/// lowest index among equal values, as here) is the whole row's arg-max.
+pub fn argmax_value(logits: &[f32]) -> Option<(u32, f32)> {
+    if u32::try_from(logits.len()).is_err() {
+        return None;
+    }
+    argmax_slice(logits).map(|(at, value)| (at as u32, value))
+}
+
 /// Single-pass arg-max returning `(index, value)`.
 fn argmax_slice(logits: &[f32]) -> Option<(usize, f32)> {
     // Independent lanes break the loop-carried dependency of a scalar arg-max, which lets

@@ -68,6 +68,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         },
         kind::END_SEQ => Message::EndSeq { seq: r.u32("seq")? },
         kind::FORWARD => Message::Forward(r.forward()?),
+        kind::FORWARD_BEST => Message::ForwardBest(r.forward()?),
         kind::SAMPLED => {
             let step = r.u64("step")?;
             let n = r.count("tokens", SAMPLED_TOKEN_LEN)?;

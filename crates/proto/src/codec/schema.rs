@@ -143,7 +143,7 @@ const STRUCTURES: [&Layout; 10] = [
 ];
 
 /// Messages, in kind-number order.
-const MESSAGES: [Layout; 23] = [
+const MESSAGES: [Layout; 24] = [
     Layout {
         name: "Hello",
         fields: &[
@@ -234,14 +234,7 @@ const MESSAGES: [Layout; 23] = [
     },
     Layout {
         name: "Forward",
-        fields: &[
-            Field("step", Ty::U64),
-            Field("payload", Ty::Struct(&PAYLOAD)),
-            Field("positions", Ty::List(&Ty::I32)),
-            Field("seq_ids", Ty::List(&Ty::U32)),
-            Field("sample_rows", Ty::List(&Ty::U32)),
-            Field("row_tokens", Ty::List(&Ty::U32)),
-        ],
+        fields: FORWARD_FIELDS,
     },
     Layout {
         name: "Sampled",
@@ -293,6 +286,20 @@ const MESSAGES: [Layout; 23] = [
         name: "Probe",
         fields: &[Field("data", Ty::Bytes)],
     },
+    Layout {
+        name: "ForwardBest",
+        fields: FORWARD_FIELDS,
+    },
+];
+
+/// `Forward` and `ForwardBest` are laid out alike.
+const FORWARD_FIELDS: &[Field] = &[
+    Field("step", Ty::U64),
+    Field("payload", Ty::Struct(&PAYLOAD)),
+    Field("positions", Ty::List(&Ty::I32)),
+    Field("seq_ids", Ty::List(&Ty::U32)),
+    Field("sample_rows", Ty::List(&Ty::U32)),
+    Field("row_tokens", Ty::List(&Ty::U32)),
 ];
 
 impl Ty {

@@ -97,7 +97,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
         Message::EndSeq { seq } => {
             w.u32(*seq);
         }
-        Message::Forward(forward) => {
+        Message::Forward(forward) | Message::ForwardBest(forward) => {
             w.forward(forward);
         }
         Message::Sampled { step, tokens } => {
