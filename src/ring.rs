@@ -254,7 +254,7 @@ impl Ring {
             head_stage,
             threads,
             head_memory: cluster.head_memory,
-            head_devices: head_devices(&stages.device)?,
+            head_devices: node_devices(&stages.device)?,
             head_secs_per_layer: Vec::new(),
             skip_unreachable: false,
             handshake_timeout: Some(std::time::Duration::from_secs_f64(cluster.handshake_timeout)),
@@ -357,9 +357,9 @@ fn tp_over_links(
     Ok(LocalRing::from_stages(vec![stage], &ranges)?)
 }
 
-/// The devices of the head's own stage when it runs one beside workers: `--device`, or
-/// the first accelerator (else the CPU), as a worker chooses its own.
-fn head_devices(given: &[String]) -> anyhow::Result<Vec<baton_ggml::Device>> {
+/// The devices of a worker's stage, or of the head's own beside workers: `--device`,
+/// or the first accelerator (else the CPU).
+pub fn node_devices(given: &[String]) -> anyhow::Result<Vec<baton_ggml::Device>> {
     let devices = match given.is_empty() {
         true => vec![baton_ggml::Device::preferred()],
         false => baton_ggml::Device::parse_list(given)?,
@@ -370,7 +370,7 @@ fn head_devices(given: &[String]) -> anyhow::Result<Vec<baton_ggml::Device>> {
 
 /// Refuses a device list that names an accelerator twice (ggml computes one stage per
 /// device and process); the CPU may be named more than once, each a stage of its own.
-pub fn check_device_list(devices: &[baton_ggml::Device]) -> anyhow::Result<()> {
+fn check_device_list(devices: &[baton_ggml::Device]) -> anyhow::Result<()> {
     for (i, device) in devices.iter().enumerate() {
         anyhow::ensure!(
             device.is_cpu() || !devices[..i].contains(device),

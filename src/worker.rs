@@ -102,11 +102,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let devices = match args.device.is_empty() {
-        true => vec![baton_ggml::Device::preferred()],
-        false => baton_ggml::Device::parse_list(&args.device)?,
-    };
-    crate::ring::check_device_list(&devices)?;
+    let devices = crate::ring::node_devices(&args.device)?;
     let config = WorkerConfig {
         listen: args.listen.clone(),
         models: args.models,

@@ -625,23 +625,20 @@ mod tests {
             .map(|v| v as f32)
             .collect();
         let source: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let (_, shape, data) = slice(
-            "blk.0.ffn_up_exps.weight",
-            DType::F32,
-            &[2, 3, 2],
-            &source,
-            &Cut::Rows(1..3),
-        )
-        .unwrap()
-        .unwrap();
-        assert_eq!(shape, vec![2, 2, 2]);
-        let Data::Owned(bytes) = data else {
-            panic!("a slice is a copy")
+        // `source` as a tensor of shape `dims`, cut: the slice's shape and values.
+        let cut = |name: &str, dims: &[i64], cut: &Cut| -> (Vec<i64>, Vec<f32>) {
+            let (_, shape, data) = slice(name, DType::F32, dims, &source, cut).unwrap().unwrap();
+            let Data::Owned(bytes) = data else {
+                panic!("a slice is a copy")
+            };
+            let values = bytes
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            (shape, values)
         };
-        let got: Vec<f32> = bytes
-            .chunks(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
+        let (shape, got) = cut("blk.0.ffn_up_exps.weight", &[2, 3, 2], &Cut::Rows(1..3));
+        assert_eq!(shape, vec![2, 2, 2]);
         assert_eq!(got, [10., 11., 20., 21., 110., 111., 120., 121.]);
         let error = |dims: &[i64], rows| match slice("t", DType::F32, dims, &source, &Cut::Rows(rows)) {
             Err(e) => e.to_string(),
@@ -650,30 +647,12 @@ mod tests {
         assert!(error(&[2, 3, 2], 2..4).contains("rows [2..4]"));
         assert!(error(&[2, 3, 2, 1], 0..1).contains("4-d tensor"));
         // Biases of every expert, `[2 values, 6 experts]`: the second value of each.
-        let (_, shape, data) = slice("b", DType::F32, &[2, 6], &source, &Cut::Columns(1..2))
-            .unwrap()
-            .unwrap();
+        let (shape, got) = cut("b", &[2, 6], &Cut::Columns(1..2));
         assert_eq!(shape, vec![1, 6]);
-        let Data::Owned(bytes) = data else {
-            panic!("a slice is a copy")
-        };
-        let got: Vec<f32> = bytes
-            .chunks(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
         assert_eq!(got, [1., 11., 21., 101., 111., 121.]);
         // A fused projection `[2, 6 rows]`: rows 0 and 3..5, joined in order.
-        let (_, shape, data) = slice("qkv", DType::F32, &[2, 6], &source, &Cut::RowRanges(vec![0..1, 3..5]))
-            .unwrap()
-            .unwrap();
+        let (shape, got) = cut("qkv", &[2, 6], &Cut::RowRanges(vec![0..1, 3..5]));
         assert_eq!(shape, vec![2, 3]);
-        let Data::Owned(bytes) = data else {
-            panic!("a slice is a copy")
-        };
-        let got: Vec<f32> = bytes
-            .chunks(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
         assert_eq!(got, [0., 1., 100., 101., 110., 111.]);
     }
 }

@@ -394,12 +394,12 @@ impl StageWorker {
         if sample_rows.is_empty() {
             return Ok(Vec::new());
         }
-        let n_vocab = match rows {
-            Rows::Logits(logits) => logits.len() / sample_rows.len(),
-            Rows::Best(best) if best.len() == sample_rows.len() => 1,
-            Rows::Best(_) => 0,
+        let n_vocab = rows.len() / sample_rows.len();
+        let whole = match rows {
+            Rows::Logits(_) => n_vocab > 0,
+            Rows::Best(best) => best.len() == sample_rows.len(),
         };
-        if n_vocab == 0 {
+        if !whole {
             return Err(format!("{} values for {} sampled rows", rows.len(), sample_rows.len()));
         }
         let mut tokens = Vec::with_capacity(sample_rows.len());

@@ -420,12 +420,12 @@ pub fn partition(cost: &ModelCost, nodes: &[NodeOffer]) -> Result<Plan, PlanErro
             (node.name.clone(), why)
         })
         .collect();
-    let why = explain(cost, nodes, &units, &stages);
+    let why = explain(cost, nodes, &units, &pieces);
     Ok(Plan { stages, left_out, why })
 }
 
 /// Says how the speeds were read and what the split balances.
-fn explain(cost: &ModelCost, nodes: &[NodeOffer], units: &[Unit], stages: &[PlannedStage]) -> String {
+fn explain(cost: &ModelCost, nodes: &[NodeOffer], units: &[Unit], pieces: &[(usize, Range<usize>)]) -> String {
     let ms = |secs: f64| format!("{:.2} ms", secs * 1e3);
     let measured: Vec<String> = units
         .iter()
@@ -454,16 +454,9 @@ fn explain(cost: &ModelCost, nodes: &[NodeOffer], units: &[Unit], stages: &[Plan
         format!("measured per layer and token: {}", measured.join(", "))
     };
     let output = cost.last_bytes as f64 / (cost.layer_bytes.iter().sum::<u64>() as f64 / cost.n_layers().max(1) as f64);
-    let bottleneck = stages
+    let bottleneck = pieces
         .iter()
-        .flat_map(|s| s.parts.iter().map(move |p| (s.node, p)))
-        .map(|(node, part)| {
-            let unit = units
-                .iter()
-                .find(|u| u.node == node && u.device == part.device)
-                .expect("every part is on a unit");
-            unit.secs_per_layer * cost.stage_work(&part.layers)
-        })
+        .map(|(u, layers)| units[*u].secs_per_layer * cost.stage_work(layers))
         .fold(0.0, f64::max);
     format!(
         "{speed}; layers split to balance time per token (the last stage's output projection \

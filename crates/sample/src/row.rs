@@ -168,10 +168,7 @@ impl LogSoftmax {
 /// or all NaN, or longer than 32-bit token ids can index. A row of only `-inf` yields
 /// its first index.
 pub fn argmax(logits: &[f32]) -> Option<u32> {
-    if u32::try_from(logits.len()).is_err() {
-        return None;
-    }
-    argmax_slice(logits).map(|(at, _)| at as u32)
+    argmax_value(logits).map(|(at, _)| at)
 }
 
 /// [`argmax`] with the maximum's value: `(index, value)`. A tensor-parallel group's

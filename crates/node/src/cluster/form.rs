@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use baton_ggml::Device;
-use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageSpan};
+use baton_model::{ModelFile, StageConfig, StageSpan};
 use baton_net::{
     client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx,
 };
@@ -417,7 +417,7 @@ fn plan(
 /// speed (measured once per distinct device, unless known from an earlier ring: the
 /// CPU named twice is one speed).
 fn head_offer(model: &Path, opts: &ClusterOptions) -> Result<NodeOffer, NodeError> {
-    let devices = head_devices(opts);
+    let devices = super::or_cpu(&opts.head_devices);
     let speeds = match opts.head_secs_per_layer.len() == devices.len() {
         true => opts.head_secs_per_layer.clone(),
         false => {
@@ -448,14 +448,6 @@ fn head_offer(model: &Path, opts: &ClusterOptions) -> Result<NodeOffer, NodeErro
             })
             .collect(),
     })
-}
-
-/// The devices of the head's own stage (the CPU when none were given).
-fn head_devices(opts: &ClusterOptions) -> Vec<Device> {
-    match opts.head_devices.is_empty() {
-        true => vec![Device::cpu()],
-        false => opts.head_devices.clone(),
-    }
 }
 
 /// The head's own stage, loaded, its link to the second stage (when there is one) and
@@ -569,22 +561,13 @@ fn load(
                 repack: opts.repack,
                 n_seq: opts.n_seq,
             };
-            let file = ModelFile::open(model)?;
-            let devices = head_devices(opts);
-            let stages = stage
+            let devices = super::or_cpu(&opts.head_devices);
+            let parts = stage
                 .parts
                 .iter()
-                .enumerate()
-                .map(|(i, part)| {
-                    let span = StageSpan {
-                        layers: part.layers.clone(),
-                        first: span.first && i == 0,
-                        last: span.last && i + 1 == stage.parts.len(),
-                    };
-                    Stage::load_on(file.clone(), span, &config, devices[part.device])
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let loaded = StageChain::new(stages)?;
+                .map(|p| (p.layers.clone(), devices[p.device]))
+                .collect();
+            let loaded = super::load_chain(&ModelFile::open(model)?, super::part_spans(&span, parts), &config)?;
             tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");
             let token = opts.token.as_deref().map(str::as_bytes);
             let (next, probe) = match nexts.first() {

@@ -18,7 +18,53 @@ pub use models::{identity_of, ModelDir};
 pub use supervise::Supervisor;
 pub use worker_server::{Worker, WorkerConfig};
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use baton_ggml::Device;
+use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageSpan};
+
+use crate::NodeError;
+
+/// `devices`, or the CPU when none are given: what a stage computes on.
+pub(crate) fn or_cpu(devices: &[Device]) -> Vec<Device> {
+    match devices.is_empty() {
+        true => vec![Device::cpu()],
+        false => devices.to_vec(),
+    }
+}
+
+/// `span` cut into consecutive parts (a layer range on a device each): the first part
+/// embeds when the span does, the last produces logits when the span does.
+pub(crate) fn part_spans(span: &StageSpan, parts: Vec<(Range<usize>, Device)>) -> Vec<(StageSpan, Device)> {
+    let n = parts.len();
+    parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, (layers, device))| {
+            let part = StageSpan {
+                layers,
+                first: span.first && i == 0,
+                last: span.last && i + 1 == n,
+            };
+            (part, device)
+        })
+        .collect()
+}
+
+/// Loads each part on its device and chains them (the hidden state passes from one to
+/// the next in memory).
+pub(crate) fn load_chain(
+    file: &Arc<ModelFile>,
+    parts: Vec<(StageSpan, Device)>,
+    config: &StageConfig,
+) -> Result<StageChain, NodeError> {
+    let stages = parts
+        .into_iter()
+        .map(|(span, device)| Stage::load_on(file.clone(), span, config, device))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(StageChain::new(stages)?)
+}
 
 /// Bytes offered on each of `devices`: a device's free memory, the host's available
 /// memory shared between the CPU devices (a stage's weights, KV cache and compute

@@ -604,7 +604,7 @@ fn wait_upstream(shared: &Shared, id: u64) -> Result<(Box<dyn Link>, ConnSlot), 
 fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, session: u64) -> Capabilities {
     let config = &shared.config;
     let path = shared.models.find_complete(file_name, identity);
-    let devices = worker_devices(config);
+    let devices = super::or_cpu(&config.devices);
     let memory = super::device_memory(&devices, config.memory);
     let devices = devices
         .iter()
@@ -642,14 +642,6 @@ fn speed_on(shared: &Shared, path: &std::path::Path, identity: &[u8; 32], device
         .ok()?;
     shared.models.store_speed(identity, threads, &name, secs);
     Some(secs)
-}
-
-/// The devices a worker computes on (the CPU when none were given).
-fn worker_devices(config: &WorkerConfig) -> Vec<Device> {
-    match config.devices.is_empty() {
-        true => vec![Device::cpu()],
-        false => config.devices.clone(),
-    }
 }
 
 /// What a worker loaded for its session.
@@ -707,7 +699,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
         repack: plan.repack,
         n_seq: plan.n_seq as usize,
     };
-    let devices = worker_devices(&shared.config);
+    let devices = super::or_cpu(&shared.config.devices);
     let offered = super::device_memory(&devices, shared.config.memory)
         .iter()
         .fold(0, |a: u64, &m| a.saturating_add(m));
@@ -717,12 +709,8 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
             true => split_between(&span, &devices),
             false => planned_parts(&span, &plan.devices, &devices)?,
         };
-        let stages = parts
-            .into_iter()
-            .map(|(span, device)| Stage::load_on(file.clone(), span, &config, device))
-            .collect::<Result<Vec<_>, _>>()?;
         return Ok(Loaded::Ring {
-            stage: StageChain::new(stages)?,
+            stage: super::load_chain(&file, parts, &config)?,
             received,
             mesh: None,
         });
@@ -773,7 +761,7 @@ fn planned_parts(
     let mut parts = Vec::new();
     let mut start = span.layers.start;
     let mut next = 0;
-    for (i, range) in ranges.iter().enumerate() {
+    for range in ranges {
         let found = devices[next..].iter().position(|d| d.name() == range.device);
         let Some(at) = found.map(|at| next + at) else {
             let offered: Vec<String> = devices.iter().map(Device::name).collect();
@@ -785,18 +773,11 @@ fn planned_parts(
             )));
         };
         let end = range.layer_end as usize;
-        parts.push((
-            StageSpan {
-                layers: start..end,
-                first: span.first && i == 0,
-                last: span.last && i + 1 == ranges.len(),
-            },
-            devices[at],
-        ));
+        parts.push((start..end, devices[at]));
         start = end;
         next = at + 1;
     }
-    Ok(parts)
+    Ok(super::part_spans(span, parts))
 }
 
 /// The span's layers split evenly between `devices`, in order (fewer devices when
@@ -805,27 +786,18 @@ fn planned_parts(
 fn split_between(span: &StageSpan, devices: &[Device]) -> Vec<(StageSpan, Device)> {
     let n_layers = span.layers.len();
     let n = devices.len().clamp(1, n_layers.max(1));
-    let devices = if devices.is_empty() {
-        vec![Device::cpu()]
-    } else {
-        devices[..n].to_vec()
-    };
     let base = n_layers / n;
     let mut start = span.layers.start;
-    devices
+    let parts = super::or_cpu(devices)
         .into_iter()
+        .take(n)
         .enumerate()
         .map(|(i, device)| {
             let len = base + usize::from(i < n_layers % n);
-            let part = StageSpan {
-                layers: start..start + len,
-                first: span.first && i == 0,
-                last: span.last && i + 1 == n,
-            };
             start += len;
-            (part, device)
-        })
-        .collect()
+            (start - len..start, device)
+        });
+    super::part_spans(span, parts.collect())
 }
 
 /// Refuses a plan whose KV cache alone exceeds the memory this worker offers: the head
