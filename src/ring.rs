@@ -53,7 +53,7 @@ pub struct ClusterArgs {
     pub tls: TlsArgs,
     /// Seconds without an answer to the head's heartbeat after which a worker is lost
     /// (`baton serve` then forms a new ring over the workers that remain).
-    #[arg(long, default_value_t = 2.0, value_parser = positive_secs)]
+    #[arg(long, default_value_t = 2.0, value_parser = heartbeat_secs)]
     pub heartbeat_timeout: f64,
     /// Seconds a worker may take to answer the handshake and describe itself.
     #[arg(long, default_value_t = 10.0, value_parser = positive_secs)]
@@ -70,6 +70,15 @@ fn positive_secs(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= 86_400.0 => Ok(secs),
         _ => Err(format!("'{s}' is not a number of seconds between 0 and 86400")),
+    }
+}
+
+/// A heartbeat timeout: at most what a worker accepts (`MAX_HEARTBEAT_MS`).
+fn heartbeat_secs(s: &str) -> Result<f64, String> {
+    let most = f64::from(baton_proto::MAX_HEARTBEAT_MS) / 1000.0;
+    match s.parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= most => Ok(secs),
+        _ => Err(format!("'{s}' is not a number of seconds between 0 and {most}")),
     }
 }
 

@@ -52,6 +52,13 @@ pub struct ServeArgs {
     /// HTTP connections open at once; the next is answered 503 and closed.
     #[arg(long, default_value_t = 256)]
     max_connections: usize,
+    /// HTTP connections open at once from one address (an IPv6 /64 counts as one), so
+    /// that one address cannot hold every connection.
+    #[arg(long, default_value_t = 64)]
+    max_connections_per_source: usize,
+    /// Seconds a client may leave a response unread before its connection is closed.
+    #[arg(long, default_value_t = 60.0)]
+    write_timeout: f64,
     /// Seconds a client may take to send a request's headers.
     #[arg(long, default_value_t = 10.0)]
     header_timeout: f64,
@@ -79,6 +86,14 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .to_socket_addrs()
         .with_context(|| format!("bad --host {}", args.host))?
         .all(|a| a.ip().is_loopback());
+    // An empty key would turn authentication and the Host/Origin guard off unnoticed.
+    let empty_env = args.api_key.is_none() && std::env::var_os("BATON_API_KEY").is_some_and(|v| v.is_empty());
+    if empty_env || args.api_key.as_deref().is_some_and(|key| key.trim().is_empty()) {
+        anyhow::bail!(
+            "the API key (--api-key or BATON_API_KEY) is empty: set a key, or leave both unset \
+             to serve without one"
+        );
+    }
     if !loopback && args.api_key.is_none() && !args.insecure {
         anyhow::bail!(
             "refusing to serve on {} without --api-key: anyone who can reach it could use the cluster. \
@@ -88,11 +103,16 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     anyhow::ensure!(args.parallel > 0, "--parallel must be at least 1");
     anyhow::ensure!(args.max_connections > 0, "--max-connections must be at least 1");
+    anyhow::ensure!(
+        args.max_connections_per_source > 0,
+        "--max-connections-per-source must be at least 1"
+    );
     for (flag, secs) in [
         ("--recovery-timeout", args.recovery_timeout),
         ("--step-timeout", args.step_timeout),
         ("--header-timeout", args.header_timeout),
         ("--body-timeout", args.body_timeout),
+        ("--write-timeout", args.write_timeout),
     ] {
         anyhow::ensure!(
             secs.is_finite() && secs > 0.0 && secs <= 86_400.0,
@@ -200,7 +220,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         println!("listening on http://{addr}");
         let limits = baton_server::listen::Limits {
             max_connections: args.max_connections,
+            per_source: args.max_connections_per_source,
             header_timeout: std::time::Duration::from_secs_f64(args.header_timeout),
+            write_timeout: std::time::Duration::from_secs_f64(args.write_timeout),
             shutdown_grace: std::time::Duration::from_secs(5),
         };
         baton_server::listen::serve(listener, baton_server::router(state.clone()), limits, stop_signal())

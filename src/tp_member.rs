@@ -8,8 +8,10 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
-use baton_net::{LinkOptions, Listener};
-use baton_node::tp_net::{join_group, serve_member, MeshCollective};
+use std::time::Duration;
+
+use baton_net::{Addr, LinkOptions, Listener};
+use baton_node::tp_net::{join_group, serve_member, MemberDoor, MeshCollective};
 use clap::Args;
 
 /// Arguments of `baton tp-member`.
@@ -42,6 +44,19 @@ pub struct TpMemberArgs {
     /// TLS on every link.
     #[command(flatten)]
     tls: crate::cert::TlsArgs,
+    /// Listen on a non-loopback address without a token (anyone who can connect could
+    /// join the group in a member's place).
+    #[arg(long)]
+    insecure: bool,
+    /// Seconds a connecting member may take for its handshake and introduction.
+    #[arg(long, default_value_t = 10.0)]
+    handshake_timeout: f64,
+    /// Most connections in their handshake at once (and authenticated at once).
+    #[arg(long, default_value_t = 64)]
+    max_connections: usize,
+    /// Most connections in their handshake at once from one address.
+    #[arg(long, default_value_t = 8)]
+    max_handshakes_per_source: usize,
 }
 
 /// Runs the member until member 0 shuts it down or goes.
@@ -53,20 +68,39 @@ pub fn tp_member(args: TpMemberArgs) -> anyhow::Result<()> {
         args.rank
     );
     let listen = &args.members[args.rank - 1];
+    let local = Addr::parse(listen)
+        .and_then(|addr| addr.is_local())
+        .with_context(|| format!("bad listen address {listen}"))?;
+    let token = args.token.load()?;
+    if !local && token.is_none() && !args.insecure {
+        anyhow::bail!(
+            "refusing to listen on {listen} without --token: any machine that can reach it could join the \
+             group in a member's place. Set a cluster token (--token-file or BATON_TOKEN), or pass --insecure \
+             to accept that."
+        );
+    }
+    anyhow::ensure!(
+        args.handshake_timeout.is_finite() && args.handshake_timeout > 0.0 && args.handshake_timeout <= 3600.0,
+        "--handshake-timeout must be between 0 and 3600 seconds"
+    );
+    anyhow::ensure!(args.max_connections >= 1, "--max-connections must be at least 1");
+    anyhow::ensure!(
+        args.max_handshakes_per_source >= 1,
+        "--max-handshakes-per-source must be at least 1"
+    );
     let listener = Listener::bind(listen).with_context(|| format!("listening on {listen}"))?;
     println!("listening on {}", listener.local_addr());
-    let token = args.token.load()?;
-    let opts = LinkOptions {
-        tls: args.tls.load()?,
-        ..Default::default()
+    let door = MemberDoor {
+        token,
+        link: LinkOptions {
+            tls: args.tls.load()?,
+            ..Default::default()
+        },
+        handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
+        max_connections: args.max_connections,
+        per_source: args.max_handshakes_per_source,
     };
-    let (peers, leader) = join_group(
-        args.rank,
-        &args.members,
-        &listener,
-        token.as_deref().map(str::as_bytes),
-        &opts,
-    )?;
+    let (peers, leader) = join_group(args.rank, &args.members, listener, &door)?;
     let file = ModelFile::open(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
     let n_layer = file.hparams().n_layer;
     let span = StageSpan {

@@ -4,7 +4,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,7 +15,7 @@ use baton_net::{client_handshake, connect, Link, LinkOptions};
 use baton_node::cluster::{connect_cluster, ClusterOptions};
 use baton_proto::{Message, RefusalCode, Role};
 use common::worker::WorkerProc;
-use common::{model, GEMMA3};
+use common::{connect_from, model, GEMMA3};
 
 const TOKEN: &str = "hardening-test-secret";
 
@@ -31,18 +31,6 @@ fn tempdir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("baton-{tag}-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Connects to `addr` from the local address `from` (any 127.0.0.0/8 address on Linux
-/// reaches a worker on 127.0.0.1: a second "host" on one machine).
-fn connect_from(from: &str, addr: &str) -> TcpStream {
-    let target: SocketAddr = addr.parse().unwrap();
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    socket
-        .bind(&format!("{from}:0").parse::<SocketAddr>().unwrap().into())
-        .unwrap();
-    socket.connect(&target.into()).unwrap();
-    socket.into()
 }
 
 /// `n` connections from `from` that each send one byte every `every` until dropped:
@@ -612,4 +600,218 @@ fn a_plan_whose_kv_cache_exceeds_the_workers_memory_is_refused() {
         "{answer:?}\n{}",
         worker.log()
     );
+}
+
+/// Each ring or member link a worker accepted kept a duplicated socket among its
+/// session's closers until the session ended, after the link was replaced or refused
+/// too, outside `--max-connections`: about 1,000 of them exhausted RLIMIT_NOFILE and
+/// the worker could accept nothing more. Links that come and go now leave nothing open.
+#[test]
+fn ring_and_member_links_that_come_and_go_leave_no_descriptors_behind() {
+    use baton_ggml::LlamaModel;
+    use common::worker::{greedy, reference};
+
+    let path = model(GEMMA3);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let prompt = oracle.tokenize(common::PROMPTS[0], true, true).unwrap();
+    let expected = reference(&oracle, &prompt, 8);
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let mut ring = connect_cluster(&path, std::slice::from_ref(&worker.addr), &options()).unwrap();
+    let authenticated = |role| {
+        let mut link = connect(&worker.addr, &LinkOptions::default()).unwrap();
+        client_handshake(link.as_mut(), role, Some(TOKEN.as_bytes())).unwrap();
+        link.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        link
+    };
+    let mut parked = authenticated(Role::Member);
+    parked.send(Message::JoinGroup { group: 9, rank: 1 }).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let before = worker.open_fds();
+    for _ in 0..150 {
+        drop(authenticated(Role::Ring));
+        let mut again = authenticated(Role::Member);
+        again.send(Message::JoinGroup { group: 9, rank: 1 }).unwrap();
+        assert!(matches!(again.recv(), Ok(Message::Refused { .. })));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let after = worker.open_fds();
+    assert!(
+        after <= before + 4,
+        "{before} descriptors open before 300 links came and went, {after} after"
+    );
+    assert_eq!(greedy(&mut ring, &prompt, 8, &oracle), expected, "{}", worker.log());
+    drop(parked);
+}
+
+/// A heartbeat asking for a timeout of 49 days (`u32::MAX` ms) held an authenticated
+/// slot for that long. A worker now refuses one longer than the protocol allows.
+#[test]
+fn a_heartbeat_timeout_longer_than_the_protocol_allows_is_refused() {
+    let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let mut link = connect(&worker.addr, &LinkOptions::default()).unwrap();
+    client_handshake(link.as_mut(), Role::Heartbeat, Some(TOKEN.as_bytes())).unwrap();
+    link.send(Message::Ping {
+        timeout_ms: u32::MAX,
+        session: 0,
+    })
+    .unwrap();
+    match link.recv() {
+        Ok(Message::Refused {
+            code: RefusalCode::BadRequest,
+            reason,
+        }) => assert_eq!(
+            reason,
+            format!(
+                "a heartbeat timeout of {} ms is longer than the {} ms a worker allows",
+                u32::MAX,
+                baton_proto::MAX_HEARTBEAT_MS
+            )
+        ),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// `baton tp-member` ended when anything connected and closed ("link ... is closed"),
+/// and a stranger's first frame could be 64 MiB. Now a member takes its links through
+/// the worker's door: strangers, garbage and a member 0 that introduces itself wrongly
+/// are refused and logged, the member keeps waiting, and the real member 0 then forms
+/// the group and runs it (its greedy text is libllama's).
+#[test]
+fn a_tp_member_survives_strangers_while_its_group_forms() {
+    use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
+    use baton_node::tp_net::{dial_members, MeshCollective, RemoteMember};
+
+    let path = model(GEMMA3);
+    let addr = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
+    };
+    let mut member = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args([
+            "tp-member",
+            "--threads",
+            "1",
+            "--ctx-size",
+            "256",
+            "--rank",
+            "1",
+            "--members",
+            &addr,
+        ])
+        .arg("--model")
+        .arg(&path)
+        .env("BATON_TOKEN", TOKEN)
+        .env("BATON_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("tp-member starts");
+    let log = Arc::new(std::sync::Mutex::new(String::new()));
+    {
+        let (stderr, sink) = (member.stderr.take().unwrap(), log.clone());
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let stranger = loop {
+        match TcpStream::connect(&addr) {
+            Ok(stream) => break stream,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => panic!("the member never listened: {e}"),
+        }
+    };
+    // The confirmed attack: connect and close.
+    drop(stranger);
+    // A frame header announcing 64 MiB before any handshake.
+    let mut big = TcpStream::connect(&addr).unwrap();
+    let _ = big.write_all(&(64u32 << 20).to_le_bytes());
+    // The wrong token.
+    let mut wrong = connect(&addr, &LinkOptions::default()).unwrap();
+    assert!(client_handshake(wrong.as_mut(), Role::Ring, Some(b"not-the-cluster-token")).is_err());
+    // The right token, then something else than a member's introduction.
+    let mut rude = connect(&addr, &LinkOptions::default()).unwrap();
+    client_handshake(rude.as_mut(), Role::Ring, Some(TOKEN.as_bytes())).unwrap();
+    rude.send(Message::Pong).unwrap();
+    assert!(matches!(
+        rude.recv(),
+        Ok(Message::Refused {
+            code: RefusalCode::BadRequest,
+            ..
+        })
+    ));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        member.try_wait().unwrap().is_none(),
+        "the member died: {}",
+        log.lock().unwrap()
+    );
+
+    let file = ModelFile::open(&path).unwrap();
+    let peers = dial_members(std::slice::from_ref(&addr), Some(TOKEN.as_bytes()), &Default::default()).unwrap();
+    let split = baton_model::tp_splits(&file, 2).unwrap().remove(0);
+    let collective = Arc::new(MeshCollective::new(0, peers.clone()));
+    let members: Vec<Box<dyn baton_model::GroupMember>> = peers
+        .into_iter()
+        .map(|p| Box::new(RemoteMember::new(p)) as Box<dyn baton_model::GroupMember>)
+        .collect();
+    let n_layer = file.hparams().n_layer;
+    let span = StageSpan {
+        layers: 0..n_layer,
+        first: true,
+        last: true,
+    };
+    let mut stage = Stage::load_member(file, span, &StageConfig::new(256, 1), Some((split, collective)))
+        .unwrap()
+        .driving(members);
+    // A connection once the group has formed is refused; the group goes on.
+    let mut late = connect(&addr, &LinkOptions::default()).unwrap();
+    client_handshake(late.as_mut(), Role::Ring, Some(TOKEN.as_bytes())).unwrap();
+    late.send(Message::Partial {
+        sum: 0,
+        values: vec![0.0],
+    })
+    .unwrap();
+    assert!(matches!(
+        late.recv(),
+        Ok(Message::Refused {
+            code: RefusalCode::Busy,
+            ..
+        })
+    ));
+    let oracle = baton_ggml::LlamaModel::load_full(&path, true).unwrap();
+    let prompt = oracle.tokenize(common::PROMPTS[0], true, true).unwrap();
+    let expected = common::worker::reference(&oracle, &prompt, 8);
+    let mut got = Vec::new();
+    let mut input = prompt.clone();
+    let mut start = 0;
+    while got.len() < expected.len() {
+        let positions: Vec<i32> = (start..start + input.len()).map(|p| p as i32).collect();
+        let seq_ids = vec![0; input.len()];
+        let batch = baton_model::Batch {
+            input: baton_model::StageInput::Tokens(&input),
+            positions: &positions,
+            seq_ids: &seq_ids,
+            logit_rows: &[input.len() as u32 - 1],
+        };
+        let baton_model::StageOutput::Logits(logits) = stage.forward(&batch).unwrap() else {
+            panic!("a last stage returns logits")
+        };
+        start += input.len();
+        let token = baton_sample::argmax(&logits).unwrap();
+        got.push(token);
+        input = vec![token];
+    }
+    assert_eq!(got, expected, "{}", log.lock().unwrap());
+    drop(stage);
+    let status = member.wait().unwrap();
+    assert!(
+        status.success(),
+        "the member ended with {status}: {}",
+        log.lock().unwrap()
+    );
+    drop(big);
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use common::connect_from;
 use common::server::{lock, split_response, Server, KEY};
 
 /// Raw request text; returns status and body.
@@ -279,4 +280,111 @@ fn tokenize_detokenize_and_models_report_the_slot() {
     assert_eq!(status, 200);
     let models: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(models["data"][0]["context_length"], 1024, "{models}");
+}
+
+/// Every connection a server allowed could come from one address: 256 connections
+/// sending half a header locked every client out (/health answered 503 to a client
+/// holding the API key). One address now holds at most its share.
+#[test]
+fn one_address_cannot_hold_every_connection() {
+    let _serial = lock();
+    let server = Server::start(&[
+        "-c",
+        "1024",
+        "--parallel",
+        "1",
+        "--max-connections",
+        "16",
+        "--max-connections-per-source",
+        "4",
+        "--header-timeout",
+        "30",
+    ]);
+    let mut half: Vec<TcpStream> = (0..16).map(|_| connect_from("127.0.0.2", &server.addr)).collect();
+    for stream in &mut half {
+        let _ = stream.write_all(b"GET /health HTTP/1.1\r\nHost: loc");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, text) = server.request("GET", "/health", None, Some(KEY));
+    assert_eq!(status, 200, "{text}");
+    // The flood's extra connections were told why.
+    let mut refused = connect_from("127.0.0.2", &server.addr);
+    refused.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut response = String::new();
+    let _ = refused.read_to_string(&mut response);
+    assert!(response.starts_with("HTTP/1.1 503"), "{response}");
+    assert!(
+        response.contains("127.0.0.2 has 4 connections open, the most one address may hold"),
+        "{response}"
+    );
+    drop(half);
+}
+
+/// A `response_format` schema whose `$ref`s chain 50,000 deep overflowed the stack of
+/// a server thread (the process aborted); `anyOf` branches times sibling `properties`
+/// compiled millions of rules on the async threads. Each is now a 400 naming the limit,
+/// and the server goes on answering; so are stop strings too long to search per token.
+#[test]
+fn schemas_that_explode_get_a_400_naming_the_limit_and_the_server_lives() {
+    let _serial = lock();
+    let server = Server::start(&["-c", "1024", "--parallel", "1"]);
+    let chat = |format: Value| {
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+               "response_format": format})
+    };
+    let n = 50_000;
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        defs.insert(format!("d{i}"), json!({"$ref": format!("#/$defs/d{}", i + 1)}));
+    }
+    defs.insert(format!("d{n}"), json!({"type": "null"}));
+    let chain = json!({"type": "json_schema", "json_schema": {"name": "x",
+        "schema": {"$ref": "#/$defs/d0", "$defs": defs}}});
+    let (status, text) = server.request("POST", "/v1/chat/completions", Some(&chat(chain)), Some(KEY));
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("nested more than 64 levels deep"), "{text}");
+
+    let properties: serde_json::Map<String, Value> = (0..400)
+        .map(|i| (format!("p{i}"), json!({"type": "integer"})))
+        .collect();
+    let branches: Vec<Value> = (0..400).map(|_| json!({"type": "object"})).collect();
+    let wide = json!({"type": "json_schema", "json_schema": {"name": "x",
+        "schema": {"anyOf": branches, "properties": properties}}});
+    let (status, text) = server.request("POST", "/v1/chat/completions", Some(&chat(wide)), Some(KEY));
+    assert_eq!(status, 400, "{text}");
+    assert!(
+        text.contains("grammar too large: the schema compiles to more than"),
+        "{text}"
+    );
+
+    let long_stop = json!({"prompt": "a", "max_tokens": 1, "stop": ["x".repeat(300)]});
+    let (status, text) = server.request("POST", "/v1/completions", Some(&long_stop), Some(KEY));
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("a stop string may be at most 256 bytes long"), "{text}");
+
+    let (status, text) = server.request("GET", "/health", None, Some(KEY));
+    assert_eq!(status, 200, "{text}");
+}
+
+/// An empty API key (`--api-key ""` or `BATON_API_KEY=`) was taken as a key: it turned
+/// the Host/Origin guard off and let anyone in with an empty bearer.
+#[test]
+fn an_empty_api_key_is_refused_at_start() {
+    for (args, env) in [
+        (vec!["--api-key", ""], None),
+        (vec![], Some("")),
+        (vec!["--api-key", "  "], None),
+    ] {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_baton"));
+        cmd.args(["serve", "--port", "0", "--model", "/nonexistent.gguf"])
+            .args(&args);
+        match env {
+            Some(value) => cmd.env("BATON_API_KEY", value),
+            None => cmd.env_remove("BATON_API_KEY"),
+        };
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} {env:?}: started");
+        assert!(stderr.contains("is empty"), "{args:?} {env:?}: {stderr}");
+    }
 }

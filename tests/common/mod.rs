@@ -140,3 +140,17 @@ pub fn printed_addr(child: &mut std::process::Child, prefix: &str) -> String {
         .unwrap_or_else(|| panic!("expected {prefix:?}..., the child printed {line:?}"))
         .to_string()
 }
+
+/// Connects to `addr` from the local address `from` (any 127.0.0.0/8 address on Linux
+/// reaches a server on 127.0.0.1: a second "host" on one machine).
+#[allow(dead_code)]
+pub fn connect_from(from: &str, addr: &str) -> std::net::TcpStream {
+    use std::net::SocketAddr;
+    let target: SocketAddr = addr.parse().unwrap();
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket
+        .bind(&format!("{from}:0").parse::<SocketAddr>().unwrap().into())
+        .unwrap();
+    socket.connect(&target.into()).unwrap();
+    socket.into()
+}

@@ -55,6 +55,18 @@ impl WorkerProc {
         self.log.lock().unwrap().clone()
     }
 
+    /// Its process id.
+    #[allow(dead_code)]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Open file descriptors of the process (sockets included).
+    #[allow(dead_code)]
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id())).map_or(0, |d| d.count())
+    }
+
     /// Whether it is still alive.
     pub fn is_running(&mut self) -> bool {
         self.child.try_wait().unwrap().is_none()

@@ -14,10 +14,20 @@
 
 use std::collections::HashMap;
 use std::fmt::Write;
+use std::rc::Rc;
 
 use serde_json::{Map, Value};
 
 use crate::GrammarError;
+
+/// How deeply schemas may nest, counting every `$ref` followed as a level.
+pub const MAX_DEPTH: usize = 64;
+
+/// How much work compiling one grammar may take: a unit for every schema visited and
+/// for every JSON value copied while folding sibling keywords into branches. A schema
+/// a client sends is compiled within this bound whatever its shape (`anyOf` branches
+/// times sibling `properties`, chains of `$ref`s).
+pub const MAX_WORK: usize = 100_000;
 
 /// Whitespace between tokens: bounded, so a model cannot pad forever.
 const SPACE: &str = r#"space ::= | " " | "\n"{1,2} [ \t]{0,20}"#;
@@ -70,7 +80,7 @@ pub struct Builder {
 impl Builder {
     /// The rule for a value valid against `schema`; its own rules are named after `name`.
     pub fn schema(&mut self, schema: &Value, name: &str) -> Result<String, GrammarError> {
-        self.compiler.root_schema = schema.clone();
+        self.compiler.root_schema = Rc::new(schema.clone());
         self.compiler.refs.clear();
         let name = self.compiler.fresh(name);
         self.compiler.visit(schema, &name, "#")
@@ -121,12 +131,19 @@ pub fn literal(text: &str) -> String {
 
 #[derive(Default)]
 struct Compiler {
-    root_schema: Value,
+    /// Shared so that following a `$ref` reads its target in place, never copies it.
+    root_schema: Rc<Value>,
     /// Rules written so far, by name.
     rules: Vec<(String, String)>,
     names: HashMap<String, usize>,
     /// `$ref` targets already given a rule (or being given one), by reference.
     refs: HashMap<String, String>,
+    /// Schemas being visited, outermost first (`$ref`s followed included).
+    depth: usize,
+    /// Work done so far, against [`MAX_WORK`].
+    work: usize,
+    /// Bytes of rule text written so far, against the GBNF parser's own limit.
+    bytes: usize,
 }
 
 const ANNOTATIONS: &[&str] = &[
@@ -186,6 +203,7 @@ impl Compiler {
     }
 
     fn add(&mut self, name: &str, body: String) -> String {
+        self.bytes += name.len() + body.len();
         self.names.insert(name.to_string(), self.rules.len());
         self.rules.push((name.to_string(), body));
         name.to_string()
@@ -220,8 +238,51 @@ impl Compiler {
         })
     }
 
+    /// Counts `units` of work, refusing the schema once the total passes [`MAX_WORK`] or
+    /// the grammar written passes the parser's size limit.
+    fn charge(&mut self, units: usize) -> Result<(), GrammarError> {
+        self.work += units;
+        if self.work > MAX_WORK {
+            return Err(GrammarError::TooLarge(format!(
+                "the schema takes more than {MAX_WORK} steps to compile"
+            )));
+        }
+        if self.bytes > crate::gbnf::MAX_TEXT {
+            return Err(GrammarError::TooLarge(format!(
+                "the schema compiles to more than {} bytes of grammar",
+                crate::gbnf::MAX_TEXT
+            )));
+        }
+        Ok(())
+    }
+
+    /// Charges one unit per JSON value in `value`, stopping as soon as the budget is
+    /// spent (so measuring a huge value costs no more than the budget).
+    fn charge_value(&mut self, value: &Value) -> Result<(), GrammarError> {
+        self.charge(1)?;
+        match value {
+            Value::Array(items) => items.iter().try_for_each(|v| self.charge_value(v)),
+            Value::Object(map) => map.values().try_for_each(|v| self.charge_value(v)),
+            _ => Ok(()),
+        }
+    }
+
     /// An expression (a rule name, usually) for `schema`.
     fn visit(&mut self, schema: &Value, name: &str, path: &str) -> Result<String, GrammarError> {
+        if self.depth >= MAX_DEPTH {
+            return Self::unsupported(
+                path,
+                format!("nested more than {MAX_DEPTH} levels deep (each $ref followed counts as a level)"),
+            );
+        }
+        self.charge(1)?;
+        self.depth += 1;
+        let result = self.visit_inner(schema, name, path);
+        self.depth -= 1;
+        result
+    }
+
+    fn visit_inner(&mut self, schema: &Value, name: &str, path: &str) -> Result<String, GrammarError> {
         let object = match schema {
             Value::Bool(true) => {
                 self.need("value");
@@ -231,9 +292,6 @@ impl Compiler {
             Value::Object(object) => object,
             _ => return Self::unsupported(path, "a schema must be an object or a boolean"),
         };
-        if path.split('/').count() > 64 {
-            return Self::unsupported(path, "nested too deeply");
-        }
         let known = [
             "type",
             "enum",
@@ -282,7 +340,7 @@ impl Compiler {
                 };
                 let mut alts = Vec::new();
                 for (i, branch) in branches.iter().enumerate() {
-                    let merged = merge_siblings(object, branch, key);
+                    let merged = self.merge_siblings(object, branch, key)?;
                     alts.push(self.visit(&merged, &format!("{name}-{i}"), &format!("{path}/{key}/{i}"))?);
                 }
                 return Ok(self.define(name, alts.join(" | ")));
@@ -291,7 +349,7 @@ impl Compiler {
         if let Some(all) = object.get("allOf") {
             match all.as_array().map(Vec::as_slice) {
                 Some([one]) => {
-                    let merged = merge_siblings(object, one, "allOf");
+                    let merged = self.merge_siblings(object, one, "allOf")?;
                     return self.visit(&merged, name, &format!("{path}/allOf/0"));
                 }
                 _ => return Self::unsupported(path, "allOf is supported with one branch only"),
@@ -327,6 +385,7 @@ impl Compiler {
         if types.len() > 1 {
             let mut alts = Vec::new();
             for t in types {
+                self.charge_value(schema)?;
                 let mut single = object.clone();
                 single.insert("type".into(), Value::String(t.into()));
                 alts.push(self.visit(&Value::Object(single), &format!("{name}-{t}"), path)?);
@@ -352,7 +411,8 @@ impl Compiler {
         let Some(pointer) = reference.strip_prefix('#') else {
             return Self::unsupported(path, format!("only local references are supported, not '{reference}'"));
         };
-        let Some(target) = self.root_schema.pointer(pointer).cloned() else {
+        let root = Rc::clone(&self.root_schema);
+        let Some(target) = root.pointer(pointer) else {
             return Self::unsupported(path, format!("the reference '{reference}' points at nothing"));
         };
         let hint = format!("ref{}", pointer.rsplit('/').next().unwrap_or_default());
@@ -360,7 +420,7 @@ impl Compiler {
         let rule = self.fresh(&hint);
         self.add(&rule, String::new());
         self.refs.insert(reference.to_string(), rule.clone());
-        let body = self.visit(&target, &format!("{rule}-body"), reference)?;
+        let body = self.visit(target, &format!("{rule}-body"), reference)?;
         let index = self.names[&rule];
         self.rules[index].1 = body;
         Ok(rule)
@@ -521,6 +581,24 @@ impl Compiler {
             seq
         };
         Ok(self.define(name, format!("\"{{\" space {inside} \"}}\" space")))
+    }
+
+    /// [`merge_siblings`], every value it copies charged as work first.
+    fn merge_siblings(
+        &mut self,
+        object: &Map<String, Value>,
+        branch: &Value,
+        key: &str,
+    ) -> Result<Value, GrammarError> {
+        self.charge_value(branch)?;
+        if branch.is_object() {
+            for (k, v) in object {
+                if k != key && !ANNOTATIONS.contains(&k.as_str()) {
+                    self.charge_value(v)?;
+                }
+            }
+        }
+        Ok(merge_siblings(object, branch, key))
     }
 }
 

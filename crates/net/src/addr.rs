@@ -200,7 +200,7 @@ pub struct Incoming {
 /// The party behind a TCP peer address, as far as an address tells: the IPv4 address,
 /// or the /64 network of an IPv6 one (one host or site gets a whole /64, so counting
 /// single IPv6 addresses would count nothing).
-fn source_of(peer: &SocketAddr) -> String {
+pub fn source_of(peer: &SocketAddr) -> String {
     match peer.ip() {
         IpAddr::V4(ip) => ip.to_string(),
         IpAddr::V6(ip) => match ip.to_ipv4_mapped() {

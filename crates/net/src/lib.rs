@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use baton_proto::auth::FrameKeys;
 use baton_proto::{Message, ProtoError, RefusalCode};
 
-pub use addr::{connect, connect_by, Addr, Incoming, Listener};
+pub use addr::{connect, connect_by, source_of, Addr, Incoming, Listener};
 pub use framed::{Counters, LinkCloser, LinkOptions};
 pub use handshake::{client_handshake, refuse_unexpected_auth, server_handshake, server_handshake_admitting};
 pub use local::{local_link, local_pair, LocalLink, LocalRx, LocalTx};

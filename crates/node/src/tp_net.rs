@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use baton_model::tp::join_rows;
 use baton_model::{Batch, Collective, CollectiveError, GroupMember, ModelError, Stage, StageInput, StageOutput};
-use baton_net::{client_handshake, connect_by, server_handshake, Link, LinkOptions, Listener, Rx, Tx};
-use baton_proto::{Forward, Message, Payload, Role};
+use baton_net::{client_handshake, connect_by, Link, LinkOptions, Listener, Rx, Tx};
+use baton_proto::{Forward, Message, Payload, RefusalCode, Role};
 
 use crate::NodeError;
 
@@ -348,40 +348,66 @@ pub fn dial_group_member(
     Ok(link)
 }
 
-/// Member `rank` (1..n) of a group whose members 1.. listen at `addrs` (in rank order;
-/// `listener` is this member's): dials those below it, accepts those above and member
-/// 0. Returns its collective's peers and the link to member 0.
+/// How a `baton tp-member` lets the other members in while its group forms: the
+/// worker's door ([`crate::cluster`]'s gate): handshake slots per source, an absolute
+/// deadline, a small frame limit until authenticated.
+#[derive(Clone, Debug)]
+pub struct MemberDoor {
+    /// The cluster secret (`None`: loopback or `--insecure` only).
+    pub token: Option<String>,
+    /// Socket settings.
+    pub link: LinkOptions,
+    /// Longest a peer may take for its handshake and introduction.
+    pub handshake_timeout: Duration,
+    /// Connections in their handshake (and authenticated) at once.
+    pub max_connections: usize,
+    /// Connections in their handshake at once from one source.
+    pub per_source: usize,
+}
+
+/// Member `rank` joins its group: dials the members below it, and takes one link from
+/// each member above it and from member 0 through `listener`. A connection that fails
+/// its handshake, introduces itself wrongly or comes a second time is refused and
+/// logged; the member keeps waiting for the right ones (as long as it takes member 0
+/// to come). Connections after the group formed are refused for as long as the
+/// process runs.
 pub fn join_group(
     rank: usize,
     addrs: &[String],
-    listener: &Listener,
-    token: Option<&[u8]>,
-    opts: &LinkOptions,
+    listener: Listener,
+    door: &MemberDoor,
 ) -> Result<(Vec<Arc<Peer>>, Arc<Peer>), NodeError> {
+    use crate::cluster::gate::{Gate, GateConfig};
     let n = addrs.len() + 1;
+    let gate = Gate::new(GateConfig {
+        token: door.token.clone(),
+        link: door.link.clone(),
+        handshake_timeout: door.handshake_timeout,
+        max_connections: door.max_connections,
+        per_source: door.per_source,
+    });
+    let (arrived, arrivals) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("tp-accept".into())
+        .spawn(move || accept_members(&listener, &gate, &arrived))
+        .map_err(|e| NodeError::Request(format!("cannot start the member listener: {e}")))?;
+    let token = door.token.as_deref().map(str::as_bytes);
     let mut peers = Vec::new();
     for lower in 1..rank {
-        peers.push(dial(lower, &addrs[lower - 1], rank, token, opts)?);
+        peers.push(dial(lower, &addrs[lower - 1], rank, token, &door.link)?);
     }
     let mut leader = None;
-    for _ in rank + 1..n + 1 {
-        let mut link = listener.accept_link(opts)?;
-        server_handshake(link.as_mut(), token)?;
-        let their = match link.recv()? {
-            Message::Partial { sum: 0, values } if values.len() == 1 => values[0] as usize,
-            other => {
-                return Err(NodeError::Protocol(format!(
-                    "{} where a member's introduction was due",
-                    other.kind()
-                )))
-            }
-        };
-        if their >= n || their == rank || peers.iter().any(|p: &Arc<Peer>| p.rank == their) {
-            return Err(NodeError::Protocol(format!(
-                "a second or unknown member {their} dialed in"
-            )));
+    while peers.len() < n - 1 {
+        let (their, mut link): (usize, Box<dyn Link>) = arrivals
+            .recv()
+            .map_err(|_| NodeError::Protocol("the member listener stopped".into()))?;
+        let expected = their == 0 || (rank + 1..n).contains(&their);
+        if !expected || peers.iter().any(|p: &Arc<Peer>| p.rank == their) {
+            let reason = format!("member {their} is not expected here, or linked already");
+            tracing::warn!(peer = link.peer(), "refusing a member link: {reason}");
+            refuse(link.as_mut(), RefusalCode::BadRequest, reason);
+            continue;
         }
-        link.set_read_timeout(None)?;
         let peer = Peer::new(their, link)?;
         if their == 0 {
             leader = Some(peer.clone());
@@ -390,4 +416,81 @@ pub fn join_group(
     }
     let leader = leader.ok_or_else(|| NodeError::Protocol("member 0 never dialed in".into()))?;
     Ok((peers, leader))
+}
+
+/// Accepts connections for as long as the process runs, each on a thread of its own
+/// behind `gate`; a member's link, introduced, goes to `arrived` (refused once nobody
+/// listens there: the group has formed).
+fn accept_members(
+    listener: &Listener,
+    gate: &Arc<crate::cluster::gate::Gate>,
+    arrived: &std::sync::mpsc::Sender<(usize, Box<dyn Link>)>,
+) {
+    loop {
+        let incoming = match listener.accept() {
+            Ok(incoming) => incoming,
+            Err(e) => {
+                // Out of file descriptors, most likely: wait rather than spin.
+                tracing::debug!("accepting a connection failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let peer = incoming.peer().to_string();
+        let admitted = match gate.accept(incoming) {
+            Ok(admitted) => admitted,
+            Err(why) => {
+                tracing::warn!(%peer, "{why}");
+                continue;
+            }
+        };
+        let arrived = arrived.clone();
+        let spawned = std::thread::Builder::new().name("tp-conn".into()).spawn(move || {
+            let introduced = admitted.handshake().and_then(|(mut link, role, slot)| {
+                let their = introduction(link.as_mut(), role)?;
+                link.set_read_timeout(None)?;
+                Ok((their, link, slot))
+            });
+            match introduced {
+                Ok((their, link, _slot)) => {
+                    if let Err(std::sync::mpsc::SendError((_, mut link))) = arrived.send((their, link)) {
+                        let reason = "this member's group has formed".to_string();
+                        tracing::warn!(%peer, "refusing member {their}: {reason}");
+                        refuse(link.as_mut(), RefusalCode::Busy, reason);
+                    }
+                }
+                Err(e) => tracing::warn!(%peer, "dropping connection: {e}"),
+            }
+        });
+        if spawned.is_err() {
+            tracing::warn!("dropping a connection: cannot start a thread for it");
+        }
+    }
+}
+
+/// The rank a member dialing in says it is (`Partial { sum: 0, values: [rank] }`, right
+/// after its handshake as a ring link).
+fn introduction(link: &mut dyn Link, role: Role) -> Result<usize, NodeError> {
+    if role != Role::Ring {
+        let reason = format!("a {role:?} connection is not a member of this group");
+        refuse(link, RefusalCode::BadRequest, reason.clone());
+        return Err(NodeError::Protocol(reason));
+    }
+    match link.recv()? {
+        Message::Partial { sum: 0, values } if values.len() == 1 && values[0] >= 0.0 && values[0] < 256.0 => {
+            Ok(values[0] as usize)
+        }
+        other => {
+            let reason = format!("{} where a member's introduction was due", other.kind());
+            refuse(link, RefusalCode::BadRequest, reason.clone());
+            Err(NodeError::Protocol(reason))
+        }
+    }
+}
+
+/// Tells the peer why it is refused, and closes so that it can read it.
+fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
+    if link.send(Message::Refused { code, reason }).is_ok() {
+        link.close_gently();
+    }
 }

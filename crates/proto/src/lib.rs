@@ -38,6 +38,9 @@ pub const PROTOCOL_VERSION: u32 = 10;
 /// `LoadPlan` naming more is refused at decoding).
 pub const MAX_TP_MEMBERS: usize = 64;
 
+/// The longest heartbeat timeout a head may ask of a worker (`Ping::timeout_ms`): an hour.
+pub const MAX_HEARTBEAT_MS: u32 = 3_600_000;
+
 /// Identifies one forward step so replies can be matched to requests.
 pub type StepId = u64;
 
@@ -432,6 +435,8 @@ pub enum Message {
     /// [`Capabilities::session`]) when no `Ping` comes within `timeout_ms` (the head is
     /// gone or hung). A heartbeat that names no current session (0, or one that ended)
     /// is answered and ends nothing: a bare probe of whether the worker is up.
+    /// `timeout_ms` is at most [`MAX_HEARTBEAT_MS`]: a worker refuses a longer one, which
+    /// would hold a connection slot for weeks.
     Ping { timeout_ms: u32, session: u64 },
     /// Worker → head: yes.
     Pong,

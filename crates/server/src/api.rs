@@ -655,7 +655,10 @@ fn record_refusal(state: &AppState, endpoint: &str, result: &Result<Response, Ap
 
 async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Result<Response, ApiError> {
     let body = read_body(&state, body).await?;
-    let mut req = request::chat(&body, &state.config.model_id)?;
+    // Parsing compiles JSON schemas to grammars: bounded work, but off the runtime.
+    let mut req = state
+        .off_runtime(move |state| request::chat(&body, &state.config.model_id))
+        .await?;
     let offer_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
     // A template that knows nothing of tools gets them described in a system message,
     // in the format the parser reads.
@@ -680,8 +683,13 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
     };
     if let Some(functions) = forced {
         let parallel = req.parallel_tool_calls && matches!(req.tool_choice, ToolChoice::Required);
-        let grammar = tools::forced_grammar(format, &functions, parallel, state.tool_calls_token)?;
-        request::check_grammar(&grammar).map_err(|e| e.param("tools"))?;
+        let grammar = state
+            .off_runtime(move |state| {
+                let grammar = tools::forced_grammar(format, &functions, parallel, state.tool_calls_token)?;
+                request::check_grammar(&grammar).map_err(|e| e.param("tools"))?;
+                Ok(grammar)
+            })
+            .await?;
         req.generation.grammar = Some(grammar);
     }
     // `parallel_tool_calls: false`: generation ends once the first call is written.
@@ -710,7 +718,9 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
 
 async fn completions_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Result<Response, ApiError> {
     let body = read_body(&state, body).await?;
-    let req = request::completion(&body, &state.config.model_id, state.vocab.n_vocab())?;
+    let req = state
+        .off_runtime(move |state| request::completion(&body, &state.config.model_id, state.vocab.n_vocab()))
+        .await?;
     let prompt = match req.prompt {
         CompletionPrompt::Text(text) => {
             state.check_size(text.len(), "prompt")?;

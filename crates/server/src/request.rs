@@ -19,6 +19,9 @@ use crate::tools::{self, Function, ToolChoice};
 /// Longest grammar a request may bring (it travels to the last stage in `StartSeq`).
 pub const MAX_GRAMMAR: usize = 60 << 10;
 
+/// The longest stop string: every generated token is searched for each one.
+pub const MAX_STOP_BYTES: usize = 256;
+
 /// What a request asks of generation, checked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Generation {
@@ -350,6 +353,11 @@ fn generation(sampling: &Sampling, model_id: &str, logprobs: bool, top_logprobs:
     )?;
     let stop = sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     check(stop.len() <= 4, "stop", "at most 4 stop strings are allowed")?;
+    check(
+        stop.iter().all(|s| s.len() <= MAX_STOP_BYTES),
+        "stop",
+        &format!("a stop string may be at most {MAX_STOP_BYTES} bytes long"),
+    )?;
     let params = SamplingParams {
         temperature,
         top_k: sampling.top_k.unwrap_or(0),

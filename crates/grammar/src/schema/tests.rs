@@ -295,3 +295,71 @@ fn builder_shares_json_rules_between_schemas() {
     Grammar::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     assert_eq!(text.matches("\nstring ::=").count(), 1, "{text}");
 }
+
+/// A chain of `$ref`s, each defined by the next, once overflowed the stack of the
+/// thread compiling it: the nesting limit started again at every reference.
+#[test]
+fn a_chain_of_refs_is_refused_at_the_depth_limit_not_by_the_stack() {
+    let n = 50_000;
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        defs.insert(format!("d{i}"), json!({"$ref": format!("#/$defs/d{}", i + 1)}));
+    }
+    defs.insert(format!("d{n}"), json!({"type": "null"}));
+    let schema = json!({"$ref": "#/$defs/d0", "$defs": defs});
+    // A small stack, as a server's worker threads have: the refusal needs little.
+    let err = std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(move || to_gbnf(&schema).unwrap_err())
+        .unwrap()
+        .join()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains(&format!("nested more than {MAX_DEPTH} levels deep")),
+        "{err}"
+    );
+    // A chain within the limit still compiles.
+    let schema = json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "null"}}});
+    assert!(accepts(&schema, "null"));
+}
+
+/// `anyOf` branches with sibling `properties` fold the siblings into every branch: N
+/// branches and M properties once compiled about 3·N·M rules before any size check.
+#[test]
+fn branches_times_sibling_properties_are_bounded_in_total_work() {
+    let properties: serde_json::Map<String, Value> = (0..400)
+        .map(|i| (format!("p{i}"), json!({"type": "integer"})))
+        .collect();
+    let branches: Vec<Value> = (0..400).map(|_| json!({"type": "object"})).collect();
+    let schema = json!({"anyOf": branches, "properties": properties});
+    // Refused by whichever bound it reaches first: rule text here.
+    let err = to_gbnf(&schema).unwrap_err();
+    assert_eq!(
+        err,
+        GrammarError::TooLarge(format!(
+            "the schema compiles to more than {} bytes of grammar",
+            crate::gbnf::MAX_TEXT
+        ))
+    );
+    // Copies of siblings that compile to nothing still count: 2,000 branches folding
+    // in a sibling of 100 values each is 200,000 values copied.
+    let big: Vec<Value> = (0..100).map(|i| json!(i)).collect();
+    let branches: Vec<Value> = (0..2000).map(|_| json!({"type": "integer"})).collect();
+    let schema = json!({"anyOf": branches, "prefixItems": big});
+    let err = to_gbnf(&schema).unwrap_err();
+    assert_eq!(
+        err,
+        GrammarError::TooLarge(format!("the schema takes more than {MAX_WORK} steps to compile"))
+    );
+    // The budget counts across the schemas of one builder (all the tools of a request).
+    let mut builder = Builder::default();
+    let one: serde_json::Map<String, Value> = (0..1000)
+        .map(|i| (format!("p{i}"), json!({"type": "integer"})))
+        .collect();
+    let tool = json!({"type": "object", "properties": one});
+    let refused = (0..200)
+        .map(|i| builder.schema(&tool, &format!("tool{i}")))
+        .find_map(Result::err);
+    assert!(matches!(refused, Some(GrammarError::TooLarge(_))), "{refused:?}");
+}

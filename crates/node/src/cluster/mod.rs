@@ -3,6 +3,7 @@
 
 mod admission;
 mod form;
+pub(crate) mod gate;
 mod groups;
 mod models;
 mod probe;

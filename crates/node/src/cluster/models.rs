@@ -19,6 +19,30 @@ use crate::NodeError;
 /// Hidden folder inside the models directory for baton's own files.
 const STATE_DIR: &str = ".baton";
 
+/// Opens a file of baton's own under `.baton/`, never through a symbolic link: the
+/// names there are predictable, and whoever else can write to a shared models
+/// directory could otherwise point one at a file this process may write (a node often
+/// runs as root) and have it truncated or overwritten.
+fn open_state(path: &Path, options: &mut fs::OpenOptions) -> std::io::Result<fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    options.custom_flags(libc::O_NOFOLLOW).open(path)
+}
+
+/// A new temporary file of baton's own. Whatever had the name (a leftover of a process
+/// that died, a planted link) is removed first, and the file is created only if the
+/// name is then free, so nothing is written through a link.
+fn create_state(path: &Path) -> std::io::Result<fs::File> {
+    let _ = fs::remove_file(path);
+    open_state(path, fs::OpenOptions::new().read(true).write(true).create_new(true))
+}
+
+/// The text of a file of baton's own, read without following a link.
+fn read_state(path: &Path) -> std::io::Result<String> {
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut open_state(path, fs::OpenOptions::new().read(true))?, &mut text)?;
+    Ok(text)
+}
+
 /// The identity of a GGUF: SHA-256 of its header and tensor index (everything before
 /// the tensor data). Cheap, and it changes whenever a tensor, its type or its place
 /// changes.
@@ -48,10 +72,7 @@ static HASHING: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
 pub fn content_hash(path: &Path, identity: &[u8; 32], cache: &Path) -> Option<[u8; 32]> {
     let record = cache.join(format!("{}.content", hex(identity)));
     let stamp = file_stamp(path)?;
-    if let Some(hash) = fs::read_to_string(&record)
-        .ok()
-        .and_then(|text| parse_record(&text, &stamp))
-    {
+    if let Some(hash) = read_state(&record).ok().and_then(|text| parse_record(&text, &stamp)) {
         return Some(hash);
     }
     if !HASHING
@@ -94,7 +115,8 @@ fn store_record(record: &Path, text: &str) -> std::io::Result<()> {
     let mut name = record.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".{}.{n}.tmp", std::process::id()));
     let temp = record.with_file_name(name);
-    fs::write(&temp, text)
+    create_state(&temp)
+        .and_then(|mut file| file.write_all(text.as_bytes()))
         .and_then(|()| fs::rename(&temp, record))
         .inspect_err(|_| {
             let _ = fs::remove_file(&temp);
@@ -191,11 +213,25 @@ pub struct ModelDir {
 impl ModelDir {
     /// Opens (and creates) the directory.
     pub fn new(root: &Path) -> Result<ModelDir, NodeError> {
-        fs::create_dir_all(root.join(STATE_DIR)).map_err(|source| NodeError::File {
+        let state = root.join(STATE_DIR);
+        fs::create_dir_all(&state).map_err(|source| NodeError::File {
             path: root.to_path_buf(),
             action: "use models directory",
             source,
         })?;
+        // Its files are opened without following links; the folder itself must not be one.
+        let is_dir = fs::symlink_metadata(&state).map_err(|source| NodeError::File {
+            path: state.clone(),
+            action: "use models directory",
+            source,
+        })?;
+        if !is_dir.is_dir() {
+            return Err(NodeError::File {
+                path: state,
+                action: "use models directory",
+                source: std::io::Error::other("it is a symbolic link or not a folder; baton keeps its own files there"),
+            });
+        }
         Ok(ModelDir {
             root: root.to_path_buf(),
         })
@@ -268,7 +304,7 @@ impl ModelDir {
     /// it is used (see `stream.rs`); lines that do not parse (an older record that
     /// listed names only, damage) are left out, so those tensors are streamed again.
     pub fn partial_tensors(&self, identity: &[u8; 32]) -> BTreeMap<String, CachedTensor> {
-        fs::read_to_string(self.record_path(identity))
+        read_state(&self.record_path(identity))
             .map(|text| text.lines().filter_map(CachedTensor::parse_line).collect())
             .unwrap_or_default()
     }
@@ -290,7 +326,7 @@ impl ModelDir {
             source,
         };
         let temp = record.with_extension(format!("have.{}.tmp", std::process::id()));
-        let written = fs::File::create(&temp)
+        let written = create_state(&temp)
             .and_then(|mut file| {
                 file.write_all(text.as_bytes())?;
                 file.sync_all()
@@ -317,7 +353,7 @@ impl ModelDir {
             action,
             source,
         };
-        if let Ok(file) = fs::OpenOptions::new().read(true).write(true).open(&path) {
+        if let Ok(file) = open_state(&path, fs::OpenOptions::new().read(true).write(true)) {
             if file.metadata().map_err(|e| error("read", e))?.len() == size {
                 // The same identity means the same header; rewrite it only if damaged.
                 let mut on_disk = vec![0u8; header.len()];
@@ -332,18 +368,12 @@ impl ModelDir {
             );
         }
         let temp = path.with_extension(format!("gguf.{}.tmp", std::process::id()));
-        let made = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&temp)
-            .and_then(|file| {
-                file.set_len(size)?;
-                file.write_all_at(header, 0)?;
-                file.sync_all()?;
-                Ok(file)
-            });
+        let made = create_state(&temp).and_then(|file| {
+            file.set_len(size)?;
+            file.write_all_at(header, 0)?;
+            file.sync_all()?;
+            Ok(file)
+        });
         let file = match made {
             Ok(file) => file,
             Err(e) => {
@@ -365,12 +395,7 @@ impl ModelDir {
             action: "lock",
             source,
         };
-        let file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(error)?;
+        let file = open_state(&path, fs::OpenOptions::new().write(true).create(true).truncate(false)).map_err(error)?;
         file.lock().map_err(error)?;
         Ok(file)
     }
@@ -378,12 +403,14 @@ impl ModelDir {
     /// A cached speed measurement (seconds per layer per token) for a model.
     pub fn cached_speed(&self, identity: &[u8; 32], threads: usize, device: &str) -> Option<f32> {
         let path = self.speed_path(identity, threads, device);
-        fs::read_to_string(path).ok()?.trim().parse().ok()
+        read_state(&path).ok()?.trim().parse().ok()
     }
 
     /// Stores a speed measurement.
     pub fn store_speed(&self, identity: &[u8; 32], threads: usize, device: &str, secs: f32) {
-        let _ = fs::write(self.speed_path(identity, threads, device), format!("{secs}\n"));
+        let path = self.speed_path(identity, threads, device);
+        let _ = open_state(&path, fs::OpenOptions::new().write(true).create(true).truncate(true))
+            .and_then(|mut file| file.write_all(format!("{secs}\n").as_bytes()));
     }
 
     /// Measurements on the CPU keep the name they had before devices; others name theirs.
@@ -481,5 +508,54 @@ mod tests {
         fs::write(&record, "garbage").unwrap();
         assert_eq!(wait(), expected);
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Names under `.baton/` are predictable: links planted there by whoever else can
+    /// write to a shared models directory must not make a node write through them.
+    #[test]
+    fn links_planted_under_the_state_folder_are_never_written_through() {
+        use std::os::unix::fs::symlink;
+        let dir = std::env::temp_dir().join(format!("baton-links-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let models = ModelDir::new(&dir).unwrap();
+        let victim = dir.join("victim");
+        fs::write(&victim, "precious").unwrap();
+        let identity = [3u8; 32];
+        let state = dir.join(STATE_DIR);
+        for name in [
+            format!("{}.t2.speed", hex(&identity)),
+            format!("{}.gguf", hex(&identity)),
+            format!("{}.gguf.{}.tmp", hex(&identity), std::process::id()),
+            format!("{}.have.{}.tmp", hex(&identity), std::process::id()),
+            format!("{}.lock", hex(&identity)),
+        ] {
+            symlink(&victim, state.join(name)).unwrap();
+        }
+        models.store_speed(&identity, 2, "CPU", 0.5);
+        assert_eq!(
+            models.cached_speed(&identity, 2, "CPU"),
+            None,
+            "a link is not read either"
+        );
+        let header = b"GGUF-header";
+        models.open_partial(&identity, 64, header).unwrap();
+        models.record_partial(&identity, &BTreeMap::new()).unwrap();
+        assert!(
+            models.lock_partial(&identity).is_err(),
+            "a lock file that is a link is refused"
+        );
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "precious");
+        // The partial copy replaced the link with a file of its own.
+        assert!(fs::symlink_metadata(models.partial_path(&identity)).unwrap().is_file());
+
+        // A state folder that is itself a link is refused with the reason.
+        let other = std::env::temp_dir().join(format!("baton-links2-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&other);
+        fs::create_dir_all(&other).unwrap();
+        symlink(&dir, other.join(STATE_DIR)).unwrap();
+        let err = ModelDir::new(&other).err().unwrap().to_string();
+        assert!(err.contains("symbolic link"), "{err}");
+        fs::remove_dir_all(&dir).unwrap();
+        fs::remove_dir_all(&other).unwrap();
     }
 }

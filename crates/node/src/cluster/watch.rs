@@ -115,7 +115,9 @@ fn beat(
 /// next within `timeout`, and its `Pong`; returns the round trip, or why the worker
 /// did not answer.
 pub(crate) fn ping(conn: &mut dyn Link, session: u64, timeout: Duration) -> Result<Duration, String> {
-    let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+    let timeout_ms = u32::try_from(timeout.as_millis()).map_or(baton_proto::MAX_HEARTBEAT_MS, |ms| {
+        ms.min(baton_proto::MAX_HEARTBEAT_MS)
+    });
     let sent = Instant::now();
     if let Err(e) = conn.send(Message::Ping { timeout_ms, session }) {
         return Err(format!("its heartbeat connection failed: {e}"));

@@ -19,12 +19,12 @@ use std::time::{Duration, Instant};
 use baton_ggml::Device;
 use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageSpan};
 use baton_net::{
-    client_handshake, connect_by, refuse_unexpected_auth, server_handshake_admitting, Incoming, Link, LinkCloser,
-    LinkOptions, Listener, NetError,
+    client_handshake, connect_by, refuse_unexpected_auth, Link, LinkCloser, LinkOptions, Listener, NetError,
 };
-use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, RefusalCode, Role, PROTOCOL_VERSION};
+use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, RefusalCode, Role};
 
-use super::admission::{Accepted, Admission, ConnId, Limits};
+pub(super) use super::gate::ConnSlot;
+use super::gate::{Admitted, Gate, GateConfig};
 use super::models::ModelDir;
 use super::probe::LinkProbe;
 use super::stream::{check_stage_complete, receive_stage_tensors};
@@ -68,18 +68,6 @@ pub struct WorkerConfig {
     pub devices: Vec<Device>,
 }
 
-/// Largest frame a peer may send before it has authenticated: handshake frames are
-/// tiny, and a stranger must not make the worker allocate `max_frame` bytes.
-const HANDSHAKE_MAX_FRAME: usize = 64 << 10;
-
-/// How long a connection that found every handshake slot taken has to send its `Hello`
-/// (and finish TLS first, with TLS) to take one (see `admission.rs`). Heads send theirs
-/// at once; a stranger that dawdles is dropped instead of displacing anyone.
-const PROBATION_GRACE: Duration = Duration::from_millis(500);
-
-/// Connections waiting on probation at once; more are closed at once.
-const MAX_PROBATION: usize = 16;
-
 /// A bound, not yet serving, worker.
 pub struct Worker {
     listener: Listener,
@@ -90,7 +78,7 @@ pub(super) struct Shared {
     pub(super) config: WorkerConfig,
     models: ModelDir,
     /// Which connections are served (handshakes and authenticated ones).
-    admission: Mutex<Admission<LinkCloser>>,
+    gate: Arc<Gate>,
     busy: AtomicBool,
     /// The head session now running: its number, and closers of its links (control
     /// and upstream) that a heartbeat timeout uses to end it.
@@ -108,44 +96,11 @@ struct Session {
     /// Random, so that only the head this session serves (told it in `Capabilities`)
     /// can name it in its heartbeat; 0 is never a session.
     id: u64,
+    /// The session's control link and the member links it dialed or took.
     closers: Vec<LinkCloser>,
+    /// The latest upstream (ring) link's closer.
+    upstream: Option<LinkCloser>,
     aborted: bool,
-}
-
-/// A handshake slot; freed when dropped (the handshake failed, the thread panicked) or
-/// moved on to an authenticated slot.
-struct HandshakeSlot {
-    shared: Arc<Shared>,
-    id: ConnId,
-}
-
-impl HandshakeSlot {
-    /// The connection has authenticated: it takes an authenticated slot, or is told why
-    /// not.
-    fn authenticated(self) -> Result<ConnSlot, String> {
-        let admitted = self.shared.admission().authenticated(self.id);
-        let shared = self.shared.clone();
-        drop(self);
-        admitted.map(|()| ConnSlot { shared })
-    }
-}
-
-impl Drop for HandshakeSlot {
-    fn drop(&mut self) {
-        self.shared.admission().end_handshake(self.id);
-    }
-}
-
-/// An authenticated connection's slot; freed when dropped, whatever ends the
-/// connection (a panic included).
-pub(super) struct ConnSlot {
-    shared: Arc<Shared>,
-}
-
-impl Drop for ConnSlot {
-    fn drop(&mut self) {
-        self.shared.admission().end_authenticated();
-    }
 }
 
 /// The one head this worker serves; dropping it (the session ended, or its thread
@@ -159,15 +114,12 @@ impl Drop for HeadSlot<'_> {
     fn drop(&mut self) {
         let mut session = self.shared.session();
         session.closers.clear();
+        session.upstream = None;
         self.shared.busy.store(false, Ordering::SeqCst);
     }
 }
 
 impl Shared {
-    fn admission(&self) -> MutexGuard<'_, Admission<LinkCloser>> {
-        self.admission.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     fn session(&self) -> MutexGuard<'_, Session> {
         self.session.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -192,6 +144,7 @@ impl Shared {
             }
         };
         session.closers = control.into_iter().collect();
+        session.upstream = None;
         session.aborted = false;
         session.id
     }
@@ -209,9 +162,14 @@ impl Shared {
             return false;
         }
         session.aborted = true;
-        for closer in session.closers.drain(..) {
+        let open = &mut *session;
+        for closer in open.closers.drain(..).chain(open.upstream.take()) {
             closer.close();
         }
+        // Member links parked for this session's group go too (after the session's
+        // lock is let go: `wait_members` takes the two the other way round).
+        drop(session);
+        self.arrived().clear();
         // A session still waiting for its upstream (or its group's members) wakes up
         // and finds it never came.
         self.upstream_ready.notify_all();
@@ -239,16 +197,17 @@ impl Worker {
         }
         let listener = Listener::bind(&config.listen)?;
         let models = ModelDir::new(&config.models)?;
-        let limits = Limits {
-            max_handshakes: config.max_connections,
-            per_source: config.max_handshakes_per_source.max(1),
-            max_authenticated: config.max_connections,
-            max_probation: MAX_PROBATION,
-        };
+        let gate = Gate::new(GateConfig {
+            token: config.token.clone(),
+            link: config.link.clone(),
+            handshake_timeout: config.handshake_timeout,
+            max_connections: config.max_connections,
+            per_source: config.max_handshakes_per_source,
+        });
         let shared = Arc::new(Shared {
             config,
             models,
-            admission: Mutex::new(Admission::new(limits)),
+            gate,
             busy: AtomicBool::new(false),
             session: Mutex::default(),
             upstream: Mutex::new(None),
@@ -278,101 +237,36 @@ impl Worker {
                 }
             };
             let peer = incoming.peer().to_string();
-            let closer = match incoming.closer() {
-                Ok(closer) => closer,
-                Err(e) => {
-                    tracing::debug!(%peer, "dropping connection: {e}");
+            let admitted = match self.shared.gate.accept(incoming) {
+                Ok(admitted) => admitted,
+                Err(why) => {
+                    tracing::warn!(%peer, "{why}");
                     continue;
                 }
             };
-            let accepted = self
-                .shared
-                .admission()
-                .accept(incoming.source(), closer, Instant::now());
-            let (id, probation) = match accepted {
-                Accepted::Serve(id) => (id, None),
-                Accepted::Probation(id, why) => (id, Some(why)),
-                Accepted::Drop(why) => {
-                    tracing::warn!(%peer, "dropping connection: {why}");
-                    continue;
-                }
-            };
-            let slot = HandshakeSlot {
-                shared: self.shared.clone(),
-                id,
-            };
+            let shared = self.shared.clone();
             let spawned = std::thread::Builder::new()
                 .name("conn".into())
-                .spawn(move || handle(slot, incoming, probation));
+                .spawn(move || handle(&shared, admitted, &peer));
             if spawned.is_err() {
                 // The slot went down with the closure.
-                tracing::warn!(%peer, "dropping a connection: cannot start a thread for it");
+                tracing::warn!("dropping a connection: cannot start a thread for it");
             }
         }
     }
 }
 
-/// Serves one connection: its handshake, under one deadline, then its role. `probation`
-/// says why it holds no handshake slot yet, if it does not.
-fn handle(slot: HandshakeSlot, incoming: Incoming, probation: Option<String>) {
-    let shared = slot.shared.clone();
-    let peer = incoming.peer().to_string();
-    let result = serve_connection(&shared, slot, incoming, probation);
-    match result {
+/// Serves one connection: its handshake, under one deadline, then its role.
+fn handle(shared: &Shared, admitted: Admitted, peer: &str) {
+    match serve_connection(shared, admitted) {
         Ok(()) => tracing::info!(%peer, "connection finished"),
         Err(e) => tracing::warn!(%peer, "dropping connection: {e}"),
     }
 }
 
-fn serve_connection(
-    shared: &Shared,
-    slot: HandshakeSlot,
-    incoming: Incoming,
-    probation: Option<String>,
-) -> Result<(), NodeError> {
-    let local = incoming.local_addr().to_string();
-    let peer = incoming.peer().to_string();
-    let started = Instant::now();
-    let deadline = started + shared.config.handshake_timeout;
-    let first_by = match probation {
-        Some(_) => deadline.min(started + PROBATION_GRACE),
-        None => deadline,
-    };
-    let mut opts = shared.config.link.clone();
-    opts.read_timeout = Some(shared.config.handshake_timeout);
-    opts.max_frame = opts.max_frame.min(HANDSHAKE_MAX_FRAME);
-    let first = incoming.into_link_by(&opts, first_by).and_then(|mut link| {
-        let first = link.recv()?;
-        Ok((link, first))
-    });
-    let (mut link, first) = match (first, &probation) {
-        (Ok(read), None) => read,
-        (Ok((link, first)), Some(why)) => {
-            if !matches!(first, Message::Hello { version, .. } if version == PROTOCOL_VERSION) {
-                return Err(NodeError::Request(format!(
-                    "{why}, and it sent {} where a Hello was expected",
-                    first.kind()
-                )));
-            }
-            if let Some((evicted, what)) = shared.admission().hello(slot.id) {
-                evicted.close();
-                tracing::info!(%peer, "closed {what} to make room for this connection");
-            }
-            (link, first)
-        }
-        (Err(e), None) => return Err(e.into()),
-        (Err(e), Some(why)) => {
-            return Err(NodeError::Request(format!(
-                "{why}; it sent no Hello within {:.1} s ({e})",
-                PROBATION_GRACE.as_secs_f32()
-            )))
-        }
-    };
-    link.set_deadline(Some(deadline))?;
-    let token = shared.config.token.as_deref().map(str::as_bytes);
-    let (role, conn) = server_handshake_admitting(link.as_mut(), token, first, |_| slot.authenticated())?;
-    link.set_deadline(None)?;
-    link.set_max_frame(shared.config.link.max_frame);
+fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError> {
+    let local = admitted.local_addr().to_string();
+    let (mut link, role, conn) = admitted.handshake()?;
     // A handle that can close this connection from another thread.
     let closer = link.closer().ok();
     match role {
@@ -387,7 +281,9 @@ fn serve_connection(
         }
         Role::Ring => {
             link.set_read_timeout(None)?;
-            shared.attach(closer);
+            // One upstream at a time: a new one replaces the last, closer included, so
+            // replaced links keep no socket open.
+            shared.session().upstream = closer;
             *shared.upstream.lock().unwrap_or_else(|p| p.into_inner()) = Some((link, conn));
             shared.upstream_ready.notify_all();
             Ok(())
@@ -416,6 +312,14 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
                 let bound = *watched.get_or_insert_with(|| shared.is_current(session).then_some(session));
                 if bound.is_some_and(|id| id != session) {
                     let reason = format!("this heartbeat watches another session than {session}");
+                    refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
+                    break reason;
+                }
+                if timeout_ms > baton_proto::MAX_HEARTBEAT_MS {
+                    let reason = format!(
+                        "a heartbeat timeout of {timeout_ms} ms is longer than the {} ms a worker allows",
+                        baton_proto::MAX_HEARTBEAT_MS
+                    );
                     refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
                     break reason;
                 }

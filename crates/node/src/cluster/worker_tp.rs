@@ -22,7 +22,11 @@ pub(super) struct Arrived {
     group: u64,
     rank: u32,
     link: Box<dyn Link>,
+    /// Closes the link once a session has taken it.
+    closer: Option<LinkCloser>,
     slot: ConnSlot,
+    /// When it arrived: a link no session takes within a handshake's time is dropped.
+    at: Instant,
 }
 
 /// Serves a connection that announced itself as [`baton_proto::Role::Member`]: its
@@ -43,12 +47,13 @@ pub(super) fn accept_member(
         }
     };
     link.set_read_timeout(None)?;
-    shared.attach(closer);
     let arrived = Arrived {
         group,
         rank,
         link,
+        closer,
         slot,
+        at: Instant::now(),
     };
     match shared.arrive(arrived) {
         Ok(()) => Ok(()),
@@ -69,6 +74,9 @@ impl Shared {
     /// can have, are refused (given back with the reason).
     fn arrive(&self, arrived: Arrived) -> Result<(), (Arrived, String)> {
         let mut waiting = self.arrived();
+        // Links parked for longer than a group takes to form belong to no session.
+        let stale = self.config.handshake_timeout;
+        waiting.retain(|a| a.at.elapsed() < stale);
         if waiting
             .iter()
             .any(|a| a.group == arrived.group && a.rank == arrived.rank)
@@ -104,7 +112,9 @@ impl Shared {
                         .iter()
                         .position(|a| a.group == group && a.rank as usize == rank)
                         .expect("checked above");
-                    taken.push((rank, waiting.swap_remove(at)));
+                    let mut arrived = waiting.swap_remove(at);
+                    self.attach(arrived.closer.take());
+                    taken.push((rank, arrived));
                 }
                 return Ok(taken);
             }
