@@ -5,10 +5,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use baton_engine::Head;
+use baton_engine::{max_decode_rows, Draft, DraftMode, EngineConfig, Event, Job};
 use baton_ggml::{LlamaContext, LlamaModel};
 use baton_model::ModelFile;
-use baton_node::engine::{max_decode_rows, Draft, DraftMode, EngineConfig, Event, Job};
-use baton_node::Head;
 use baton_proto::{Message, Payload, StartSeq};
 use baton_sample::{argmax, SamplingParams};
 use clap::Args;
@@ -67,7 +67,7 @@ fn bench_drafting(
     tg: usize,
     reps: usize,
     draft: Draft,
-    drafter: Option<Box<dyn baton_node::engine::Drafter>>,
+    drafter: Option<Box<dyn baton_engine::Drafter>>,
     repack: bool,
 ) -> anyhow::Result<(f64, f64, u64, u64)> {
     let vocab = std::sync::Arc::new(crate::load_tokenizer(model)?);

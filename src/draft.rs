@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use baton_node::engine::draft::MAX_DRAFT;
-use baton_node::engine::{Draft, DraftMode, Drafter, ModelDrafter};
+use baton_engine::draft::MAX_DRAFT;
+use baton_engine::{Draft, DraftMode, Drafter, ModelDrafter};
 use clap::Args;
 
 /// Speculative decoding settings.

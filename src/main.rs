@@ -147,7 +147,7 @@ impl StageArgs {
 /// Devices for `n` stages: `given` in order (stages past its end go to its last device
 /// when that is the CPU); without `given`, the accelerators of `available` one stage
 /// each, then the CPU. A device other than the CPU takes one stage (see
-/// `baton_node::LocalRing::start_on`).
+/// `baton_engine::LocalRing::start_on`).
 fn assign_devices(
     given: &[baton_ggml::Device],
     available: &[baton_ggml::Device],

@@ -4,11 +4,11 @@
 use std::path::Path;
 
 use anyhow::Context as _;
+use baton_cluster::{connect_cluster, ClusterOptions, RemoteRing, Supervisor};
+use baton_engine::{Engine, EngineConfig, FormError};
+use baton_engine::{Head, LocalRing};
 use baton_model::{ModelFile, StageConfig};
 use baton_net::LinkOptions;
-use baton_node::cluster::{connect_cluster, ClusterOptions, RemoteRing, Supervisor};
-use baton_node::engine::{Engine, EngineConfig, FormError};
-use baton_node::{Head, LocalRing};
 use clap::{Args, ValueEnum};
 
 use crate::cert::TlsArgs;
@@ -156,7 +156,7 @@ impl Ring {
         &mut self,
         vocab: std::sync::Arc<baton_ggml::LlamaModel>,
         config: EngineConfig,
-        draft_model: Option<Box<dyn baton_node::engine::Drafter>>,
+        draft_model: Option<Box<dyn baton_engine::Drafter>>,
     ) -> anyhow::Result<Engine> {
         match self {
             Ring::Supervised { supervisor, .. } => {
@@ -325,7 +325,7 @@ fn tp_over_links(
     n_seq: usize,
 ) -> anyhow::Result<LocalRing> {
     use baton_model::{GroupMember, Stage, StageSpan};
-    use baton_node::tp_net::{dial_members, MeshCollective, RemoteMember};
+    use baton_stage::tp_net::{dial_members, MeshCollective, RemoteMember};
     let n = cluster.tp_members.len() + 1;
     anyhow::ensure!(
         stages.tp == baton_plan::TpDegree::Fixed(n),

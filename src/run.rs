@@ -4,8 +4,8 @@ use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use baton_node::engine::{max_decode_rows, Draft, DraftMode, EngineConfig, Event, Job};
-use baton_node::GenerateRequest;
+use baton_engine::GenerateRequest;
+use baton_engine::{max_decode_rows, Draft, DraftMode, EngineConfig, Event, Job};
 use baton_sample::SamplingParams;
 use clap::Args;
 

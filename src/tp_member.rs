@@ -11,7 +11,7 @@ use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
 use std::time::Duration;
 
 use baton_net::{Addr, LinkOptions, Listener};
-use baton_node::tp_net::{join_group, serve_member, MemberDoor, MeshCollective};
+use baton_stage::tp_net::{join_group, serve_member, MemberDoor, MeshCollective};
 use clap::Args;
 
 /// Arguments of `baton tp-member`.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use baton_net::{Addr, LinkOptions};
-use baton_node::cluster::{Worker, WorkerConfig};
+use baton_worker::{Worker, WorkerConfig};
 use clap::Args;
 
 /// Arguments of `baton worker`.

@@ -13,9 +13,9 @@
 
 mod common;
 
+use baton_engine::{GenerateRequest, LocalRing};
 use baton_ggml::{Device, LlamaModel};
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
-use baton_node::{GenerateRequest, LocalRing};
 use baton_sample::{argmax, SamplingParams};
 use common::fidelity::reference_n;
 use common::{model, nmse, Chain, GEMMA3, PROMPTS, QWEN2};
@@ -205,7 +205,7 @@ fn stage_memory_is_on_the_device() {
 /// CPU wherever libllama on the device agrees with it.
 #[test]
 fn a_worker_process_over_the_device_and_the_cpu() {
-    use baton_node::cluster::{connect_cluster, ClusterOptions};
+    use baton_cluster::{connect_cluster, ClusterOptions};
     use common::worker::{greedy as ring_greedy, WorkerProc};
 
     const TOKEN: &str = "accelerator-test-secret";

@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::LlamaModel;
-use baton_node::cluster::{connect_cluster, ClusterOptions};
 use baton_proto::{Payload, StartSeq};
 use baton_sample::SamplingParams;
 use common::worker::{assert_prompts_match, greedy, reference, WorkerProc};

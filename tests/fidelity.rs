@@ -4,9 +4,9 @@
 
 mod common;
 
+use baton_engine::{GenerateRequest, LocalRing};
 use baton_ggml::{LlamaContext, LlamaModel};
 use baton_model::{ModelFile, StageConfig};
-use baton_node::{GenerateRequest, LocalRing};
 use baton_sample::SamplingParams;
 use common::fidelity::{check_stages, reference, MAX_NMSE, N_GREEDY};
 use common::{model, nmse, Chain, GEMMA3, PROMPTS, QWEN2};
@@ -247,7 +247,7 @@ fn batching_with_other_sequences_changes_nothing_up_to_the_decode_row_cap() {
             println!(
                 "{name}, repack {repack}, {n_seq} regions, batch of {rows}: NMSE {err:.3e} against the step alone"
             );
-            if rows <= baton_node::engine::max_decode_rows(repack) {
+            if rows <= baton_engine::max_decode_rows(repack) {
                 assert_eq!(err, 0.0, "{name}: batch of {rows}, repack {repack}, {n_seq} regions");
             }
         }

@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_net::{client_handshake, connect, Link, LinkOptions};
-use baton_node::cluster::{connect_cluster, ClusterOptions};
 use baton_proto::{Message, RefusalCode, Role};
 use common::worker::WorkerProc;
 use common::{connect_from, model, GEMMA3};
@@ -463,7 +463,7 @@ fn a_streamed_stage_with_a_tensor_left_out_is_refused_not_loaded_as_zeros() {
 
     let path = model(GEMMA3);
     let file = ModelFile::open(&path).unwrap();
-    let model_ref = baton_node::cluster::model_ref(&file);
+    let model_ref = baton_cluster::model_ref(&file);
     let span = StageSpan {
         layers: 5..6,
         first: false,
@@ -554,7 +554,7 @@ fn a_plan_whose_kv_cache_exceeds_the_workers_memory_is_refused() {
     use baton_proto::LoadPlan;
 
     let file = ModelFile::open(&model(GEMMA3)).unwrap();
-    let model_ref = baton_node::cluster::model_ref(&file);
+    let model_ref = baton_cluster::model_ref(&file);
     let worker = WorkerProc::start(&models_dir(), Some(TOKEN), &["--memory", "1000000000"]);
     let ask = |n_ctx: u32| {
         let mut link = connect(&worker.addr, &LinkOptions::default()).unwrap();
@@ -679,7 +679,7 @@ fn a_heartbeat_timeout_longer_than_the_protocol_allows_is_refused() {
 #[test]
 fn a_tp_member_survives_strangers_while_its_group_forms() {
     use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
-    use baton_node::tp_net::{dial_members, MeshCollective, RemoteMember};
+    use baton_stage::tp_net::{dial_members, MeshCollective, RemoteMember};
 
     let path = model(GEMMA3);
     let addr = {

@@ -90,8 +90,8 @@ fn check_middle_third(repack: bool) {
 /// MLA's compressed cache), 3 stages; the middle one loaded on a mapping of its own.
 #[test]
 fn a_planned_moe_stage_stays_within_its_plan() {
+    use baton_cluster::model_cost;
     use baton_ggml::FileType;
-    use baton_node::cluster::model_cost;
     use baton_plan::NodeOffer;
 
     let path = common::synth::synthetic_with("deepseek2", FileType::Q4KM, |spec| {

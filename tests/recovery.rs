@@ -478,8 +478,8 @@ fn start_worker_that_hangs_while_loading() -> String {
 
 #[test]
 fn a_worker_that_hangs_while_the_ring_forms_is_left_out_in_time() {
-    use baton_node::cluster::{ClusterOptions, Supervisor};
-    use baton_node::engine::{FormError, RingSource};
+    use baton_cluster::{ClusterOptions, Supervisor};
+    use baton_engine::{FormError, RingSource};
 
     let addr = start_worker_that_hangs_while_loading();
     let opts = ClusterOptions {
@@ -513,8 +513,8 @@ fn a_worker_that_hangs_while_the_ring_forms_is_left_out_in_time() {
 /// link is closed while the ring forms), instead of waiting for member 0 to give up.
 #[test]
 fn a_member_that_hangs_while_its_group_forms_ends_the_formation_in_time() {
-    use baton_node::cluster::{ClusterOptions, Supervisor};
-    use baton_node::engine::{FormError, RingSource};
+    use baton_cluster::{ClusterOptions, Supervisor};
+    use baton_engine::{FormError, RingSource};
 
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let w0 = Worker::start(&["--handshake-timeout", "60"]);

@@ -4,9 +4,9 @@
 
 mod common;
 
+use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::{FileType, LlamaModel};
 use baton_model::{Batch, ModelFile, StageConfig, StageInput, StageOutput};
-use baton_node::cluster::{connect_cluster, ClusterOptions};
 use common::fidelity::{check_stages, check_stages_with};
 use common::synth::{synth_dir, synthetic, synthetic_with};
 use common::worker::{greedy, reference, WorkerProc};

@@ -9,9 +9,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::LlamaModel;
 use baton_net::{LinkOptions, TlsConfig};
-use baton_node::cluster::{connect_cluster, ClusterOptions};
 use common::worker::{assert_prompts_match, greedy, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};
 

@@ -13,9 +13,9 @@ mod common;
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use baton_engine::{GenerateRequest, LocalRing};
 use baton_ggml::{LlamaContext, LlamaModel};
 use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
-use baton_node::{GenerateRequest, LocalRing};
 use baton_sample::{argmax, Sampler, SamplingParams};
 use common::{model, nmse, PROMPTS, QWEN2};
 
@@ -287,7 +287,7 @@ fn free_addrs(n: usize) -> Vec<String> {
 /// as libllama (bit for bit) and the same greedy tokens, for groups of 2 and 3.
 #[test]
 fn tp_over_tcp_matches_llama_cpp() {
-    use baton_node::tp_net::{dial_members, MeshCollective, RemoteMember};
+    use baton_stage::tp_net::{dial_members, MeshCollective, RemoteMember};
     use std::process::{Command, Stdio};
 
     let fixture = fixture();

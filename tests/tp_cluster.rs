@@ -11,9 +11,9 @@ mod common;
 
 use std::sync::Mutex;
 
+use baton_cluster::{connect_cluster, ClusterOptions, RemoteRing};
+use baton_engine::GenerateRequest;
 use baton_ggml::{LlamaContext, LlamaModel};
-use baton_node::cluster::{connect_cluster, ClusterOptions, RemoteRing};
-use baton_node::GenerateRequest;
 use baton_plan::TpDegree;
 use baton_sample::{argmax, Sampler, SamplingParams};
 use common::worker::WorkerProc;

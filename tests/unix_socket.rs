@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::LlamaModel;
-use baton_node::cluster::{connect_cluster, ClusterOptions};
 use baton_proto::{Message, RefusalCode, Role, PROTOCOL_VERSION};
 use common::worker::{assert_prompts_match, greedy, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};

@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
+use baton_engine::{GenerateRequest, LocalRing};
 use baton_ggml::{LlamaContext, LlamaModel};
 use baton_model::{ModelFile, StageConfig};
-use baton_node::{GenerateRequest, LocalRing};
 use baton_sample::{argmax, SamplingParams};
 
 use super::{nmse, Chain, PROMPTS};

@@ -6,9 +6,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 
+use baton_cluster::RemoteRing;
+use baton_engine::GenerateRequest;
 use baton_ggml::{LlamaContext, LlamaModel};
-use baton_node::cluster::RemoteRing;
-use baton_node::GenerateRequest;
 use baton_sample::{argmax, SamplingParams};
 
 /// A `baton worker` child process; killed on drop. Its stderr is collected.

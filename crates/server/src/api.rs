@@ -15,8 +15,8 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use baton_engine::{Draft, DraftMode, Engine, Event, FinishReason, Health, Job, SubmitError, TokenOut};
 use baton_ggml::LlamaModel;
-use baton_node::engine::{Draft, DraftMode, Engine, Event, FinishReason, Health, Job, SubmitError, TokenOut};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use baton_node::engine::Health;
+use baton_engine::Health;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;

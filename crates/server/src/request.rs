@@ -4,9 +4,9 @@
 //! and fuzzed (`fuzz/fuzz_targets/http_body.rs`), without loading one.
 
 use axum::http::StatusCode;
+use baton_engine::draft::MAX_DRAFT;
+use baton_engine::{DraftMode, SubmitError};
 use baton_grammar::{schema, Grammar};
-use baton_node::engine::draft::MAX_DRAFT;
-use baton_node::engine::{DraftMode, SubmitError};
 use baton_sample::SamplingParams;
 use serde::de::DeserializeOwned;
 use serde_json::Value;

@@ -19,8 +19,8 @@
 //! grammars are not lazy, so baton ends generation instead. A call the model writes
 //! wrong is content, and the model may still write a good one.)
 
+use baton_engine::EndCheck;
 use baton_grammar::schema::{literal, Builder};
-use baton_node::engine::EndCheck;
 use serde_json::{json, Value};
 
 use crate::api::ApiError;

@@ -81,7 +81,7 @@ pub(super) async fn respond(
     Err(ApiError::server("the engine stopped before the request finished"))
 }
 
-fn usage(finish: &baton_node::engine::Finish) -> Usage {
+fn usage(finish: &baton_engine::Finish) -> Usage {
     Usage {
         prompt_tokens: finish.prompt_tokens,
         completion_tokens: finish.completion_tokens,

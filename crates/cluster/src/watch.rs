@@ -11,12 +11,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, connect_by, Counters, Link, LinkOptions, NetError};
-use baton_proto::{Message, Role};
+use baton_net::{client_handshake, connect_by, Counters, Link, LinkOptions};
+use baton_proto::Role;
 
-use crate::NodeError;
+use baton_stage::NodeError;
 
-pub use crate::engine::OnLost;
+pub use baton_engine::OnLost;
+use baton_stage::probe::{ping, sleep_until};
 
 /// A running heartbeat; dropping it stops the pings, and the worker then ends the
 /// session it was watching.
@@ -109,38 +110,4 @@ fn beat(
         sleep_until(sent + interval, stop);
     }
     None
-}
-
-/// One heartbeat on `conn`: a `Ping` for `session` telling the worker to expect the
-/// next within `timeout`, and its `Pong`; returns the round trip, or why the worker
-/// did not answer.
-pub(crate) fn ping(conn: &mut dyn Link, session: u64, timeout: Duration) -> Result<Duration, String> {
-    let timeout_ms = u32::try_from(timeout.as_millis()).map_or(baton_proto::MAX_HEARTBEAT_MS, |ms| {
-        ms.min(baton_proto::MAX_HEARTBEAT_MS)
-    });
-    let sent = Instant::now();
-    if let Err(e) = conn.send(Message::Ping { timeout_ms, session }) {
-        return Err(format!("its heartbeat connection failed: {e}"));
-    }
-    match conn.recv() {
-        Ok(Message::Pong) => Ok(sent.elapsed()),
-        Ok(other) => Err(format!("it answered a heartbeat with {}", other.kind())),
-        Err(NetError::Timeout { .. }) => Err(format!(
-            "it did not answer a heartbeat within {} ms",
-            timeout.as_millis()
-        )),
-        Err(NetError::Closed { .. }) => Err("it closed its heartbeat connection".into()),
-        Err(e) => Err(format!("its heartbeat connection failed: {e}")),
-    }
-}
-
-/// Sleeps until `until`, or until `stop` is set (checked every 20 ms).
-pub(crate) fn sleep_until(until: Instant, stop: &AtomicBool) {
-    while !stop.load(Ordering::SeqCst) {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return;
-        }
-        std::thread::sleep(left.min(Duration::from_millis(20)));
-    }
 }

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 use baton_net::{server_handshake_admitting, Incoming, Link, LinkCloser, LinkOptions};
 use baton_proto::{Message, Role, PROTOCOL_VERSION};
 
-use super::admission::{Accepted, Admission, ConnId, Limits};
+use crate::admission::{Accepted, Admission, ConnId, Limits};
 use crate::NodeError;
 
 /// Largest frame a peer may send before it has authenticated: handshake frames are
 /// tiny, and a stranger must not make the node allocate `max_frame` bytes.
-pub(crate) const HANDSHAKE_MAX_FRAME: usize = 64 << 10;
+pub const HANDSHAKE_MAX_FRAME: usize = 64 << 10;
 
 /// How long a connection that found every handshake slot taken has to send its `Hello`
 /// (and finish TLS first, with TLS) to take one (see `admission.rs`). Nodes send theirs
@@ -27,7 +27,7 @@ const MAX_PROBATION: usize = 16;
 
 /// What a gate admits, and how.
 #[derive(Clone, Debug)]
-pub(crate) struct GateConfig {
+pub struct GateConfig {
     /// Cluster secret; `None` accepts any peer that announces itself.
     pub token: Option<String>,
     /// Socket settings once authenticated (`max_frame` included).
@@ -41,7 +41,7 @@ pub(crate) struct GateConfig {
 }
 
 /// A listener's admission state, shared by its connections' threads.
-pub(crate) struct Gate {
+pub struct Gate {
     pub config: GateConfig,
     admission: Mutex<Admission<LinkCloser>>,
 }
@@ -49,7 +49,7 @@ pub(crate) struct Gate {
 /// A connection let in to its handshake ([`Gate::accept`]); its slot is freed when
 /// dropped (the handshake failed, the thread panicked) or moved on to an
 /// authenticated slot.
-pub(crate) struct Admitted {
+pub struct Admitted {
     gate: Arc<Gate>,
     id: ConnId,
     /// Why it holds no handshake slot yet, if it is on probation.
@@ -59,7 +59,7 @@ pub(crate) struct Admitted {
 
 /// An authenticated connection's slot; freed when dropped, whatever ends the
 /// connection (a panic included).
-pub(crate) struct ConnSlot {
+pub struct ConnSlot {
     gate: Arc<Gate>,
 }
 

@@ -377,7 +377,7 @@ pub fn join_group(
     listener: Listener,
     door: &MemberDoor,
 ) -> Result<(Vec<Arc<Peer>>, Arc<Peer>), NodeError> {
-    use crate::cluster::gate::{Gate, GateConfig};
+    use crate::gate::{Gate, GateConfig};
     let n = addrs.len() + 1;
     let gate = Gate::new(GateConfig {
         token: door.token.clone(),
@@ -423,7 +423,7 @@ pub fn join_group(
 /// listens there: the group has formed).
 fn accept_members(
     listener: &Listener,
-    gate: &Arc<crate::cluster::gate::Gate>,
+    gate: &Arc<crate::gate::Gate>,
     arrived: &std::sync::mpsc::Sender<(usize, Box<dyn Link>)>,
 ) {
     loop {

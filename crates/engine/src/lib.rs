@@ -22,15 +22,22 @@
 //! be formed (the nodes left cannot hold the model), running requests fail with a
 //! clear error at once, and the engine waits for the lost node to come back.
 //!
+//! The engine drives a ring through its two ends ([`RingEnds`]); [`Head`] drives one
+//! a request at a time, [`LocalRing`] is a ring of stages on threads of this process.
+//!
 //! Layout: [`types`] (what users see), `slots` (slots and the prefix cache), `batch`
 //! (the pure choice of the next micro-batch), `core` (every decision, no I/O: time is an
 //! argument, messages go to an outbox), `shell` (the engine thread: links, clock, the
 //! ring reader) and `recovery` (the thread that forms a new ring).
 
+#![deny(unsafe_code)]
+
 mod batch;
 mod core;
 pub mod draft;
 mod draft_model;
+mod head;
+mod local;
 mod recovery;
 mod shell;
 mod slots;
@@ -46,16 +53,18 @@ use std::thread::JoinHandle;
 
 use tokio::sync::oneshot;
 
+pub use baton_stage::max_decode_rows;
 pub use draft::{Draft, DraftMode, Drafter};
 pub use draft_model::ModelDrafter;
+pub use head::{GenerateRequest, Generation, Head, RingEnds};
+pub use local::LocalRing;
 pub use text::{Piece, TextStream};
 pub use types::{
-    max_decode_rows, Counters, EndCheck, EngineConfig, Event, Finish, FinishReason, FormError, Formed, Health, Job,
-    OnLost, RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
+    Counters, EndCheck, EngineConfig, Event, Finish, FinishReason, FormError, Formed, Health, Job, OnLost, RingSource,
+    StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
 };
 
 use self::core::Core;
-use crate::head::RingEnds;
 use shell::{Inbox, Shell};
 
 /// The running engine; dropping it stops the ring.

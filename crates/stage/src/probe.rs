@@ -10,10 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, connect_by, Counters, LinkOptions};
-use baton_proto::Role;
-
-use super::watch::{ping, sleep_until};
+use baton_net::{client_handshake, connect_by, Counters, Link, LinkOptions, NetError};
+use baton_proto::{Message, Role};
 
 /// Time between two probes.
 const PROBE_INTERVAL: Duration = Duration::from_secs(2);
@@ -24,7 +22,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(6);
 
 /// A running probe; dropping it stops the probing (within a moment, or at the end of a
 /// ping still waiting for its answer).
-pub(crate) struct LinkProbe {
+pub struct LinkProbe {
     stop: Arc<AtomicBool>,
 }
 
@@ -94,5 +92,39 @@ impl Probe {
             sleep_until(sent + PROBE_INTERVAL, &self.stop);
         }
         Ok(())
+    }
+}
+
+/// One heartbeat on `conn`: a `Ping` for `session` telling the worker to expect the
+/// next within `timeout`, and its `Pong`; returns the round trip, or why the worker
+/// did not answer.
+pub fn ping(conn: &mut dyn Link, session: u64, timeout: Duration) -> Result<Duration, String> {
+    let timeout_ms = u32::try_from(timeout.as_millis()).map_or(baton_proto::MAX_HEARTBEAT_MS, |ms| {
+        ms.min(baton_proto::MAX_HEARTBEAT_MS)
+    });
+    let sent = Instant::now();
+    if let Err(e) = conn.send(Message::Ping { timeout_ms, session }) {
+        return Err(format!("its heartbeat connection failed: {e}"));
+    }
+    match conn.recv() {
+        Ok(Message::Pong) => Ok(sent.elapsed()),
+        Ok(other) => Err(format!("it answered a heartbeat with {}", other.kind())),
+        Err(NetError::Timeout { .. }) => Err(format!(
+            "it did not answer a heartbeat within {} ms",
+            timeout.as_millis()
+        )),
+        Err(NetError::Closed { .. }) => Err("it closed its heartbeat connection".into()),
+        Err(e) => Err(format!("its heartbeat connection failed: {e}")),
+    }
+}
+
+/// Sleeps until `until`, or until `stop` is set (checked every 20 ms).
+pub fn sleep_until(until: Instant, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(20)));
     }
 }

@@ -23,15 +23,15 @@ use baton_net::{
 };
 use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, RefusalCode, Role};
 
-pub(super) use super::gate::ConnSlot;
-use super::gate::{Admitted, Gate, GateConfig};
-use super::models::ModelDir;
-use super::probe::LinkProbe;
-use super::stream::{check_stage_complete, receive_stage_tensors};
-use super::worker_tp::{form_mesh, Arrived, Mesh};
-use crate::stage_loop::{run, StageWorker};
-use crate::tp_net::{serve_member, MeshCollective, Peer, RemoteMember};
-use crate::NodeError;
+use crate::group::{form_mesh, Arrived, Mesh};
+use crate::receive::{check_stage_complete, receive_stage_tensors};
+pub(crate) use baton_stage::gate::ConnSlot;
+use baton_stage::gate::{Admitted, Gate, GateConfig};
+use baton_stage::models::ModelDir;
+use baton_stage::probe::LinkProbe;
+use baton_stage::tp_net::{serve_member, MeshCollective, Peer, RemoteMember};
+use baton_stage::NodeError;
+use baton_stage::{run, StageWorker};
 
 /// How a worker is set up.
 #[derive(Clone, Debug)]
@@ -74,8 +74,8 @@ pub struct Worker {
     shared: Arc<Shared>,
 }
 
-pub(super) struct Shared {
-    pub(super) config: WorkerConfig,
+pub(crate) struct Shared {
+    pub(crate) config: WorkerConfig,
     models: ModelDir,
     /// Which connections are served (handshakes and authenticated ones).
     gate: Arc<Gate>,
@@ -87,8 +87,8 @@ pub(super) struct Shared {
     upstream_ready: Condvar,
     /// Links other members of a tensor-parallel group dialed, until the session takes
     /// them (see `worker_tp.rs`).
-    pub(super) members: Mutex<Vec<Arrived>>,
-    pub(super) members_ready: Condvar,
+    pub(crate) members: Mutex<Vec<Arrived>>,
+    pub(crate) members_ready: Condvar,
 }
 
 #[derive(Default)]
@@ -150,7 +150,7 @@ impl Shared {
     }
 
     /// Adds a link that ending the current session must close.
-    pub(super) fn attach(&self, closer: Option<LinkCloser>) {
+    pub(crate) fn attach(&self, closer: Option<LinkCloser>) {
         self.session().closers.extend(closer);
     }
 
@@ -177,7 +177,7 @@ impl Shared {
         true
     }
 
-    pub(super) fn is_aborted(&self, id: u64) -> bool {
+    pub(crate) fn is_aborted(&self, id: u64) -> bool {
         let session = self.session();
         session.id == id && session.aborted
     }
@@ -289,7 +289,7 @@ fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError
             Ok(())
         }
         Role::Heartbeat => heartbeat(shared, link),
-        Role::Member => super::worker_tp::accept_member(shared, link, closer, conn),
+        Role::Member => crate::group::accept_member(shared, link, closer, conn),
         Role::Worker => {
             let reason = "workers do not connect to workers as workers";
             refuse(link.as_mut(), RefusalCode::BadRequest, reason.into());
@@ -473,7 +473,7 @@ fn session(
 }
 
 /// Tells the peer why it is refused, and closes so that it can read it.
-pub(super) fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
+pub(crate) fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
     if link.send(Message::Refused { code, reason }).is_ok() {
         link.close_gently();
     }
@@ -508,8 +508,8 @@ fn wait_upstream(shared: &Shared, id: u64) -> Result<(Box<dyn Link>, ConnSlot), 
 fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, session: u64) -> Capabilities {
     let config = &shared.config;
     let path = shared.models.find_complete(file_name, identity);
-    let devices = super::or_cpu(&config.devices);
-    let memory = super::device_memory(&devices, config.memory);
+    let devices = baton_stage::or_cpu(&config.devices);
+    let memory = baton_stage::device_memory(&devices, config.memory);
     let devices = devices
         .iter()
         .zip(memory)
@@ -541,7 +541,7 @@ fn speed_on(shared: &Shared, path: &std::path::Path, identity: &[u8; 32], device
     if let Some(secs) = shared.models.cached_speed(identity, threads, &name) {
         return Some(secs);
     }
-    let secs = super::speed::measure(path, threads, device)
+    let secs = baton_stage::speed::measure(path, threads, device)
         .inspect_err(|e| tracing::warn!(device = %name, "could not measure this device's speed: {e}"))
         .ok()?;
     shared.models.store_speed(identity, threads, &name, secs);
@@ -603,8 +603,8 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
         repack: plan.repack,
         n_seq: plan.n_seq as usize,
     };
-    let devices = super::or_cpu(&shared.config.devices);
-    let offered = super::device_memory(&devices, shared.config.memory)
+    let devices = baton_stage::or_cpu(&shared.config.devices);
+    let offered = baton_stage::device_memory(&devices, shared.config.memory)
         .iter()
         .fold(0, |a: u64, &m| a.saturating_add(m));
     check_kv_fits(&file, &span, &config, offered)?;
@@ -614,7 +614,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
             false => planned_parts(&span, &plan.devices, &devices)?,
         };
         return Ok(Loaded::Ring {
-            stage: super::load_chain(&file, parts, &config)?,
+            stage: baton_stage::load_chain(&file, parts, &config)?,
             received,
             mesh: None,
         });
@@ -681,7 +681,7 @@ fn planned_parts(
         start = end;
         next = at + 1;
     }
-    Ok(super::part_spans(span, parts))
+    Ok(baton_stage::part_spans(span, parts))
 }
 
 /// The span's layers split evenly between `devices`, in order (fewer devices when
@@ -692,7 +692,7 @@ fn split_between(span: &StageSpan, devices: &[Device]) -> Vec<(StageSpan, Device
     let n = devices.len().clamp(1, n_layers.max(1));
     let base = n_layers / n;
     let mut start = span.layers.start;
-    let parts = super::or_cpu(devices)
+    let parts = baton_stage::or_cpu(devices)
         .into_iter()
         .take(n)
         .enumerate()
@@ -701,7 +701,7 @@ fn split_between(span: &StageSpan, devices: &[Device]) -> Vec<(StageSpan, Device
             start += len;
             (start - len..start, device)
         });
-    super::part_spans(span, parts.collect())
+    baton_stage::part_spans(span, parts.collect())
 }
 
 /// Refuses a plan whose KV cache alone exceeds the memory this worker offers: the head
@@ -733,7 +733,7 @@ mod tests {
     use super::*;
 
     /// Makes every session panic when it is asked to describe the worker.
-    pub(super) static PANIC_ON_DESCRIBE: AtomicBool = AtomicBool::new(false);
+    pub(crate) static PANIC_ON_DESCRIBE: AtomicBool = AtomicBool::new(false);
 
     /// Held by the tests whose workers describe themselves, so that none of them runs
     /// while another makes every description panic.

@@ -6,7 +6,7 @@ use baton_net::{Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken, StartSeq, StepId};
 use baton_sample::SamplingParams;
 
-use crate::NodeError;
+use baton_stage::NodeError;
 
 /// The head's two ends of a ring: where it sends to the first stage and where it hears
 /// from the last. Whoever holds them drives the ring: a [`Head`] one request at a time,

@@ -10,11 +10,11 @@ use baton_net::Link;
 use baton_plan::{Dims, LinkOffer, ModelCost, NodeOffer, Plan, TpDegree};
 use baton_proto::Message;
 
-use super::form::RemoteWorker;
-use crate::NodeError;
+use crate::form::RemoteWorker;
+use baton_stage::NodeError;
 
 /// The plan, and which workers each of its nodes stands for.
-pub(super) struct Planned {
+pub(crate) struct Planned {
     pub plan: Plan,
     /// The name of every node offered, in the plan's numbering.
     pub node_names: Vec<String>,
@@ -55,7 +55,7 @@ impl Planned {
 /// Plans over `head` (when it offers itself; never with groups) and the workers'
 /// `offers` (in the order given): one stage per node, or in tensor-parallel groups as
 /// `tp` says. `split` gives layers per node (per group with groups).
-pub(super) fn plan_nodes(
+pub(crate) fn plan_nodes(
     file: &ModelFile,
     cost: ModelCost,
     head: Option<NodeOffer>,
@@ -163,7 +163,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Times the head's link to the worker at the other end of `link` (before its plan):
 /// empty probes give the round trip, large ones the bandwidth.
-pub(super) fn measure_link(link: &mut dyn Link, addr: &str) -> Result<LinkOffer, NodeError> {
+pub(crate) fn measure_link(link: &mut dyn Link, addr: &str) -> Result<LinkOffer, NodeError> {
     link.set_read_timeout(Some(PROBE_TIMEOUT))?;
     let mut probe = |bytes: usize| -> Result<f64, NodeError> {
         let sent = Instant::now();

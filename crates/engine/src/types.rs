@@ -309,17 +309,3 @@ impl Vocab for baton_ggml::LlamaModel {
         baton_ggml::LlamaModel::n_vocab(self)
     }
 }
-
-/// Most decode rows in one micro-batch that ggml computes exactly as it computes one
-/// row alone. With weights repacked for the CPU (`CPU_REPACK`, the default) ggml takes
-/// its 4-row gemm kernel from 4 rows on (ggml-cpu/repack.cpp: "more than three rows in
-/// src1, use gemm"); on plain quantized weights the tiled kernel for K-quants starts at 8
-/// rows. Either rounds differently from the one-row kernel, and a sequence would then
-/// generate differently in company than alone.
-pub fn max_decode_rows(repack: bool) -> usize {
-    if repack {
-        3
-    } else {
-        7
-    }
-}

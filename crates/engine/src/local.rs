@@ -10,8 +10,8 @@ use baton_model::{ModelError, ModelFile, Stage, StageConfig, StageSpan};
 use baton_net::local_link;
 
 use crate::head::{Head, RingEnds};
-use crate::stage_loop::{run, StageWorker};
-use crate::NodeError;
+use baton_stage::NodeError;
+use baton_stage::{run, StageWorker};
 
 /// Makes one stage of a ring, given its span, on the thread that will run it.
 type Loader = Box<dyn FnOnce(StageSpan) -> Result<Stage, ModelError> + Send>;

@@ -4,7 +4,7 @@
 //! token id outside the vocabulary. A head must fail the request with an error, not
 //! abort.
 //!
-//! `cargo run --release -p baton-node --example bad_worker -- --listen 127.0.0.1:0 [--token-id N]`
+//! `cargo run --release -p baton-worker --example bad_worker -- --listen 127.0.0.1:0 [--token-id N]`
 //!
 //! Prints `listening on ADDR` first.
 

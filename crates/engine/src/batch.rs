@@ -150,7 +150,7 @@ mod tests {
             logprobs: false,
             top_logprobs: 0,
             stop: Vec::new(),
-            draft: crate::engine::draft::Draft::OFF,
+            draft: crate::draft::Draft::OFF,
             grammar: None,
             show: Vec::new(),
             end: None,

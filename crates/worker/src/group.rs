@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 use baton_net::{Link, LinkCloser};
 use baton_proto::{Message, RefusalCode, TpPlace, MAX_TP_MEMBERS};
 
-use super::worker_server::{refuse, ConnSlot, Shared};
-use crate::tp_net::{dial_group_member, Peer};
-use crate::NodeError;
+use crate::server::{refuse, ConnSlot, Shared};
+use baton_stage::tp_net::{dial_group_member, Peer};
+use baton_stage::NodeError;
 
 /// A member link another member of a tensor-parallel group dialed, waiting for this
 /// worker's session to take it.
-pub(super) struct Arrived {
+pub(crate) struct Arrived {
     group: u64,
     rank: u32,
     link: Box<dyn Link>,
@@ -32,7 +32,7 @@ pub(super) struct Arrived {
 /// Serves a connection that announced itself as [`baton_proto::Role::Member`]: its
 /// first frame (within the handshake's read timeout) must say which group and member
 /// it is; the link then waits for this worker's session to take it.
-pub(super) fn accept_member(
+pub(crate) fn accept_member(
     shared: &Shared,
     mut link: Box<dyn Link>,
     closer: Option<LinkCloser>,
@@ -65,7 +65,7 @@ pub(super) fn accept_member(
 }
 
 impl Shared {
-    pub(super) fn arrived(&self) -> MutexGuard<'_, Vec<Arrived>> {
+    pub(crate) fn arrived(&self) -> MutexGuard<'_, Vec<Arrived>> {
         self.members.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -95,7 +95,7 @@ impl Shared {
 
     /// Waits until members `ranks` of `group` have linked to this worker (or session
     /// `id` ends, or `deadline` passes); takes their links, by rank.
-    pub(super) fn wait_members(
+    pub(crate) fn wait_members(
         &self,
         id: u64,
         group: u64,
@@ -141,7 +141,7 @@ impl Shared {
 }
 
 /// A member's links to the rest of its group.
-pub(super) struct Mesh {
+pub(crate) struct Mesh {
     /// This worker's rank.
     pub rank: usize,
     /// Members in the group.
@@ -154,7 +154,7 @@ pub(super) struct Mesh {
 }
 
 /// Links this worker (session `id`) with the rest of its group.
-pub(super) fn form_mesh(shared: &Shared, id: u64, place: &TpPlace) -> Result<Mesh, NodeError> {
+pub(crate) fn form_mesh(shared: &Shared, id: u64, place: &TpPlace) -> Result<Mesh, NodeError> {
     let (rank, size) = (place.rank as usize, place.members.len());
     // The others get their plans within milliseconds of this one (the head sends every
     // plan before it streams tensors): they have as long as a handshake.

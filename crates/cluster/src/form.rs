@@ -16,12 +16,12 @@ use baton_plan::{DeviceOffer, LinkOffer, ModelCost, NodeOffer, Plan, TpDegree};
 use baton_proto::auth::identity_hash;
 use baton_proto::{Capabilities, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role, TpPlace};
 
-use super::groups::{measure_link, plan_nodes, Planned};
-use super::probe::LinkProbe;
-use super::stream::send_stage_tensors;
-use crate::head::{Head, RingEnds};
-use crate::stage_loop::{run, StageWorker};
-use crate::NodeError;
+use crate::groups::{measure_link, plan_nodes, Planned};
+use crate::stream::send_stage_tensors;
+use baton_engine::{Head, RingEnds};
+use baton_stage::probe::LinkProbe;
+use baton_stage::NodeError;
+use baton_stage::{run, StageWorker};
 
 /// Called with a worker's address, the session it opened for this head (which the
 /// head's heartbeat names, see [`Capabilities::session`]), a handle that closes its
@@ -307,7 +307,7 @@ fn reach_all(
     opts: &ClusterOptions,
 ) -> Result<Reached, NodeError> {
     // Known from an earlier start (or `None`, and computed in the background for the next).
-    let own_content = super::models::content_hash(model, &model_ref.identity, &head_cache_dir());
+    let own_content = baton_stage::models::content_hash(model, &model_ref.identity, &head_cache_dir());
     let mut reached = Reached {
         links: Vec::new(),
         workers: Vec::new(),
@@ -417,14 +417,14 @@ fn plan(
 /// speed (measured once per distinct device, unless known from an earlier ring: the
 /// CPU named twice is one speed).
 fn head_offer(model: &Path, opts: &ClusterOptions) -> Result<NodeOffer, NodeError> {
-    let devices = super::or_cpu(&opts.head_devices);
+    let devices = baton_stage::or_cpu(&opts.head_devices);
     let speeds = match opts.head_secs_per_layer.len() == devices.len() {
         true => opts.head_secs_per_layer.clone(),
         false => {
             let mut measured: Vec<(Device, f64)> = Vec::new();
             for &device in &devices {
                 if !measured.iter().any(|(d, _)| *d == device) {
-                    let secs = super::speed::measure(model, opts.threads, device)?;
+                    let secs = baton_stage::speed::measure(model, opts.threads, device)?;
                     measured.push((device, f64::from(secs)));
                 }
             }
@@ -434,7 +434,7 @@ fn head_offer(model: &Path, opts: &ClusterOptions) -> Result<NodeOffer, NodeErro
                 .collect()
         }
     };
-    let memory = super::device_memory(&devices, opts.head_memory);
+    let memory = baton_stage::device_memory(&devices, opts.head_memory);
     Ok(NodeOffer {
         name: "head".into(),
         devices: devices
@@ -561,13 +561,14 @@ fn load(
                 repack: opts.repack,
                 n_seq: opts.n_seq,
             };
-            let devices = super::or_cpu(&opts.head_devices);
+            let devices = baton_stage::or_cpu(&opts.head_devices);
             let parts = stage
                 .parts
                 .iter()
                 .map(|p| (p.layers.clone(), devices[p.device]))
                 .collect();
-            let loaded = super::load_chain(&ModelFile::open(model)?, super::part_spans(&span, parts), &config)?;
+            let loaded =
+                baton_stage::load_chain(&ModelFile::open(model)?, baton_stage::part_spans(&span, parts), &config)?;
             tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");
             let token = opts.token.as_deref().map(str::as_bytes);
             let (next, probe) = match nexts.first() {

@@ -11,7 +11,7 @@ use baton_net::{Rx, Tx};
 use baton_proto::{Forward, Message, Payload, SampledToken};
 use baton_sample::Sampler;
 
-use crate::engine::max_decode_rows;
+use crate::max_decode_rows;
 use crate::NodeError;
 
 /// A stage (or a chain of stages on several devices) plus, on the last stage, one

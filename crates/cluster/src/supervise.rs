@@ -14,10 +14,10 @@ use baton_net::{client_handshake, connect_by, Counters, LinkCloser, LinkOptions}
 use baton_plan::PlanError;
 use baton_proto::{RefusalCode, Role};
 
-use super::form::{connect_cluster, ClusterOptions, OnReached, RemoteRing};
-use super::watch::{OnLost, Watch};
-use crate::engine::{FormError, Formed, RingSource, WorkerLink};
-use crate::NodeError;
+use crate::form::{connect_cluster, ClusterOptions, OnReached, RemoteRing};
+use crate::watch::{OnLost, Watch};
+use baton_engine::{FormError, Formed, RingSource, WorkerLink};
+use baton_stage::NodeError;
 
 /// Forms and re-forms the ring over a fixed list of workers.
 pub struct Supervisor {
