@@ -24,7 +24,7 @@ use libfuzzer_sys::fuzz_target;
 const TOKEN: &[u8] = b"fuzz cluster token";
 
 /// The worker's frame limit before authentication (`HANDSHAKE_MAX_FRAME` in
-/// crates/node/src/cluster/worker_server.rs).
+/// crates/worker/src/server.rs).
 const HANDSHAKE_MAX_FRAME: usize = 64 << 10;
 
 /// One side of the handshake, whichever it is.
