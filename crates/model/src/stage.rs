@@ -625,14 +625,7 @@ impl Stage {
                 tp: self.tp.as_ref().map(|m| m.ops.clone()),
             };
             let mut hidden = match (tokens_in, hidden_in) {
-                (Some(tokens), _) => {
-                    let embd = ctx.get_rows(self.weights.token_embd()?, tokens); // [n_embd, n_tokens]
-                    if hp.embd_scale != 1.0 {
-                        ctx.scale(embd, hp.embd_scale)
-                    } else {
-                        embd
-                    }
-                }
+                (Some(tokens), _) => (hp.arch.embed)(&b, tokens), // [n_embd, n_tokens]
                 (None, Some(hidden)) => hidden,
                 (None, None) => unreachable!("one of the two inputs is always created above"),
             };
@@ -648,14 +641,7 @@ impl Stage {
                 }
             }
             let out = if want_logits {
-                let normed = b.norm(hidden, self.weights.output_norm()?);
-                let mut logits = ctx.mul_mat(self.weights.output()?, normed); // [n_vocab, n_out]
-                if hp.final_logit_softcap > 0.0 {
-                    logits = ctx.scale(logits, 1.0 / hp.final_logit_softcap);
-                    logits = ctx.tanh(logits);
-                    logits = ctx.scale(logits, hp.final_logit_softcap);
-                }
-                logits
+                (hp.arch.logits)(&b, hidden) // [n_vocab, n_out]
             } else {
                 hidden
             };

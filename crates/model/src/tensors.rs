@@ -3,6 +3,7 @@
 //! checks the file against that list, and `baton synth` writes files from it.
 
 use crate::hparams::HParams;
+use crate::names::{EndTensor, FfnTensors, LayerTensor};
 
 /// How a weight is used, which decides its type checks and whether ggml may repack it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,9 +29,20 @@ pub enum Presence {
     Usual,
 }
 
+/// Which tensor of the model a [`TensorSpec`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorKind {
+    /// A tensor of layer `layer`.
+    Layer { layer: usize, tensor: LayerTensor },
+    /// A tensor of the model's ends.
+    End(EndTensor),
+}
+
 /// One tensor a stage reads.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorSpec {
+    /// Which tensor it is.
+    pub kind: TensorKind,
     /// Its name in the stage (`blk.3.attn_q.weight`).
     pub name: String,
     /// The file tensor it reads (a tied output reads `token_embd.weight`).
@@ -70,14 +82,18 @@ impl<'a> LayerPlan<'a> {
         self.specs
     }
 
-    /// Whether the file holds this layer's tensor `name`.
-    pub fn file_has(&self, name: &str) -> bool {
-        (self.has)(name)
+    /// Whether the file holds this layer's `tensor`.
+    pub fn file_has(&self, tensor: LayerTensor) -> bool {
+        (self.has)(tensor.name())
     }
 
-    fn add(&mut self, name: &str, shape: &[usize], usage: Use) -> &mut TensorSpec {
-        let full = format!("blk.{}.{name}", self.layer);
+    fn add(&mut self, tensor: LayerTensor, shape: &[usize], usage: Use) -> &mut TensorSpec {
+        let full = tensor.in_layer(self.layer);
         self.specs.push(TensorSpec {
+            kind: TensorKind::Layer {
+                layer: self.layer,
+                tensor,
+            },
             name: full.clone(),
             source: full,
             shape: shape.iter().map(|&d| d as i64).collect(),
@@ -88,18 +104,18 @@ impl<'a> LayerPlan<'a> {
     }
 
     /// A required matrix multiplied by activations.
-    pub fn mat(&mut self, name: &str, shape: &[usize]) -> &mut TensorSpec {
-        self.add(name, shape, Use::MulMat)
+    pub fn mat(&mut self, tensor: LayerTensor, shape: &[usize]) -> &mut TensorSpec {
+        self.add(tensor, shape, Use::MulMat)
     }
 
     /// A required stack of expert matrices `[k, n, n_expert]`.
-    pub fn experts(&mut self, name: &str, shape: &[usize]) -> &mut TensorSpec {
-        self.add(name, shape, Use::Experts)
+    pub fn experts(&mut self, tensor: LayerTensor, shape: &[usize]) -> &mut TensorSpec {
+        self.add(tensor, shape, Use::Experts)
     }
 
     /// A required f32 tensor used element-wise (norm weights, biases).
-    pub fn vec(&mut self, name: &str, shape: &[usize]) -> &mut TensorSpec {
-        self.add(name, shape, Use::Elementwise)
+    pub fn vec(&mut self, tensor: LayerTensor, shape: &[usize]) -> &mut TensorSpec {
+        self.add(tensor, shape, Use::Elementwise)
     }
 }
 
@@ -127,6 +143,7 @@ impl TensorSpec {
 /// `create_tensor_qkv` lists them: fused `attn_qkv` when the file has it, else separate
 /// q, k and v; biases optional (`biases` says how usual they are); and the output.
 pub fn attention(t: &mut LayerPlan<'_>, biases: Presence) {
+    use LayerTensor as T;
     let hp = t.hp;
     let (embd, q, k, v) = (
         hp.n_embd,
@@ -134,44 +151,45 @@ pub fn attention(t: &mut LayerPlan<'_>, biases: Presence) {
         hp.n_embd_k_gqa(),
         hp.n_embd_v_gqa(),
     );
-    if t.file_has("attn_qkv.weight") {
-        t.mat("attn_qkv.weight", &[embd, q + k + v]);
-        if t.file_has("attn_qkv.bias") {
-            t.vec("attn_qkv.bias", &[q + k + v]);
+    let separate_biases = [(T::AttnQBias, q), (T::AttnKBias, k), (T::AttnVBias, v)];
+    if t.file_has(T::AttnQkv) {
+        t.mat(T::AttnQkv, &[embd, q + k + v]);
+        if t.file_has(T::AttnQkvBias) {
+            t.vec(T::AttnQkvBias, &[q + k + v]);
         } else {
-            for (name, n) in [("attn_q.bias", q), ("attn_k.bias", k), ("attn_v.bias", v)] {
-                t.vec(name, &[n]).optional();
+            for (bias, n) in separate_biases {
+                t.vec(bias, &[n]).optional();
             }
         }
     } else {
-        t.mat("attn_q.weight", &[embd, q]);
-        t.mat("attn_k.weight", &[embd, k]);
-        t.mat("attn_v.weight", &[embd, v]);
-        for (name, n) in [("attn_q.bias", q), ("attn_k.bias", k), ("attn_v.bias", v)] {
-            t.vec(name, &[n]).presence(biases);
+        t.mat(T::AttnQ, &[embd, q]);
+        t.mat(T::AttnK, &[embd, k]);
+        t.mat(T::AttnV, &[embd, v]);
+        for (bias, n) in separate_biases {
+            t.vec(bias, &[n]).presence(biases);
         }
     }
-    t.mat("attn_output.weight", &[hp.head_dim_v * hp.n_head, embd]);
+    t.mat(T::AttnOutput, &[hp.head_dim_v * hp.n_head, embd]);
 }
 
 /// Per-head RMS norms of queries and keys (`attn_q_norm`, `attn_k_norm`).
 pub fn qk_norms(t: &mut LayerPlan<'_>, presence: Presence) {
     let head = t.hp.head_dim_k;
-    t.vec("attn_q_norm.weight", &[head]).presence(presence);
-    t.vec("attn_k_norm.weight", &[head]).presence(presence);
+    t.vec(LayerTensor::AttnQNorm, &[head]).presence(presence);
+    t.vec(LayerTensor::AttnKNorm, &[head]).presence(presence);
 }
 
-/// A gated feed-forward block of inner size `n_ff`: `ffn_gate`, `ffn_up`, `ffn_down`
-/// (with `suffix`, e.g. `_shexp` for shared experts), biases optional.
-pub fn ffn(t: &mut LayerPlan<'_>, suffix: &str, n_ff: usize, biases: bool) {
+/// A gated feed-forward block `ffn` (the dense FFN's or the shared experts' tensors) of
+/// inner size `n_ff`, with optional biases where `biases` and the block has them.
+pub fn ffn(t: &mut LayerPlan<'_>, ffn: &FfnTensors, n_ff: usize, biases: bool) {
     let embd = t.hp.n_embd;
-    t.mat(&format!("ffn_gate{suffix}.weight"), &[embd, n_ff]);
-    t.mat(&format!("ffn_up{suffix}.weight"), &[embd, n_ff]);
-    t.mat(&format!("ffn_down{suffix}.weight"), &[n_ff, embd]);
-    if biases {
-        t.vec(&format!("ffn_gate{suffix}.bias"), &[n_ff]).optional();
-        t.vec(&format!("ffn_up{suffix}.bias"), &[n_ff]).optional();
-        t.vec(&format!("ffn_down{suffix}.bias"), &[embd]).optional();
+    t.mat(ffn.gate, &[embd, n_ff]);
+    t.mat(ffn.up, &[embd, n_ff]);
+    t.mat(ffn.down, &[n_ff, embd]);
+    if let (true, Some([gate, up, down])) = (biases, ffn.biases) {
+        t.vec(gate, &[n_ff]).optional();
+        t.vec(up, &[n_ff]).optional();
+        t.vec(down, &[embd]).optional();
     }
 }
 
@@ -180,15 +198,16 @@ pub fn ffn(t: &mut LayerPlan<'_>, suffix: &str, n_ff: usize, biases: bool) {
 /// in `ffn_gate_up_exps` when the file has that and the architecture allows it, as
 /// llama.cpp's `create_tensor_gate_up_exps` does).
 pub fn experts(t: &mut LayerPlan<'_>, n_ff_exp: usize, fused_gate_up: bool) {
+    use LayerTensor as T;
     let (embd, n_expert) = (t.hp.n_embd, t.hp.moe.n_expert);
-    t.mat("ffn_gate_inp.weight", &[embd, n_expert]);
-    if fused_gate_up && t.file_has("ffn_gate_up_exps.weight") {
-        t.experts("ffn_gate_up_exps.weight", &[embd, 2 * n_ff_exp, n_expert]);
+    t.mat(T::FfnGateInp, &[embd, n_expert]);
+    if fused_gate_up && t.file_has(T::FfnGateUpExps) {
+        t.experts(T::FfnGateUpExps, &[embd, 2 * n_ff_exp, n_expert]);
     } else {
-        t.experts("ffn_gate_exps.weight", &[embd, n_ff_exp, n_expert]);
-        t.experts("ffn_up_exps.weight", &[embd, n_ff_exp, n_expert]);
+        t.experts(T::FfnGateExps, &[embd, n_ff_exp, n_expert]);
+        t.experts(T::FfnUpExps, &[embd, n_ff_exp, n_expert]);
     }
-    t.experts("ffn_down_exps.weight", &[n_ff_exp, embd, n_expert]);
+    t.experts(T::FfnDownExps, &[n_ff_exp, embd, n_expert]);
 }
 
 /// The tensors of a model's two ends: the token embedding (first stage), the output
@@ -196,9 +215,10 @@ pub fn experts(t: &mut LayerPlan<'_>, n_ff_exp: usize, fused_gate_up: bool) {
 /// `output.weight`), and the RoPE frequency factors of architectures that have them.
 pub fn ends(hp: &HParams, first: bool, last: bool, in_file: &dyn Fn(&str) -> bool) -> Vec<TensorSpec> {
     let (embd, vocab) = (hp.n_embd as i64, hp.n_vocab as i64);
-    let spec = |name: &str, source: &str, shape: Vec<i64>, usage| TensorSpec {
-        name: name.into(),
-        source: source.into(),
+    let spec = |tensor: EndTensor, source: EndTensor, shape: Vec<i64>, usage| TensorSpec {
+        kind: TensorKind::End(tensor),
+        name: tensor.name().into(),
+        source: source.name().into(),
         shape,
         usage,
         presence: Presence::Required,
@@ -206,31 +226,31 @@ pub fn ends(hp: &HParams, first: bool, last: bool, in_file: &dyn Fn(&str) -> boo
     let mut specs = Vec::new();
     if first {
         specs.push(spec(
-            "token_embd.weight",
-            "token_embd.weight",
+            EndTensor::TokenEmbd,
+            EndTensor::TokenEmbd,
             vec![embd, vocab],
             Use::Embedding,
         ));
     }
     if last {
         specs.push(spec(
-            "output_norm.weight",
-            "output_norm.weight",
+            EndTensor::OutputNorm,
+            EndTensor::OutputNorm,
             vec![embd],
             Use::Elementwise,
         ));
-        let source = if hp.arch.own_output || in_file("output.weight") {
-            "output.weight"
+        let source = if hp.arch.own_output || in_file(EndTensor::Output.name()) {
+            EndTensor::Output
         } else {
-            "token_embd.weight"
+            EndTensor::TokenEmbd
         };
-        specs.push(spec("output.weight", source, vec![embd, vocab], Use::MulMat));
+        specs.push(spec(EndTensor::Output, source, vec![embd, vocab], Use::MulMat));
     }
-    if hp.arch.rope_freqs && in_file("rope_freqs.weight") {
+    if hp.arch.rope_freqs && in_file(EndTensor::RopeFreqs.name()) {
         let n = hp.rope.n_dims as i64 / 2;
         specs.push(spec(
-            "rope_freqs.weight",
-            "rope_freqs.weight",
+            EndTensor::RopeFreqs,
+            EndTensor::RopeFreqs,
             vec![n],
             Use::Elementwise,
         ));
