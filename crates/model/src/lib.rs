@@ -30,8 +30,8 @@ pub use names::{EndTensor, LayerTensor};
 pub use resident::mapped_rss;
 pub use runner::ComputeBytes;
 pub use stage::{Batch, Stage, StageConfig, StageInput, StageMemory, StageOutput};
-pub use tensors::{Presence, TensorKind, TensorSpec, Use};
-pub use tp::{Collective, CollectiveError, LocalGroup, TpSplit, TP_ARCHITECTURES};
+pub use tensors::{Dim, Presence, Split, TensorKind, TensorSpec, Use};
+pub use tp::{Collective, CollectiveError, LocalGroup, TpSplit};
 pub use tp_group::{join_logits, splits as tp_splits, GroupMember};
 pub use weights::{stage_tensor_sources, LayerTensors, ModelFile, StageSpan, StageWeights};
 

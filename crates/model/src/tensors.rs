@@ -38,6 +38,65 @@ pub enum TensorKind {
     End(EndTensor),
 }
 
+/// How tensor parallelism cuts a tensor among the members of a group: always by rows
+/// (output features), never along the input dimension (see [`crate::tp`], which turns
+/// each of these into a member's slice).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Every member holds all of it.
+    Whole,
+    /// Every member with query heads holds all of it, a member without none (the
+    /// attention's own norms, MLA's compressions every head reads).
+    WithHeads,
+    /// The member's rows of `Dim` (of each matrix of an expert stack; elements of a
+    /// vector).
+    Rows(Dim),
+    /// A fused projection whose rows are the parts in order: the member's rows of each.
+    Fused(Vec<Dim>),
+    /// One matrix per query head (`[.., .., n_head]`): its heads' matrices.
+    HeadMatrices,
+    /// The member's elements of `Dim` in every row (a bias per expert, `[n, n_expert]`).
+    EachRow(Dim),
+}
+
+/// A dimension the members of a tensor-parallel group share out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dim {
+    /// Query heads, this many rows each.
+    QHeads(usize),
+    /// Key/value heads, this many rows each.
+    KvHeads(usize),
+    /// The dense FFN's inner dimension.
+    Ff,
+    /// Each routed expert's inner dimension.
+    FfExp,
+    /// The shared experts' inner dimension.
+    FfShexp,
+    /// The hidden size (outputs of the projections back into the residual stream).
+    Embd,
+    /// The vocabulary (the output projection).
+    Vocab,
+}
+
+impl Dim {
+    /// Whether this is a share of the attention heads (none for a member without).
+    pub fn is_heads(self) -> bool {
+        matches!(self, Dim::QHeads(_) | Dim::KvHeads(_))
+    }
+}
+
+impl Split {
+    /// Whether a member without query heads holds none of it.
+    pub fn needs_heads(&self) -> bool {
+        match self {
+            Split::Whole => false,
+            Split::WithHeads | Split::HeadMatrices => true,
+            Split::Rows(dim) | Split::EachRow(dim) => dim.is_heads(),
+            Split::Fused(parts) => parts.iter().any(|d| d.is_heads()),
+        }
+    }
+}
+
 /// One tensor a stage reads.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorSpec {
@@ -53,6 +112,8 @@ pub struct TensorSpec {
     pub usage: Use,
     /// Whether the file must have it.
     pub presence: Presence,
+    /// How tensor parallelism cuts it.
+    pub split: Split,
 }
 
 /// The tensors of one layer, as an architecture lists them.
@@ -87,7 +148,7 @@ impl<'a> LayerPlan<'a> {
         (self.has)(tensor.name())
     }
 
-    fn add(&mut self, tensor: LayerTensor, shape: &[usize], usage: Use) -> &mut TensorSpec {
+    fn add(&mut self, tensor: LayerTensor, shape: &[usize], usage: Use, split: Split) -> &mut TensorSpec {
         let full = tensor.in_layer(self.layer);
         self.specs.push(TensorSpec {
             kind: TensorKind::Layer {
@@ -99,23 +160,30 @@ impl<'a> LayerPlan<'a> {
             shape: shape.iter().map(|&d| d as i64).collect(),
             usage,
             presence: Presence::Required,
+            split,
         });
         self.specs.last_mut().expect("just pushed")
     }
 
     /// A required matrix multiplied by activations.
-    pub fn mat(&mut self, tensor: LayerTensor, shape: &[usize]) -> &mut TensorSpec {
-        self.add(tensor, shape, Use::MulMat)
+    pub fn mat(&mut self, tensor: LayerTensor, shape: &[usize], split: Split) -> &mut TensorSpec {
+        self.add(tensor, shape, Use::MulMat, split)
     }
 
     /// A required stack of expert matrices `[k, n, n_expert]`.
-    pub fn experts(&mut self, tensor: LayerTensor, shape: &[usize]) -> &mut TensorSpec {
-        self.add(tensor, shape, Use::Experts)
+    pub fn experts(&mut self, tensor: LayerTensor, shape: &[usize], split: Split) -> &mut TensorSpec {
+        self.add(tensor, shape, Use::Experts, split)
+    }
+
+    /// A required RMS norm weight of `n` values over the hidden state, which every
+    /// tensor-parallel member holds whole.
+    pub fn norm(&mut self, tensor: LayerTensor, n: usize) -> &mut TensorSpec {
+        self.add(tensor, &[n], Use::Elementwise, Split::Whole)
     }
 
     /// A required f32 tensor used element-wise (norm weights, biases).
-    pub fn vec(&mut self, tensor: LayerTensor, shape: &[usize]) -> &mut TensorSpec {
-        self.add(tensor, shape, Use::Elementwise)
+    pub fn vec(&mut self, tensor: LayerTensor, shape: &[usize], split: Split) -> &mut TensorSpec {
+        self.add(tensor, shape, Use::Elementwise, split)
     }
 }
 
@@ -151,45 +219,60 @@ pub fn attention(t: &mut LayerPlan<'_>, biases: Presence) {
         hp.n_embd_k_gqa(),
         hp.n_embd_v_gqa(),
     );
-    let separate_biases = [(T::AttnQBias, q), (T::AttnKBias, k), (T::AttnVBias, v)];
+    let (d_k, d_v) = (hp.head_dim_k, hp.head_dim_v);
+    let (q_rows, k_rows, v_rows) = (Dim::QHeads(d_k), Dim::KvHeads(d_k), Dim::KvHeads(d_v));
+    let separate_biases = [
+        (T::AttnQBias, q, q_rows),
+        (T::AttnKBias, k, k_rows),
+        (T::AttnVBias, v, v_rows),
+    ];
     if t.file_has(T::AttnQkv) {
-        t.mat(T::AttnQkv, &[embd, q + k + v]);
+        let fused = Split::Fused(vec![q_rows, k_rows, v_rows]);
+        t.mat(T::AttnQkv, &[embd, q + k + v], fused.clone());
         if t.file_has(T::AttnQkvBias) {
-            t.vec(T::AttnQkvBias, &[q + k + v]);
+            t.vec(T::AttnQkvBias, &[q + k + v], fused);
         } else {
-            for (bias, n) in separate_biases {
-                t.vec(bias, &[n]).optional();
+            for (bias, n, rows) in separate_biases {
+                t.vec(bias, &[n], Split::Rows(rows)).optional();
             }
         }
     } else {
-        t.mat(T::AttnQ, &[embd, q]);
-        t.mat(T::AttnK, &[embd, k]);
-        t.mat(T::AttnV, &[embd, v]);
-        for (bias, n) in separate_biases {
-            t.vec(bias, &[n]).presence(biases);
+        t.mat(T::AttnQ, &[embd, q], Split::Rows(q_rows));
+        t.mat(T::AttnK, &[embd, k], Split::Rows(k_rows));
+        t.mat(T::AttnV, &[embd, v], Split::Rows(v_rows));
+        for (bias, n, rows) in separate_biases {
+            t.vec(bias, &[n], Split::Rows(rows)).presence(biases);
         }
     }
-    t.mat(T::AttnOutput, &[hp.head_dim_v * hp.n_head, embd]);
+    t.mat(
+        T::AttnOutput,
+        &[hp.head_dim_v * hp.n_head, embd],
+        Split::Rows(Dim::Embd),
+    );
 }
 
 /// Per-head RMS norms of queries and keys (`attn_q_norm`, `attn_k_norm`).
 pub fn qk_norms(t: &mut LayerPlan<'_>, presence: Presence) {
     let head = t.hp.head_dim_k;
-    t.vec(LayerTensor::AttnQNorm, &[head]).presence(presence);
-    t.vec(LayerTensor::AttnKNorm, &[head]).presence(presence);
+    t.vec(LayerTensor::AttnQNorm, &[head], Split::WithHeads)
+        .presence(presence);
+    t.vec(LayerTensor::AttnKNorm, &[head], Split::WithHeads)
+        .presence(presence);
 }
 
 /// A gated feed-forward block `ffn` (the dense FFN's or the shared experts' tensors) of
 /// inner size `n_ff`, with optional biases where `biases` and the block has them.
 pub fn ffn(t: &mut LayerPlan<'_>, ffn: &FfnTensors, n_ff: usize, biases: bool) {
     let embd = t.hp.n_embd;
-    t.mat(ffn.gate, &[embd, n_ff]);
-    t.mat(ffn.up, &[embd, n_ff]);
-    t.mat(ffn.down, &[n_ff, embd]);
+    let inner = Split::Rows(if ffn.shared_experts { Dim::FfShexp } else { Dim::Ff });
+    let outer = Split::Rows(Dim::Embd);
+    t.mat(ffn.gate, &[embd, n_ff], inner.clone());
+    t.mat(ffn.up, &[embd, n_ff], inner.clone());
+    t.mat(ffn.down, &[n_ff, embd], outer.clone());
     if let (true, Some([gate, up, down])) = (biases, ffn.biases) {
-        t.vec(gate, &[n_ff]).optional();
-        t.vec(up, &[n_ff]).optional();
-        t.vec(down, &[embd]).optional();
+        t.vec(gate, &[n_ff], inner.clone()).optional();
+        t.vec(up, &[n_ff], inner).optional();
+        t.vec(down, &[embd], outer).optional();
     }
 }
 
@@ -200,14 +283,18 @@ pub fn ffn(t: &mut LayerPlan<'_>, ffn: &FfnTensors, n_ff: usize, biases: bool) {
 pub fn experts(t: &mut LayerPlan<'_>, n_ff_exp: usize, fused_gate_up: bool) {
     use LayerTensor as T;
     let (embd, n_expert) = (t.hp.n_embd, t.hp.moe.n_expert);
-    t.mat(T::FfnGateInp, &[embd, n_expert]);
+    // The router is whole on every member, so all choose the same experts; each holds
+    // its rows of every expert's matrices.
+    t.mat(T::FfnGateInp, &[embd, n_expert], Split::Whole);
+    let inner = Split::Rows(Dim::FfExp);
     if fused_gate_up && t.file_has(T::FfnGateUpExps) {
-        t.experts(T::FfnGateUpExps, &[embd, 2 * n_ff_exp, n_expert]);
+        let fused = Split::Fused(vec![Dim::FfExp, Dim::FfExp]);
+        t.experts(T::FfnGateUpExps, &[embd, 2 * n_ff_exp, n_expert], fused);
     } else {
-        t.experts(T::FfnGateExps, &[embd, n_ff_exp, n_expert]);
-        t.experts(T::FfnUpExps, &[embd, n_ff_exp, n_expert]);
+        t.experts(T::FfnGateExps, &[embd, n_ff_exp, n_expert], inner.clone());
+        t.experts(T::FfnUpExps, &[embd, n_ff_exp, n_expert], inner);
     }
-    t.experts(T::FfnDownExps, &[n_ff_exp, embd, n_expert]);
+    t.experts(T::FfnDownExps, &[n_ff_exp, embd, n_expert], Split::Rows(Dim::Embd));
 }
 
 /// The tensors of a model's two ends: the token embedding (first stage), the output
@@ -222,6 +309,11 @@ pub fn ends(hp: &HParams, first: bool, last: bool, in_file: &dyn Fn(&str) -> boo
         shape,
         usage,
         presence: Presence::Required,
+        // Each member computes the logits of its share of the vocabulary.
+        split: match tensor {
+            EndTensor::Output => Split::Rows(Dim::Vocab),
+            _ => Split::Whole,
+        },
     };
     let mut specs = Vec::new();
     if first {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use baton_ggml::{Buffer, BufferType, Context, DType, Device, MappedBuffer, MappedFile, Tensor, TensorId, WeightOp};
-use baton_gguf::Gguf;
+use baton_gguf::{Gguf, TensorInfo};
 
 use crate::hparams::HParams;
 use crate::names::{EndTensor, LayerTensor};
@@ -226,34 +226,9 @@ impl StageWeights {
         let mut bytes = 0;
         let mut placed: Vec<Placed> = Vec::new();
         for spec in &plan {
-            let info = file
-                .gguf
-                .tensor(&spec.source)
-                .ok_or_else(|| ModelError::MissingTensor(spec.source.clone()))?;
-            let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
-            if dims != spec.shape {
-                return Err(ModelError::WrongShape {
-                    tensor: spec.source.clone(),
-                    expected: spec.shape.clone(),
-                    found: dims,
-                });
-            }
-            // Norms, biases and other element-wise weights are f32 in every llama.cpp
-            // GGUF; matrices must be types ggml can multiply by.
-            let dtype = DType(info.ggml_type.id());
-            let (ok, expected) = match spec.usage {
-                Use::Elementwise => (dtype == DType::F32, "f32"),
-                _ => (dtype.can_mul_mat(), "a float or quantized matrix type"),
-            };
-            if !ok {
-                return Err(ModelError::UnsupportedType {
-                    tensor: spec.source.clone(),
-                    dtype: info.ggml_type.name().into(),
-                    expected,
-                });
-            }
+            let (info, dtype, dims) = file_tensor(&file.gguf, spec)?;
             let cut = match split {
-                Some(split) => split.cut(&file.hparams, &spec.name, &dims)?,
+                Some(split) => split.cut(&file.hparams, &spec.split),
                 None => Cut::Whole,
             };
             let source = file
@@ -341,19 +316,22 @@ impl StageWeights {
         weights.layers = span
             .layers
             .clone()
-            .map(|layer| {
-                let mut ids = vec![None; LayerTensor::ALL.len()];
-                for spec in &plan {
-                    if let TensorKind::Layer { layer: l, tensor } = spec.kind {
-                        if l == layer {
-                            ids[tensor as usize] = weights.id(&spec.name);
-                        }
-                    }
-                }
-                ids
-            })
+            .map(|layer| weights.layer_ids(&plan, layer))
             .collect();
         Ok(weights)
+    }
+
+    /// The ids of layer `layer`'s tensors in `plan`, indexed by [`LayerTensor`].
+    fn layer_ids(&self, plan: &[TensorSpec], layer: usize) -> Vec<Option<TensorId>> {
+        let mut ids = vec![None; LayerTensor::ALL.len()];
+        for spec in plan {
+            if let TensorKind::Layer { layer: l, tensor } = spec.kind {
+                if l == layer {
+                    ids[tensor as usize] = self.id(&spec.name);
+                }
+            }
+        }
+        ids
     }
 
     /// Bytes held in the CPU's repacking buffers and tensor-parallel slice copies (not
@@ -509,6 +487,37 @@ fn stage_plan(file: &ModelFile, span: &StageSpan, strict: bool) -> Result<Vec<Te
         );
     }
     Ok(specs)
+}
+
+/// The file's tensor `spec.source`, checked against `spec`: its index entry, its type
+/// and its shape.
+fn file_tensor<'f>(gguf: &'f Gguf, spec: &TensorSpec) -> Result<(&'f TensorInfo, DType, Vec<i64>), ModelError> {
+    let info = gguf
+        .tensor(&spec.source)
+        .ok_or_else(|| ModelError::MissingTensor(spec.source.clone()))?;
+    let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
+    if dims != spec.shape {
+        return Err(ModelError::WrongShape {
+            tensor: spec.source.clone(),
+            expected: spec.shape.clone(),
+            found: dims,
+        });
+    }
+    // Norms, biases and other element-wise weights are f32 in every llama.cpp GGUF;
+    // matrices must be types ggml can multiply by.
+    let dtype = DType(info.ggml_type.id());
+    let (ok, expected) = match spec.usage {
+        Use::Elementwise => (dtype == DType::F32, "f32"),
+        _ => (dtype.can_mul_mat(), "a float or quantized matrix type"),
+    };
+    if !ok {
+        return Err(ModelError::UnsupportedType {
+            tensor: spec.source.clone(),
+            dtype: info.ggml_type.name().into(),
+            expected,
+        });
+    }
+    Ok((info, dtype, dims))
 }
 
 fn plan_source<'p>(plan: &'p [TensorSpec], name: &'p str) -> &'p str {

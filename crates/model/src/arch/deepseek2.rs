@@ -17,7 +17,7 @@ use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{AttnTemp, HParams, Keys, Mla};
 use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
-use crate::tensors::{self, LayerPlan, Presence};
+use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -106,23 +106,27 @@ fn tensors(t: &mut LayerPlan<'_>) {
     let mla = hp.mla.as_ref().expect("deepseek2 hyper-parameters always set MLA");
     let (embd, n_head, n_rot) = (hp.n_embd, hp.n_head, hp.rope.n_dims as usize);
     let n_nope = mla.head_dim_k - n_rot;
-    t.vec(T::AttnNorm, &[embd]);
+    // Tensor parallelism: every member with heads computes the compressed rows whole
+    // (each head reads all of them); the query heads, with their matrices, are shared out.
+    let q_heads = Split::Rows(Dim::QHeads(mla.head_dim_k));
+    t.norm(T::AttnNorm, embd);
     if mla.n_lora_q > 0 {
-        t.vec(T::AttnQANorm, &[mla.n_lora_q]);
-        t.mat(T::AttnQA, &[embd, mla.n_lora_q]);
-        t.mat(T::AttnQB, &[mla.n_lora_q, n_head * mla.head_dim_k]);
+        t.vec(T::AttnQANorm, &[mla.n_lora_q], Split::WithHeads);
+        t.mat(T::AttnQA, &[embd, mla.n_lora_q], Split::WithHeads);
+        t.mat(T::AttnQB, &[mla.n_lora_q, n_head * mla.head_dim_k], q_heads);
     } else {
-        t.mat(T::AttnQ, &[embd, n_head * mla.head_dim_k]);
+        t.mat(T::AttnQ, &[embd, n_head * mla.head_dim_k], q_heads);
     }
-    t.vec(T::AttnKvANorm, &[mla.n_lora_kv]);
-    t.mat(T::AttnKvAMqa, &[embd, mla.n_lora_kv + n_rot]);
-    t.mat(T::AttnKB, &[n_nope, mla.n_lora_kv, n_head]);
-    t.mat(T::AttnVB, &[mla.n_lora_kv, mla.head_dim_v, n_head]);
-    t.mat(T::AttnOutput, &[n_head * mla.head_dim_v, embd]);
-    t.vec(T::FfnNorm, &[embd]);
+    t.vec(T::AttnKvANorm, &[mla.n_lora_kv], Split::WithHeads);
+    t.mat(T::AttnKvAMqa, &[embd, mla.n_lora_kv + n_rot], Split::WithHeads);
+    t.mat(T::AttnKB, &[n_nope, mla.n_lora_kv, n_head], Split::HeadMatrices);
+    t.mat(T::AttnVB, &[mla.n_lora_kv, mla.head_dim_v, n_head], Split::HeadMatrices);
+    t.mat(T::AttnOutput, &[n_head * mla.head_dim_v, embd], Split::Rows(Dim::Embd));
+    t.norm(T::FfnNorm, embd);
     if hp.is_moe(t.layer) {
         tensors::experts(t, hp.moe.n_ff_exp, true);
-        t.vec(T::ExpProbsBias, &[hp.moe.n_expert]).presence(Presence::Usual);
+        t.vec(T::ExpProbsBias, &[hp.moe.n_expert], Split::Whole)
+            .presence(Presence::Usual);
         tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
     } else {
         tensors::ffn(t, &FFN, hp.n_ff, false);
@@ -202,7 +206,8 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     let q_nope = ctx.permute(q_nope, [0, 2, 1, 3]); // [n_nope, n_tokens, n_head]
     let q_absorbed = ctx.mul_mat(w.get(T::AttnKB), q_nope); // [n_lora_kv, n_tokens, n_head]
     let q_absorbed = ctx.permute(q_absorbed, [0, 2, 1, 3]); // [n_lora_kv, n_head, n_tokens]
-                                                            // RoPE part last, so a cache row is [latent, rope].
+
+    // RoPE part last, so a cache row is [latent, rope].
     let mut q = ctx.concat(q_absorbed, q_pe, 0).named(&format!("Qcur-{layer}")); // [n_lora_kv + n_rot, n_head, n_tokens]
     if let Some(temp) = b.inputs.attn_temp {
         q = ctx.mul(q, temp);

@@ -45,12 +45,12 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 
 fn tensors(t: &mut LayerPlan<'_>) {
     let embd = t.hp.n_embd;
-    t.vec(T::AttnNorm, &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Optional);
-    t.vec(T::PostAttentionNorm, &[embd]);
-    t.vec(T::FfnNorm, &[embd]);
+    t.norm(T::PostAttentionNorm, embd);
+    t.norm(T::FfnNorm, embd);
     tensors::ffn(t, &FFN, t.hp.n_ff, false);
-    t.vec(T::PostFfwNorm, &[embd]);
+    t.norm(T::PostFfwNorm, embd);
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {

@@ -11,7 +11,7 @@ use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
-use crate::tensors::{self, LayerPlan, Presence};
+use crate::tensors::{self, LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -53,13 +53,13 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
     let embd = hp.n_embd;
-    t.vec(T::AttnNorm, &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Usual);
     tensors::qk_norms(t, Presence::Optional);
-    t.vec(T::PostAttentionNorm, &[embd]);
+    t.norm(T::PostAttentionNorm, embd);
     if hp.is_moe(t.layer) {
         tensors::experts(t, hp.moe.n_ff_exp, false);
-        t.vec(T::ExpProbsBias, &[hp.moe.n_expert]);
+        t.vec(T::ExpProbsBias, &[hp.moe.n_expert], Split::Whole);
         if hp.moe.n_expert_shared > 0 {
             tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
         }

@@ -11,7 +11,7 @@ use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::LayerTensor as T;
-use crate::tensors::{self, LayerPlan, Presence};
+use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -52,16 +52,17 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
     let (embd, n_ff_exp, n_expert) = (hp.n_embd, hp.moe.n_ff_exp, hp.moe.n_expert);
-    t.vec(T::AttnNorm, &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Usual);
-    t.vec(T::AttnOutputBias, &[embd]);
-    t.vec(T::AttnSinks, &[hp.n_head]);
-    t.vec(T::PostAttentionNorm, &[embd]);
+    t.vec(T::AttnOutputBias, &[embd], Split::Rows(Dim::Embd));
+    // One sink per query head.
+    t.vec(T::AttnSinks, &[hp.n_head], Split::Rows(Dim::QHeads(1)));
+    t.norm(T::PostAttentionNorm, embd);
     tensors::experts(t, n_ff_exp, false);
-    t.vec(T::FfnGateInpBias, &[n_expert]);
-    t.vec(T::FfnGateExpsBias, &[n_ff_exp, n_expert]);
-    t.vec(T::FfnUpExpsBias, &[n_ff_exp, n_expert]);
-    t.vec(T::FfnDownExpsBias, &[embd, n_expert]);
+    t.vec(T::FfnGateInpBias, &[n_expert], Split::Whole);
+    t.vec(T::FfnGateExpsBias, &[n_ff_exp, n_expert], Split::EachRow(Dim::FfExp));
+    t.vec(T::FfnUpExpsBias, &[n_ff_exp, n_expert], Split::EachRow(Dim::FfExp));
+    t.vec(T::FfnDownExpsBias, &[embd, n_expert], Split::EachRow(Dim::Embd));
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {

@@ -9,7 +9,7 @@ use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{LayerTensor as T, FFN};
-use crate::tensors::{self, LayerPlan, Presence};
+use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -47,10 +47,11 @@ pub(super) fn require_plain_heads(hp: &HParams) -> Result<(), ModelError> {
 
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
-    t.vec(T::AttnNorm, &[hp.n_embd]);
+    t.norm(T::AttnNorm, hp.n_embd);
     tensors::attention(t, Presence::Optional);
-    t.vec(T::AttnOutputBias, &[hp.n_embd]).optional();
-    t.vec(T::FfnNorm, &[hp.n_embd]);
+    t.vec(T::AttnOutputBias, &[hp.n_embd], Split::Rows(Dim::Embd))
+        .optional();
+    t.norm(T::FfnNorm, hp.n_embd);
     if hp.is_moe(t.layer) {
         tensors::experts(t, hp.moe.n_ff_exp, false);
     } else {

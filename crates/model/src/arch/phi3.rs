@@ -10,7 +10,7 @@ use super::builder::Shard;
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::LayerTensor as T;
-use crate::tensors::LayerPlan;
+use crate::tensors::{Dim, LayerPlan, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -44,19 +44,22 @@ fn hparams(hp: &mut HParams, _keys: &Keys<'_>) -> Result<(), ModelError> {
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
     let (embd, kv) = (hp.n_embd, hp.n_embd_k_gqa());
-    t.vec(T::AttnNorm, &[embd]);
+    let d = hp.head_dim_k;
+    t.norm(T::AttnNorm, embd);
     // Phi files fuse q, k and v; separate ones are taken when a file has them.
     if t.file_has(T::AttnQ) {
-        t.mat(T::AttnQ, &[embd, embd]);
-        t.mat(T::AttnK, &[embd, kv]);
-        t.mat(T::AttnV, &[embd, kv]);
+        t.mat(T::AttnQ, &[embd, embd], Split::Rows(Dim::QHeads(d)));
+        t.mat(T::AttnK, &[embd, kv], Split::Rows(Dim::KvHeads(d)));
+        t.mat(T::AttnV, &[embd, kv], Split::Rows(Dim::KvHeads(d)));
     } else {
-        t.mat(T::AttnQkv, &[embd, embd + 2 * kv]);
+        let qkv = vec![Dim::QHeads(d), Dim::KvHeads(d), Dim::KvHeads(d)];
+        t.mat(T::AttnQkv, &[embd, embd + 2 * kv], Split::Fused(qkv));
     }
-    t.mat(T::AttnOutput, &[embd, embd]);
-    t.vec(T::FfnNorm, &[embd]);
-    t.mat(T::FfnUp, &[embd, 2 * hp.n_ff]);
-    t.mat(T::FfnDown, &[hp.n_ff, embd]);
+    t.mat(T::AttnOutput, &[embd, embd], Split::Rows(Dim::Embd));
+    t.norm(T::FfnNorm, embd);
+    // Gate and up fused: `[gate | up]` rows.
+    t.mat(T::FfnUp, &[embd, 2 * hp.n_ff], Split::Fused(vec![Dim::Ff, Dim::Ff]));
+    t.mat(T::FfnDown, &[hp.n_ff, embd], Split::Rows(Dim::Embd));
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
@@ -67,7 +70,8 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
 
     let cur = b.norm(ffn_in, w.get(T::FfnNorm));
     let gate_up = b.ctx.mul_mat(w.get(T::FfnUp), cur); // [2 n_ff, n_tokens]
-                                                       // A tensor-parallel member: its rows of gate and of up, its rows of the output.
+
+    // A tensor-parallel member: its rows of gate and of up, its rows of the output.
     let hidden = b.gather(b.ctx.swiglu(gate_up), Shard::Ff);
     let cur = b.gather(b.ctx.mul_mat(w.get(T::FfnDown), hidden), Shard::Embd);
     b.ctx.add(ffn_in, cur)

@@ -29,10 +29,10 @@ fn hparams(hp: &mut HParams, _keys: &Keys<'_>) -> Result<(), ModelError> {
 
 fn tensors(t: &mut LayerPlan<'_>) {
     let embd = t.hp.n_embd;
-    t.vec(T::AttnNorm, &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Optional);
     tensors::qk_norms(t, Presence::Required);
-    t.vec(T::FfnNorm, &[embd]);
+    t.norm(T::FfnNorm, embd);
     tensors::ffn(t, &FFN, t.hp.n_ff, false);
 }
 

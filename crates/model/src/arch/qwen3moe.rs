@@ -37,10 +37,10 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 
 fn tensors(t: &mut LayerPlan<'_>) {
     let embd = t.hp.n_embd;
-    t.vec(T::AttnNorm, &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Optional);
     tensors::qk_norms(t, Presence::Required);
-    t.vec(T::FfnNorm, &[embd]);
+    t.norm(T::FfnNorm, embd);
     tensors::experts(t, t.hp.moe.n_ff_exp, false);
 }
 
