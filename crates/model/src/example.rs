@@ -55,7 +55,7 @@ pub fn example_metadata(arch: &Architecture, shape: &Shape) -> Vec<(String, Valu
 /// projection as `tied` says.
 pub fn example_tensors(hp: &HParams, tied_output: bool, optional: bool) -> Vec<TensorSpec> {
     let tied_output = tied_output && !hp.arch.own_output;
-    let in_file = |name: &str| name == "output.weight" && !tied_output;
+    let in_file = |name: &str| name == crate::EndTensor::Output.name() && !tied_output;
     crate::model_tensors(hp, &in_file)
         .into_iter()
         .filter(|spec| (optional || spec.presence != Presence::Optional) && spec.name == spec.source)

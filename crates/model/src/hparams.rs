@@ -7,6 +7,7 @@ use baton_gguf::Gguf;
 
 use crate::arch::moe::MoeParams;
 use crate::arch::{self, Architecture};
+use crate::names::EndTensor;
 use crate::ModelError;
 
 /// Most layers llama.cpp accepts (`LLAMA_MAX_LAYERS`).
@@ -46,13 +47,12 @@ pub struct HParams {
     pub attn_scale: f32,
     /// Scale applied to queries before attention (gemma), 1.0 otherwise.
     pub query_scale: f32,
-    /// Multiplier of the token embeddings (gemma: sqrt(n_embd)), 1.0 otherwise.
-    pub embd_scale: f32,
     /// Sliding-window size (0: no sliding window).
     pub n_swa: usize,
     /// Per layer: whether it uses the sliding window.
     pub swa_layers: Vec<bool>,
-    /// `tanh` soft-capping of the final logits (0: none).
+    /// `tanh` soft-capping of the final logits (0: none), for architectures whose
+    /// output end applies it (gemma).
     pub final_logit_softcap: f32,
     /// `tanh` soft-capping of attention scores (0: none).
     pub attn_logit_softcap: f32,
@@ -208,10 +208,11 @@ impl HParams {
         // else it lacks.
         let arch_name = gguf.architecture()?;
         arch::find(arch_name)?;
+        let token_embd = EndTensor::TokenEmbd.name();
         let n_vocab = gguf
-            .tensor("token_embd.weight")
+            .tensor(token_embd)
             .and_then(|t| t.dims.get(1).copied())
-            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))? as usize;
+            .ok_or_else(|| ModelError::MissingTensor(token_embd.into()))? as usize;
         // Every layer has tensors: a block count beyond the tensor index is a broken (or
         // hostile) file, and must not size anything.
         let n_layer_all = gguf.get_u32(&format!("{arch_name}.block_count"))? as usize;
@@ -314,7 +315,6 @@ impl HParams {
             rope,
             attn_scale: 1.0 / (head_dim_k as f32).sqrt(),
             query_scale: 1.0,
-            embd_scale: 1.0,
             n_swa: 0,
             swa_layers: vec![false; n_layer],
             // Soft-capping is each architecture's to read (llama.cpp ignores the keys

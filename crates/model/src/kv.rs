@@ -341,7 +341,6 @@ mod tests {
             rope,
             attn_scale: 0.5,
             query_scale: 1.0,
-            embd_scale: 1.0,
             n_swa: 0,
             swa_layers: vec![false; 2],
             final_logit_softcap: 0.0,

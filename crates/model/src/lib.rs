@@ -7,6 +7,7 @@ mod chain;
 pub mod example;
 mod hparams;
 mod kv;
+pub mod names;
 mod resident;
 mod runner;
 mod stage;
@@ -25,11 +26,12 @@ pub use arch::{find as find_architecture, supported_names, Architecture, Shape, 
 pub use chain::StageChain;
 pub use hparams::{AttnTemp, HParams, Keys, Mla, Yarn};
 pub use kv::{AttnSpan, KvCache};
+pub use names::{EndTensor, LayerTensor};
 pub use resident::mapped_rss;
 pub use runner::ComputeBytes;
 pub use stage::{Batch, Stage, StageConfig, StageInput, StageMemory, StageOutput};
-pub use tensors::{Presence, TensorSpec, Use};
-pub use tp::{Collective, CollectiveError, LocalGroup, TpSplit, TP_ARCHITECTURES};
+pub use tensors::{Dim, Presence, Split, TensorKind, TensorSpec, Use};
+pub use tp::{Collective, CollectiveError, LocalGroup, TpSplit};
 pub use tp_group::{join_logits, splits as tp_splits, GroupMember};
 pub use weights::{stage_tensor_sources, LayerTensors, ModelFile, StageSpan, StageWeights};
 

@@ -513,7 +513,6 @@ impl Stage {
     }
 
     fn compute(&mut self, batch: &Batch<'_>, slots: &[i64]) -> Result<StageOutput, ModelError> {
-        let hp = &self.hp;
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
         // A batch of decode steps: each row is the only one of its sequence.
@@ -523,8 +522,6 @@ impl Stage {
             seqs.dedup();
             seqs.len() == n_tokens
         };
-        // About 40 nodes per attention layer plus 10 per span, about 50 for experts plus
-        // 4 per row of a decode batch (views included); generous so no model runs short.
         let key = StepKey {
             tokens: matches!(batch.input, StageInput::Tokens(_)),
             n_tokens,
@@ -537,158 +534,127 @@ impl Stage {
         // backends is skipped, as llama.cpp skips it when it reuses its graph.
         if self.step.as_ref().is_none_or(|step| step.key != key) {
             self.step = None;
-            let per_row = if decode_rows { 4 * n_tokens } else { 0 };
-            let n_nodes = (160 + 16 * spans.len() + per_row) * self.span.layers.len() + 64 + 4 * spans.len();
-            // The same context every step, reset: the graph's tensors keep their addresses,
-            // so a device that records graphs (CUDA) replays the step's instead of recording
-            // a new one each token (measured on an H100: 0.30x libllama's generation speed
-            // before, docs/devices.md).
-            if !self.step_ctx.as_ref().is_some_and(|c| c.fits(n_nodes, n_nodes)) {
-                self.step_ctx = Some(Context::new(n_nodes, n_nodes));
-            }
-            let ctx = self.step_ctx.as_mut().expect("made above");
-            ctx.reset();
-            let ctx: &Context = ctx;
-
-            // Inputs (data written after allocation).
-            let positions = ctx
-                .new_tensor(DType::I32, &[n_tokens as i64])
-                .named("inp_pos")
-                .set_input();
-            let kv_slots = ctx
-                .new_tensor(DType::I64, &[n_tokens as i64])
-                .named("kv_slots")
-                .set_input();
-            // A mask is an input only if some layer of this stage reads it (an input that
-            // is not in the graph gets no memory).
-            let has_swa = self.span.layers.clone().any(|l| hp.is_swa(l));
-            let has_full = self.span.layers.clone().any(|l| !hp.is_swa(l));
-            let new_mask = |span: &AttnSpan, name: &str| {
-                ctx.new_tensor(DType::F16, &[span.cells.len() as i64, span.rows.len() as i64])
-                    .named(&format!("{name}-{}", span.rows.start))
-                    .set_input()
-            };
-            let spans: Vec<SpanInputs> = spans
-                .into_iter()
-                .map(|span| SpanInputs {
-                    mask: has_full.then(|| new_mask(&span, "kq_mask")),
-                    mask_swa: has_swa.then(|| new_mask(&span, "kq_mask_swa")),
-                    span,
-                })
-                .collect();
-            let want_logits = self.span.last && !batch.logit_rows.is_empty();
-            let out_rows = want_logits.then(|| {
-                ctx.new_tensor(DType::I32, &[batch.logit_rows.len() as i64])
-                    .named("out_rows")
-                    .set_input()
-            });
-            let attn_temp = hp.attn_temp.as_ref().map(|_| {
-                ctx.new_tensor(DType::F32, &[1, 1, n_tokens as i64])
-                    .named("inp_attn_scale")
-                    .set_input()
-            });
-            let (tokens_in, hidden_in): (Option<Tensor>, Option<Tensor>) = match batch.input {
-                StageInput::Tokens(_) => (
-                    Some(
-                        ctx.new_tensor(DType::I32, &[n_tokens as i64])
-                            .named("inp_tokens")
-                            .set_input(),
-                    ),
-                    None,
-                ),
-                StageInput::Hidden(_) => (
-                    None,
-                    Some(
-                        ctx.new_tensor(DType::F32, &[hp.n_embd as i64, n_tokens as i64])
-                            .named("inp_hidden")
-                            .set_input(),
-                    ),
-                ),
-            };
-
-            let mut b = Builder {
-                ctx,
-                graph: ctx.new_graph(),
-                hp,
-                weights: &self.weights,
-                kv: &self.kv,
-                inputs: StepInputs {
-                    positions,
-                    kv_slots,
-                    spans,
-                    out_rows,
-                    attn_temp,
-                    n_tokens,
-                    decode_rows,
-                },
-                outputs_selected: false,
-                tp: self.tp.as_ref().map(|m| m.ops.clone()),
-            };
-            let mut hidden = match (tokens_in, hidden_in) {
-                (Some(tokens), _) => {
-                    let embd = ctx.get_rows(self.weights.token_embd()?, tokens); // [n_embd, n_tokens]
-                    if hp.embd_scale != 1.0 {
-                        ctx.scale(embd, hp.embd_scale)
-                    } else {
-                        embd
-                    }
-                }
-                (None, Some(hidden)) => hidden,
-                (None, None) => unreachable!("one of the two inputs is always created above"),
-            };
-            for layer in self.span.layers.clone() {
-                let w = self.weights.layer(layer);
-                hidden = (hp.arch.layer)(&mut b, &w, layer, hidden).named(&format!("l_out-{layer}"));
-            }
-            // Architectures that compute every row through the last layer (gpt-oss) keep
-            // the rows that need logits here, as llama.cpp does.
-            if let (Some(rows), false) = (out_rows, b.outputs_selected) {
-                if self.span.layers.end == hp.n_layer {
-                    hidden = ctx.get_rows(hidden, rows);
-                }
-            }
-            let out = if want_logits {
-                let normed = b.norm(hidden, self.weights.output_norm()?);
-                let mut logits = ctx.mul_mat(self.weights.output()?, normed); // [n_vocab, n_out]
-                if hp.final_logit_softcap > 0.0 {
-                    logits = ctx.scale(logits, 1.0 / hp.final_logit_softcap);
-                    logits = ctx.tanh(logits);
-                    logits = ctx.scale(logits, hp.final_logit_softcap);
-                }
-                logits
-            } else {
-                hidden
-            };
-            let out = out.named("stage_out").set_output();
-            let mut graph = b.graph;
-            let spans = b.inputs.spans;
-            graph.expand(out);
-
-            self.runner.alloc(&graph)?;
-            self.step = Some(StepGraph {
-                key,
-                graph: ctx.graph_id(&graph),
-                positions: ctx.id_of(positions),
-                kv_slots: ctx.id_of(kv_slots),
-                masks: spans
-                    .iter()
-                    .map(|s| (s.mask.map(|m| ctx.id_of(m)), s.mask_swa.map(|m| ctx.id_of(m))))
-                    .collect(),
-                out_rows: out_rows.map(|t| ctx.id_of(t)),
-                attn_temp: attn_temp.map(|t| ctx.id_of(t)),
-                tokens_in: tokens_in.map(|t| ctx.id_of(t)),
-                hidden_in: hidden_in.map(|t| ctx.id_of(t)),
-                out: ctx.id_of(out),
-            });
+            self.build_step(key, spans)?;
         }
+        self.write_inputs(batch, slots)?;
         let ctx = self.step_ctx.as_ref().expect("built above");
         let step = self.step.as_ref().expect("built above");
-        let tensor = |id: TensorId| ctx.tensor(id);
-        let (positions, kv_slots, out) = (tensor(step.positions), tensor(step.kv_slots), tensor(step.out));
-        let out_rows = step.out_rows.map(tensor);
-        let attn_temp = step.attn_temp.map(tensor);
-        let (tokens_in, hidden_in) = (step.tokens_in.map(tensor), step.hidden_in.map(tensor));
+        let out = ctx.tensor(step.out);
+        let graph = ctx.graph(step.graph);
+        if let Err(e) = self.runner.compute(&graph) {
+            self.step = None;
+            return Err(e);
+        }
+        if let Some(e) = self.tp.as_ref().and_then(|m| m.error.lock().ok()?.take()) {
+            self.step = None;
+            return Err(e.into());
+        }
+
         let want_logits = self.span.last && !batch.logit_rows.is_empty();
+        if want_logits {
+            // [n_vocab, n_out]; a tensor-parallel member's share of the vocabulary.
+            let mut logits = vec![0f32; out.ne()[0] as usize * batch.logit_rows.len()];
+            out.read(&mut logits)?;
+            Ok(StageOutput::Logits(logits))
+        } else if self.span.last {
+            Ok(StageOutput::Logits(Vec::new()))
+        } else {
+            let mut hidden = vec![0f32; self.hp.n_embd * n_tokens];
+            out.read(&mut hidden)?;
+            Ok(StageOutput::Hidden(hidden))
+        }
+    }
+
+    /// Builds and allocates the graph of steps shaped as `key` (the architecture's input
+    /// end on a first stage, its layers, its output end on a last stage), in the reused
+    /// step context, and keeps it as `self.step`.
+    fn build_step(&mut self, key: StepKey, spans: Vec<AttnSpan>) -> Result<(), ModelError> {
+        let hp = &self.hp;
+        // About 40 nodes per attention layer plus 10 per span, about 50 for experts plus
+        // 4 per row of a decode batch (views included); generous so no model runs short.
+        let per_row = if key.decode_rows { 4 * key.n_tokens } else { 0 };
+        let n_nodes = (160 + 16 * spans.len() + per_row) * self.span.layers.len() + 64 + 4 * spans.len();
+        // The same context every step, reset: the graph's tensors keep their addresses,
+        // so a device that records graphs (CUDA) replays the step's instead of recording
+        // a new one each token (without this, measured on an H100: 0.30x libllama's
+        // generation speed, docs/devices.md).
+        if !self.step_ctx.as_ref().is_some_and(|c| c.fits(n_nodes, n_nodes)) {
+            self.step_ctx = Some(Context::new(n_nodes, n_nodes));
+        }
+        let ctx = self.step_ctx.as_mut().expect("made above");
+        ctx.reset();
+        let ctx: &Context = ctx;
+
+        let want_logits = self.span.last && key.logit_rows > 0;
+        let (inputs, input) = new_inputs(ctx, hp, &self.span, &key, spans);
+        let (positions, kv_slots, out_rows, attn_temp) =
+            (inputs.positions, inputs.kv_slots, inputs.out_rows, inputs.attn_temp);
+        let mut b = Builder {
+            ctx,
+            graph: ctx.new_graph(),
+            hp,
+            weights: &self.weights,
+            kv: &self.kv,
+            inputs,
+            outputs_selected: false,
+            tp: self.tp.as_ref().map(|m| m.ops.clone()),
+        };
+        let mut hidden = match input {
+            StepInput::Tokens(tokens) => (hp.arch.embed)(&b, tokens), // [n_embd, n_tokens]
+            StepInput::Hidden(hidden) => hidden,
+        };
+        for layer in self.span.layers.clone() {
+            let w = self.weights.layer(layer);
+            hidden = (hp.arch.layer)(&mut b, &w, layer, hidden).named(&format!("l_out-{layer}"));
+        }
+        // Architectures that compute every row through the last layer (gpt-oss) keep
+        // the rows that need logits here, as llama.cpp does.
+        if let (Some(rows), false) = (out_rows, b.outputs_selected) {
+            if self.span.layers.end == hp.n_layer {
+                hidden = ctx.get_rows(hidden, rows);
+            }
+        }
+        let out = if want_logits {
+            (hp.arch.logits)(&b, hidden) // [n_vocab, n_out]
+        } else {
+            hidden
+        };
+        let out = out.named("stage_out").set_output();
+        let mut graph = b.graph;
+        let spans = b.inputs.spans;
+        graph.expand(out);
+
+        self.runner.alloc(&graph)?;
+        let (tokens_in, hidden_in) = match input {
+            StepInput::Tokens(t) => (Some(ctx.id_of(t)), None),
+            StepInput::Hidden(h) => (None, Some(ctx.id_of(h))),
+        };
+        self.step = Some(StepGraph {
+            key,
+            graph: ctx.graph_id(&graph),
+            positions: ctx.id_of(positions),
+            kv_slots: ctx.id_of(kv_slots),
+            masks: spans
+                .iter()
+                .map(|s| (s.mask.map(|m| ctx.id_of(m)), s.mask_swa.map(|m| ctx.id_of(m))))
+                .collect(),
+            out_rows: out_rows.map(|t| ctx.id_of(t)),
+            attn_temp: attn_temp.map(|t| ctx.id_of(t)),
+            tokens_in,
+            hidden_in,
+            out: ctx.id_of(out),
+        });
+        Ok(())
+    }
+
+    /// Writes `batch` (and the cache cells `slots` it goes to) into the inputs of the
+    /// step graph built for its shape.
+    fn write_inputs(&self, batch: &Batch<'_>, slots: &[i64]) -> Result<(), ModelError> {
+        let hp = &self.hp;
+        let ctx = self.step_ctx.as_ref().expect("built before its inputs are written");
+        let step = self.step.as_ref().expect("built before its inputs are written");
+        let tensor = |id: TensorId| ctx.tensor(id);
+        let (positions, kv_slots) = (tensor(step.positions), tensor(step.kv_slots));
         // A tensor-parallel member without heads reads no positions, cells or masks.
         if positions.has_data() {
             positions.write(batch.positions)?;
@@ -705,45 +671,84 @@ impl Stage {
                 m.write(&self.kv.mask(seq_ids, positions, cells.clone(), Some(hp.n_swa)))?;
             }
         }
-        if let (Some(t), Some(temp)) = (attn_temp.filter(Tensor::has_data), &hp.attn_temp) {
+        if let (Some(t), Some(temp)) = (step.attn_temp.map(tensor).filter(Tensor::has_data), &hp.attn_temp) {
             t.write(&temp.factors(batch.positions))?;
         }
-        if let Some(rows) = out_rows {
+        if let Some(rows) = step.out_rows.map(tensor) {
             let ids: Vec<i32> = batch.logit_rows.iter().map(|&r| r as i32).collect();
             rows.write(&ids)?;
         }
         match batch.input {
             StageInput::Tokens(tokens) => {
                 let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-                tokens_in.map(|t| t.write(&ids)).transpose()?;
+                step.tokens_in.map(|t| tensor(t).write(&ids)).transpose()?;
             }
             StageInput::Hidden(hidden) => {
-                hidden_in.map(|t| t.write(hidden)).transpose()?;
+                step.hidden_in.map(|t| tensor(t).write(hidden)).transpose()?;
             }
         }
-        let graph = ctx.graph(step.graph);
-        if let Err(e) = self.runner.compute(&graph) {
-            self.step = None;
-            return Err(e);
-        }
-        if let Some(e) = self.tp.as_ref().and_then(|m| m.error.lock().ok()?.take()) {
-            self.step = None;
-            return Err(e.into());
-        }
-
-        if want_logits {
-            // [n_vocab, n_out]; a tensor-parallel member's share of the vocabulary.
-            let mut logits = vec![0f32; out.ne()[0] as usize * batch.logit_rows.len()];
-            out.read(&mut logits)?;
-            Ok(StageOutput::Logits(logits))
-        } else if self.span.last {
-            Ok(StageOutput::Logits(Vec::new()))
-        } else {
-            let mut hidden = vec![0f32; hp.n_embd * n_tokens];
-            out.read(&mut hidden)?;
-            Ok(StageOutput::Hidden(hidden))
-        }
+        Ok(())
     }
+}
+
+/// What enters a step graph: token ids i32 `[n_tokens]` (first stage) or hidden states
+/// f32 `[n_embd, n_tokens]`.
+#[derive(Clone, Copy)]
+enum StepInput<'g> {
+    Tokens(Tensor<'g>),
+    Hidden(Tensor<'g>),
+}
+
+/// The input tensors of a step graph shaped as `key` for a stage of `span` (their data
+/// is written after allocation, by `write_inputs`).
+fn new_inputs<'g>(
+    ctx: &'g Context,
+    hp: &HParams,
+    span: &StageSpan,
+    key: &StepKey,
+    spans: Vec<AttnSpan>,
+) -> (StepInputs<'g>, StepInput<'g>) {
+    let n_tokens = key.n_tokens as i64;
+    let input = |dtype: DType, shape: &[i64], name: &str| ctx.new_tensor(dtype, shape).named(name).set_input();
+    let positions = input(DType::I32, &[n_tokens], "inp_pos");
+    let kv_slots = input(DType::I64, &[n_tokens], "kv_slots");
+    // A mask is an input only if some layer of this stage reads it (an input that is not
+    // in the graph gets no memory).
+    let has_swa = span.layers.clone().any(|l| hp.is_swa(l));
+    let has_full = span.layers.clone().any(|l| !hp.is_swa(l));
+    let new_mask = |span: &AttnSpan, name: &str| {
+        let shape = [span.cells.len() as i64, span.rows.len() as i64];
+        input(DType::F16, &shape, &format!("{name}-{}", span.rows.start))
+    };
+    let spans: Vec<SpanInputs> = spans
+        .into_iter()
+        .map(|span| SpanInputs {
+            mask: has_full.then(|| new_mask(&span, "kq_mask")),
+            mask_swa: has_swa.then(|| new_mask(&span, "kq_mask_swa")),
+            span,
+        })
+        .collect();
+    let want_logits = span.last && key.logit_rows > 0;
+    let out_rows = want_logits.then(|| input(DType::I32, &[key.logit_rows as i64], "out_rows"));
+    let attn_temp = hp
+        .attn_temp
+        .as_ref()
+        .map(|_| input(DType::F32, &[1, 1, n_tokens], "inp_attn_scale"));
+    let step_input = if key.tokens {
+        StepInput::Tokens(input(DType::I32, &[n_tokens], "inp_tokens"))
+    } else {
+        StepInput::Hidden(input(DType::F32, &[hp.n_embd as i64, n_tokens], "inp_hidden"))
+    };
+    let inputs = StepInputs {
+        positions,
+        kv_slots,
+        spans,
+        out_rows,
+        attn_temp,
+        n_tokens: key.n_tokens,
+        decode_rows: key.decode_rows,
+    };
+    (inputs, step_input)
 }
 
 /// What decides a step graph's shape: two steps with the same key build the same graph.

@@ -3,6 +3,7 @@
 //! checks the file against that list, and `baton synth` writes files from it.
 
 use crate::hparams::HParams;
+use crate::names::{EndTensor, FfnTensors, LayerTensor};
 
 /// How a weight is used, which decides its type checks and whether ggml may repack it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,9 +29,79 @@ pub enum Presence {
     Usual,
 }
 
+/// Which tensor of the model a [`TensorSpec`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorKind {
+    /// A tensor of layer `layer`.
+    Layer { layer: usize, tensor: LayerTensor },
+    /// A tensor of the model's ends.
+    End(EndTensor),
+}
+
+/// How tensor parallelism cuts a tensor among the members of a group: always by rows
+/// (output features), never along the input dimension (see [`crate::tp`], which turns
+/// each of these into a member's slice).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Every member holds all of it.
+    Whole,
+    /// Every member with query heads holds all of it, a member without none (the
+    /// attention's own norms, MLA's compressions every head reads).
+    WithHeads,
+    /// The member's rows of `Dim` (of each matrix of an expert stack; elements of a
+    /// vector).
+    Rows(Dim),
+    /// A fused projection whose rows are the parts in order: the member's rows of each.
+    Fused(Vec<Dim>),
+    /// One matrix per query head (`[.., .., n_head]`): its heads' matrices.
+    HeadMatrices,
+    /// The member's elements of `Dim` in every row (a bias per expert, `[n, n_expert]`).
+    EachRow(Dim),
+}
+
+/// A dimension the members of a tensor-parallel group share out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dim {
+    /// Query heads, this many rows each.
+    QHeads(usize),
+    /// Key/value heads, this many rows each.
+    KvHeads(usize),
+    /// The dense FFN's inner dimension.
+    Ff,
+    /// Each routed expert's inner dimension.
+    FfExp,
+    /// The shared experts' inner dimension.
+    FfShexp,
+    /// The hidden size (outputs of the projections back into the residual stream).
+    Embd,
+    /// The vocabulary (the output projection).
+    Vocab,
+}
+
+impl Dim {
+    /// Whether this is a share of the attention heads (none for a member without).
+    pub fn is_heads(self) -> bool {
+        matches!(self, Dim::QHeads(_) | Dim::KvHeads(_))
+    }
+}
+
+impl Split {
+    /// Whether a member without query heads holds none of it.
+    pub fn needs_heads(&self) -> bool {
+        match self {
+            Split::Whole => false,
+            Split::WithHeads | Split::HeadMatrices => true,
+            Split::Rows(dim) | Split::EachRow(dim) => dim.is_heads(),
+            Split::Fused(parts) => parts.iter().any(|d| d.is_heads()),
+        }
+    }
+}
+
 /// One tensor a stage reads.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorSpec {
+    /// Which tensor it is.
+    pub kind: TensorKind,
     /// Its name in the stage (`blk.3.attn_q.weight`).
     pub name: String,
     /// The file tensor it reads (a tied output reads `token_embd.weight`).
@@ -41,6 +112,8 @@ pub struct TensorSpec {
     pub usage: Use,
     /// Whether the file must have it.
     pub presence: Presence,
+    /// How tensor parallelism cuts it.
+    pub split: Split,
 }
 
 /// The tensors of one layer, as an architecture lists them.
@@ -70,36 +143,47 @@ impl<'a> LayerPlan<'a> {
         self.specs
     }
 
-    /// Whether the file holds this layer's tensor `name`.
-    pub fn file_has(&self, name: &str) -> bool {
-        (self.has)(name)
+    /// Whether the file holds this layer's `tensor`.
+    pub fn file_has(&self, tensor: LayerTensor) -> bool {
+        (self.has)(tensor.name())
     }
 
-    fn add(&mut self, name: &str, shape: &[usize], usage: Use) -> &mut TensorSpec {
-        let full = format!("blk.{}.{name}", self.layer);
+    fn add(&mut self, tensor: LayerTensor, shape: &[usize], usage: Use, split: Split) -> &mut TensorSpec {
+        let full = tensor.in_layer(self.layer);
         self.specs.push(TensorSpec {
+            kind: TensorKind::Layer {
+                layer: self.layer,
+                tensor,
+            },
             name: full.clone(),
             source: full,
             shape: shape.iter().map(|&d| d as i64).collect(),
             usage,
             presence: Presence::Required,
+            split,
         });
         self.specs.last_mut().expect("just pushed")
     }
 
     /// A required matrix multiplied by activations.
-    pub fn mat(&mut self, name: &str, shape: &[usize]) -> &mut TensorSpec {
-        self.add(name, shape, Use::MulMat)
+    pub fn mat(&mut self, tensor: LayerTensor, shape: &[usize], split: Split) -> &mut TensorSpec {
+        self.add(tensor, shape, Use::MulMat, split)
     }
 
     /// A required stack of expert matrices `[k, n, n_expert]`.
-    pub fn experts(&mut self, name: &str, shape: &[usize]) -> &mut TensorSpec {
-        self.add(name, shape, Use::Experts)
+    pub fn experts(&mut self, tensor: LayerTensor, shape: &[usize], split: Split) -> &mut TensorSpec {
+        self.add(tensor, shape, Use::Experts, split)
+    }
+
+    /// A required RMS norm weight of `n` values over the hidden state, which every
+    /// tensor-parallel member holds whole.
+    pub fn norm(&mut self, tensor: LayerTensor, n: usize) -> &mut TensorSpec {
+        self.add(tensor, &[n], Use::Elementwise, Split::Whole)
     }
 
     /// A required f32 tensor used element-wise (norm weights, biases).
-    pub fn vec(&mut self, name: &str, shape: &[usize]) -> &mut TensorSpec {
-        self.add(name, shape, Use::Elementwise)
+    pub fn vec(&mut self, tensor: LayerTensor, shape: &[usize], split: Split) -> &mut TensorSpec {
+        self.add(tensor, shape, Use::Elementwise, split)
     }
 }
 
@@ -127,6 +211,7 @@ impl TensorSpec {
 /// `create_tensor_qkv` lists them: fused `attn_qkv` when the file has it, else separate
 /// q, k and v; biases optional (`biases` says how usual they are); and the output.
 pub fn attention(t: &mut LayerPlan<'_>, biases: Presence) {
+    use LayerTensor as T;
     let hp = t.hp;
     let (embd, q, k, v) = (
         hp.n_embd,
@@ -134,44 +219,60 @@ pub fn attention(t: &mut LayerPlan<'_>, biases: Presence) {
         hp.n_embd_k_gqa(),
         hp.n_embd_v_gqa(),
     );
-    if t.file_has("attn_qkv.weight") {
-        t.mat("attn_qkv.weight", &[embd, q + k + v]);
-        if t.file_has("attn_qkv.bias") {
-            t.vec("attn_qkv.bias", &[q + k + v]);
+    let (d_k, d_v) = (hp.head_dim_k, hp.head_dim_v);
+    let (q_rows, k_rows, v_rows) = (Dim::QHeads(d_k), Dim::KvHeads(d_k), Dim::KvHeads(d_v));
+    let separate_biases = [
+        (T::AttnQBias, q, q_rows),
+        (T::AttnKBias, k, k_rows),
+        (T::AttnVBias, v, v_rows),
+    ];
+    if t.file_has(T::AttnQkv) {
+        let fused = Split::Fused(vec![q_rows, k_rows, v_rows]);
+        t.mat(T::AttnQkv, &[embd, q + k + v], fused.clone());
+        if t.file_has(T::AttnQkvBias) {
+            t.vec(T::AttnQkvBias, &[q + k + v], fused);
         } else {
-            for (name, n) in [("attn_q.bias", q), ("attn_k.bias", k), ("attn_v.bias", v)] {
-                t.vec(name, &[n]).optional();
+            for (bias, n, rows) in separate_biases {
+                t.vec(bias, &[n], Split::Rows(rows)).optional();
             }
         }
     } else {
-        t.mat("attn_q.weight", &[embd, q]);
-        t.mat("attn_k.weight", &[embd, k]);
-        t.mat("attn_v.weight", &[embd, v]);
-        for (name, n) in [("attn_q.bias", q), ("attn_k.bias", k), ("attn_v.bias", v)] {
-            t.vec(name, &[n]).presence(biases);
+        t.mat(T::AttnQ, &[embd, q], Split::Rows(q_rows));
+        t.mat(T::AttnK, &[embd, k], Split::Rows(k_rows));
+        t.mat(T::AttnV, &[embd, v], Split::Rows(v_rows));
+        for (bias, n, rows) in separate_biases {
+            t.vec(bias, &[n], Split::Rows(rows)).presence(biases);
         }
     }
-    t.mat("attn_output.weight", &[hp.head_dim_v * hp.n_head, embd]);
+    t.mat(
+        T::AttnOutput,
+        &[hp.head_dim_v * hp.n_head, embd],
+        Split::Rows(Dim::Embd),
+    );
 }
 
 /// Per-head RMS norms of queries and keys (`attn_q_norm`, `attn_k_norm`).
 pub fn qk_norms(t: &mut LayerPlan<'_>, presence: Presence) {
     let head = t.hp.head_dim_k;
-    t.vec("attn_q_norm.weight", &[head]).presence(presence);
-    t.vec("attn_k_norm.weight", &[head]).presence(presence);
+    t.vec(LayerTensor::AttnQNorm, &[head], Split::WithHeads)
+        .presence(presence);
+    t.vec(LayerTensor::AttnKNorm, &[head], Split::WithHeads)
+        .presence(presence);
 }
 
-/// A gated feed-forward block of inner size `n_ff`: `ffn_gate`, `ffn_up`, `ffn_down`
-/// (with `suffix`, e.g. `_shexp` for shared experts), biases optional.
-pub fn ffn(t: &mut LayerPlan<'_>, suffix: &str, n_ff: usize, biases: bool) {
+/// A gated feed-forward block `ffn` (the dense FFN's or the shared experts' tensors) of
+/// inner size `n_ff`, with optional biases where `biases` and the block has them.
+pub fn ffn(t: &mut LayerPlan<'_>, ffn: &FfnTensors, n_ff: usize, biases: bool) {
     let embd = t.hp.n_embd;
-    t.mat(&format!("ffn_gate{suffix}.weight"), &[embd, n_ff]);
-    t.mat(&format!("ffn_up{suffix}.weight"), &[embd, n_ff]);
-    t.mat(&format!("ffn_down{suffix}.weight"), &[n_ff, embd]);
-    if biases {
-        t.vec(&format!("ffn_gate{suffix}.bias"), &[n_ff]).optional();
-        t.vec(&format!("ffn_up{suffix}.bias"), &[n_ff]).optional();
-        t.vec(&format!("ffn_down{suffix}.bias"), &[embd]).optional();
+    let inner = Split::Rows(if ffn.shared_experts { Dim::FfShexp } else { Dim::Ff });
+    let outer = Split::Rows(Dim::Embd);
+    t.mat(ffn.gate, &[embd, n_ff], inner.clone());
+    t.mat(ffn.up, &[embd, n_ff], inner.clone());
+    t.mat(ffn.down, &[n_ff, embd], outer.clone());
+    if let (true, Some([gate, up, down])) = (biases, ffn.biases) {
+        t.vec(gate, &[n_ff], inner.clone()).optional();
+        t.vec(up, &[n_ff], inner).optional();
+        t.vec(down, &[embd], outer).optional();
     }
 }
 
@@ -180,15 +281,20 @@ pub fn ffn(t: &mut LayerPlan<'_>, suffix: &str, n_ff: usize, biases: bool) {
 /// in `ffn_gate_up_exps` when the file has that and the architecture allows it, as
 /// llama.cpp's `create_tensor_gate_up_exps` does).
 pub fn experts(t: &mut LayerPlan<'_>, n_ff_exp: usize, fused_gate_up: bool) {
+    use LayerTensor as T;
     let (embd, n_expert) = (t.hp.n_embd, t.hp.moe.n_expert);
-    t.mat("ffn_gate_inp.weight", &[embd, n_expert]);
-    if fused_gate_up && t.file_has("ffn_gate_up_exps.weight") {
-        t.experts("ffn_gate_up_exps.weight", &[embd, 2 * n_ff_exp, n_expert]);
+    // The router is whole on every member, so all choose the same experts; each holds
+    // its rows of every expert's matrices.
+    t.mat(T::FfnGateInp, &[embd, n_expert], Split::Whole);
+    let inner = Split::Rows(Dim::FfExp);
+    if fused_gate_up && t.file_has(T::FfnGateUpExps) {
+        let fused = Split::Fused(vec![Dim::FfExp, Dim::FfExp]);
+        t.experts(T::FfnGateUpExps, &[embd, 2 * n_ff_exp, n_expert], fused);
     } else {
-        t.experts("ffn_gate_exps.weight", &[embd, n_ff_exp, n_expert]);
-        t.experts("ffn_up_exps.weight", &[embd, n_ff_exp, n_expert]);
+        t.experts(T::FfnGateExps, &[embd, n_ff_exp, n_expert], inner.clone());
+        t.experts(T::FfnUpExps, &[embd, n_ff_exp, n_expert], inner);
     }
-    t.experts("ffn_down_exps.weight", &[n_ff_exp, embd, n_expert]);
+    t.experts(T::FfnDownExps, &[n_ff_exp, embd, n_expert], Split::Rows(Dim::Embd));
 }
 
 /// The tensors of a model's two ends: the token embedding (first stage), the output
@@ -196,41 +302,47 @@ pub fn experts(t: &mut LayerPlan<'_>, n_ff_exp: usize, fused_gate_up: bool) {
 /// `output.weight`), and the RoPE frequency factors of architectures that have them.
 pub fn ends(hp: &HParams, first: bool, last: bool, in_file: &dyn Fn(&str) -> bool) -> Vec<TensorSpec> {
     let (embd, vocab) = (hp.n_embd as i64, hp.n_vocab as i64);
-    let spec = |name: &str, source: &str, shape: Vec<i64>, usage| TensorSpec {
-        name: name.into(),
-        source: source.into(),
+    let spec = |tensor: EndTensor, source: EndTensor, shape: Vec<i64>, usage| TensorSpec {
+        kind: TensorKind::End(tensor),
+        name: tensor.name().into(),
+        source: source.name().into(),
         shape,
         usage,
         presence: Presence::Required,
+        // Each member computes the logits of its share of the vocabulary.
+        split: match tensor {
+            EndTensor::Output => Split::Rows(Dim::Vocab),
+            _ => Split::Whole,
+        },
     };
     let mut specs = Vec::new();
     if first {
         specs.push(spec(
-            "token_embd.weight",
-            "token_embd.weight",
+            EndTensor::TokenEmbd,
+            EndTensor::TokenEmbd,
             vec![embd, vocab],
             Use::Embedding,
         ));
     }
     if last {
         specs.push(spec(
-            "output_norm.weight",
-            "output_norm.weight",
+            EndTensor::OutputNorm,
+            EndTensor::OutputNorm,
             vec![embd],
             Use::Elementwise,
         ));
-        let source = if hp.arch.own_output || in_file("output.weight") {
-            "output.weight"
+        let source = if hp.arch.own_output || in_file(EndTensor::Output.name()) {
+            EndTensor::Output
         } else {
-            "token_embd.weight"
+            EndTensor::TokenEmbd
         };
-        specs.push(spec("output.weight", source, vec![embd, vocab], Use::MulMat));
+        specs.push(spec(EndTensor::Output, source, vec![embd, vocab], Use::MulMat));
     }
-    if hp.arch.rope_freqs && in_file("rope_freqs.weight") {
+    if hp.arch.rope_freqs && in_file(EndTensor::RopeFreqs.name()) {
         let n = hp.rope.n_dims as i64 / 2;
         specs.push(spec(
-            "rope_freqs.weight",
-            "rope_freqs.weight",
+            EndTensor::RopeFreqs,
+            EndTensor::RopeFreqs,
             vec![n],
             Use::Elementwise,
         ));

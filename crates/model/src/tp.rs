@@ -1,6 +1,11 @@
 //! Tensor parallelism: the members of a group each hold a slice of every layer of a
 //! stage and exchange their slices of the activations four times per layer.
 //!
+//! Each architecture declares how each tensor it lists is cut (a [`Split`]: whole, by
+//! rows of heads, of the FFN, of each expert, ...; the shared lists in
+//! [`crate::tensors`] declare theirs); this module turns a declaration into one member's
+//! slice ([`TpSplit::cut`]). The declarations follow these rules:
+//!
 //! Every weight is cut by rows (output features), never along its input dimension, so
 //! every dot product a member computes is the one llama.cpp computes, over the whole
 //! row, in the same order, and the group's logits are bit-identical to llama.cpp's:
@@ -40,26 +45,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::hparams::HParams;
+use crate::tensors::{Dim, Split};
 use crate::ModelError;
-
-/// Architectures whose layers baton can split: llama-style attention with a dense FFN
-/// or routed experts (`llama` covers Mixtral; glm4moe has shared experts and dense
-/// leading layers; gpt-oss has expert biases and attention sinks), deepseek2 (MLA),
-/// gemma2/gemma3 (norms after attention and after the FFN), and phi3 (fused
-/// projections).
-pub const TP_ARCHITECTURES: &[&str] = &[
-    "llama",
-    "mistral3",
-    "qwen2",
-    "qwen3",
-    "qwen3moe",
-    "glm4moe",
-    "gpt-oss",
-    "deepseek2",
-    "gemma2",
-    "gemma3",
-    "phi3",
-];
 
 /// Rows of a matrix a member gets are a multiple of this where they can be (ggml repacks
 /// matrices whose row count is a multiple of 8 or 16 into its faster CPU layouts).
@@ -105,13 +92,6 @@ impl TpSplit {
     pub fn new(hp: &HParams, rank: usize, size: usize) -> Result<TpSplit, ModelError> {
         if size == 0 || rank >= size {
             return Err(ModelError::BadConfig(format!("member {rank} of a group of {size}")));
-        }
-        if !TP_ARCHITECTURES.contains(&hp.arch.name) {
-            return Err(ModelError::BadConfig(format!(
-                "tensor parallelism splits {} layers; {} is not one",
-                TP_ARCHITECTURES.join("/"),
-                hp.arch.name
-            )));
         }
         let unit = |n: usize| if n / ROW_UNIT >= size { ROW_UNIT } else { 1 };
         let shexp = hp.moe.n_ff_exp * hp.moe.n_expert_shared;
@@ -162,80 +142,59 @@ impl TpSplit {
         sliced
     }
 
-    /// How the member slices the stage tensor `name` (`blk.3.attn_q.weight`,
-    /// `output.weight`) of shape `dims`.
-    pub fn cut(&self, hp: &HParams, name: &str, dims: &[i64]) -> Result<Cut, ModelError> {
-        let short = match name.strip_prefix("blk.") {
-            Some(rest) => rest.split_once('.').map_or(rest, |(_, short)| short),
-            None => {
-                return Ok(match name {
-                    "output.weight" => Cut::Rows(self.vocab.clone()),
-                    _ => Cut::Whole,
-                })
-            }
-        };
-        let attention_in =
-            short.starts_with("attn_") && !short.starts_with("attn_output") && short != "attn_norm.weight";
-        if self.q_heads.is_empty() && attention_in {
-            return Ok(Cut::Skip);
+    /// How the member slices a tensor its architecture declares cut by `split`, in a
+    /// model of `hp` (the whole model's).
+    pub fn cut(&self, hp: &HParams, split: &Split) -> Cut {
+        if split.needs_heads() && self.q_heads.is_empty() {
+            return Cut::Skip;
         }
-        let q = self.q_heads.clone();
-        let (d_k, d_v) = (hp.head_dim_k, hp.head_dim_v);
-        // A query head's rows: MLA's heads are wider than the cached row they read.
-        let d_q = hp.mla.as_ref().map_or(d_k, |mla| mla.head_dim_k);
+        match split {
+            Split::Whole | Split::WithHeads => Cut::Whole,
+            Split::Rows(dim) => Cut::Rows(self.rows(*dim)),
+            Split::EachRow(dim) => Cut::Columns(self.rows(*dim)),
+            Split::HeadMatrices => Cut::Matrices(self.q_heads.clone()),
+            Split::Fused(parts) => {
+                // Each part's rows follow all of the parts before it.
+                let mut at = 0;
+                let ranges = parts
+                    .iter()
+                    .map(|&dim| {
+                        let rows = self.rows(dim);
+                        let shifted = rows.start + at..rows.end + at;
+                        at += whole_rows(hp, dim);
+                        shifted
+                    })
+                    .collect();
+                Cut::RowRanges(ranges)
+            }
+        }
+    }
+
+    /// The member's share of `dim`, in rows.
+    fn rows(&self, dim: Dim) -> Range<usize> {
         let heads = |r: &Range<usize>, d: usize| r.start * d..r.end * d;
-        let shifted = |r: Range<usize>, by: usize| r.start + by..r.end + by;
-        // phi3's fused projections: `[q | k | v]` rows, and `[gate | up]` rows.
-        let (n_q, n_k) = (hp.n_head * d_k, hp.n_head_kv * d_k);
-        let fused_up = dims.get(1).is_some_and(|&rows| rows as usize == 2 * hp.n_ff);
-        Ok(match short {
-            "attn_qkv.weight" | "attn_qkv.bias" => Cut::RowRanges(vec![
-                heads(&q, d_k),
-                shifted(heads(&self.kv_heads, d_k), n_q),
-                shifted(heads(&self.kv_heads, d_v), n_q + n_k),
-            ]),
-            "ffn_up.weight" if fused_up => Cut::RowRanges(vec![self.ff.clone(), shifted(self.ff.clone(), hp.n_ff)]),
-            "ffn_gate_up_exps.weight" => {
-                Cut::RowRanges(vec![self.ff_exp.clone(), shifted(self.ff_exp.clone(), hp.moe.n_ff_exp)])
-            }
-            // MLA: the compressed row whole; each query head's matrices.
-            "attn_q_a.weight" | "attn_q_a_norm.weight" | "attn_kv_a_mqa.weight" | "attn_kv_a_norm.weight" => Cut::Whole,
-            "attn_q_b.weight" => Cut::Rows(heads(&q, d_q)),
-            "attn_k_b.weight" | "attn_v_b.weight" => Cut::Matrices(q.clone()),
-            "attn_norm.weight"
-            | "ffn_norm.weight"
-            | "attn_q_norm.weight"
-            | "attn_k_norm.weight"
-            | "post_attention_norm.weight"
-            | "post_ffw_norm.weight"
-            | "ffn_gate_inp.weight"
-            | "ffn_gate_inp.bias"
-            | "exp_probs_b.bias" => Cut::Whole,
-            // One value per query head.
-            "attn_sinks.weight" => Cut::Rows(q.clone()),
-            // Every expert's bias, `[n, n_expert]`: the elements of its rows.
-            "ffn_gate_exps.bias" | "ffn_up_exps.bias" => Cut::Columns(self.ff_exp.clone()),
-            "ffn_down_exps.bias" => Cut::Columns(self.embd.clone()),
-            // Every expert's matrix by rows, as the dense FFN's.
-            "ffn_gate_exps.weight" | "ffn_up_exps.weight" => Cut::Rows(self.ff_exp.clone()),
-            "ffn_down_exps.weight" => Cut::Rows(self.embd.clone()),
-            "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" | "ffn_gate_shexp.bias" | "ffn_up_shexp.bias" => {
-                Cut::Rows(self.ff_shexp.clone())
-            }
-            "ffn_down_shexp.weight" | "ffn_down_shexp.bias" => Cut::Rows(self.embd.clone()),
-            "attn_q.weight" | "attn_q.bias" => Cut::Rows(heads(&q, d_q)),
-            "attn_k.weight" | "attn_k.bias" => Cut::Rows(heads(&self.kv_heads, d_k)),
-            "attn_v.weight" | "attn_v.bias" => Cut::Rows(heads(&self.kv_heads, d_v)),
-            "ffn_gate.weight" | "ffn_up.weight" | "ffn_gate.bias" | "ffn_up.bias" => Cut::Rows(self.ff.clone()),
-            "attn_output.weight" | "attn_output.bias" | "ffn_down.weight" | "ffn_down.bias" => {
-                Cut::Rows(self.embd.clone())
-            }
-            _ => {
-                return Err(ModelError::BadConfig(format!(
-                    "tensor parallelism does not know how to split '{name}'"
-                )))
-            }
-        })
+        match dim {
+            Dim::QHeads(d) => heads(&self.q_heads, d),
+            Dim::KvHeads(d) => heads(&self.kv_heads, d),
+            Dim::Ff => self.ff.clone(),
+            Dim::FfExp => self.ff_exp.clone(),
+            Dim::FfShexp => self.ff_shexp.clone(),
+            Dim::Embd => self.embd.clone(),
+            Dim::Vocab => self.vocab.clone(),
+        }
+    }
+}
+
+/// Rows of all of `dim` in a model of `hp`.
+fn whole_rows(hp: &HParams, dim: Dim) -> usize {
+    match dim {
+        Dim::QHeads(d) => hp.n_head * d,
+        Dim::KvHeads(d) => hp.n_head_kv * d,
+        Dim::Ff => hp.n_ff,
+        Dim::FfExp => hp.moe.n_ff_exp,
+        Dim::FfShexp => hp.moe.n_ff_exp * hp.moe.n_expert_shared,
+        Dim::Embd => hp.n_embd,
+        Dim::Vocab => hp.n_vocab,
     }
 }
 
@@ -454,6 +413,55 @@ mod tests {
             let got: Vec<_> = (0..*size).map(|r| share(*n, *unit, r, *size)).collect();
             assert_eq!(&got, expected, "n {n} unit {unit} size {size}");
         }
+    }
+
+    /// Cuts of phi3's declared tensors (fused q/k/v and gate/up), 2 and 3 ways: each
+    /// member's rows of each part; a member without heads holds no attention input.
+    #[test]
+    fn declared_splits_cut_fused_projections_and_skip_headless_members() {
+        use crate::names::LayerTensor as T;
+        use crate::tensors::TensorKind;
+        let shape = crate::Shape {
+            n_layer: 1,
+            n_embd: 64,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 16,
+            n_ff: 96,
+            n_expert: 0,
+            n_expert_used: 0,
+            n_ff_exp: 0,
+            n_expert_shared: 0,
+            n_dense_lead: 0,
+            n_swa: 0,
+            n_ctx: 256,
+        };
+        let arch = crate::find_architecture("phi3").unwrap();
+        let metadata = crate::example::example_metadata(arch, &shape);
+        let header = metadata
+            .into_iter()
+            .fold(baton_gguf::GgufWriter::new(), |w, (k, v)| w.kv(k, v));
+        let gguf = baton_gguf::Gguf::parse(&header.to_bytes()).unwrap();
+        let hp = HParams::from_metadata(&gguf, 256).unwrap();
+        let specs = crate::tensors::layer(&hp, 0, &|name| name == T::AttnQkv.name());
+        let cut = |tensor: T, rank: usize, size: usize| {
+            let spec = specs
+                .iter()
+                .find(|s| s.kind == TensorKind::Layer { layer: 0, tensor })
+                .unwrap_or_else(|| panic!("phi3 lists {tensor}"));
+            TpSplit::new(&hp, rank, size).unwrap().cut(&hp, &spec.split)
+        };
+        // Member 1 of 2: query heads 2..4, key/value head 1 (16 rows a head); FFN rows
+        // 48..96 of 96 (units of 16).
+        assert_eq!(cut(T::AttnQkv, 1, 2), Cut::RowRanges(vec![32..64, 80..96, 112..128]));
+        assert_eq!(cut(T::FfnUp, 1, 2), Cut::RowRanges(vec![48..96, 144..192]));
+        assert_eq!(cut(T::FfnDown, 1, 2), Cut::Rows(32..64));
+        assert_eq!(cut(T::AttnOutput, 1, 2), Cut::Rows(32..64));
+        assert_eq!(cut(T::AttnNorm, 1, 2), Cut::Whole);
+        // Member 0 of 3 gets no key/value head (2 for 3 members): no attention inputs,
+        // but its rows of the output projection.
+        assert_eq!(cut(T::AttnQkv, 0, 3), Cut::Skip);
+        assert_eq!(cut(T::AttnOutput, 0, 3), Cut::Rows(0..16));
     }
 
     #[test]

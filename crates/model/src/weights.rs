@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use baton_ggml::{Buffer, BufferType, Context, DType, Device, MappedBuffer, MappedFile, Tensor, TensorId, WeightOp};
-use baton_gguf::Gguf;
+use baton_gguf::{Gguf, TensorInfo};
 
 use crate::hparams::HParams;
-use crate::tensors::{self, Presence, TensorSpec, Use};
+use crate::names::{EndTensor, LayerTensor};
+use crate::tensors::{self, Presence, TensorKind, TensorSpec, Use};
 use crate::tp::{Cut, TpSplit};
 use crate::ModelError;
 
@@ -93,35 +94,32 @@ impl ModelFile {
     }
 }
 
-/// The weights of one layer of a stage, ready for graph building: looked up by their
-/// name within the layer (`attn_q.weight`), in the list the architecture declared.
+/// The weights of one layer of a stage, ready for graph building: looked up by which
+/// tensor of the layer they are, among those the architecture listed.
 #[derive(Clone, Copy)]
 pub struct LayerTensors<'w> {
     weights: &'w StageWeights,
     layer: usize,
-    /// `(name within the layer, id)`, sorted by name.
-    ids: &'w [(String, TensorId)],
+    /// Indexed by [`LayerTensor`]: the id of each the stage holds.
+    ids: &'w [Option<TensorId>],
 }
 
 impl<'w> LayerTensors<'w> {
-    /// The layer's tensor `name`, if the file has it.
-    pub fn opt(&self, name: &str) -> Option<Tensor<'w>> {
-        self.ids
-            .binary_search_by(|(n, _)| n.as_str().cmp(name))
-            .ok()
-            .map(|i| self.weights.resolve(self.ids[i].1))
+    /// The layer's `tensor`, if the file has it.
+    pub fn opt(&self, tensor: LayerTensor) -> Option<Tensor<'w>> {
+        self.ids[tensor as usize].map(|id| self.weights.resolve(id))
     }
 
-    /// The layer's tensor `name`, which its architecture lists as required (so the
-    /// loader made sure it is there).
+    /// The layer's `tensor`, which its architecture lists as required (so the loader
+    /// made sure it is there).
     ///
     /// # Panics
     /// When the architecture's graph uses a tensor its tensor list does not require: a
     /// bug in that architecture's file, never something a model file can cause.
-    pub fn get(&self, name: &str) -> Tensor<'w> {
-        self.opt(name).unwrap_or_else(|| {
+    pub fn get(&self, tensor: LayerTensor) -> Tensor<'w> {
+        self.opt(tensor).unwrap_or_else(|| {
             panic!(
-                "layer {} has no tensor '{name}': the architecture's graph uses a tensor its list does not require",
+                "layer {} has no tensor '{tensor}': the architecture's graph uses a tensor its list does not require",
                 self.layer
             )
         })
@@ -136,8 +134,8 @@ pub struct StageWeights {
     /// Holds the mapping for the tensors placed in it; never read directly.
     _mapped: MappedBuffer,
     groups: Vec<Group>,
-    /// Per layer of the stage (index `layer - first layer`).
-    layers: Vec<Vec<(String, TensorId)>>,
+    /// Per layer of the stage (index `layer - first layer`), indexed by [`LayerTensor`].
+    layers: Vec<Vec<Option<TensorId>>>,
     first_layer: usize,
     bytes: u64,
     file: Arc<ModelFile>,
@@ -228,34 +226,9 @@ impl StageWeights {
         let mut bytes = 0;
         let mut placed: Vec<Placed> = Vec::new();
         for spec in &plan {
-            let info = file
-                .gguf
-                .tensor(&spec.source)
-                .ok_or_else(|| ModelError::MissingTensor(spec.source.clone()))?;
-            let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
-            if dims != spec.shape {
-                return Err(ModelError::WrongShape {
-                    tensor: spec.source.clone(),
-                    expected: spec.shape.clone(),
-                    found: dims,
-                });
-            }
-            // Norms, biases and other element-wise weights are f32 in every llama.cpp
-            // GGUF; matrices must be types ggml can multiply by.
-            let dtype = DType(info.ggml_type.id());
-            let (ok, expected) = match spec.usage {
-                Use::Elementwise => (dtype == DType::F32, "f32"),
-                _ => (dtype.can_mul_mat(), "a float or quantized matrix type"),
-            };
-            if !ok {
-                return Err(ModelError::UnsupportedType {
-                    tensor: spec.source.clone(),
-                    dtype: info.ggml_type.name().into(),
-                    expected,
-                });
-            }
+            let (info, dtype, dims) = file_tensor(&file.gguf, spec)?;
             let cut = match split {
-                Some(split) => split.cut(&file.hparams, &spec.name, &dims)?,
+                Some(split) => split.cut(&file.hparams, &spec.split),
                 None => Cut::Whole,
             };
             let source = file
@@ -343,20 +316,22 @@ impl StageWeights {
         weights.layers = span
             .layers
             .clone()
-            .map(|layer| {
-                let prefix = format!("blk.{layer}.");
-                let mut ids: Vec<(String, TensorId)> = plan
-                    .iter()
-                    .filter_map(|spec| {
-                        let short = spec.name.strip_prefix(&prefix)?;
-                        Some((short.to_string(), weights.id(&spec.name)?))
-                    })
-                    .collect();
-                ids.sort_by(|a, b| a.0.cmp(&b.0));
-                ids
-            })
+            .map(|layer| weights.layer_ids(&plan, layer))
             .collect();
         Ok(weights)
+    }
+
+    /// The ids of layer `layer`'s tensors in `plan`, indexed by [`LayerTensor`].
+    fn layer_ids(&self, plan: &[TensorSpec], layer: usize) -> Vec<Option<TensorId>> {
+        let mut ids = vec![None; LayerTensor::ALL.len()];
+        for spec in plan {
+            if let TensorKind::Layer { layer: l, tensor } = spec.kind {
+                if l == layer {
+                    ids[tensor as usize] = self.id(&spec.name);
+                }
+            }
+        }
+        ids
     }
 
     /// Bytes held in the CPU's repacking buffers and tensor-parallel slice copies (not
@@ -389,11 +364,6 @@ impl StageWeights {
         self.ctx.get_tensor(name).map(|t| (t, &self.ctx))
     }
 
-    fn get_tensor(&self, name: &str) -> Result<Tensor<'_>, ModelError> {
-        self.opt(name)
-            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
-    }
-
     fn opt(&self, name: &str) -> Option<Tensor<'_>> {
         self.lookup(name).map(|(t, _)| t)
     }
@@ -412,24 +382,23 @@ impl StageWeights {
         ctx.tensor(id)
     }
 
-    /// The token embedding (first stage, or a last stage with tied output).
-    pub fn token_embd(&self) -> Result<Tensor<'_>, ModelError> {
-        self.get_tensor("token_embd.weight")
+    /// The stage's end tensor `tensor`, if it holds it (the token embedding on the
+    /// first stage, the output norm and projection on the last, RoPE frequency factors
+    /// where the model has them; a tied output projection is a second view of the token
+    /// embedding).
+    pub fn end(&self, tensor: EndTensor) -> Option<Tensor<'_>> {
+        self.opt(tensor.name())
     }
 
-    /// The final norm (last stage).
-    pub fn output_norm(&self) -> Result<Tensor<'_>, ModelError> {
-        self.get_tensor("output_norm.weight")
-    }
-
-    /// The output projection (a second view of the token embedding when tied).
-    pub fn output(&self) -> Result<Tensor<'_>, ModelError> {
-        self.get_tensor("output.weight")
-    }
-
-    /// Llama 3 RoPE frequency factors, when the model has them.
-    pub fn rope_freqs(&self) -> Option<Tensor<'_>> {
-        self.opt("rope_freqs.weight")
+    /// The stage's end tensor `tensor`, which its span requires (so the loader made
+    /// sure it is there).
+    ///
+    /// # Panics
+    /// When a graph reads an end tensor its stage does not hold: a bug in baton, never
+    /// something a model file can cause.
+    pub fn end_required(&self, tensor: EndTensor) -> Tensor<'_> {
+        self.end(tensor)
+            .unwrap_or_else(|| panic!("the stage has no tensor '{tensor}': its span does not include that end"))
     }
 
     /// The weights of global layer `layer` (one of the stage's).
@@ -518,6 +487,37 @@ fn stage_plan(file: &ModelFile, span: &StageSpan, strict: bool) -> Result<Vec<Te
         );
     }
     Ok(specs)
+}
+
+/// The file's tensor `spec.source`, checked against `spec`: its index entry, its type
+/// and its shape.
+fn file_tensor<'f>(gguf: &'f Gguf, spec: &TensorSpec) -> Result<(&'f TensorInfo, DType, Vec<i64>), ModelError> {
+    let info = gguf
+        .tensor(&spec.source)
+        .ok_or_else(|| ModelError::MissingTensor(spec.source.clone()))?;
+    let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
+    if dims != spec.shape {
+        return Err(ModelError::WrongShape {
+            tensor: spec.source.clone(),
+            expected: spec.shape.clone(),
+            found: dims,
+        });
+    }
+    // Norms, biases and other element-wise weights are f32 in every llama.cpp GGUF;
+    // matrices must be types ggml can multiply by.
+    let dtype = DType(info.ggml_type.id());
+    let (ok, expected) = match spec.usage {
+        Use::Elementwise => (dtype == DType::F32, "f32"),
+        _ => (dtype.can_mul_mat(), "a float or quantized matrix type"),
+    };
+    if !ok {
+        return Err(ModelError::UnsupportedType {
+            tensor: spec.source.clone(),
+            dtype: info.ggml_type.name().into(),
+            expected,
+        });
+    }
+    Ok((info, dtype, dims))
 }
 
 fn plan_source<'p>(plan: &'p [TensorSpec], name: &'p str) -> &'p str {

@@ -6,6 +6,7 @@ use baton_ggml::Tensor;
 
 use super::builder::Shard;
 use super::Builder;
+use crate::names::{EndTensor, LayerTensor as T};
 use crate::weights::LayerTensors;
 
 /// Keys and values of the batch for one layer, before they enter the cache.
@@ -32,7 +33,7 @@ impl<'g> Builder<'g> {
             let out = self.attention_heads(w, layer, x);
             self.gather(out, Shard::Heads)
         };
-        let out = self.linear(w.get("attn_output.weight"), w.opt("attn_output.bias"), out);
+        let out = self.linear(w.get(T::AttnOutput), w.opt(T::AttnOutputBias), out);
         self.gather(out, Shard::Embd)
     }
 
@@ -42,12 +43,12 @@ impl<'g> Builder<'g> {
         let hp = self.hp;
         let ctx = self.ctx;
         let (q, k, v) = self.qkv(w, x);
-        let (q, k) = match (w.opt("attn_q_norm.weight"), w.opt("attn_k_norm.weight")) {
+        let (q, k) = match (w.opt(T::AttnQNorm), w.opt(T::AttnKNorm)) {
             (Some(qn), Some(kn)) => (self.norm(q, qn), self.norm(k, kn)),
             _ => (q, k),
         };
         let rope = if hp.is_swa(layer) { &hp.rope_swa } else { &hp.rope };
-        let factors = self.weights.rope_freqs();
+        let factors = self.weights.end(EndTensor::RopeFreqs);
         let mut q = ctx
             .rope(q, self.inputs.positions, factors, rope)
             .named(&format!("Qcur-{layer}"));
@@ -65,7 +66,7 @@ impl<'g> Builder<'g> {
             v: Some(v),
             d_v: hp.head_dim_v,
         };
-        let out = self.attend(layer, q, kv, w.opt("attn_sinks.weight"), hp.attn_scale);
+        let out = self.attend(layer, q, kv, w.opt(T::AttnSinks), hp.attn_scale);
         ctx.reshape_2d(out, (hp.head_dim_v * hp.n_head) as i64, self.inputs.n_tokens as i64)
     }
 
@@ -77,12 +78,12 @@ impl<'g> Builder<'g> {
         let n_tokens = self.inputs.n_tokens as i64;
         let (d_k, d_v) = (hp.head_dim_k as i64, hp.head_dim_v as i64);
         let (n_head, n_head_kv) = (hp.n_head as i64, hp.n_head_kv as i64);
-        if let Some(wqkv) = w.opt("attn_qkv.weight") {
+        if let Some(wqkv) = w.opt(T::AttnQkv) {
             let mut qkv = ctx.mul_mat(wqkv, x);
-            if let Some(b) = w.opt("attn_qkv.bias") {
+            if let Some(b) = w.opt(T::AttnQkvBias) {
                 qkv = ctx.add(qkv, b);
             } else if let (Some(bq), Some(bk), Some(bv)) =
-                (w.opt("attn_q.bias"), w.opt("attn_k.bias"), w.opt("attn_v.bias"))
+                (w.opt(T::AttnQBias), w.opt(T::AttnKBias), w.opt(T::AttnVBias))
             {
                 qkv = ctx.add(qkv, ctx.concat(ctx.concat(bq, bk, 0), bv, 0));
             }
@@ -100,9 +101,9 @@ impl<'g> Builder<'g> {
             );
             return (q, k, v);
         }
-        let q = self.linear(w.get("attn_q.weight"), w.opt("attn_q.bias"), x);
-        let k = self.linear(w.get("attn_k.weight"), w.opt("attn_k.bias"), x);
-        let v = self.linear(w.get("attn_v.weight"), w.opt("attn_v.bias"), x);
+        let q = self.linear(w.get(T::AttnQ), w.opt(T::AttnQBias), x);
+        let k = self.linear(w.get(T::AttnK), w.opt(T::AttnKBias), x);
+        let v = self.linear(w.get(T::AttnV), w.opt(T::AttnVBias), x);
         (
             ctx.reshape_3d(q, d_k, n_head, n_tokens),
             ctx.reshape_3d(k, d_k, n_head_kv, n_tokens),

@@ -7,6 +7,7 @@ use baton_ggml::{Context, Graph, HostOp, Tensor};
 
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
+use crate::names::FfnTensors;
 use crate::weights::{LayerTensors, StageWeights};
 
 /// The per-step inputs every layer reads.
@@ -167,19 +168,21 @@ impl<'g> Builder<'g> {
 
     /// A gated feed-forward block as llama.cpp's `build_ffn` computes it with parallel
     /// gate and up projections: `down(act(gate x + b) * (up x + b)) + b`, over the layer's
-    /// `ffn_{gate,up,down}{suffix}` weights and whichever biases it has.
-    pub fn ffn(&self, w: &LayerTensors<'g>, suffix: &str, act: Act, x: Tensor<'g>) -> Tensor<'g> {
-        let t = |kind: &str, part: &str| w.opt(&format!("ffn_{kind}{suffix}.{part}"));
-        let weight = |kind: &str| w.get(&format!("ffn_{kind}{suffix}.weight"));
-        let up = self.linear(weight("up"), t("up", "bias"), x);
-        let gate = self.linear(weight("gate"), t("gate", "bias"), x);
+    /// `ffn` tensors (the dense FFN's or the shared experts') and whichever biases it has.
+    pub fn ffn(&self, w: &LayerTensors<'g>, ffn: &FfnTensors, act: Act, x: Tensor<'g>) -> Tensor<'g> {
+        let [gate_b, up_b, down_b] = match ffn.biases {
+            Some([gate, up, down]) => [w.opt(gate), w.opt(up), w.opt(down)],
+            None => [None; 3],
+        };
+        let up = self.linear(w.get(ffn.up), up_b, x);
+        let gate = self.linear(w.get(ffn.gate), gate_b, x);
         let hidden = match act {
             Act::Silu => self.ctx.swiglu_split(gate, up),
             Act::Gelu => self.ctx.geglu_split(gate, up),
         };
-        let shard = if suffix == "_shexp" { Shard::FfShexp } else { Shard::Ff };
+        let shard = if ffn.shared_experts { Shard::FfShexp } else { Shard::Ff };
         let hidden = self.gather(hidden, shard);
-        let out = self.linear(weight("down"), t("down", "bias"), hidden);
+        let out = self.linear(w.get(ffn.down), down_b, hidden);
         self.gather(out, Shard::Embd)
     }
 }

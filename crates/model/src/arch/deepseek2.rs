@@ -16,7 +16,8 @@ use super::builder::{Act, Shard};
 use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{AttnTemp, HParams, Keys, Mla};
-use crate::tensors::{self, LayerPlan, Presence};
+use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
+use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -29,6 +30,8 @@ pub static ARCH: Architecture = Architecture {
     hparams,
     tensors,
     layer,
+    embed: super::ends::embed,
+    logits: super::ends::logits,
     example,
 };
 
@@ -103,36 +106,40 @@ fn tensors(t: &mut LayerPlan<'_>) {
     let mla = hp.mla.as_ref().expect("deepseek2 hyper-parameters always set MLA");
     let (embd, n_head, n_rot) = (hp.n_embd, hp.n_head, hp.rope.n_dims as usize);
     let n_nope = mla.head_dim_k - n_rot;
-    t.vec("attn_norm.weight", &[embd]);
+    // Tensor parallelism: every member with heads computes the compressed rows whole
+    // (each head reads all of them); the query heads, with their matrices, are shared out.
+    let q_heads = Split::Rows(Dim::QHeads(mla.head_dim_k));
+    t.norm(T::AttnNorm, embd);
     if mla.n_lora_q > 0 {
-        t.vec("attn_q_a_norm.weight", &[mla.n_lora_q]);
-        t.mat("attn_q_a.weight", &[embd, mla.n_lora_q]);
-        t.mat("attn_q_b.weight", &[mla.n_lora_q, n_head * mla.head_dim_k]);
+        t.vec(T::AttnQANorm, &[mla.n_lora_q], Split::WithHeads);
+        t.mat(T::AttnQA, &[embd, mla.n_lora_q], Split::WithHeads);
+        t.mat(T::AttnQB, &[mla.n_lora_q, n_head * mla.head_dim_k], q_heads);
     } else {
-        t.mat("attn_q.weight", &[embd, n_head * mla.head_dim_k]);
+        t.mat(T::AttnQ, &[embd, n_head * mla.head_dim_k], q_heads);
     }
-    t.vec("attn_kv_a_norm.weight", &[mla.n_lora_kv]);
-    t.mat("attn_kv_a_mqa.weight", &[embd, mla.n_lora_kv + n_rot]);
-    t.mat("attn_k_b.weight", &[n_nope, mla.n_lora_kv, n_head]);
-    t.mat("attn_v_b.weight", &[mla.n_lora_kv, mla.head_dim_v, n_head]);
-    t.mat("attn_output.weight", &[n_head * mla.head_dim_v, embd]);
-    t.vec("ffn_norm.weight", &[embd]);
+    t.vec(T::AttnKvANorm, &[mla.n_lora_kv], Split::WithHeads);
+    t.mat(T::AttnKvAMqa, &[embd, mla.n_lora_kv + n_rot], Split::WithHeads);
+    t.mat(T::AttnKB, &[n_nope, mla.n_lora_kv, n_head], Split::HeadMatrices);
+    t.mat(T::AttnVB, &[mla.n_lora_kv, mla.head_dim_v, n_head], Split::HeadMatrices);
+    t.mat(T::AttnOutput, &[n_head * mla.head_dim_v, embd], Split::Rows(Dim::Embd));
+    t.norm(T::FfnNorm, embd);
     if hp.is_moe(t.layer) {
         tensors::experts(t, hp.moe.n_ff_exp, true);
-        t.vec("exp_probs_b.bias", &[hp.moe.n_expert]).presence(Presence::Usual);
-        tensors::ffn(t, "_shexp", hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
+        t.vec(T::ExpProbsBias, &[hp.moe.n_expert], Split::Whole)
+            .presence(Presence::Usual);
+        tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
     } else {
-        tensors::ffn(t, "", hp.n_ff, false);
+        tensors::ffn(t, &FFN, hp.n_ff, false);
     }
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
-    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.norm(hidden, w.get(T::AttnNorm));
     let cur = mla_attention(b, w, layer, cur);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
-    let cur = b.norm(ffn_in, w.get("ffn_norm.weight"));
+    let cur = b.norm(ffn_in, w.get(T::FfnNorm));
     let cur = if b.hp.is_moe(layer) {
         let routing = Routing {
             gating: b.hp.moe.gating,
@@ -141,10 +148,10 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
             act: ExpertAct::Silu,
         };
         let routed = b.moe(w, layer, cur, routing);
-        let shared = b.ffn(w, "_shexp", Act::Silu, cur);
+        let shared = b.ffn(w, &FFN_SHEXP, Act::Silu, cur);
         b.ctx.add(routed, shared)
     } else {
-        b.ffn(w, "", Act::Silu, cur)
+        b.ffn(w, &FFN, Act::Silu, cur)
     };
     b.ctx.add(cur, ffn_in)
 }
@@ -165,26 +172,26 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
         // A tensor-parallel member without heads: only the others' heads, its rows of
         // the projection.
         let out = b.gather(x, Shard::Heads);
-        return b.gather(ctx.mul_mat(w.get("attn_output.weight"), out), Shard::Embd);
+        return b.gather(ctx.mul_mat(w.get(T::AttnOutput), out), Shard::Embd);
     }
 
-    let q = match w.opt("attn_q_a.weight") {
+    let q = match w.opt(T::AttnQA) {
         Some(q_a) => {
             let q = ctx.mul_mat(q_a, x);
-            let q = b.norm(q, w.get("attn_q_a_norm.weight"));
-            ctx.mul_mat(w.get("attn_q_b.weight"), q)
+            let q = b.norm(q, w.get(T::AttnQANorm));
+            ctx.mul_mat(w.get(T::AttnQB), q)
         }
-        None => ctx.mul_mat(w.get("attn_q.weight"), x),
+        None => ctx.mul_mat(w.get(T::AttnQ), x),
     };
     let q = ctx.reshape_3d(q, head_k, n_head, n_tokens); // [head_k, n_head, n_tokens]
 
-    let kv_pe = ctx.mul_mat(w.get("attn_kv_a_mqa.weight"), x); // [n_lora_kv + n_rot, n_tokens]
+    let kv_pe = ctx.mul_mat(w.get(T::AttnKvAMqa), x); // [n_lora_kv + n_rot, n_tokens]
     let elt = kv_pe.nb()[0];
     let row = kv_pe.nb()[1];
     let kv = ctx.view_2d(kv_pe, n_lora_kv, n_tokens, row, 0);
     let k_pe = ctx.view_3d(kv_pe, [n_rot, 1, n_tokens], row, row, elt * n_lora_kv as usize);
     let k_pe = ctx.rope(k_pe, b.inputs.positions, None, &hp.rope);
-    let kv = b.norm(kv, w.get("attn_kv_a_norm.weight"));
+    let kv = b.norm(kv, w.get(T::AttnKvANorm));
 
     let q_elt = q.nb()[0];
     let q_nope = ctx.view_3d(q, [n_nope, n_head, n_tokens], q.nb()[1], q.nb()[2], 0);
@@ -197,9 +204,10 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     );
     let q_pe = ctx.rope(q_pe, b.inputs.positions, None, &hp.rope);
     let q_nope = ctx.permute(q_nope, [0, 2, 1, 3]); // [n_nope, n_tokens, n_head]
-    let q_absorbed = ctx.mul_mat(w.get("attn_k_b.weight"), q_nope); // [n_lora_kv, n_tokens, n_head]
+    let q_absorbed = ctx.mul_mat(w.get(T::AttnKB), q_nope); // [n_lora_kv, n_tokens, n_head]
     let q_absorbed = ctx.permute(q_absorbed, [0, 2, 1, 3]); // [n_lora_kv, n_head, n_tokens]
-                                                            // RoPE part last, so a cache row is [latent, rope].
+
+    // RoPE part last, so a cache row is [latent, rope].
     let mut q = ctx.concat(q_absorbed, q_pe, 0).named(&format!("Qcur-{layer}")); // [n_lora_kv + n_rot, n_head, n_tokens]
     if let Some(temp) = b.inputs.attn_temp {
         q = ctx.mul(q, temp);
@@ -220,13 +228,13 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     };
     let out = b.attend(layer, q, keys, None, scale); // [n_lora_kv, n_head, n_tokens]
     let out = ctx.permute(out, [0, 2, 1, 3]); // [n_lora_kv, n_tokens, n_head]
-    let out = ctx.mul_mat(w.get("attn_v_b.weight"), out); // [head_dim_v, n_tokens, n_head]
+    let out = ctx.mul_mat(w.get(T::AttnVB), out); // [head_dim_v, n_tokens, n_head]
     let out = ctx.cont(ctx.permute(out, [0, 2, 1, 3])); // [head_dim_v, n_head, n_tokens]
     let out = ctx.reshape_2d(out, mla.head_dim_v as i64 * n_head, n_tokens);
     // A tensor-parallel member: its heads' outputs joined with the others', then its rows
     // of the projection joined too.
     let out = b.gather(out, Shard::Heads);
-    b.gather(ctx.mul_mat(w.get("attn_output.weight"), out), Shard::Embd)
+    b.gather(ctx.mul_mat(w.get(T::AttnOutput), out), Shard::Embd)
 }
 
 fn example(shape: &Shape) -> Vec<(&'static str, Value)> {

@@ -7,6 +7,7 @@ use baton_gguf::Value;
 use super::builder::Act;
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
+use crate::names::{LayerTensor as T, FFN};
 use crate::tensors::{self, LayerPlan, Presence};
 use crate::weights::LayerTensors;
 use crate::ModelError;
@@ -20,12 +21,13 @@ pub static ARCH: Architecture = Architecture {
     hparams,
     tensors,
     layer,
+    embed: super::gemma2::embed,
+    logits: super::gemma2::logits,
     example,
 };
 
 /// As llama.cpp's `llama_model_gemma3` reads them.
 fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
-    hp.embd_scale = (hp.n_embd as f32).sqrt();
     // Queries are pre-scaled by 1/sqrt(head_dim) (1/sqrt(n_embd/n_head) for the 27B);
     // the attention itself then uses scale 1.
     hp.query_scale = if hp.n_layer == 62 {
@@ -44,25 +46,25 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 
 fn tensors(t: &mut LayerPlan<'_>) {
     let embd = t.hp.n_embd;
-    t.vec("attn_norm.weight", &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Optional);
     tensors::qk_norms(t, Presence::Required);
-    t.vec("post_attention_norm.weight", &[embd]);
-    t.vec("ffn_norm.weight", &[embd]);
-    tensors::ffn(t, "", t.hp.n_ff, false);
-    t.vec("post_ffw_norm.weight", &[embd]);
+    t.norm(T::PostAttentionNorm, embd);
+    t.norm(T::FfnNorm, embd);
+    tensors::ffn(t, &FFN, t.hp.n_ff, false);
+    t.norm(T::PostFfwNorm, embd);
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
-    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.norm(hidden, w.get(T::AttnNorm));
     let cur = b.attention(w, layer, cur);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
-    let cur = b.norm(cur, w.get("post_attention_norm.weight"));
+    let cur = b.norm(cur, w.get(T::PostAttentionNorm));
     let attn_out = b.ctx.add(cur, residual);
 
-    let cur = b.norm(attn_out, w.get("ffn_norm.weight"));
-    let cur = b.ffn(w, "", Act::Gelu, cur);
-    let cur = b.norm(cur, w.get("post_ffw_norm.weight"));
+    let cur = b.norm(attn_out, w.get(T::FfnNorm));
+    let cur = b.ffn(w, &FFN, Act::Gelu, cur);
+    let cur = b.norm(cur, w.get(T::PostFfwNorm));
     b.ctx.add(cur, attn_out)
 }
 

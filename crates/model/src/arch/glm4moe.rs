@@ -10,7 +10,8 @@ use super::builder::Act;
 use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
-use crate::tensors::{self, LayerPlan, Presence};
+use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
+use crate::tensors::{self, LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -23,6 +24,8 @@ pub static ARCH: Architecture = Architecture {
     hparams,
     tensors,
     layer,
+    embed: super::ends::embed,
+    logits: super::ends::logits,
     example,
 };
 
@@ -50,30 +53,30 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
     let embd = hp.n_embd;
-    t.vec("attn_norm.weight", &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Usual);
     tensors::qk_norms(t, Presence::Optional);
-    t.vec("post_attention_norm.weight", &[embd]);
+    t.norm(T::PostAttentionNorm, embd);
     if hp.is_moe(t.layer) {
         tensors::experts(t, hp.moe.n_ff_exp, false);
-        t.vec("exp_probs_b.bias", &[hp.moe.n_expert]);
+        t.vec(T::ExpProbsBias, &[hp.moe.n_expert], Split::Whole);
         if hp.moe.n_expert_shared > 0 {
-            tensors::ffn(t, "_shexp", hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
+            tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
         }
     } else {
-        tensors::ffn(t, "", hp.n_ff, false);
+        tensors::ffn(t, &FFN, hp.n_ff, false);
     }
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
     // llama.cpp asks for f32 accumulation in glm4moe's output and down projections;
     // the CPU backend always accumulates in f32.
-    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.norm(hidden, w.get(T::AttnNorm));
     let cur = b.attention(w, layer, cur);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
-    let cur = b.norm(ffn_in, w.get("post_attention_norm.weight"));
+    let cur = b.norm(ffn_in, w.get(T::PostAttentionNorm));
     let cur = if b.hp.is_moe(layer) {
         let routing = Routing {
             gating: b.hp.moe.gating,
@@ -83,13 +86,13 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
         };
         let routed = b.moe(w, layer, cur, routing);
         if b.hp.moe.n_expert_shared > 0 {
-            let shared = b.ffn(w, "_shexp", Act::Silu, cur);
+            let shared = b.ffn(w, &FFN_SHEXP, Act::Silu, cur);
             b.ctx.add(routed, shared)
         } else {
             routed
         }
     } else {
-        b.ffn(w, "", Act::Silu, cur)
+        b.ffn(w, &FFN, Act::Silu, cur)
     };
     b.ctx.add(cur, ffn_in)
 }

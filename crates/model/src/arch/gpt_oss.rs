@@ -10,7 +10,8 @@ use baton_gguf::Value;
 use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
-use crate::tensors::{self, LayerPlan, Presence};
+use crate::names::LayerTensor as T;
+use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -23,6 +24,8 @@ pub static ARCH: Architecture = Architecture {
     hparams,
     tensors,
     layer,
+    embed: super::ends::embed,
+    logits: super::ends::logits,
     example,
 };
 
@@ -49,24 +52,25 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
     let (embd, n_ff_exp, n_expert) = (hp.n_embd, hp.moe.n_ff_exp, hp.moe.n_expert);
-    t.vec("attn_norm.weight", &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Usual);
-    t.vec("attn_output.bias", &[embd]);
-    t.vec("attn_sinks.weight", &[hp.n_head]);
-    t.vec("post_attention_norm.weight", &[embd]);
+    t.vec(T::AttnOutputBias, &[embd], Split::Rows(Dim::Embd));
+    // One sink per query head.
+    t.vec(T::AttnSinks, &[hp.n_head], Split::Rows(Dim::QHeads(1)));
+    t.norm(T::PostAttentionNorm, embd);
     tensors::experts(t, n_ff_exp, false);
-    t.vec("ffn_gate_inp.bias", &[n_expert]);
-    t.vec("ffn_gate_exps.bias", &[n_ff_exp, n_expert]);
-    t.vec("ffn_up_exps.bias", &[n_ff_exp, n_expert]);
-    t.vec("ffn_down_exps.bias", &[embd, n_expert]);
+    t.vec(T::FfnGateInpBias, &[n_expert], Split::Whole);
+    t.vec(T::FfnGateExpsBias, &[n_ff_exp, n_expert], Split::EachRow(Dim::FfExp));
+    t.vec(T::FfnUpExpsBias, &[n_ff_exp, n_expert], Split::EachRow(Dim::FfExp));
+    t.vec(T::FfnDownExpsBias, &[embd, n_expert], Split::EachRow(Dim::Embd));
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
-    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.norm(hidden, w.get(T::AttnNorm));
     let cur = b.attention(w, layer, cur); // biases and sinks: the layer has them
     let ffn_in = b.ctx.add(cur, hidden); // [n_embd, n_tokens]
 
-    let cur = b.norm(ffn_in, w.get("post_attention_norm.weight"));
+    let cur = b.norm(ffn_in, w.get(T::PostAttentionNorm));
     let routing = Routing {
         gating: Gating::SoftmaxWeight,
         norm_weights: false,

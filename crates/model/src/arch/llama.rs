@@ -8,7 +8,8 @@ use super::builder::Act;
 use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
-use crate::tensors::{self, LayerPlan, Presence};
+use crate::names::{LayerTensor as T, FFN};
+use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -21,6 +22,8 @@ pub static ARCH: Architecture = Architecture {
     hparams,
     tensors,
     layer,
+    embed: super::ends::embed,
+    logits: super::ends::logits,
     example,
 };
 
@@ -44,24 +47,25 @@ pub(super) fn require_plain_heads(hp: &HParams) -> Result<(), ModelError> {
 
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
-    t.vec("attn_norm.weight", &[hp.n_embd]);
+    t.norm(T::AttnNorm, hp.n_embd);
     tensors::attention(t, Presence::Optional);
-    t.vec("attn_output.bias", &[hp.n_embd]).optional();
-    t.vec("ffn_norm.weight", &[hp.n_embd]);
+    t.vec(T::AttnOutputBias, &[hp.n_embd], Split::Rows(Dim::Embd))
+        .optional();
+    t.norm(T::FfnNorm, hp.n_embd);
     if hp.is_moe(t.layer) {
         tensors::experts(t, hp.moe.n_ff_exp, false);
     } else {
-        tensors::ffn(t, "", hp.n_ff, true);
+        tensors::ffn(t, &FFN, hp.n_ff, true);
     }
 }
 
 pub(super) fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
-    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.norm(hidden, w.get(T::AttnNorm));
     let cur = b.attention(w, layer, cur);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
-    let cur = b.norm(ffn_in, w.get("ffn_norm.weight"));
+    let cur = b.norm(ffn_in, w.get(T::FfnNorm));
     let cur = if b.hp.is_moe(layer) {
         let routing = Routing {
             gating: Gating::Softmax,
@@ -71,7 +75,7 @@ pub(super) fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize,
         };
         b.moe(w, layer, cur, routing)
     } else {
-        b.ffn(w, "", Act::Silu, cur)
+        b.ffn(w, &FFN, Act::Silu, cur)
     };
     b.ctx.add(cur, ffn_in)
 }

@@ -18,6 +18,8 @@ pub static ARCH: Architecture = Architecture {
     hparams,
     tensors,
     layer: super::llama::layer,
+    embed: super::ends::embed,
+    logits: super::ends::logits,
     example,
 };
 

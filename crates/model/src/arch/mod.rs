@@ -9,6 +9,7 @@
 
 pub mod attention;
 pub mod builder;
+pub mod ends;
 pub mod moe;
 
 mod deepseek2;
@@ -72,6 +73,14 @@ impl Rope {
 /// model's last layer when it keeps only the rows that need logits).
 pub type LayerFn = for<'g> fn(&mut Builder<'g>, &LayerTensors<'g>, usize, Tensor<'g>) -> Tensor<'g>;
 
+/// The first stage's input end: token ids i32 `[n_tokens]` in, hidden
+/// `[n_embd, n_tokens]` out (see [`ends::embed`]).
+pub type EmbedFn = for<'g> fn(&Builder<'g>, Tensor<'g>) -> Tensor<'g>;
+
+/// The last stage's output end: hidden `[n_embd, n_out]` of the rows that need logits
+/// in, logits `[n_vocab, n_out]` out (see [`ends::logits`]).
+pub type LogitsFn = for<'g> fn(&Builder<'g>, Tensor<'g>) -> Tensor<'g>;
+
 /// Everything baton knows about one architecture.
 pub struct Architecture {
     /// `general.architecture` as llama.cpp writes it.
@@ -91,6 +100,10 @@ pub struct Architecture {
     pub tensors: fn(&mut LayerPlan<'_>),
     /// Builds one layer's graph.
     pub layer: LayerFn,
+    /// Embeds tokens (first stage).
+    pub embed: EmbedFn,
+    /// Turns the last layer's hidden states into logits (last stage).
+    pub logits: LogitsFn,
     /// The architecture's own keys (without the `{arch}.` prefix) of a small example
     /// model of `shape`, beyond those every model has (see [`Shape`]).
     pub example: fn(&Shape) -> Vec<(&'static str, Value)>,

@@ -9,6 +9,7 @@ use baton_ggml::Tensor;
 use super::builder::Shard;
 use super::Builder;
 use crate::hparams::Keys;
+use crate::names::LayerTensor as T;
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -197,8 +198,8 @@ impl<'g> Builder<'g> {
         let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
 
         // llama.cpp's quantizer leaves the router in f32 (see `mul_mat_rowwise`).
-        let mut logits = self.mul_mat_rowwise(w.get("ffn_gate_inp.weight"), x); // [n_expert, n_tokens]
-        if let Some(b) = w.opt("ffn_gate_inp.bias") {
+        let mut logits = self.mul_mat_rowwise(w.get(T::FfnGateInp), x); // [n_expert, n_tokens]
+        if let Some(b) = w.opt(T::FfnGateInpBias) {
             logits = ctx.add(logits, b);
         }
         let probs = match routing.gating {
@@ -209,7 +210,7 @@ impl<'g> Builder<'g> {
         let probs = named(probs, "ffn_moe_probs"); // [n_expert, n_tokens]
 
         // The selection bias (DeepSeek V3) only chooses; the weights stay unbiased.
-        let mut selection = match w.opt("exp_probs_b.bias") {
+        let mut selection = match w.opt(T::ExpProbsBias) {
             Some(b) => ctx.add(probs, b),
             None => probs,
         };
@@ -237,14 +238,14 @@ impl<'g> Builder<'g> {
         self.graph.expand(weights);
 
         let x3 = ctx.reshape_3d(x, n_embd, 1, n_tokens);
-        let experts = |name: &str, input: Tensor<'g>| {
-            let out = ctx.mul_mat_id(w.get(&format!("{name}.weight")), input, selected);
-            match w.opt(&format!("{name}.bias")) {
+        let experts = |weight: T, bias: T, input: Tensor<'g>| {
+            let out = ctx.mul_mat_id(w.get(weight), input, selected);
+            match w.opt(bias) {
                 Some(b) => ctx.add_id(out, b, selected),
                 None => out,
             }
         };
-        let (gate, up) = match w.opt("ffn_gate_up_exps.weight") {
+        let (gate, up) = match w.opt(T::FfnGateUpExps) {
             Some(gate_up_w) => {
                 let gate_up = ctx.mul_mat_id(gate_up_w, x3, selected); // [2 n_ff, n_used, n_tokens]
                 let n_ff = gate_up.ne()[0] / 2;
@@ -255,8 +256,8 @@ impl<'g> Builder<'g> {
                 (gate, up)
             }
             None => {
-                let up = experts("ffn_up_exps", x3); // [n_ff, n_used, n_tokens]
-                (experts("ffn_gate_exps", x3), up)
+                let up = experts(T::FfnUpExps, T::FfnUpExpsBias, x3); // [n_ff, n_used, n_tokens]
+                (experts(T::FfnGateExps, T::FfnGateExpsBias, x3), up)
             }
         };
         let hidden = match routing.act {
@@ -271,7 +272,7 @@ impl<'g> Builder<'g> {
         } else {
             hidden
         };
-        let out = experts("ffn_down_exps", hidden); // [n_embd, n_used, n_tokens] (a member: its rows)
+        let out = experts(T::FfnDownExps, T::FfnDownExpsBias, hidden); // [n_embd, n_used, n_tokens] (a member: its rows)
         let out = ctx.mul(out, weights);
         self.graph.expand(out);
 

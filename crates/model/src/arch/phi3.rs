@@ -9,7 +9,8 @@ use baton_gguf::Value;
 use super::builder::Shard;
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
-use crate::tensors::LayerPlan;
+use crate::names::LayerTensor as T;
+use crate::tensors::{Dim, LayerPlan, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -22,6 +23,8 @@ pub static ARCH: Architecture = Architecture {
     hparams,
     tensors,
     layer,
+    embed: super::ends::embed,
+    logits: super::ends::logits,
     example,
 };
 
@@ -41,32 +44,36 @@ fn hparams(hp: &mut HParams, _keys: &Keys<'_>) -> Result<(), ModelError> {
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
     let (embd, kv) = (hp.n_embd, hp.n_embd_k_gqa());
-    t.vec("attn_norm.weight", &[embd]);
+    let d = hp.head_dim_k;
+    t.norm(T::AttnNorm, embd);
     // Phi files fuse q, k and v; separate ones are taken when a file has them.
-    if t.file_has("attn_q.weight") {
-        t.mat("attn_q.weight", &[embd, embd]);
-        t.mat("attn_k.weight", &[embd, kv]);
-        t.mat("attn_v.weight", &[embd, kv]);
+    if t.file_has(T::AttnQ) {
+        t.mat(T::AttnQ, &[embd, embd], Split::Rows(Dim::QHeads(d)));
+        t.mat(T::AttnK, &[embd, kv], Split::Rows(Dim::KvHeads(d)));
+        t.mat(T::AttnV, &[embd, kv], Split::Rows(Dim::KvHeads(d)));
     } else {
-        t.mat("attn_qkv.weight", &[embd, embd + 2 * kv]);
+        let qkv = vec![Dim::QHeads(d), Dim::KvHeads(d), Dim::KvHeads(d)];
+        t.mat(T::AttnQkv, &[embd, embd + 2 * kv], Split::Fused(qkv));
     }
-    t.mat("attn_output.weight", &[embd, embd]);
-    t.vec("ffn_norm.weight", &[embd]);
-    t.mat("ffn_up.weight", &[embd, 2 * hp.n_ff]);
-    t.mat("ffn_down.weight", &[hp.n_ff, embd]);
+    t.mat(T::AttnOutput, &[embd, embd], Split::Rows(Dim::Embd));
+    t.norm(T::FfnNorm, embd);
+    // Gate and up fused: `[gate | up]` rows.
+    t.mat(T::FfnUp, &[embd, 2 * hp.n_ff], Split::Fused(vec![Dim::Ff, Dim::Ff]));
+    t.mat(T::FfnDown, &[hp.n_ff, embd], Split::Rows(Dim::Embd));
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
-    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.norm(hidden, w.get(T::AttnNorm));
     let cur = b.attention(w, layer, cur);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
-    let cur = b.norm(ffn_in, w.get("ffn_norm.weight"));
-    let gate_up = b.ctx.mul_mat(w.get("ffn_up.weight"), cur); // [2 n_ff, n_tokens]
-                                                              // A tensor-parallel member: its rows of gate and of up, its rows of the output.
+    let cur = b.norm(ffn_in, w.get(T::FfnNorm));
+    let gate_up = b.ctx.mul_mat(w.get(T::FfnUp), cur); // [2 n_ff, n_tokens]
+
+    // A tensor-parallel member: its rows of gate and of up, its rows of the output.
     let hidden = b.gather(b.ctx.swiglu(gate_up), Shard::Ff);
-    let cur = b.gather(b.ctx.mul_mat(w.get("ffn_down.weight"), hidden), Shard::Embd);
+    let cur = b.gather(b.ctx.mul_mat(w.get(T::FfnDown), hidden), Shard::Embd);
     b.ctx.add(ffn_in, cur)
 }
 

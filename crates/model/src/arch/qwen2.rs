@@ -4,6 +4,7 @@ use baton_gguf::Value;
 
 use super::{Architecture, Rope, Shape};
 use crate::hparams::{HParams, Keys};
+use crate::names::{LayerTensor as T, FFN};
 use crate::tensors::{self, LayerPlan, Presence};
 use crate::ModelError;
 
@@ -16,6 +17,8 @@ pub static ARCH: Architecture = Architecture {
     hparams,
     tensors,
     layer: super::llama::layer,
+    embed: super::ends::embed,
+    logits: super::ends::logits,
     example,
 };
 
@@ -25,10 +28,10 @@ fn hparams(hp: &mut HParams, _keys: &Keys<'_>) -> Result<(), ModelError> {
 
 fn tensors(t: &mut LayerPlan<'_>) {
     let embd = t.hp.n_embd;
-    t.vec("attn_norm.weight", &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Usual);
-    t.vec("ffn_norm.weight", &[embd]);
-    tensors::ffn(t, "", t.hp.n_ff, false);
+    t.norm(T::FfnNorm, embd);
+    tensors::ffn(t, &FFN, t.hp.n_ff, false);
 }
 
 fn example(_shape: &Shape) -> Vec<(&'static str, Value)> {

@@ -8,6 +8,7 @@ use baton_gguf::Value;
 use super::moe::{ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
+use crate::names::LayerTensor as T;
 use crate::tensors::{self, LayerPlan, Presence};
 use crate::weights::LayerTensors;
 use crate::ModelError;
@@ -21,6 +22,8 @@ pub static ARCH: Architecture = Architecture {
     hparams,
     tensors,
     layer,
+    embed: super::ends::embed,
+    logits: super::ends::logits,
     example,
 };
 
@@ -34,20 +37,20 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 
 fn tensors(t: &mut LayerPlan<'_>) {
     let embd = t.hp.n_embd;
-    t.vec("attn_norm.weight", &[embd]);
+    t.norm(T::AttnNorm, embd);
     tensors::attention(t, Presence::Optional);
     tensors::qk_norms(t, Presence::Required);
-    t.vec("ffn_norm.weight", &[embd]);
+    t.norm(T::FfnNorm, embd);
     tensors::experts(t, t.hp.moe.n_ff_exp, false);
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
-    let cur = b.norm(hidden, w.get("attn_norm.weight"));
+    let cur = b.norm(hidden, w.get(T::AttnNorm));
     let cur = b.attention(w, layer, cur);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
-    let cur = b.norm(ffn_in, w.get("ffn_norm.weight"));
+    let cur = b.norm(ffn_in, w.get(T::FfnNorm));
     // The GGUF's expert_weights_scale is not read for qwen3moe (llama.cpp neither).
     let routing = Routing {
         gating: Gating::Softmax,

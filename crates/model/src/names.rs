@@ -1,0 +1,168 @@
+//! The names of the tensors baton reads, each GGUF name written once: architectures
+//! list and use tensors by these values (`LayerTensor::AttnQ`), so a misspelt tensor
+//! does not compile, and one the file lacks is refused at load with its GGUF name.
+//! Like llama.cpp's `llm_tensor` and its `LLM_TENSOR_NAMES` table.
+
+use std::fmt;
+
+/// Declares a tensor-name enum: each variant with its GGUF name, a table of all of
+/// them, and `name()` (the only place each string is written).
+macro_rules! tensor_names {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident ($prefix:literal) {
+            $($variant:ident = $gguf:literal,)*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name {
+            $(
+                #[doc = concat!("`", $prefix, $gguf, "`")]
+                $variant,
+            )*
+        }
+
+        impl $name {
+            /// Every one, in declaration order (`ALL[t as usize] == t`).
+            pub const ALL: &'static [$name] = &[$($name::$variant,)*];
+
+            /// Its GGUF name (within its layer, for a layer tensor).
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $($name::$variant => $gguf,)*
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+tensor_names! {
+    /// A tensor of one layer, named `blk.{layer}.{name}` in the file.
+    pub enum LayerTensor ("blk.N.") {
+        AttnNorm = "attn_norm.weight",
+        AttnQ = "attn_q.weight",
+        AttnK = "attn_k.weight",
+        AttnV = "attn_v.weight",
+        AttnQkv = "attn_qkv.weight",
+        AttnQBias = "attn_q.bias",
+        AttnKBias = "attn_k.bias",
+        AttnVBias = "attn_v.bias",
+        AttnQkvBias = "attn_qkv.bias",
+        AttnQNorm = "attn_q_norm.weight",
+        AttnKNorm = "attn_k_norm.weight",
+        AttnSinks = "attn_sinks.weight",
+        AttnOutput = "attn_output.weight",
+        AttnOutputBias = "attn_output.bias",
+        // Multi-head latent attention (deepseek2).
+        AttnQA = "attn_q_a.weight",
+        AttnQANorm = "attn_q_a_norm.weight",
+        AttnQB = "attn_q_b.weight",
+        AttnKvAMqa = "attn_kv_a_mqa.weight",
+        AttnKvANorm = "attn_kv_a_norm.weight",
+        AttnKB = "attn_k_b.weight",
+        AttnVB = "attn_v_b.weight",
+        PostAttentionNorm = "post_attention_norm.weight",
+        FfnNorm = "ffn_norm.weight",
+        PostFfwNorm = "post_ffw_norm.weight",
+        FfnGate = "ffn_gate.weight",
+        FfnUp = "ffn_up.weight",
+        FfnDown = "ffn_down.weight",
+        FfnGateBias = "ffn_gate.bias",
+        FfnUpBias = "ffn_up.bias",
+        FfnDownBias = "ffn_down.bias",
+        // Routed experts: the router, its selection bias, the expert stacks.
+        FfnGateInp = "ffn_gate_inp.weight",
+        FfnGateInpBias = "ffn_gate_inp.bias",
+        ExpProbsBias = "exp_probs_b.bias",
+        FfnGateExps = "ffn_gate_exps.weight",
+        FfnUpExps = "ffn_up_exps.weight",
+        FfnGateUpExps = "ffn_gate_up_exps.weight",
+        FfnDownExps = "ffn_down_exps.weight",
+        FfnGateExpsBias = "ffn_gate_exps.bias",
+        FfnUpExpsBias = "ffn_up_exps.bias",
+        FfnDownExpsBias = "ffn_down_exps.bias",
+        // Shared experts: one dense FFN every token runs.
+        FfnGateShexp = "ffn_gate_shexp.weight",
+        FfnUpShexp = "ffn_up_shexp.weight",
+        FfnDownShexp = "ffn_down_shexp.weight",
+    }
+}
+
+tensor_names! {
+    /// A tensor of the model's ends (and globals): the token embedding, the output norm
+    /// and projection, RoPE frequency factors.
+    pub enum EndTensor ("") {
+        TokenEmbd = "token_embd.weight",
+        OutputNorm = "output_norm.weight",
+        Output = "output.weight",
+        RopeFreqs = "rope_freqs.weight",
+    }
+}
+
+impl LayerTensor {
+    /// Its name in the file for layer `layer`: `blk.{layer}.{name}`.
+    pub fn in_layer(self, layer: usize) -> String {
+        format!("blk.{layer}.{}", self.name())
+    }
+}
+
+/// The tensors of a gated feed-forward block: the dense FFN's or the shared experts'.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FfnTensors {
+    pub gate: LayerTensor,
+    pub up: LayerTensor,
+    pub down: LayerTensor,
+    /// Biases of gate, up and down, for blocks that may have them.
+    pub biases: Option<[LayerTensor; 3]>,
+    /// Whether these are the shared experts (which tensor parallelism cuts by their own
+    /// width).
+    pub shared_experts: bool,
+}
+
+/// The dense FFN: `ffn_{gate,up,down}`, biases optional.
+pub const FFN: FfnTensors = FfnTensors {
+    gate: LayerTensor::FfnGate,
+    up: LayerTensor::FfnUp,
+    down: LayerTensor::FfnDown,
+    biases: Some([
+        LayerTensor::FfnGateBias,
+        LayerTensor::FfnUpBias,
+        LayerTensor::FfnDownBias,
+    ]),
+    shared_experts: false,
+};
+
+/// The shared experts: `ffn_{gate,up,down}_shexp`, no biases.
+pub const FFN_SHEXP: FfnTensors = FfnTensors {
+    gate: LayerTensor::FfnGateShexp,
+    up: LayerTensor::FfnUpShexp,
+    down: LayerTensor::FfnDownShexp,
+    biases: None,
+    shared_experts: true,
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_name_is_written_once_and_tables_are_in_order() {
+        let mut names: Vec<&str> = LayerTensor::ALL.iter().map(|t| t.name()).collect();
+        names.extend(EndTensor::ALL.iter().map(|t| t.name()));
+        let n = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), n, "a GGUF name is used twice");
+        for (i, t) in LayerTensor::ALL.iter().enumerate() {
+            assert_eq!(*t as usize, i);
+        }
+        assert_eq!(LayerTensor::AttnQ.in_layer(3), "blk.3.attn_q.weight");
+    }
+}
