@@ -195,6 +195,10 @@ fn messages() -> Vec<(String, Message)> {
         Message::JoinGroup { group: 0x6e0_0001, rank: 1 },
         Message::Probe { data: vec![0; 64] },
         Message::ForwardBest(forward(Payload::Hidden(vec![0.5, -1.0, 2.0, 0.25]))),
+        Message::Share {
+            step: 3,
+            values: vec![2.5, 17.0, f32::NEG_INFINITY, -1.0],
+        },
     ];
     let mut named: Vec<(String, Message)> = Vec::new();
     for message in messages {

@@ -32,7 +32,7 @@ pub use runner::ComputeBytes;
 pub use stage::{Batch, Stage, StageConfig, StageInput, StageMemory, StageOutput};
 pub use tensors::{Dim, Presence, Split, TensorKind, TensorSpec, Use};
 pub use tp::{Collective, CollectiveError, LocalGroup, TpSplit};
-pub use tp_group::{join_logits, splits as tp_splits, GroupMember};
+pub use tp_group::{join_logits, splits as tp_splits, GroupMember, LogitReply};
 pub use weights::{stage_tensor_sources, LayerTensors, ModelFile, StageSpan, StageWeights};
 
 /// Every tensor of a whole model of `hp` as its architecture lists them (both ends and

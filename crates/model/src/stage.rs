@@ -10,7 +10,7 @@ use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
 use crate::runner::Runner;
 use crate::tp::{Collective, CollectiveError, TpSplit};
-use crate::tp_group::{GroupMember, Helper};
+use crate::tp_group::{GroupMember, Helper, LogitReply};
 use crate::weights::{ModelFile, StageSpan, StageWeights};
 use crate::ModelError;
 
@@ -375,7 +375,7 @@ impl Stage {
 
     /// Runs the stage's layers over one batch.
     pub fn forward(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
-        self.forward_group(batch, false)
+        self.forward_group(batch, LogitReply::Share)
     }
 
     /// Like [`forward`](Self::forward) on a last stage, but returns only each logit
@@ -386,7 +386,8 @@ impl Stage {
     pub fn forward_best(&mut self, batch: &Batch<'_>) -> Result<Vec<u32>, ModelError> {
         let n_vocab = self.weights.file().hparams().n_vocab;
         let best = !self.helpers.is_empty() && n_vocab <= crate::tp_group::BEST_MAX_VOCAB;
-        match self.forward_group(batch, best)? {
+        let reply = if best { LogitReply::Best } else { LogitReply::Share };
+        match self.forward_group(batch, reply)? {
             StageOutput::Logits(logits) if best => Ok(logits.iter().map(|&token| token as u32).collect()),
             StageOutput::Logits(logits) => logits
                 .chunks_exact(n_vocab.max(1))
@@ -398,11 +399,10 @@ impl Stage {
         }
     }
 
-    /// This member's output for `batch`, its logit rows reduced to their best with
-    /// `best` (what member 0 asked of it).
-    pub fn forward_share(&mut self, batch: &Batch<'_>, best: bool) -> Result<StageOutput, ModelError> {
+    /// This member's output for `batch`, its logit rows answered as member 0 asked.
+    pub fn forward_share(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<StageOutput, ModelError> {
         match self.forward_member(batch)? {
-            StageOutput::Logits(logits) if best => {
+            StageOutput::Logits(logits) if reply == LogitReply::Best => {
                 let first = self.tp_split().map_or(0, |split| split.vocab.start as u32);
                 Ok(StageOutput::Logits(crate::tp_group::encode_best(
                     &logits,
@@ -414,20 +414,20 @@ impl Stage {
         }
     }
 
-    /// Runs the group (or this stage alone) over `batch`; with `best` (a group only),
-    /// the logits come back as each row's arg-max token, in f32.
-    fn forward_group(&mut self, batch: &Batch<'_>, best: bool) -> Result<StageOutput, ModelError> {
+    /// Runs the group (or this stage alone) over `batch`; with [`LogitReply::Best`] (a
+    /// group only), the logits come back as each row's arg-max token, in f32.
+    fn forward_group(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<StageOutput, ModelError> {
         if self.helpers.is_empty() {
             return self.forward_member(batch);
         }
-        let sent: Vec<_> = self.helpers.iter_mut().map(|h| h.send_forward(batch, best)).collect();
+        let sent: Vec<_> = self.helpers.iter_mut().map(|h| h.send_forward(batch, reply)).collect();
         if let Some(Err(e)) = sent.into_iter().find(Result::is_err) {
             if let Some(member) = &self.tp {
                 member.collective.abort(&e.to_string());
             }
             return Err(e);
         }
-        let mine = self.forward_share(batch, best);
+        let mine = self.forward_share(batch, reply);
         let theirs: Vec<_> = self.helpers.iter_mut().map(|h| h.recv()).collect();
         match mine? {
             StageOutput::Logits(logits) if !logits.is_empty() => {
@@ -439,7 +439,7 @@ impl Stage {
                     }
                 }
                 let n_rows = batch.logit_rows.len();
-                if best {
+                if reply == LogitReply::Best {
                     let n_vocab = self.weights.file().hparams().n_vocab;
                     let tokens = crate::tp_group::join_best(&parts, n_rows, n_vocab)?;
                     return Ok(StageOutput::Logits(tokens.into_iter().map(|t| t as f32).collect()));

@@ -86,6 +86,16 @@ pub fn join_best(parts: &[Vec<f32>], n_rows: usize, n_vocab: usize) -> Result<Ve
         .collect()
 }
 
+/// What a member of a last stage's group answers for the batch's logit rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitReply {
+    /// Its share of each row's logits, for member 0 to join.
+    Share,
+    /// Each row's best of its share, `[value, token]` ([`encode_best`]): enough for
+    /// greedy sampling without penalties, and a few bytes instead of the share.
+    Best,
+}
+
 /// A batch that owns its data, to send to another thread.
 struct OwnedBatch {
     tokens: Option<Vec<u32>>,
@@ -93,8 +103,8 @@ struct OwnedBatch {
     positions: Vec<i32>,
     seq_ids: Vec<u32>,
     logit_rows: Vec<u32>,
-    /// Answer each logit row with its best only ([`encode_best`]).
-    best: bool,
+    /// What to answer for the logit rows.
+    reply: LogitReply,
 }
 
 enum Job {
@@ -108,12 +118,11 @@ enum Job {
 /// (the members sum with each other meanwhile), then [`recv`](Self::recv) on every
 /// member, in rank order.
 pub trait GroupMember: Send {
-    /// Starts the member on `batch`; with `best`, its logit rows are to come back as
-    /// their best only ([`encode_best`]).
-    fn send_forward(&mut self, batch: &Batch<'_>, best: bool) -> Result<(), ModelError>;
-    /// The member's output for the batch last sent: logits of its vocabulary share on a
-    /// last stage (or their best, as asked), else the hidden state (which member 0 has
-    /// too, and drops).
+    /// Starts the member on `batch`; its logit rows (on a last stage) are to come back
+    /// as `reply` says.
+    fn send_forward(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<(), ModelError>;
+    /// The member's output for the batch last sent: its logit rows on a last stage (as
+    /// asked), else the hidden state (which member 0 has too, and drops).
     fn recv(&mut self) -> Result<StageOutput, ModelError>;
     /// Keeps only the tokens of `seq` below position `len` in the member's cache.
     fn truncate_seq(&mut self, seq: u32, len: usize) -> Result<(), ModelError>;
@@ -150,7 +159,7 @@ impl Helper {
                                 logit_rows: &b.logit_rows,
                             };
                             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                stage.forward_share(&batch, b.best)
+                                stage.forward_share(&batch, b.reply)
                             }))
                             .unwrap_or_else(|_| {
                                 // Release the members waiting for this one's slices.
@@ -177,7 +186,7 @@ impl Helper {
 }
 
 impl GroupMember for Helper {
-    fn send_forward(&mut self, batch: &Batch<'_>, best: bool) -> Result<(), ModelError> {
+    fn send_forward(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<(), ModelError> {
         let (tokens, hidden) = match batch.input {
             StageInput::Tokens(t) => (Some(t.to_vec()), None),
             StageInput::Hidden(h) => (None, Some(h.to_vec())),
@@ -188,7 +197,7 @@ impl GroupMember for Helper {
             positions: batch.positions.to_vec(),
             seq_ids: batch.seq_ids.to_vec(),
             logit_rows: batch.logit_rows.to_vec(),
-            best,
+            reply,
         }));
         // A member thread only ends when its channel closes (or it panicked, which
         // `recv` reports).

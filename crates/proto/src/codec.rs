@@ -72,6 +72,7 @@
 //! | 23   | Probe        | data bytes                                                               |
 //! | 24   | ForwardBest  | step u64, payload: Payload, positions [i32], seq_ids [u32],              |
 //! |      |              | sample_rows [u32], row_tokens [u32]                                      |
+//! | 25   | Share        | step u64, values [f32]                                                   |
 //!
 //! | structure      | fields, in order                                                            |
 //! |----------------|-----------------------------------------------------------------------------|
@@ -179,6 +180,7 @@ kinds! {
     22 JOIN_GROUP JoinGroup,
     23 PROBE Probe,
     24 FORWARD_BEST ForwardBest,
+    25 SHARE Share,
 }
 
 /// The name of `msg`'s kind (see [`Message::kind`]).

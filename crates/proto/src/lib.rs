@@ -32,7 +32,9 @@ use baton_sample::SamplingParams;
 /// worker before the plan.
 /// 10: `ForwardBest` (kind 24): a last stage's member answers each logit row with the
 /// best of its vocabulary share only.
-pub const PROTOCOL_VERSION: u32 = 10;
+/// 11: `Share` (kind 25): a member's answer to a step, where `Partial` numbered
+/// `u64::MAX - step` stood for it.
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// Most members a tensor-parallel group may have (the head never plans more; a
 /// `LoadPlan` naming more is refused at decoding).
@@ -443,8 +445,8 @@ pub enum Message {
 
     // --- tensor parallelism: member ↔ member ---
     /// A member's partial result for its group's collective number `sum`: `n_embd`
-    /// values per row to be summed (after attention, after the FFN), or its share of
-    /// the logits for the first member to gather. NaN is refused, as in hidden states.
+    /// values per row to be gathered or summed (after attention, after the FFN). NaN is
+    /// refused, as in hidden states.
     /// (Only members of a tensor-parallel group send it; older nodes never see one.)
     Partial { sum: u64, values: Vec<f32> },
     /// The first frame on a [`Role::Member`] link: the dialing member's group (from its
@@ -455,6 +457,10 @@ pub enum Message {
     /// values `[value, token]` per row, the token a whole number in f32, `[-inf, -1]`
     /// for a share of only NaN): what greedy sampling without penalties needs.
     ForwardBest(Forward),
+    /// Another member → member 0, on a last stage: its answer to step `step`'s
+    /// `Forward` (its share of each logit row's vocabulary) or `ForwardBest` (each
+    /// row's best of that share, as `[value, token]`). NaN is refused.
+    Share { step: u64, values: Vec<f32> },
 
     // --- link measurement: head ↔ worker, before the plan ---
     /// Head → worker, between `Describe` and `LoadPlan`: `data` is filler whose time on

@@ -14,7 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use baton_model::tp::join_rows;
-use baton_model::{Batch, Collective, CollectiveError, GroupMember, ModelError, Stage, StageInput, StageOutput};
+use baton_model::{
+    Batch, Collective, CollectiveError, GroupMember, LogitReply, ModelError, Stage, StageInput, StageOutput,
+};
 use baton_net::{client_handshake, connect_by, Link, LinkOptions, Listener, Rx, Tx};
 use baton_proto::{Forward, Message, Payload, RefusalCode, Role};
 
@@ -180,7 +182,7 @@ fn model_error(e: CollectiveError) -> ModelError {
 }
 
 impl GroupMember for RemoteMember {
-    fn send_forward(&mut self, batch: &Batch<'_>, best: bool) -> Result<(), ModelError> {
+    fn send_forward(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<(), ModelError> {
         self.step += 1;
         let payload = match batch.input {
             StageInput::Tokens(t) => Payload::Tokens(t.to_vec()),
@@ -194,16 +196,16 @@ impl GroupMember for RemoteMember {
             sample_rows: batch.logit_rows.to_vec(),
             row_tokens: Vec::new(),
         };
-        let msg = match best {
-            true => Message::ForwardBest(forward),
-            false => Message::Forward(forward),
+        let msg = match reply {
+            LogitReply::Best => Message::ForwardBest(forward),
+            LogitReply::Share => Message::Forward(forward),
         };
         self.peer.send(msg).map_err(model_error)
     }
 
     fn recv(&mut self) -> Result<StageOutput, ModelError> {
         match self.peer.recv().map_err(model_error)? {
-            Message::Partial { sum, values } if sum == u64::MAX - self.step => Ok(StageOutput::Logits(values)),
+            Message::Share { step, values } if step == self.step => Ok(StageOutput::Logits(values)),
             Message::Done => Ok(StageOutput::Hidden(Vec::new())),
             Message::Error { message, .. } => Err(model_error(self.peer.aborted(&message))),
             other => Err(model_error(self.peer.unexpected(format!(
@@ -228,16 +230,18 @@ impl Drop for RemoteMember {
 }
 
 /// Serves member 0 over `leader` until it sends `Shutdown` or goes: computes each
-/// `Forward` on `stage` (this member's slice) and answers with its logits (`Partial`
-/// numbered `u64::MAX - step`; for a `ForwardBest`, each row's best of them), `Done`,
-/// or `Error`.
+/// `Forward` on `stage` (this member's slice) and answers with its logits (`Share`;
+/// for a `ForwardBest`, each row's best of them), `Done`, or `Error`.
 pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError> {
     let first_layer = stage.span().layers.start as u32;
     loop {
         let msg = leader.recv().map_err(|e| NodeError::Protocol(e.to_string()))?;
         let reply = match msg {
             Message::Forward(ref f) | Message::ForwardBest(ref f) => {
-                let best = matches!(msg, Message::ForwardBest(_));
+                let reply = match msg {
+                    Message::ForwardBest(_) => LogitReply::Best,
+                    _ => LogitReply::Share,
+                };
                 let hidden;
                 let input = match &f.payload {
                     Payload::Tokens(t) => StageInput::Tokens(t),
@@ -256,11 +260,8 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
                     seq_ids: &f.seq_ids,
                     logit_rows: &f.sample_rows,
                 };
-                match stage.forward_share(&batch, best) {
-                    Ok(StageOutput::Logits(values)) => Message::Partial {
-                        sum: u64::MAX - f.step,
-                        values,
-                    },
+                match stage.forward_share(&batch, reply) {
+                    Ok(StageOutput::Logits(values)) => Message::Share { step: f.step, values },
                     Ok(StageOutput::Hidden(_)) => Message::Done,
                     Err(e) => Message::Error {
                         first_layer,

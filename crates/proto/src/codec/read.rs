@@ -102,6 +102,14 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             }
             Message::Partial { sum, values }
         }
+        kind::SHARE => {
+            let step = r.u64("step")?;
+            let values = r.array("values", f32::from_le_bytes)?;
+            if values.iter().any(|x| x.is_nan()) {
+                return Err(r.invalid("values", "a member's share contains NaN".into()));
+            }
+            Message::Share { step, values }
+        }
         kind::JOIN_GROUP => Message::JoinGroup {
             group: r.u64("group")?,
             rank: r.u32("rank")?,

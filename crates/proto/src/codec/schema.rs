@@ -143,7 +143,7 @@ const STRUCTURES: [&Layout; 10] = [
 ];
 
 /// Messages, in kind-number order.
-const MESSAGES: [Layout; 24] = [
+const MESSAGES: [Layout; 25] = [
     Layout {
         name: "Hello",
         fields: &[
@@ -289,6 +289,10 @@ const MESSAGES: [Layout; 24] = [
     Layout {
         name: "ForwardBest",
         fields: FORWARD_FIELDS,
+    },
+    Layout {
+        name: "Share",
+        fields: &[Field("step", Ty::U64), Field("values", Ty::List(&Ty::F32))],
     },
 ];
 

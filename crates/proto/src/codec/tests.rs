@@ -279,6 +279,10 @@ pub(super) fn samples() -> Vec<Message> {
         Message::Probe { data: vec![0xa5; 300] },
         Message::Probe { data: vec![] },
         Message::ForwardBest(forward(Payload::Hidden(vec![0.5, -1.0, 2.0, 3.0]), 2)),
+        Message::Share {
+            step: 7,
+            values: vec![1.5, f32::NEG_INFINITY, -1.0],
+        },
     ]
 }
 
@@ -403,7 +407,7 @@ fn header_checks_length_flags_and_kind() {
     let err = parse_header(&head(0, 999, 0), DEFAULT_MAX_FRAME).unwrap_err();
     assert_eq!(err.to_string(), "unknown message kind 999");
     assert_eq!(parse_header(&head(0, 0, 0), 100), Err(ProtoError::UnknownKind(0)));
-    assert_eq!(parse_header(&head(0, 25, 0), 100), Err(ProtoError::UnknownKind(25)));
+    assert_eq!(parse_header(&head(0, 26, 0), 100), Err(ProtoError::UnknownKind(26)));
     assert_eq!(parse_header(&head(0, 15, 1), 100), Err(ProtoError::BadFlags(1)));
     assert_eq!(decode(999, &[]), Err(ProtoError::UnknownKind(999)));
 }

@@ -133,6 +133,10 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u64(*sum);
             w.array(values, f32::to_le_bytes);
         }
+        Message::Share { step, values } => {
+            w.u64(*step);
+            w.array(values, f32::to_le_bytes);
+        }
         Message::JoinGroup { group, rank } => {
             w.u64(*group);
             w.u32(*rank);
