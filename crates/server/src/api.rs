@@ -271,7 +271,8 @@ impl AppState {
 /// OpenAPI description is checked against is what the router serves.
 macro_rules! routes {
     ($($method:ident $path:literal => $handler:expr,)*) => {
-        /// Every `(method, path)` the router mounts.
+        /// Every `(method, path)` the router mounts (for the description's tests).
+        #[cfg(test)]
         pub(crate) const ROUTES: &[(&str, &str)] = &[$((stringify!($method), $path)),*];
 
         fn mount(router: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
