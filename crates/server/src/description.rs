@@ -80,7 +80,10 @@ mod tests {
             .collect();
         let undescribed: Vec<_> = mounted.difference(&described).collect();
         let unmounted: Vec<_> = described.difference(&mounted).collect();
-        assert!(undescribed.is_empty(), "mounted but not in openapi.json: {undescribed:?}");
+        assert!(
+            undescribed.is_empty(),
+            "mounted but not in openapi.json: {undescribed:?}"
+        );
         assert!(unmounted.is_empty(), "in openapi.json but not mounted: {unmounted:?}");
     }
 
@@ -104,7 +107,12 @@ mod tests {
             },
         })
         .expect("an error body");
-        let keys: BTreeSet<&str> = sent["error"].as_object().expect("error").keys().map(String::as_str).collect();
+        let keys: BTreeSet<&str> = sent["error"]
+            .as_object()
+            .expect("error")
+            .keys()
+            .map(String::as_str)
+            .collect();
         assert_eq!(required, keys);
     }
 }
