@@ -267,18 +267,36 @@ impl AppState {
     }
 }
 
+/// Mounts each route and lists it in [`ROUTES`] from one table, so that the list the
+/// OpenAPI description is checked against is what the router serves.
+macro_rules! routes {
+    ($($method:ident $path:literal => $handler:expr,)*) => {
+        /// Every `(method, path)` the router mounts (for the description's tests).
+        #[cfg(test)]
+        pub(crate) const ROUTES: &[(&str, &str)] = &[$((stringify!($method), $path)),*];
+
+        fn mount(router: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
+            router$(.route($path, $method($handler)))*
+        }
+    };
+}
+
+routes! {
+    get "/" => crate::page::index,
+    post "/v1/chat/completions" => chat,
+    post "/v1/completions" => completions,
+    get "/v1/models" => models,
+    post "/tokenize" => tokenize,
+    post "/detokenize" => detokenize,
+    get "/health" => health,
+    get "/stats" => stats,
+    get "/metrics" => crate::metrics::metrics,
+    get "/openapi.json" => crate::description::openapi,
+}
+
 /// The routes.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/", get(crate::page::index))
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
-        .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
-        .route("/health", get(health))
-        .route("/stats", get(stats))
-        .route("/metrics", get(crate::metrics::metrics))
+    mount(Router::new())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate))

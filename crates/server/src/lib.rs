@@ -3,6 +3,7 @@
 #![deny(unsafe_code)]
 
 mod api;
+mod description;
 pub mod listen;
 mod metrics;
 mod openai;
