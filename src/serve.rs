@@ -53,9 +53,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 256)]
     max_connections: usize,
     /// HTTP connections open at once from one address (an IPv6 /64 counts as one), so
-    /// that one address cannot hold every connection.
-    #[arg(long, default_value_t = 64)]
-    max_connections_per_source: usize,
+    /// that one address cannot hold every connection (default: half of
+    /// --max-connections).
+    #[arg(long)]
+    max_connections_per_source: Option<usize>,
     /// Seconds a client may leave a response unread before its connection is closed.
     #[arg(long, default_value_t = 60.0)]
     write_timeout: f64,
@@ -103,10 +104,10 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     anyhow::ensure!(args.parallel > 0, "--parallel must be at least 1");
     anyhow::ensure!(args.max_connections > 0, "--max-connections must be at least 1");
-    anyhow::ensure!(
-        args.max_connections_per_source > 0,
-        "--max-connections-per-source must be at least 1"
-    );
+    let per_source = args
+        .max_connections_per_source
+        .unwrap_or(args.max_connections.div_ceil(2));
+    anyhow::ensure!(per_source > 0, "--max-connections-per-source must be at least 1");
     for (flag, secs) in [
         ("--recovery-timeout", args.recovery_timeout),
         ("--step-timeout", args.step_timeout),
@@ -220,7 +221,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         println!("listening on http://{addr}");
         let limits = baton_server::listen::Limits {
             max_connections: args.max_connections,
-            per_source: args.max_connections_per_source,
+            per_source,
             header_timeout: std::time::Duration::from_secs_f64(args.header_timeout),
             write_timeout: std::time::Duration::from_secs_f64(args.write_timeout),
             shutdown_grace: std::time::Duration::from_secs(5),
