@@ -137,8 +137,8 @@ fn check(path: &std::path::Path, args: &DevicesArgs) -> anyhow::Result<()> {
     let generation = head.generate(&req, |t| oracle.is_end_of_generation(t), |_| {})?;
     let ours = oracle.detokenize(&generation.tokens, false);
     let theirs = oracle.detokenize(&reference, false);
-    println!("baton (1 stage):  {}{ours:?}", args.prompt);
-    println!("libllama:         {}{theirs:?}", args.prompt);
+    println!("baton (1 stage):  {}{}", args.prompt, ours.escape_debug());
+    println!("libllama:         {}{}", args.prompt, theirs.escape_debug());
     anyhow::ensure!(
         generation.tokens == reference,
         "baton's greedy tokens differ from libllama's: {:?} vs {:?}",

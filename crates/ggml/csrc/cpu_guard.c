@@ -63,8 +63,9 @@ uint64_t baton_cpu_present(void) {
 }
 
 /* Exits with an error naming what is missing when `compiled` (bit i: the build was
- * compiled for NAMES[i]) asks for more than this CPU has. */
-void baton_require_cpu(uint64_t compiled) {
+ * compiled for NAMES[i]) asks for more than this CPU has. `portable`: the build is the
+ * portable archive's (its own code for x86-64-v2, ggml's per CPU level). */
+void baton_require_cpu(uint64_t compiled, int portable) {
     uint64_t missing = compiled & ~baton_cpu_present() & ~((uint64_t)1 << 63);
     if (!missing) return;
     int v1 = 0, v2 = 0, v3 = 0;
@@ -75,6 +76,13 @@ void baton_require_cpu(uint64_t compiled) {
         fprintf(stderr, "%s%s", sep, NAMES[i]);
         sep = ", ";
         if (i <= 4) v1 = 1; else if (i <= 12) v2 = 1; else v3 = 1;
+    }
+    if (portable) {
+        fputs(" which baton's own code in this build was compiled for (a build with ggml's CPU "
+              "code chosen at start, such as the portable archive, which needs x86-64-v2: "
+              "SSE4.2, POPCNT). Build baton on this machine instead: cargo build --release "
+              "(docs/devices.md)\n", stderr);
+        exit(1);
     }
     fprintf(stderr,
             " which this build of baton was compiled for (it was built for another machine's "

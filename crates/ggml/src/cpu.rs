@@ -33,7 +33,7 @@ const COMPILED: u64 = {
 
 #[cfg(target_arch = "x86_64")]
 extern "C" {
-    fn baton_require_cpu(compiled: u64);
+    fn baton_require_cpu(compiled: u64, portable: i32);
     fn baton_cpu_present() -> u64;
     #[cfg(test)]
     fn baton_cpu_feature_name(i: u32) -> *const std::os::raw::c_char;
@@ -53,7 +53,7 @@ pub fn require_instruction_sets() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a plain C function over CPUID/XGETBV; it returns or exits the process.
     unsafe {
-        baton_require_cpu(COMPILED)
+        baton_require_cpu(COMPILED, cfg!(feature = "dynamic-backends") as i32)
     };
 }
 
