@@ -37,7 +37,13 @@ fn main() {
         .and_then(|text| cache_value(text, "CMAKE_CXX_COMPILER"))
         .unwrap_or_else(|| "unknown".to_string());
     println!("cargo:rustc-env=BATON_LLAMA_CXX={cxx}");
-    let tile_config = amx_tile_config(&cxx);
+    let mut tile_config = amx_tile_config(&cxx);
+    if tile_config == "stored" && !amx_macros_defined(&cxx, cache_text.as_deref().unwrap_or("")) {
+        tile_config = "stored, but __AMX_INT8__ undefined: ggml's AMX kernels are compiled out \
+                       (clang before 16; CMAKE_PROJECT_INCLUDE=crates/ggml/csrc/amx-macros.cmake \
+                       maps the names)"
+            .to_string();
+    }
     println!("cargo:rustc-env=BATON_AMX_TILECFG={tile_config}");
     if tile_config == "dropped" {
         if let Some(why) = cache_text.as_deref().and_then(amx_compiled_in) {
@@ -133,6 +139,24 @@ fn amx_tile_config(cxx: &str) -> String {
         ),
         Err(e) => format!("not checked ({cxx}: {e})"),
     }
+}
+
+/// Whether `cxx` with `-mamx-int8`, and the header llama.cpp's build force-includes
+/// (when its CMake cache names it), defines GCC's `__AMX_INT8__`, the name ggml compiles
+/// its AMX kernels under.
+fn amx_macros_defined(cxx: &str, cache: &str) -> bool {
+    let header = Path::new(env!("CARGO_MANIFEST_DIR")).join("csrc/amx-macros.h");
+    let mut command = std::process::Command::new(cxx);
+    command.args(["-mamx-tile", "-mamx-int8", "-dM", "-E", "-x", "c++", "/dev/null"]);
+    let included = ["CMAKE_PROJECT_INCLUDE", "CMAKE_CXX_FLAGS"]
+        .iter()
+        .any(|key| cache_value(cache, key).is_some_and(|v| v.contains("amx-macros")));
+    if included {
+        command.arg("-include").arg(&header);
+    }
+    command
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("#define __AMX_INT8__"))
 }
 
 /// `stored` when the assembly writes both probe values before `ldtilecfg`.

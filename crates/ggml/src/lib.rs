@@ -176,12 +176,16 @@ pub fn init() {
         // SAFETY: one-time global initialisation, guarded by `Once`; the callback is a
         // plain function that lives for the whole program.
         unsafe {
-            sys::llama_backend_init();
             sys::llama_log_set(Some(log_sink), std::ptr::null_mut());
             sys::ggml_log_set(Some(log_sink), std::ptr::null_mut());
         }
+        // Before libllama's initialisation, which loads every backend from the default
+        // places when none is registered yet (the best CPU variant among them), and
+        // then BATON_BACKEND_DIR's or BATON_CPU_VARIANT's would come second.
         #[cfg(feature = "dynamic-backends")]
         load_backends();
+        // SAFETY: as above.
+        unsafe { sys::llama_backend_init() };
     });
 }
 
