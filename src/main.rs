@@ -182,6 +182,9 @@ fn assign_devices(
 }
 
 fn main() -> std::process::ExitCode {
+    // Before anything else: code compiled for a newer CPU than this one would die with
+    // `Illegal instruction` somewhere inside; say which instruction set is missing.
+    baton_ggml::cpu::require_instruction_sets();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("BATON_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)

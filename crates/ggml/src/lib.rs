@@ -4,6 +4,7 @@
 //! on drop; every `unsafe` block says why it is sound.
 
 mod backend;
+pub mod cpu;
 mod device;
 mod graph;
 mod host;
@@ -91,13 +92,44 @@ fn cpu_has_vec_dot(t: sys::ggml_type) -> bool {
 
 /// Loads ggml's backends (CPU, CUDA, Vulkan, ...) from shared libraries: from
 /// `BATON_BACKEND_DIR` when set, else from the program's directory (and the directory
-/// the build named). Only in builds with backends loaded at run time.
+/// the build named). Of several CPU variants (`libggml-cpu-haswell.so`, ...) ggml loads
+/// the one that scores best on this CPU's features, never one the CPU cannot run;
+/// `BATON_CPU_VARIANT=haswell` loads that one instead (to compare variants, e.g. AMX
+/// against the same CPU without it), refused with an error if the CPU cannot run it.
+/// Only in builds with backends loaded at run time.
 #[cfg(feature = "dynamic-backends")]
 fn load_backends() {
-    match std::env::var_os("BATON_BACKEND_DIR") {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = std::env::var_os("BATON_BACKEND_DIR").map(std::path::PathBuf::from);
+    if let Some(variant) = std::env::var_os("BATON_CPU_VARIANT") {
+        let dir = dir.clone().or_else(|| std::env::current_exe().ok()?.parent().map(|p| p.to_path_buf()));
+        let base = dir.unwrap_or_default();
+        let path = base.join(format!("libggml-cpu-{}.so", variant.to_string_lossy()));
+        let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path holds a NUL byte");
+        // SAFETY: a NUL-terminated path; ggml checks the library's score (0: this CPU
+        // cannot run it) before registering it.
+        let reg = unsafe { sys::ggml_backend_load(c_path.as_ptr()) };
+        if reg.is_null() {
+            eprintln!(
+                "error: BATON_CPU_VARIANT={}: {} is missing or cannot run on this CPU",
+                variant.to_string_lossy(),
+                path.display()
+            );
+            std::process::exit(1);
+        }
+        for accelerator in ["cuda", "vulkan", "metal"] {
+            let path = base.join(format!("libggml-{accelerator}.so"));
+            if path.exists() {
+                let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path holds a NUL byte");
+                // SAFETY: as above.
+                unsafe { sys::ggml_backend_load(c_path.as_ptr()) };
+            }
+        }
+        return;
+    }
+    match dir {
         Some(dir) => {
-            use std::os::unix::ffi::OsStrExt;
-            let dir = std::ffi::CString::new(dir.as_bytes()).expect("BATON_BACKEND_DIR holds a NUL byte");
+            let dir = std::ffi::CString::new(dir.as_os_str().as_bytes()).expect("BATON_BACKEND_DIR holds a NUL byte");
             // SAFETY: a NUL-terminated path; ggml only reads it.
             unsafe { sys::ggml_backend_load_all_from_path(dir.as_ptr()) }
         }
@@ -144,12 +176,16 @@ pub fn init() {
         // SAFETY: one-time global initialisation, guarded by `Once`; the callback is a
         // plain function that lives for the whole program.
         unsafe {
-            sys::llama_backend_init();
             sys::llama_log_set(Some(log_sink), std::ptr::null_mut());
             sys::ggml_log_set(Some(log_sink), std::ptr::null_mut());
         }
+        // Before libllama's initialisation, which loads every backend from the default
+        // places when none is registered yet (the best CPU variant among them), and
+        // then BATON_BACKEND_DIR's or BATON_CPU_VARIANT's would come second.
         #[cfg(feature = "dynamic-backends")]
         load_backends();
+        // SAFETY: as above.
+        unsafe { sys::llama_backend_init() };
     });
 }
 
