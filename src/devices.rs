@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use baton_ggml::{cpu, Device, DeviceKind, LlamaContext, LlamaModel};
 use baton_model::{ModelFile, StageConfig};
-use baton_node::{GenerateRequest, LocalRing};
+use baton_engine::{GenerateRequest, LocalRing};
 use baton_sample::{argmax, SamplingParams};
 use clap::Args;
 
