@@ -42,8 +42,16 @@ fn a_build_for_a_newer_cpu_says_which_instruction_set_is_missing() {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "on a {cpu}: {:?}, stderr: {stderr}", out.status);
-    assert!(stderr.contains("this CPU lacks") && stderr.contains(missing), "{stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "on a {cpu}: {:?}, stderr: {stderr}",
+        out.status
+    );
+    assert!(
+        stderr.contains("this CPU lacks") && stderr.contains(missing),
+        "{stderr}"
+    );
     assert!(stderr.contains("scripts/package"), "{stderr}");
 }
 
@@ -53,9 +61,16 @@ fn amx_kernels_run_and_give_llama_cpps_text_where_the_cpu_has_amx() {
         eprintln!("skipped: this CPU has no AMX (CPUID 7: AMX-TILE, AMX-INT8)");
         return;
     }
-    let devices = Command::new(env!("CARGO_BIN_EXE_baton")).arg("devices").output().unwrap();
+    let devices = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .arg("devices")
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&devices.stdout);
-    assert!(devices.status.success(), "{text}{}", String::from_utf8_lossy(&devices.stderr));
+    assert!(
+        devices.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&devices.stderr)
+    );
     // A native build (`-march=native`) compiles ggml's AMX kernels on such a CPU; a build
     // with backends loaded at run time has them where a Sapphire Rapids variant is there.
     if cfg!(feature = "dynamic-backends") && !text.contains("sapphirerapids") {

@@ -162,7 +162,11 @@ fn amx_macros_defined(cxx: &str, cache: &str) -> bool {
 /// `stored` when the assembly writes both probe values before `ldtilecfg`.
 fn tile_config_verdict(asm: &str) -> &'static str {
     let before = asm.split("ldtilecfg").next().unwrap_or("");
-    let stores = |value: &str| before.lines().any(|l| l.trim_start().starts_with("mov") && l.contains(value));
+    let stores = |value: &str| {
+        before
+            .lines()
+            .any(|l| l.trim_start().starts_with("mov") && l.contains(value))
+    };
     if asm.contains("ldtilecfg") && stores("$13,") && stores("$52,") {
         "stored"
     } else {

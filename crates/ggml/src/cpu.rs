@@ -11,6 +11,7 @@ use crate::device::{BufferType, Device};
 /// `csrc/cpu_guard.c`'s names: bit i of [`COMPILED`] says the build was compiled for
 /// `FEATURES[i]` (the C side prints the names; the tests compare the two lists).
 #[cfg(all(test, target_arch = "x86_64"))]
+#[rustfmt::skip]
 const FEATURES: [&str; 30] = [
     "sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "avx", "avx2", "bmi1", "bmi2", "fma",
     "f16c", "lzcnt", "movbe", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
@@ -137,7 +138,11 @@ mod tests {
         // SAFETY: static strings of the C table, for indices below its count.
         let names: Vec<String> = unsafe {
             (0..baton_cpu_feature_count())
-                .map(|i| std::ffi::CStr::from_ptr(baton_cpu_feature_name(i)).to_string_lossy().into_owned())
+                .map(|i| {
+                    std::ffi::CStr::from_ptr(baton_cpu_feature_name(i))
+                        .to_string_lossy()
+                        .into_owned()
+                })
                 .collect()
         };
         assert_eq!(names, FEATURES);
@@ -149,10 +154,38 @@ mod tests {
                 assert_eq!(COMPILED >> i & 1 == 1, cfg!(target_feature = $name), $name);
             )*};
         }
-        check!("sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "avx", "avx2", "bmi1", "bmi2", "fma",
-               "f16c", "lzcnt", "movbe", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
-               "avx512vnni", "avx512vbmi", "avx512vbmi2", "avx512bitalg", "avx512vpopcntdq",
-               "avx512ifma", "avx512bf16", "avx512fp16", "avxvnni", "gfni", "vaes", "vpclmulqdq");
+        check!(
+            "sse3",
+            "ssse3",
+            "sse4.1",
+            "sse4.2",
+            "popcnt",
+            "avx",
+            "avx2",
+            "bmi1",
+            "bmi2",
+            "fma",
+            "f16c",
+            "lzcnt",
+            "movbe",
+            "avx512f",
+            "avx512bw",
+            "avx512cd",
+            "avx512dq",
+            "avx512vl",
+            "avx512vnni",
+            "avx512vbmi",
+            "avx512vbmi2",
+            "avx512bitalg",
+            "avx512vpopcntdq",
+            "avx512ifma",
+            "avx512bf16",
+            "avx512fp16",
+            "avxvnni",
+            "gfni",
+            "vaes",
+            "vpclmulqdq"
+        );
     }
 
     /// The CPUID bits read for each instruction set agree with the kernel's names for
@@ -167,27 +200,36 @@ mod tests {
             .unwrap()
             .split_whitespace()
             .collect();
-        let kernel_name = |name: &str| match name {
-            "sse3" => "pni",
-            "sse4.1" => "sse4_1",
-            "sse4.2" => "sse4_2",
-            "lzcnt" => "abm",
-            "avx512vnni" => "avx512_vnni",
-            "avx512vbmi2" => "avx512_vbmi2",
-            "avx512bitalg" => "avx512_bitalg",
-            "avx512vpopcntdq" => "avx512_vpopcntdq",
-            "avx512bf16" => "avx512_bf16",
-            "avx512fp16" => "avx512_fp16",
-            "avxvnni" => "avx_vnni",
-            other => other,
-        }
-        .to_string();
+        let kernel_name = |name: &str| {
+            match name {
+                "sse3" => "pni",
+                "sse4.1" => "sse4_1",
+                "sse4.2" => "sse4_2",
+                "lzcnt" => "abm",
+                "avx512vnni" => "avx512_vnni",
+                "avx512vbmi2" => "avx512_vbmi2",
+                "avx512bitalg" => "avx512_bitalg",
+                "avx512vpopcntdq" => "avx512_vpopcntdq",
+                "avx512bf16" => "avx512_bf16",
+                "avx512fp16" => "avx512_fp16",
+                "avxvnni" => "avx_vnni",
+                other => other,
+            }
+            .to_string()
+        };
         // SAFETY: a plain C function over CPUID/XGETBV.
         let present = unsafe { baton_cpu_present() };
         for (i, name) in FEATURES.iter().enumerate() {
-            assert_eq!(present >> i & 1 == 1, flags.contains(&kernel_name(name).as_str()), "{name}");
+            assert_eq!(
+                present >> i & 1 == 1,
+                flags.contains(&kernel_name(name).as_str()),
+                "{name}"
+            );
         }
-        assert_eq!(cpu_has_amx(), flags.contains(&"amx_tile") && flags.contains(&"amx_int8"));
+        assert_eq!(
+            cpu_has_amx(),
+            flags.contains(&"amx_tile") && flags.contains(&"amx_int8")
+        );
     }
 
     #[test]

@@ -102,7 +102,9 @@ fn load_backends() {
     use std::os::unix::ffi::OsStrExt;
     let dir = std::env::var_os("BATON_BACKEND_DIR").map(std::path::PathBuf::from);
     if let Some(variant) = std::env::var_os("BATON_CPU_VARIANT") {
-        let dir = dir.clone().or_else(|| std::env::current_exe().ok()?.parent().map(|p| p.to_path_buf()));
+        let dir = dir
+            .clone()
+            .or_else(|| std::env::current_exe().ok()?.parent().map(|p| p.to_path_buf()));
         let base = dir.unwrap_or_default();
         let path = base.join(format!("libggml-cpu-{}.so", variant.to_string_lossy()));
         let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path holds a NUL byte");
