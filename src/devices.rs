@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
+use baton_engine::{GenerateRequest, LocalRing};
 use baton_ggml::{cpu, Device, DeviceKind, LlamaContext, LlamaModel};
 use baton_model::{ModelFile, StageConfig};
-use baton_engine::{GenerateRequest, LocalRing};
 use baton_sample::{argmax, SamplingParams};
 use clap::Args;
 
