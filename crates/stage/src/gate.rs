@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use baton_net::{server_handshake_admitting, Incoming, Link, LinkCloser, LinkOptions};
-use baton_proto::{Message, Role, PROTOCOL_VERSION};
+use baton_proto::{Message, RefusalCode, Role, PROTOCOL_VERSION};
 
 use crate::admission::{Accepted, Admission, ConnId, Limits};
 use crate::NodeError;
@@ -180,5 +180,12 @@ impl Admitted {
         Ok(ConnSlot {
             gate: self.gate.clone(),
         })
+    }
+}
+
+/// Tells the peer why it is refused, and closes so that it can read it.
+pub fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
+    if link.send(Message::Refused { code, reason }).is_ok() {
+        link.close_gently();
     }
 }

@@ -20,6 +20,7 @@ use baton_model::{
 use baton_net::{client_handshake, connect_by, Link, LinkOptions, Listener, Rx, Tx};
 use baton_proto::{Forward, Message, Payload, RefusalCode, Role};
 
+use crate::gate::refuse;
 use crate::NodeError;
 
 /// Slices up to this size are sent from the computing thread before it reads the
@@ -486,12 +487,5 @@ fn introduction(link: &mut dyn Link, role: Role) -> Result<usize, NodeError> {
             refuse(link, RefusalCode::BadRequest, reason.clone());
             Err(NodeError::Protocol(reason))
         }
-    }
-}
-
-/// Tells the peer why it is refused, and closes so that it can read it.
-fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
-    if link.send(Message::Refused { code, reason }).is_ok() {
-        link.close_gently();
     }
 }

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use baton_net::{Link, LinkCloser};
 use baton_proto::{Message, RefusalCode, TpPlace, MAX_TP_MEMBERS};
 
-use crate::server::{refuse, ConnSlot, Shared};
+use baton_stage::gate::refuse;
+
+use crate::server::{ConnSlot, Shared};
 use baton_stage::tp_net::{dial_group_member, Peer};
 use baton_stage::NodeError;
 

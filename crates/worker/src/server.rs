@@ -26,7 +26,7 @@ use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, Refu
 use crate::group::{form_mesh, Arrived, Mesh};
 use crate::receive::{check_stage_complete, receive_stage_tensors};
 pub(crate) use baton_stage::gate::ConnSlot;
-use baton_stage::gate::{Admitted, Gate, GateConfig};
+use baton_stage::gate::{refuse, Admitted, Gate, GateConfig};
 use baton_stage::models::ModelDir;
 use baton_stage::probe::LinkProbe;
 use baton_stage::tp_net::{serve_member, MeshCollective, Peer, RemoteMember};
@@ -469,13 +469,6 @@ fn session(
     match result {
         Ok(()) | Err(NodeError::Net(NetError::Closed { .. })) => Ok(()),
         Err(e) => Err(e),
-    }
-}
-
-/// Tells the peer why it is refused, and closes so that it can read it.
-pub(crate) fn refuse(link: &mut dyn Link, code: RefusalCode, reason: String) {
-    if link.send(Message::Refused { code, reason }).is_ok() {
-        link.close_gently();
     }
 }
 
