@@ -123,7 +123,9 @@ impl Matcher {
                     }
                 }
                 if partial.pending() {
-                    let (low, high) = partial.range();
+                    let Some((low, high)) = partial.range() else {
+                        return Ok(None);
+                    };
                     stacks.retain(|stack| {
                         stack.last().is_some_and(|top| {
                             matches!(sym(&self.grammar, *top), Some(Sym::Chars(class)) if class.matches_any_in(low, high))
@@ -235,10 +237,10 @@ impl Search<'_> {
             if candidate.at == candidate.end {
                 let fits = match (class, candidate.trailing.pending()) {
                     (_, false) => true,
-                    (Some(class), true) => {
-                        let (low, high) = candidate.trailing.range();
-                        class.matches_any_in(low, high)
-                    }
+                    (Some(class), true) => candidate
+                        .trailing
+                        .range()
+                        .is_some_and(|(low, high)| class.matches_any_in(low, high)),
                     (None, true) => false,
                 };
                 if !fits {

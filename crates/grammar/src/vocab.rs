@@ -1,29 +1,60 @@
 //! The vocabulary as the matcher sees it: each token's text decoded into code points once,
 //! so that computing which tokens may come next does not decode 10^5 tokens per step.
 
-/// Bytes still expected of a character split across tokens: its bits so far and how many
-/// continuation bytes are missing.
+/// Bytes still expected of a character split across tokens: its bits so far, how many
+/// continuation bytes are missing, and how many bytes the whole character has.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Partial {
     pub value: u32,
     pub missing: u8,
+    pub length: u8,
 }
+
+/// The surrogate code points, which UTF-8 never encodes.
+const SURROGATES: (u32, u32) = (0xd800, 0xdfff);
 
 impl Partial {
     pub fn pending(self) -> bool {
         self.missing > 0
     }
 
-    /// The code points this character can still become.
-    pub fn range(self) -> (u32, u32) {
+    /// The code points this character can still become: only those that UTF-8 encodes
+    /// in exactly `length` bytes (no overlong form, nothing past U+10FFFF), so that the
+    /// bytes E0 80 A0 (an overlong space) never pass for a space. `None` when the bytes
+    /// so far begin no character at all. A range that reaches into the surrogates is
+    /// cut where it can be; one that lies inside them is `None`.
+    pub fn range(self) -> Option<(u32, u32)> {
         let shift = 6 * u32::from(self.missing);
-        let low = self.value << shift;
-        (low, low | ((1u32 << shift) - 1))
+        let (mut low, mut high) = (self.value << shift, (self.value << shift) | ((1u32 << shift) - 1));
+        low = low.max(shortest_above(self.length));
+        high = high.min(0x10ffff);
+        if low >= SURROGATES.0 && high <= SURROGATES.1 {
+            return None;
+        }
+        if (SURROGATES.0..=SURROGATES.1).contains(&low) {
+            low = SURROGATES.1 + 1;
+        }
+        if (SURROGATES.0..=SURROGATES.1).contains(&high) {
+            high = SURROGATES.0 - 1;
+        }
+        (low <= high).then_some((low, high))
+    }
+}
+
+/// The smallest code point UTF-8 writes in `length` bytes.
+fn shortest_above(length: u8) -> u32 {
+    match length {
+        0 | 1 => 0,
+        2 => 0x80,
+        3 => 0x800,
+        _ => 0x10000,
     }
 }
 
 /// Decodes `bytes` after `partial` into `out`; returns the character left incomplete at
-/// the end, or `None` for bytes that are not UTF-8.
+/// the end, or `None` for bytes that are not UTF-8: a stray continuation byte, a
+/// character cut short, an overlong form, a surrogate or a code point past U+10FFFF
+/// (the matcher must never let bytes pass for a character they do not encode).
 pub(crate) fn decode(bytes: &[u8], mut partial: Partial, out: &mut Vec<u32>) -> Option<Partial> {
     for &byte in bytes {
         if partial.pending() {
@@ -32,9 +63,11 @@ pub(crate) fn decode(bytes: &[u8], mut partial: Partial, out: &mut Vec<u32>) -> 
             }
             partial.value = (partial.value << 6) | u32::from(byte & 0x3f);
             partial.missing -= 1;
+            // Whole or not, the character must still be one UTF-8 encodes this way.
+            partial.range()?;
             if !partial.pending() {
                 out.push(partial.value);
-                partial.value = 0;
+                partial = Partial::default();
             }
             continue;
         }
@@ -48,7 +81,11 @@ pub(crate) fn decode(bytes: &[u8], mut partial: Partial, out: &mut Vec<u32>) -> 
             0xf0..=0xf4 => (u32::from(byte & 0x07), 3),
             _ => return None,
         };
-        partial = Partial { value, missing };
+        partial = Partial {
+            value,
+            missing,
+            length: missing + 1,
+        };
     }
     Some(partial)
 }
@@ -135,7 +172,7 @@ mod tests {
         let mut out = Vec::new();
         let partial = decode(&euro[..1], Partial::default(), &mut out).unwrap();
         assert_eq!((out.len(), partial.missing), (0, 2));
-        let (low, high) = partial.range();
+        let (low, high) = partial.range().unwrap();
         assert!(low <= '€' as u32 && '€' as u32 <= high && high < 0x10000);
         let partial = decode(&euro[1..], partial, &mut out).unwrap();
         assert_eq!((out.as_slice(), partial), (&['€' as u32][..], Partial::default()));

@@ -83,6 +83,40 @@ fn a_character_split_across_tokens_is_matched_whole() {
     assert_eq!(m.accept(first, &table), Err(GrammarError::Rejected(first)));
 }
 
+/// Qwen2's byte tokens E0, 80 and A0 spell an overlong space: sampled after a JSON
+/// answer's closing brace, where only blanks may follow, they once passed for blanks
+/// and ran the text past the grammar. Nothing that is not UTF-8 passes for a character:
+/// overlong forms, surrogates, code points past U+10FFFF.
+#[test]
+fn bytes_that_are_not_utf8_never_pass_for_a_character() {
+    let mut tokens: Vec<(Vec<u8>, bool)> = (0u8..=255).map(|b| (vec![b], false)).collect();
+    tokens.push((Vec::new(), true));
+    let table = TokenTable::new(tokens);
+    let end = 256;
+    let mut m = matcher(r#"root ::= "}" [ \t]{0,20}"#);
+    m.accept(u32::from(b'}'), &table).unwrap();
+    m.accept(u32::from(b' '), &table).unwrap();
+    let allowed = assert_mask_consistent(&m, &table);
+    let passing: Vec<usize> = (0..allowed.len()).filter(|&t| allowed[t]).collect();
+    assert_eq!(passing, [9, 32, end as usize], "a blank or the end, nothing else");
+    // Any character at all: the first bytes of each form are checked as they come.
+    let m = matcher(r#"root ::= [^"]"#);
+    let bad: [&[u8]; 8] = [&[0xe0, 0x80], &[0xe0, 0x9f], &[0xc0], &[0xc1], &[0xed, 0xa0], &[0xf0, 0x80], &[0xf4, 0x90], &[0xf5]];
+    for bad in bad {
+        let mut probe = m.clone();
+        let accepted = bad.iter().all(|&b| probe.accept(u32::from(b), &table).is_ok());
+        assert!(!accepted, "{bad:02x?} begins no character");
+    }
+    for good in ["é", "\u{800}", "€", "\u{d7ff}", "\u{e000}", "\u{10000}", "\u{10ffff}"] {
+        let mut probe = m.clone();
+        for &b in good.as_bytes() {
+            assert!(assert_mask_consistent(&probe, &table)[usize::from(b)], "{good:?}");
+            probe.accept(u32::from(b), &table).unwrap();
+        }
+        assert!(probe.is_complete(), "{good:?}");
+    }
+}
+
 #[test]
 fn special_tokens_only_where_the_grammar_names_them() {
     let table = table();
