@@ -52,8 +52,8 @@ fn main() {
                  (GCC 12's `_tile_loadconfig` declares an 8-byte operand for 64 bytes), and \
                  this build compiles ggml's AMX kernels ({why}): every tile would be 0x0 and \
                  the first AMX instruction would kill baton with SIGILL. Build llama.cpp with \
-                 clang (scripts/setup installs it): set CC_x86_64_unknown_linux_gnu=clang and \
-                 CXX_x86_64_unknown_linux_gnu=clang++ in the environment, then \
+                 clang (scripts/setup installs it; .cargo/config.toml sets \
+                 CC_x86_64_unknown_linux_gnu/CXX_x86_64_unknown_linux_gnu = clang), then \
                  `cargo clean -p llama-cpp-sys-2` (docs/devices.md)"
             );
         }
