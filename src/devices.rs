@@ -124,7 +124,11 @@ fn check(path: &std::path::Path, args: &DevicesArgs) -> anyhow::Result<()> {
 
     let file = ModelFile::open(path)?;
     let n_layer = file.hparams().n_layer;
-    let mut ring = LocalRing::start(file, &[0..n_layer], &StageConfig::new(512, threads))?;
+    let mut ring = LocalRing::start(
+        file,
+        std::slice::from_ref(&(0..n_layer)),
+        &StageConfig::new(512, threads),
+    )?;
     let req = GenerateRequest {
         seq: 0,
         prompt: &prompt,

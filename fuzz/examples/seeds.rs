@@ -172,6 +172,7 @@ fn messages() -> Vec<(String, Message)> {
         Message::Done,
         Message::Error {
             first_layer: 1,
+            fault: baton_proto::Fault::Protocol,
             message: "sequence 3 is not started".into(),
         },
         Message::Stats {

@@ -18,7 +18,7 @@ use super::draft::{DraftMode, DraftPolicy, Drafters};
 use super::slots::{choose_slot, reusable_prefix, runs_prefix, Active, Slot};
 use super::text::Piece;
 use super::types::{
-    Counters, EngineConfig, Event, Finish, FinishReason, FormError, Health, Job, StageStats, TokenOut, Vocab,
+    Counters, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Health, Job, StageStats, TokenOut, Vocab,
 };
 
 /// A message in the ring, waiting for its reply.
@@ -228,7 +228,12 @@ impl Core {
         };
         match (pending, reply) {
             (Pending::Control, Message::Done) | (Pending::Shutdown, _) => {}
-            (Pending::Control, Message::Error { first_layer, message }) => {
+            (
+                Pending::Control,
+                Message::Error {
+                    first_layer, message, ..
+                },
+            ) => {
                 tracing::warn!(first_layer, "a control message failed: {message}");
             }
             (
@@ -258,7 +263,12 @@ impl Core {
                     head_link_rtt_us: self.ends.into_first.round_trip_us(),
                 }));
             }
-            (Pending::Stats(answer), Message::Error { first_layer, message }) => {
+            (
+                Pending::Stats(answer),
+                Message::Error {
+                    first_layer, message, ..
+                },
+            ) => {
                 let _ = answer.send(Err(format!("the stage from layer {first_layer}: {message}")));
             }
             (Pending::Step { members, decode_rows }, Message::Sampled { tokens, .. }) => {
@@ -278,7 +288,7 @@ impl Core {
                             "the last stage sampled token {} outside the vocabulary of {n_vocab}",
                             bad.token
                         );
-                        self.fail_seq(member.seq, member.epoch, &why, now);
+                        self.fail_seq(member.seq, member.epoch, Failure::server(why), now);
                         continue;
                     }
                     if got.is_empty() || got.len() > member.drafted + 1 {
@@ -287,17 +297,24 @@ impl Core {
                             got.len(),
                             member.drafted + 1
                         );
-                        self.fail_seq(member.seq, member.epoch, &why, now);
+                        self.fail_seq(member.seq, member.epoch, Failure::server(why), now);
                         continue;
                     }
                     self.on_tokens(member, &got, now);
                 }
             }
-            (Pending::Step { members, .. }, Message::Error { first_layer, message }) => {
+            (
+                Pending::Step { members, .. },
+                Message::Error {
+                    first_layer,
+                    fault,
+                    message,
+                },
+            ) => {
                 self.steps_in_flight -= 1;
-                let reason = format!("the stage from layer {first_layer}: {message}");
+                let failure = Failure::from_stage(fault, first_layer, &message);
                 for member in members {
-                    self.fail_seq(member.seq, member.epoch, &reason, now);
+                    self.fail_seq(member.seq, member.epoch, failure.clone(), now);
                 }
             }
             (_, other) => self.fail_all(&format!("the ring answered out of order with {}", other.kind())),
@@ -454,13 +471,13 @@ impl Core {
         tracing::error!("{reason}");
         for slot in &mut self.slots {
             if let Some(active) = slot.active.take() {
-                let _ = active.job.events.send(Event::Failed(reason.to_string()));
+                let _ = active.job.events.send(Event::Failed(Failure::server(reason)));
                 self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
             }
             slot.forget();
         }
         for job in self.queue.drain(..) {
-            let _ = job.events.send(Event::Failed(reason.to_string()));
+            let _ = job.events.send(Event::Failed(Failure::server(reason)));
             self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
         }
         self.counters.active.store(0, Ordering::Relaxed);
@@ -597,10 +614,12 @@ impl Core {
         self.slots.get_mut(seq)?.active.as_mut().filter(|a| a.epoch == epoch)
     }
 
-    fn fail_seq(&mut self, seq: usize, epoch: u64, reason: &str, now: Instant) {
+    fn fail_seq(&mut self, seq: usize, epoch: u64, failure: Failure, now: Instant) {
         let Some(active) = self.current(seq, epoch) else { return };
-        active.span.in_scope(|| tracing::debug!("failed: {reason}"));
-        let _ = active.job.events.send(Event::Failed(reason.to_string()));
+        active
+            .span
+            .in_scope(|| tracing::debug!(cause = ?failure.cause, "failed: {}", failure.reason));
+        let _ = active.job.events.send(Event::Failed(failure));
         self.slots[seq].active = None;
         self.slots[seq].forget();
         self.drafters.forget(seq as u32);

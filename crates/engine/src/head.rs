@@ -207,7 +207,9 @@ impl Head {
 
 fn unexpected(msg: Message) -> NodeError {
     match msg {
-        Message::Error { first_layer, message } => NodeError::Stage { first_layer, message },
+        Message::Error {
+            first_layer, message, ..
+        } => NodeError::Stage { first_layer, message },
         other => NodeError::Protocol(format!("unexpected reply {}", other.kind())),
     }
 }

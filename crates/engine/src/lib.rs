@@ -60,8 +60,8 @@ pub use head::{GenerateRequest, Generation, Head, RingEnds};
 pub use local::LocalRing;
 pub use text::{Piece, TextStream};
 pub use types::{
-    Counters, EndCheck, EngineConfig, Event, Finish, FinishReason, FormError, Formed, Health, Job, OnLost, RingSource,
-    StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
+    Cause, Counters, EndCheck, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Formed, Health, Job,
+    OnLost, RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
 };
 
 use self::core::Core;

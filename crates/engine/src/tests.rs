@@ -420,7 +420,7 @@ fn without_a_ring_source_a_loss_fails_every_request() {
     h.core.lost(gen, "the ring broke: link to stage 1 is closed", h.now);
     assert!(h.core.actions().is_empty(), "nothing forms a new ring");
     assert!(matches!(h.health(), Health::Failed { .. }));
-    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.contains("link to stage 1")));
+    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("link to stage 1")));
 }
 
 #[test]
@@ -446,7 +446,7 @@ fn deadlines_come_from_the_clock_given() {
     h.core.form_failed(FormError::Retry("w:2 refused".into()));
     h.now += Duration::from_secs(31);
     h.core.poll(h.now, false);
-    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.contains("within 30 s")));
+    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("within 30 s")));
     assert!(matches!(h.health(), Health::Waiting { .. }));
 }
 
@@ -459,7 +459,7 @@ fn without_capacity_requests_fail_at_once_and_new_ones_wait_for_a_ring() {
     h.core.lost(gen, "worker w:1 was lost", h.now);
     h.core
         .form_failed(FormError::Capacity("the workers left cannot hold the model".into()));
-    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.contains("cannot hold")));
+    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("cannot hold")));
     assert!(matches!(h.health(), Health::Waiting { .. }));
     let _later = h.job(&[3], 1);
     assert!(h.poll().is_empty(), "nothing is sent without a ring");
@@ -497,11 +497,18 @@ fn a_stage_error_fails_only_the_sequences_of_its_step() {
         gen,
         Message::Error {
             first_layer: 12,
-            message: "out of memory".into(),
+            fault: baton_proto::Fault::Request,
+            message: "the grammar allows no token here".into(),
         },
         h.now,
     );
-    let failed = |rx: &mut UnboundedReceiver<Event>| events(rx).iter().any(|e| matches!(e, Event::Failed(_)));
+    // The stage's fault says whose failure it is: the request's here (an HTTP 400).
+    let failed = |rx: &mut UnboundedReceiver<Event>| {
+        events(rx).iter().any(|e| {
+            matches!(e, Event::Failed(f) if f.cause == crate::Cause::Request
+                && f.reason == "the stage from layer 12: the grammar allows no token here")
+        })
+    };
     let a_seq = start_seq(&sent);
     let first_seq = forward(&sent[step]).seq_ids[0];
     let (hit, spared) = if first_seq == a_seq {
@@ -533,7 +540,7 @@ fn a_token_outside_the_vocabulary_fails_its_request_not_the_head() {
     assert!(
         failed
             .iter()
-            .any(|e| matches!(e, Event::Failed(why) if why.contains("outside the vocabulary of 1000"))),
+            .any(|e| matches!(e, Event::Failed(why) if why.reason.contains("outside the vocabulary of 1000"))),
         "{failed:?}"
     );
     assert!(spared.iter().any(|e| matches!(e, Event::Finished(_))), "{spared:?}");

@@ -153,7 +153,54 @@ pub enum Event {
     /// The request ended normally.
     Finished(Finish),
     /// The request failed.
-    Failed(String),
+    Failed(Failure),
+}
+
+/// Why a request failed: whose failure it is, and what happened.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Failure {
+    pub cause: Cause,
+    pub reason: String,
+}
+
+/// Whose failure ended a request (an HTTP client is told 400, 503 or 500).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// The request cannot be served as asked (its grammar, its sampling parameters).
+    Request,
+    /// No room for it now (a stage's KV cache was full): it may succeed later.
+    Capacity,
+    /// The server failed (a stage's computation, the ring).
+    Server,
+}
+
+impl Failure {
+    /// A failure of the server's own (the ring, a stage).
+    pub fn server(reason: impl Into<String>) -> Failure {
+        Failure {
+            cause: Cause::Server,
+            reason: reason.into(),
+        }
+    }
+
+    /// The failure a stage reported with `fault`.
+    pub fn from_stage(fault: baton_proto::Fault, first_layer: u32, message: &str) -> Failure {
+        let cause = match fault {
+            baton_proto::Fault::Request => Cause::Request,
+            baton_proto::Fault::CacheFull => Cause::Capacity,
+            baton_proto::Fault::Compute | baton_proto::Fault::Protocol => Cause::Server,
+        };
+        Failure {
+            cause,
+            reason: format!("the stage from layer {first_layer}: {message}"),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
+    }
 }
 
 /// One generated token.

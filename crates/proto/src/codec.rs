@@ -61,7 +61,7 @@
 //! |      |              | sample_rows [u32], row_tokens [u32]                                      |
 //! | 14   | Sampled      | step u64, tokens [SampledToken]                                          |
 //! | 15   | Done         | (empty)                                                                  |
-//! | 16   | Error        | first_layer u32, message str                                             |
+//! | 16   | Error        | first_layer u32, fault u16, message str                                  |
 //! | 17   | Stats        | resident [u64], kv_used [u32], busy_us [u64], rows [u64],                |
 //! |      |              | link_sent [u64], link_rtt_us [u64]                                       |
 //! | 18   | Shutdown     | (empty)                                                                  |
@@ -90,6 +90,7 @@
 //! | TpPlace        | group u64, rank u32, members [str]                                          |
 //!
 //! Refusal codes (Refused.code): 1 Busy, 2 Auth, 3 Version, 4 TlsRequired, 5 BadRequest, 6 LoadFailed
+//! Stage faults (Error.fault): 1 Request, 2 CacheFull, 3 Compute, 4 Protocol
 //! ```
 //!
 //! Checks beyond the layout: a `Forward` has at least one row, as many positions as

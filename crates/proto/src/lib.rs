@@ -34,7 +34,8 @@ use baton_sample::SamplingParams;
 /// best of its vocabulary share only.
 /// 11: `Share` (kind 25): a member's answer to a step, where `Partial` numbered
 /// `u64::MAX - step` stood for it.
-pub const PROTOCOL_VERSION: u32 = 11;
+/// 12: `Error` says what kind of failure it reports ([`Fault`]).
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Most members a tensor-parallel group may have (the head never plans more; a
 /// `LoadPlan` naming more is refused at decoding).
@@ -188,6 +189,44 @@ impl RefusalCode {
     /// The code with wire number `number`, if there is one.
     pub fn from_number(number: u16) -> Option<RefusalCode> {
         RefusalCode::ALL.into_iter().find(|code| code.number() == number)
+    }
+}
+
+/// What kind of failure a stage reports in `Error`, so that the head can answer a
+/// request that cannot be served differently from a stage that is unwell. The numbers
+/// are stable on the wire: a new kind takes a new number and a retired one is never
+/// reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// This request cannot be served as asked (its grammar, its sampling parameters, a
+    /// token outside the vocabulary): it fails; the ring is fine.
+    Request,
+    /// The stage's KV cache has no room for the batch: the request fails; the ring is
+    /// fine and may take it again when load is lower.
+    CacheFull,
+    /// The computation itself failed (ggml, a device, a tensor-parallel exchange).
+    Compute,
+    /// The message was malformed or did not belong at this point.
+    Protocol,
+}
+
+impl Fault {
+    /// Every kind, in wire-number order.
+    pub const ALL: [Fault; 4] = [Fault::Request, Fault::CacheFull, Fault::Compute, Fault::Protocol];
+
+    /// The kind's number on the wire.
+    pub fn number(self) -> u16 {
+        match self {
+            Fault::Request => 1,
+            Fault::CacheFull => 2,
+            Fault::Compute => 3,
+            Fault::Protocol => 4,
+        }
+    }
+
+    /// The kind with wire number `number`, if there is one.
+    pub fn from_number(number: u16) -> Option<Fault> {
+        Fault::ALL.into_iter().find(|fault| fault.number() == number)
     }
 }
 
@@ -413,8 +452,13 @@ pub enum Message {
     Done,
     /// A stage failed to handle a message; the ring drops it and reports this. The
     /// stage is named by the first (global) layer it holds, which every node knows
-    /// without knowing the ring's order.
-    Error { first_layer: u32, message: String },
+    /// without knowing the ring's order; `fault` says what failed to programs,
+    /// `message` to people.
+    Error {
+        first_layer: u32,
+        fault: Fault,
+        message: String,
+    },
     /// Each stage appends its resident bytes, the KV cache cells in use, the
     /// microseconds it has spent computing, the token rows it has computed, the bytes
     /// it has sent to the next hop and the latest round trip measured on that link (in

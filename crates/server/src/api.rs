@@ -15,7 +15,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use baton_engine::{Draft, DraftMode, Engine, Event, FinishReason, Health, Job, SubmitError, TokenOut};
+use baton_engine::{Cause, Draft, DraftMode, Engine, Event, Failure, FinishReason, Health, Job, SubmitError, TokenOut};
 use baton_ggml::LlamaModel;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -358,6 +358,31 @@ impl ApiError {
     fn server(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, message)
     }
+
+    /// How the request counts in the metrics.
+    fn outcome(&self) -> Outcome {
+        match self.status.is_client_error() {
+            true => Outcome::ClientError,
+            false => Outcome::ServerError,
+        }
+    }
+}
+
+/// A request that failed while it ran: 400 when it cannot be served as asked, 503 when
+/// a stage had no room for it (it may succeed later), 500 otherwise.
+impl From<Failure> for ApiError {
+    fn from(failure: Failure) -> ApiError {
+        match failure.cause {
+            Cause::Request => ApiError::invalid(failure.reason),
+            Cause::Capacity => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Some("server_overloaded"),
+                failure.reason,
+            ),
+            Cause::Server => ApiError::server(failure.reason),
+        }
+    }
 }
 
 impl IntoResponse for ApiError {
@@ -662,12 +687,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
 /// Counts a request that ended in an error response (the others count where they end).
 fn record_refusal(state: &AppState, endpoint: &str, result: &Result<Response, ApiError>) {
     if let Err(e) = result {
-        let outcome = if e.status.is_client_error() {
-            Outcome::ClientError
-        } else {
-            Outcome::ServerError
-        };
-        state.metrics.request(endpoint, outcome);
+        state.metrics.request(endpoint, e.outcome());
     }
 }
 
@@ -759,4 +779,44 @@ async fn completions_inner(state: Arc<AppState>, body: Body, arrived: Instant) -
     let logprobs = req.generation.logprobs;
     let prepared = prepare(&state, req.generation, prompt)?;
     respond(state, prepared, Kind::Completion, logprobs, None, arrived).await
+}
+
+#[cfg(test)]
+mod failure_tests {
+    use super::*;
+
+    /// A request that fails while it runs is answered by whose failure it was.
+    #[test]
+    fn a_failure_is_answered_by_its_cause() {
+        let answer = |cause| {
+            let e = ApiError::from(Failure {
+                cause,
+                reason: "the stage from layer 3: why".into(),
+            });
+            (
+                e.status(),
+                e.body.error.kind,
+                e.body.error.code,
+                e.message().to_string(),
+            )
+        };
+        let why = "the stage from layer 3: why".to_string();
+        assert_eq!(
+            answer(Cause::Request),
+            (StatusCode::BAD_REQUEST, "invalid_request_error", None, why.clone())
+        );
+        assert_eq!(
+            answer(Cause::Capacity),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Some("server_overloaded"),
+                why.clone()
+            )
+        );
+        assert_eq!(
+            answer(Cause::Server),
+            (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, why)
+        );
+    }
 }

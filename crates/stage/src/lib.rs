@@ -16,7 +16,7 @@ mod stage_loop;
 pub mod tp_net;
 
 pub use models::{identity_of, ModelDir};
-pub use stage_loop::{run, StageWorker};
+pub use stage_loop::{run, StageError, StageWorker};
 
 use std::ops::Range;
 use std::sync::Arc;

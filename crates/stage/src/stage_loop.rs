@@ -5,11 +5,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use baton_grammar::{Grammar, Matcher, TokenTable};
+use baton_grammar::{Grammar, GrammarError, Matcher, TokenTable};
 use baton_model::{Batch, ModelError, Stage, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
-use baton_proto::{Forward, Message, Payload, SampledToken};
-use baton_sample::Sampler;
+use baton_proto::{Fault, Forward, Message, Payload, SampledToken};
+use baton_sample::{Sampler, SamplingError};
 
 use crate::max_decode_rows;
 use crate::NodeError;
@@ -96,9 +96,9 @@ impl StageWorker {
                     let generated = &history[history.len().saturating_sub(drawn as usize)..];
                     let matcher = match grammar.as_deref().map(|g| self.matcher(g, generated)).transpose() {
                         Ok(matcher) => matcher,
-                        Err(message) => {
+                        Err(e) => {
                             self.samplers.remove(&seq);
-                            return self.error(message);
+                            return self.error(e);
                         }
                     };
                     match Sampler::new(params.clone()) {
@@ -118,7 +118,7 @@ impl StageWorker {
                                 },
                             );
                         }
-                        Err(e) => return self.error(e.to_string()),
+                        Err(e) => return self.error(StageError::Sampling(e)),
                     }
                 }
                 Message::StartSeq {
@@ -148,7 +148,7 @@ impl StageWorker {
                 let rows = forward.positions.len() as u64;
                 let reply = match self.forward(forward) {
                     Ok(msg) => msg,
-                    Err(message) => self.error(message),
+                    Err(e) => self.error(e),
                 };
                 self.busy += started.elapsed();
                 self.rows += rows;
@@ -182,7 +182,7 @@ impl StageWorker {
                 return other
             }
             // Handshake and control messages never travel the ring.
-            other => return self.error(format!("{} is not a ring message", other.kind())),
+            other => return self.error(StageError::Protocol(format!("{} is not a ring message", other.kind()))),
         };
         if last {
             Message::Done
@@ -192,28 +192,25 @@ impl StageWorker {
     }
 
     /// A matcher for `gbnf`, advanced past the tokens the sequence already generated.
-    fn matcher(&mut self, gbnf: &str, generated: &[u32]) -> Result<Matcher, String> {
-        let grammar = Grammar::parse(gbnf).map_err(|e| e.to_string())?;
+    fn matcher(&mut self, gbnf: &str, generated: &[u32]) -> Result<Matcher, StageError> {
+        let grammar = Grammar::parse(gbnf)?;
         let tokens = self.tokens()?;
-        let mut matcher = Matcher::new(Arc::new(grammar)).map_err(|e| e.to_string())?;
+        let mut matcher = Matcher::new(Arc::new(grammar))?;
         for &token in generated {
-            matcher
-                .accept(token, &tokens)
-                .map_err(|e| format!("replaying the sequence's tokens: {e}"))?;
+            matcher.accept(token, &tokens).map_err(StageError::Replay)?;
         }
         Ok(matcher)
     }
 
     /// The vocabulary for grammars: libllama's, from the stage's own model file, so
     /// that token texts are exactly the ones the head detokenizes.
-    fn tokens(&mut self) -> Result<Arc<TokenTable>, String> {
+    fn tokens(&mut self) -> Result<Arc<TokenTable>, StageError> {
         if let Some(tokens) = &self.tokens {
             return Ok(tokens.clone());
         }
         let path = self.stage.stages()[0].weights().file().path().to_path_buf();
         let started = std::time::Instant::now();
-        let vocab = baton_ggml::LlamaModel::load_vocab(&path)
-            .map_err(|e| format!("loading the vocabulary for a grammar: {e}"))?;
+        let vocab = baton_ggml::LlamaModel::load_vocab(&path).map_err(|e| StageError::Vocabulary(e.to_string()))?;
         let tokens = Arc::new(TokenTable::new(
             (0..vocab.n_vocab() as u32).map(|t| (vocab.token_bytes(t, false), vocab.is_end_of_generation(t))),
         ));
@@ -225,14 +222,15 @@ impl StageWorker {
         Ok(tokens)
     }
 
-    fn error(&self, message: String) -> Message {
+    fn error(&self, e: StageError) -> Message {
         Message::Error {
             first_layer: self.stage.span().layers.start as u32,
-            message,
+            fault: e.fault(),
+            message: e.to_string(),
         }
     }
 
-    fn forward(&mut self, forward: Forward) -> Result<Message, String> {
+    fn forward(&mut self, forward: Forward) -> Result<Message, StageError> {
         let Forward {
             step,
             payload,
@@ -307,7 +305,7 @@ impl StageWorker {
         seq_ids: &[u32],
         sample_rows: &[u32],
         want: Want,
-    ) -> Result<Computed, String> {
+    ) -> Result<Computed, StageError> {
         let last = self.stage.span().last;
         let n = positions.len();
         let cap = max_decode_rows(self.stage.repacked());
@@ -359,7 +357,7 @@ impl StageWorker {
     }
 
     /// One batch through the stage, as `want` asks.
-    fn run(&mut self, batch: &Batch<'_>, want: Want) -> Result<Computed, String> {
+    fn run(&mut self, batch: &Batch<'_>, want: Want) -> Result<Computed, StageError> {
         let computed = match want {
             Want::Output => self.stage.forward(batch).map(Computed::Output),
             Want::Best => self.stage.forward_best(batch).map(Computed::Best),
@@ -367,14 +365,13 @@ impl StageWorker {
         computed.map_err(|e| self.failed(e))
     }
 
-    /// The text of a failed computation; a failed exchange of a tensor-parallel group
-    /// also marks the stage broken (the members' exchanges are out of step for good).
-    fn failed(&mut self, e: ModelError) -> String {
-        let text = e.to_string();
+    /// A failed computation; a failed exchange of a tensor-parallel group also marks
+    /// the stage broken (the members' exchanges are out of step for good).
+    fn failed(&mut self, e: ModelError) -> StageError {
         if matches!(e, ModelError::Collective(_)) {
-            self.broken.get_or_insert_with(|| text.clone());
+            self.broken.get_or_insert_with(|| e.to_string());
         }
-        text
+        StageError::Model(e)
     }
 
     /// Samples the batch's sampled rows, in order, each with its sequence's sampler.
@@ -390,7 +387,7 @@ impl StageWorker {
         sample_rows: &[u32],
         row_tokens: &[u32],
         rows: Rows<'_>,
-    ) -> Result<Vec<SampledToken>, String> {
+    ) -> Result<Vec<SampledToken>, StageError> {
         if sample_rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -400,7 +397,8 @@ impl StageWorker {
             Rows::Best(best) => best.len() == sample_rows.len(),
         };
         if !whole {
-            return Err(format!("{} values for {} sampled rows", rows.len(), sample_rows.len()));
+            let why = format!("{} values for {} sampled rows", rows.len(), sample_rows.len());
+            return Err(StageError::Protocol(why));
         }
         let mut tokens = Vec::with_capacity(sample_rows.len());
         // Sequences whose draft was rejected: their later rows are not sampled.
@@ -410,10 +408,9 @@ impl StageWorker {
             if stopped.contains(&seq) {
                 continue;
             }
-            let seq_sampler = self
-                .samplers
-                .get_mut(&seq)
-                .ok_or_else(|| format!("sequence {seq} has no sampler: StartSeq must come first"))?;
+            let seq_sampler = self.samplers.get_mut(&seq).ok_or_else(|| {
+                StageError::Protocol(format!("sequence {seq} has no sampler: StartSeq must come first"))
+            })?;
             let (token, logprob, top) = match rows {
                 Rows::Logits(logits) => {
                     seq_sampler.sample(&logits[i * n_vocab..(i + 1) * n_vocab], self.tokens.as_deref())?
@@ -432,7 +429,9 @@ impl StageWorker {
             let next = sample_rows[i + 1..].iter().find(|&&r| seq_ids[r as usize] == seq);
             if let Some(&next) = next {
                 let drafted = row_tokens.get(next as usize).ok_or_else(|| {
-                    format!("sequence {seq} has several sampled rows but the batch carries no row tokens")
+                    StageError::Protocol(format!(
+                        "sequence {seq} has several sampled rows but the batch carries no row tokens"
+                    ))
                 })?;
                 if *drafted != token {
                     stopped.push(seq);
@@ -441,6 +440,47 @@ impl StageWorker {
             }
         }
         Ok(tokens)
+    }
+}
+
+/// Why a stage could not handle a message. The head gets its [`Fault`] (what kind of
+/// failure, for programs) and its text (for people) in a `Message::Error`.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    /// The computation failed, or the KV cache had no room for the batch.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The request's grammar cannot be used.
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
+    /// The request's grammar refuses a token its sequence already generated.
+    #[error("replaying the sequence's tokens: {0}")]
+    Replay(GrammarError),
+    /// The request's grammar allows no token at this point.
+    #[error("the grammar allows no token here")]
+    DeadEnd,
+    /// The request's sampling parameters or the row's logits cannot be sampled.
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    /// The vocabulary for grammars could not be read from the stage's own model file.
+    #[error("loading the vocabulary for a grammar: {0}")]
+    Vocabulary(String),
+    /// The message broke the ring's protocol.
+    #[error("{0}")]
+    Protocol(String),
+}
+
+impl StageError {
+    /// What kind of failure this is, for the head.
+    pub fn fault(&self) -> Fault {
+        match self {
+            StageError::Model(ModelError::CacheFull { .. }) => Fault::CacheFull,
+            StageError::Model(ModelError::BadBatch(_)) | StageError::Protocol(_) => Fault::Protocol,
+            StageError::Model(_) | StageError::Vocabulary(_) => Fault::Compute,
+            StageError::Grammar(_) | StageError::Replay(_) | StageError::DeadEnd | StageError::Sampling(_) => {
+                Fault::Request
+            }
+        }
     }
 }
 
@@ -480,23 +520,21 @@ impl SeqSampler {
     /// one. Greedy without log-probabilities first tries the unconstrained choice (the
     /// arg-max of the masked row whenever the grammar allows it, as it usually does), so
     /// the mask over the whole vocabulary is computed only when that fails.
-    fn sample(&mut self, logits: &[f32], tokens: Option<&TokenTable>) -> Result<Drawn, String> {
+    fn sample(&mut self, logits: &[f32], tokens: Option<&TokenTable>) -> Result<Drawn, StageError> {
         let Some(matcher) = self.grammar.as_mut() else {
-            return draw(&mut self.sampler, logits, self.logprobs, self.n_top);
+            return Ok(draw(&mut self.sampler, logits, self.logprobs, self.n_top)?);
         };
-        let tokens = tokens.ok_or("a grammar without a vocabulary")?;
+        let tokens = tokens.ok_or_else(|| StageError::Vocabulary("a grammar without a vocabulary".into()))?;
         if self.sampler.params().is_greedy() && !self.logprobs {
-            let token = self.sampler.sample(logits).map_err(|e| e.to_string())?;
+            let token = self.sampler.sample(logits)?;
             if matcher.allows(token, tokens) {
-                matcher.accept(token, tokens).map_err(|e| e.to_string())?;
+                matcher.accept(token, tokens)?;
                 return Ok((token, f32::NAN, Vec::new()));
             }
         }
-        matcher
-            .fill_allowed(tokens, &mut self.allowed)
-            .map_err(|e| e.to_string())?;
+        matcher.fill_allowed(tokens, &mut self.allowed)?;
         if !self.allowed.iter().any(|&a| a) {
-            return Err("the grammar allows no token here".into());
+            return Err(StageError::DeadEnd);
         }
         self.masked.clear();
         self.masked.extend(logits.iter().enumerate().map(|(token, &logit)| {
@@ -507,7 +545,7 @@ impl SeqSampler {
             }
         }));
         let sampled = draw(&mut self.sampler, &self.masked, self.logprobs, self.n_top)?;
-        matcher.accept(sampled.0, tokens).map_err(|e| e.to_string())?;
+        matcher.accept(sampled.0, tokens)?;
         Ok(sampled)
     }
 }
@@ -516,12 +554,12 @@ impl SeqSampler {
 type Drawn = (u32, f32, Vec<(u32, f32)>);
 
 /// One draw from `logits`, with log-probabilities when asked.
-fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> Result<Drawn, String> {
+fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> Result<Drawn, SamplingError> {
     if logprobs {
-        let sampled = sampler.sample_with_logprobs(logits, n_top).map_err(|e| e.to_string())?;
+        let sampled = sampler.sample_with_logprobs(logits, n_top)?;
         Ok((sampled.token, sampled.logprob, sampled.top))
     } else {
-        Ok((sampler.sample(logits).map_err(|e| e.to_string())?, f32::NAN, Vec::new()))
+        Ok((sampler.sample(logits)?, f32::NAN, Vec::new()))
     }
 }
 
@@ -569,6 +607,7 @@ fn serve(
                 tracing::error!(first_layer, "{message}");
                 let _ = tx.send(Message::Error {
                     first_layer,
+                    fault: Fault::Compute,
                     message: message.clone(),
                 });
                 return Err(NodeError::Stage { first_layer, message });

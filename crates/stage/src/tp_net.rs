@@ -159,6 +159,7 @@ impl Collective for MeshCollective {
         for peer in &self.peers {
             let _ = peer.send(Message::Error {
                 first_layer: 0,
+                fault: baton_proto::Fault::Compute,
                 message: format!("member {} aborted: {reason}", self.rank),
             });
         }
@@ -264,10 +265,14 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
                 match stage.forward_share(&batch, reply) {
                     Ok(StageOutput::Logits(values)) => Message::Share { step: f.step, values },
                     Ok(StageOutput::Hidden(_)) => Message::Done,
-                    Err(e) => Message::Error {
-                        first_layer,
-                        message: e.to_string(),
-                    },
+                    Err(e) => {
+                        let e = crate::stage_loop::StageError::Model(e);
+                        Message::Error {
+                            first_layer,
+                            fault: e.fault(),
+                            message: e.to_string(),
+                        }
+                    }
                 }
             }
             Message::TruncateSeq { seq, len } => {

@@ -120,6 +120,7 @@ fn head(link: &mut dyn Link, addr: &str, bad_id: u32) {
             }
             other => Message::Error {
                 first_layer: 0,
+                fault: baton_proto::Fault::Protocol,
                 message: format!("{} is not expected", other.kind()),
             },
         };

@@ -101,7 +101,16 @@ fn bytes_that_are_not_utf8_never_pass_for_a_character() {
     assert_eq!(passing, [9, 32, end as usize], "a blank or the end, nothing else");
     // Any character at all: the first bytes of each form are checked as they come.
     let m = matcher(r#"root ::= [^"]"#);
-    let bad: [&[u8]; 8] = [&[0xe0, 0x80], &[0xe0, 0x9f], &[0xc0], &[0xc1], &[0xed, 0xa0], &[0xf0, 0x80], &[0xf4, 0x90], &[0xf5]];
+    let bad: [&[u8]; 8] = [
+        &[0xe0, 0x80],
+        &[0xe0, 0x9f],
+        &[0xc0],
+        &[0xc1],
+        &[0xed, 0xa0],
+        &[0xf0, 0x80],
+        &[0xf4, 0x90],
+        &[0xf5],
+    ];
     for bad in bad {
         let mut probe = m.clone();
         let accepted = bad.iter().all(|&b| probe.accept(u32::from(b), &table).is_ok());

@@ -78,6 +78,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         kind::DONE => Message::Done,
         kind::ERROR => Message::Error {
             first_layer: r.u32("first_layer")?,
+            fault: r.fault()?,
             message: r.str("message")?,
         },
         kind::STATS => Message::Stats {
@@ -235,6 +236,11 @@ impl<'a> Reader<'a> {
         let number = self.u16("code")?;
         crate::RefusalCode::from_number(number)
             .ok_or_else(|| self.invalid("code", format!("unknown refusal code {number}")))
+    }
+
+    fn fault(&mut self) -> Result<crate::Fault, ProtoError> {
+        let number = self.u16("fault")?;
+        crate::Fault::from_number(number).ok_or_else(|| self.invalid("fault", format!("unknown fault {number}")))
     }
 
     /// An element count, refused when even the smallest `min_size`-byte elements could

@@ -249,7 +249,11 @@ const MESSAGES: [Layout; 25] = [
     },
     Layout {
         name: "Error",
-        fields: &[Field("first_layer", Ty::U32), Field("message", Ty::Str)],
+        fields: &[
+            Field("first_layer", Ty::U32),
+            Field("fault", Ty::U16),
+            Field("message", Ty::Str),
+        ],
     },
     Layout {
         name: "Stats",
@@ -457,6 +461,11 @@ fn render() -> String {
         .map(|code| format!("{} {code:?}", code.number()))
         .collect();
     lines.push(format!("Refusal codes (Refused.code): {}", codes.join(", ")));
+    let faults: Vec<String> = crate::Fault::ALL
+        .iter()
+        .map(|fault| format!("{} {fault:?}", fault.number()))
+        .collect();
+    lines.push(format!("Stage faults (Error.fault): {}", faults.join(", ")));
     lines.join("\n")
 }
 

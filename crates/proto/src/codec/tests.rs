@@ -248,7 +248,13 @@ pub(super) fn samples() -> Vec<Message> {
         Message::Done,
         Message::Error {
             first_layer: 2,
+            fault: crate::Fault::Compute,
             message: "stage 2: out of memory".into(),
+        },
+        Message::Error {
+            first_layer: 0,
+            fault: crate::Fault::CacheFull,
+            message: String::new(),
         },
         Message::Stats {
             resident: vec![1, u64::MAX, 0],
@@ -447,7 +453,12 @@ fn huge_counts_fail_before_allocating() {
             "Forward",
             "hidden",
         ),
-        (kind::ERROR, Bytes::default().u32(0).u32(10), "Error", "message"),
+        (
+            kind::ERROR,
+            Bytes::default().u32(0).raw(&[1, 0]).u32(10),
+            "Error",
+            "message",
+        ),
     ];
     for (kind, bytes, name, what) in cases {
         assert_eq!(decode(kind, &bytes.0), Err(ProtoError::Truncated { kind: name, what }));
@@ -473,6 +484,7 @@ fn strings_must_be_short_utf8() {
     let long = "x".repeat(MAX_STRING + 1);
     let (kind, payload) = payload_of(&Message::Error {
         first_layer: 0,
+        fault: crate::Fault::Request,
         message: long,
     });
     let too_long = ProtoError::TooLong {
@@ -858,6 +870,12 @@ fn refusals_carry_a_known_code_after_the_reason() {
     assert_eq!(payload, [3, 0, 0, 0, b't', b'l', b's', 4, 0]);
     let unknown = Bytes::default().u32(0).raw(&[99, 0]);
     assert_eq!(invalid_reason(decode(kind, &unknown.0)), "unknown refusal code 99");
+    // A stage's failure says its kind; an unknown kind is refused.
+    let unknown = Bytes::default().u32(0).raw(&[99, 0]).u32(0);
+    assert_eq!(invalid_reason(decode(kind::ERROR, &unknown.0)), "unknown fault 99");
+    for fault in crate::Fault::ALL {
+        assert_eq!(crate::Fault::from_number(fault.number()), Some(fault));
+    }
     // A refusal as versions 1 to 3 wrote it (no code) is short.
     let old = Bytes::default().u32(3).raw(b"old");
     assert_eq!(

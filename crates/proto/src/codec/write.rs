@@ -106,8 +106,13 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             tokens.iter().for_each(|t| w.sampled_token(t));
         }
         Message::Done | Message::Shutdown | Message::Pong => {}
-        Message::Error { first_layer, message } => {
+        Message::Error {
+            first_layer,
+            fault,
+            message,
+        } => {
             w.u32(*first_layer);
+            w.u16(fault.number());
             w.str(message);
         }
         Message::Stats {

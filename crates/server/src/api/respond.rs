@@ -75,7 +75,7 @@ pub(super) async fn respond(
                 writer.record(Outcome::Ok);
                 return Ok(Json(writer.whole(&text, message, &tokens, reason, usage)).into_response());
             }
-            Event::Failed(reason) => return Err(ApiError::server(reason)),
+            Event::Failed(failure) => return Err(ApiError::from(failure)),
         }
     }
     Err(ApiError::server("the engine stopped before the request finished"))
@@ -403,11 +403,11 @@ impl SseStream {
                 self.done = true;
                 self.writer.record(Outcome::Ok);
             }
-            Event::Failed(reason) => {
-                let error = ApiError::server(reason).body;
-                self.push(&serde_json::to_value(error).unwrap_or_default());
+            Event::Failed(failure) => {
+                let error = ApiError::from(failure);
+                self.writer.record(error.outcome());
+                self.push(&serde_json::to_value(error.body).unwrap_or_default());
                 self.done = true;
-                self.writer.record(Outcome::ServerError);
             }
         }
     }

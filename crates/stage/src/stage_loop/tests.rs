@@ -132,6 +132,48 @@ fn grammar_keeps_greedy_text_inside_it_with_drafts_and_after_a_rebuild() {
 
 /// Issue 16: a panic in a session's thread left the worker wedged. The stage loop
 /// turns it into an error for that session, and tells the next hop.
+/// A stage's failures say whose they are: the request's (a grammar that does not
+/// parse), the cache's (no room for the batch) or the protocol's (a step for a sequence
+/// never started, a message that does not travel the ring); the head answers 400, 503
+/// or 500 by them.
+#[test]
+fn a_failure_names_its_fault() {
+    use baton_proto::Fault;
+    let file = ModelFile::open(Path::new(QWEN)).expect("scripts/fetch-models puts qwen2 in models/");
+    let span = StageSpan {
+        layers: 0..file.hparams().n_layer,
+        first: true,
+        last: true,
+    };
+    let mut worker = StageWorker::new(Stage::load(file, span, &StageConfig::new(64, 2)).expect("stage loads"));
+    let fault = |reply: Message| match reply {
+        Message::Error { fault, message, .. } => (fault, message),
+        other => panic!("expected an error, got {other:?}"),
+    };
+    let (got, message) = fault(start(&mut worker, 0, vec![1, 2], 0, Some("root ::= (")));
+    assert_eq!(got, Fault::Request, "{message}");
+    assert_eq!(start(&mut worker, 0, vec![1, 2], 0, None), Message::Done);
+    let forward = |tokens: Vec<u32>, seq: u32| {
+        let n = tokens.len() as u32;
+        Message::Forward(Forward {
+            step: 0,
+            payload: Payload::Tokens(tokens),
+            positions: (0..n as i32).collect(),
+            seq_ids: vec![seq; n as usize],
+            sample_rows: vec![n - 1],
+            row_tokens: Vec::new(),
+        })
+    };
+    let (got, message) = fault(worker.handle(forward(vec![11; 65], 0)));
+    assert_eq!(got, Fault::CacheFull, "{message}");
+    assert!(message.contains("KV cache is full"), "{message}");
+    let (got, message) = fault(worker.handle(forward(vec![11], 3)));
+    assert_eq!(got, Fault::Protocol, "{message}");
+    assert!(message.contains("no sampler"), "{message}");
+    let (got, _) = fault(worker.handle(Message::Pong));
+    assert_eq!(got, Fault::Protocol);
+}
+
 #[test]
 fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
     use super::{serve, NodeError};
@@ -156,6 +198,7 @@ fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
         from_stage.recv().unwrap(),
         Message::Error {
             first_layer: 12,
+            fault: baton_proto::Fault::Compute,
             message: message.clone()
         }
     );
