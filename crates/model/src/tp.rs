@@ -44,7 +44,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::hparams::HParams;
+use crate::hparams::{HParams, TpHeads};
 use crate::tensors::{Dim, Split};
 use crate::ModelError;
 
@@ -139,6 +139,10 @@ impl TpSplit {
         sliced.n_head_kv = self.kv_heads.len();
         sliced.n_ff = self.ff.len();
         sliced.moe.n_ff_exp = self.ff_exp.len();
+        sliced.tp_heads = Some(TpHeads {
+            q: self.q_heads.clone(),
+            kv: self.kv_heads.clone(),
+        });
         sliced
     }
 
