@@ -16,6 +16,9 @@
 //!   query heads (rows of the query projection, each head's `k_b` and `v_b`). The heads' outputs are gathered (all-gather), then
 //!   each member computes its share of `attn_output`'s rows (of `n_embd`), gathered
 //!   again.
+//! - q/k norms over all heads at once (minimax-m2): the query rows are gathered before
+//!   the norm (a fifth exchange) and every member with heads computes all key heads
+//!   (`attn_k` is not split); each keeps its own heads after the norms.
 //! - the FFN: rows of `ffn_gate` and `ffn_up` (a share of the inner dimension); the
 //!   activations are gathered, each member computes its share of `ffn_down`'s rows, and
 //!   those are gathered.

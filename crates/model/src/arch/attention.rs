@@ -87,7 +87,13 @@ impl<'g> Builder<'g> {
             return ctx.reshape_3d(rows, d as i64, n as i64, n_tokens);
         }
         let elt = rows.nb()[0];
-        ctx.view_3d(rows, [d as i64, n as i64, n_tokens], elt * d, rows.nb()[1], elt * d * first)
+        ctx.view_3d(
+            rows,
+            [d as i64, n as i64, n_tokens],
+            elt * d,
+            rows.nb()[1],
+            elt * d * first,
+        )
     }
 
     /// The output projection (with its bias) of the heads' outputs
