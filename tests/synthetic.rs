@@ -108,7 +108,7 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
     const N_SEQ: usize = 7;
-    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2"] {
+    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2", "minimax-m2"] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
         } else {
@@ -239,14 +239,32 @@ fn gemma2_on_two_workers_matches_llama_cpp() {
     two_workers("gemma2", FileType::Q4KM);
 }
 
+#[test]
+fn minimax_m2_matches_llama_cpp_with_1_2_3_stages() {
+    stages("minimax-m2", FileType::Q4KM);
+}
+
+#[test]
+fn minimax_m2_on_two_workers_matches_llama_cpp() {
+    two_workers("minimax-m2", FileType::Q4KM);
+}
+
 /// The paths real files rarely take, against libllama too: every optional tensor an
-/// architecture takes (llama's q/k/v/o and FFN biases, the others' q/k/v biases,
-/// glm4moe's q/k norms) and mistral3 with experts. libllama loading each file also
+/// architecture takes (llama's q/k/v/o and FFN biases, the others' q/k/v biases
+/// (minimax-m2's too), glm4moe's q/k norms) and mistral3 with experts. libllama loading each file also
 /// checks that it takes those tensors.
 #[test]
 fn optional_tensors_and_rarer_variants_match_llama_cpp() {
     for arch in [
-        "llama", "mixtral", "qwen3", "qwen3moe", "gemma3", "glm4moe", "mistral3", "gemma2",
+        "llama",
+        "mixtral",
+        "qwen3",
+        "qwen3moe",
+        "gemma3",
+        "glm4moe",
+        "mistral3",
+        "gemma2",
+        "minimax-m2",
     ] {
         let path = synthetic_with(arch, FileType::Q8_0, |spec| spec.optional_tensors = true);
         let worst = check_stages_with(&path, &format!("{arch} with optional tensors"), &[1, 3]);

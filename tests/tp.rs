@@ -246,6 +246,29 @@ fn experts_tp_2_and_3_match_llama_cpp() {
     }
 }
 
+/// minimax-m2's q/k norms span all heads at once: each member computes its query
+/// heads' rows and all are gathered before the norm, every member with heads computes
+/// every key head, and each keeps its own heads after the norms (a member of a group of
+/// 3 over 2 key/value heads has none and only joins the gathers). Synthetic; the
+/// logits are libllama's bits in groups of 2 and 3.
+#[test]
+fn minimax_m2_tp_2_and_3_match_llama_cpp() {
+    let _serial = serial();
+    let fixture = Fixture::load(common::synth::synthetic("minimax-m2", baton_ggml::FileType::Q4KM));
+    for n in [2, 3] {
+        let config = StageConfig::new(N_CTX, 1);
+        let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+        let splits = baton_model::tp_splits(&fixture.file, n).unwrap();
+        assert_eq!(
+            splits.iter().any(|s| s.q_heads.is_empty()),
+            n == 3,
+            "a group of 3 has a member without heads"
+        );
+        let worst = check_model(&fixture, &mut stage, &format!("minimax-m2 tp {n}"));
+        assert_eq!(worst, 0.0, "minimax-m2 tp {n}: the logits are libllama's bits");
+    }
+}
+
 /// Dense architectures with more to them (synthetic): gemma2's attention and final
 /// logit soft-capping and sliding windows, mistral3's YaRN attention temperature,
 /// phi3's fused q/k/v and gate/up projections (each member's rows of each part).

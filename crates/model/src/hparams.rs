@@ -2,6 +2,8 @@
 //! architecture shares here (as llama.cpp's `llama_model_base::load_hparams` reads
 //! them), the rest by each architecture's own `hparams` function.
 
+use std::ops::Range;
+
 use baton_ggml::RopeParams;
 use baton_gguf::Gguf;
 
@@ -66,6 +68,20 @@ pub struct HParams {
     /// Attention temperature tuning (Llama 4 style, Ministral 3): queries scaled by a
     /// factor growing with the position.
     pub attn_temp: Option<AttnTemp>,
+    /// Which of the whole model's heads a tensor-parallel member holds (`None` outside
+    /// a group, where `n_head` and `n_head_kv` are all of them).
+    pub tp_heads: Option<TpHeads>,
+}
+
+/// A tensor-parallel member's heads among the whole model's: a layer that normalises
+/// all heads' projections at once (minimax-m2's q/k norms) computes every head's and
+/// keeps these.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TpHeads {
+    /// Its query heads.
+    pub q: Range<usize>,
+    /// Its key/value heads.
+    pub kv: Range<usize>,
 }
 
 /// Queries at position `p` are multiplied by
@@ -325,6 +341,7 @@ impl HParams {
             yarn,
             mla: None,
             attn_temp: None,
+            tp_heads: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         hp.finish_rope();

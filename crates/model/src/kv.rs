@@ -359,6 +359,7 @@ mod tests {
             },
             mla: None,
             attn_temp: None,
+            tp_heads: None,
             yarn: crate::Yarn {
                 attn_factor: 1.0,
                 log_mul: 0.0,

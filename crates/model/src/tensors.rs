@@ -251,6 +251,30 @@ pub fn attention(t: &mut LayerPlan<'_>, biases: Presence) {
     );
 }
 
+/// The attention of [`Builder::attention_whole_qk_norms`](crate::arch::Builder::attention_whole_qk_norms):
+/// separate q, k, v projections (optional biases) and q/k RMS norms over all heads at
+/// once (`attn_q_norm` of `d_k × n_head` values, `attn_k_norm` of `d_k × n_head_kv`).
+/// A tensor-parallel member computes its query heads' rows (all heads' are gathered
+/// before the norm), every key head (the key norm needs them all, and the key
+/// projection is the smaller: `n_head_kv` heads), its value heads' rows, and its rows
+/// of the output.
+pub fn attention_whole_qk_norms(t: &mut LayerPlan<'_>) {
+    use LayerTensor as T;
+    let hp = t.hp;
+    let (embd, d_k, d_v) = (hp.n_embd, hp.head_dim_k, hp.head_dim_v);
+    let (q, k, v) = (d_k * hp.n_head, hp.n_embd_k_gqa(), hp.n_embd_v_gqa());
+    let (q_rows, v_rows) = (Split::Rows(Dim::QHeads(d_k)), Split::Rows(Dim::KvHeads(d_v)));
+    t.mat(T::AttnQ, &[embd, q], q_rows.clone());
+    t.mat(T::AttnK, &[embd, k], Split::WithHeads);
+    t.mat(T::AttnV, &[embd, v], v_rows.clone());
+    t.vec(T::AttnQBias, &[q], q_rows).optional();
+    t.vec(T::AttnKBias, &[k], Split::WithHeads).optional();
+    t.vec(T::AttnVBias, &[v], v_rows).optional();
+    t.vec(T::AttnQNorm, &[q], Split::WithHeads);
+    t.vec(T::AttnKNorm, &[k], Split::WithHeads);
+    t.mat(T::AttnOutput, &[d_v * hp.n_head, embd], Split::Rows(Dim::Embd));
+}
+
 /// Per-head RMS norms of queries and keys (`attn_q_norm`, `attn_k_norm`).
 pub fn qk_norms(t: &mut LayerPlan<'_>, presence: Presence) {
     let head = t.hp.head_dim_k;

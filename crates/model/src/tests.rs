@@ -249,7 +249,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2)"
     );
 
     // A tensor the architecture does not use would be silently skipped: refused.
@@ -275,6 +275,39 @@ fn loader_errors_are_clear() {
     });
     let text = err_text("ff-exp.gguf", &no_ff_exp);
     assert!(text.contains("qwen3moe needs experts"), "{text}");
+
+    // minimax-m2: its selection bias is required, its gating function must be named
+    // (llama.cpp has none without the key and aborts), and a fused q/k/v projection is
+    // not one of its forms.
+    let no_bias = tiny_model("minimax-m2", |w| w.without_tensor("blk.2.exp_probs_b.bias"));
+    assert_eq!(
+        err_text("mm-bias.gguf", &no_bias),
+        "tensor 'blk.2.exp_probs_b.bias' is missing from the model file"
+    );
+    let no_gating = tiny_model("minimax-m2", |w| w.without_kv("minimax-m2.expert_gating_func"));
+    let text = err_text("mm-gating.gguf", &no_gating);
+    assert!(text.contains("minimax-m2.expert_gating_func"), "{text}");
+    let none = tiny_model("minimax-m2", |w| {
+        w.without_kv("minimax-m2.expert_gating_func")
+            .kv_u32("minimax-m2.expert_gating_func", 0)
+    });
+    assert_eq!(
+        err_text("mm-none.gguf", &none),
+        "bad hyper-parameters: minimax-m2.expert_gating_func is 0 (none): the router has no gating function"
+    );
+    let softplus = tiny_model("minimax-m2", |w| {
+        w.without_kv("minimax-m2.expert_gating_func")
+            .kv_u32("minimax-m2.expert_gating_func", 4)
+    });
+    let text = err_text("mm-softplus.gguf", &softplus);
+    assert!(text.contains("expert_gating_func 4 is not supported"), "{text}");
+    let fused = tiny_model("minimax-m2", |w| {
+        w.tensor_f32("blk.0.attn_qkv.weight", &[N_EMBD, 64], &[0.0; 32 * 64])
+    });
+    assert_eq!(
+        err_text("mm-qkv.gguf", &fused),
+        "tensor 'blk.0.attn_qkv.weight' is not part of baton's minimax-m2 architecture; refusing to compute without it"
+    );
 
     let odd_type = tiny_model("llama", |w| {
         w.without_tensor("blk.0.attn_norm.weight").tensor_raw(

@@ -16,6 +16,9 @@
 //!   query heads (rows of the query projection, each head's `k_b` and `v_b`). The heads' outputs are gathered (all-gather), then
 //!   each member computes its share of `attn_output`'s rows (of `n_embd`), gathered
 //!   again.
+//! - q/k norms over all heads at once (minimax-m2): the query rows are gathered before
+//!   the norm (a fifth exchange) and every member with heads computes all key heads
+//!   (`attn_k` is not split); each keeps its own heads after the norms.
 //! - the FFN: rows of `ffn_gate` and `ffn_up` (a share of the inner dimension); the
 //!   activations are gathered, each member computes its share of `ffn_down`'s rows, and
 //!   those are gathered.
@@ -44,7 +47,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::hparams::HParams;
+use crate::hparams::{HParams, TpHeads};
 use crate::tensors::{Dim, Split};
 use crate::ModelError;
 
@@ -139,6 +142,10 @@ impl TpSplit {
         sliced.n_head_kv = self.kv_heads.len();
         sliced.n_ff = self.ff.len();
         sliced.moe.n_ff_exp = self.ff_exp.len();
+        sliced.tp_heads = Some(TpHeads {
+            q: self.q_heads.clone(),
+            kv: self.kv_heads.clone(),
+        });
         sliced
     }
 

@@ -30,23 +30,92 @@ impl<'g> Builder<'g> {
             // A tensor-parallel member without heads: only the others' heads.
             self.gather(x, Shard::Heads)
         } else {
-            let out = self.attention_heads(w, layer, x);
+            let (q, k, v) = self.qkv(w, x);
+            let (q, k) = match (w.opt(T::AttnQNorm), w.opt(T::AttnKNorm)) {
+                (Some(qn), Some(kn)) => (self.norm(q, qn), self.norm(k, kn)),
+                _ => (q, k),
+            };
+            let out = self.rope_and_attend(layer, q, k, v, w.opt(T::AttnSinks));
             self.gather(out, Shard::Heads)
         };
-        let out = self.linear(w.get(T::AttnOutput), w.opt(T::AttnOutputBias), out);
+        self.attn_output(w, out)
+    }
+
+    /// Attention whose q/k RMS norms span all heads' projections at once
+    /// (`attn_q_norm` of `d_k × n_head` values, `attn_k_norm` of `d_k × n_head_kv`;
+    /// MiniMax M2) rather than each head. The norms need every head's values, so a
+    /// tensor-parallel member gathers all heads' queries (each computes its own heads'
+    /// rows), computes all key heads itself, normalises both whole and keeps its own
+    /// heads (see [`tensors::attention_whole_qk_norms`](crate::tensors::attention_whole_qk_norms)).
+    /// Separate q, k, v projections with optional biases. `x`: `[n_embd, n_tokens]` in
+    /// and out.
+    pub fn attention_whole_qk_norms(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+        let hp = self.hp;
+        if hp.n_head == 0 {
+            // A member without heads joins both gathers of the heads with nothing; the
+            // second reads the first so that they run in the same order as elsewhere.
+            let queries = self.gather(x, Shard::Heads);
+            let out = self.gather(queries, Shard::Heads);
+            return self.attn_output(w, out);
+        }
+        // The queries' gather carries `d_k` per head where the heads' carries `d_v`.
+        debug_assert_eq!(hp.head_dim_k, hp.head_dim_v);
+        let ctx = self.ctx;
+        let n_tokens = self.inputs.n_tokens as i64;
+        let (d_k, d_v) = (hp.head_dim_k, hp.head_dim_v as i64);
+        let q = self.linear(w.get(T::AttnQ), w.opt(T::AttnQBias), x); // [d_k × its heads, n_tokens]
+        let q = self.gather(q, Shard::Heads); // [d_k × n_head, n_tokens]
+        let q = self.norm(q, w.get(T::AttnQNorm)).named(&format!("Qcur_normed-{layer}"));
+        let k = self.linear(w.get(T::AttnK), w.opt(T::AttnKBias), x); // [d_k × n_head_kv, n_tokens], every head
+        let k = self.norm(k, w.get(T::AttnKNorm)).named(&format!("Kcur_normed-{layer}"));
+        let v = self.linear(w.get(T::AttnV), w.opt(T::AttnVBias), x); // [d_v × its kv heads, n_tokens]
+        let (q_first, kv_first) = hp.tp_heads.as_ref().map_or((0, 0), |h| (h.q.start, h.kv.start));
+        let q = self.heads(q, d_k, q_first, hp.n_head); // [d_k, its heads, n_tokens]
+        let k = self.heads(k, d_k, kv_first, hp.n_head_kv);
+        let v = ctx.reshape_3d(v, d_v, hp.n_head_kv as i64, n_tokens);
+        let out = self.rope_and_attend(layer, q, k, v, None);
+        let out = self.gather(out, Shard::Heads);
+        self.attn_output(w, out)
+    }
+
+    /// Heads `first..first + n` of `rows` (`[d × all heads, n_tokens]`) as
+    /// `[d, n, n_tokens]`: the whole tensor reshaped when it holds just those, else a view.
+    fn heads(&self, rows: Tensor<'g>, d: usize, first: usize, n: usize) -> Tensor<'g> {
+        let ctx = self.ctx;
+        let [width, n_tokens, _, _] = rows.ne();
+        if first == 0 && (d * n) as i64 == width {
+            return ctx.reshape_3d(rows, d as i64, n as i64, n_tokens);
+        }
+        let elt = rows.nb()[0];
+        ctx.view_3d(
+            rows,
+            [d as i64, n as i64, n_tokens],
+            elt * d,
+            rows.nb()[1],
+            elt * d * first,
+        )
+    }
+
+    /// The output projection (with its bias) of the heads' outputs
+    /// `[d_v × n_head, n_tokens]`, joined across a tensor-parallel group.
+    fn attn_output(&self, w: &LayerTensors<'g>, heads: Tensor<'g>) -> Tensor<'g> {
+        let out = self.linear(w.get(T::AttnOutput), w.opt(T::AttnOutputBias), heads);
         self.gather(out, Shard::Embd)
     }
 
-    /// The heads' outputs `[d_v × n_head, n_tokens]` of [`attention`](Self::attention),
-    /// before the output projection.
-    fn attention_heads(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+    /// RoPE on queries `[d_k, n_head, n_tokens]` and keys, the attention temperature
+    /// and query scale where the model has them, then [`attend`](Self::attend) (with
+    /// `sinks` if any): the heads' outputs `[d_v × n_head, n_tokens]`.
+    fn rope_and_attend(
+        &mut self,
+        layer: usize,
+        q: Tensor<'g>,
+        k: Tensor<'g>,
+        v: Tensor<'g>,
+        sinks: Option<Tensor<'g>>,
+    ) -> Tensor<'g> {
         let hp = self.hp;
         let ctx = self.ctx;
-        let (q, k, v) = self.qkv(w, x);
-        let (q, k) = match (w.opt(T::AttnQNorm), w.opt(T::AttnKNorm)) {
-            (Some(qn), Some(kn)) => (self.norm(q, qn), self.norm(k, kn)),
-            _ => (q, k),
-        };
         let rope = if hp.is_swa(layer) { &hp.rope_swa } else { &hp.rope };
         let factors = self.weights.end(EndTensor::RopeFreqs);
         let mut q = ctx
@@ -66,7 +135,7 @@ impl<'g> Builder<'g> {
             v: Some(v),
             d_v: hp.head_dim_v,
         };
-        let out = self.attend(layer, q, kv, w.opt(T::AttnSinks), hp.attn_scale);
+        let out = self.attend(layer, q, kv, sinks, hp.attn_scale);
         ctx.reshape_2d(out, (hp.head_dim_v * hp.n_head) as i64, self.inputs.n_tokens as i64)
     }
 

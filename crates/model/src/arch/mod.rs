@@ -18,6 +18,7 @@ mod gemma3;
 mod glm4moe;
 mod gpt_oss;
 mod llama;
+mod minimax_m2;
 mod mistral3;
 mod phi3;
 mod qwen2;
@@ -48,6 +49,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &mistral3::ARCH,
     &phi3::ARCH,
     &gemma2::ARCH,
+    &minimax_m2::ARCH,
 ];
 
 /// How RoPE rotates a head.

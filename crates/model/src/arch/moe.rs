@@ -30,7 +30,7 @@ pub enum Gating {
 
 impl Gating {
     /// The gating named by `expert_gating_func` (`0`: not set).
-    fn from_id(id: usize) -> Result<Option<Gating>, ModelError> {
+    pub(super) fn from_id(id: usize) -> Result<Option<Gating>, ModelError> {
         match id {
             0 => Ok(None),
             1 => Ok(Some(Gating::Softmax)),
