@@ -19,6 +19,7 @@ mod glm4moe;
 mod gpt_oss;
 mod llama;
 mod mistral3;
+mod mistral4;
 mod phi3;
 mod qwen2;
 mod qwen3;
@@ -48,6 +49,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &mistral3::ARCH,
     &phi3::ARCH,
     &gemma2::ARCH,
+    &mistral4::ARCH,
 ];
 
 /// How RoPE rotates a head.
