@@ -210,6 +210,16 @@ fn deepseek2_on_two_workers_matches_llama_cpp() {
 }
 
 #[test]
+fn mistral4_matches_llama_cpp_with_1_2_3_stages() {
+    stages("mistral4", FileType::Q4KM);
+}
+
+#[test]
+fn mistral4_on_two_workers_matches_llama_cpp() {
+    two_workers("mistral4", FileType::Q4KM);
+}
+
+#[test]
 fn mistral3_matches_llama_cpp_with_1_2_3_stages() {
     stages("mistral3", FileType::Q4KM);
 }

@@ -218,14 +218,15 @@ fn gemma3_tp_2_and_3_match_llama_cpp() {
 /// shared expert, dense leading layer and selection bias, gpt-oss with its expert
 /// biases, attention sinks and MXFP4 experts, and deepseek2 with MLA attention, whose
 /// compressed row every member caches whole, its query heads two at a time (a member
-/// of a group of 3 over 4 heads gets none); synthetic): the router is
+/// of a group of 3 over 4 heads gets none), mistral4 the same with YaRN; synthetic):
+/// the router is
 /// whole on every member, so all choose the same experts, and the logits are
 /// libllama's bits, in groups of 2 and 3.
 #[test]
 fn experts_tp_2_and_3_match_llama_cpp() {
     use baton_ggml::FileType;
     let _serial = serial();
-    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2"] {
+    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2", "mistral4"] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
         } else {

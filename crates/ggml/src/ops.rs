@@ -128,6 +128,18 @@ impl<'a> Tensor<'a> {
         self
     }
 
+    /// Asks backends to multiply this matmul's input (its `b`, ggml's src 1) as f32
+    /// rather than convert it to f16 first (llama.cpp does where activations can exceed
+    /// f16's range); the CPU backend converts as its kernels need, so nothing changes
+    /// there. Only `mul_mat` and `mul_mat_id` nodes take it.
+    pub fn prec_f32_input(self) -> Self {
+        // SAFETY: sets an op parameter of a valid node; source index 1 is below
+        // GGML_MAX_SRC, as ggml asserts, and any other op is left as it is.
+        let set = unsafe { sys::ggml_prec_set_src(self.raw(), sys::GGML_PREC_F32, 1) };
+        debug_assert!(set, "an f32 input asked of a node that is not a matmul");
+        self
+    }
+
     /// Adds per-head attention sinks `[n_head]` (f32 logits that join every softmax
     /// denominator, gpt-oss) to this `flash_attn` node.
     pub fn with_sinks(self, sinks: Tensor<'a>) -> Self {

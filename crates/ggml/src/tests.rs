@@ -120,6 +120,46 @@ fn first_token_experts(
     out
 }
 
+/// `prec_f32_input` records what llama.cpp's `ggml_prec_set_src(node, GGML_PREC_F32, 1)`
+/// records (op parameter 3 of a matmul), which device backends read; the CPU backend
+/// does not, so an expert matmul gives the same bits with it.
+#[test]
+fn f32_input_is_recorded_and_changes_nothing_on_the_cpu() {
+    let (k, m, n, n_expert) = (256i64, 32i64, 3i64, 4i64);
+    let weights = noise((k * m * n_expert) as usize, 7);
+    let x: Vec<f32> = noise((k * 2 * n) as usize, 8).iter().map(|v| v * 1e5).collect();
+    let run = |f32_input: bool| -> (i32, Vec<f32>) {
+        let ctx = Context::new(4, 4);
+        let wt = ctx.new_tensor(DType::F32, &[k, m, n_expert]).set_input();
+        let xt = ctx.new_tensor(DType::F32, &[k, 2, n]).set_input();
+        let ids = ctx.new_tensor(DType::I32, &[2, n]).set_input();
+        let mut y = ctx.mul_mat_id(wt, xt, ids);
+        if f32_input {
+            y = y.prec_f32_input();
+        }
+        let y = y.set_output(); // [m, 2, n]
+                                // SAFETY: `y` is a valid node of `ctx`; op parameters are plain integers.
+        let param = unsafe { (*y.raw()).op_params[3] };
+        let mut graph = ctx.new_graph();
+        graph.expand(y);
+        let mut alloc = Allocator::new_cpu();
+        alloc.alloc(&graph).unwrap();
+        wt.write(&weights).unwrap();
+        xt.write(&x).unwrap();
+        ids.write(&[0, 3, 2, 1, 3, 2]).unwrap();
+        CpuBackend::new(2).compute(&graph).unwrap();
+        let mut out = vec![0f32; (m * 2 * n) as usize];
+        y.read(&mut out).unwrap();
+        (param, out)
+    };
+    let (param, plain) = run(false);
+    assert_eq!(param, sys::GGML_PREC_DEFAULT as i32);
+    let (param, f32_input) = run(true);
+    assert_eq!(param, sys::GGML_PREC_F32 as i32);
+    assert!(plain.iter().any(|&v| v.abs() > 65504.0), "rows beyond f16's range");
+    assert_eq!(f32_input, plain);
+}
+
 /// The batching invariance of `quantized_mul_mat_rows_are_batch_invariant_below_8`
 /// holds for mixture-of-experts layers too: a token's expert rows are the same bits
 /// whether it is alone or batched with up to 6 others, both when the others pick the

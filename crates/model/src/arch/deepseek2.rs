@@ -4,7 +4,8 @@
 //! selection bias, expert groups) beside shared experts.
 //!
 //! Mistral Large 3's attention temperature tuning is applied as llama.cpp applies it.
-//! Only GGUFs with the split `attn_k_b`/`attn_v_b` projections (every conversion since
+//! Mistral 4 (`mistral4`) reads, holds and computes the same; its file reuses these
+//! pieces. Only GGUFs with the split `attn_k_b`/`attn_v_b` projections (every conversion since
 //! llama.cpp added MLA) are supported: older files with one `attn_kv_b` run as plain
 //! multi-head attention in llama.cpp, which baton does not implement.
 
@@ -13,7 +14,7 @@ use baton_gguf::Value;
 
 use super::attention::KeyValues;
 use super::builder::{Act, Shard};
-use super::moe::{ExpertAct, Gating, Routing};
+use super::moe::{DownInput, ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{AttnTemp, HParams, Keys, Mla};
 use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
@@ -37,6 +38,16 @@ pub static ARCH: Architecture = Architecture {
 
 /// As llama.cpp's `llama_model_deepseek2` reads them.
 fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
+    let has_log_mul = read_hparams(hp, keys, "deepseek2")?;
+    // llama.cpp's context special-cases DeepSeek V2 by architecture: its log multiplier
+    // is also the mscale (`mistral4` is not special-cased).
+    hp.yarn.mscale_from_log_mul = has_log_mul;
+    Ok(())
+}
+
+/// What `llama_model_deepseek2::load_arch_hparams` reads, for `arch` (its name in
+/// errors); returns whether the file has a YaRN log multiplier.
+pub(super) fn read_hparams(hp: &mut HParams, keys: &Keys<'_>, arch: &str) -> Result<bool, ModelError> {
     let n_layer_all = keys.u32("block_count")?;
     // DeepSeek-V2-Lite and its relatives project queries directly.
     let lite = hp.n_layer == 27 || hp.n_layer == 26 || (hp.n_layer == 48 && hp.n_vocab == 128_256);
@@ -46,16 +57,15 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         keys.opt_u32("attention.key_length_mla")?,
         keys.opt_u32("attention.value_length_mla")?,
     ) else {
-        return Err(ModelError::BadHParams(
-            "deepseek2 GGUF without attention.key_length_mla (converted before MLA): re-convert it \
+        return Err(ModelError::BadHParams(format!(
+            "{arch} GGUF without attention.key_length_mla (converted before MLA): re-convert it \
              with a current llama.cpp"
-                .into(),
-        ));
+        )));
     };
     let n_rot = hp.rope.n_dims as usize;
     if hp.n_head_kv != 1 || hp.head_dim_k != n_lora_kv + n_rot || hp.head_dim_v != n_lora_kv || head_dim_k <= n_rot {
         return Err(ModelError::BadHParams(format!(
-            "deepseek2 MLA sizes do not fit: {} key heads of {} and values of {} for a latent of \
+            "{arch} MLA sizes do not fit: {} key heads of {} and values of {} for a latent of \
              {n_lora_kv} plus {n_rot} RoPE dims; heads of {head_dim_k}",
             hp.n_head_kv, hp.head_dim_k, hp.head_dim_v
         )));
@@ -83,14 +93,14 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         Gating::Softmax
     };
     hp.moe.read_routing(keys, true, default_gating)?;
-    hp.moe.require_experts("deepseek2")?;
+    hp.moe.require_experts(arch)?;
     // The converter multiplied the YaRN log multiplier by 0.1; llama.cpp divides it back
-    // out, and for DeepSeek V2 it is also the mscale.
-    if let Some(log_mul) = keys.opt_f32("rope.scaling.yarn_log_multiplier")? {
+    // out.
+    let log_mul = keys.opt_f32("rope.scaling.yarn_log_multiplier")?;
+    if let Some(log_mul) = log_mul {
         hp.yarn.log_mul = log_mul / 0.1;
-        hp.yarn.mscale_from_log_mul = true;
     }
-    Ok(())
+    Ok(log_mul.is_some())
 }
 
 /// A required key that must not be 0.
@@ -101,9 +111,10 @@ fn positive(keys: &Keys<'_>, key: &str) -> Result<usize, ModelError> {
     }
 }
 
-fn tensors(t: &mut LayerPlan<'_>) {
+/// As `llama_model_deepseek2::load_arch_tensors` lists them (MLA files).
+pub(super) fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
-    let mla = hp.mla.as_ref().expect("deepseek2 hyper-parameters always set MLA");
+    let mla = hp.mla.as_ref().expect("MLA hyper-parameters are always read");
     let (embd, n_head, n_rot) = (hp.n_embd, hp.n_head, hp.rope.n_dims as usize);
     let n_nope = mla.head_dim_k - n_rot;
     // Tensor parallelism: every member with heads computes the compressed rows whole
@@ -134,6 +145,17 @@ fn tensors(t: &mut LayerPlan<'_>) {
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+    layer_with(b, w, layer, hidden, DownInput::Backend)
+}
+
+/// llama.cpp's deepseek2 layer, its experts' down projection reading `down_input`.
+pub(super) fn layer_with<'g>(
+    b: &mut Builder<'g>,
+    w: &LayerTensors<'g>,
+    layer: usize,
+    hidden: Tensor<'g>,
+    down_input: DownInput,
+) -> Tensor<'g> {
     let cur = b.norm(hidden, w.get(T::AttnNorm));
     let cur = mla_attention(b, w, layer, cur);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
@@ -146,6 +168,7 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
             norm_weights: b.hp.moe.weights_norm,
             scale: b.hp.moe.weights_scale,
             act: ExpertAct::Silu,
+            down_input,
         };
         let routed = b.moe(w, layer, cur, routing);
         let shared = b.ffn(w, &FFN_SHEXP, Act::Silu, cur);
@@ -162,7 +185,7 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
 fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
     let ctx = b.ctx;
     let hp = b.hp;
-    let mla = hp.mla.as_ref().expect("deepseek2 hyper-parameters always set MLA");
+    let mla = hp.mla.as_ref().expect("MLA hyper-parameters are always read");
     let n_tokens = b.inputs.n_tokens as i64;
     let n_head = hp.n_head as i64;
     let n_rot = hp.rope.n_dims as i64;
@@ -237,7 +260,7 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     b.gather(ctx.mul_mat(w.get(T::AttnOutput), out), Shard::Embd)
 }
 
-fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
+pub(super) fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
     // A latent as wide as the model, RoPE on half a head, heads of a non-RoPE part of
     // `head_dim` plus the RoPE part; values `head_dim` wide.
     let n_lora = shape.n_embd as u32;

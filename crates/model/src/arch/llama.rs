@@ -5,7 +5,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::builder::Act;
-use super::moe::{ExpertAct, Gating, Routing};
+use super::moe::{DownInput, ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{LayerTensor as T, FFN};
@@ -72,6 +72,7 @@ pub(super) fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize,
             norm_weights: true,
             scale: b.hp.moe.weights_scale,
             act: ExpertAct::Silu,
+            down_input: DownInput::Backend,
         };
         b.moe(w, layer, cur, routing)
     } else {

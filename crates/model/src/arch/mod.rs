@@ -20,6 +20,7 @@ mod gpt_oss;
 mod llama;
 mod minimax_m2;
 mod mistral3;
+mod mistral4;
 mod phi3;
 mod qwen2;
 mod qwen3;
@@ -50,6 +51,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &phi3::ARCH,
     &gemma2::ARCH,
     &minimax_m2::ARCH,
+    &mistral4::ARCH,
 ];
 
 /// How RoPE rotates a head.

@@ -174,6 +174,16 @@ pub enum ExpertAct {
     SwigluOai,
 }
 
+/// What a device backend may convert the experts' down-projection input (the activated
+/// rows) to before multiplying; the CPU backend converts as its kernels need either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DownInput {
+    /// Whatever the backend picks (e.g. f16).
+    Backend,
+    /// Kept in f32 (llama.cpp for Mistral 4, whose activations there can exceed f16).
+    F32,
+}
+
 /// How one architecture routes (the parts not in the GGUF).
 #[derive(Clone, Copy, Debug)]
 pub struct Routing {
@@ -185,6 +195,8 @@ pub struct Routing {
     pub scale: f32,
     /// The experts' activation.
     pub act: ExpertAct,
+    /// What the down projection's input may become on a device backend.
+    pub down_input: DownInput,
 }
 
 impl<'g> Builder<'g> {
@@ -238,13 +250,12 @@ impl<'g> Builder<'g> {
         self.graph.expand(weights);
 
         let x3 = ctx.reshape_3d(x, n_embd, 1, n_tokens);
-        let experts = |weight: T, bias: T, input: Tensor<'g>| {
-            let out = ctx.mul_mat_id(w.get(weight), input, selected);
-            match w.opt(bias) {
-                Some(b) => ctx.add_id(out, b, selected),
-                None => out,
-            }
+        let biased = |out: Tensor<'g>, bias: T| match w.opt(bias) {
+            Some(b) => ctx.add_id(out, b, selected),
+            None => out,
         };
+        let experts =
+            |weight: T, bias: T, input: Tensor<'g>| biased(ctx.mul_mat_id(w.get(weight), input, selected), bias);
         let (gate, up) = match w.opt(T::FfnGateUpExps) {
             Some(gate_up_w) => {
                 let gate_up = ctx.mul_mat_id(gate_up_w, x3, selected); // [2 n_ff, n_used, n_tokens]
@@ -272,7 +283,12 @@ impl<'g> Builder<'g> {
         } else {
             hidden
         };
-        let out = experts(T::FfnDownExps, T::FfnDownExpsBias, hidden); // [n_embd, n_used, n_tokens] (a member: its rows)
+        let down = ctx.mul_mat_id(w.get(T::FfnDownExps), hidden, selected); // [n_embd, n_used, n_tokens] (a member: its rows)
+        let down = match routing.down_input {
+            DownInput::Backend => down,
+            DownInput::F32 => down.prec_f32_input(),
+        };
+        let out = biased(named(down, "ffn_moe_down"), T::FfnDownExpsBias);
         let out = ctx.mul(out, weights);
         self.graph.expand(out);
 
