@@ -7,7 +7,7 @@
 use baton_ggml::Tensor;
 use baton_gguf::{GgufError, Value};
 
-use super::moe::{ExpertAct, Gating, Routing};
+use super::moe::{DownInput, ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::LayerTensor as T;
@@ -83,6 +83,7 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
         norm_weights: b.hp.moe.weights_norm,
         scale: b.hp.moe.weights_scale,
         act: ExpertAct::Silu,
+        down_input: DownInput::Backend,
     };
     let cur = b.moe(w, layer, cur, routing);
     b.ctx.add(cur, ffn_in)
