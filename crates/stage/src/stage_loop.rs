@@ -46,7 +46,7 @@ struct SeqSampler {
 }
 
 impl StageWorker {
-    /// Wraps `stage`: a stage, the member 0 of a tensor-parallel group leading the
+    /// Wraps `stage`: a stage, member 0 of a tensor-parallel group leading the
     /// others, or stages on several devices that compute one layer range together.
     pub fn new(stage: impl Into<StageChain>) -> StageWorker {
         StageWorker {
