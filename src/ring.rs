@@ -324,7 +324,7 @@ fn tp_over_links(
     cluster: &ClusterArgs,
     n_seq: usize,
 ) -> anyhow::Result<LocalRing> {
-    use baton_model::{GroupMember, Stage, StageSpan};
+    use baton_model::{GroupMember, Stage, StageGroup, StageSpan};
     use baton_stage::tp_net::{dial_members, MeshCollective, RemoteMember};
     let n = cluster.tp_members.len() + 1;
     anyhow::ensure!(
@@ -362,8 +362,11 @@ fn tp_over_links(
         .into_iter()
         .map(|p| Box::new(RemoteMember::new(p)) as Box<dyn GroupMember>)
         .collect();
-    let stage = Stage::load_member(file, span, &config, Some((split, collective)))?.driving(members);
-    Ok(LocalRing::from_stages(vec![stage], &ranges)?)
+    let member0 = Stage::load_member(file, span, &config, Some((split, collective)))?;
+    Ok(LocalRing::from_stages(
+        vec![StageGroup::new(member0, members)],
+        &ranges,
+    )?)
 }
 
 /// The devices of a worker's stage, or of the head's own beside workers: `--device`,

@@ -146,7 +146,7 @@ fn f16_wire_costs_little_fidelity() {
 
 /// Runs one batch through every stage of `chain`; returns the logits of `rows`.
 fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
-    use baton_model::{Batch, StageInput};
+    use baton_model::{Batch, LogitReply, StageInput};
     let mut hidden = Vec::new();
     let n = chain.stages.len();
     for (i, stage) in chain.stages.iter_mut().enumerate() {
@@ -157,16 +157,20 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
         };
         let logit_rows: &[u32] = if i + 1 == n { rows } else { &[] };
         match stage
-            .forward(&Batch {
-                input,
-                positions,
-                seq_ids,
-                logit_rows,
-            })
+            .forward(
+                &Batch {
+                    input,
+                    positions,
+                    seq_ids,
+                    logit_rows,
+                },
+                LogitReply::Logits,
+            )
             .unwrap()
         {
             baton_model::StageOutput::Hidden(h) => hidden = h,
             baton_model::StageOutput::Logits(l) => return l,
+            baton_model::StageOutput::Best(_) => unreachable!("logits were asked for"),
         }
     }
     unreachable!("the last stage returns logits")

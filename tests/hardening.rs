@@ -764,9 +764,8 @@ fn a_tp_member_survives_strangers_while_its_group_forms() {
         first: true,
         last: true,
     };
-    let mut stage = Stage::load_member(file, span, &StageConfig::new(256, 1), Some((split, collective)))
-        .unwrap()
-        .driving(members);
+    let member0 = Stage::load_member(file, span, &StageConfig::new(256, 1), Some((split, collective))).unwrap();
+    let mut stage = baton_model::StageGroup::new(member0, members);
     // A connection once the group has formed is refused; the group goes on.
     let mut late = connect(&addr, &LinkOptions::default()).unwrap();
     client_handshake(late.as_mut(), Role::Ring, Some(TOKEN.as_bytes())).unwrap();
@@ -797,7 +796,8 @@ fn a_tp_member_survives_strangers_while_its_group_forms() {
             seq_ids: &seq_ids,
             logit_rows: &[input.len() as u32 - 1],
         };
-        let baton_model::StageOutput::Logits(logits) = stage.forward(&batch).unwrap() else {
+        let baton_model::StageOutput::Logits(logits) = stage.forward(&batch, baton_model::LogitReply::Logits).unwrap()
+        else {
             panic!("a last stage returns logits")
         };
         start += input.len();

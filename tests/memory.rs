@@ -2,7 +2,7 @@
 
 mod common;
 
-use baton_model::{mapped_rss, ModelFile, Stage, StageConfig, StageSpan};
+use baton_model::{mapped_rss, LogitReply, ModelFile, Stage, StageConfig, StageSpan};
 use common::{model, QWEN2};
 
 #[test]
@@ -66,7 +66,7 @@ fn check_middle_third(repack: bool) {
         seq_ids: &[0; 4],
         logit_rows: &[],
     };
-    stage.forward(&batch).unwrap();
+    stage.forward(&batch, LogitReply::Logits).unwrap();
 
     // Weights are either mapped pages or repacked copies (whose pages were released).
     let repacked = stage.weights().repacked_bytes() as u64;
@@ -148,12 +148,15 @@ fn a_planned_moe_stage_stays_within_its_plan() {
     };
     let mut first = Stage::load(first_file, span, &StageConfig::new(n_ctx, 2)).unwrap();
     let baton_model::StageOutput::Hidden(hidden) = first
-        .forward(&baton_model::Batch {
-            input: baton_model::StageInput::Tokens(&prompt),
-            positions: &positions,
-            seq_ids: &seqs,
-            logit_rows: &[],
-        })
+        .forward(
+            &baton_model::Batch {
+                input: baton_model::StageInput::Tokens(&prompt),
+                positions: &positions,
+                seq_ids: &seqs,
+                logit_rows: &[],
+            },
+            LogitReply::Logits,
+        )
         .unwrap()
     else {
         panic!("the first stage returns hidden states")
@@ -177,12 +180,15 @@ fn a_planned_moe_stage_stays_within_its_plan() {
         let page_slack = 2 * 4096 * baton_model::stage_tensor_sources(&own_file, &span).len() as u64;
         let mut stage = Stage::load(own_file.clone(), span, &config).unwrap();
         stage
-            .forward(&baton_model::Batch {
-                input: baton_model::StageInput::Hidden(&hidden),
-                positions: &positions,
-                seq_ids: &seqs,
-                logit_rows: &[],
-            })
+            .forward(
+                &baton_model::Batch {
+                    input: baton_model::StageInput::Hidden(&hidden),
+                    positions: &positions,
+                    seq_ids: &seqs,
+                    logit_rows: &[],
+                },
+                LogitReply::Logits,
+            )
             .unwrap();
         let weights = mapped_rss(own_file.map_address()).unwrap() - baseline + stage.weights().repacked_bytes() as u64;
         let kv = stage.kv().bytes() as u64;

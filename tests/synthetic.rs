@@ -6,7 +6,7 @@ mod common;
 
 use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::{FileType, LlamaModel};
-use baton_model::{Batch, ModelFile, StageConfig, StageInput, StageOutput};
+use baton_model::{Batch, LogitReply, ModelFile, StageConfig, StageInput, StageOutput};
 use common::fidelity::{check_stages, check_stages_with};
 use common::synth::{synth_dir, synthetic, synthetic_with};
 use common::worker::{greedy, reference, WorkerProc};
@@ -91,9 +91,10 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
             seq_ids,
             logit_rows,
         };
-        match stage.forward(&batch).unwrap() {
+        match stage.forward(&batch, LogitReply::Logits).unwrap() {
             StageOutput::Hidden(h) => hidden = h,
             StageOutput::Logits(l) => return l,
+            StageOutput::Best(_) => unreachable!("logits were asked for"),
         }
     }
     unreachable!("the last stage returns logits")

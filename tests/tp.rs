@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use baton_engine::{GenerateRequest, LocalRing};
 use baton_ggml::{LlamaContext, LlamaModel};
-use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
+use baton_model::{Batch, LogitReply, ModelFile, Stage, StageConfig, StageGroup, StageInput, StageOutput, StageSpan};
 use baton_sample::{argmax, Sampler, SamplingParams};
 use common::{model, nmse, PROMPTS, QWEN2};
 
@@ -99,7 +99,7 @@ fn whole_model(file: &ModelFile) -> StageSpan {
 }
 
 /// Runs `tokens` from position `start` of sequence 0; the last row's logits.
-fn last_logits(stage: &mut Stage, tokens: &[u32], start: usize) -> Vec<f32> {
+fn last_logits(stage: &mut StageGroup, tokens: &[u32], start: usize) -> Vec<f32> {
     let positions: Vec<i32> = (start..start + tokens.len()).map(|p| p as i32).collect();
     let seq_ids = vec![0; tokens.len()];
     let batch = Batch {
@@ -108,20 +108,20 @@ fn last_logits(stage: &mut Stage, tokens: &[u32], start: usize) -> Vec<f32> {
         seq_ids: &seq_ids,
         logit_rows: &[tokens.len() as u32 - 1],
     };
-    match stage.forward(&batch).unwrap() {
+    match stage.forward(&batch, LogitReply::Logits).unwrap() {
         StageOutput::Logits(l) => l,
-        StageOutput::Hidden(_) => panic!("a last stage returns logits"),
+        StageOutput::Hidden(_) | StageOutput::Best(_) => panic!("a last stage returns logits"),
     }
 }
 
 /// Every prompt through `stage`, then its greedy steps one token at a time as a decode
 /// runs them: each step's logits within [`MAX_TP_NMSE`] of libllama's and the same token.
-fn check_against_llama_cpp(stage: &mut Stage, label: &str) {
+fn check_against_llama_cpp(stage: &mut StageGroup, label: &str) {
     check_model(fixture(), stage, label);
 }
 
 /// [`check_against_llama_cpp`] on `fixture`'s model; returns the worst NMSE.
-fn check_model(fixture: &Fixture, stage: &mut Stage, label: &str) -> f64 {
+fn check_model(fixture: &Fixture, stage: &mut StageGroup, label: &str) -> f64 {
     let mut worst = 0f64;
     for case in &fixture.cases {
         stage.clear_seq(0);
@@ -158,8 +158,8 @@ fn qwen2_tp_2_and_3_match_llama_cpp() {
     let _serial = serial();
     for n in [2, 3] {
         let config = StageConfig::new(N_CTX, 1);
-        let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
-        assert_eq!(stage.tp_size(), n);
+        let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+        assert_eq!(stage.size(), n);
         check_against_llama_cpp(&mut stage, &format!("qwen2 tp {n}"));
     }
 }
@@ -208,7 +208,7 @@ fn gemma3_tp_2_and_3_match_llama_cpp() {
     let _serial = serial();
     for n in [2, 3] {
         let config = StageConfig::new(N_CTX, 1);
-        let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+        let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
         let worst = check_model(&fixture, &mut stage, &format!("gemma3 tp {n}"));
         assert_eq!(worst, 0.0, "gemma3 tp {n}: the logits are libllama's bits");
     }
@@ -235,8 +235,8 @@ fn experts_tp_2_and_3_match_llama_cpp() {
         let fixture = Fixture::load(common::synth::synthetic(arch, file_type));
         for n in [2, 3] {
             let config = StageConfig::new(N_CTX, 1);
-            let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
-            let split = stage.tp_split().unwrap().clone();
+            let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+            let split = stage.stage().tp_split().unwrap().clone();
             assert!(
                 !split.ff_exp.is_empty(),
                 "{arch}: every member holds a share of each expert"
@@ -258,7 +258,7 @@ fn minimax_m2_tp_2_and_3_match_llama_cpp() {
     let fixture = Fixture::load(common::synth::synthetic("minimax-m2", baton_ggml::FileType::Q4KM));
     for n in [2, 3] {
         let config = StageConfig::new(N_CTX, 1);
-        let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+        let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
         let splits = baton_model::tp_splits(&fixture.file, n).unwrap();
         assert_eq!(
             splits.iter().any(|s| s.q_heads.is_empty()),
@@ -281,7 +281,7 @@ fn gemma2_mistral3_and_phi3_tp_2_and_3_match_llama_cpp() {
         let fixture = Fixture::load(common::synth::synthetic(arch, FileType::Q4KM));
         for n in [2, 3] {
             let config = StageConfig::new(N_CTX, 1);
-            let mut stage = Stage::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+            let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
             let worst = check_model(&fixture, &mut stage, &format!("{arch} tp {n}"));
             assert_eq!(worst, 0.0, "{arch} tp {n}: the logits are libllama's bits");
         }
@@ -293,7 +293,7 @@ fn gemma2_mistral3_and_phi3_tp_2_and_3_match_llama_cpp() {
 fn tp_refuses_groups_a_model_cannot_be_split_into() {
     let path = common::synth::synthetic("qwen3moe", baton_ggml::FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
-    let err = Stage::load_tp(file.clone(), whole_model(&file), &StageConfig::new(64, 1), 300)
+    let err = StageGroup::load_tp(file.clone(), whole_model(&file), &StageConfig::new(64, 1), 300)
         .err()
         .expect("256 values a row are not split 300 ways");
     assert!(err.to_string().contains("cannot be split 300 ways"), "{err}");
@@ -339,9 +339,8 @@ fn tp_over_tcp_matches_llama_cpp() {
             .map(|p| Box::new(RemoteMember::new(p)) as Box<dyn baton_model::GroupMember>)
             .collect();
         let config = StageConfig::new(N_CTX, 1);
-        let mut stage = Stage::load_member(file.clone(), whole_model(file), &config, Some((split, collective)))
-            .unwrap()
-            .driving(members);
+        let member0 = Stage::load_member(file.clone(), whole_model(file), &config, Some((split, collective))).unwrap();
+        let mut stage = StageGroup::new(member0, members);
         check_against_llama_cpp(&mut stage, &format!("qwen2 tp {n} over TCP"));
         drop(stage);
         for child in &mut children {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use baton_ggml::Device;
-use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
+use baton_model::{Batch, LogitReply, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
 
 pub mod fidelity;
 pub mod proxy;
@@ -101,7 +101,7 @@ impl Chain {
                 seq_ids: &seq_ids,
                 logit_rows: rows,
             };
-            match stage.forward(&batch).expect("forward succeeds") {
+            match stage.forward(&batch, LogitReply::Logits).expect("forward succeeds") {
                 StageOutput::Hidden(h) if self.wire_f16 => {
                     hidden = baton_proto::Payload::f16_rows(&h, tokens.len())
                         .widen_f16()
@@ -109,6 +109,7 @@ impl Chain {
                 }
                 StageOutput::Hidden(h) => hidden = h,
                 StageOutput::Logits(l) => return l,
+                StageOutput::Best(_) => unreachable!("logits were asked for"),
             }
         }
         unreachable!("the last stage returns logits")

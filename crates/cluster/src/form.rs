@@ -582,7 +582,7 @@ fn load(
                 _ => (None, None),
             };
             Some(HeadStage {
-                worker: StageWorker::chained(loaded).with_wire_f16(opts.wire_f16),
+                worker: StageWorker::new(loaded).with_wire_f16(opts.wire_f16),
                 next,
                 probe,
             })

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use baton_model::{Batch, ModelError, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
+use baton_model::{Batch, LogitReply, ModelError, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
 use baton_sample::argmax;
 
 use super::draft::Drafter;
@@ -76,9 +76,11 @@ impl ModelDrafter {
             seq_ids: &seq_ids,
             logit_rows: &[tokens.len() as u32 - 1],
         };
-        match self.stage.forward(&batch)? {
+        match self.stage.forward(&batch, LogitReply::Logits)? {
             StageOutput::Logits(logits) => Ok(logits),
-            StageOutput::Hidden(_) => Err(ModelError::BadConfig("the draft stage returned no logits".into())),
+            StageOutput::Hidden(_) | StageOutput::Best(_) => {
+                Err(ModelError::BadConfig("the draft stage returned no logits".into()))
+            }
         }
     }
 

@@ -6,15 +6,16 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use baton_ggml::Device;
-use baton_model::{ModelError, ModelFile, Stage, StageConfig, StageSpan};
+use baton_model::{ModelError, ModelFile, Stage, StageConfig, StageGroup, StageSpan};
 use baton_net::local_link;
 
 use crate::head::{Head, RingEnds};
 use baton_stage::NodeError;
 use baton_stage::{run, StageWorker};
 
-/// Makes one stage of a ring, given its span, on the thread that will run it.
-type Loader = Box<dyn FnOnce(StageSpan) -> Result<Stage, ModelError> + Send>;
+/// Makes one stage of a ring (a stage, or a tensor-parallel group led by member 0),
+/// given its span, on the thread that will run it.
+type Loader = Box<dyn FnOnce(StageSpan) -> Result<StageGroup, ModelError> + Send>;
 
 /// A running in-process ring and the head that drives it.
 pub struct LocalRing {
@@ -48,7 +49,8 @@ impl LocalRing {
                 // Each stage maps the file on its own, as on its own machine.
                 let (path, config, device) = (file.path().to_path_buf(), config.clone(), *device);
                 Box::new(move |span| {
-                    ModelFile::open(&path).and_then(|file| Stage::load_on(file, span, &config, device))
+                    let file = ModelFile::open(&path)?;
+                    Stage::load_on(file, span, &config, device).map(StageGroup::from)
                 }) as Loader
             })
             .collect();
@@ -56,7 +58,7 @@ impl LocalRing {
     }
 
     /// [`start`](Self::start) with every stage a tensor-parallel group of `tp` members
-    /// on the CPU (threads of `config.n_threads` each; see [`Stage::load_tp`]).
+    /// on the CPU (threads of `config.n_threads` each; see [`StageGroup::load_tp`]).
     pub fn start_tp(
         file: Arc<ModelFile>,
         ranges: &[Range<usize>],
@@ -67,8 +69,9 @@ impl LocalRing {
             .iter()
             .map(|_| {
                 let (path, config) = (file.path().to_path_buf(), config.clone());
-                Box::new(move |span| ModelFile::open(&path).and_then(|file| Stage::load_tp(file, span, &config, tp)))
-                    as Loader
+                Box::new(move |span| {
+                    ModelFile::open(&path).and_then(|file| StageGroup::load_tp(file, span, &config, tp))
+                }) as Loader
             })
             .collect();
         LocalRing::start_with(ranges.to_vec(), loaders)
@@ -76,8 +79,8 @@ impl LocalRing {
 
     /// A ring over stages already loaded on the CPU (one per range of `ranges`, in
     /// order, each loaded with the span its place in the ring gives it).
-    pub fn from_stages(stages: Vec<Stage>, ranges: &[Range<usize>]) -> Result<LocalRing, NodeError> {
-        if let Some(stage) = stages.iter().find(|s| !s.device().is_cpu()) {
+    pub fn from_stages(stages: Vec<StageGroup>, ranges: &[Range<usize>]) -> Result<LocalRing, NodeError> {
+        if let Some(stage) = stages.iter().map(StageGroup::stage).find(|s| !s.device().is_cpu()) {
             return Err(NodeError::Model(ModelError::BadConfig(format!(
                 "a ring of stages loaded elsewhere takes CPU stages only; one is on {:?}",
                 stage.device()

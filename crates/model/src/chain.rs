@@ -1,15 +1,19 @@
 //! Several stages behind one worker: consecutive layer ranges, each on its own device
 //! (say a GPU and the CPU), computed one after another in one thread. The hidden state
 //! goes from one to the next in host memory (read back from one device, written to the
-//! next), never over a socket.
+//! next), never over a socket. Each stage may be a tensor-parallel group's member 0
+//! leading the others ([`StageGroup`]).
 
-use crate::stage::{Batch, Stage, StageInput, StageOutput};
-use crate::weights::StageSpan;
+use std::sync::Arc;
+
+use crate::group::StageGroup;
+use crate::stage::{Batch, LogitReply, Stage, StageInput, StageOutput};
+use crate::weights::{ModelFile, StageSpan};
 use crate::ModelError;
 
 /// Stages of consecutive layer ranges, run in order as one.
 pub struct StageChain {
-    stages: Vec<Stage>,
+    stages: Vec<StageGroup>,
     span: StageSpan,
 }
 
@@ -35,6 +39,7 @@ impl StageChain {
             first: first.span().first,
             last: last.span().last,
         };
+        let stages = stages.into_iter().map(StageGroup::from).collect();
         Ok(StageChain { stages, span })
     }
 
@@ -43,14 +48,19 @@ impl StageChain {
         &self.span
     }
 
-    /// The stages, in layer order.
-    pub fn stages(&self) -> &[Stage] {
-        &self.stages
+    /// The stages (of a tensor-parallel group, member 0's), in layer order.
+    pub fn stages(&self) -> impl ExactSizeIterator<Item = &Stage> {
+        self.stages.iter().map(StageGroup::stage)
+    }
+
+    /// The model file, as the first stage mapped it.
+    pub fn file(&self) -> &Arc<ModelFile> {
+        self.stages[0].stage().weights().file()
     }
 
     /// Whether any stage copied weights into repacked layouts.
     pub fn repacked(&self) -> bool {
-        self.stages.iter().any(Stage::repacked)
+        self.stages().any(Stage::repacked)
     }
 
     /// Forgets a sequence's cells from position `len` on, in every stage.
@@ -65,56 +75,41 @@ impl StageChain {
 
     /// KV cells in use (every stage holds the same positions; the first is asked).
     pub fn kv_used(&self) -> usize {
-        self.stages[0].kv().n_used()
+        self.stages[0].stage().kv().n_used()
     }
 
-    /// Bytes the stages hold now, on their devices and in host memory together.
+    /// Bytes the stages (member 0 of a group) hold now, on their devices and in host
+    /// memory together.
     pub fn resident_bytes(&self) -> u64 {
-        self.stages.iter().map(Stage::resident_bytes).sum()
-    }
-
-    /// Runs the batch through every stage in order. When a later stage fails, the cells
-    /// the earlier ones claimed for the batch are given back (by position, as the
-    /// worker forgets rows it computed before a failure).
-    pub fn forward(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
-        self.run(batch, Stage::forward)
-    }
-
-    /// [`forward`](Self::forward) on a chain ending the model, returning each logit
-    /// row's arg-max token only ([`Stage::forward_best`]).
-    pub fn forward_best(&mut self, batch: &Batch<'_>) -> Result<Vec<u32>, ModelError> {
-        self.run(batch, Stage::forward_best)
+        self.stages().map(Stage::resident_bytes).sum()
     }
 
     /// Members in the tensor-parallel group of the chain's last stage (1: none).
     pub fn last_tp_size(&self) -> usize {
-        self.stages.last().map_or(1, Stage::tp_size)
+        self.stages.last().map_or(1, StageGroup::size)
     }
 
-    /// The batch through every stage but the last, then `last` on the last.
-    fn run<T>(
-        &mut self,
-        batch: &Batch<'_>,
-        last: impl FnOnce(&mut Stage, &Batch<'_>) -> Result<T, ModelError>,
-    ) -> Result<T, ModelError> {
+    /// Runs the batch through every stage in order; the last answers the logit rows as
+    /// `reply` asks. When a later stage fails, the cells the earlier ones claimed for the
+    /// batch are given back (by position, as the worker forgets rows it computed before
+    /// a failure).
+    pub fn forward(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<StageOutput, ModelError> {
         let n = self.stages.len();
         let mut hidden: Option<Vec<f32>> = None;
         for i in 0..n {
+            let last = i + 1 == n;
             let step = Batch {
                 input: match &hidden {
                     Some(h) => StageInput::Hidden(h),
                     None => batch.input,
                 },
-                logit_rows: if i + 1 == n { batch.logit_rows } else { &[] },
+                logit_rows: if last { batch.logit_rows } else { &[] },
                 ..*batch
             };
-            let result = match i + 1 == n {
-                true => return last(&mut self.stages[i], &step).inspect_err(|_| self.forget(i, batch)),
-                false => self.stages[i].forward(&step),
-            };
-            match result {
+            match self.stages[i].forward(&step, reply) {
+                Ok(out) if last => return Ok(out),
                 Ok(StageOutput::Hidden(h)) => hidden = Some(h),
-                Ok(StageOutput::Logits(_)) => {
+                Ok(StageOutput::Logits(_) | StageOutput::Best(_)) => {
                     self.forget(i + 1, batch);
                     return Err(ModelError::BadBatch(
                         "a stage before the chain's last produced logits".into(),
@@ -141,9 +136,15 @@ impl StageChain {
 
 impl From<Stage> for StageChain {
     fn from(stage: Stage) -> StageChain {
-        let span = stage.span().clone();
+        StageChain::from(StageGroup::from(stage))
+    }
+}
+
+impl From<StageGroup> for StageChain {
+    fn from(group: StageGroup) -> StageChain {
+        let span = group.stage().span().clone();
         StageChain {
-            stages: vec![stage],
+            stages: vec![group],
             span,
         }
     }

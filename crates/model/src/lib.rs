@@ -5,6 +5,7 @@
 mod arch;
 mod chain;
 pub mod example;
+mod group;
 mod hparams;
 mod kv;
 pub mod names;
@@ -24,15 +25,16 @@ use std::path::PathBuf;
 pub use arch::moe::{Gating, MoeParams};
 pub use arch::{find as find_architecture, supported_names, Architecture, Shape, ARCHITECTURES};
 pub use chain::StageChain;
+pub use group::StageGroup;
 pub use hparams::{AttnTemp, HParams, Keys, Mla, TpHeads, Yarn};
 pub use kv::{AttnSpan, KvCache};
 pub use names::{EndTensor, LayerTensor};
 pub use resident::mapped_rss;
 pub use runner::ComputeBytes;
-pub use stage::{Batch, Stage, StageConfig, StageInput, StageMemory, StageOutput};
+pub use stage::{Batch, LogitReply, RowBest, Stage, StageConfig, StageInput, StageMemory, StageOutput};
 pub use tensors::{Dim, Presence, Split, TensorKind, TensorSpec, Use};
 pub use tp::{Collective, CollectiveError, LocalGroup, TpSplit};
-pub use tp_group::{join_logits, splits as tp_splits, GroupMember, LogitReply};
+pub use tp_group::{decode_best, encode_best, join_logits, splits as tp_splits, GroupMember};
 pub use weights::{stage_tensor_sources, LayerTensors, ModelFile, StageSpan, StageWeights};
 
 /// Every tensor of a whole model of `hp` as its architecture lists them (both ends and

@@ -10,7 +10,6 @@ use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
 use crate::runner::Runner;
 use crate::tp::{Collective, CollectiveError, TpSplit};
-use crate::tp_group::{GroupMember, Helper, LogitReply};
 use crate::weights::{ModelFile, StageSpan, StageWeights};
 use crate::ModelError;
 
@@ -70,13 +69,65 @@ impl Batch<'_> {
     }
 }
 
+/// What a last stage returns for the batch's logit rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitReply {
+    /// The logits ([`StageOutput::Logits`]).
+    Logits,
+    /// Each row's best logit and its token ([`StageOutput::Best`]): enough for greedy
+    /// sampling without penalties, and a few bytes instead of a row of the vocabulary.
+    Best,
+}
+
 /// What leaves a stage.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StageOutput {
     /// Hidden states `[n_embd, n_tokens]` for the next stage.
     Hidden(Vec<f32>),
-    /// Logits, `n_vocab` per requested row, in the order of `logit_rows`.
+    /// Logits, `n_vocab` per requested row, in the order of `logit_rows`; a
+    /// tensor-parallel member's share of the vocabulary per row.
     Logits(Vec<f32>),
+    /// Each requested row's best ([`LogitReply::Best`]), in the order of `logit_rows`;
+    /// `None` for a row of only NaN. A tensor-parallel member's is the best of its share.
+    Best(Vec<Option<RowBest>>),
+}
+
+/// The largest logit of a row (or of a member's share of it) and its token, the lowest
+/// of equal maxima (as `baton_sample::argmax`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RowBest {
+    /// A token id of the whole vocabulary.
+    pub token: u32,
+    /// Its logit (never NaN).
+    pub logit: f32,
+}
+
+impl RowBest {
+    /// Each row's best of `logits` (`n_rows` rows of equal width), whose first column
+    /// is token `first_token`.
+    pub fn of_rows(logits: &[f32], n_rows: usize, first_token: u32) -> Vec<Option<RowBest>> {
+        let width = logits.len() / n_rows.max(1);
+        logits
+            .chunks_exact(width.max(1))
+            .take(n_rows)
+            .map(|row| {
+                baton_sample::argmax_value(row).map(|(token, logit)| RowBest {
+                    token: first_token + token,
+                    logit,
+                })
+            })
+            .collect()
+    }
+
+    /// The tokens of whole rows' bests; a row of only NaN has none and is refused.
+    pub fn tokens(best: &[Option<RowBest>]) -> Result<Vec<u32>, ModelError> {
+        best.iter()
+            .map(|b| {
+                b.map(|b| b.token)
+                    .ok_or_else(|| ModelError::BadBatch("a logit row of only NaN".into()))
+            })
+            .collect()
+    }
 }
 
 /// Where a stage's memory is, in bytes.
@@ -91,14 +142,10 @@ pub struct StageMemory {
 }
 
 /// A layer range of a model, ready to compute: the whole of each layer, or one member's
-/// slice of it ([`Stage::load_member`]); the first member of an in-process group
-/// drives the others ([`Stage::load_tp`]).
+/// slice of it ([`Stage::load_member`]). Member 0 of a tensor-parallel group leads the
+/// others through a [`crate::StageGroup`].
 pub struct Stage {
     span: StageSpan,
-    /// The other members of its tensor-parallel group (ranks 1.., in order) when this is
-    /// member 0: threads of this process or processes behind links. Declared first so
-    /// they stop before this member's state goes.
-    helpers: Vec<Box<dyn GroupMember>>,
     /// The hyper-parameters the graph is built with (a member's: its heads, its FFN).
     hp: HParams,
     tp: Option<Member>,
@@ -231,7 +278,6 @@ impl Stage {
         tracing::debug!(layers = ?span.layers, first = span.first, last = span.last, ?device, weight_bytes = weights.bytes(), device_bytes = weights.device_bytes(), tp = ?tp.as_ref().map(|m| &m.split), "stage loaded");
         Ok(Stage {
             span,
-            helpers: Vec::new(),
             hp,
             tp,
             device,
@@ -242,49 +288,6 @@ impl Stage {
             weights,
             repacked: config.repack,
         })
-    }
-
-    /// A tensor-parallel group of `n` members in this process, each with
-    /// `config.n_threads` threads: the returned stage is member 0 and computes like
-    /// [`Stage::load`]'s would (up to summation order), driving members 1.. on threads
-    /// of their own. Each member maps the file on its own.
-    pub fn load_tp(file: Arc<ModelFile>, span: StageSpan, config: &StageConfig, n: usize) -> Result<Stage, ModelError> {
-        if n <= 1 {
-            return Stage::load(file, span, config);
-        }
-        let splits = crate::tp_group::splits(&file, n)?;
-        let collectives = crate::tp::LocalGroup::members(n);
-        let mut members: Vec<Stage> = std::thread::scope(|scope| {
-            let loads: Vec<_> = splits
-                .into_iter()
-                .zip(collectives)
-                .map(|(split, collective)| {
-                    let (span, path) = (span.clone(), file.path().to_path_buf());
-                    scope.spawn(move || {
-                        let file = ModelFile::open(&path)?;
-                        Stage::load_member(file, span, config, Some((split, collective)))
-                    })
-                })
-                .collect();
-            loads
-                .into_iter()
-                .map(|h| h.join().expect("member loader panicked"))
-                .collect::<Result<_, _>>()
-        })?;
-        let helpers = members
-            .drain(1..)
-            .map(|m| Helper::start(m).map(|h| Box::new(h) as Box<dyn GroupMember>))
-            .collect::<Result<Vec<_>, _>>()?;
-        let first = members.pop().expect("n > 1 members were loaded");
-        Ok(first.driving(helpers))
-    }
-
-    /// Member 0 of a group whose other members are `members` (ranks 1.., in order),
-    /// each loaded with the same span and configuration: `forward` then runs the whole
-    /// group and returns what a whole stage would.
-    pub fn driving(mut self, members: Vec<Box<dyn GroupMember>>) -> Stage {
-        self.helpers = members;
-        self
     }
 
     /// The member's place in its tensor-parallel group (`None` for a whole stage).
@@ -299,25 +302,13 @@ impl Stage {
         }
     }
 
-    /// Members of the stage's group that this one drives, itself included (1 for a whole
-    /// stage or a member driven by another).
-    pub fn tp_size(&self) -> usize {
-        1 + self.helpers.len()
-    }
-
-    /// Forgets every token of `seq` (in every member's cache).
+    /// Forgets every token of `seq`.
     pub fn clear_seq(&mut self, seq: u32) {
         self.truncate_seq(seq, 0);
     }
 
-    /// Keeps only the tokens of `seq` at positions below `len` (in every member's cache).
+    /// Keeps only the tokens of `seq` at positions below `len`.
     pub fn truncate_seq(&mut self, seq: u32, len: usize) {
-        for helper in &mut self.helpers {
-            if let Err(e) = helper.truncate_seq(seq, len) {
-                // The next forward fails on that member and says why.
-                tracing::debug!(error = %e, "tensor-parallel member did not truncate");
-            }
-        }
         self.kv.truncate_seq(seq, len);
     }
 
@@ -342,8 +333,7 @@ impl Stage {
         &self.kv
     }
 
-    /// The KV cache (to clear or truncate sequences). Of member 0 only on a
-    /// tensor-parallel stage: use [`Stage::truncate_seq`] there.
+    /// The KV cache (to clear or truncate sequences).
     pub fn kv_mut(&mut self) -> &mut KvCache {
         &mut self.kv
     }
@@ -353,8 +343,8 @@ impl Stage {
         &self.weights
     }
 
-    /// Bytes this stage holds now, on its device and in host memory (see
-    /// [`StageMemory`]); of member 0 only, on a tensor-parallel stage.
+    /// Bytes this stage (this member, in a tensor-parallel group) holds now, on its
+    /// device and in host memory (see [`StageMemory`]).
     pub fn memory(&self) -> StageMemory {
         let mapped = crate::resident::mapped_rss(self.weights.file().map_address()).unwrap_or(0);
         let compute = self.runner.bytes();
@@ -373,38 +363,22 @@ impl Stage {
         memory.device + memory.host
     }
 
-    /// Runs the stage's layers over one batch.
-    pub fn forward(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
-        self.forward_group(batch, LogitReply::Share)
-    }
-
-    /// Like [`forward`](Self::forward) on a last stage, but returns only each logit
-    /// row's arg-max token (the lowest of equal maxima, as `baton_sample::argmax`). A
-    /// tensor-parallel group's members then send member 0 each row's best of their
-    /// share of the vocabulary instead of the share (for a 152k vocabulary 8 bytes
-    /// instead of 300 KB per row and member); the token is the same.
-    pub fn forward_best(&mut self, batch: &Batch<'_>) -> Result<Vec<u32>, ModelError> {
-        let n_vocab = self.weights.file().hparams().n_vocab;
-        let best = !self.helpers.is_empty() && n_vocab <= crate::tp_group::BEST_MAX_VOCAB;
-        let reply = if best { LogitReply::Best } else { LogitReply::Share };
-        match self.forward_group(batch, reply)? {
-            StageOutput::Logits(logits) if best => Ok(logits.iter().map(|&token| token as u32).collect()),
-            StageOutput::Logits(logits) => logits
-                .chunks_exact(n_vocab.max(1))
-                .map(|row| {
-                    baton_sample::argmax(row).ok_or_else(|| ModelError::BadBatch("a logit row of only NaN".into()))
-                })
-                .collect(),
-            StageOutput::Hidden(_) => Err(ModelError::BadBatch("only the last stage produces logits".into())),
+    /// Runs the stage's layers over one batch; a last stage answers its logit rows as
+    /// `reply` asks (a tensor-parallel member: of its share of the vocabulary, the
+    /// tokens global ids).
+    pub fn forward(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<StageOutput, ModelError> {
+        self.check(batch)?;
+        let slots = self.kv.claim(batch.seq_ids, batch.positions)?;
+        let result = self.compute(batch, &slots);
+        if let Err(e) = &result {
+            self.kv.release(&slots);
+            // The other members may wait for this one's sums: let them go.
+            self.abort_group(&e.to_string());
         }
-    }
-
-    /// This member's output for `batch`, its logit rows answered as member 0 asked.
-    pub fn forward_share(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<StageOutput, ModelError> {
-        match self.forward_member(batch)? {
+        match result? {
             StageOutput::Logits(logits) if reply == LogitReply::Best => {
                 let first = self.tp_split().map_or(0, |split| split.vocab.start as u32);
-                Ok(StageOutput::Logits(crate::tp_group::encode_best(
+                Ok(StageOutput::Best(RowBest::of_rows(
                     &logits,
                     batch.logit_rows.len(),
                     first,
@@ -412,60 +386,6 @@ impl Stage {
             }
             out => Ok(out),
         }
-    }
-
-    /// Runs the group (or this stage alone) over `batch`; with [`LogitReply::Best`] (a
-    /// group only), the logits come back as each row's arg-max token, in f32.
-    fn forward_group(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<StageOutput, ModelError> {
-        if self.helpers.is_empty() {
-            return self.forward_member(batch);
-        }
-        let sent: Vec<_> = self.helpers.iter_mut().map(|h| h.send_forward(batch, reply)).collect();
-        if let Some(Err(e)) = sent.into_iter().find(Result::is_err) {
-            if let Some(member) = &self.tp {
-                member.collective.abort(&e.to_string());
-            }
-            return Err(e);
-        }
-        let mine = self.forward_share(batch, reply);
-        let theirs: Vec<_> = self.helpers.iter_mut().map(|h| h.recv()).collect();
-        match mine? {
-            StageOutput::Logits(logits) if !logits.is_empty() => {
-                let mut parts = vec![logits];
-                for part in theirs {
-                    match part? {
-                        StageOutput::Logits(l) => parts.push(l),
-                        StageOutput::Hidden(_) => unreachable!("every member of a last stage returns logits"),
-                    }
-                }
-                let n_rows = batch.logit_rows.len();
-                if reply == LogitReply::Best {
-                    let n_vocab = self.weights.file().hparams().n_vocab;
-                    let tokens = crate::tp_group::join_best(&parts, n_rows, n_vocab)?;
-                    return Ok(StageOutput::Logits(tokens.into_iter().map(|t| t as f32).collect()));
-                }
-                Ok(StageOutput::Logits(crate::tp_group::join_logits(&parts, n_rows)))
-            }
-            out => {
-                theirs.into_iter().try_for_each(|r| r.map(drop))?;
-                Ok(out)
-            }
-        }
-    }
-
-    /// [`forward`](Self::forward) on this member alone.
-    pub(crate) fn forward_member(&mut self, batch: &Batch<'_>) -> Result<StageOutput, ModelError> {
-        self.check(batch)?;
-        let slots = self.kv.claim(batch.seq_ids, batch.positions)?;
-        let result = self.compute(batch, &slots);
-        if let Err(e) = &result {
-            self.kv.release(&slots);
-            // The other members may wait for this one's sums: let them go.
-            if let Some(member) = &self.tp {
-                member.collective.abort(&e.to_string());
-            }
-        }
-        result
     }
 
     fn check(&self, batch: &Batch<'_>) -> Result<(), ModelError> {

@@ -8,8 +8,8 @@ use baton_gguf::{GgmlType, GgufWriter, Value};
 
 use crate::example::{example_gguf, ExampleOptions};
 use crate::{
-    Batch, ModelError, ModelFile, Shape, Stage, StageChain, StageConfig, StageInput, StageOutput, StageSpan,
-    ARCHITECTURES,
+    Batch, LogitReply, ModelError, ModelFile, RowBest, Shape, Stage, StageChain, StageConfig, StageGroup, StageInput,
+    StageOutput, StageSpan, ARCHITECTURES,
 };
 
 const N_LAYER: usize = 3;
@@ -99,16 +99,20 @@ fn chain_logits(file: &Arc<ModelFile>, sizes: &[usize], tokens: &[u32]) -> Vec<f
         };
         let rows: &[u32] = if i + 1 == sizes.len() { &last_row } else { &[] };
         match stage
-            .forward(&Batch {
-                input,
-                positions: &positions,
-                seq_ids: &seqs,
-                logit_rows: rows,
-            })
+            .forward(
+                &Batch {
+                    input,
+                    positions: &positions,
+                    seq_ids: &seqs,
+                    logit_rows: rows,
+                },
+                LogitReply::Logits,
+            )
             .unwrap()
         {
             StageOutput::Hidden(h) => hidden = h,
             StageOutput::Logits(l) => return l,
+            StageOutput::Best(_) => unreachable!("logits were asked for"),
         }
     }
     unreachable!()
@@ -155,14 +159,58 @@ fn a_stage_chain_equals_its_stages_run_one_by_one() {
         seq_ids: &[0; 6],
         logit_rows: &[5],
     };
-    assert_eq!(chain.forward(&batch).unwrap(), StageOutput::Logits(expected));
+    assert_eq!(
+        chain.forward(&batch, LogitReply::Logits).unwrap(),
+        StageOutput::Logits(expected)
+    );
     assert_eq!(chain.kv_used(), tokens.len());
     chain.truncate_seq(0, 2);
-    assert!(chain.stages().iter().all(|s| s.kv().n_used() == 2));
+    assert!(chain.stages().all(|s| s.kv().n_used() == 2));
 
     let gap = StageChain::new(vec![load(0..1, true, false), load(2..3, false, true)]);
     let err = gap.err().expect("refused").to_string();
     assert!(err.contains("do not chain"), "{err}");
+}
+
+/// A tensor-parallel group of two led by member 0 answers like a whole stage: the
+/// whole vocabulary's logits (up to summation order) or, asked for each row's best,
+/// the arg-max token of those logits. A group of one is its stage.
+#[test]
+fn a_group_answers_a_whole_stages_logits_or_each_rows_best() {
+    let tokens = [1, 5, 9, 2, 7, 3];
+    let file = open("group.gguf", &tiny_model("llama", |w| w)).unwrap();
+    let span = StageSpan {
+        layers: 0..N_LAYER,
+        first: true,
+        last: true,
+    };
+    let positions: Vec<i32> = (0..tokens.len() as i32).collect();
+    let batch = Batch {
+        input: StageInput::Tokens(&tokens),
+        positions: &positions,
+        seq_ids: &[0; 6],
+        logit_rows: &[2, 5],
+    };
+    let whole = chain_logits(&file, &[N_LAYER], &tokens);
+    for n in [1, 2] {
+        let mut group = StageGroup::load_tp(file.clone(), span.clone(), &config(), n).unwrap();
+        assert_eq!(group.size(), n);
+        let StageOutput::Logits(logits) = group.forward(&batch, LogitReply::Logits).unwrap() else {
+            panic!("a last stage answers logits when asked for them")
+        };
+        let last = &logits[N_VOCAB as usize..];
+        let diff = whole.iter().zip(last).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(diff < 1e-4, "group of {n}: max diff {diff}");
+        group.clear_seq(0);
+        let StageOutput::Best(best) = group.forward(&batch, LogitReply::Best).unwrap() else {
+            panic!("a last stage answers each row's best when asked for it")
+        };
+        let argmax: Vec<u32> = logits
+            .chunks_exact(N_VOCAB as usize)
+            .map(|row| baton_sample::argmax(row).unwrap())
+            .collect();
+        assert_eq!(RowBest::tokens(&best).unwrap(), argmax, "group of {n}");
+    }
 }
 
 #[test]
@@ -187,7 +235,7 @@ fn incremental_decoding_equals_one_batch() {
                 seq_ids: &[0],
                 logit_rows: &[0],
             };
-            if let StageOutput::Logits(l) = stage.forward(&batch).unwrap() {
+            if let StageOutput::Logits(l) = stage.forward(&batch, LogitReply::Logits).unwrap() {
                 last = l;
             }
         }

@@ -1,12 +1,13 @@
-//! An in-process tensor-parallel group: members 1.. of a stage on threads of their
-//! own, driven by member 0 ([`crate::Stage::load_tp`]). Every member claims the same
+//! The other members of a tensor-parallel group as member 0 sees them
+//! ([`GroupMember`]): threads of this process ([`crate::StageGroup::load_tp`]) or
+//! processes behind links; and how their answers join. Every member claims the same
 //! cache cells for the same batches (its cache bookkeeping is a replica of member 0's),
-//! so only the batch goes out and only logits come back.
+//! so only the batch goes out and only logits (or each row's best) come back.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 
-use crate::stage::{Batch, Stage, StageInput, StageOutput};
+use crate::stage::{Batch, LogitReply, RowBest, Stage, StageInput, StageOutput};
 use crate::tp::{CollectiveError, TpSplit};
 use crate::weights::ModelFile;
 use crate::ModelError;
@@ -29,71 +30,78 @@ pub fn join_logits(parts: &[Vec<f32>], n_rows: usize) -> Vec<f32> {
     joined
 }
 
-/// Vocabularies up to this size send each row's best as `[value, token]` in f32 (a
-/// token id is exact in an f32 below 2^24); larger ones send whole rows.
+/// Vocabularies up to this size have their members send each row's best (a member
+/// behind a link sends it as `[logit, token]` in f32, and a token id is exact in an f32
+/// below 2^24); larger ones send their shares of the logits.
 pub const BEST_MAX_VOCAB: usize = 1 << 24;
 
-/// A member's share of each logit row reduced to its best: `[value, token]` per row,
-/// the token a global id (`first_token` is the share's first), or `[-inf, -1]` for a
-/// share of only NaN. Member 0 joins these with [`join_best`].
-pub fn encode_best(logits: &[f32], n_rows: usize, first_token: u32) -> Vec<f32> {
-    let width = logits.len() / n_rows.max(1);
-    let mut best = Vec::with_capacity(2 * n_rows);
-    for row in logits.chunks_exact(width.max(1)).take(n_rows) {
-        match baton_sample::argmax_value(row) {
-            Some((token, value)) => best.extend([value, (first_token + token) as f32]),
-            None => best.extend([f32::NEG_INFINITY, -1.0]),
-        }
-    }
-    best
-}
-
-/// Each row's arg-max over the whole vocabulary from the members' bests (in rank order,
-/// so shares in vocabulary order): the largest value, the lowest token among equal ones,
-/// exactly what the arg-max of the joined row gives. A part that is not `n_rows` pairs
-/// of a value (not NaN) and a whole token below `n_vocab` is refused (it may have come
-/// from another process).
-pub fn join_best(parts: &[Vec<f32>], n_rows: usize, n_vocab: usize) -> Result<Vec<u32>, ModelError> {
-    let bad = |why: String| ModelError::Collective(CollectiveError::Aborted(why));
-    let mut best: Vec<Option<(u32, f32)>> = vec![None; n_rows];
-    for (rank, part) in parts.iter().enumerate() {
-        if part.len() != 2 * n_rows {
-            return Err(bad(format!(
-                "member {rank} sent {} values for the best of {n_rows} rows",
-                part.len()
-            )));
-        }
-        for (row, pair) in part.chunks_exact(2).enumerate() {
-            let (value, token) = (pair[0], pair[1]);
-            if token == -1.0 {
-                continue;
-            }
-            if value.is_nan() || token.fract() != 0.0 || !(0.0..n_vocab as f32).contains(&token) {
-                return Err(bad(format!("member {rank} sent ({value}, {token}) as a row's best")));
-            }
-            let token = token as u32;
-            match best[row] {
-                Some((_, held)) if value <= held => {}
-                _ => best[row] = Some((token, value)),
-            }
-        }
-    }
-    best.into_iter()
-        .map(|b| {
-            b.map(|(token, _)| token)
-                .ok_or_else(|| bad("a logit row of only NaN".into()))
+/// Rows' bests as a member behind a link sends them: `[logit, token]` per row, and
+/// `[-inf, -1]` for a row of only NaN. [`decode_best`] reads them back.
+pub fn encode_best(best: &[Option<RowBest>]) -> Vec<f32> {
+    best.iter()
+        .flat_map(|b| match b {
+            Some(b) => [b.logit, b.token as f32],
+            None => [f32::NEG_INFINITY, -1.0],
         })
         .collect()
 }
 
-/// What a member of a last stage's group answers for the batch's logit rows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitReply {
-    /// Its share of each row's logits, for member 0 to join.
-    Share,
-    /// Each row's best of its share, `[value, token]` ([`encode_best`]): enough for
-    /// greedy sampling without penalties, and a few bytes instead of the share.
-    Best,
+/// The bests of `n_rows` rows from what member `rank` sent ([`encode_best`]). Anything
+/// but `n_rows` pairs of a logit (not NaN) and a whole token id (or `[-inf, -1]`) is
+/// refused: it comes from another process.
+pub fn decode_best(values: &[f32], n_rows: usize, rank: usize) -> Result<Vec<Option<RowBest>>, CollectiveError> {
+    if values.len() != 2 * n_rows {
+        return Err(bad_best(
+            rank,
+            format!("{} values for the best of {n_rows} rows", values.len()),
+        ));
+    }
+    values
+        .chunks_exact(2)
+        .map(|pair| match (pair[0], pair[1]) {
+            (_, -1.0) => Ok(None),
+            (logit, token) if !logit.is_nan() && token.fract() == 0.0 && (0.0..16_777_216.0).contains(&token) => {
+                Ok(Some(RowBest {
+                    token: token as u32,
+                    logit,
+                }))
+            }
+            (logit, token) => Err(bad_best(rank, format!("({logit}, {token}) as a row's best"))),
+        })
+        .collect()
+}
+
+fn bad_best(rank: usize, what: String) -> CollectiveError {
+    CollectiveError::Aborted(format!("member {rank} sent {what}"))
+}
+
+/// Each row's best over the whole vocabulary from the members' bests (in rank order, so
+/// shares in vocabulary order): the largest logit, the lowest token among equal ones,
+/// exactly what the arg-max of the joined row gives; `None` where every share was only
+/// NaN. A part of another length than `n_rows`, or with a token outside `n_vocab`, is
+/// refused.
+pub fn join_best(
+    parts: &[Vec<Option<RowBest>>],
+    n_rows: usize,
+    n_vocab: usize,
+) -> Result<Vec<Option<RowBest>>, CollectiveError> {
+    let mut best: Vec<Option<RowBest>> = vec![None; n_rows];
+    for (rank, part) in parts.iter().enumerate() {
+        if part.len() != n_rows {
+            return Err(bad_best(rank, format!("{} bests for {n_rows} rows", part.len())));
+        }
+        for (held, theirs) in best.iter_mut().zip(part) {
+            let Some(theirs) = theirs else { continue };
+            if theirs.token as usize >= n_vocab || theirs.logit.is_nan() {
+                let (logit, token) = (theirs.logit, theirs.token);
+                return Err(bad_best(rank, format!("({logit}, {token}) as a row's best")));
+            }
+            if held.is_none_or(|held| theirs.logit > held.logit) {
+                *held = Some(*theirs);
+            }
+        }
+    }
+    Ok(best)
 }
 
 /// A batch that owns its data, to send to another thread.
@@ -113,16 +121,17 @@ enum Job {
 }
 
 /// Another member of a stage's tensor-parallel group, driven by member 0: a thread of
-/// this process ([`Stage::load_tp`]) or a process behind a link. For each batch member 0
-/// calls [`send_forward`](Self::send_forward) on every member, computes its own share
+/// this process ([`crate::StageGroup::load_tp`]) or a process behind a link. For each
+/// batch member 0 calls [`send_forward`](Self::send_forward) on every member, computes its own share
 /// (the members sum with each other meanwhile), then [`recv`](Self::recv) on every
 /// member, in rank order.
 pub trait GroupMember: Send {
     /// Starts the member on `batch`; its logit rows (on a last stage) are to come back
     /// as `reply` says.
     fn send_forward(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<(), ModelError>;
-    /// The member's output for the batch last sent: its logit rows on a last stage (as
-    /// asked), else the hidden state (which member 0 has too, and drops).
+    /// The member's output for the batch last sent: its share of the logit rows, or of
+    /// each row's best, on a last stage (as asked), else the hidden state (which member
+    /// 0 has too, and drops).
     fn recv(&mut self) -> Result<StageOutput, ModelError>;
     /// Keeps only the tokens of `seq` below position `len` in the member's cache.
     fn truncate_seq(&mut self, seq: u32, len: usize) -> Result<(), ModelError>;
@@ -159,7 +168,7 @@ impl Helper {
                                 logit_rows: &b.logit_rows,
                             };
                             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                stage.forward_share(&batch, b.reply)
+                                stage.forward(&batch, b.reply)
                             }))
                             .unwrap_or_else(|_| {
                                 // Release the members waiting for this one's slices.
@@ -246,23 +255,26 @@ mod tests {
         let share = |range: std::ops::Range<usize>| -> Vec<f32> {
             rows.iter().flat_map(|r| r[range.clone()].to_vec()).collect()
         };
-        let parts = vec![encode_best(&share(0..2), 4, 0), encode_best(&share(2..5), 4, 2)];
-        let joined = join_best(&parts, 4, 5).unwrap();
+        // Each member's bests cross a link: encoded, then read back.
+        let sent = |range: std::ops::Range<usize>, rank: usize| {
+            let best = RowBest::of_rows(&share(range.clone()), 4, range.start as u32);
+            decode_best(&encode_best(&best), 4, rank).unwrap()
+        };
+        let parts = vec![sent(0..2, 0), sent(2..5, 1)];
+        let joined = RowBest::tokens(&join_best(&parts, 4, 5).unwrap()).unwrap();
         let whole: Vec<u32> = rows.iter().map(|r| baton_sample::argmax(r).unwrap()).collect();
         assert_eq!(joined, whole);
         assert_eq!(joined, vec![1, 4, 0, 2]);
         // What another process sends is checked.
-        for bad in [
-            vec![1.0, 7.0],
-            vec![nan, 1.0],
-            vec![1.0, 2.5],
-            vec![1.0, -3.0],
-            vec![1.0],
-        ] {
-            let err = join_best(std::slice::from_ref(&bad), 1, 5).unwrap_err().to_string();
+        for bad in [vec![nan, 1.0], vec![1.0, 2.5], vec![1.0, -3.0], vec![1.0]] {
+            let err = decode_best(&bad, 1, 0).unwrap_err().to_string();
             assert!(err.contains("member 0 sent"), "{bad:?}: {err}");
         }
-        let err = join_best(&[vec![ninf, -1.0]], 1, 5).unwrap_err().to_string();
+        let outside = decode_best(&[1.0, 7.0], 1, 0).unwrap();
+        let err = join_best(&[outside], 1, 5).unwrap_err().to_string();
+        assert!(err.contains("member 0 sent"), "{err}");
+        let only_nan = join_best(&[decode_best(&[ninf, -1.0], 1, 0).unwrap()], 1, 5).unwrap();
+        let err = RowBest::tokens(&only_nan).unwrap_err().to_string();
         assert!(err.contains("only NaN"), "{err}");
     }
 

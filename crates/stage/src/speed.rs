@@ -4,7 +4,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use baton_ggml::Device;
-use baton_model::{Batch, ModelFile, Stage, StageConfig, StageInput, StageSpan};
+use baton_model::{Batch, LogitReply, ModelFile, Stage, StageConfig, StageInput, StageSpan};
 
 use crate::NodeError;
 
@@ -27,7 +27,7 @@ pub fn measure(path: &Path, threads: usize, device: Device) -> Result<f32, NodeE
             seq_ids: &[0],
             logit_rows: &[],
         };
-        stage.forward(&batch).map(|_| ())
+        stage.forward(&batch, LogitReply::Logits).map(|_| ())
     };
     // The first step faults the layer's weights in; time the ones after it. Other
     // processes only ever slow a round down, so the fastest of a few rounds is the

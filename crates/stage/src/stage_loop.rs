@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use baton_grammar::{Grammar, GrammarError, Matcher, TokenTable};
-use baton_model::{Batch, ModelError, Stage, StageChain, StageInput, StageOutput};
+use baton_model::{Batch, LogitReply, ModelError, RowBest, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
 use baton_proto::{Fault, Forward, Message, Payload, SampledToken};
 use baton_sample::{Sampler, SamplingError};
@@ -46,15 +46,11 @@ struct SeqSampler {
 }
 
 impl StageWorker {
-    /// Wraps `stage`.
-    pub fn new(stage: Stage) -> StageWorker {
-        StageWorker::chained(stage.into())
-    }
-
-    /// Wraps stages on several devices that compute one layer range together.
-    pub fn chained(stage: StageChain) -> StageWorker {
+    /// Wraps `stage`: a stage, member 0 of a tensor-parallel group leading the
+    /// others, or stages on several devices that compute one layer range together.
+    pub fn new(stage: impl Into<StageChain>) -> StageWorker {
         StageWorker {
-            stage,
+            stage: stage.into(),
             samplers: HashMap::new(),
             wire_f16: false,
             tokens: None,
@@ -208,7 +204,7 @@ impl StageWorker {
         if let Some(tokens) = &self.tokens {
             return Ok(tokens.clone());
         }
-        let path = self.stage.stages()[0].weights().file().path().to_path_buf();
+        let path = self.stage.file().path().to_path_buf();
         let started = std::time::Instant::now();
         let vocab = baton_ggml::LlamaModel::load_vocab(&path).map_err(|e| StageError::Vocabulary(e.to_string()))?;
         let tokens = Arc::new(TokenTable::new(
@@ -248,18 +244,11 @@ impl StageWorker {
                 StageInput::Hidden(&widened)
             }
         };
-        let want = match self.best_only(&seq_ids, &sample_rows) {
-            true => Want::Best,
-            false => Want::Output,
+        let reply = match self.best_only(&seq_ids, &sample_rows) {
+            true => LogitReply::Best,
+            false => LogitReply::Logits,
         };
-        let output = match self.compute(input, &positions, &seq_ids, &sample_rows, want)? {
-            Computed::Output(output) => output,
-            Computed::Best(best) => {
-                let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Best(&best))?;
-                return Ok(Message::Sampled { step, tokens });
-            }
-        };
-        match output {
+        match self.compute(input, &positions, &seq_ids, &sample_rows, reply)? {
             StageOutput::Hidden(hidden) => Ok(Message::Forward(Forward {
                 step,
                 payload: if self.wire_f16 {
@@ -274,6 +263,11 @@ impl StageWorker {
             })),
             StageOutput::Logits(logits) => {
                 let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Logits(&logits))?;
+                Ok(Message::Sampled { step, tokens })
+            }
+            StageOutput::Best(best) => {
+                let best = RowBest::tokens(&best).map_err(|e| self.failed(e))?;
+                let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Best(&best))?;
                 Ok(Message::Sampled { step, tokens })
             }
         }
@@ -296,16 +290,16 @@ impl StageWorker {
     /// rows (single tokens, or a token and its drafts): it is computed in pieces of at
     /// most [`max_decode_rows`] rows, each of which ggml computes exactly as one row
     /// alone, so a drafted token's row gives the bits a one-token step would have.
-    /// Prompt chunks are computed whole, as cut. With [`Want::Best`] the sampled rows
-    /// come back as their arg-max tokens.
+    /// Prompt chunks are computed whole, as cut. With [`LogitReply::Best`] the sampled
+    /// rows come back as their bests.
     fn compute(
         &mut self,
         input: StageInput<'_>,
         positions: &[i32],
         seq_ids: &[u32],
         sample_rows: &[u32],
-        want: Want,
-    ) -> Result<Computed, StageError> {
+        reply: LogitReply,
+    ) -> Result<StageOutput, StageError> {
         let last = self.stage.span().last;
         let n = positions.len();
         let cap = max_decode_rows(self.stage.repacked());
@@ -317,7 +311,7 @@ impl StageWorker {
                 seq_ids,
                 logit_rows: if last { sample_rows } else { &[] },
             };
-            return self.run(&batch, want);
+            return self.run(&batch, reply);
         }
         let width = match input {
             StageInput::Tokens(_) => 1,
@@ -337,9 +331,9 @@ impl StageWorker {
                 seq_ids: &seq_ids[start..end],
                 logit_rows: if last { &rows } else { &[] },
             };
-            match self.run(&batch, want) {
-                Ok(Computed::Output(StageOutput::Hidden(h) | StageOutput::Logits(h))) => values.extend_from_slice(&h),
-                Ok(Computed::Best(tokens)) => best.extend_from_slice(&tokens),
+            match self.run(&batch, reply) {
+                Ok(StageOutput::Hidden(h) | StageOutput::Logits(h)) => values.extend_from_slice(&h),
+                Ok(StageOutput::Best(rows)) => best.extend_from_slice(&rows),
                 Err(e) => {
                     // Rows already computed hold cells: forget them with the failure.
                     for (&seq, &pos) in seq_ids[..start].iter().zip(&positions[..start]) {
@@ -349,20 +343,16 @@ impl StageWorker {
                 }
             }
         }
-        Ok(match (want, last) {
-            (Want::Best, _) => Computed::Best(best),
-            (Want::Output, true) => Computed::Output(StageOutput::Logits(values)),
-            (Want::Output, false) => Computed::Output(StageOutput::Hidden(values)),
+        Ok(match (reply, last) {
+            (LogitReply::Best, true) => StageOutput::Best(best),
+            (LogitReply::Logits, true) => StageOutput::Logits(values),
+            (_, false) => StageOutput::Hidden(values),
         })
     }
 
-    /// One batch through the stage, as `want` asks.
-    fn run(&mut self, batch: &Batch<'_>, want: Want) -> Result<Computed, StageError> {
-        let computed = match want {
-            Want::Output => self.stage.forward(batch).map(Computed::Output),
-            Want::Best => self.stage.forward_best(batch).map(Computed::Best),
-        };
-        computed.map_err(|e| self.failed(e))
+    /// One batch through the stage, its logit rows answered as `reply` asks.
+    fn run(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<StageOutput, StageError> {
+        self.stage.forward(batch, reply).map_err(|e| self.failed(e))
     }
 
     /// A failed computation; a failed exchange of a tensor-parallel group also marks
@@ -482,21 +472,6 @@ impl StageError {
             }
         }
     }
-}
-
-/// What a batch's computation is to return.
-#[derive(Clone, Copy)]
-enum Want {
-    /// The stage's output: hidden states, or the logits of the sampled rows.
-    Output,
-    /// Only each sampled row's arg-max token (see `StageWorker::best_only`).
-    Best,
-}
-
-/// What a batch's computation returned.
-enum Computed {
-    Output(StageOutput),
-    Best(Vec<u32>),
 }
 
 /// The sampled rows: their logits, `n_vocab` each, or their arg-max tokens.

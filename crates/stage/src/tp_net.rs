@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use baton_model::tp::join_rows;
 use baton_model::{
-    Batch, Collective, CollectiveError, GroupMember, LogitReply, ModelError, Stage, StageInput, StageOutput,
+    decode_best, encode_best, Batch, Collective, CollectiveError, GroupMember, LogitReply, ModelError, Stage,
+    StageInput, StageOutput,
 };
 use baton_net::{client_handshake, connect_by, Link, LinkOptions, Listener, Rx, Tx};
 use baton_proto::{Forward, Message, Payload, RefusalCode, Role};
@@ -170,12 +171,20 @@ impl Collective for MeshCollective {
 pub struct RemoteMember {
     peer: Arc<Peer>,
     step: u64,
+    /// What the last batch sent asked for, and its logit rows: how to read the answer.
+    asked: LogitReply,
+    n_rows: usize,
 }
 
 impl RemoteMember {
     /// Drives the member at the other end of `peer`.
     pub fn new(peer: Arc<Peer>) -> RemoteMember {
-        RemoteMember { peer, step: 0 }
+        RemoteMember {
+            peer,
+            step: 0,
+            asked: LogitReply::Logits,
+            n_rows: 0,
+        }
     }
 }
 
@@ -186,6 +195,7 @@ fn model_error(e: CollectiveError) -> ModelError {
 impl GroupMember for RemoteMember {
     fn send_forward(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<(), ModelError> {
         self.step += 1;
+        (self.asked, self.n_rows) = (reply, batch.logit_rows.len());
         let payload = match batch.input {
             StageInput::Tokens(t) => Payload::Tokens(t.to_vec()),
             StageInput::Hidden(h) => Payload::Hidden(h.to_vec()),
@@ -200,14 +210,19 @@ impl GroupMember for RemoteMember {
         };
         let msg = match reply {
             LogitReply::Best => Message::ForwardBest(forward),
-            LogitReply::Share => Message::Forward(forward),
+            LogitReply::Logits => Message::Forward(forward),
         };
         self.peer.send(msg).map_err(model_error)
     }
 
     fn recv(&mut self) -> Result<StageOutput, ModelError> {
         match self.peer.recv().map_err(model_error)? {
-            Message::Share { step, values } if step == self.step => Ok(StageOutput::Logits(values)),
+            Message::Share { step, values } if step == self.step => match self.asked {
+                LogitReply::Logits => Ok(StageOutput::Logits(values)),
+                LogitReply::Best => decode_best(&values, self.n_rows, self.peer.rank)
+                    .map(StageOutput::Best)
+                    .map_err(model_error),
+            },
             Message::Done => Ok(StageOutput::Hidden(Vec::new())),
             Message::Error { message, .. } => Err(model_error(self.peer.aborted(&message))),
             other => Err(model_error(self.peer.unexpected(format!(
@@ -233,7 +248,8 @@ impl Drop for RemoteMember {
 
 /// Serves member 0 over `leader` until it sends `Shutdown` or goes: computes each
 /// `Forward` on `stage` (this member's slice) and answers with its logits (`Share`;
-/// for a `ForwardBest`, each row's best of them), `Done`, or `Error`.
+/// for a `ForwardBest`, each row's best of them as [`encode_best`] writes it), `Done`,
+/// or `Error`.
 pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError> {
     let first_layer = stage.span().layers.start as u32;
     loop {
@@ -242,7 +258,7 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
             Message::Forward(ref f) | Message::ForwardBest(ref f) => {
                 let reply = match msg {
                     Message::ForwardBest(_) => LogitReply::Best,
-                    _ => LogitReply::Share,
+                    _ => LogitReply::Logits,
                 };
                 let hidden;
                 let input = match &f.payload {
@@ -262,8 +278,12 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
                     seq_ids: &f.seq_ids,
                     logit_rows: &f.sample_rows,
                 };
-                match stage.forward_share(&batch, reply) {
+                match stage.forward(&batch, reply) {
                     Ok(StageOutput::Logits(values)) => Message::Share { step: f.step, values },
+                    Ok(StageOutput::Best(best)) => Message::Share {
+                        step: f.step,
+                        values: encode_best(&best),
+                    },
                     Ok(StageOutput::Hidden(_)) => Message::Done,
                     Err(e) => {
                         let e = crate::stage_loop::StageError::Model(e);

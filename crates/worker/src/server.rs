@@ -17,7 +17,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use baton_ggml::Device;
-use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageSpan};
+use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageGroup, StageSpan};
 use baton_net::{
     client_handshake, connect_by, refuse_unexpected_auth, Link, LinkCloser, LinkOptions, Listener, NetError,
 };
@@ -426,7 +426,6 @@ fn session(
     };
     let on: Vec<String> = stage
         .stages()
-        .iter()
         .map(|s| format!("{} {:?}", s.device().name(), s.span().layers))
         .collect();
     tracing::info!(layers = ?(plan.layer_start..plan.layer_end), devices = %on.join(", "), received, secs = started.elapsed().as_secs_f32(), "stage loaded");
@@ -458,7 +457,7 @@ fn session(
         received,
     })?;
 
-    let worker = StageWorker::chained(stage).with_wire_f16(plan.wire_f16);
+    let worker = StageWorker::new(stage).with_wire_f16(plan.wire_f16);
     let (control_tx, control_rx) = link.split()?;
     let result = match (upstream, downstream) {
         (None, None) => run(worker, control_rx, control_tx),
@@ -628,7 +627,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
             .map(|p| Box::new(RemoteMember::new(p.clone())) as Box<dyn baton_model::GroupMember>)
             .collect();
         return Ok(Loaded::Ring {
-            stage: StageChain::from(stage.driving(members)),
+            stage: StageChain::from(StageGroup::new(stage, members)),
             received,
             mesh: Some(mesh),
         });
