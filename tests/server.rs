@@ -1,5 +1,5 @@
 //! `baton serve` as a real process, on a head + 2 local workers: the official `openai`
-//! Python and Node clients against it, the web page in Chromium, curl streaming, concurrent requests, prefix reuse across
+//! Python and Node clients, the official `anthropic` Python client against it, the web page in Chromium, curl streaming, concurrent requests, prefix reuse across
 //! chat turns, cancellation on disconnect, errors in OpenAI's shape, one tool call under
 //! `parallel_tool_calls: false`, and each link's round trip in /metrics with one link
 //! delayed.
@@ -23,6 +23,19 @@ fn the_openai_python_client_works_against_the_server() {
     assert!(
         server.pytest("tests/openai"),
         "the openai client tests failed (output above)"
+    );
+}
+
+/// The official `anthropic` Python client against `/v1/messages` (tests/anthropic):
+/// text as chat answers it, streaming in Anthropic's events, max_tokens and stop
+/// sequences, a forced tool call and its result, errors as the client's exceptions.
+#[test]
+fn the_anthropic_python_client_works_against_the_server() {
+    let _serial = lock();
+    let server = Server::start(&["--parallel", "2", "-c", "4096"]);
+    assert!(
+        server.pytest("tests/anthropic"),
+        "the anthropic client tests failed (output above)"
     );
 }
 

@@ -744,6 +744,7 @@ impl Core {
             prompt_tokens: active.n_prompt,
             cached_tokens: active.n_reused,
             completion_tokens: active.generated,
+            stop_string: active.text.matched().map(str::to_string),
         }));
     }
 }

@@ -19,6 +19,8 @@ pub struct TextStream {
     partial: Vec<u8>,
     /// Decoded text not yet released.
     held: String,
+    /// The stop string that ended the text, once one has.
+    matched: Option<usize>,
 }
 
 impl TextStream {
@@ -34,9 +36,10 @@ impl TextStream {
     pub fn push(&mut self, bytes: &[u8]) -> Piece {
         self.partial.extend_from_slice(bytes);
         self.decode();
-        if let Some(at) = self.first_stop() {
+        if let Some((at, which)) = self.first_stop() {
             let text = self.held[..at].to_string();
             self.held.clear();
+            self.matched = Some(which);
             return Piece::Stop(text);
         }
         let keep = self.stop_prefix_len();
@@ -84,8 +87,17 @@ impl TextStream {
     }
 
     /// Byte offset in `held` of the earliest complete stop string.
-    fn first_stop(&self) -> Option<usize> {
-        self.stops.iter().filter_map(|stop| self.held.find(stop.as_str())).min()
+    /// Where the first stop string in the held text begins, and which one it is.
+    fn first_stop(&self) -> Option<(usize, usize)> {
+        let found = self.stops.iter().enumerate();
+        found
+            .filter_map(|(which, stop)| Some((self.held.find(stop.as_str())?, which)))
+            .min()
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|which| self.stops[which].as_str())
     }
 
     /// Length of the longest suffix of `held` that some stop string starts with.
@@ -120,6 +132,18 @@ mod tests {
 
     fn text(s: &str) -> Piece {
         Piece::Text(s.into())
+    }
+
+    /// The stop string that ended the text is named (the earliest in the text, whatever
+    /// its place in the list), for Anthropic's `stop_sequence`.
+    #[test]
+    fn the_stop_string_that_matched_is_named() {
+        let stops = ["END".to_string(), "\n\n".to_string()];
+        let mut stream = TextStream::new(&stops);
+        assert_eq!(stream.push(b"one\n"), text("one"));
+        assert_eq!(stream.matched(), None);
+        assert_eq!(stream.push(b"\nEND"), Piece::Stop(String::new()));
+        assert_eq!(stream.matched(), Some("\n\n"));
     }
 
     #[test]

@@ -238,6 +238,8 @@ pub struct Finish {
     pub cached_tokens: usize,
     /// Generated tokens (an end-of-generation token is not counted).
     pub completion_tokens: usize,
+    /// The stop string that ended the text, if one did.
+    pub stop_string: Option<String>,
 }
 
 /// Why a request is refused before it starts.

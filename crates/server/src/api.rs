@@ -27,6 +27,7 @@ use crate::template::{ChatMessage, ChatTemplate};
 use crate::tools::{self, Out, ToolChoice, ToolFormat, ToolParser};
 
 mod guard;
+mod messages;
 mod respond;
 
 use guard::{authenticate, guard};
@@ -285,6 +286,7 @@ routes! {
     get "/" => crate::page::index,
     post "/v1/chat/completions" => chat,
     post "/v1/completions" => completions,
+    post "/v1/messages" => messages::messages,
     get "/v1/models" => models,
     post "/tokenize" => tokenize,
     post "/detokenize" => detokenize,
@@ -694,9 +696,17 @@ fn record_refusal(state: &AppState, endpoint: &str, result: &Result<Response, Ap
 async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Result<Response, ApiError> {
     let body = read_body(&state, body).await?;
     // Parsing compiles JSON schemas to grammars: bounded work, but off the runtime.
-    let mut req = state
+    let req = state
         .off_runtime(move |state| request::chat(&body, &state.config.model_id))
         .await?;
+    let logprobs = req.generation.logprobs;
+    let (prepared, parser) = chat_job(&state, req).await?;
+    respond(state, prepared, Kind::Chat, logprobs, parser, arrived).await
+}
+
+/// The engine job of a checked chat request (tools described or forced, the prompt
+/// rendered and tokenized) and the parser that splits its text into content and calls.
+async fn chat_job(state: &Arc<AppState>, mut req: request::Chat) -> Result<(Prepared, Option<ToolParser>), ApiError> {
     let offer_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
     // A template that knows nothing of tools gets them described in a system message,
     // in the format the parser reads.
@@ -743,15 +753,14 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
     let prompt = state
         .off_runtime(move |state| state.chat_prompt(&messages, tools.as_deref()))
         .await?;
-    let logprobs = req.generation.logprobs;
-    let mut prepared = prepare(&state, req.generation, prompt)?;
+    let mut prepared = prepare(state, req.generation, prompt)?;
     if offer_tools && format == ToolFormat::Mistral {
         prepared.job.show = state.tool_markers.clone();
     }
     if one_call {
         prepared.job.end = Some(Box::new(tools::FirstCallEnds::new(format)));
     }
-    respond(state, prepared, Kind::Chat, logprobs, parser, arrived).await
+    Ok((prepared, parser))
 }
 
 async fn completions_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Result<Response, ApiError> {

@@ -2,6 +2,7 @@
 //! head's engine; chat messages become prompts through the model's chat template.
 #![deny(unsafe_code)]
 
+mod anthropic;
 mod api;
 mod description;
 pub mod listen;

@@ -69,11 +69,13 @@ pub(super) async fn authenticate(State(state): State<Arc<AppState>>, request: Re
     if request.uri().path() == "/" {
         return next.run(request).await;
     }
-    let given = request
-        .headers()
+    // OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`.
+    let headers = request.headers();
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
+    let given = bearer.or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
     match given {
         Some(given) if constant_time_eq(given.as_bytes(), key.as_bytes()) => next.run(request).await,
         Some(_) => ApiError::new(
@@ -87,7 +89,7 @@ pub(super) async fn authenticate(State(state): State<Arc<AppState>>, request: Re
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
             Some("invalid_api_key"),
-            "You didn't provide an API key: send it as 'Authorization: Bearer KEY'.",
+            "You didn't provide an API key: send it as 'Authorization: Bearer KEY' (or 'x-api-key: KEY').",
         )
         .into_response(),
     }
