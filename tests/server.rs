@@ -68,7 +68,7 @@ fn the_openai_node_client_and_the_web_page_work_against_the_server() {
     let server = Server::start(&["--parallel", "4", "-c", "2048", "--split", "12,6,6"]);
     let screenshot = concat!(env!("CARGO_TARGET_TMPDIR"), "/page.png");
     let status = server
-        .node_tests(&["client.test.mjs", "page.test.mjs"])
+        .node_tests(&["client.test.mjs", "responses.test.mjs", "page.test.mjs"])
         .env("BATON_SCREENSHOT", screenshot)
         .status()
         .expect("node runs (scripts/setup installs tests/node)");

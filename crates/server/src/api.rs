@@ -29,6 +29,7 @@ use crate::tools::{self, Out, ToolChoice, ToolFormat, ToolParser};
 mod guard;
 mod messages;
 mod respond;
+mod responses;
 
 use guard::{authenticate, guard};
 use respond::{respond, Kind};
@@ -287,6 +288,7 @@ routes! {
     post "/v1/chat/completions" => chat,
     post "/v1/completions" => completions,
     post "/v1/messages" => messages::messages,
+    post "/v1/responses" => responses::responses,
     get "/v1/models" => models,
     post "/tokenize" => tokenize,
     post "/detokenize" => detokenize,

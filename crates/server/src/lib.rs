@@ -10,6 +10,7 @@ mod metrics;
 mod openai;
 mod page;
 pub mod request;
+mod responses;
 pub mod template;
 pub mod tools;
 
