@@ -56,6 +56,9 @@ pub struct MoeParams {
     pub n_expert_shared: usize,
     /// Leading layers with a dense FFN instead of experts.
     pub n_layer_dense_lead: usize,
+    /// Experts in every `layer_step`-th layer only, the others dense (Llama 4's
+    /// `interleave_moe_layer_step`; 1: every layer after the dense lead; 0: none).
+    pub layer_step: usize,
     /// Expert groups (DeepSeek V3): only the best `n_group_used` groups are chosen from.
     pub n_group: usize,
     /// Groups a token may choose experts from.
@@ -108,6 +111,7 @@ impl MoeParams {
             n_ff_exp: 0,
             n_expert_shared: 0,
             n_layer_dense_lead: 0,
+            layer_step: 1,
             n_group,
             n_group_used,
             weights_norm: false,
@@ -174,6 +178,15 @@ pub enum ExpertAct {
     SwigluOai,
 }
 
+/// Where a token's router weights apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Weighing {
+    /// To each chosen expert's output (llama.cpp's usual way).
+    Outputs,
+    /// To each chosen expert's input, the experts chosen by the raw logits (Llama 4).
+    Inputs,
+}
+
 /// How one architecture routes (the parts not in the GGUF).
 #[derive(Clone, Copy, Debug)]
 pub struct Routing {
@@ -191,6 +204,31 @@ impl<'g> Builder<'g> {
     /// The routed experts of layer `layer` for `x [n_embd, n_tokens]`; returns the
     /// weighted sum of each token's experts, `[n_embd, n_tokens]`.
     pub fn moe(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>, routing: Routing) -> Tensor<'g> {
+        self.routed_experts(w, layer, x, routing, Weighing::Outputs)
+    }
+
+    /// Llama 4's routed experts (llama.cpp's `weight_before_ffn`): the top `k` experts
+    /// are chosen by the router's raw logits, and each runs on the token already
+    /// multiplied by its weight (the sigmoid of its logit); their outputs are summed
+    /// as they are. `x`: `[n_embd, n_tokens]` in and out.
+    pub fn moe_weighted_inputs(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+        let routing = Routing {
+            gating: Gating::Sigmoid,
+            norm_weights: false,
+            scale: 0.0,
+            act: ExpertAct::Silu,
+        };
+        self.routed_experts(w, layer, x, routing, Weighing::Inputs)
+    }
+
+    fn routed_experts(
+        &mut self,
+        w: &LayerTensors<'g>,
+        layer: usize,
+        x: Tensor<'g>,
+        routing: Routing,
+        weighing: Weighing,
+    ) -> Tensor<'g> {
         let ctx = self.ctx;
         let moe = &self.hp.moe;
         let (n_embd, n_tokens) = (x.ne()[0], x.ne()[1]);
@@ -210,9 +248,11 @@ impl<'g> Builder<'g> {
         let probs = named(probs, "ffn_moe_probs"); // [n_expert, n_tokens]
 
         // The selection bias (DeepSeek V3) only chooses; the weights stay unbiased.
-        let mut selection = match w.opt(T::ExpProbsBias) {
-            Some(b) => ctx.add(probs, b),
-            None => probs,
+        let mut selection = match (weighing, w.opt(T::ExpProbsBias)) {
+            // Llama 4 chooses by the logits; the sigmoid only weighs the chosen.
+            (Weighing::Inputs, _) => logits,
+            (Weighing::Outputs, Some(b)) => ctx.add(probs, b),
+            (Weighing::Outputs, None) => probs,
         };
         if moe.n_group > 1 && n_tokens > 0 {
             selection = self.best_groups(selection, n_expert, n_tokens);
@@ -237,7 +277,11 @@ impl<'g> Builder<'g> {
         let weights = named(weights, "ffn_moe_weights");
         self.graph.expand(weights);
 
-        let x3 = ctx.reshape_3d(x, n_embd, 1, n_tokens);
+        let mut x3 = ctx.reshape_3d(x, n_embd, 1, n_tokens);
+        if weighing == Weighing::Inputs {
+            let repeated = ctx.repeat_4d(x3, [n_embd, n_used, n_tokens, 1]);
+            x3 = named(ctx.mul(repeated, weights), "ffn_moe_weighted"); // [n_embd, n_used, n_tokens]
+        }
         let experts = |weight: T, bias: T, input: Tensor<'g>| {
             let out = ctx.mul_mat_id(w.get(weight), input, selected);
             match w.opt(bias) {
@@ -273,7 +317,10 @@ impl<'g> Builder<'g> {
             hidden
         };
         let out = experts(T::FfnDownExps, T::FfnDownExpsBias, hidden); // [n_embd, n_used, n_tokens] (a member: its rows)
-        let out = ctx.mul(out, weights);
+        let out = match weighing {
+            Weighing::Outputs => ctx.mul(out, weights),
+            Weighing::Inputs => out,
+        };
         self.graph.expand(out);
 
         // Sum the experts' rows in order, each a view `[n_embd, n_tokens]`; element-wise,
