@@ -5,11 +5,11 @@
 mod common;
 
 use baton_cluster::{connect_cluster, ClusterOptions};
-use baton_ggml::{FileType, LlamaModel};
+use baton_ggml::{FileType, LlamaContext, LlamaModel};
 use baton_model::{Batch, LogitReply, ModelFile, StageConfig, StageInput, StageOutput};
-use common::fidelity::{check_stages, check_stages_with};
-use common::synth::{synth_dir, synthetic, synthetic_with};
-use common::worker::{greedy, reference, WorkerProc};
+use common::fidelity::{check_prompts, check_stages, check_stages_with, Setup, SHORT, THREADS};
+use common::synth::{llama4_prompts, synth_dir, synthetic, synthetic_with, LLAMA4_SETUP};
+use common::worker::{greedy_in, reference_in, WorkerProc};
 use common::{nmse, Chain, PROMPTS};
 
 fn stages(arch: &str, file_type: FileType) {
@@ -19,35 +19,45 @@ fn stages(arch: &str, file_type: FileType) {
 }
 
 fn two_workers(arch: &str, file_type: FileType) {
-    const TOKEN: &str = "synthetic-secret";
     let path = synthetic(arch, file_type);
-    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let oracle = LlamaModel::load_vocab(&path).unwrap();
+    let prompts: Vec<(String, Vec<u32>)> = PROMPTS
+        .iter()
+        .map(|text| (format!("{text:?}"), oracle.tokenize(text, true, true).unwrap()))
+        .collect();
+    two_workers_on(arch, &path, &prompts, SHORT);
+}
+
+/// Greedy continuations of `prompts` through 2 TCP workers against libllama's, in
+/// contexts of `setup`.
+fn two_workers_on(arch: &str, path: &std::path::Path, prompts: &[(String, Vec<u32>)], setup: Setup) {
+    const TOKEN: &str = "synthetic-secret";
+    let oracle = LlamaModel::load_full(path, true).unwrap();
     let w0 = WorkerProc::start(&synth_dir(), Some(TOKEN), &[]);
     let w1 = WorkerProc::start(&synth_dir(), Some(TOKEN), &[]);
     let options = ClusterOptions {
         token: Some(TOKEN.into()),
-        n_ctx: 512,
+        n_ctx: setup.n_ctx,
         repack: true,
         ..Default::default()
     };
-    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options).unwrap();
+    let mut ring = connect_cluster(path, &[w0.addr.clone(), w1.addr.clone()], &options).unwrap();
     assert_eq!(ring.plan.stages.len(), 2);
     assert!(
         ring.workers.iter().all(|w| w.streamed == 0),
         "both workers hold the file"
     );
-    for prompt_text in PROMPTS {
-        let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
-        let expected = reference(&oracle, &prompt, 32);
+    for (prompt_text, prompt) in prompts {
+        let expected = reference_in(&oracle, prompt, 32, setup);
         println!(
-            "{arch} {prompt_text:?}: {} tokens {:?}",
+            "{arch} {prompt_text}: {} tokens {:?}",
             expected.len(),
             oracle.detokenize(&expected, false)
         );
         assert_eq!(
-            greedy(&mut ring, &prompt, 32, &oracle),
+            greedy_in(&mut ring, prompt, 32, &oracle, setup.n_batch),
             expected,
-            "{arch}: {prompt_text:?}"
+            "{arch}: {prompt_text}"
         );
     }
 }
@@ -105,11 +115,20 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 /// then multiplies up to 7 rows; `mul_mat_id` rows are batch-invariant below 8, see
 /// crates/ggml; the f32 router multiplies each row of such a batch alone), and a
 /// sequence's greedy tokens are the same alone and beside others. Every MoE family:
-/// routers with selection biases and groups, shared experts, MLA, sinks and windows.
+/// routers with selection biases and groups, shared experts, MLA, sinks and windows,
+/// experts weighted before their FFN (llama4).
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
     const N_SEQ: usize = 7;
-    for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2", "minimax-m2"] {
+    for arch in [
+        "qwen3moe",
+        "mixtral",
+        "glm4moe",
+        "gpt-oss",
+        "deepseek2",
+        "minimax-m2",
+        "llama4",
+    ] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
         } else {
@@ -262,7 +281,7 @@ fn minimax_m2_on_two_workers_matches_llama_cpp() {
 
 /// The paths real files rarely take, against libllama too: every optional tensor an
 /// architecture takes (llama's q/k/v/o and FFN biases, the others' q/k/v biases
-/// (minimax-m2's too), glm4moe's q/k norms) and mistral3 with experts. libllama loading each file also
+/// (minimax-m2's and llama4's too), glm4moe's q/k norms) and mistral3 with experts. libllama loading each file also
 /// checks that it takes those tensors.
 #[test]
 fn optional_tensors_and_rarer_variants_match_llama_cpp() {
@@ -276,6 +295,7 @@ fn optional_tensors_and_rarer_variants_match_llama_cpp() {
         "mistral3",
         "gemma2",
         "minimax-m2",
+        "llama4",
     ] {
         let path = synthetic_with(arch, FileType::Q8_0, |spec| spec.optional_tensors = true);
         let worst = check_stages_with(&path, &format!("{arch} with optional tensors"), &[1, 3]);
@@ -284,4 +304,55 @@ fn optional_tensors_and_rarer_variants_match_llama_cpp() {
     let path = synthetic_with("mistral3", FileType::Q4KM, |spec| spec.shape.n_expert = 8);
     let worst = check_stages_with(&path, "mistral3 with experts", &[1, 3]);
     println!("mistral3 with experts: worst NMSE {worst:.3e}");
+}
+
+/// The 8180-token prompt crosses the chunk boundary while decoding (the decode-step
+/// test below and tests/tp.rs take it); the 8200- and 8240-token ones cross it inside
+/// the prompt, which one of them shows: each 8k prompt costs CI about half a minute.
+#[test]
+fn llama4_matches_llama_cpp_with_1_2_3_stages() {
+    let path = synthetic("llama4", FileType::Q4KM);
+    let oracle = LlamaModel::load_vocab(&path).unwrap();
+    let worst = check_prompts(
+        &path,
+        "llama4 Q4_K_M",
+        &[1, 2, 3],
+        &llama4_prompts(&oracle)[1..2],
+        LLAMA4_SETUP,
+    );
+    println!("llama4 Q4_K_M: worst NMSE {worst:.3e}");
+}
+
+#[test]
+fn llama4_on_two_workers_matches_llama_cpp() {
+    let path = synthetic("llama4", FileType::Q4KM);
+    let oracle = LlamaModel::load_vocab(&path).unwrap();
+    two_workers_on("llama4", &path, &llama4_prompts(&oracle)[1..2], LLAMA4_SETUP);
+}
+
+/// The decode steps of a llama4 continuation that crosses the chunk boundary give
+/// libllama's logits bit for bit, step by step (greedy tokens alone would not show it:
+/// the synthetic model repeats itself after the long filler).
+#[test]
+fn llama4_decode_steps_across_the_chunk_boundary_match_llama_cpp() {
+    let path = synthetic("llama4", FileType::Q4KM);
+    let file = ModelFile::open(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let (_, prompt) = llama4_prompts(&oracle).swap_remove(0);
+    let setup = LLAMA4_SETUP;
+    let mut reference = LlamaContext::new(&oracle, setup.n_ctx as u32, setup.n_batch as u32, THREADS).unwrap();
+    let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+    let mut chain = Chain::load(&file, &ranges, setup.n_ctx);
+    let mut expected = reference.decode(&prompt).unwrap();
+    let mut ours = chain.logits(0, &prompt, 0);
+    let mut pos = prompt.len();
+    // Positions 8180..8204: the boundary at 8192, the temperature's step at 8191.
+    while pos < 8204 {
+        assert_eq!(nmse(&ours, &expected), 0.0, "llama4: logits at position {}", pos - 1);
+        let next = baton_sample::argmax(&expected).unwrap();
+        expected = reference.decode(&[next]).unwrap();
+        ours = chain.logits(0, &[next], pos as i32);
+        pos += 1;
+    }
+    assert_eq!(nmse(&ours, &expected), 0.0, "llama4: logits at position {}", pos - 1);
 }

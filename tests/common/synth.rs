@@ -4,11 +4,12 @@
 
 use std::path::PathBuf;
 
-use baton_ggml::FileType;
+use baton_ggml::{FileType, LlamaModel};
 use baton_model::Shape;
 use baton_synth::SynthSpec;
 
-use super::{model, QWEN2};
+use super::fidelity::Setup;
+use super::{model, PROMPTS, QWEN2};
 
 /// Where the synthetic models are kept (a worker serves this directory).
 pub fn synth_dir() -> PathBuf {
@@ -55,3 +56,29 @@ pub fn synthetic_with(arch: &str, file_type: FileType, edit: impl FnOnce(&mut Sy
 pub fn synthetic(arch: &str, file_type: FileType) -> PathBuf {
     synthetic_with(arch, file_type, |_| {})
 }
+
+/// Llama 4's attention chunks are 8192 positions (llama.cpp fixes the size), so its
+/// prompts are long: a filler, then each test prompt, 8180, 8200 and 8240 tokens. The
+/// first crosses the chunk boundary (and the NoPE layers' first temperature step, at
+/// 8191) while decoding its continuation, the others inside the prompt's batch.
+pub fn llama4_prompts(oracle: &LlamaModel) -> Vec<(String, Vec<u32>)> {
+    let filler_text = PROMPTS.join("\n").repeat(300);
+    let filler = oracle.tokenize(&filler_text, true, true).unwrap();
+    PROMPTS
+        .iter()
+        .zip([8180, 8200, 8240])
+        .map(|(text, len)| {
+            let tail = oracle.tokenize(text, false, true).unwrap();
+            let mut prompt = filler[..len - tail.len()].to_vec();
+            prompt.extend(tail);
+            assert_eq!(prompt.len(), len);
+            (format!("{len} tokens ending {text:?}"), prompt)
+        })
+        .collect()
+}
+
+/// Every llama4 prompt in one batch, in a context that holds it and its continuation.
+pub const LLAMA4_SETUP: Setup = Setup {
+    n_ctx: 8448,
+    n_batch: 8448,
+};

@@ -82,7 +82,12 @@ impl Drop for WorkerProc {
 
 /// Up to `n` greedy tokens from libllama itself.
 pub fn reference(oracle: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut ctx = LlamaContext::new(oracle, 512, 512, 1).unwrap();
+    reference_in(oracle, prompt, n, super::fidelity::SHORT)
+}
+
+/// [`reference`] in a context of `setup`.
+pub fn reference_in(oracle: &LlamaModel, prompt: &[u32], n: usize, setup: super::fidelity::Setup) -> Vec<u32> {
+    let mut ctx = LlamaContext::new(oracle, setup.n_ctx as u32, setup.n_batch as u32, 1).unwrap();
     let mut next = argmax(&ctx.decode(prompt).unwrap()).unwrap();
     let mut out = Vec::new();
     while out.len() < n && !oracle.is_end_of_generation(next) {
@@ -94,12 +99,17 @@ pub fn reference(oracle: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
 
 /// Up to `n` greedy tokens from the ring.
 pub fn greedy(ring: &mut RemoteRing, prompt: &[u32], n: usize, oracle: &LlamaModel) -> Vec<u32> {
+    greedy_in(ring, prompt, n, oracle, 512)
+}
+
+/// [`greedy`] with prompts computed in batches of `n_batch`.
+pub fn greedy_in(ring: &mut RemoteRing, prompt: &[u32], n: usize, oracle: &LlamaModel, n_batch: usize) -> Vec<u32> {
     let req = GenerateRequest {
         seq: 0,
         prompt,
         params: SamplingParams::greedy(),
         max_tokens: n,
-        n_batch: 512,
+        n_batch,
         logprobs: false,
     };
     ring.head()

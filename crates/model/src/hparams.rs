@@ -51,6 +51,8 @@ pub struct HParams {
     pub query_scale: f32,
     /// Sliding-window size (0: no sliding window).
     pub n_swa: usize,
+    /// How sliding-window layers limit what a token sees (see [`HParams::window`]).
+    pub swa_type: SwaType,
     /// Per layer: whether it uses the sliding window.
     pub swa_layers: Vec<bool>,
     /// `tanh` soft-capping of the final logits (0: none), for architectures whose
@@ -71,6 +73,39 @@ pub struct HParams {
     /// Which of the whole model's heads a tensor-parallel member holds (`None` outside
     /// a group, where `n_head` and `n_head_kv` are all of them).
     pub tp_heads: Option<TpHeads>,
+}
+
+/// How a sliding-window layer limits the positions a token sees (llama.cpp's
+/// `llama_swa_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwaType {
+    /// The last `n_swa` positions, its own included (gemma, gpt-oss).
+    Sliding,
+    /// The positions of its own chunk of `n_swa` (Llama 4's chunked attention).
+    Chunked,
+}
+
+/// What a token of a sliding-window layer sees of its sequence's earlier positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Window {
+    /// Positions less than `n` back: `pos - n < past <= pos`.
+    Sliding(usize),
+    /// Positions of its own chunk of `n`: `n·⌊pos/n⌋ <= past <= pos`.
+    Chunked(usize),
+}
+
+impl Window {
+    /// Whether a token at `pos` must not see position `past` (not after `pos`), as
+    /// llama.cpp's `llama_hparams::is_masked_swa` decides.
+    pub fn hides(self, pos: i32, past: i32) -> bool {
+        match self {
+            Window::Sliding(n) => (pos - past) as i64 >= n as i64,
+            Window::Chunked(n) => {
+                let n = n as i64;
+                (past as i64) < (pos as i64 / n) * n
+            }
+        }
+    }
 }
 
 /// A tensor-parallel member's heads among the whole model's: a layer that normalises
@@ -332,6 +367,7 @@ impl HParams {
             attn_scale: 1.0 / (head_dim_k as f32).sqrt(),
             query_scale: 1.0,
             n_swa: 0,
+            swa_type: SwaType::Sliding,
             swa_layers: vec![false; n_layer],
             // Soft-capping is each architecture's to read (llama.cpp ignores the keys
             // elsewhere).
@@ -470,13 +506,23 @@ impl HParams {
         (self.n_embd_k_gqa() + values) * 2
     }
 
+    /// What a token of a sliding-window layer sees (its window or chunk).
+    pub fn window(&self) -> Window {
+        match self.swa_type {
+            SwaType::Sliding => Window::Sliding(self.n_swa),
+            SwaType::Chunked => Window::Chunked(self.n_swa),
+        }
+    }
+
     /// Whether layer `layer` uses sliding-window attention.
     pub fn is_swa(&self, layer: usize) -> bool {
         self.n_swa > 0 && self.swa_layers.get(layer).copied().unwrap_or(false)
     }
 
-    /// Whether layer `layer` routes its tokens to experts (dense leading layers do not).
+    /// Whether layer `layer` routes its tokens to experts (dense leading layers do not,
+    /// nor, with an interleave step `s`, layers other than every `s`-th).
     pub fn is_moe(&self, layer: usize) -> bool {
-        self.moe.n_expert > 0 && layer >= self.moe.n_layer_dense_lead
+        // `is_multiple_of(0)` is false for every layer: step 0 has no MoE layers.
+        self.moe.n_expert > 0 && layer >= self.moe.n_layer_dense_lead && (layer + 1).is_multiple_of(self.moe.layer_step)
     }
 }

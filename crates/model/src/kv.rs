@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use baton_ggml::{Buffer, BufferType, Context, DType, Tensor};
 
-use crate::hparams::HParams;
+use crate::hparams::{HParams, Window};
 use crate::ModelError;
 
 /// f16 bit patterns of the two mask values: keep (0.0) and drop (-inf).
@@ -274,9 +274,9 @@ impl KvCache {
 
     /// The attention mask `[cells.len(), n_tokens]` (f16 bits) of the tokens of
     /// `seq_ids` at `positions` over `cells`: a token sees the cells of its own
-    /// sequence at positions not after its own, and, with a sliding window `window`,
-    /// only those less than `window` positions back.
-    pub fn mask(&self, seq_ids: &[u32], positions: &[i32], cells: Range<usize>, window: Option<usize>) -> Vec<u16> {
+    /// sequence at positions not after its own, and, with a `window`, only those the
+    /// window shows it (the last `n` positions, or those of its own chunk).
+    pub fn mask(&self, seq_ids: &[u32], positions: &[i32], cells: Range<usize>, window: Option<Window>) -> Vec<u16> {
         let n_kv = cells.len();
         let mut mask = vec![MASK_DROP; n_kv * seq_ids.len()];
         for (row, (&seq, &pos)) in mask.chunks_exact_mut(n_kv).zip(seq_ids.iter().zip(positions)) {
@@ -284,7 +284,7 @@ impl KvCache {
                 let visible = cell.pos >= 0
                     && cell.seq == seq
                     && cell.pos <= pos
-                    && window.is_none_or(|w| ((pos - cell.pos) as usize) < w);
+                    && window.is_none_or(|w| !w.hides(pos, cell.pos));
                 if visible {
                     *value = MASK_KEEP;
                 }
@@ -342,6 +342,7 @@ mod tests {
             attn_scale: 0.5,
             query_scale: 1.0,
             n_swa: 0,
+            swa_type: crate::hparams::SwaType::Sliding,
             swa_layers: vec![false; 2],
             final_logit_softcap: 0.0,
             attn_logit_softcap: 0.0,
@@ -351,6 +352,7 @@ mod tests {
                 n_ff_exp: 0,
                 n_expert_shared: 0,
                 n_layer_dense_lead: 0,
+                layer_step: 1,
                 n_group: 0,
                 n_group_used: 0,
                 weights_norm: false,
@@ -377,7 +379,7 @@ mod tests {
         let mask = kv.mask(&[0, 1], &[1, 0], 0..4, None);
         assert_eq!(&mask[..4], &[MASK_KEEP, MASK_KEEP, MASK_DROP, MASK_DROP]);
         assert_eq!(&mask[4..], &[MASK_DROP, MASK_DROP, MASK_KEEP, MASK_DROP]);
-        let swa = kv.mask(&[0], &[1], 0..4, Some(1));
+        let swa = kv.mask(&[0], &[1], 0..4, Some(Window::Sliding(1)));
         assert_eq!(&swa, &[MASK_DROP, MASK_KEEP, MASK_DROP, MASK_DROP]);
         kv.truncate_seq(0, 1);
         assert_eq!(kv.seq_len(0), 1);
@@ -385,6 +387,34 @@ mod tests {
         kv.clear_seq(0);
         kv.clear_seq(1);
         assert_eq!(kv.n_used(), 0);
+    }
+
+    /// Llama 4's chunks: a token sees the earlier positions of its own chunk only,
+    /// however close the previous chunk's last positions are.
+    #[test]
+    fn chunked_windows_hide_earlier_chunks() {
+        let mut kv = KvCache::new(&tiny(), 0..1, 8, 0).unwrap();
+        kv.claim(&[0; 7], &[0, 1, 2, 3, 4, 5, 6]).unwrap();
+        let mask = kv.mask(&[0, 0, 0], &[3, 4, 6], 0..8, Some(Window::Chunked(4)));
+        let (k, d) = (MASK_KEEP, MASK_DROP);
+        assert_eq!(
+            &mask[..8],
+            &[k, k, k, k, d, d, d, d],
+            "position 3: the whole first chunk"
+        );
+        assert_eq!(&mask[8..16], &[d, d, d, d, k, d, d, d], "position 4: only itself");
+        assert_eq!(&mask[16..], &[d, d, d, d, k, k, k, d], "position 6: 4..=6");
+        // As llama.cpp's `is_masked_swa` decides, for both kinds.
+        for (window, pos, past, hidden) in [
+            (Window::Chunked(8192), 8191, 0, false),
+            (Window::Chunked(8192), 8192, 8191, true),
+            (Window::Chunked(8192), 8193, 8192, false),
+            (Window::Sliding(16), 20, 5, false),
+            (Window::Sliding(16), 20, 4, true),
+            (Window::Sliding(16), 20, 6, false),
+        ] {
+            assert_eq!(window.hides(pos, past), hidden, "{window:?} {pos} {past}");
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub use arch::moe::{Gating, MoeParams};
 pub use arch::{find as find_architecture, supported_names, Architecture, Shape, ARCHITECTURES};
 pub use chain::StageChain;
 pub use group::StageGroup;
-pub use hparams::{AttnTemp, HParams, Keys, Mla, TpHeads, Yarn};
+pub use hparams::{AttnTemp, HParams, Keys, Mla, SwaType, TpHeads, Window, Yarn};
 pub use kv::{AttnSpan, KvCache};
 pub use names::{EndTensor, LayerTensor};
 pub use resident::mapped_rss;

@@ -588,7 +588,7 @@ impl Stage {
                 m.write(&self.kv.mask(seq_ids, positions, cells.clone(), None))?;
             }
             if let Some(m) = mask_swa.map(tensor).filter(Tensor::has_data) {
-                m.write(&self.kv.mask(seq_ids, positions, cells.clone(), Some(hp.n_swa)))?;
+                m.write(&self.kv.mask(seq_ids, positions, cells.clone(), Some(hp.window())))?;
             }
         }
         if let (Some(t), Some(temp)) = (step.attn_temp.map(tensor).filter(Tensor::has_data), &hp.attn_temp) {

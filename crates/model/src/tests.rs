@@ -297,7 +297,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4)"
     );
 
     // A tensor the architecture does not use would be silently skipped: refused.
@@ -355,6 +355,31 @@ fn loader_errors_are_clear() {
     assert_eq!(
         err_text("mm-qkv.gguf", &fused),
         "tensor 'blk.0.attn_qkv.weight' is not part of baton's minimax-m2 architecture; refusing to compute without it"
+    );
+
+    // llama4: without chunked attention llama.cpp aborts (its temperature input has no
+    // scale); the interleave step is required; experts are too (llama.cpp refuses a
+    // llama4 file without); a dense layer with a router is not llama4's.
+    let unchunked = tiny_model("llama4", |w| w.kv_u32("llama4.attention.sliding_window", 0));
+    assert_eq!(
+        err_text("l4-window.gguf", &unchunked),
+        "bad hyper-parameters: llama4.attention.sliding_window 0 (llama4 without chunked attention) is not supported: llama.cpp aborts computing it"
+    );
+    let no_step = tiny_model("llama4", |w| w.without_kv("llama4.interleave_moe_layer_step"));
+    let text = err_text("l4-step.gguf", &no_step);
+    assert!(text.contains("llama4.interleave_moe_layer_step"), "{text}");
+    let no_experts = tiny_model("llama4", |w| {
+        w.without_kv("llama4.expert_count")
+            .without_kv("llama4.expert_used_count")
+    });
+    let text = err_text("l4-experts.gguf", &no_experts);
+    assert!(text.contains("llama4 needs experts"), "{text}");
+    let router_in_dense = tiny_model("llama4", |w| {
+        w.tensor_f32("blk.0.ffn_gate_inp.weight", &[N_EMBD, 4], &[0.0; 32 * 4])
+    });
+    assert_eq!(
+        err_text("l4-router.gguf", &router_in_dense),
+        "tensor 'blk.0.ffn_gate_inp.weight' is not part of baton's llama4 architecture; refusing to compute without it"
     );
 
     let odd_type = tiny_model("llama", |w| {

@@ -98,7 +98,7 @@ impl<'g> Builder<'g> {
 
     /// The output projection (with its bias) of the heads' outputs
     /// `[d_v × n_head, n_tokens]`, joined across a tensor-parallel group.
-    fn attn_output(&self, w: &LayerTensors<'g>, heads: Tensor<'g>) -> Tensor<'g> {
+    pub fn attn_output(&self, w: &LayerTensors<'g>, heads: Tensor<'g>) -> Tensor<'g> {
         let out = self.linear(w.get(T::AttnOutput), w.opt(T::AttnOutputBias), heads);
         self.gather(out, Shard::Embd)
     }

@@ -18,6 +18,7 @@ mod gemma3;
 mod glm4moe;
 mod gpt_oss;
 mod llama;
+mod llama4;
 mod minimax_m2;
 mod mistral3;
 mod mistral4;
@@ -52,6 +53,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &gemma2::ARCH,
     &minimax_m2::ARCH,
     &mistral4::ARCH,
+    &llama4::ARCH,
 ];
 
 /// How RoPE rotates a head.

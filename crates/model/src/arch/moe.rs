@@ -56,6 +56,9 @@ pub struct MoeParams {
     pub n_expert_shared: usize,
     /// Leading layers with a dense FFN instead of experts.
     pub n_layer_dense_lead: usize,
+    /// Experts in every `layer_step`-th layer only, the others dense (Llama 4's
+    /// `interleave_moe_layer_step`; 1: every layer after the dense lead; 0: none).
+    pub layer_step: usize,
     /// Expert groups (DeepSeek V3): only the best `n_group_used` groups are chosen from.
     pub n_group: usize,
     /// Groups a token may choose experts from.
@@ -108,6 +111,7 @@ impl MoeParams {
             n_ff_exp: 0,
             n_expert_shared: 0,
             n_layer_dense_lead: 0,
+            layer_step: 1,
             n_group,
             n_group_used,
             weights_norm: false,
@@ -184,6 +188,15 @@ pub enum DownInput {
     F32,
 }
 
+/// Where a token's router weights apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Weighing {
+    /// To each chosen expert's output (llama.cpp's usual way).
+    Outputs,
+    /// To each chosen expert's input, the experts chosen by the raw logits (Llama 4).
+    Inputs,
+}
+
 /// How one architecture routes (the parts not in the GGUF).
 #[derive(Clone, Copy, Debug)]
 pub struct Routing {
@@ -203,6 +216,32 @@ impl<'g> Builder<'g> {
     /// The routed experts of layer `layer` for `x [n_embd, n_tokens]`; returns the
     /// weighted sum of each token's experts, `[n_embd, n_tokens]`.
     pub fn moe(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>, routing: Routing) -> Tensor<'g> {
+        self.routed_experts(w, layer, x, routing, Weighing::Outputs)
+    }
+
+    /// Llama 4's routed experts (llama.cpp's `weight_before_ffn`): the top `k` experts
+    /// are chosen by the router's raw logits, and each runs on the token already
+    /// multiplied by its weight (the sigmoid of its logit); their outputs are summed
+    /// as they are. `x`: `[n_embd, n_tokens]` in and out.
+    pub fn moe_weighted_inputs(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+        let routing = Routing {
+            gating: Gating::Sigmoid,
+            norm_weights: false,
+            scale: 0.0,
+            act: ExpertAct::Silu,
+            down_input: DownInput::Backend,
+        };
+        self.routed_experts(w, layer, x, routing, Weighing::Inputs)
+    }
+
+    fn routed_experts(
+        &mut self,
+        w: &LayerTensors<'g>,
+        layer: usize,
+        x: Tensor<'g>,
+        routing: Routing,
+        weighing: Weighing,
+    ) -> Tensor<'g> {
         let ctx = self.ctx;
         let moe = &self.hp.moe;
         let (n_embd, n_tokens) = (x.ne()[0], x.ne()[1]);
@@ -222,9 +261,11 @@ impl<'g> Builder<'g> {
         let probs = named(probs, "ffn_moe_probs"); // [n_expert, n_tokens]
 
         // The selection bias (DeepSeek V3) only chooses; the weights stay unbiased.
-        let mut selection = match w.opt(T::ExpProbsBias) {
-            Some(b) => ctx.add(probs, b),
-            None => probs,
+        let mut selection = match (weighing, w.opt(T::ExpProbsBias)) {
+            // Llama 4 chooses by the logits; the sigmoid only weighs the chosen.
+            (Weighing::Inputs, _) => logits,
+            (Weighing::Outputs, Some(b)) => ctx.add(probs, b),
+            (Weighing::Outputs, None) => probs,
         };
         if moe.n_group > 1 && n_tokens > 0 {
             selection = self.best_groups(selection, n_expert, n_tokens);
@@ -249,7 +290,11 @@ impl<'g> Builder<'g> {
         let weights = named(weights, "ffn_moe_weights");
         self.graph.expand(weights);
 
-        let x3 = ctx.reshape_3d(x, n_embd, 1, n_tokens);
+        let mut x3 = ctx.reshape_3d(x, n_embd, 1, n_tokens);
+        if weighing == Weighing::Inputs {
+            let repeated = ctx.repeat_4d(x3, [n_embd, n_used, n_tokens, 1]);
+            x3 = named(ctx.mul(repeated, weights), "ffn_moe_weighted"); // [n_embd, n_used, n_tokens]
+        }
         let biased = |out: Tensor<'g>, bias: T| match w.opt(bias) {
             Some(b) => ctx.add_id(out, b, selected),
             None => out,
@@ -289,7 +334,10 @@ impl<'g> Builder<'g> {
             DownInput::F32 => down.prec_f32_input(),
         };
         let out = biased(named(down, "ffn_moe_down"), T::FfnDownExpsBias);
-        let out = ctx.mul(out, weights);
+        let out = match weighing {
+            Weighing::Outputs => ctx.mul(out, weights),
+            Weighing::Inputs => out,
+        };
         self.graph.expand(out);
 
         // Sum the experts' rows in order, each a view `[n_embd, n_tokens]`; element-wise,
