@@ -27,6 +27,11 @@ pub fn reference(oracle: &LlamaModel, prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
 pub struct Setup {
     pub n_ctx: usize,
     pub n_batch: usize,
+    /// Threads of each stage of the in-process ring: [`THREADS`] where a decode step
+    /// attends over 512 cells or more; below that the count changes no bit, and one
+    /// thread keeps two tests side by side from oversubscribing CI's two cores (ggml's
+    /// threads spin while they wait).
+    pub ring_threads: usize,
 }
 
 /// CPU threads of libllama's context and of baton's stages. The same on both sides:
@@ -38,6 +43,7 @@ pub const THREADS: usize = 2;
 pub const SHORT: Setup = Setup {
     n_ctx: 512,
     n_batch: 512,
+    ring_threads: 1,
 };
 
 /// libllama's last-token logits of `prompt` and up to `n` greedy tokens.
@@ -104,7 +110,7 @@ pub fn check_prompts(
             );
             assert_eq!(argmax(&logits), argmax(&ref_logits));
 
-            let config = StageConfig::new(setup.n_ctx, THREADS);
+            let config = StageConfig::new(setup.n_ctx, setup.ring_threads);
             let mut ring = LocalRing::start(file.clone(), &ranges, &config).unwrap();
             let req = GenerateRequest {
                 seq: 0,

@@ -81,4 +81,5 @@ pub fn llama4_prompts(oracle: &LlamaModel) -> Vec<(String, Vec<u32>)> {
 pub const LLAMA4_SETUP: Setup = Setup {
     n_ctx: 8448,
     n_batch: 8448,
+    ring_threads: super::fidelity::THREADS,
 };
