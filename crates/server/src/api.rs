@@ -706,6 +706,21 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
     respond(state, prepared, Kind::Chat, logprobs, parser, arrived).await
 }
 
+/// What `parser` releases of `text` (all of it as content without a parser; with
+/// `last`, what it still held too), reasoning left out: `/v1/messages` and
+/// `/v1/responses` cannot ask for thinking.
+fn answer_outs(parser: Option<&mut ToolParser>, text: &str, last: bool) -> Vec<Out> {
+    let Some(parser) = parser else {
+        return vec![Out::Content(text.to_string())];
+    };
+    let mut outs = parser.push(text);
+    if last {
+        outs.extend(parser.finish());
+    }
+    outs.retain(|out| !matches!(out, Out::Reasoning(_)));
+    outs
+}
+
 /// The engine job of a checked chat request (tools described or forced, the prompt
 /// rendered and tokenized) and the parser that splits its text into content and calls.
 async fn chat_job(state: &Arc<AppState>, mut req: request::Chat) -> Result<(Prepared, Option<ToolParser>), ApiError> {

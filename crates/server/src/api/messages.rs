@@ -74,15 +74,7 @@ impl Reply {
     /// The blocks for `text`: all of it as text without a parser, else what the parser
     /// releases (reasoning is not shown: the request cannot ask for thinking).
     fn blocks(&mut self, text: &str, last: bool) -> Vec<Out> {
-        let Some(parser) = self.parser.as_mut() else {
-            return vec![Out::Content(text.to_string())];
-        };
-        let mut outs = parser.push(text);
-        if last {
-            outs.extend(parser.finish());
-        }
-        outs.retain(|out| !matches!(out, Out::Reasoning(_)));
-        outs
+        answer_outs(self.parser.as_mut(), text, last)
     }
 
     fn tool_use(&mut self, call: &tools::ToolCall) -> Value {

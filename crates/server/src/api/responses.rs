@@ -88,15 +88,7 @@ impl Reply {
     }
 
     fn outs(&mut self, text: &str, last: bool) -> Vec<Out> {
-        let Some(parser) = self.parser.as_mut() else {
-            return vec![Out::Content(text.to_string())];
-        };
-        let mut outs = parser.push(text);
-        if last {
-            outs.extend(parser.finish());
-        }
-        outs.retain(|out| !matches!(out, Out::Reasoning(_)));
-        outs
+        answer_outs(self.parser.as_mut(), text, last)
     }
 
     fn message_item(&self, text: &str, status: &str) -> Value {
