@@ -63,6 +63,16 @@ fn two_workers_on(arch: &str, path: &std::path::Path, prompts: &[(String, Vec<u3
 }
 
 #[test]
+fn qwen35_matches_llama_cpp_with_1_2_3_stages() {
+    stages("qwen35", FileType::Q4KM);
+}
+
+#[test]
+fn qwen35moe_matches_llama_cpp_with_1_2_3_stages() {
+    stages("qwen35moe", FileType::Q4KM);
+}
+
+#[test]
 fn qwen3moe_matches_llama_cpp_with_1_2_3_stages() {
     stages("qwen3moe", FileType::Q4KM);
     stages("qwen3moe", FileType::Q8_0);

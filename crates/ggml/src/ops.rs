@@ -112,6 +112,106 @@ impl Context {
         unsafe { self.wrap(sys::ggml_swiglu(self.raw(), a.raw())) }
     }
 
+    /// `log(1 + exp(a))` element-wise.
+    pub fn softplus<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_softplus(self.raw(), a.raw())) }
+    }
+
+    /// A strided 4-d view into `a` (`nb` and `offset` in bytes).
+    pub fn view_4d<'t>(&'t self, a: Tensor<'t>, ne: [i64; 4], nb: [usize; 3], offset: usize) -> Tensor<'t> {
+        // SAFETY: records a view node; ggml asserts the view stays inside `a`.
+        unsafe {
+            self.wrap(sys::ggml_view_4d(
+                self.raw(),
+                a.raw(),
+                ne[0],
+                ne[1],
+                ne[2],
+                ne[3],
+                nb[0],
+                nb[1],
+                nb[2],
+                offset,
+            ))
+        }
+    }
+
+    /// Multi-section RoPE (Qwen's M-RoPE; `mode` says which layout, e.g. 40 for the
+    /// interleaved one) of `a` `[head_dim, n_head, n_tokens]` at i32 `positions`
+    /// `[4 × n_tokens]` (section-major: every token's first coordinate, then every
+    /// token's second, ...); `sections` dimensions rotate by each coordinate.
+    pub fn rope_multi<'t>(
+        &'t self,
+        a: Tensor<'t>,
+        positions: Tensor<'t>,
+        sections: [i32; 4],
+        rope: &crate::RopeParams,
+    ) -> Tensor<'t> {
+        let mut sections = sections;
+        // SAFETY: records a node; ggml reads the four sections and asserts that the
+        // positions hold four per token.
+        unsafe {
+            self.wrap(sys::ggml_rope_multi(
+                self.raw(),
+                a.raw(),
+                positions.raw(),
+                std::ptr::null_mut(),
+                rope.n_dims,
+                sections.as_mut_ptr(),
+                rope.mode,
+                rope.n_ctx_orig,
+                rope.freq_base,
+                rope.freq_scale,
+                rope.ext_factor,
+                rope.attn_factor,
+                rope.beta_fast,
+                rope.beta_slow,
+            ))
+        }
+    }
+
+    /// The depthwise causal convolution of state-space layers: `sx`
+    /// `[d_conv - 1 + n_tokens, channels, n_seqs]` (each channel's previous inputs, then
+    /// the batch's) with the kernel `c` `[d_conv, channels]`; returns
+    /// `[channels, n_tokens, n_seqs]`.
+    pub fn ssm_conv<'t>(&'t self, sx: Tensor<'t>, c: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs); ggml asserts the shapes.
+        unsafe { self.wrap(sys::ggml_ssm_conv(self.raw(), sx.raw(), c.raw())) }
+    }
+
+    /// The gated delta rule over a batch, token by token (ggml's fused kernel):
+    /// `q`, `k` `[S, H_k, n_tokens, n_seqs]`, `v` `[S, H, n_tokens, n_seqs]`, the decay
+    /// `g` and `beta` `[1, H, n_tokens, n_seqs]`, the initial state `[S, S, H, n_seqs]`.
+    /// Returns one tensor holding the outputs `[S, H, n_tokens, n_seqs]` followed by
+    /// `keep` states, the newest first (slot `j` is the state `j` tokens before the
+    /// end; only the first `min(n_tokens, keep)` are written).
+    #[allow(clippy::too_many_arguments)] // the op's own six inputs and its count
+    pub fn gated_delta_net<'t>(
+        &'t self,
+        q: Tensor<'t>,
+        k: Tensor<'t>,
+        v: Tensor<'t>,
+        g: Tensor<'t>,
+        beta: Tensor<'t>,
+        state: Tensor<'t>,
+        keep: usize,
+    ) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs); ggml asserts the shapes and keep >= 1.
+        unsafe {
+            self.wrap(sys::ggml_gated_delta_net(
+                self.raw(),
+                q.raw(),
+                k.raw(),
+                v.raw(),
+                g.raw(),
+                beta.raw(),
+                state.raw(),
+                keep as i64,
+            ))
+        }
+    }
+
     /// A contiguous copy of `a` with the 2-d shape `[ne0, ne1]`.
     pub fn cont_2d<'t>(&'t self, a: Tensor<'t>, ne0: i64, ne1: i64) -> Tensor<'t> {
         // SAFETY: records a node (see module docs).

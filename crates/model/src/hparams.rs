@@ -73,6 +73,74 @@ pub struct HParams {
     /// Which of the whole model's heads a tensor-parallel member holds (`None` outside
     /// a group, where `n_head` and `n_head_kv` are all of them).
     pub tp_heads: Option<TpHeads>,
+    /// The sizes of recurrent layers (gated DeltaNet), for models that have them.
+    pub ssm: Option<Ssm>,
+    /// Per layer: whether it is recurrent (keeps a fixed-size state per sequence
+    /// instead of keys and values).
+    pub recurrent_layers: Vec<bool>,
+    /// Multi-section RoPE (Qwen's M-RoPE): dimensions rotated by each of a token's four
+    /// position coordinates; text tokens use `[p, p, p, 0]`.
+    pub rope_sections: Option<[i32; 4]>,
+}
+
+/// The sizes of a gated DeltaNet layer (llama.cpp's `ssm_*` keys): a causal
+/// convolution over the projected queries, keys and values, then the delta rule with
+/// one `d_state × d_state` state per value head.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ssm {
+    /// Width of the convolution kernel (`ssm.conv_kernel`).
+    pub d_conv: usize,
+    /// Width of all value heads together (`ssm.inner_size`).
+    pub d_inner: usize,
+    /// Width of each key and value head (`ssm.state_size`).
+    pub d_state: usize,
+    /// Value heads (`ssm.time_step_rank`).
+    pub n_v_heads: usize,
+    /// Key heads (`ssm.group_count`); each serves `n_v_heads / n_k_heads` value heads.
+    pub n_k_heads: usize,
+}
+
+impl Ssm {
+    /// Channels the convolution runs over: queries, keys and values.
+    pub fn conv_channels(&self) -> usize {
+        self.d_inner + 2 * self.n_k_heads * self.d_state
+    }
+
+    /// Floats of one sequence's convolution state (the last `d_conv - 1` inputs of
+    /// every channel).
+    pub fn conv_state_len(&self) -> usize {
+        (self.d_conv - 1) * self.conv_channels()
+    }
+
+    /// Floats of one sequence's delta-rule state (a `d_state × d_state` matrix per
+    /// value head).
+    pub fn state_len(&self) -> usize {
+        self.d_state * self.d_state * self.n_v_heads
+    }
+
+    /// Reads the `ssm.*` keys, refusing sizes ggml would abort on.
+    pub fn read(keys: &Keys<'_>) -> Result<Ssm, ModelError> {
+        let ssm = Ssm {
+            d_conv: keys.u32("ssm.conv_kernel")?,
+            d_inner: keys.u32("ssm.inner_size")?,
+            d_state: keys.u32("ssm.state_size")?,
+            n_v_heads: keys.u32("ssm.time_step_rank")?,
+            n_k_heads: keys.u32("ssm.group_count")?,
+        };
+        const MAX: usize = 1 << 16;
+        let sizes = [ssm.d_conv, ssm.d_inner, ssm.d_state, ssm.n_v_heads, ssm.n_k_heads];
+        if sizes.iter().any(|&n| n == 0 || n > MAX)
+            || ssm.d_conv < 2
+            || !ssm.n_v_heads.is_multiple_of(ssm.n_k_heads)
+            || ssm.d_inner != ssm.d_state * ssm.n_v_heads
+        {
+            return Err(ModelError::BadHParams(format!(
+                "recurrent layer sizes {ssm:?}: each must be between 1 and {MAX}, the kernel at least 2, \
+                 the value heads a multiple of the key heads and inner_size value heads x state_size"
+            )));
+        }
+        Ok(ssm)
+    }
 }
 
 /// How a sliding-window layer limits the positions a token sees (llama.cpp's
@@ -233,6 +301,24 @@ impl<'a> Keys<'a> {
         self.gguf.get(&self.name(key))
     }
 
+    /// An optional array of integers.
+    pub fn opt_u32_array(&self, key: &str) -> Result<Option<Vec<u32>>, ModelError> {
+        let full = self.name(key);
+        match self.gguf.get(&full) {
+            None => Ok(None),
+            Some(_) => Ok(Some(self.gguf.get_u32_array(&full)?)),
+        }
+    }
+
+    /// An optional array of booleans.
+    pub fn opt_bool_array(&self, key: &str) -> Result<Option<Vec<bool>>, ModelError> {
+        let full = self.name(key);
+        match self.gguf.get(&full) {
+            None => Ok(None),
+            Some(_) => Ok(Some(self.gguf.get_bool_array(&full)?)),
+        }
+    }
+
     /// A per-layer integer that llama.cpp reads with `get_key_or_arr`: one value, or
     /// an array of `n` values. baton's layers share one value, so an array must hold
     /// the same value throughout; missing gives `None`.
@@ -378,6 +464,9 @@ impl HParams {
             mla: None,
             attn_temp: None,
             tp_heads: None,
+            ssm: None,
+            recurrent_layers: vec![false; n_layer],
+            rope_sections: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         hp.finish_rope();
@@ -511,6 +600,21 @@ impl HParams {
         match self.swa_type {
             SwaType::Sliding => Window::Sliding(self.n_swa),
             SwaType::Chunked => Window::Chunked(self.n_swa),
+        }
+    }
+
+    /// Whether layer `layer` is recurrent (see [`HParams::recurrent_layers`]).
+    pub fn is_recurrent(&self, layer: usize) -> bool {
+        self.recurrent_layers.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Position coordinates per token the graph's position input holds: 4 with
+    /// multi-section RoPE, else 1.
+    pub fn n_pos_per_token(&self) -> usize {
+        if self.rope_sections.is_some() {
+            4
+        } else {
+            1
         }
     }
 

@@ -81,8 +81,9 @@ impl KvCache {
             )));
         }
         let ctx = Context::new(2 * layers.len() + 2, 0);
-        let has_heads = hp.n_embd_k_gqa() > 0;
-        for layer in layers.clone().filter(|_| has_heads) {
+        // Recurrent layers keep states instead (see `RecurrentCache`).
+        let has_heads = hp.n_embd_k_gqa() > 0 && layers.clone().any(|l| !hp.is_recurrent(l));
+        for layer in layers.clone().filter(|&l| has_heads && !hp.is_recurrent(l)) {
             ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64])
                 .named(&format!("cache_k_l{layer}"));
             // MLA caches only the compressed keys; values are a view of them.
@@ -351,6 +352,7 @@ mod tests {
                 n_expert_used: 0,
                 n_ff_exp: 0,
                 n_expert_shared: 0,
+                n_ff_shexp: 0,
                 n_layer_dense_lead: 0,
                 layer_step: 1,
                 n_group: 0,
@@ -362,6 +364,9 @@ mod tests {
             mla: None,
             attn_temp: None,
             tp_heads: None,
+            ssm: None,
+            recurrent_layers: vec![false; 2],
+            rope_sections: None,
             yarn: crate::Yarn {
                 attn_factor: 1.0,
                 log_mul: 0.0,

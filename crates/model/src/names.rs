@@ -92,6 +92,18 @@ tensor_names! {
         FfnGateShexp = "ffn_gate_shexp.weight",
         FfnUpShexp = "ffn_up_shexp.weight",
         FfnDownShexp = "ffn_down_shexp.weight",
+        // The sigmoid gate of the shared experts' output (qwen35moe).
+        FfnGateInpShexp = "ffn_gate_inp_shexp.weight",
+        // The output gate of gated attention and DeltaNet layers (qwen35).
+        AttnGate = "attn_gate.weight",
+        // Gated DeltaNet layers: convolution, decay, write strength, norm, output.
+        SsmConv1d = "ssm_conv1d.weight",
+        SsmDt = "ssm_dt.bias",
+        SsmA = "ssm_a",
+        SsmBeta = "ssm_beta.weight",
+        SsmAlpha = "ssm_alpha.weight",
+        SsmNorm = "ssm_norm.weight",
+        SsmOut = "ssm_out.weight",
     }
 }
 

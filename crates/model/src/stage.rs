@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex};
 
 use baton_ggml::{Context, DType, Device, GraphId, HostOp, Tensor, TensorId};
 
-use crate::arch::{Builder, Gather, SpanInputs, StepInputs, TpOps};
+use crate::arch::{Builder, Gather, SpanInputs, StateRunInputs, StepInputs, TpOps};
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
+use crate::recurrent::{RecurrentCache, StateRun};
 use crate::runner::Runner;
 use crate::tp::{Collective, CollectiveError, TpSplit};
 use crate::weights::{ModelFile, StageSpan, StageWeights};
@@ -157,6 +158,7 @@ pub struct Stage {
     /// The last step's graph, in `step_ctx`, computed again by a step of its shape.
     step: Option<StepGraph>,
     kv: KvCache,
+    rs: RecurrentCache,
     weights: StageWeights,
     repacked: bool,
 }
@@ -272,6 +274,7 @@ impl Stage {
         let weights = StageWeights::load_split(file.clone(), &span, config.repack, device, split)?;
         let own = (!device.is_cpu()).then(|| device.buffer_type());
         let kv = KvCache::new_in(&hp, span.layers.clone(), config.n_ctx, config.n_seq, own)?;
+        let rs = RecurrentCache::new_in(&hp, span.layers.clone(), config.n_seq, own)?;
         let tp = member
             .map(|(split, collective)| Member::new(full, split, collective))
             .transpose()?;
@@ -285,6 +288,7 @@ impl Stage {
             step_ctx: None,
             step: None,
             kv,
+            rs,
             weights,
             repacked: config.repack,
         })
@@ -310,6 +314,12 @@ impl Stage {
     /// Keeps only the tokens of `seq` at positions below `len`.
     pub fn truncate_seq(&mut self, seq: u32, len: usize) {
         self.kv.truncate_seq(seq, len);
+        self.rs.truncate_seq(seq, len);
+    }
+
+    /// The recurrent states (for inspection).
+    pub fn recurrent(&self) -> &RecurrentCache {
+        &self.rs
     }
 
     /// The device the stage computes on.
@@ -348,7 +358,7 @@ impl Stage {
     pub fn memory(&self) -> StageMemory {
         let mapped = crate::resident::mapped_rss(self.weights.file().map_address()).unwrap_or(0);
         let compute = self.runner.bytes();
-        let kv = self.kv.bytes() as u64;
+        let kv = (self.kv.bytes() + self.rs.bytes()) as u64;
         let (kv_device, kv_host) = if self.device.is_cpu() { (0, kv) } else { (kv, 0) };
         StageMemory {
             device: self.weights.device_bytes() as u64 + kv_device + compute.device as u64,
@@ -368,8 +378,13 @@ impl Stage {
     /// tokens global ids).
     pub fn forward(&mut self, batch: &Batch<'_>, reply: LogitReply) -> Result<StageOutput, ModelError> {
         self.check(batch)?;
+        let runs = self.rs.plan(batch.seq_ids, batch.positions)?;
         let slots = self.kv.claim(batch.seq_ids, batch.positions)?;
-        let result = self.compute(batch, &slots);
+        let result = self.compute(batch, &slots, &runs);
+        match &result {
+            Ok(_) => self.rs.commit(&runs),
+            Err(_) => self.rs.fail(&runs),
+        }
         if let Err(e) = &result {
             self.kv.release(&slots);
             // The other members may wait for this one's sums: let them go.
@@ -432,7 +447,7 @@ impl Stage {
         Ok(())
     }
 
-    fn compute(&mut self, batch: &Batch<'_>, slots: &[i64]) -> Result<StageOutput, ModelError> {
+    fn compute(&mut self, batch: &Batch<'_>, slots: &[i64], runs: &[StateRun]) -> Result<StageOutput, ModelError> {
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
         // A batch of decode steps: each row is the only one of its sequence.
@@ -448,6 +463,7 @@ impl Stage {
             decode_rows,
             spans: spans.iter().map(|s| (s.rows.clone(), s.cells.clone())).collect(),
             logit_rows: batch.logit_rows.len(),
+            state_runs: runs.iter().map(|r| r.rows.clone()).collect(),
         };
         // A step shaped like the last one computes the last one's graph again: only its
         // inputs change. Building about a thousand nodes and splitting them between
@@ -456,7 +472,7 @@ impl Stage {
             self.step = None;
             self.build_step(key, spans)?;
         }
-        self.write_inputs(batch, slots)?;
+        self.write_inputs(batch, slots, runs)?;
         let ctx = self.step_ctx.as_ref().expect("built above");
         let step = self.step.as_ref().expect("built above");
         let out = ctx.tensor(step.out);
@@ -493,7 +509,9 @@ impl Stage {
         // About 40 nodes per attention layer plus 10 per span, about 50 for experts plus
         // 4 per row of a decode batch (views included); generous so no model runs short.
         let per_row = if key.decode_rows { 4 * key.n_tokens } else { 0 };
-        let n_nodes = (160 + 16 * spans.len() + per_row) * self.span.layers.len() + 64 + 4 * spans.len();
+        // A recurrent layer: about 40 per run, 3 per state it keeps.
+        let per_run = (40 + 3 * crate::recurrent::KEPT_STATES) * key.state_runs.len();
+        let n_nodes = (160 + 16 * spans.len() + per_row + per_run) * self.span.layers.len() + 64 + 4 * spans.len();
         // The same context every step, reset: the graph's tensors keep their addresses,
         // so a device that records graphs (CUDA) replays the step's instead of recording
         // a new one each token (without this, measured on an H100: 0.30x libllama's
@@ -515,6 +533,7 @@ impl Stage {
             hp,
             weights: &self.weights,
             kv: &self.kv,
+            rs: &self.rs,
             inputs,
             outputs_selected: false,
             tp: self.tp.as_ref().map(|m| m.ops.clone()),
@@ -542,6 +561,7 @@ impl Stage {
         let out = out.named("stage_out").set_output();
         let mut graph = b.graph;
         let spans = b.inputs.spans;
+        let state_runs = b.inputs.state_runs;
         graph.expand(out);
 
         self.runner.alloc(&graph)?;
@@ -559,6 +579,10 @@ impl Stage {
                 .map(|s| (s.mask.map(|m| ctx.id_of(m)), s.mask_swa.map(|m| ctx.id_of(m))))
                 .collect(),
             out_rows: out_rows.map(|t| ctx.id_of(t)),
+            state_runs: state_runs
+                .iter()
+                .map(|r| (ctx.id_of(r.source), ctx.id_of(r.targets)))
+                .collect(),
             attn_temp: attn_temp.map(|t| ctx.id_of(t)),
             tokens_in,
             hidden_in,
@@ -569,7 +593,7 @@ impl Stage {
 
     /// Writes `batch` (and the cache cells `slots` it goes to) into the inputs of the
     /// step graph built for its shape.
-    fn write_inputs(&self, batch: &Batch<'_>, slots: &[i64]) -> Result<(), ModelError> {
+    fn write_inputs(&self, batch: &Batch<'_>, slots: &[i64], runs: &[StateRun]) -> Result<(), ModelError> {
         let hp = &self.hp;
         let ctx = self.step_ctx.as_ref().expect("built before its inputs are written");
         let step = self.step.as_ref().expect("built before its inputs are written");
@@ -577,7 +601,18 @@ impl Stage {
         let (positions, kv_slots) = (tensor(step.positions), tensor(step.kv_slots));
         // A tensor-parallel member without heads reads no positions, cells or masks.
         if positions.has_data() {
-            positions.write(batch.positions)?;
+            if hp.n_pos_per_token() == 1 {
+                positions.write(batch.positions)?;
+            } else {
+                // Multi-section RoPE: `[p, p, p, 0]` for text, section-major.
+                let p = batch.positions;
+                let zeros = vec![0; p.len()];
+                positions.write(&[p, p, p, &zeros[..]].concat())?;
+            }
+        }
+        for (run, &(source, targets)) in runs.iter().zip(&step.state_runs) {
+            tensor(source).write(&[run.source])?;
+            tensor(targets).write(&run.targets)?;
         }
         if kv_slots.has_data() {
             kv_slots.write(slots)?;
@@ -630,7 +665,7 @@ fn new_inputs<'g>(
 ) -> (StepInputs<'g>, StepInput<'g>) {
     let n_tokens = key.n_tokens as i64;
     let input = |dtype: DType, shape: &[i64], name: &str| ctx.new_tensor(dtype, shape).named(name).set_input();
-    let positions = input(DType::I32, &[n_tokens], "inp_pos");
+    let positions = input(DType::I32, &[n_tokens * hp.n_pos_per_token() as i64], "inp_pos");
     let kv_slots = input(DType::I64, &[n_tokens], "kv_slots");
     // A mask is an input only if some layer of this stage reads it (an input that is not
     // in the graph gets no memory).
@@ -659,8 +694,22 @@ fn new_inputs<'g>(
     } else {
         StepInput::Hidden(input(DType::F32, &[hp.n_embd as i64, n_tokens], "inp_hidden"))
     };
+    let state_runs = key
+        .state_runs
+        .iter()
+        .map(|rows| StateRunInputs {
+            source: input(DType::I32, &[1], &format!("rs_source-{}", rows.start)),
+            targets: input(
+                DType::I64,
+                &[rows.len().min(crate::recurrent::KEPT_STATES) as i64],
+                &format!("rs_targets-{}", rows.start),
+            ),
+            rows: rows.clone(),
+        })
+        .collect();
     let inputs = StepInputs {
         positions,
+        state_runs,
         kv_slots,
         spans,
         out_rows,
@@ -682,6 +731,8 @@ struct StepKey {
     spans: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>,
     /// Rows that need logits.
     logit_rows: usize,
+    /// Rows of each run that continues a recurrent state.
+    state_runs: Vec<std::ops::Range<usize>>,
 }
 
 /// A built and allocated step graph and its inputs and output, by id.
@@ -693,6 +744,8 @@ struct StepGraph {
     /// `(mask, sliding-window mask)` of each span of `key.spans`.
     masks: Vec<(Option<TensorId>, Option<TensorId>)>,
     out_rows: Option<TensorId>,
+    /// `(source, targets)` of each run of `key.state_runs`.
+    state_runs: Vec<(TensorId, TensorId)>,
     attn_temp: Option<TensorId>,
     tokens_in: Option<TensorId>,
     hidden_in: Option<TensorId>,

@@ -96,6 +96,14 @@ impl TpSplit {
         if size == 0 || rank >= size {
             return Err(ModelError::BadConfig(format!("member {rank} of a group of {size}")));
         }
+        if hp.ssm.is_some() {
+            return Err(ModelError::BadConfig(format!(
+                "{} has recurrent (gated DeltaNet) layers, which baton does not split between \
+                 tensor-parallel members yet: their convolution and state would have to be cut by \
+                 value heads; run it as pipeline stages",
+                hp.arch.name
+            )));
+        }
         let unit = |n: usize| if n / ROW_UNIT >= size { ROW_UNIT } else { 1 };
         let shexp = hp.moe.n_ff_exp * hp.moe.n_expert_shared;
         let experts_too_narrow = hp.moe.n_expert > 0 && hp.moe.n_ff_exp < size || shexp > 0 && shexp < size;

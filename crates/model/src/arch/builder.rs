@@ -7,6 +7,7 @@ use baton_ggml::{Context, Graph, HostOp, Tensor};
 
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
+use crate::recurrent::RecurrentCache;
 use crate::names::FfnTensors;
 use crate::weights::{LayerTensors, StageWeights};
 
@@ -24,6 +25,9 @@ pub struct StepInputs<'g> {
     pub attn_temp: Option<Tensor<'g>>,
     /// Tokens in the batch.
     pub n_tokens: usize,
+    /// Rows that continue one sequence's recurrent state each, in row order (stages
+    /// with recurrent layers).
+    pub state_runs: Vec<StateRunInputs<'g>>,
     /// Whether every row is the only one of its sequence (a batch of decode steps):
     /// ops whose kernels change with the number of rows then compute each row alone,
     /// so a step gives the same bits in any such batch as on its own.
@@ -40,6 +44,17 @@ pub struct SpanInputs<'g> {
     pub mask_swa: Option<Tensor<'g>>,
 }
 
+/// Rows of the batch that continue one sequence's recurrent state.
+pub struct StateRunInputs<'g> {
+    /// Consecutive rows of the batch.
+    pub rows: std::ops::Range<usize>,
+    /// Row of the state tensors the run starts from, i32 `[1]`.
+    pub source: Tensor<'g>,
+    /// Rows the states after its last tokens go to, newest first, i64
+    /// `[min(rows, KEPT_STATES)]`.
+    pub targets: Tensor<'g>,
+}
+
 /// Builds one step's graph: holds the graph context and everything layers share.
 pub struct Builder<'g> {
     pub ctx: &'g Context,
@@ -47,6 +62,7 @@ pub struct Builder<'g> {
     pub hp: &'g HParams,
     pub weights: &'g StageWeights,
     pub kv: &'g KvCache,
+    pub rs: &'g RecurrentCache,
     pub inputs: StepInputs<'g>,
     /// Whether a layer already kept only the rows that need logits.
     pub outputs_selected: bool,

@@ -9,6 +9,7 @@
 
 pub mod attention;
 pub mod builder;
+pub mod deltanet;
 pub mod ends;
 pub mod moe;
 
@@ -25,12 +26,14 @@ mod mistral4;
 mod phi3;
 mod qwen2;
 mod qwen3;
+mod qwen35;
+mod qwen35moe;
 mod qwen3moe;
 
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-pub use builder::{Builder, Gather, SpanInputs, StepInputs, TpOps};
+pub use builder::{Builder, Gather, SpanInputs, StateRunInputs, StepInputs, TpOps};
 
 use crate::hparams::{HParams, Keys};
 use crate::tensors::LayerPlan;
@@ -54,6 +57,8 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &minimax_m2::ARCH,
     &mistral4::ARCH,
     &llama4::ARCH,
+    &qwen35::ARCH,
+    &qwen35moe::ARCH,
 ];
 
 /// How RoPE rotates a head.
@@ -63,6 +68,9 @@ pub enum Rope {
     Norm,
     /// The two halves of the head (GPT-NeoX style).
     Neox,
+    /// Qwen's interleaved multi-section RoPE (`rope_multi`, NeoX pairs; a text token's
+    /// sections all rotate by its position).
+    Imrope,
 }
 
 impl Rope {
@@ -71,6 +79,7 @@ impl Rope {
         match self {
             Rope::Norm => 0,
             Rope::Neox => 2,
+            Rope::Imrope => 40,
         }
     }
 }

@@ -54,6 +54,9 @@ pub struct MoeParams {
     pub n_ff_exp: usize,
     /// Shared experts (one FFN of `n_ff_exp * n_expert_shared` every token runs).
     pub n_expert_shared: usize,
+    /// Width of the shared expert where an architecture reads it on its own
+    /// (qwen35moe's `expert_shared_feed_forward_length`); 0 elsewhere.
+    pub n_ff_shexp: usize,
     /// Leading layers with a dense FFN instead of experts.
     pub n_layer_dense_lead: usize,
     /// Experts in every `layer_step`-th layer only, the others dense (Llama 4's
@@ -110,6 +113,7 @@ impl MoeParams {
             n_expert_used,
             n_ff_exp: 0,
             n_expert_shared: 0,
+            n_ff_shexp: 0,
             n_layer_dense_lead: 0,
             layer_step: 1,
             n_group,

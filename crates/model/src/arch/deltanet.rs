@@ -1,0 +1,297 @@
+//! The pieces of Qwen's hybrid models (qwen35, qwen35moe): gated DeltaNet layers, which
+//! keep a recurrent state per sequence (see [`crate::RecurrentCache`]), and the gated
+//! attention layers between them, as llama.cpp's `delta-net-base.cpp` and `qwen35.cpp`
+//! build them with its fused delta-rule kernel.
+//!
+//! A DeltaNet layer: the input is projected to queries, keys and values (one fused
+//! `attn_qkv`), which pass through a short causal convolution (over the sequence's last
+//! `d_conv - 1` inputs, kept in its state) and SiLU; queries and keys are L2-normalised;
+//! the delta rule then updates each value head's `d_state × d_state` matrix token by
+//! token, decayed by `exp(g)` (`g = softplus(alpha + dt) · a`) and written with strength
+//! `beta`; its outputs are RMS-normed, gated by `silu(z)` and projected back.
+
+use baton_ggml::Tensor;
+use baton_gguf::Value;
+
+use super::attention::KeyValues;
+use super::{Builder, Shape};
+use crate::hparams::{HParams, Keys};
+use crate::names::LayerTensor as T;
+use crate::recurrent::KEPT_STATES;
+use crate::tensors::{LayerPlan, Split};
+use crate::weights::LayerTensors;
+use crate::ModelError;
+
+/// Reads what a hybrid Qwen model adds to the common keys: the DeltaNet sizes, which
+/// layers are recurrent (`attention.recurrent_layers`, else every layer but each
+/// `full_attention_interval`-th, 4 by default) and the RoPE sections.
+pub fn read_hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
+    hp.ssm = Some(crate::hparams::Ssm::read(keys)?);
+    if hp.head_dim_k != hp.head_dim_v {
+        return Err(ModelError::BadHParams(format!(
+            "{}: key and value heads of {} and {} values; llama.cpp needs them equal",
+            hp.arch.name, hp.head_dim_k, hp.head_dim_v
+        )));
+    }
+    hp.recurrent_layers = match keys.opt_bool_array("attention.recurrent_layers")? {
+        Some(flags) if flags.len() >= hp.n_layer => flags[..hp.n_layer].to_vec(),
+        Some(flags) => {
+            return Err(ModelError::BadHParams(format!(
+                "{} has {} entries for {} layers",
+                keys.name("attention.recurrent_layers"),
+                flags.len(),
+                hp.n_layer
+            )))
+        }
+        None => {
+            let interval = keys.opt_u32("full_attention_interval")?.unwrap_or(4);
+            if interval == 0 {
+                return Err(ModelError::BadHParams("full_attention_interval 0".into()));
+            }
+            (0..hp.n_layer).map(|l| !(l + 1).is_multiple_of(interval)).collect()
+        }
+    };
+    let sections = keys
+        .opt_u32_array("rope.dimension_sections")?
+        .ok_or_else(|| ModelError::BadHParams(format!("{} is missing", keys.name("rope.dimension_sections"))))?;
+    if sections.is_empty() || sections.len() > 4 {
+        return Err(ModelError::BadHParams(format!(
+            "rope.dimension_sections has {} entries, expected up to 4",
+            sections.len()
+        )));
+    }
+    let mut four = [0i32; 4];
+    for (slot, &n) in four.iter_mut().zip(&sections) {
+        *slot = i32::try_from(n).map_err(|_| ModelError::BadHParams(format!("RoPE section of {n} dimensions")))?;
+    }
+    let total: i64 = four.iter().map(|&n| n as i64).sum();
+    if total * 2 > hp.head_dim_k as i64 {
+        return Err(ModelError::BadHParams(format!(
+            "RoPE sections {four:?} rotate more than the head's {} dimensions",
+            hp.head_dim_k
+        )));
+    }
+    hp.rope_sections = Some(four);
+    Ok(())
+}
+
+/// The tensors of a hybrid Qwen layer before its FFN: the norms around the mixer, then a
+/// DeltaNet layer's or a gated attention layer's own. Tensor parallelism does not split
+/// these models (see [`crate::TpSplit::new`]), so every tensor is whole.
+pub fn mixer_tensors(t: &mut LayerPlan<'_>) {
+    let hp = t.hp;
+    let embd = hp.n_embd;
+    t.norm(T::AttnNorm, embd);
+    t.norm(T::PostAttentionNorm, embd);
+    if hp.is_recurrent(t.layer) {
+        let ssm = hp.ssm.as_ref().expect("hybrid models read their DeltaNet sizes");
+        let channels = ssm.conv_channels();
+        let heads = ssm.n_v_heads;
+        t.mat(T::AttnQkv, &[embd, channels], Split::Whole);
+        t.mat(T::AttnGate, &[embd, ssm.d_inner], Split::Whole);
+        t.vec(T::SsmConv1d, &[ssm.d_conv, channels], Split::Whole);
+        t.vec(T::SsmDt, &[heads], Split::Whole);
+        t.vec(T::SsmA, &[heads], Split::Whole);
+        t.mat(T::SsmBeta, &[embd, heads], Split::Whole);
+        t.mat(T::SsmAlpha, &[embd, heads], Split::Whole);
+        t.norm(T::SsmNorm, ssm.d_state);
+        t.mat(T::SsmOut, &[ssm.d_inner, embd], Split::Whole);
+    } else {
+        let (d, n_head) = (hp.head_dim_k, hp.n_head);
+        // The query projection carries each head's output gate after its query.
+        t.mat(T::AttnQ, &[embd, 2 * d * n_head], Split::Whole);
+        t.mat(T::AttnK, &[embd, hp.n_embd_k_gqa()], Split::Whole);
+        t.mat(T::AttnV, &[embd, hp.n_embd_v_gqa()], Split::Whole);
+        t.mat(T::AttnOutput, &[d * n_head, embd], Split::Whole);
+        t.vec(T::AttnQNorm, &[d], Split::Whole);
+        t.vec(T::AttnKNorm, &[d], Split::Whole);
+    }
+}
+
+/// The layer of a hybrid Qwen model around its FFN `ffn`: norm → DeltaNet or gated
+/// attention → residual → post-attention norm → FFN → residual.
+pub fn layer<'g>(
+    b: &mut Builder<'g>,
+    w: &LayerTensors<'g>,
+    layer: usize,
+    hidden: Tensor<'g>,
+    ffn: impl FnOnce(&mut Builder<'g>, Tensor<'g>) -> Tensor<'g>,
+) -> Tensor<'g> {
+    let cur = b.norm(hidden, w.get(T::AttnNorm));
+    let cur = if b.hp.is_recurrent(layer) {
+        b.gated_delta_net(w, layer, cur)
+    } else {
+        b.gated_attention(w, layer, cur)
+    };
+    // Every row goes through the last layer, as in llama.cpp (the rows that need logits
+    // are kept after it): an FFN of fewer rows would round otherwise.
+    let ffn_in = b.ctx.add(cur, hidden);
+    let cur = b.norm(ffn_in, w.get(T::PostAttentionNorm));
+    let cur = ffn(b, cur);
+    b.ctx.add(cur, ffn_in)
+}
+
+impl<'g> Builder<'g> {
+    /// A gated DeltaNet layer over `x [n_embd, n_tokens]`: each run of a sequence's rows
+    /// continues that sequence's convolution and delta-rule states and leaves the
+    /// states after its last tokens in the cache. Returns `[n_embd, n_tokens]`.
+    pub fn gated_delta_net(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+        let hp = self.hp;
+        let ctx = self.ctx;
+        let ssm = hp.ssm.as_ref().expect("a recurrent layer has DeltaNet sizes");
+        let (s, h_k, h_v) = (ssm.d_state as i64, ssm.n_k_heads as i64, ssm.n_v_heads as i64);
+        let channels = ssm.conv_channels() as i64;
+        let d_conv = ssm.d_conv as i64;
+        let n_tokens = x.ne()[1];
+        let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
+
+        let qkv = named(ctx.mul_mat(w.get(T::AttnQkv), x), "linear_attn_qkv_mixed"); // [channels, n_tokens]
+        let z = named(ctx.mul_mat(w.get(T::AttnGate), x), "z"); // [d_inner, n_tokens]
+        let beta = ctx.sigmoid(self.mul_mat_rowwise(w.get(T::SsmBeta), x)); // [h_v, n_tokens]
+        let alpha = self.mul_mat_rowwise(w.get(T::SsmAlpha), x);
+        let decay = ctx.softplus(ctx.add(alpha, w.get(T::SsmDt)));
+        let g = named(ctx.mul(decay, w.get(T::SsmA)), "gate"); // [h_v, n_tokens]
+
+        let conv_all = self.rs.conv(layer);
+        let state_all = self.rs.state(layer);
+        let f32_size = std::mem::size_of::<f32>();
+        let mut outs: Option<Tensor<'g>> = None;
+        for run in &self.inputs.state_runs {
+            let (r0, n) = (run.rows.start, run.rows.len() as i64);
+            let n_kept = run.rows.len().min(KEPT_STATES);
+            // The convolution's input: the sequence's last d_conv - 1 inputs, then the run's.
+            let previous = ctx.reshape_3d(ctx.get_rows(conv_all, run.source), d_conv - 1, channels, 1);
+            let run_qkv = ctx.view_2d(qkv, channels, n, qkv.nb()[1], r0 * qkv.nb()[1]);
+            let conv_in = ctx.concat(previous, ctx.transpose(run_qkv), 0); // [d_conv - 1 + n, channels, 1]
+            // The convolution's state after each kept position: its last d_conv - 1 inputs.
+            let conv_len = ssm.conv_state_len() as i64;
+            let snapshots = (0..n_kept as i64)
+                .map(|j| {
+                    let view = ctx.view_3d(
+                        conv_in,
+                        [d_conv - 1, channels, 1],
+                        conv_in.nb()[1],
+                        conv_in.nb()[2],
+                        (n - j) as usize * conv_in.nb()[0],
+                    );
+                    ctx.reshape_2d(ctx.cont(view), conv_len, 1)
+                })
+                .reduce(|done, next| ctx.concat(done, next, 1))
+                .expect("a run has at least one row");
+            self.graph.expand(ctx.set_rows(conv_all, snapshots, run.targets));
+
+            let conv = ctx.silu(ctx.ssm_conv(conv_in, w.get(T::SsmConv1d))); // [channels, n, 1]
+            let row = conv.nb()[1];
+            let heads = |n_heads: i64, offset: i64| {
+                ctx.view_4d(
+                    conv,
+                    [s, n_heads, n, 1],
+                    [s as usize * f32_size, row, row * n as usize],
+                    offset as usize * f32_size,
+                )
+            };
+            let q = self.l2_norm(heads(h_k, 0));
+            let k = self.l2_norm(heads(h_k, s * h_k));
+            let v = heads(h_v, 2 * s * h_k);
+            let run_rows = |t: Tensor<'g>| {
+                let view = ctx.view_2d(t, h_v, n, t.nb()[1], r0 * t.nb()[1]);
+                ctx.reshape_4d(view, [1, h_v, n, 1])
+            };
+            let state = ctx.reshape_4d(ctx.get_rows(state_all, run.source), [s, s, h_v, 1]);
+            let out = ctx.gated_delta_net(q, k, v, run_rows(g), run_rows(beta), state, KEPT_STATES);
+            let scores = s * h_v * n; // floats of the outputs, before the states
+            let state_len = ssm.state_len();
+            let states = ctx.view_2d(
+                out,
+                state_len as i64,
+                n_kept as i64,
+                state_len * f32_size,
+                scores as usize * f32_size,
+            );
+            self.graph.expand(ctx.set_rows(state_all, states, run.targets));
+            let o = ctx.view_4d(
+                out,
+                [s, h_v, n, 1],
+                [s as usize * f32_size, (s * h_v) as usize * f32_size, scores as usize * f32_size],
+                0,
+            );
+            outs = Some(match outs {
+                Some(done) => ctx.concat(done, o, 2),
+                None => o,
+            });
+        }
+        let out = outs.expect("a stage with recurrent layers plans a run for every row"); // [s, h_v, n_tokens, 1]
+        let z = ctx.reshape_4d(z, [s, h_v, n_tokens, 1]);
+        let normed = ctx.mul(self.norm(out, w.get(T::SsmNorm)), ctx.silu(z));
+        let flat = ctx.reshape_2d(normed, s * h_v, n_tokens);
+        named(ctx.mul_mat(w.get(T::SsmOut), flat), "linear_attn_out")
+    }
+
+    /// `x / max(‖x‖, ε)` over dim 0, as llama.cpp's `build_gdn_l2_norm` computes it: an
+    /// RMS norm with `ε / n`, scaled by `1 / √n`.
+    fn l2_norm(&self, x: Tensor<'g>) -> Tensor<'g> {
+        let n = x.ne()[0] as f32;
+        self.ctx
+            .scale(self.ctx.rms_norm(x, self.hp.rms_eps / n), 1.0 / n.sqrt())
+    }
+
+    /// Qwen's gated attention over `x [n_embd, n_tokens]`: the query projection gives
+    /// each head's query and an output gate; queries and keys are RMS-normed per head
+    /// and rotated by M-RoPE; the heads' outputs are multiplied by `sigmoid(gate)`
+    /// before the output projection.
+    pub fn gated_attention(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+        let hp = self.hp;
+        let ctx = self.ctx;
+        let n_tokens = x.ne()[1];
+        let (d, n_head, n_head_kv) = (hp.head_dim_k as i64, hp.n_head as i64, hp.n_head_kv as i64);
+        let q_full = ctx.mul_mat(w.get(T::AttnQ), x); // [2 d n_head, n_tokens]
+        let elt = q_full.nb()[0];
+        let (head, row) = (elt * 2 * d as usize, q_full.nb()[1]);
+        let q = ctx.view_3d(q_full, [d, n_head, n_tokens], head, row, 0);
+        let q = self.norm(q, w.get(T::AttnQNorm));
+        let k = ctx.reshape_3d(ctx.mul_mat(w.get(T::AttnK), x), d, n_head_kv, n_tokens);
+        let k = self.norm(k, w.get(T::AttnKNorm));
+        let gate = ctx.view_3d(q_full, [d, n_head, n_tokens], head, row, elt * d as usize);
+        let gate = ctx.cont_2d(gate, d * n_head, n_tokens);
+        let v = ctx.reshape_3d(ctx.mul_mat(w.get(T::AttnV), x), d, n_head_kv, n_tokens);
+        let sections = hp.rope_sections.expect("hybrid models read their RoPE sections");
+        let positions = self.inputs.positions;
+        let q = ctx
+            .rope_multi(q, positions, sections, &hp.rope)
+            .named(&format!("Qcur-{layer}"));
+        let k = ctx
+            .rope_multi(k, positions, sections, &hp.rope)
+            .named(&format!("Kcur-{layer}"));
+        let kv = KeyValues {
+            k,
+            v: Some(v),
+            d_v: hp.head_dim_v,
+        };
+        let out = self.attend(layer, q, kv, None, hp.attn_scale);
+        let out = ctx.reshape_2d(out, d * n_head, n_tokens);
+        let out = ctx.mul(out, ctx.sigmoid(gate));
+        self.attn_output(w, out)
+    }
+}
+
+/// The keys of an example hybrid model of `shape`: DeltaNet heads of half the attention
+/// head size, as many value heads as query heads and key heads as key/value heads, a
+/// kernel of 4, attention every second layer, and M-RoPE over a quarter of each head in
+/// sections shaped like Qwen 3.5's (`[11, 11, 10, 0]` of 64).
+pub fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
+    let d_state = (shape.head_dim / 2).max(1);
+    let n_rot = (shape.head_dim / 4).max(2) & !1;
+    let half = n_rot / 2;
+    let (t, h) = (half * 3 / 8, half * 3 / 8);
+    let sections = [t, h, half - t - h, 0].map(|n| Value::U32(n as u32));
+    vec![
+        ("ssm.conv_kernel", Value::U32(4)),
+        ("ssm.state_size", Value::U32(d_state as u32)),
+        ("ssm.time_step_rank", Value::U32(shape.n_head as u32)),
+        ("ssm.group_count", Value::U32(shape.n_head_kv as u32)),
+        ("ssm.inner_size", Value::U32((d_state * shape.n_head) as u32)),
+        ("full_attention_interval", Value::U32(2)),
+        ("rope.dimension_count", Value::U32(n_rot as u32)),
+        ("rope.dimension_sections", Value::Array(sections.to_vec())),
+    ]
+}

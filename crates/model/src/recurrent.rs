@@ -1,0 +1,384 @@
+//! The recurrent states of one stage: for each of its recurrent layers (gated DeltaNet)
+//! and each sequence, the convolution's last inputs and the delta rule's state, in
+//! place of the keys and values an attention layer caches.
+//!
+//! A state cannot be cut back to an earlier position the way a KV cache can, so each
+//! sequence keeps the states of its last [`KEPT_STATES`] positions in a ring: a
+//! rejected draft (at most `KEPT_STATES - 1` rows) rolls back to one of them, as
+//! llama.cpp's `n_rs_seq` snapshots do. Cutting a sequence further back loses its state;
+//! it must then start again from position 0 (the engine recomputes the prompt instead
+//! of reusing a prefix of a recurrent model's cache).
+
+use std::ops::Range;
+
+use baton_ggml::{Buffer, BufferType, Context, DType, Tensor};
+
+use crate::hparams::HParams;
+use crate::ModelError;
+
+/// Positions whose states each sequence keeps: its newest and the 16 before, so that
+/// any draft the engine makes (at most 16 tokens) can be rejected.
+pub const KEPT_STATES: usize = 17;
+
+/// Sequences a stage keeps states for when the configuration does not say
+/// (`StageConfig::n_seq` 0).
+const DEFAULT_SEQS: usize = 4;
+
+/// One sequence's share of the states: `KEPT_STATES` rows of every state tensor.
+#[derive(Clone, Debug, Default)]
+struct Slot {
+    /// The sequence holding it.
+    seq: Option<u32>,
+    /// Positions computed: the state the next token continues from (`None`: lost, the
+    /// sequence must start again from position 0).
+    len: Option<usize>,
+    /// Which position count each ring row holds the state after (row `len % KEPT_STATES`).
+    held: Vec<Option<usize>>,
+}
+
+/// The rows of a batch that continue one sequence's state, and where its states are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateRun {
+    /// Consecutive rows of the batch, at consecutive positions.
+    pub rows: Range<usize>,
+    /// The sequence.
+    pub seq: u32,
+    /// Its position before the run.
+    pub start: usize,
+    /// Row of the state tensors the run starts from (the zero row for position 0).
+    pub source: i32,
+    /// Rows the states after the run's last tokens go to, newest first
+    /// (`min(rows, KEPT_STATES)` of them).
+    pub targets: Vec<i64>,
+}
+
+/// Recurrent states of a stage's recurrent layers, for a fixed number of sequences.
+pub struct RecurrentCache {
+    // Tensors `conv_l{layer}` `[conv floats, rows]` and `state_l{layer}`
+    // `[state floats, rows]` live in `ctx`, their data in `buffer`. The last row is
+    // zeros, never written: where every sequence starts.
+    ctx: Context,
+    buffer: Option<Buffer>,
+    layers: Vec<usize>,
+    slots: Vec<Slot>,
+}
+
+impl RecurrentCache {
+    /// States of the recurrent layers among `layers` for `n_seq` sequences (0: a
+    /// default of 4), in memory of `buft` (`None`: the CPU's). A model without
+    /// recurrent layers gets an empty cache.
+    pub fn new_in(
+        hp: &HParams,
+        layers: Range<usize>,
+        n_seq: usize,
+        buft: Option<BufferType>,
+    ) -> Result<RecurrentCache, ModelError> {
+        let recurrent: Vec<usize> = layers.filter(|&l| hp.is_recurrent(l)).collect();
+        let n_slots = if n_seq == 0 { DEFAULT_SEQS } else { n_seq };
+        let ctx = Context::new(2 * recurrent.len() + 2, 0);
+        let buffer = match &hp.ssm {
+            Some(ssm) if !recurrent.is_empty() => {
+                let rows = (n_slots * KEPT_STATES + 1) as i64;
+                for &layer in &recurrent {
+                    ctx.new_tensor(DType::F32, &[ssm.conv_state_len() as i64, rows])
+                        .named(&format!("conv_l{layer}"));
+                    ctx.new_tensor(DType::F32, &[ssm.state_len() as i64, rows])
+                        .named(&format!("state_l{layer}"));
+                }
+                let mut buffer = match buft {
+                    Some(buft) => buft.alloc(&ctx)?,
+                    None => Buffer::alloc_cpu(&ctx)?,
+                };
+                // The zero row every sequence starts from.
+                buffer.clear(0);
+                Some(buffer)
+            }
+            _ => None,
+        };
+        Ok(RecurrentCache {
+            ctx,
+            buffer,
+            layers: recurrent,
+            slots: vec![Slot::default(); n_slots],
+        })
+    }
+
+    /// Whether the stage has recurrent layers.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// Bytes of state memory.
+    pub fn bytes(&self) -> usize {
+        self.buffer.as_ref().map_or(0, Buffer::size)
+    }
+
+    /// Convolution states of recurrent layer `layer`.
+    pub fn conv(&self, layer: usize) -> Tensor<'_> {
+        self.tensor("conv", layer)
+    }
+
+    /// Delta-rule states of recurrent layer `layer`.
+    pub fn state(&self, layer: usize) -> Tensor<'_> {
+        self.tensor("state", layer)
+    }
+
+    fn tensor(&self, kind: &str, layer: usize) -> Tensor<'_> {
+        assert!(self.layers.contains(&layer), "layer {layer} is not a recurrent layer of this stage");
+        self.ctx
+            .get_tensor(&format!("{kind}_l{layer}"))
+            .expect("state tensors are created for every recurrent layer")
+    }
+
+    fn zero_row(&self) -> i32 {
+        (self.slots.len() * KEPT_STATES) as i32
+    }
+
+    /// How the rows of a batch continue their sequences' states; changes nothing.
+    /// Refuses a batch whose rows of one sequence are not consecutive rows at
+    /// consecutive positions from where its state is, and more sequences than the
+    /// cache holds.
+    pub fn plan(&self, seq_ids: &[u32], positions: &[i32]) -> Result<Vec<StateRun>, ModelError> {
+        if self.is_empty() {
+            return Ok(Vec::new());
+        }
+        let bad = |why: String| Err(ModelError::BadBatch(why));
+        let mut runs: Vec<StateRun> = Vec::new();
+        let mut free = self.slots.iter().enumerate().filter(|(_, s)| s.seq.is_none()).map(|(i, _)| i);
+        let mut row = 0;
+        while row < seq_ids.len() {
+            let seq = seq_ids[row];
+            let start = positions[row];
+            let mut end = row + 1;
+            while end < seq_ids.len() && seq_ids[end] == seq {
+                if positions[end] != positions[end - 1] + 1 {
+                    return bad(format!(
+                        "sequence {seq} has positions {} then {} in one batch: a recurrent model's rows of a sequence are consecutive positions",
+                        positions[end - 1],
+                        positions[end]
+                    ));
+                }
+                end += 1;
+            }
+            if runs.iter().any(|r| r.seq == seq) {
+                return bad(format!(
+                    "sequence {seq} has rows in two places of one batch: a recurrent model takes a sequence's rows together"
+                ));
+            }
+            if start < 0 {
+                return bad(format!("negative position {start}"));
+            }
+            let start = start as usize;
+            let held = self.slots.iter().position(|s| s.seq == Some(seq));
+            let (slot, source) = match held {
+                Some(slot) if start == 0 => (slot, self.zero_row()),
+                None if start == 0 => match free.next() {
+                    Some(slot) => (slot, self.zero_row()),
+                    None => {
+                        return Err(ModelError::CacheFull {
+                            need: 1,
+                            free: 0,
+                            capacity: self.slots.len(),
+                        })
+                    }
+                },
+                None => return bad(format!("sequence {seq} holds no recurrent state to continue at position {start}")),
+                Some(slot) => {
+                    let s = &self.slots[slot];
+                    match s.len {
+                        Some(len) if len == start => (slot, Self::row(slot, start)),
+                        Some(len) => {
+                            return bad(format!(
+                                "sequence {seq} is at position {len}, not {start}: its recurrent state continues only where it is"
+                            ))
+                        }
+                        None => {
+                            return bad(format!(
+                                "sequence {seq}'s recurrent state at position {start} is gone (a recurrent layer keeps \
+                                 only its last {KEPT_STATES} positions); start it again from position 0"
+                            ))
+                        }
+                    }
+                }
+            };
+            let n = end - row;
+            let targets = (0..n.min(KEPT_STATES))
+                .map(|j| Self::row(slot, start + n - j) as i64)
+                .collect();
+            runs.push(StateRun {
+                rows: row..end,
+                seq,
+                start,
+                source,
+                targets,
+            });
+            row = end;
+        }
+        Ok(runs)
+    }
+
+    /// The ring row of `slot` that holds the state after `len` positions.
+    fn row(slot: usize, len: usize) -> i32 {
+        (slot * KEPT_STATES + len % KEPT_STATES) as i32
+    }
+
+    /// Records that `runs` (from [`RecurrentCache::plan`]) were computed.
+    pub fn commit(&mut self, runs: &[StateRun]) {
+        for run in runs {
+            let slot = self.slot_for(run.seq);
+            let s = &mut self.slots[slot];
+            if run.start == 0 {
+                s.held = vec![None; KEPT_STATES];
+            }
+            let end = run.start + run.rows.len();
+            for j in 0..run.targets.len() {
+                let len = end - j;
+                s.held[len % KEPT_STATES] = Some(len);
+            }
+            s.len = Some(end);
+        }
+    }
+
+    /// Records that computing `runs` failed: the rows they may have written hold
+    /// nothing any more (and a sequence whose own state was among them lost it).
+    pub fn fail(&mut self, runs: &[StateRun]) {
+        for run in runs {
+            let Some(slot) = self.slots.iter().position(|s| s.seq == Some(run.seq)) else {
+                continue;
+            };
+            let s = &mut self.slots[slot];
+            for &target in &run.targets {
+                let i = target as usize % KEPT_STATES;
+                if s.held[i].is_some() && s.held[i] == s.len {
+                    s.len = None;
+                }
+                s.held[i] = None;
+            }
+        }
+    }
+
+    /// The slot `seq` holds, taking a free one for a sequence that starts.
+    fn slot_for(&mut self, seq: u32) -> usize {
+        if let Some(slot) = self.slots.iter().position(|s| s.seq == Some(seq)) {
+            return slot;
+        }
+        let slot = self
+            .slots
+            .iter()
+            .position(|s| s.seq.is_none())
+            .expect("plan checked that a slot is free");
+        self.slots[slot] = Slot {
+            seq: Some(seq),
+            len: Some(0),
+            held: vec![None; KEPT_STATES],
+        };
+        slot
+    }
+
+    /// Keeps `seq`'s state after `len` positions: its own, or one of the last
+    /// [`KEPT_STATES`]; further back the state is lost (and the sequence must start
+    /// again from 0). `len` 0 frees the sequence's slot.
+    pub fn truncate_seq(&mut self, seq: u32, len: usize) {
+        let Some(slot) = self.slots.iter().position(|s| s.seq == Some(seq)) else {
+            return;
+        };
+        let s = &mut self.slots[slot];
+        if len == 0 {
+            *s = Slot::default();
+            return;
+        }
+        if s.len.is_some_and(|now| now <= len) {
+            return;
+        }
+        if s.held[len % KEPT_STATES] == Some(len) {
+            s.len = Some(len);
+            for held in &mut s.held {
+                if held.is_some_and(|h| h > len) {
+                    *held = None;
+                }
+            }
+        } else {
+            s.len = None;
+        }
+    }
+
+    /// Whether `seq`'s state after `len` positions is at hand (its own or a kept one).
+    pub fn has_state(&self, seq: u32, len: usize) -> bool {
+        len == 0
+            || self
+                .slots
+                .iter()
+                .find(|s| s.seq == Some(seq))
+                .is_some_and(|s| s.len == Some(len) || s.held[len % KEPT_STATES] == Some(len))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache() -> RecurrentCache {
+        RecurrentCache {
+            ctx: Context::new(1, 0),
+            buffer: None,
+            layers: vec![0],
+            slots: vec![Slot::default(); 2],
+        }
+    }
+
+    #[test]
+    fn runs_continue_states_and_drafts_roll_back() {
+        let mut rs = cache();
+        let zero = rs.zero_row();
+        let runs = rs.plan(&[5, 5, 5, 9], &[0, 1, 2, 0]).unwrap();
+        assert_eq!(runs.len(), 2);
+        assert_eq!((runs[0].rows.clone(), runs[0].source), (0..3, zero));
+        assert_eq!(runs[0].targets, vec![3, 2, 1]);
+        assert_eq!((runs[1].rows.clone(), runs[1].targets.clone()), (3..4, vec![KEPT_STATES as i64 + 1]));
+        rs.commit(&runs);
+        // A draft of 4 rows, then 2 rejected: back to the state after position 4.
+        let runs = rs.plan(&[5; 4], &[3, 4, 5, 6]).unwrap();
+        assert_eq!(runs[0].source, 3);
+        rs.commit(&runs);
+        rs.truncate_seq(5, 5);
+        assert!(rs.has_state(5, 5) && !rs.has_state(5, 6));
+        assert_eq!(rs.plan(&[5], &[5]).unwrap()[0].source, 5);
+        let err = rs.plan(&[5], &[6]).unwrap_err().to_string();
+        assert!(err.contains("is at position 5, not 6"), "{err}");
+        // Too far back: lost, until the sequence starts again.
+        let long: Vec<i32> = (5..40).collect();
+        rs.commit(&rs.plan(&[5; 35], &long).unwrap());
+        rs.truncate_seq(5, 10);
+        let err = rs.plan(&[5], &[10]).unwrap_err().to_string();
+        assert!(err.contains("is gone"), "{err}");
+        assert_eq!(rs.plan(&[5], &[0]).unwrap()[0].source, zero);
+        // A third sequence finds no slot; one that ends frees its own.
+        let full = rs.plan(&[7], &[0]).unwrap_err();
+        assert!(matches!(full, ModelError::CacheFull { .. }), "{full}");
+        rs.truncate_seq(9, 0);
+        assert!(rs.plan(&[7], &[0]).is_ok());
+    }
+
+    #[test]
+    fn batches_a_recurrent_model_cannot_take_are_refused() {
+        let rs = cache();
+        let err = rs.plan(&[1, 1], &[0, 2]).unwrap_err().to_string();
+        assert!(err.contains("consecutive positions"), "{err}");
+        let err = rs.plan(&[1, 2, 1], &[0, 0, 1]).unwrap_err().to_string();
+        assert!(err.contains("two places"), "{err}");
+        let err = rs.plan(&[1], &[3]).unwrap_err().to_string();
+        assert!(err.contains("holds no recurrent state"), "{err}");
+    }
+
+    #[test]
+    fn a_failed_step_forgets_what_it_may_have_written() {
+        let mut rs = cache();
+        rs.commit(&rs.plan(&[1; 20], &(0..20).collect::<Vec<_>>()).unwrap());
+        // 17 rows from 20 write the rows of 21..=37, among them that of 20 itself.
+        let runs = rs.plan(&[1; 17], &(20..37).collect::<Vec<_>>()).unwrap();
+        rs.fail(&runs);
+        assert!(!rs.has_state(1, 20));
+        let err = rs.plan(&[1], &[20]).unwrap_err().to_string();
+        assert!(err.contains("is gone"), "{err}");
+    }
+}
