@@ -75,7 +75,7 @@ fn sequences_in_one_cache_do_not_see_each_other() {
     // Truncating sequence 7 back to its prompt minus one token and recomputing that
     // token gives the same logits again.
     for stage in &mut chain.stages {
-        stage.kv_mut().truncate_seq(7, p0.len() - 1);
+        stage.truncate_seq(7, p0.len() - 1);
     }
     let again = chain.logits(7, &p0[p0.len() - 1..], p0.len() as i32 - 1);
     assert!(nmse(&again, &ref0) <= MAX_NMSE);
@@ -132,7 +132,7 @@ fn f16_wire_costs_little_fidelity() {
         for prompt_text in PROMPTS {
             let prompt = oracle.tokenize(prompt_text, true, true).unwrap();
             let (ref_logits, _) = reference(&oracle, &prompt);
-            chain.stages.iter_mut().for_each(|s| s.kv_mut().clear_seq(0));
+            chain.stages.iter_mut().for_each(|s| s.clear_seq(0));
             let err = nmse(&chain.logits(0, &prompt, 0), &ref_logits);
             println!("{name} f16 wire {prompt_text:?}: nmse {err:.3e}");
             assert!(err > 0.0, "rounding to f16 must change something");
@@ -227,7 +227,7 @@ fn batching_with_other_sequences_changes_nothing_up_to_the_decode_row_cap() {
         let reset = |chain: &mut Chain| {
             for stage in &mut chain.stages {
                 for (seq, &len) in lens.iter().enumerate() {
-                    stage.kv_mut().truncate_seq(seq as u32, len as usize);
+                    stage.truncate_seq(seq as u32, len as usize);
                 }
             }
         };

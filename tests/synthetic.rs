@@ -73,6 +73,16 @@ fn qwen35moe_matches_llama_cpp_with_1_2_3_stages() {
 }
 
 #[test]
+fn qwen35_on_two_workers_matches_llama_cpp() {
+    two_workers("qwen35", FileType::Q4KM);
+}
+
+#[test]
+fn qwen35moe_on_two_workers_matches_llama_cpp() {
+    two_workers("qwen35moe", FileType::Q4KM);
+}
+
+#[test]
 fn qwen3moe_matches_llama_cpp_with_1_2_3_stages() {
     stages("qwen3moe", FileType::Q4KM);
     stages("qwen3moe", FileType::Q8_0);
@@ -138,6 +148,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         "deepseek2",
         "minimax-m2",
         "llama4",
+        "qwen35moe",
     ] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
@@ -168,7 +179,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         let reset = |chain: &mut Chain| {
             for stage in &mut chain.stages {
                 for (seq, &len) in lens.iter().enumerate() {
-                    stage.kv_mut().truncate_seq(seq as u32, len as usize);
+                    stage.truncate_seq(seq as u32, len as usize);
                 }
             }
         };

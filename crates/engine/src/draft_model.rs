@@ -93,7 +93,7 @@ impl ModelDrafter {
         if keep < n_prompt {
             keep -= keep % self.chunk;
         }
-        self.stage.kv_mut().truncate_seq(seq, keep);
+        self.stage.truncate_seq(seq, keep);
         let mut logits = Vec::new();
         let mut at = keep;
         while at < tokens.len() {
@@ -147,6 +147,6 @@ impl Drafter for ModelDrafter {
 
     fn forget(&mut self, seq: u32) {
         self.fed.remove(&seq);
-        self.stage.kv_mut().clear_seq(seq);
+        self.stage.clear_seq(seq);
     }
 }

@@ -343,11 +343,6 @@ impl Stage {
         &self.kv
     }
 
-    /// The KV cache (to clear or truncate sequences).
-    pub fn kv_mut(&mut self) -> &mut KvCache {
-        &mut self.kv
-    }
-
     /// The weights.
     pub fn weights(&self) -> &StageWeights {
         &self.weights
