@@ -72,6 +72,7 @@ fn bench_drafting(
 ) -> anyhow::Result<(f64, f64, u64, u64)> {
     let vocab = std::sync::Arc::new(crate::load_tokenizer(model)?);
     let prompt = vocab.tokenize(CODE_EDIT, true, true)?;
+    let hp = crate::model_hparams(model)?;
     let config = EngineConfig {
         n_slots: 1,
         slot_ctx: n_ctx,
@@ -81,6 +82,8 @@ fn bench_drafting(
         max_queue: 1,
         recovery_timeout: Duration::from_secs(30),
         step_timeout: Duration::from_secs(600),
+        prefix_reuse: baton_engine::prefix_reuse(&hp),
+        max_draft: baton_engine::max_draft(&hp),
     };
     let engine = ring.engine(vocab.clone(), config, drafter)?;
     let generate = |draft: Draft| -> anyhow::Result<(f64, Vec<u32>)> {

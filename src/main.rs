@@ -214,6 +214,12 @@ fn main() -> std::process::ExitCode {
 /// Checks `path` with baton's own GGUF reader (missing file, not a GGUF, truncated,
 /// unsupported architecture: each said plainly), then loads its tokenizer through
 /// libllama.
+/// The hyper-parameters of the model at `path` (what the engine's limits depend on).
+pub fn model_hparams(path: &Path) -> anyhow::Result<baton_model::HParams> {
+    let file = baton_model::ModelFile::open(path)?;
+    Ok(file.hparams().clone())
+}
+
 pub fn load_tokenizer(path: &Path) -> anyhow::Result<baton_ggml::LlamaModel> {
     let file = baton_model::ModelFile::open(path)?;
     let vocab = baton_ggml::LlamaModel::load_vocab(path)

@@ -207,6 +207,7 @@ fn generate_drafting(
     );
     let repack = !args.stages.no_repack;
     let chunk = args.batch_size.max(1);
+    let hp = crate::model_hparams(&args.stages.model)?;
     let config = EngineConfig {
         n_slots: 1,
         slot_ctx,
@@ -216,6 +217,8 @@ fn generate_drafting(
         max_queue: 1,
         recovery_timeout: Duration::from_secs(30),
         step_timeout: Duration::from_secs(600),
+        prefix_reuse: baton_engine::prefix_reuse(&hp),
+        max_draft: baton_engine::max_draft(&hp),
     };
     let drafter = args
         .draft

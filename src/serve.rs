@@ -147,6 +147,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut ring = Ring::start_supervised(&model_path, &args.stages, &args.cluster, args.parallel)?;
     // A supervised ring is formed by the engine; it tells its own number of stages.
     let ranges = ring.ranges();
+    let hp = crate::model_hparams(&model_path)?;
     let config = EngineConfig {
         n_slots: args.parallel,
         slot_ctx: args.stages.ctx_size / args.parallel,
@@ -156,6 +157,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_queue: args.max_queue,
         recovery_timeout: std::time::Duration::from_secs_f64(args.recovery_timeout),
         step_timeout: std::time::Duration::from_secs_f64(args.step_timeout),
+        prefix_reuse: baton_engine::prefix_reuse(&hp),
+        max_draft: baton_engine::max_draft(&hp),
     };
     let draft = args.draft.settings()?;
     let draft_model = args.draft.load_model(

@@ -101,7 +101,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
     let n_ctx = 256;
     let file = ModelFile::open(&path).unwrap();
     let hp = file.hparams().clone();
-    let cost = model_cost(&file, n_ctx);
+    let cost = model_cost(&file, n_ctx, 0);
     println!(
         "layer bytes {:?}\nread per token {:?}\nkv {:?}",
         cost.layer_bytes, cost.layer_work_bytes, cost.kv_bytes

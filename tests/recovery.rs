@@ -8,6 +8,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -24,15 +25,23 @@ static SERIAL: Mutex<()> = Mutex::new(());
 struct Worker {
     child: Child,
     port: u16,
+    /// The directory of models it serves.
+    models: PathBuf,
     extra: Vec<String>,
 }
 
 impl Worker {
     fn start(extra: &[&str]) -> Worker {
+        Worker::start_in(model(QWEN2).parent().unwrap(), extra)
+    }
+
+    /// A worker serving the models in `models`.
+    fn start_in(models: &Path, extra: &[&str]) -> Worker {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let mut worker = Worker {
-            child: spawn_worker(port, extra),
+            child: spawn_worker(port, models, extra),
             port,
+            models: models.to_path_buf(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         worker.wait_ready();
@@ -63,7 +72,7 @@ impl Worker {
 
     fn restart(&mut self) {
         let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        self.child = spawn_worker(self.port, &extra);
+        self.child = spawn_worker(self.port, &self.models, &extra);
         self.wait_ready();
     }
 
@@ -82,11 +91,11 @@ impl Drop for Worker {
     }
 }
 
-fn spawn_worker(port: u16, extra: &[&str]) -> Child {
+fn spawn_worker(port: u16, models: &Path, extra: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(["worker", "--listen", &format!("127.0.0.1:{port}"), "--threads", "1"])
         .arg("--models")
-        .arg(model(QWEN2).parent().unwrap())
+        .arg(models)
         .args(["--token", TOKEN])
         .args(extra)
         .env_remove("BATON_TOKEN")
@@ -114,6 +123,11 @@ impl Server {
 
     /// With `layout` (`--split 12,12`, `--tp 2`) instead of the even split.
     fn start_layout(workers: &[&Worker], layout: &[&str], extra: &[&str]) -> Server {
+        Server::start_served(workers, &model(QWEN2), layout, extra)
+    }
+
+    /// Of the model at `path`.
+    fn start_served(workers: &[&Worker], path: &Path, layout: &[&str], extra: &[&str]) -> Server {
         let addrs: Vec<String> = workers.iter().map(|w| w.addr()).collect();
         let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
             .args(["serve", "--port", "0", "--threads", "1", "--no-head-stage"])
@@ -123,7 +137,7 @@ impl Server {
             // disturbed stream is rebuilt from a partly cached prompt.
             .args(["--chunk", "8"])
             .args(["--token", TOKEN, "--workers", &addrs.join(","), "--model"])
-            .arg(model(QWEN2))
+            .arg(path)
             .args(extra)
             .env_remove("BATON_TOKEN")
             .stdout(Stdio::piped())
@@ -296,6 +310,25 @@ fn lose_a_worker_mid_stream_with(
     assert!(serving(2)(status, &health), "the worker rejoins: {health}");
     let again = server.stream(usize::MAX, || {});
     assert_eq!(again.text, undisturbed.text);
+}
+
+/// A hybrid model (synthetic qwen35, recurrent states in half its layers) loses a
+/// worker mid-stream: the new ring rebuilds every state by replaying the sequence from
+/// position 0, and the text goes on unchanged.
+#[test]
+fn a_hybrid_models_stream_goes_on_after_a_killed_worker() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = common::synth::synthetic("qwen35", baton_ggml::FileType::Q4KM);
+    let w0 = Worker::start_in(path.parent().unwrap(), &[]);
+    let mut w1 = Worker::start_in(path.parent().unwrap(), &[]);
+    let server = Server::start_served(&[&w0, &w1], &path, &["--split", "2,2"], &[]);
+    let undisturbed = server.stream(usize::MAX, || {});
+    assert_eq!(undisturbed.finish.as_deref(), Some("length"), "{undisturbed:?}");
+    let streamed = server.stream(8, || w1.kill());
+    assert!(streamed.error.is_none(), "{streamed:?}");
+    assert!(streamed.disturbed_at.is_some(), "the worker was lost mid-stream");
+    assert_eq!(streamed.cached, 0, "a hybrid model's prompt is computed again");
+    assert_eq!(streamed.text, undisturbed.text, "the stream goes on unchanged");
 }
 
 #[test]

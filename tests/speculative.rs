@@ -183,3 +183,47 @@ fn a_small_unrelated_draft_model_changes_nothing_but_speed() {
     );
     assert_eq!(drafted, plain);
 }
+
+/// A hybrid model (synthetic qwen35: recurrent states in half its layers): a rejected
+/// draft rolls each state back to a kept position, so the drafted text equals the
+/// undrafted one, greedy and seeded, with prompt lookup and with another random qwen35
+/// (its own output untied) as the draft model, whose drafts the seeded samples often
+/// reject (its own states rolled back too); a repeated prompt is computed again (a
+/// recurrent state cannot be cut back to a reusable prefix) and gives the same text.
+#[test]
+fn a_hybrid_models_drafts_and_repeated_prompts_give_the_undrafted_text() {
+    let _serial = lock();
+    let path = common::synth::synthetic("qwen35", baton_ggml::FileType::Q4KM);
+    let other = common::synth::synthetic_with("qwen35", baton_ggml::FileType::Q4KM, |spec| {
+        spec.seed = 2;
+        spec.tied_output = false;
+    });
+    for draft in [
+        vec!["--draft", "ngram", "--draft-max", "16", "--draft-fixed"],
+        vec!["--draft-model", other.to_str().unwrap(), "--draft-max", "6", "--draft-fixed"],
+    ] {
+        let server = Server::start_path(&path, &draft);
+        for sampling in [
+            json!({"temperature": 0}),
+            json!({"temperature": 1.0, "seed": 7, "top_k": 40}),
+        ] {
+            let mut off = sampling.clone();
+            off["draft"] = json!("off");
+            let plain = complete(&server, CODE, off);
+            let drafted = complete(&server, CODE, sampling.clone());
+            assert_eq!(drafted, plain, "{draft:?} {sampling}: text with drafts vs without");
+            let again = complete(&server, CODE, sampling.clone());
+            assert_eq!(again, plain, "{draft:?} {sampling}: the prompt again");
+        }
+        let (sent, kept) = drafts(&server);
+        println!("{draft:?}: {sent} tokens drafted, {kept} kept");
+        assert!(sent > 0, "{draft:?} drafted");
+        if draft[0] == "--draft-model" {
+            assert!(sent > kept, "another model's drafts are rejected at times: {sent}/{kept}");
+        }
+        let body = json!({"model": server.model_id(), "prompt": CODE, "max_tokens": 4, "temperature": 0});
+        let reply = server.post("/v1/completions", &body);
+        let cached = &reply["usage"]["prompt_tokens_details"]["cached_tokens"];
+        assert_eq!(cached.as_u64().unwrap_or(0), 0, "nothing reused: {reply}");
+    }
+}

@@ -23,7 +23,7 @@ pub struct Server {
     child: Child,
     pub addr: String,
     /// File name of the model it serves.
-    model: &'static str,
+    model: String,
 }
 
 impl Server {
@@ -35,14 +35,19 @@ impl Server {
 
     /// A server without `--api-key` (only loopback names and its own page's origin).
     pub fn start_keyless(extra: &[&str]) -> Server {
-        Server::launch(QWEN2, &["--local-workers", "2"], extra)
+        Server::launch(&model(QWEN2), &["--local-workers", "2"], extra)
     }
 
     /// A server of `model` (a file name in models/) on 2 local workers.
-    pub fn start_model(model: &'static str, extra: &[&str]) -> Server {
+    pub fn start_model(name: &'static str, extra: &[&str]) -> Server {
+        Server::start_path(&model(name), extra)
+    }
+
+    /// A server of the model file at `path` on 2 local workers.
+    pub fn start_path(path: &std::path::Path, extra: &[&str]) -> Server {
         let mut args = vec!["--api-key", KEY];
         args.extend_from_slice(extra);
-        Server::launch(model, &["--local-workers", "2"], &args)
+        Server::launch(path, &["--local-workers", "2"], &args)
     }
 
     /// A server whose ring runs on `workers` (already started, requiring `token`).
@@ -50,15 +55,15 @@ impl Server {
         let workers = workers.join(",");
         let mut args = vec!["--api-key", KEY];
         args.extend_from_slice(extra);
-        Server::launch(QWEN2, &["--workers", &workers, "--token", token], &args)
+        Server::launch(&model(QWEN2), &["--workers", &workers, "--token", token], &args)
     }
 
     /// `baton serve` on `served` (a file name in models/) with `cluster` arguments
     /// (where the stages run) and `extra` ones.
-    fn launch(served: &'static str, cluster: &[&str], extra: &[&str]) -> Server {
+    fn launch(served: &std::path::Path, cluster: &[&str], extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
             .args(["serve", "--port", "0", "--threads", "1", "--model"])
-            .arg(model(served))
+            .arg(served)
             .args(cluster)
             .args(extra)
             .env_remove("BATON_TOKEN")
@@ -70,7 +75,7 @@ impl Server {
         Server {
             child,
             addr,
-            model: served,
+            model: served.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
         }
     }
 

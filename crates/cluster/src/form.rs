@@ -242,7 +242,7 @@ fn check_held(
 }
 
 /// What each layer and each end of the model costs in memory, for the planner.
-pub fn model_cost(file: &ModelFile, n_ctx: usize) -> ModelCost {
+pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize) -> ModelCost {
     let hp = file.hparams();
     let tensor_bytes = |name: &str| file.gguf().tensor(name).map_or(0, |t| t.n_bytes);
     let output = if file.gguf().tensor("output.weight").is_some() {
@@ -255,7 +255,7 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize) -> ModelCost {
         layer_work_bytes: (0..hp.n_layer).map(|l| file.layer_work_bytes(l)).collect(),
         first_bytes: tensor_bytes("token_embd.weight"),
         last_bytes: tensor_bytes("output_norm.weight") + tensor_bytes(output),
-        kv_bytes: vec![(hp.kv_cell_bytes() * n_ctx) as u64; hp.n_layer],
+        kv_bytes: (0..hp.n_layer).map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq)).collect(),
     }
 }
 
@@ -399,7 +399,7 @@ fn plan(
     let split = opts.split.as_deref().filter(|_| unreachable.is_empty());
     let planned = plan_nodes(
         file,
-        model_cost(file, opts.n_ctx),
+        model_cost(file, opts.n_ctx, opts.n_seq),
         head,
         &offers,
         workers,

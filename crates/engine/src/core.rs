@@ -543,7 +543,11 @@ impl Core {
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
             self.counters.active.fetch_add(1, Ordering::Relaxed);
             let slot = &mut self.slots[seq];
-            let n_reused = reusable_prefix(&slot.cached, &slot.cached_runs, &job.prompt, chunk);
+            let n_reused = if self.config.prefix_reuse {
+                reusable_prefix(&slot.cached, &slot.cached_runs, &job.prompt, chunk)
+            } else {
+                0
+            };
             self.counters
                 .prompt_tokens_reused
                 .fetch_add(n_reused as u64, Ordering::Relaxed);
@@ -576,7 +580,7 @@ impl Core {
         };
         while self.connected && self.steps_in_flight <= self.config.n_stages {
             let step = self.next_step;
-            let (drafters, policy) = (&mut self.drafters, &self.policy);
+            let (drafters, policy, max_draft) = (&mut self.drafters, &self.policy, self.config.max_draft);
             let mut draft = |seq: usize, active: &Active| {
                 let settings = active.draft;
                 if settings.draft.mode == DraftMode::Off {
@@ -584,7 +588,7 @@ impl Core {
                 }
                 // Never past what the request may still generate.
                 let room = active.job.max_tokens.saturating_sub(active.generated + 1);
-                let max = settings.draft.max.min(room);
+                let max = settings.draft.max.min(room).min(max_draft);
                 let k = if settings.draft.fixed {
                     max
                 } else {

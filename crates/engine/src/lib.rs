@@ -63,6 +63,7 @@ pub use types::{
     Cause, Counters, EndCheck, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Formed, Health, Job,
     OnLost, RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
 };
+pub use types::{max_draft, prefix_reuse};
 
 use self::core::Core;
 use shell::{Inbox, Shell};

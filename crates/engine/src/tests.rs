@@ -47,6 +47,8 @@ fn config() -> EngineConfig {
         max_queue: 8,
         recovery_timeout: Duration::from_secs(30),
         step_timeout: Duration::from_secs(60),
+        prefix_reuse: true,
+        max_draft: crate::draft::MAX_DRAFT,
     }
 }
 

@@ -33,6 +33,31 @@ pub struct EngineConfig {
     /// Longest the ring may take to answer one message before it counts as broken
     /// (a stage stuck in its computation, which heartbeats do not see).
     pub step_timeout: Duration,
+    /// Whether a prompt may start from the prefix its slot's cache holds. Not for a
+    /// model with recurrent layers: their states cannot be cut back to the chunk
+    /// boundary reuse would start at (each keeps only its last few positions), so the
+    /// whole prompt is computed again ([`prefix_reuse`]).
+    pub prefix_reuse: bool,
+    /// Most tokens drafted for one step: [`MAX_DRAFT`](crate::draft::MAX_DRAFT), fewer
+    /// where a rejected draft must roll recurrent states back ([`max_draft`]).
+    pub max_draft: usize,
+}
+
+/// Most tokens the engine may draft per step for a model: as many as a rejected draft
+/// can be rolled back over (recurrent states keep only their last
+/// [`KEPT_STATES`](baton_model::KEPT_STATES) positions).
+pub fn max_draft(hp: &baton_model::HParams) -> usize {
+    if prefix_reuse(hp) {
+        crate::draft::MAX_DRAFT
+    } else {
+        crate::draft::MAX_DRAFT.min(baton_model::KEPT_STATES - 1)
+    }
+}
+
+/// Whether a model's caches can be cut back to any earlier position, which reusing a
+/// cached prefix needs: not where layers are recurrent.
+pub fn prefix_reuse(hp: &baton_model::HParams) -> bool {
+    !hp.recurrent_layers.iter().any(|&r| r)
 }
 
 /// Called (from any thread) with a node's address and why it is lost.

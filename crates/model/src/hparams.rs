@@ -595,6 +595,20 @@ impl HParams {
         (self.n_embd_k_gqa() + values) * 2
     }
 
+    /// Bytes layer `layer`'s cache takes on a stage of `n_ctx` cells for `n_seq`
+    /// sequences: keys and values of every cell for an attention layer; for a
+    /// recurrent layer, each sequence's kept states (see [`crate::RecurrentCache`]),
+    /// whatever the context.
+    pub fn layer_cache_bytes(&self, layer: usize, n_ctx: usize, n_seq: usize) -> u64 {
+        match &self.ssm {
+            Some(ssm) if self.is_recurrent(layer) => {
+                let rows = crate::recurrent::state_rows(n_seq) as u64;
+                rows * ((ssm.conv_state_len() + ssm.state_len()) * std::mem::size_of::<f32>()) as u64
+            }
+            _ => (self.kv_cell_bytes() * n_ctx) as u64,
+        }
+    }
+
     /// What a token of a sliding-window layer sees (its window or chunk).
     pub fn window(&self) -> Window {
         match self.swa_type {

@@ -16,13 +16,22 @@ use baton_ggml::{Buffer, BufferType, Context, DType, Tensor};
 use crate::hparams::HParams;
 use crate::ModelError;
 
-/// Positions whose states each sequence keeps: its newest and the 16 before, so that
-/// any draft the engine makes (at most 16 tokens) can be rejected.
-pub const KEPT_STATES: usize = 17;
+/// Positions whose states each sequence keeps: its newest and the 8 before, so that a
+/// draft of up to 8 tokens can be rejected (the engine drafts no more for these
+/// models). Each kept state costs what the model's recurrent layers hold per sequence
+/// (Qwen3.5-35B-A3B: 66 MB), so the ring is kept short.
+pub const KEPT_STATES: usize = 9;
 
 /// Sequences a stage keeps states for when the configuration does not say
 /// (`StageConfig::n_seq` 0).
 const DEFAULT_SEQS: usize = 4;
+
+/// Rows of each state tensor for `n_seq` sequences (0: the default): each sequence's
+/// kept states, and the zero row.
+pub fn state_rows(n_seq: usize) -> usize {
+    let n_slots = if n_seq == 0 { DEFAULT_SEQS } else { n_seq };
+    n_slots * KEPT_STATES + 1
+}
 
 /// One sequence's share of the states: `KEPT_STATES` rows of every state tensor.
 #[derive(Clone, Debug, Default)]
@@ -78,7 +87,7 @@ impl RecurrentCache {
         let ctx = Context::new(2 * recurrent.len() + 2, 0);
         let buffer = match &hp.ssm {
             Some(ssm) if !recurrent.is_empty() => {
-                let rows = (n_slots * KEPT_STATES + 1) as i64;
+                let rows = state_rows(n_seq) as i64;
                 for &layer in &recurrent {
                     ctx.new_tensor(DType::F32, &[ssm.conv_state_len() as i64, rows])
                         .named(&format!("conv_l{layer}"));

@@ -701,7 +701,11 @@ fn split_between(span: &StageSpan, devices: &[Device]) -> Vec<(StageSpan, Device
 /// otherwise take the worker's memory (or the process) with it.
 fn check_kv_fits(file: &ModelFile, span: &StageSpan, config: &StageConfig, offered: u64) -> Result<(), NodeError> {
     let hp = file.hparams();
-    let kv = (hp.kv_cell_bytes() as u128) * (config.n_ctx as u128) * (span.layers.len() as u128);
+    let kv: u128 = span
+        .layers
+        .clone()
+        .map(|l| hp.layer_cache_bytes(l, config.n_ctx, config.n_seq) as u128)
+        .sum();
     if kv > offered as u128 {
         return Err(NodeError::Request(format!(
             "a context of {} tokens needs {:.1} GiB of KV cache for layers {:?}, more than the {:.1} GiB this \
