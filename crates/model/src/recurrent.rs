@@ -383,7 +383,8 @@ mod tests {
     fn a_failed_step_forgets_what_it_may_have_written() {
         let mut rs = cache();
         rs.commit(&rs.plan(&[1; 20], &(0..20).collect::<Vec<_>>()).unwrap());
-        // 17 rows from 20 write the rows of 21..=37, among them that of 20 itself.
+        // 17 rows from 20 write the ring rows of the last KEPT_STATES positions up to
+        // 37, among them (37 - 20 = 17 ≡ 20 modulo 9) the row that holds 20's state.
         let runs = rs.plan(&[1; 17], &(20..37).collect::<Vec<_>>()).unwrap();
         rs.fail(&runs);
         assert!(!rs.has_state(1, 20));
