@@ -82,6 +82,35 @@ fn qwen35moe_on_two_workers_matches_llama_cpp() {
     two_workers("qwen35moe", FileType::Q4KM);
 }
 
+/// Nemotron-H with 4 layers (Mamba2, MLP, attention, Mamba2) and with 7 (two of each
+/// block and a third Mamba2), so that stages start and end on every kind of block.
+fn nemotron_stages(arch: &str) {
+    stages(arch, FileType::Q4KM);
+    let path = synthetic_with(arch, FileType::Q4KM, |spec| spec.shape.n_layer = 7);
+    let worst = check_stages(&path, &format!("{arch} 7 layers"));
+    println!("{arch} 7 layers: worst NMSE {worst:.3e}");
+}
+
+#[test]
+fn nemotron_h_matches_llama_cpp_with_1_2_3_stages() {
+    nemotron_stages("nemotron_h");
+}
+
+#[test]
+fn nemotron_h_moe_matches_llama_cpp_with_1_2_3_stages() {
+    nemotron_stages("nemotron_h_moe");
+}
+
+#[test]
+fn nemotron_h_on_two_workers_matches_llama_cpp() {
+    two_workers("nemotron_h", FileType::Q4KM);
+}
+
+#[test]
+fn nemotron_h_moe_on_two_workers_matches_llama_cpp() {
+    two_workers("nemotron_h_moe", FileType::Q4KM);
+}
+
 #[test]
 fn qwen3moe_matches_llama_cpp_with_1_2_3_stages() {
     stages("qwen3moe", FileType::Q4KM);

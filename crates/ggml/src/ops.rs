@@ -112,6 +112,18 @@ impl Context {
         unsafe { self.wrap(sys::ggml_swiglu(self.raw(), a.raw())) }
     }
 
+    /// `max(a, 0)` element-wise.
+    pub fn relu<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_relu(self.raw(), a.raw())) }
+    }
+
+    /// `a²` element-wise.
+    pub fn sqr<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_sqr(self.raw(), a.raw())) }
+    }
+
     /// `log(1 + exp(a))` element-wise.
     pub fn softplus<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
         // SAFETY: records a node (see module docs).
@@ -207,6 +219,43 @@ impl Context {
                 g.raw(),
                 beta.raw(),
                 state.raw(),
+                keep as i64,
+            ))
+        }
+    }
+
+    /// Mamba2's selective scan over a batch, token by token (ggml's kernel, a sequential
+    /// loop over the tokens of each head): the states `s` `[d_state, head_dim, n_head,
+    /// rows]`, of which row `ids[i]` (i32 `[n_seqs]`) is sequence `i`'s initial state;
+    /// `x` `[head_dim, n_head, n_tokens, n_seqs]`, `dt` `[n_head, n_tokens, n_seqs]`
+    /// (contiguous; softplus is applied inside), the decay `a` `[1, n_head]`, `b` and `c`
+    /// `[d_state, n_group, n_tokens, n_seqs]`. Returns one tensor holding the outputs
+    /// `[head_dim, n_head, n_tokens, n_seqs]` followed by `keep` states per sequence, the
+    /// newest first (slot `j` is the state `j` tokens before the end; only the first
+    /// `min(n_tokens, keep)` are written).
+    #[allow(clippy::too_many_arguments)] // the op's own seven inputs and its count
+    pub fn ssm_scan<'t>(
+        &'t self,
+        s: Tensor<'t>,
+        x: Tensor<'t>,
+        dt: Tensor<'t>,
+        a: Tensor<'t>,
+        b: Tensor<'t>,
+        c: Tensor<'t>,
+        ids: Tensor<'t>,
+        keep: usize,
+    ) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs); ggml asserts the shapes and keep >= 1.
+        unsafe {
+            self.wrap(sys::ggml_ssm_scan(
+                self.raw(),
+                s.raw(),
+                x.raw(),
+                dt.raw(),
+                a.raw(),
+                b.raw(),
+                c.raw(),
+                ids.raw(),
                 keep as i64,
             ))
         }

@@ -78,32 +78,54 @@ pub struct HParams {
     /// Per layer: whether it is recurrent (keeps a fixed-size state per sequence
     /// instead of keys and values).
     pub recurrent_layers: Vec<bool>,
+    /// Per layer: its key/value heads (`n_head_kv`, or 0 where the file says the
+    /// layer does not attend: Nemotron-H's recurrent and FFN-only layers).
+    pub layer_kv_heads: Vec<usize>,
+    /// Per layer: the inner size of its dense FFN (`n_ff`, or 0 where the file says
+    /// it has none: Nemotron-H's recurrent and attention layers).
+    pub layer_ff: Vec<usize>,
     /// Multi-section RoPE (Qwen's M-RoPE): dimensions rotated by each of a token's four
     /// position coordinates; text tokens use `[p, p, p, 0]`.
     pub rope_sections: Option<[i32; 4]>,
 }
 
-/// The sizes of a gated DeltaNet layer (llama.cpp's `ssm_*` keys): a causal
-/// convolution over the projected queries, keys and values, then the delta rule with
-/// one `d_state × d_state` state per value head.
+/// Which recurrent layer a model's `ssm_*` keys size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SsmKind {
+    /// Qwen's gated DeltaNet: the delta rule with one `d_state × d_state` state per
+    /// value head (`d_inner` is the value heads' width together).
+    GatedDeltaNet,
+    /// Mamba2 (Nemotron-H): a selective scan with one `d_state × head_dim` state per
+    /// head, `head_dim = d_inner / n_heads`; `B` and `C` in `n_groups` groups.
+    Mamba2,
+}
+
+/// The sizes of a recurrent layer (llama.cpp's `ssm_*` keys): a causal convolution over
+/// the projected inputs (`d_inner` channels and two groups of `n_groups × d_state`:
+/// keys and queries, or Mamba2's `B` and `C`), then a recurrence whose state is
+/// `d_state × d_inner` per sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Ssm {
+    /// Which recurrence.
+    pub kind: SsmKind,
     /// Width of the convolution kernel (`ssm.conv_kernel`).
     pub d_conv: usize,
-    /// Width of all value heads together (`ssm.inner_size`).
+    /// Width of all heads together (`ssm.inner_size`).
     pub d_inner: usize,
-    /// Width of each key and value head (`ssm.state_size`).
+    /// State size per channel (`ssm.state_size`): DeltaNet's key and value head width.
     pub d_state: usize,
-    /// Value heads (`ssm.time_step_rank`).
-    pub n_v_heads: usize,
-    /// Key heads (`ssm.group_count`); each serves `n_v_heads / n_k_heads` value heads.
-    pub n_k_heads: usize,
+    /// Heads (`ssm.time_step_rank`): DeltaNet's value heads, Mamba2's heads.
+    pub n_heads: usize,
+    /// Groups (`ssm.group_count`): DeltaNet's key heads (each serves
+    /// `n_heads / n_groups` value heads), Mamba2's groups of `B` and `C`.
+    pub n_groups: usize,
 }
 
 impl Ssm {
-    /// Channels the convolution runs over: queries, keys and values.
+    /// Channels the convolution runs over: `d_inner` and two groups of
+    /// `n_groups × d_state` (DeltaNet's queries and keys, Mamba2's `B` and `C`).
     pub fn conv_channels(&self) -> usize {
-        self.d_inner + 2 * self.n_k_heads * self.d_state
+        self.d_inner + 2 * self.n_groups * self.d_state
     }
 
     /// Floats of one sequence's convolution state (the last `d_conv - 1` inputs of
@@ -112,31 +134,45 @@ impl Ssm {
         (self.d_conv - 1) * self.conv_channels()
     }
 
-    /// Floats of one sequence's delta-rule state (a `d_state × d_state` matrix per
-    /// value head).
+    /// Floats of one sequence's recurrent state: `d_state × d_inner` (DeltaNet: a
+    /// `d_state × d_state` matrix per value head; Mamba2: `d_state × head_dim` per head).
     pub fn state_len(&self) -> usize {
-        self.d_state * self.d_state * self.n_v_heads
+        self.d_state * self.d_inner
     }
 
-    /// Reads the `ssm.*` keys, refusing sizes ggml would abort on.
-    pub fn read(keys: &Keys<'_>) -> Result<Ssm, ModelError> {
+    /// Width of each Mamba2 head.
+    pub fn head_dim(&self) -> usize {
+        self.d_inner / self.n_heads
+    }
+
+    /// Reads the `ssm.*` keys of a `kind` layer, refusing sizes ggml would abort on.
+    pub fn read(keys: &Keys<'_>, kind: SsmKind) -> Result<Ssm, ModelError> {
         let ssm = Ssm {
+            kind,
             d_conv: keys.u32("ssm.conv_kernel")?,
             d_inner: keys.u32("ssm.inner_size")?,
             d_state: keys.u32("ssm.state_size")?,
-            n_v_heads: keys.u32("ssm.time_step_rank")?,
-            n_k_heads: keys.u32("ssm.group_count")?,
+            n_heads: keys.u32("ssm.time_step_rank")?,
+            n_groups: keys.u32("ssm.group_count")?,
         };
         const MAX: usize = 1 << 16;
-        let sizes = [ssm.d_conv, ssm.d_inner, ssm.d_state, ssm.n_v_heads, ssm.n_k_heads];
-        if sizes.iter().any(|&n| n == 0 || n > MAX)
-            || ssm.d_conv < 2
-            || !ssm.n_v_heads.is_multiple_of(ssm.n_k_heads)
-            || ssm.d_inner != ssm.d_state * ssm.n_v_heads
-        {
+        let sizes = [ssm.d_conv, ssm.d_inner, ssm.d_state, ssm.n_heads, ssm.n_groups];
+        let fits =
+            sizes.iter().all(|&n| n > 0 && n <= MAX) && ssm.d_conv >= 2 && ssm.n_heads.is_multiple_of(ssm.n_groups);
+        let (fits, needs) = match kind {
+            SsmKind::GatedDeltaNet => (
+                fits && ssm.d_inner == ssm.d_state * ssm.n_heads,
+                "inner_size time_step_rank x state_size",
+            ),
+            SsmKind::Mamba2 => (
+                fits && ssm.d_inner.is_multiple_of(ssm.n_heads),
+                "inner_size a multiple of time_step_rank",
+            ),
+        };
+        if !fits {
             return Err(ModelError::BadHParams(format!(
                 "recurrent layer sizes {ssm:?}: each must be between 1 and {MAX}, the kernel at least 2, \
-                 the value heads a multiple of the key heads and inner_size value heads x state_size"
+                 time_step_rank a multiple of group_count and {needs}"
             )));
         }
         Ok(ssm)
@@ -319,22 +355,50 @@ impl<'a> Keys<'a> {
         }
     }
 
-    /// A per-layer integer that llama.cpp reads with `get_key_or_arr`: one value, or
-    /// an array of `n` values. baton's layers share one value, so an array must hold
-    /// the same value throughout; missing gives `None`.
-    pub fn opt_uniform_u32(&self, key: &str, n: usize) -> Result<Option<usize>, ModelError> {
+    /// A per-layer integer as llama.cpp's `get_key_or_arr` reads it: one value for
+    /// every layer, or an array of `n` values; missing gives `None`.
+    pub fn opt_per_layer_u32(&self, key: &str, n: usize) -> Result<Option<Vec<usize>>, ModelError> {
         let full = self.name(key);
         if self.gguf.get(&full).is_none() {
             return Ok(None);
         }
         let values = self.gguf.get_u32_per_layer(&full, n)?;
+        Ok(Some(values.into_iter().map(|v| v as usize).collect()))
+    }
+
+    /// A per-layer integer (see [`Keys::opt_per_layer_u32`]) that baton's layers share:
+    /// an array must hold the same value throughout; missing gives `None`.
+    pub fn opt_uniform_u32(&self, key: &str, n: usize) -> Result<Option<usize>, ModelError> {
+        let Some(values) = self.opt_per_layer_u32(key, n)? else {
+            return Ok(None);
+        };
         match values.split_first() {
-            Some((&first, rest)) if rest.iter().all(|&v| v == first) => Ok(Some(first as usize)),
+            Some((&first, rest)) if rest.iter().all(|&v| v == first) => Ok(Some(first)),
             Some(_) => Err(ModelError::BadHParams(format!(
-                "{full} differs between layers ({values:?}); baton needs one value for all"
+                "{} differs between layers ({values:?}); baton needs one value for all",
+                self.name(key)
             ))),
             None => Ok(None),
         }
+    }
+
+    /// A per-layer size whose 0 means the layer lacks the block (Nemotron-H's
+    /// `attention.head_count_kv` and `feed_forward_length`): the value the layers
+    /// that have the block share (0 if none has it) and each layer's. Layers that have
+    /// it must agree; missing gives `None`.
+    pub fn opt_per_layer_blocks(&self, key: &str, n: usize) -> Result<Option<(usize, Vec<usize>)>, ModelError> {
+        let Some(values) = self.opt_per_layer_u32(key, n)? else {
+            return Ok(None);
+        };
+        let mut present = values.iter().copied().filter(|&v| v > 0);
+        let first = present.next().unwrap_or(0);
+        if present.any(|v| v != first) {
+            return Err(ModelError::BadHParams(format!(
+                "{} differs between the layers that have the block ({values:?}); baton needs one value for all",
+                self.name(key)
+            )));
+        }
+        Ok(Some((first, values)))
     }
 }
 
@@ -377,17 +441,29 @@ impl HParams {
         let n_layer_nextn = keys.opt_u32("nextn_predict_layers")?.unwrap_or(0);
         let n_layer = n_layer_all.saturating_sub(n_layer_nextn);
         let n_embd = keys.u32("embedding_length")?;
-        let n_head = keys.opt_uniform_u32("attention.head_count", n_layer_all)?.unwrap_or(0);
-        let n_head_kv = keys
-            .opt_uniform_u32("attention.head_count_kv", n_layer_all)?
-            .unwrap_or(n_head);
+        // One value for every layer, or with per-layer blocks one for the layers that
+        // have the block and 0 for the others.
+        let per_layer = |key: &str| -> Result<Option<(usize, Vec<usize>)>, ModelError> {
+            if arch.per_layer_blocks {
+                keys.opt_per_layer_blocks(key, n_layer_all)
+            } else {
+                Ok(keys
+                    .opt_uniform_u32(key, n_layer_all)?
+                    .map(|n| (n, vec![n; n_layer_all])))
+            }
+        };
+        let n_head = per_layer("attention.head_count")?.map_or(0, |(n, _)| n);
+        let (n_head_kv, mut layer_kv_heads) =
+            per_layer("attention.head_count_kv")?.unwrap_or((n_head, vec![n_head; n_layer_all]));
         if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
             return Err(ModelError::BadHParams(format!(
                 "n_layer {n_layer}, n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv}: \
                  all must be positive and n_head a multiple of n_head_kv"
             )));
         }
-        let n_ff = keys.opt_uniform_u32("feed_forward_length", n_layer_all)?.unwrap_or(0);
+        let (n_ff, mut layer_ff) = per_layer("feed_forward_length")?.unwrap_or((0, vec![0; n_layer_all]));
+        layer_kv_heads.truncate(n_layer);
+        layer_ff.truncate(n_layer);
         let head_dim_k = keys.opt_u32("attention.key_length")?.unwrap_or(n_embd / n_head);
         let head_dim_v = keys.opt_u32("attention.value_length")?.unwrap_or(n_embd / n_head);
         let n_ctx_train = keys.opt_u32("context_length")?.unwrap_or(2048);
@@ -466,6 +542,8 @@ impl HParams {
             tp_heads: None,
             ssm: None,
             recurrent_layers: vec![false; n_layer],
+            layer_kv_heads,
+            layer_ff,
             rope_sections: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
@@ -598,14 +676,15 @@ impl HParams {
     /// Bytes layer `layer`'s cache takes on a stage of `n_ctx` cells for `n_seq`
     /// sequences: keys and values of every cell for an attention layer; for a
     /// recurrent layer, each sequence's kept states (see [`crate::RecurrentCache`]),
-    /// whatever the context.
+    /// whatever the context; nothing for a layer that does neither.
     pub fn layer_cache_bytes(&self, layer: usize, n_ctx: usize, n_seq: usize) -> u64 {
         match &self.ssm {
             Some(ssm) if self.is_recurrent(layer) => {
                 let rows = crate::recurrent::state_rows(n_seq) as u64;
                 rows * ((ssm.conv_state_len() + ssm.state_len()) * std::mem::size_of::<f32>()) as u64
             }
-            _ => (self.kv_cell_bytes() * n_ctx) as u64,
+            _ if self.has_kv(layer) => (self.kv_cell_bytes() * n_ctx) as u64,
+            _ => 0,
         }
     }
 
@@ -620,6 +699,13 @@ impl HParams {
     /// Whether layer `layer` is recurrent (see [`HParams::recurrent_layers`]).
     pub fn is_recurrent(&self, layer: usize) -> bool {
         self.recurrent_layers.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Whether layer `layer` attends, keeping keys and values in the KV cache: every
+    /// layer but the recurrent ones and those without KV heads (see
+    /// [`HParams::layer_kv_heads`]).
+    pub fn has_kv(&self, layer: usize) -> bool {
+        !self.is_recurrent(layer) && self.layer_kv_heads.get(layer).is_some_and(|&n| n > 0)
     }
 
     /// Position coordinates per token the graph's position input holds: 4 with

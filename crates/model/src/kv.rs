@@ -81,9 +81,10 @@ impl KvCache {
             )));
         }
         let ctx = Context::new(2 * layers.len() + 2, 0);
-        // Recurrent layers keep states instead (see `RecurrentCache`).
-        let has_heads = hp.n_embd_k_gqa() > 0 && layers.clone().any(|l| !hp.is_recurrent(l));
-        for layer in layers.clone().filter(|&l| has_heads && !hp.is_recurrent(l)) {
+        // Recurrent layers keep states instead (see `RecurrentCache`); layers that do not
+        // attend keep nothing.
+        let has_heads = hp.n_embd_k_gqa() > 0 && layers.clone().any(|l| hp.has_kv(l));
+        for layer in layers.clone().filter(|&l| has_heads && hp.has_kv(l)) {
             ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64])
                 .named(&format!("cache_k_l{layer}"));
             // MLA caches only the compressed keys; values are a view of them.
@@ -366,6 +367,8 @@ mod tests {
             tp_heads: None,
             ssm: None,
             recurrent_layers: vec![false; 2],
+            layer_kv_heads: vec![1; 2],
+            layer_ff: vec![16; 2],
             rope_sections: None,
             yarn: crate::Yarn {
                 attn_factor: 1.0,

@@ -104,6 +104,11 @@ tensor_names! {
         SsmAlpha = "ssm_alpha.weight",
         SsmNorm = "ssm_norm.weight",
         SsmOut = "ssm_out.weight",
+        // Mamba2 layers (nemotron_h): the fused input projection, the convolution's
+        // bias, the skip connection's per-head factor.
+        SsmIn = "ssm_in.weight",
+        SsmConv1dBias = "ssm_conv1d.bias",
+        SsmD = "ssm_d",
     }
 }
 

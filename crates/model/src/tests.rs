@@ -297,7 +297,28 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, nemotron_h, nemotron_h_moe)"
+    );
+
+    // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
+    // without attention say 0 (and those with it must still agree).
+    let per_layer = |values: [u32; 3]| Value::Array(values.map(Value::U32).to_vec());
+    let uneven = tiny_model("llama", |w| {
+        w.without_kv("llama.attention.head_count_kv")
+            .kv("llama.attention.head_count_kv", per_layer([2, 0, 2]))
+    });
+    assert_eq!(
+        err_text("uneven.gguf", &uneven),
+        "bad hyper-parameters: llama.attention.head_count_kv differs between layers ([2, 0, 2]); baton needs one value for all"
+    );
+    let uneven = tiny_model("nemotron_h", |w| {
+        w.without_kv("nemotron_h.attention.head_count_kv")
+            .kv("nemotron_h.attention.head_count_kv", per_layer([0, 1, 2]))
+    });
+    assert_eq!(
+        err_text("uneven-nemotron.gguf", &uneven),
+        "bad hyper-parameters: nemotron_h.attention.head_count_kv differs between the layers that have the block \
+         ([0, 1, 2]); baton needs one value for all"
     );
 
     // A tensor the architecture does not use would be silently skipped: refused.
@@ -461,5 +482,29 @@ fn kv_cache_is_sized_per_architecture() {
         );
         let stage = Stage::load(file, span.clone(), &StageConfig::new(n_ctx, 1)).unwrap();
         assert_eq!(stage.kv().bytes(), N_LAYER * n_ctx * row_bytes, "{arch}");
+    }
+
+    // Nemotron-H's layers are Mamba2, MLP and attention: only the last has a KV cache,
+    // only the first recurrent states, and the MLP nothing.
+    let file = open("kv-nemotron_h.gguf", &tiny_model("nemotron_h", |w| w)).unwrap();
+    let hp = file.hparams().clone();
+    let row_bytes = 2 * (2 * 8) * 2;
+    let ssm = hp.ssm.clone().unwrap();
+    let states = crate::recurrent::state_rows(1) * (ssm.conv_state_len() + ssm.state_len()) * 4;
+    let per_layer: Vec<u64> = (0..N_LAYER).map(|l| hp.layer_cache_bytes(l, n_ctx, 1)).collect();
+    assert_eq!(per_layer, [states as u64, 0, (n_ctx * row_bytes) as u64]);
+    let stage = Stage::load(file, span, &StageConfig::new(n_ctx, 1)).unwrap();
+    assert_eq!(stage.kv().bytes(), n_ctx * row_bytes);
+}
+
+/// Recurrent layers are not split between tensor-parallel members: the group is
+/// refused with the kind of layer named.
+#[test]
+fn tensor_parallelism_refuses_recurrent_layers() {
+    for (arch, kind) in [("nemotron_h", "Mamba2"), ("qwen35", "gated DeltaNet")] {
+        let file = open(&format!("tp-{arch}.gguf"), &tiny_model(arch, |w| w)).unwrap();
+        let err = crate::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
+        assert!(err.contains(&format!("{arch} has recurrent ({kind}) layers")), "{err}");
+        assert!(err.contains("run it as pipeline stages"), "{err}");
     }
 }

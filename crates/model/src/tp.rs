@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::hparams::{HParams, TpHeads};
+use crate::hparams::{HParams, SsmKind, TpHeads};
 use crate::tensors::{Dim, Split};
 use crate::ModelError;
 
@@ -96,11 +96,15 @@ impl TpSplit {
         if size == 0 || rank >= size {
             return Err(ModelError::BadConfig(format!("member {rank} of a group of {size}")));
         }
-        if hp.ssm.is_some() {
+        if let Some(ssm) = &hp.ssm {
+            let kind = match ssm.kind {
+                SsmKind::GatedDeltaNet => "gated DeltaNet",
+                SsmKind::Mamba2 => "Mamba2",
+            };
             return Err(ModelError::BadConfig(format!(
-                "{} has recurrent (gated DeltaNet) layers, which baton does not split between \
+                "{} has recurrent ({kind}) layers, which baton does not split between \
                  tensor-parallel members yet: their convolution and state would have to be cut by \
-                 value heads; run it as pipeline stages",
+                 heads; run it as pipeline stages",
                 hp.arch.name
             )));
         }

@@ -14,7 +14,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::attention::KeyValues;
-use super::{Builder, Shape};
+use super::{Builder, Shape, StateRunInputs};
 use crate::hparams::{HParams, Keys};
 use crate::names::LayerTensor as T;
 use crate::recurrent::KEPT_STATES;
@@ -26,7 +26,7 @@ use crate::ModelError;
 /// layers are recurrent (`attention.recurrent_layers`, else every layer but each
 /// `full_attention_interval`-th, 4 by default) and the RoPE sections.
 pub fn read_hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
-    hp.ssm = Some(crate::hparams::Ssm::read(keys)?);
+    hp.ssm = Some(crate::hparams::Ssm::read(keys, crate::hparams::SsmKind::GatedDeltaNet)?);
     if hp.head_dim_k != hp.head_dim_v {
         return Err(ModelError::BadHParams(format!(
             "{}: key and value heads of {} and {} values; llama.cpp needs them equal",
@@ -86,7 +86,7 @@ pub fn mixer_tensors(t: &mut LayerPlan<'_>) {
     if hp.is_recurrent(t.layer) {
         let ssm = hp.ssm.as_ref().expect("hybrid models read their DeltaNet sizes");
         let channels = ssm.conv_channels();
-        let heads = ssm.n_v_heads;
+        let heads = ssm.n_heads;
         t.mat(T::AttnQkv, &[embd, channels], Split::Whole);
         t.mat(T::AttnGate, &[embd, ssm.d_inner], Split::Whole);
         t.vec(T::SsmConv1d, &[ssm.d_conv, channels], Split::Whole);
@@ -139,7 +139,7 @@ impl<'g> Builder<'g> {
         let hp = self.hp;
         let ctx = self.ctx;
         let ssm = hp.ssm.as_ref().expect("a recurrent layer has DeltaNet sizes");
-        let (s, h_k, h_v) = (ssm.d_state as i64, ssm.n_k_heads as i64, ssm.n_v_heads as i64);
+        let (s, h_k, h_v) = (ssm.d_state as i64, ssm.n_groups as i64, ssm.n_heads as i64);
         let channels = ssm.conv_channels() as i64;
         let d_conv = ssm.d_conv as i64;
         let n_tokens = x.ne()[1];
@@ -163,22 +163,7 @@ impl<'g> Builder<'g> {
             let previous = ctx.reshape_3d(ctx.get_rows(conv_all, run.source), d_conv - 1, channels, 1);
             let run_qkv = ctx.view_2d(qkv, channels, n, qkv.nb()[1], r0 * qkv.nb()[1]);
             let conv_in = ctx.concat(previous, ctx.transpose(run_qkv), 0); // [d_conv - 1 + n, channels, 1]
-            // The convolution's state after each kept position: its last d_conv - 1 inputs.
-            let conv_len = ssm.conv_state_len() as i64;
-            let snapshots = (0..n_kept as i64)
-                .map(|j| {
-                    let view = ctx.view_3d(
-                        conv_in,
-                        [d_conv - 1, channels, 1],
-                        conv_in.nb()[1],
-                        conv_in.nb()[2],
-                        (n - j) as usize * conv_in.nb()[0],
-                    );
-                    ctx.reshape_2d(ctx.cont(view), conv_len, 1)
-                })
-                .reduce(|done, next| ctx.concat(done, next, 1))
-                .expect("a run has at least one row");
-            self.graph.expand(ctx.set_rows(conv_all, snapshots, run.targets));
+            self.graph.expand(self.keep_conv_states(conv_all, conv_in, run));
 
             let conv = ctx.silu(ctx.ssm_conv(conv_in, w.get(T::SsmConv1d))); // [channels, n, 1]
             let row = conv.nb()[1];
@@ -212,7 +197,11 @@ impl<'g> Builder<'g> {
             let o = ctx.view_4d(
                 out,
                 [s, h_v, n, 1],
-                [s as usize * f32_size, (s * h_v) as usize * f32_size, scores as usize * f32_size],
+                [
+                    s as usize * f32_size,
+                    (s * h_v) as usize * f32_size,
+                    scores as usize * f32_size,
+                ],
                 0,
             );
             outs = Some(match outs {
@@ -225,6 +214,37 @@ impl<'g> Builder<'g> {
         let normed = ctx.mul(self.norm(out, w.get(T::SsmNorm)), ctx.silu(z));
         let flat = ctx.reshape_2d(normed, s * h_v, n_tokens);
         named(ctx.mul_mat(w.get(T::SsmOut), flat), "linear_attn_out")
+    }
+
+    /// Writes the convolution states after a run's kept positions to its target rows
+    /// of `conv_all`: each the last `d_conv - 1` inputs up to that position, of
+    /// `conv_in` `[d_conv - 1 + n, channels, 1]` (the sequence's previous inputs, then
+    /// the run's). Returns the write, for the graph.
+    pub(super) fn keep_conv_states(
+        &self,
+        conv_all: Tensor<'g>,
+        conv_in: Tensor<'g>,
+        run: &StateRunInputs<'g>,
+    ) -> Tensor<'g> {
+        let ctx = self.ctx;
+        let ssm = self.hp.ssm.as_ref().expect("a recurrent layer has its sizes");
+        let (d_conv, channels) = (ssm.d_conv as i64, ssm.conv_channels() as i64);
+        let n = run.rows.len() as i64;
+        let conv_len = ssm.conv_state_len() as i64;
+        let snapshots = (0..n.min(KEPT_STATES as i64))
+            .map(|j| {
+                let view = ctx.view_3d(
+                    conv_in,
+                    [d_conv - 1, channels, 1],
+                    conv_in.nb()[1],
+                    conv_in.nb()[2],
+                    (n - j) as usize * conv_in.nb()[0],
+                );
+                ctx.reshape_2d(ctx.cont(view), conv_len, 1)
+            })
+            .reduce(|done, next| ctx.concat(done, next, 1))
+            .expect("a run has at least one row");
+        ctx.set_rows(conv_all, snapshots, run.targets)
     }
 
     /// `x / max(‖x‖, ε)` over dim 0, as llama.cpp's `build_gdn_l2_norm` computes it: an

@@ -21,6 +21,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Neox,
     rope_freqs: false,
     own_output: true,
+    per_layer_blocks: false,
     hparams,
     tensors,
     layer,

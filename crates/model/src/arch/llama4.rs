@@ -23,6 +23,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Norm,
     rope_freqs: true,
     own_output: false,
+    per_layer_blocks: false,
     hparams,
     tensors,
     layer,

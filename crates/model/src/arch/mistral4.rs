@@ -24,6 +24,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Norm,
     rope_freqs: false,
     own_output: false,
+    per_layer_blocks: false,
     hparams,
     tensors: deepseek2::tensors,
     layer,

@@ -11,6 +11,7 @@ pub mod attention;
 pub mod builder;
 pub mod deltanet;
 pub mod ends;
+pub mod mamba2;
 pub mod moe;
 
 mod deepseek2;
@@ -23,6 +24,8 @@ mod llama4;
 mod minimax_m2;
 mod mistral3;
 mod mistral4;
+mod nemotron_h;
+mod nemotron_h_moe;
 mod phi3;
 mod qwen2;
 mod qwen3;
@@ -59,6 +62,8 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &llama4::ARCH,
     &qwen35::ARCH,
     &qwen35moe::ARCH,
+    &nemotron_h::ARCH,
+    &nemotron_h_moe::ARCH,
 ];
 
 /// How RoPE rotates a head.
@@ -109,6 +114,10 @@ pub struct Architecture {
     /// Whether the model always has its own `output.weight` (never tied to the token
     /// embedding).
     pub own_output: bool,
+    /// Whether a layer may lack attention or a dense FFN, which the file says with a 0
+    /// for that layer in `attention.head_count_kv` or `feed_forward_length` (Nemotron-H);
+    /// elsewhere those values are the same for every layer.
+    pub per_layer_blocks: bool,
     /// Reads the architecture's own keys after the common ones.
     pub hparams: fn(&mut HParams, &Keys<'_>) -> Result<(), ModelError>,
     /// Lists one layer's tensors.

@@ -180,6 +180,8 @@ pub enum ExpertAct {
     Silu,
     /// gpt-oss's clamped SwiGLU (`ggml_swiglu_oai`, alpha 1.702, limit 7).
     SwigluOai,
+    /// `relu(up)²`: no gate (Nemotron-H).
+    ReluSqr,
 }
 
 /// What a device backend may convert the experts' down-projection input (the activated
@@ -305,7 +307,7 @@ impl<'g> Builder<'g> {
         };
         let experts =
             |weight: T, bias: T, input: Tensor<'g>| biased(ctx.mul_mat_id(w.get(weight), input, selected), bias);
-        let (gate, up) = match w.opt(T::FfnGateUpExps) {
+        let gated = |act: &dyn Fn(Tensor<'g>, Tensor<'g>) -> Tensor<'g>| match w.opt(T::FfnGateUpExps) {
             Some(gate_up_w) => {
                 let gate_up = ctx.mul_mat_id(gate_up_w, x3, selected); // [2 n_ff, n_used, n_tokens]
                 let n_ff = gate_up.ne()[0] / 2;
@@ -313,16 +315,17 @@ impl<'g> Builder<'g> {
                 let [nb0, nb1, nb2, _] = gate_up.nb();
                 let gate = ctx.view_3d(gate_up, [n_ff, ne1, ne2], nb1, nb2, 0);
                 let up = ctx.view_3d(gate_up, [n_ff, ne1, ne2], nb1, nb2, n_ff as usize * nb0);
-                (gate, up)
+                act(gate, up)
             }
             None => {
                 let up = experts(T::FfnUpExps, T::FfnUpExpsBias, x3); // [n_ff, n_used, n_tokens]
-                (experts(T::FfnGateExps, T::FfnGateExpsBias, x3), up)
+                act(experts(T::FfnGateExps, T::FfnGateExpsBias, x3), up)
             }
         };
         let hidden = match routing.act {
-            ExpertAct::Silu => ctx.swiglu_split(gate, up),
-            ExpertAct::SwigluOai => ctx.swiglu_oai(gate, up, 1.702, 7.0),
+            ExpertAct::Silu => gated(&|gate, up| ctx.swiglu_split(gate, up)),
+            ExpertAct::SwigluOai => gated(&|gate, up| ctx.swiglu_oai(gate, up, 1.702, 7.0)),
+            ExpertAct::ReluSqr => ctx.sqr(ctx.relu(experts(T::FfnUpExps, T::FfnUpExpsBias, x3))),
         }; // [n_ff, n_used, n_tokens]; a tensor-parallel member's share of n_ff
         let hidden = if self.tp.is_some() {
             let [n_ff, _, _, _] = hidden.ne();

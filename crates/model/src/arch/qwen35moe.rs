@@ -21,6 +21,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Imrope,
     rope_freqs: false,
     own_output: false,
+    per_layer_blocks: false,
     hparams,
     tensors,
     layer,
