@@ -165,7 +165,8 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 /// crates/ggml; the f32 router multiplies each row of such a batch alone), and a
 /// sequence's greedy tokens are the same alone and beside others. Every MoE family:
 /// routers with selection biases and groups, shared experts, MLA, sinks and windows,
-/// experts weighted before their FFN (llama4).
+/// experts weighted before their FFN (llama4), recurrent layers (qwen35moe's DeltaNet,
+/// nemotron_h_moe's Mamba2).
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
     const N_SEQ: usize = 7;
@@ -178,6 +179,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         "minimax-m2",
         "llama4",
         "qwen35moe",
+        "nemotron_h_moe",
     ] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
@@ -223,13 +225,19 @@ fn batching_other_sequences_changes_nothing_for_experts() {
             assert_eq!(nmse(&batched, &alone), 0.0, "{arch}: batch of {rows}");
         }
 
-        // Greedy decoding of sequence 0 alone, then beside sequences 1 and 2 decoding
-        // in the same batches: the same tokens.
+        // Greedy decoding of sequence 0 alone, then beside the others decoding in the
+        // same batches: the same tokens. Steps a recurrent state can be rolled back
+        // over (it keeps its last KEPT_STATES positions), 12 elsewhere.
+        let steps = if file.hparams().ssm.is_some() {
+            baton_model::KEPT_STATES - 1
+        } else {
+            12
+        };
         let decode = |chain: &mut Chain, seqs: &[u32]| -> Vec<u32> {
             let mut next: Vec<u32> = vec![42; seqs.len()];
             let mut pos: Vec<i32> = seqs.iter().map(|&s| lens[s as usize]).collect();
             let mut first = Vec::new();
-            for _ in 0..12 {
+            for _ in 0..steps {
                 let rows: Vec<u32> = (0..seqs.len() as u32).collect();
                 let logits = forward_rows(chain, &next, &pos, seqs, &rows);
                 let n_vocab = logits.len() / seqs.len();
