@@ -73,7 +73,7 @@ pub struct HParams {
     /// Which of the whole model's heads a tensor-parallel member holds (`None` outside
     /// a group, where `n_head` and `n_head_kv` are all of them).
     pub tp_heads: Option<TpHeads>,
-    /// The sizes of recurrent layers (gated DeltaNet), for models that have them.
+    /// The sizes of recurrent layers (gated DeltaNet or Mamba2), for models that have them.
     pub ssm: Option<Ssm>,
     /// Per layer: whether it is recurrent (keeps a fixed-size state per sequence
     /// instead of keys and values).

@@ -1,6 +1,7 @@
-//! The recurrent states of one stage: for each of its recurrent layers (gated DeltaNet)
-//! and each sequence, the convolution's last inputs and the delta rule's state, in
-//! place of the keys and values an attention layer caches.
+//! The recurrent states of one stage: for each of its recurrent layers (gated DeltaNet,
+//! Mamba2) and each sequence, the convolution's last inputs and the recurrence's state
+//! (the delta rule's or the selective scan's), in place of the keys and values an
+//! attention layer caches.
 //!
 //! A state cannot be cut back to an earlier position the way a KV cache can, so each
 //! sequence keeps the states of its last [`KEPT_STATES`] positions in a ring: a
