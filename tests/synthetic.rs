@@ -73,6 +73,16 @@ fn qwen35moe_matches_llama_cpp_with_1_2_3_stages() {
 }
 
 #[test]
+fn qwen3next_matches_llama_cpp_with_1_2_3_stages() {
+    stages("qwen3next", FileType::Q4KM);
+}
+
+#[test]
+fn qwen3next_on_two_workers_matches_llama_cpp() {
+    two_workers("qwen3next", FileType::Q4KM);
+}
+
+#[test]
 fn qwen35_on_two_workers_matches_llama_cpp() {
     two_workers("qwen35", FileType::Q4KM);
 }
@@ -149,6 +159,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         "minimax-m2",
         "llama4",
         "qwen35moe",
+        "qwen3next",
     ] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe

@@ -28,6 +28,7 @@ mod qwen2;
 mod qwen3;
 mod qwen35;
 mod qwen35moe;
+mod qwen3next;
 mod qwen3moe;
 
 use baton_ggml::Tensor;
@@ -59,6 +60,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &llama4::ARCH,
     &qwen35::ARCH,
     &qwen35moe::ARCH,
+    &qwen3next::ARCH,
 ];
 
 /// How RoPE rotates a head.
