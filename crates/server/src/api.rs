@@ -22,7 +22,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::metrics::{Outcome, Timing};
 use crate::openai::{ErrorBody, ErrorDetail, PromptTokensDetails, Usage};
-use crate::reasoning::{self, FirstCallEnds, OutputSplitter};
+use crate::reasoning::{FirstCallEnds, OutputSplitter, Start};
 use crate::request::{self, CompletionPrompt, Generation};
 use crate::template::{ChatMessage, ChatTemplate};
 use crate::tools::{self, Out, ToolChoice, ToolFormat, ToolParser};
@@ -189,8 +189,7 @@ impl AppState {
         Ok(())
     }
 
-    /// The prompt tokens of a chat, and whether the prompt leaves the model inside its
-    /// thinking ([`reasoning::opens_thinking`]). Only the template's own special tokens
+    /// The prompt tokens of a chat, and where the output starts ([`Start::after`]). Only the template's own special tokens
     /// are special: text a client typed that reads like one (`<|im_start|>`) is
     /// tokenized as text.
     fn chat_prompt(
@@ -198,7 +197,7 @@ impl AppState {
         messages: &[ChatMessage],
         tools: Option<&[Value]>,
         kwargs: &Map<String, Value>,
-    ) -> Result<(Vec<u32>, bool), ApiError> {
+    ) -> Result<(Vec<u32>, Start), ApiError> {
         let refused = |e: crate::template::TemplateError| {
             ApiError::invalid(format!("the chat template refused the messages: {e}")).param("messages")
         };
@@ -211,10 +210,7 @@ impl AppState {
                 .template
                 .render_with_kwargs(messages, tools, kwargs, true)
                 .map_err(refused)?;
-            return Ok((
-                self.tokenize_rendered(&rendered, true)?,
-                reasoning::opens_thinking(&rendered),
-            ));
+            return Ok((self.tokenize_rendered(&rendered, true)?, Start::after(&rendered)));
         }
         // Mark each content with private-use characters, render, then tokenize content
         // without special-token parsing and the template's text with it.
@@ -249,7 +245,7 @@ impl AppState {
             };
             tokens.extend(piece);
         }
-        Ok((tokens, reasoning::opens_thinking(&rendered)))
+        Ok((tokens, Start::after(&rendered)))
     }
 
     fn tokenize_plain(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>, ApiError> {
@@ -791,16 +787,16 @@ async fn chat_job(
     let tools = template_tools.map(<[Value]>::to_vec);
     let messages = std::mem::take(&mut req.messages);
     let kwargs = std::mem::take(&mut req.template_kwargs);
-    let (prompt, open) = state
+    let (prompt, start) = state
         .off_runtime(move |state| state.chat_prompt(&messages, tools.as_deref(), &kwargs))
         .await?;
-    let splitter = OutputSplitter::new(format, parser, reasoning, open);
+    let splitter = OutputSplitter::new(format, parser, reasoning, start);
     let mut prepared = prepare(state, req.generation, prompt)?;
     if offer_tools && format == ToolFormat::Mistral {
         prepared.job.show = state.tool_markers.clone();
     }
     if one_call {
-        prepared.job.end = Some(Box::new(FirstCallEnds::new(format, reasoning, open)));
+        prepared.job.end = Some(Box::new(FirstCallEnds::new(format, reasoning, start)));
     }
     Ok((prepared, splitter))
 }

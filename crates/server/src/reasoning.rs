@@ -46,11 +46,26 @@ impl ReasoningFormat {
 const OPEN: &str = "<think>";
 const CLOSE: &str = "</think>";
 
-/// Whether a rendered prompt leaves the model inside its thinking (the template's
-/// generation prompt opened `<think>`, as Qwen3's and DeepSeek R1's newer ones do), so
-/// that the output starts with thinking and only closes it.
-pub fn opens_thinking(rendered: &str) -> bool {
-    rendered.trim_end().ends_with(OPEN)
+/// Where generated text starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Start {
+    /// Outside any thinking: a `<think>` may open it.
+    Open,
+    /// Inside the thinking, which the prompt opened: the output only closes it.
+    InThinking,
+}
+
+impl Start {
+    /// Where the output of a rendered prompt starts: inside the thinking when the
+    /// template's generation prompt opened `<think>`, as Qwen3's and DeepSeek R1's
+    /// newer ones do.
+    pub fn after(rendered: &str) -> Start {
+        if rendered.trim_end().ends_with(OPEN) {
+            Start::InThinking
+        } else {
+            Start::Open
+        }
+    }
 }
 
 /// A piece of output, split.
@@ -66,7 +81,7 @@ pub enum Piece {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     /// Nothing but whitespace yet: a `<think>` may still open the output.
-    Start,
+    Before,
     /// Inside the thinking; `began`: something besides whitespace was released.
     Thinking { began: bool },
     /// The answer; `began` as for thinking (whitespace after `</think>` is dropped).
@@ -87,13 +102,11 @@ pub struct ThinkSplitter {
 }
 
 impl ThinkSplitter {
-    /// A splitter for output that starts inside the thinking (`open`: the prompt
-    /// opened `<think>`, see [`opens_thinking`]) or may open it.
-    pub fn new(open: bool) -> ThinkSplitter {
-        let state = if open {
-            State::Thinking { began: false }
-        } else {
-            State::Start
+    /// A splitter for output that starts at `start`.
+    pub fn new(start: Start) -> ThinkSplitter {
+        let state = match start {
+            Start::InThinking => State::Thinking { began: false },
+            Start::Open => State::Before,
         };
         ThinkSplitter {
             state,
@@ -121,7 +134,7 @@ impl ThinkSplitter {
     fn split(&mut self, out: &mut Vec<Piece>, end: bool) {
         loop {
             match self.state {
-                State::Start => {
+                State::Before => {
                     let start = self.held.trim_start();
                     if let Some(after) = start.strip_prefix(OPEN) {
                         self.held = after.to_string();
@@ -196,21 +209,21 @@ pub struct OutputSplitter {
 impl OutputSplitter {
     /// The splitter for a chat whose template writes tool calls in `format` (gpt-oss's
     /// harmony format also carries its thinking), `tools`: the call parser when calls
-    /// are parsed or `None`, `open`: the prompt opened `<think>`. `None` when nothing
-    /// is split: the text is all content.
+    /// are parsed or `None`, `start`: where the output starts. `None` when nothing is
+    /// split: the text is all content.
     pub fn new(
         format: ToolFormat,
         tools: Option<ToolParser>,
         reasoning: ReasoningFormat,
-        open: bool,
+        start: Start,
     ) -> Option<OutputSplitter> {
-        let splitter = OutputSplitter::with(format, tools, reasoning, open);
+        let splitter = OutputSplitter::with(format, tools, reasoning, start);
         (splitter.think.is_some() || splitter.tools.is_some()).then_some(splitter)
     }
 
-    fn with(format: ToolFormat, tools: Option<ToolParser>, reasoning: ReasoningFormat, open: bool) -> OutputSplitter {
+    fn with(format: ToolFormat, tools: Option<ToolParser>, reasoning: ReasoningFormat, start: Start) -> OutputSplitter {
         let think =
-            (format != ToolFormat::Harmony && reasoning != ReasoningFormat::Inline).then(|| ThinkSplitter::new(open));
+            (format != ToolFormat::Harmony && reasoning != ReasoningFormat::Inline).then(|| ThinkSplitter::new(start));
         OutputSplitter {
             think,
             tools,
@@ -275,10 +288,10 @@ pub struct FirstCallEnds(OutputSplitter);
 
 impl FirstCallEnds {
     /// For answers in `format`, read as the response's [`OutputSplitter::new`] reads
-    /// them (`reasoning`, `open`).
-    pub fn new(format: ToolFormat, reasoning: ReasoningFormat, open: bool) -> FirstCallEnds {
+    /// them (`reasoning`, `start`).
+    pub fn new(format: ToolFormat, reasoning: ReasoningFormat, start: Start) -> FirstCallEnds {
         let tools = ToolParser::new(format, true).one_call(true);
-        FirstCallEnds(OutputSplitter::with(format, Some(tools), reasoning, open))
+        FirstCallEnds(OutputSplitter::with(format, Some(tools), reasoning, start))
     }
 }
 

@@ -20,8 +20,8 @@ fn joined(pieces: Vec<Piece>) -> Vec<Piece> {
 }
 
 /// `text` through a splitter in pieces cut at `cuts` (byte offsets on char boundaries).
-fn split_at(open: bool, text: &str, cuts: &[usize]) -> Vec<Piece> {
-    let mut splitter = ThinkSplitter::new(open);
+fn split_at(start: Start, text: &str, cuts: &[usize]) -> Vec<Piece> {
+    let mut splitter = ThinkSplitter::new(start);
     let mut out = Vec::new();
     let mut from = 0;
     for &cut in cuts.iter().chain([text.len()].iter()) {
@@ -34,14 +34,14 @@ fn split_at(open: bool, text: &str, cuts: &[usize]) -> Vec<Piece> {
 
 /// `text` cut everywhere it can be into two and into three pieces, and one char at a
 /// time: every way must give `expected`.
-fn every_cut(open: bool, text: &str, expected: &[Piece]) {
+fn every_cut(start: Start, text: &str, expected: &[Piece]) {
     let bounds: Vec<usize> = (1..text.len()).filter(|&i| text.is_char_boundary(i)).collect();
-    assert_eq!(split_at(open, text, &[]), expected, "whole: {text:?}");
-    assert_eq!(split_at(open, text, &bounds), expected, "a char at a time: {text:?}");
+    assert_eq!(split_at(start, text, &[]), expected, "whole: {text:?}");
+    assert_eq!(split_at(start, text, &bounds), expected, "a char at a time: {text:?}");
     for (n, &a) in bounds.iter().enumerate() {
-        assert_eq!(split_at(open, text, &[a]), expected, "cut at {a}: {text:?}");
+        assert_eq!(split_at(start, text, &[a]), expected, "cut at {a}: {text:?}");
         for &b in &bounds[n + 1..] {
-            assert_eq!(split_at(open, text, &[a, b]), expected, "cut at {a}, {b}: {text:?}");
+            assert_eq!(split_at(start, text, &[a, b]), expected, "cut at {a}, {b}: {text:?}");
         }
     }
 }
@@ -57,13 +57,13 @@ fn answer(text: &str) -> Piece {
 #[test]
 fn tags_split_across_pieces_are_found_and_the_whitespace_around_thinking_dropped() {
     every_cut(
-        false,
+        Start::Open,
         "\n<think>\nThe capital, é.\n\n</think>\n\nParis.\n",
         &[reasoning("The capital, é."), answer("Paris.\n")],
     );
     // A second <think> is the answer's text.
     every_cut(
-        false,
+        Start::Open,
         "<think>a</think>b<think>c",
         &[reasoning("a"), answer("b<think>c")],
     );
@@ -73,30 +73,42 @@ fn tags_split_across_pieces_are_found_and_the_whitespace_around_thinking_dropped
 #[test]
 fn output_that_starts_inside_the_thinking_only_closes_it() {
     every_cut(
-        true,
+        Start::InThinking,
         "Short one.\n</think>\n\nFour.",
         &[reasoning("Short one."), answer("Four.")],
     );
     // The model closes at once (Qwen3 with thinking turned off writes nothing inside).
-    every_cut(true, "\n\n</think>\n\nFour.", &[answer("Four.")]);
+    every_cut(Start::InThinking, "\n\n</think>\n\nFour.", &[answer("Four.")]);
 }
 
 #[test]
 fn thinking_never_closed_is_all_reasoning() {
-    every_cut(false, "<think>Still thinking ab", &[reasoning("Still thinking ab")]);
-    every_cut(true, "Still thinking </thi", &[reasoning("Still thinking </thi")]);
+    every_cut(
+        Start::Open,
+        "<think>Still thinking ab",
+        &[reasoning("Still thinking ab")],
+    );
+    every_cut(
+        Start::InThinking,
+        "Still thinking </thi",
+        &[reasoning("Still thinking </thi")],
+    );
 }
 
 /// Thinking turned off, or a model that does not think: the output is the answer, as
 /// it came, leading whitespace and a tag later in the text included.
 #[test]
 fn output_without_thinking_is_the_answer_untouched() {
-    every_cut(false, "  Hello <think>x</think>", &[answer("  Hello <think>x</think>")]);
-    every_cut(false, "<thinking>", &[answer("<thinking>")]);
-    every_cut(false, "<thi", &[answer("<thi")]);
-    every_cut(false, " \n", &[answer(" \n")]);
+    every_cut(
+        Start::Open,
+        "  Hello <think>x</think>",
+        &[answer("  Hello <think>x</think>")],
+    );
+    every_cut(Start::Open, "<thinking>", &[answer("<thinking>")]);
+    every_cut(Start::Open, "<thi", &[answer("<thi")]);
+    every_cut(Start::Open, " \n", &[answer(" \n")]);
     // Nothing is held once the output cannot open with <think>.
-    let mut splitter = ThinkSplitter::new(false);
+    let mut splitter = ThinkSplitter::new(Start::Open);
     assert_eq!(splitter.push("<"), []);
     assert_eq!(splitter.push("tool"), [answer("<tool")]);
     assert_eq!(splitter.push("_call>"), [answer("_call>")]);
@@ -119,10 +131,10 @@ fn enable_thinking_reaches_the_template_and_decides_where_the_output_starts() {
     };
     let on = render(serde_json::json!({"enable_thinking": true}));
     assert!(on.ends_with("assistant\n<think>\n"), "{on:?}");
-    assert!(opens_thinking(&on));
+    assert_eq!(Start::after(&on), Start::InThinking);
     let off = render(serde_json::json!({"enable_thinking": false}));
     assert!(off.ends_with("<think>\n\n</think>\n\n"), "{off:?}");
-    assert!(!opens_thinking(&off));
+    assert_eq!(Start::after(&off), Start::Open);
     // Template variables cannot be replaced by kwargs.
     let kept = render(serde_json::json!({"messages": [], "add_generation_prompt": false}));
     assert_eq!(kept, on);
@@ -162,7 +174,7 @@ fn harmony_analysis_is_the_reasoning() {
             ToolFormat::Harmony,
             Some(ToolParser::new(ToolFormat::Harmony, false)),
             reasoning,
-            false,
+            Start::Open,
         )
         .unwrap();
         outs(&mut splitter, HARMONY)
@@ -196,7 +208,7 @@ fn tool_calls_are_parsed_after_the_thinking_only() {
             ToolFormat::Hermes,
             Some(ToolParser::new(ToolFormat::Hermes, true)),
             reasoning,
-            false,
+            Start::Open,
         )
         .unwrap()
     };
@@ -213,7 +225,7 @@ fn tool_calls_are_parsed_after_the_thinking_only() {
     );
     assert_eq!(outs(&mut splitter(ReasoningFormat::Hidden), THINK_THEN_CALL), [call]);
     // parallel_tool_calls: false ends generation at the call after the thinking.
-    let mut ends = FirstCallEnds::new(ToolFormat::Hermes, ReasoningFormat::Separate, false);
+    let mut ends = FirstCallEnds::new(ToolFormat::Hermes, ReasoningFormat::Separate, Start::Open);
     let ended: Vec<bool> = THINK_THEN_CALL.iter().map(|p| ends.ends_after(p)).collect();
     assert_eq!(ended, [false, false, false, true]);
 }
@@ -221,8 +233,9 @@ fn tool_calls_are_parsed_after_the_thinking_only() {
 /// `reasoning_format: none`: nothing is split, the tags stay in the content.
 #[test]
 fn inline_reasoning_leaves_the_text_as_written() {
-    assert!(OutputSplitter::new(ToolFormat::Hermes, None, ReasoningFormat::Inline, false).is_none());
-    let mut splitter = OutputSplitter::new(ToolFormat::Hermes, None, ReasoningFormat::Separate, true).unwrap();
+    assert!(OutputSplitter::new(ToolFormat::Hermes, None, ReasoningFormat::Inline, Start::Open).is_none());
+    let mut splitter =
+        OutputSplitter::new(ToolFormat::Hermes, None, ReasoningFormat::Separate, Start::InThinking).unwrap();
     assert_eq!(
         outs(&mut splitter, &["Hm.</think>", "Four."]),
         [Out::Reasoning("Hm.".into()), Out::Content("Four.".into())]
