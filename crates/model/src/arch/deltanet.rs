@@ -187,7 +187,7 @@ impl<'g> Builder<'g> {
             None => {
                 let beta = self.mul_mat_rowwise(w.get(T::SsmBeta), x);
                 let alpha = self.mul_mat_rowwise(w.get(T::SsmAlpha), x);
-                (beta, alpha, KeyHeads::Interleaved)
+                (beta, alpha, KeyHeads::Tiled)
             }
         };
         let beta = ctx.sigmoid(beta); // [h_v, n_tokens]
