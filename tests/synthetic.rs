@@ -134,6 +134,15 @@ fn hybrid_memory_per_stage_is_what_the_planner_counts() {
     }
 }
 
+/// A tensor-parallel group of a hybrid model is refused, and the refusal says why.
+#[test]
+fn hybrid_models_refuse_tensor_parallelism_with_the_reason() {
+    let path = synthetic("qwen35moe", FileType::Q4KM);
+    let file = ModelFile::open(&path).unwrap();
+    let err = baton_model::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
+    assert!(err.contains("recurrent") && err.contains("pipeline stages"), "{err}");
+}
+
 #[test]
 fn qwen35_on_two_workers_matches_llama_cpp() {
     two_workers("qwen35", FileType::Q4KM);
