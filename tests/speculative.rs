@@ -200,7 +200,13 @@ fn a_hybrid_models_drafts_and_repeated_prompts_give_the_undrafted_text() {
     });
     for draft in [
         vec!["--draft", "ngram", "--draft-max", "16", "--draft-fixed"],
-        vec!["--draft-model", other.to_str().unwrap(), "--draft-max", "6", "--draft-fixed"],
+        vec![
+            "--draft-model",
+            other.to_str().unwrap(),
+            "--draft-max",
+            "6",
+            "--draft-fixed",
+        ],
     ] {
         let server = Server::start_path(&path, &draft);
         for sampling in [
@@ -219,7 +225,10 @@ fn a_hybrid_models_drafts_and_repeated_prompts_give_the_undrafted_text() {
         println!("{draft:?}: {sent} tokens drafted, {kept} kept");
         assert!(sent > 0, "{draft:?} drafted");
         if draft[0] == "--draft-model" {
-            assert!(sent > kept, "another model's drafts are rejected at times: {sent}/{kept}");
+            assert!(
+                sent > kept,
+                "another model's drafts are rejected at times: {sent}/{kept}"
+            );
         }
         let body = json!({"model": server.model_id(), "prompt": CODE, "max_tokens": 4, "temperature": 0});
         let reply = server.post("/v1/completions", &body);

@@ -129,7 +129,10 @@ fn hybrid_memory_per_stage_is_what_the_planner_counts() {
                 stage.recurrent().bytes()
             );
             // Buffers are rounded up to ggml's alignment (at most 64 bytes a tensor).
-            assert!(held >= counted && held <= counted + 64 * 2 * layers.len() as u64, "{held} vs {counted}");
+            assert!(
+                held >= counted && held <= counted + 64 * 2 * layers.len() as u64,
+                "{held} vs {counted}"
+            );
         }
     }
 }

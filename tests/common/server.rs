@@ -75,7 +75,9 @@ impl Server {
         Server {
             child,
             addr,
-            model: served.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+            model: served
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
         }
     }
 

@@ -133,7 +133,10 @@ impl RecurrentCache {
     }
 
     fn tensor(&self, kind: &str, layer: usize) -> Tensor<'_> {
-        assert!(self.layers.contains(&layer), "layer {layer} is not a recurrent layer of this stage");
+        assert!(
+            self.layers.contains(&layer),
+            "layer {layer} is not a recurrent layer of this stage"
+        );
         self.ctx
             .get_tensor(&format!("{kind}_l{layer}"))
             .expect("state tensors are created for every recurrent layer")
@@ -153,7 +156,12 @@ impl RecurrentCache {
         }
         let bad = |why: String| Err(ModelError::BadBatch(why));
         let mut runs: Vec<StateRun> = Vec::new();
-        let mut free = self.slots.iter().enumerate().filter(|(_, s)| s.seq.is_none()).map(|(i, _)| i);
+        let mut free = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.seq.is_none())
+            .map(|(i, _)| i);
         let mut row = 0;
         while row < seq_ids.len() {
             let seq = seq_ids[row];
@@ -191,7 +199,11 @@ impl RecurrentCache {
                         })
                     }
                 },
-                None => return bad(format!("sequence {seq} holds no recurrent state to continue at position {start}")),
+                None => {
+                    return bad(format!(
+                        "sequence {seq} holds no recurrent state to continue at position {start}"
+                    ))
+                }
                 Some(slot) => {
                     let s = &self.slots[slot];
                     match s.len {
@@ -343,7 +355,10 @@ mod tests {
         assert_eq!(runs.len(), 2);
         assert_eq!((runs[0].rows.clone(), runs[0].source), (0..3, zero));
         assert_eq!(runs[0].targets, vec![3, 2, 1]);
-        assert_eq!((runs[1].rows.clone(), runs[1].targets.clone()), (3..4, vec![KEPT_STATES as i64 + 1]));
+        assert_eq!(
+            (runs[1].rows.clone(), runs[1].targets.clone()),
+            (3..4, vec![KEPT_STATES as i64 + 1])
+        );
         rs.commit(&runs);
         // A draft of 4 rows, then 2 rejected: back to the state after position 4.
         let runs = rs.plan(&[5; 4], &[3, 4, 5, 6]).unwrap();

@@ -7,8 +7,8 @@ use baton_ggml::{Context, Graph, HostOp, Tensor};
 
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
-use crate::recurrent::RecurrentCache;
 use crate::names::FfnTensors;
+use crate::recurrent::RecurrentCache;
 use crate::weights::{LayerTensors, StageWeights};
 
 /// The per-step inputs every layer reads.

@@ -170,7 +170,9 @@ impl<'g> Builder<'g> {
         let ssm = self.hp.ssm.as_ref().expect("a recurrent layer has DeltaNet sizes");
         let (h_k, h_v) = (ssm.n_k_heads as i64, ssm.n_v_heads as i64);
         let n_tokens = x.ne()[1];
-        let qkv = ctx.mul_mat(w.get(T::AttnQkv), x).named(&format!("linear_attn_qkv_mixed-{layer}")); // [channels, n_tokens]
+        let qkv = ctx
+            .mul_mat(w.get(T::AttnQkv), x)
+            .named(&format!("linear_attn_qkv_mixed-{layer}")); // [channels, n_tokens]
         let z = ctx.mul_mat(w.get(T::AttnGate), x).named(&format!("z-{layer}")); // [d_inner, n_tokens]
         let (beta, alpha, heads) = match w.opt(T::SsmBa) {
             // Qwen3-Next: per key head, its value heads' beta then their alpha; its key
@@ -198,7 +200,13 @@ impl<'g> Builder<'g> {
 
     /// The convolution, the delta rule and the gated output of a DeltaNet layer over
     /// its projected `inputs`, key heads shared among value heads as `heads` says.
-    fn delta_rule(&mut self, w: &LayerTensors<'g>, layer: usize, inputs: DeltaInputs<'g>, heads: KeyHeads) -> Tensor<'g> {
+    fn delta_rule(
+        &mut self,
+        w: &LayerTensors<'g>,
+        layer: usize,
+        inputs: DeltaInputs<'g>,
+        heads: KeyHeads,
+    ) -> Tensor<'g> {
         let hp = self.hp;
         let ctx = self.ctx;
         let ssm = hp.ssm.as_ref().expect("a recurrent layer has DeltaNet sizes");
@@ -220,7 +228,7 @@ impl<'g> Builder<'g> {
             let previous = ctx.reshape_3d(ctx.get_rows(conv_all, run.source), d_conv - 1, channels, 1);
             let run_qkv = ctx.view_2d(qkv, channels, n, qkv.nb()[1], r0 * qkv.nb()[1]);
             let conv_in = ctx.concat(previous, ctx.transpose(run_qkv), 0); // [d_conv - 1 + n, channels, 1]
-            // The convolution's state after each kept position: its last d_conv - 1 inputs.
+                                                                           // The convolution's state after each kept position: its last d_conv - 1 inputs.
             let conv_len = ssm.conv_state_len() as i64;
             let snapshots = (0..n_kept as i64)
                 .map(|j| {
@@ -281,7 +289,11 @@ impl<'g> Builder<'g> {
             let o = ctx.view_4d(
                 out,
                 [s, h_v, n, 1],
-                [s as usize * f32_size, (s * h_v) as usize * f32_size, scores as usize * f32_size],
+                [
+                    s as usize * f32_size,
+                    (s * h_v) as usize * f32_size,
+                    scores as usize * f32_size,
+                ],
                 0,
             );
             outs = Some(match outs {

@@ -28,8 +28,8 @@ mod qwen2;
 mod qwen3;
 mod qwen35;
 mod qwen35moe;
-mod qwen3next;
 mod qwen3moe;
+mod qwen3next;
 
 use baton_ggml::Tensor;
 use baton_gguf::Value;
