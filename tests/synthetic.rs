@@ -73,6 +73,80 @@ fn qwen35moe_matches_llama_cpp_with_1_2_3_stages() {
 }
 
 #[test]
+fn qwen3next_matches_llama_cpp_with_1_2_3_stages() {
+    stages("qwen3next", FileType::Q4KM);
+}
+
+#[test]
+fn qwen3next_on_two_workers_matches_llama_cpp() {
+    two_workers("qwen3next", FileType::Q4KM);
+}
+
+/// Other hybrid shapes: 5 layers (attention in layers 1 and 3, so stages end on either
+/// kind and the last layer is recurrent) and 8 value heads sharing 2 key heads, in both
+/// ways of sharing them (qwen35 alternates, qwen3next repeats each key head).
+#[test]
+fn hybrid_models_of_other_shapes_match_llama_cpp() {
+    for arch in ["qwen35", "qwen3next"] {
+        let path = synthetic_with(arch, FileType::Q4KM, |spec| {
+            spec.shape.n_layer = 5;
+            spec.shape.n_head = 8;
+            spec.shape.n_head_kv = 2;
+        });
+        let worst = check_stages(&path, &format!("{arch} 5 layers, 8 heads"));
+        println!("{arch} 5 layers, 8 heads: worst NMSE {worst:.3e}");
+    }
+}
+
+/// What a hybrid stage holds for a 32k context is what the planner counts
+/// (`HParams::layer_cache_bytes`): keys and values of every cell for its attention
+/// layers, each sequence's kept states for its recurrent ones.
+#[test]
+fn hybrid_memory_per_stage_is_what_the_planner_counts() {
+    let path = synthetic("qwen35moe", FileType::Q4KM);
+    let file = ModelFile::open(&path).unwrap();
+    let hp = file.hparams().clone();
+    for n_seq in [1, 4] {
+        let n_ctx = 32768;
+        for layers in baton_plan::even_split(hp.n_layer, 2).unwrap() {
+            let span = baton_model::StageSpan {
+                first: layers.start == 0,
+                last: layers.end == hp.n_layer,
+                layers: layers.clone(),
+            };
+            let config = StageConfig {
+                n_ctx,
+                n_threads: 1,
+                repack: true,
+                n_seq,
+            };
+            let stage = baton_model::Stage::load(file.clone(), span, &config).unwrap();
+            let held = (stage.kv().bytes() + stage.recurrent().bytes()) as u64;
+            let counted: u64 = layers.clone().map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq)).sum();
+            println!(
+                "layers {layers:?}, {n_seq} sequences, {n_ctx} cells: KV {} bytes, states {} bytes, planner {counted}",
+                stage.kv().bytes(),
+                stage.recurrent().bytes()
+            );
+            // Buffers are rounded up to ggml's alignment (at most 64 bytes a tensor).
+            assert!(
+                held >= counted && held <= counted + 64 * 2 * layers.len() as u64,
+                "{held} vs {counted}"
+            );
+        }
+    }
+}
+
+/// A tensor-parallel group of a hybrid model is refused, and the refusal says why.
+#[test]
+fn hybrid_models_refuse_tensor_parallelism_with_the_reason() {
+    let path = synthetic("qwen35moe", FileType::Q4KM);
+    let file = ModelFile::open(&path).unwrap();
+    let err = baton_model::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
+    assert!(err.contains("recurrent") && err.contains("pipeline stages"), "{err}");
+}
+
+#[test]
 fn qwen35_on_two_workers_matches_llama_cpp() {
     two_workers("qwen35", FileType::Q4KM);
 }
@@ -179,6 +253,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         "minimax-m2",
         "llama4",
         "qwen35moe",
+        "qwen3next",
         "nemotron_h_moe",
     ] {
         let file_type = if arch == "gpt-oss" {

@@ -102,6 +102,7 @@ tensor_names! {
         SsmA = "ssm_a",
         SsmBeta = "ssm_beta.weight",
         SsmAlpha = "ssm_alpha.weight",
+        SsmBa = "ssm_ba.weight",
         SsmNorm = "ssm_norm.weight",
         SsmOut = "ssm_out.weight",
         // Mamba2 layers (nemotron_h): the fused input projection, the convolution's

@@ -7,8 +7,13 @@
 //! `tool_result` blocks, `max_tokens` (required, as Anthropic requires it),
 //! `stop_sequences`, `temperature`, `top_p`, `top_k`, `stream`, `tools` (custom tools
 //! with an `input_schema`), `tool_choice` (`auto`, `any`, `tool`, `none`,
-//! `disable_parallel_tool_use`). Refused with a 400 that names the field: images and
-//! documents, server tools (web search and the like), extended thinking.
+//! `disable_parallel_tool_use`), `thinking` (`enabled` or `adaptive`: the template's
+//! `enable_thinking` on and the model's thinking sent as `thinking` blocks, as it is
+//! without the field; `budget_tokens` is accepted but not enforced; `disabled`:
+//! `enable_thinking` off and any thinking the model writes anyway left out), and
+//! `thinking` blocks in assistant messages (dropped: templates show a model only its
+//! answers of earlier turns). Refused with a 400 that names the field: images and
+//! documents, server tools (web search and the like).
 
 use serde_json::{json, Map, Value};
 
@@ -25,7 +30,8 @@ pub fn to_chat(body: &Value) -> Result<Value, ApiError> {
         .get("max_tokens")
         .ok_or_else(|| ApiError::invalid("max_tokens is required").param("max_tokens"))?;
     chat.insert("max_tokens".into(), max_tokens.clone());
-    for key in ["model", "temperature", "top_p", "top_k", "stream"] {
+    // `grammar` is the chat endpoint's extension, as llama.cpp's server takes it.
+    for key in ["model", "temperature", "top_p", "top_k", "stream", "grammar"] {
         if let Some(value) = object.get(key) {
             chat.insert(key.into(), value.clone());
         }
@@ -33,11 +39,8 @@ pub fn to_chat(body: &Value) -> Result<Value, ApiError> {
     if let Some(stop) = object.get("stop_sequences") {
         chat.insert("stop".into(), stop.clone());
     }
-    if object
-        .get("thinking")
-        .is_some_and(|t| t.get("type").and_then(Value::as_str) == Some("enabled"))
-    {
-        return Err(ApiError::invalid("extended thinking is not supported").param("thinking"));
+    if let Some(thinks) = thinking(object.get("thinking"))? {
+        chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": thinks}));
     }
     let mut messages = Vec::new();
     if let Some(system) = object.get("system") {
@@ -66,6 +69,32 @@ pub fn to_chat(body: &Value) -> Result<Value, ApiError> {
         }
     }
     Ok(Value::Object(chat))
+}
+
+/// Whether `thinking` (`{"type": "enabled" | "adaptive" | "disabled"}`) turns thinking
+/// on or off; `None` when absent.
+fn thinking(thinking: Option<&Value>) -> Result<Option<bool>, ApiError> {
+    let Some(thinking) = thinking.filter(|t| !t.is_null()) else {
+        return Ok(None);
+    };
+    let bad = |message: &str| ApiError::invalid(message.to_string()).param("thinking");
+    if thinking
+        .get("budget_tokens")
+        .is_some_and(|b| !b.is_null() && b.as_u64().is_none())
+    {
+        return Err(bad("thinking.budget_tokens must be a positive integer"));
+    }
+    match thinking.get("type").and_then(Value::as_str) {
+        Some("enabled" | "adaptive") => Ok(Some(true)),
+        Some("disabled") => Ok(Some(false)),
+        _ => Err(bad("thinking.type must be enabled, adaptive or disabled")),
+    }
+}
+
+/// Whether request `body` turned thinking off (`thinking: {"type": "disabled"}`): then
+/// thinking the model writes anyway is not sent.
+pub fn thinking_disabled(body: &Value) -> bool {
+    matches!(thinking(body.get("thinking")), Ok(Some(false)))
 }
 
 /// The text of `value`: a string, or a list of `text` blocks joined.
@@ -127,6 +156,8 @@ fn translate_message(message: &Value) -> Result<Vec<Value>, ApiError> {
                     "function": {"name": name, "arguments": input.to_string()},
                 }));
             }
+            // The model's own earlier thinking: templates drop it from earlier turns.
+            ("thinking" | "redacted_thinking", "assistant") => {}
             ("tool_result", "user") => {
                 let content = match block.get("content") {
                     None | Some(Value::Null) => String::new(),

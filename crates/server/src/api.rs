@@ -17,11 +17,12 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use baton_engine::{Cause, Draft, DraftMode, Engine, Event, Failure, FinishReason, Health, Job, SubmitError, TokenOut};
 use baton_ggml::LlamaModel;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::metrics::{Outcome, Timing};
 use crate::openai::{ErrorBody, ErrorDetail, PromptTokensDetails, Usage};
+use crate::reasoning::{FirstCallEnds, OutputSplitter, Start};
 use crate::request::{self, CompletionPrompt, Generation};
 use crate::template::{ChatMessage, ChatTemplate};
 use crate::tools::{self, Out, ToolChoice, ToolFormat, ToolParser};
@@ -188,9 +189,15 @@ impl AppState {
         Ok(())
     }
 
-    /// The prompt tokens of a chat. Only the template's own special tokens are special:
-    /// text a client typed that reads like one (`<|im_start|>`) is tokenized as text.
-    fn chat_prompt(&self, messages: &[ChatMessage], tools: Option<&[Value]>) -> Result<Vec<u32>, ApiError> {
+    /// The prompt tokens of a chat, and where the output starts ([`Start::after`]). Only the template's own special tokens
+    /// are special: text a client typed that reads like one (`<|im_start|>`) is
+    /// tokenized as text.
+    fn chat_prompt(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+        kwargs: &Map<String, Value>,
+    ) -> Result<(Vec<u32>, Start), ApiError> {
         let refused = |e: crate::template::TemplateError| {
             ApiError::invalid(format!("the chat template refused the messages: {e}")).param("messages")
         };
@@ -201,9 +208,9 @@ impl AppState {
             // The common case, tokenized exactly as before: the whole text at once.
             let rendered = self
                 .template
-                .render_with_tools(messages, tools, true)
+                .render_with_kwargs(messages, tools, kwargs, true)
                 .map_err(refused)?;
-            return self.tokenize_rendered(&rendered, true);
+            return Ok((self.tokenize_rendered(&rendered, true)?, Start::after(&rendered)));
         }
         // Mark each content with private-use characters, render, then tokenize content
         // without special-token parsing and the template's text with it.
@@ -221,7 +228,10 @@ impl AppState {
                 }
             })
             .collect();
-        let rendered = self.template.render_with_tools(&marked, tools, true).map_err(refused)?;
+        let rendered = self
+            .template
+            .render_with_kwargs(&marked, tools, kwargs, true)
+            .map_err(refused)?;
         let mut tokens = Vec::new();
         for (i, part) in rendered.split([CONTENT_OPEN, CONTENT_CLOSE]).enumerate() {
             if part.is_empty() {
@@ -235,7 +245,7 @@ impl AppState {
             };
             tokens.extend(piece);
         }
-        Ok(tokens)
+        Ok((tokens, Start::after(&rendered)))
     }
 
     fn tokenize_plain(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>, ApiError> {
@@ -706,24 +716,26 @@ async fn chat_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Resul
     respond(state, prepared, Kind::Chat, logprobs, parser, arrived).await
 }
 
-/// What `parser` releases of `text` (all of it as content without a parser; with
-/// `last`, what it still held too), reasoning left out: `/v1/messages` and
-/// `/v1/responses` cannot ask for thinking.
-fn answer_outs(parser: Option<&mut ToolParser>, text: &str, last: bool) -> Vec<Out> {
-    let Some(parser) = parser else {
+/// What `splitter` releases of `text` (all of it as content without one; with `last`,
+/// what it still held too).
+fn answer_outs(splitter: Option<&mut OutputSplitter>, text: &str, last: bool) -> Vec<Out> {
+    let Some(splitter) = splitter else {
         return vec![Out::Content(text.to_string())];
     };
-    let mut outs = parser.push(text);
+    let mut outs = splitter.push(text);
     if last {
-        outs.extend(parser.finish());
+        outs.extend(splitter.finish());
     }
-    outs.retain(|out| !matches!(out, Out::Reasoning(_)));
     outs
 }
 
 /// The engine job of a checked chat request (tools described or forced, the prompt
-/// rendered and tokenized) and the parser that splits its text into content and calls.
-async fn chat_job(state: &Arc<AppState>, mut req: request::Chat) -> Result<(Prepared, Option<ToolParser>), ApiError> {
+/// rendered and tokenized) and the splitter that parts its text into reasoning,
+/// content and calls.
+async fn chat_job(
+    state: &Arc<AppState>,
+    mut req: request::Chat,
+) -> Result<(Prepared, Option<OutputSplitter>), ApiError> {
     let offer_tools = !req.tools.is_empty() && req.tool_choice != ToolChoice::None;
     // A template that knows nothing of tools gets them described in a system message,
     // in the format the parser reads.
@@ -747,6 +759,12 @@ async fn chat_job(state: &Arc<AppState>, mut req: request::Chat) -> Result<(Prep
         ToolChoice::Auto | ToolChoice::None => None,
     };
     if let Some(functions) = forced {
+        if req.generation.grammar.is_some() {
+            return Err(ApiError::invalid(
+                "a grammar (grammar or response_format) cannot be given with a tool_choice that forces a call",
+            )
+            .param("tool_choice"));
+        }
         let parallel = req.parallel_tool_calls && matches!(req.tool_choice, ToolChoice::Required);
         let grammar = state
             .off_runtime(move |state| {
@@ -761,23 +779,26 @@ async fn chat_job(state: &Arc<AppState>, mut req: request::Chat) -> Result<(Prep
     let one_call = offer_tools && !req.parallel_tool_calls;
     let parser =
         ToolParser::active(format, offer_tools).then(|| ToolParser::new(format, offer_tools).one_call(one_call));
+    let reasoning = req.reasoning;
     // What the prompt holds at least: every message's text, and the tools it shows.
     let content_bytes: usize = req.messages.iter().map(|m| m.content.len()).sum::<usize>()
         + template_tools.map_or(0, |tools| tools.iter().map(|t| t.to_string().len()).sum());
     state.check_size(content_bytes, "messages")?;
     let tools = template_tools.map(<[Value]>::to_vec);
     let messages = std::mem::take(&mut req.messages);
-    let prompt = state
-        .off_runtime(move |state| state.chat_prompt(&messages, tools.as_deref()))
+    let kwargs = std::mem::take(&mut req.template_kwargs);
+    let (prompt, start) = state
+        .off_runtime(move |state| state.chat_prompt(&messages, tools.as_deref(), &kwargs))
         .await?;
+    let splitter = OutputSplitter::new(format, parser, reasoning, start);
     let mut prepared = prepare(state, req.generation, prompt)?;
     if offer_tools && format == ToolFormat::Mistral {
         prepared.job.show = state.tool_markers.clone();
     }
     if one_call {
-        prepared.job.end = Some(Box::new(tools::FirstCallEnds::new(format)));
+        prepared.job.end = Some(Box::new(FirstCallEnds::new(format, reasoning, start)));
     }
-    Ok((prepared, parser))
+    Ok((prepared, splitter))
 }
 
 async fn completions_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> Result<Response, ApiError> {

@@ -9,6 +9,7 @@ pub mod listen;
 mod metrics;
 mod openai;
 mod page;
+pub mod reasoning;
 pub mod request;
 mod responses;
 pub mod template;

@@ -125,6 +125,16 @@ pub struct ChatRequest {
     pub parallel_tool_calls: Option<bool>,
     /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema", …}}`.
     pub response_format: Option<Value>,
+    /// Extension (llama.cpp's): a GBNF grammar the answer must follow.
+    pub grammar: Option<String>,
+    /// Extension (llama.cpp's): `auto` or `deepseek` (thinking in `reasoning_content`,
+    /// the default) or `none` (thinking left in `content`).
+    pub reasoning_format: Option<String>,
+    /// Extension (llama.cpp's): variables for the chat template (`enable_thinking`).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// `none`, `minimal`, `low`, `medium`, `high`: given to the template as
+    /// `reasoning_effort` (gpt-oss reads it); `none` and `minimal` turn thinking off.
+    pub reasoning_effort: Option<String>,
     /// Shared fields.
     #[serde(flatten)]
     pub sampling: Sampling,

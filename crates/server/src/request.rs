@@ -9,10 +9,11 @@ use baton_engine::{DraftMode, SubmitError};
 use baton_grammar::{schema, Grammar};
 use baton_sample::SamplingParams;
 use serde::de::DeserializeOwned;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::api::ApiError;
 use crate::openai::{ChatRequest, CompletionRequest, Content, Prompt, Sampling};
+use crate::reasoning::ReasoningFormat;
 use crate::template::ChatMessage;
 use crate::tools::{self, Function, ToolChoice};
 
@@ -60,6 +61,12 @@ pub struct Chat {
     pub tool_choice: ToolChoice,
     /// Several calls in one answer.
     pub parallel_tool_calls: bool,
+    /// What becomes of the model's thinking.
+    pub reasoning: ReasoningFormat,
+    /// Variables for the chat template besides the messages and tools; always holds
+    /// `enable_thinking` (true unless the request turned thinking off), as llama.cpp
+    /// passes it.
+    pub template_kwargs: Map<String, Value>,
     /// The rest of the request.
     pub generation: Generation,
 }
@@ -134,14 +141,61 @@ pub fn chat(body: &[u8], model_id: &str) -> Result<Chat, ApiError> {
     let top_logprobs = if req.logprobs { req.top_logprobs.unwrap_or(0) } else { 0 };
     let mut generation = generation(&req.sampling, model_id, req.logprobs, top_logprobs)?;
     generation.grammar = response_format(req.response_format.as_ref())?;
+    if let Some(grammar) = req.grammar {
+        if generation.grammar.is_some() {
+            return Err(ApiError::invalid("grammar and response_format cannot both be given").param("grammar"));
+        }
+        check_grammar(&grammar).map_err(|e| e.param("grammar"))?;
+        generation.grammar = Some(grammar);
+    }
+    let reasoning = match req.reasoning_format.as_deref() {
+        None => ReasoningFormat::Separate,
+        Some(name) => ReasoningFormat::parse(name).ok_or_else(|| {
+            ApiError::invalid(format!("reasoning_format '{name}' is not auto, deepseek or none"))
+                .param("reasoning_format")
+        })?,
+    };
+    let template_kwargs = template_kwargs(req.chat_template_kwargs, req.reasoning_effort.as_deref())?;
     Ok(Chat {
         messages,
         tools,
         functions,
         tool_choice,
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
+        reasoning,
+        template_kwargs,
         generation,
     })
+}
+
+/// The chat template's extra variables: `chat_template_kwargs` as given (checked:
+/// `enable_thinking` is a boolean), `reasoning_effort` added as `reasoning_effort`
+/// (`none` and `minimal` as `low`, the least gpt-oss knows, and thinking off), and
+/// `enable_thinking` true unless one of them turned it off.
+fn template_kwargs(given: Option<Map<String, Value>>, effort: Option<&str>) -> Result<Map<String, Value>, ApiError> {
+    let mut kwargs = given.unwrap_or_default();
+    if kwargs.get("enable_thinking").is_some_and(|v| !v.is_boolean()) {
+        return Err(
+            ApiError::invalid("chat_template_kwargs.enable_thinking must be true or false")
+                .param("chat_template_kwargs"),
+        );
+    }
+    if let Some(effort) = effort {
+        let (level, thinks) = match effort {
+            "none" | "minimal" => ("low", false),
+            "low" | "medium" | "high" => (effort, true),
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "reasoning_effort '{other}' is not none, minimal, low, medium or high"
+                ))
+                .param("reasoning_effort"))
+            }
+        };
+        kwargs.entry("reasoning_effort").or_insert_with(|| Value::from(level));
+        kwargs.entry("enable_thinking").or_insert(Value::Bool(thinks));
+    }
+    kwargs.entry("enable_thinking").or_insert(Value::Bool(true));
+    Ok(kwargs)
 }
 
 /// An assistant message's call as templates expect it: `arguments` parsed from

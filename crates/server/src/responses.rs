@@ -6,10 +6,13 @@
 //! Supported: `input` (text, or items: messages with text parts, `function_call` and
 //! `function_call_output`), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
 //! `stream`, function `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`
-//! (`text`, `json_object`, `json_schema`). Refused with a 400 that names the field:
-//! `previous_response_id` and `conversation` (the server keeps no responses), images
-//! and files, tools other than functions. `store`, `metadata`, `reasoning`, `include`,
-//! `truncation` and `user` are ignored.
+//! (`text`, `json_object`, `json_schema`), `reasoning.effort` (the chat endpoint's
+//! `reasoning_effort`: the template's `reasoning_effort`, and `none` or `minimal` turn
+//! its `enable_thinking` off); `reasoning` input items are accepted and dropped
+//! (templates show a model only its answers of earlier turns). Refused with a 400 that
+//! names the field: `previous_response_id` and `conversation` (the server keeps no
+//! responses), images and files, tools other than functions. `store`, `metadata`,
+//! `reasoning.summary`, `include`, `truncation` and `user` are ignored.
 
 use serde_json::{json, Map, Value};
 
@@ -29,10 +32,21 @@ pub fn to_chat(body: &Value) -> Result<Value, ApiError> {
         }
     }
     let mut chat = Map::new();
-    for key in ["model", "temperature", "top_p", "stream", "parallel_tool_calls"] {
+    // `grammar` is the chat endpoint's extension, as llama.cpp's server takes it.
+    for key in [
+        "model",
+        "temperature",
+        "top_p",
+        "stream",
+        "parallel_tool_calls",
+        "grammar",
+    ] {
         if let Some(value) = object.get(key).filter(|v| !v.is_null()) {
             chat.insert(key.into(), value.clone());
         }
+    }
+    if let Some(effort) = body.pointer("/reasoning/effort").filter(|v| !v.is_null()) {
+        chat.insert("reasoning_effort".into(), effort.clone());
     }
     if let Some(max) = object.get("max_output_tokens").filter(|v| !v.is_null()) {
         chat.insert("max_tokens".into(), max.clone());
@@ -131,6 +145,8 @@ fn add_item(messages: &mut Vec<Value>, item: &Value) -> Result<(), ApiError> {
                 _ => messages.push(json!({"role": "assistant", "content": "", "tool_calls": [call]})),
             }
         }
+        // The model's own earlier reasoning: templates drop it from earlier turns.
+        "reasoning" => {}
         "function_call_output" => {
             let output = match item.get("output") {
                 Some(Value::String(text)) => text.clone(),
@@ -222,6 +238,21 @@ mod tests {
             to_chat(&json!({"input": "hi"})).unwrap(),
             json!({"messages": [{"role": "user", "content": "hi"}]})
         );
+        let reasoning = json!({
+            "input": [
+                {"role": "user", "content": "hi"},
+                {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Greet."}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+            ],
+            "reasoning": {"effort": "minimal", "summary": "auto"},
+        });
+        assert_eq!(
+            to_chat(&reasoning).unwrap(),
+            json!({
+                "reasoning_effort": "minimal",
+                "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}],
+            })
+        );
     }
 
     #[test]
@@ -238,7 +269,6 @@ mod tests {
             json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
             "input",
         );
-        refused(json!({"input": [{"type": "reasoning", "summary": []}]}), "input");
         refused(json!({"input": "hi", "tools": [{"type": "web_search"}]}), "tools");
         refused(json!({"input": "hi", "text": {"format": {"type": "xml"}}}), "text");
         refused(json!({"input": 5}), "input");

@@ -145,6 +145,19 @@ impl ChatTemplate {
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        self.render_with_kwargs(messages, tools, &serde_json::Map::new(), add_generation_prompt)
+    }
+
+    /// Renders as [`ChatTemplate::render_with_tools`] with `kwargs` as further
+    /// variables (llama.cpp's `chat_template_kwargs`: `enable_thinking`,
+    /// `reasoning_effort`); they cannot replace the messages, tools or special tokens.
+    pub fn render_with_kwargs(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -159,6 +172,7 @@ impl ChatTemplate {
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
             tools => tools,
+            ..Value::from_serialize(kwargs)
         };
         template.render(variables).map_err(|err| match raised_message(&err) {
             Some(message) => TemplateError::Raised { message },

@@ -12,14 +12,13 @@
 //! Text that does not parse as a call is returned as content: nothing is lost.
 //!
 //! With `parallel_tool_calls: false` the parser releases the first call as soon as it is
-//! complete and parses no other ([`ToolParser::one_call`]); [`FirstCallEnds`] runs the
+//! complete and parses no other ([`ToolParser::one_call`]); [`crate::reasoning::FirstCallEnds`] runs the
 //! same parser on the engine's thread, which ends generation at that token, so the
 //! model writes nothing after the call. (llama.cpp's server gets the same from a lazy
 //! grammar that, once a call starts, admits one call and then only the end; the ring's
 //! grammars are not lazy, so baton ends generation instead. A call the model writes
 //! wrong is content, and the model may still write a good one.)
 
-use baton_engine::EndCheck;
 use baton_grammar::schema::{literal, Builder};
 use serde_json::{json, Value};
 
@@ -596,7 +595,7 @@ impl ToolParser {
 }
 
 /// Length of the longest suffix of `text` that `marker` starts with.
-fn partial_suffix(text: &str, marker: &str) -> usize {
+pub(crate) fn partial_suffix(text: &str, marker: &str) -> usize {
     (1..marker.len().min(text.len() + 1))
         .rev()
         .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
@@ -619,26 +618,6 @@ fn call_of(value: &Value) -> Option<ToolCall> {
         name,
         arguments: arguments.to_string(),
     })
-}
-
-/// Ends generation as soon as the first tool call is complete (`parallel_tool_calls:
-/// false`): a [`ToolParser::one_call`] of its own, fed on the engine's thread the same
-/// text the response's parser is fed, so both see the call complete at the same token.
-#[derive(Debug)]
-pub struct FirstCallEnds(ToolParser);
-
-impl FirstCallEnds {
-    /// For answers in `format`.
-    pub fn new(format: ToolFormat) -> FirstCallEnds {
-        FirstCallEnds(ToolParser::new(format, true).one_call(true))
-    }
-}
-
-impl EndCheck for FirstCallEnds {
-    fn ends_after(&mut self, text: &str) -> bool {
-        self.0.push(text);
-        self.0.n_calls > 0
-    }
 }
 
 #[cfg(test)]

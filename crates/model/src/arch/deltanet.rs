@@ -1,7 +1,7 @@
-//! The pieces of Qwen's hybrid models (qwen35, qwen35moe): gated DeltaNet layers, which
-//! keep a recurrent state per sequence (see [`crate::RecurrentCache`]), and the gated
-//! attention layers between them, as llama.cpp's `delta-net-base.cpp` and `qwen35.cpp`
-//! build them with its fused delta-rule kernel.
+//! The pieces of Qwen's hybrid models (qwen35, qwen35moe, qwen3next): gated DeltaNet
+//! layers, which keep a recurrent state per sequence (see [`crate::RecurrentCache`]),
+//! and the gated attention layers between them, as llama.cpp's `delta-net-base.cpp`,
+//! `qwen35.cpp` and `qwen3next.cpp` build them with its fused delta-rule kernel.
 //!
 //! A DeltaNet layer: the input is projected to queries, keys and values (one fused
 //! `attn_qkv`), which pass through a short causal convolution (over the sequence's last
@@ -24,8 +24,8 @@ use crate::ModelError;
 
 /// Reads what a hybrid Qwen model adds to the common keys: the DeltaNet sizes, which
 /// layers are recurrent (`attention.recurrent_layers`, else every layer but each
-/// `full_attention_interval`-th, 4 by default) and the RoPE sections.
-pub fn read_hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
+/// `full_attention_interval`-th, 4 by default) and, with `mrope`, the RoPE sections.
+pub fn read_hparams(hp: &mut HParams, keys: &Keys<'_>, mrope: bool) -> Result<(), ModelError> {
     hp.ssm = Some(crate::hparams::Ssm::read(keys, crate::hparams::SsmKind::GatedDeltaNet)?);
     if hp.head_dim_k != hp.head_dim_v {
         return Err(ModelError::BadHParams(format!(
@@ -51,6 +51,9 @@ pub fn read_hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError>
             (0..hp.n_layer).map(|l| !(l + 1).is_multiple_of(interval)).collect()
         }
     };
+    if !mrope {
+        return Ok(());
+    }
     let sections = keys
         .opt_u32_array("rope.dimension_sections")?
         .ok_or_else(|| ModelError::BadHParams(format!("{} is missing", keys.name("rope.dimension_sections"))))?;
@@ -92,8 +95,13 @@ pub fn mixer_tensors(t: &mut LayerPlan<'_>) {
         t.vec(T::SsmConv1d, &[ssm.d_conv, channels], Split::Whole);
         t.vec(T::SsmDt, &[heads], Split::Whole);
         t.vec(T::SsmA, &[heads], Split::Whole);
-        t.mat(T::SsmBeta, &[embd, heads], Split::Whole);
-        t.mat(T::SsmAlpha, &[embd, heads], Split::Whole);
+        if hp.arch.name == super::qwen3next::ARCH.name {
+            // Each key head's value heads' beta, then their alpha.
+            t.mat(T::SsmBa, &[embd, 2 * heads], Split::Whole);
+        } else {
+            t.mat(T::SsmBeta, &[embd, heads], Split::Whole);
+            t.mat(T::SsmAlpha, &[embd, heads], Split::Whole);
+        }
         t.norm(T::SsmNorm, ssm.d_state);
         t.mat(T::SsmOut, &[ssm.d_inner, embd], Split::Whole);
     } else {
@@ -131,26 +139,83 @@ pub fn layer<'g>(
     b.ctx.add(cur, ffn_in)
 }
 
+/// A DeltaNet layer's projections of its input.
+struct DeltaInputs<'g> {
+    /// Queries, keys and values before the convolution, `[channels, n_tokens]`.
+    qkv: Tensor<'g>,
+    /// The output gate, `[d_inner, n_tokens]`.
+    z: Tensor<'g>,
+    /// Write strength (after the sigmoid), `[n_v_heads, n_tokens]`.
+    beta: Tensor<'g>,
+    /// Log decay, `[n_v_heads, n_tokens]`.
+    g: Tensor<'g>,
+}
+
+/// How value heads share key heads.
+#[derive(Clone, Copy)]
+enum KeyHeads {
+    /// Value head `i` reads key head `i % n_k_heads` (the fused kernel's broadcast;
+    /// qwen35).
+    Tiled,
+    /// Value head `i` reads key head `i / (n_v_heads / n_k_heads)` (qwen3next).
+    Interleaved,
+}
+
 impl<'g> Builder<'g> {
     /// A gated DeltaNet layer over `x [n_embd, n_tokens]`: each run of a sequence's rows
     /// continues that sequence's convolution and delta-rule states and leaves the
     /// states after its last tokens in the cache. Returns `[n_embd, n_tokens]`.
     pub fn gated_delta_net(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+        let ctx = self.ctx;
+        let ssm = self.hp.ssm.as_ref().expect("a recurrent layer has DeltaNet sizes");
+        let (h_k, h_v) = (ssm.n_groups as i64, ssm.n_heads as i64);
+        let n_tokens = x.ne()[1];
+        let qkv = ctx
+            .mul_mat(w.get(T::AttnQkv), x)
+            .named(&format!("linear_attn_qkv_mixed-{layer}")); // [channels, n_tokens]
+        let z = ctx.mul_mat(w.get(T::AttnGate), x).named(&format!("z-{layer}")); // [d_inner, n_tokens]
+        let (beta, alpha, heads) = match w.opt(T::SsmBa) {
+            // Qwen3-Next: per key head, its value heads' beta then their alpha; its key
+            // heads serve runs of consecutive value heads.
+            Some(ba) => {
+                let ba = ctx.reshape_3d(self.mul_mat_rowwise(ba, x), 2 * h_v / h_k, h_k, n_tokens);
+                let per_key = h_v / h_k;
+                let elt = ba.nb()[0];
+                let part = |offset: usize| ctx.view_3d(ba, [per_key, h_k, n_tokens], ba.nb()[1], ba.nb()[2], offset);
+                let beta = ctx.reshape_2d(ctx.cont(part(0)), h_v, n_tokens);
+                let alpha = ctx.cont_2d(part(per_key as usize * elt), h_v, n_tokens);
+                (beta, alpha, KeyHeads::Interleaved)
+            }
+            None => {
+                let beta = self.mul_mat_rowwise(w.get(T::SsmBeta), x);
+                let alpha = self.mul_mat_rowwise(w.get(T::SsmAlpha), x);
+                (beta, alpha, KeyHeads::Tiled)
+            }
+        };
+        let beta = ctx.sigmoid(beta); // [h_v, n_tokens]
+        let decay = ctx.softplus(ctx.add(alpha, w.get(T::SsmDt)));
+        let g = ctx.mul(decay, w.get(T::SsmA)).named(&format!("gate-{layer}")); // [h_v, n_tokens]
+        self.delta_rule(w, layer, DeltaInputs { qkv, z, beta, g }, heads)
+    }
+
+    /// The convolution, the delta rule and the gated output of a DeltaNet layer over
+    /// its projected `inputs`, key heads shared among value heads as `heads` says.
+    fn delta_rule(
+        &mut self,
+        w: &LayerTensors<'g>,
+        layer: usize,
+        inputs: DeltaInputs<'g>,
+        heads: KeyHeads,
+    ) -> Tensor<'g> {
         let hp = self.hp;
         let ctx = self.ctx;
         let ssm = hp.ssm.as_ref().expect("a recurrent layer has DeltaNet sizes");
         let (s, h_k, h_v) = (ssm.d_state as i64, ssm.n_groups as i64, ssm.n_heads as i64);
         let channels = ssm.conv_channels() as i64;
         let d_conv = ssm.d_conv as i64;
-        let n_tokens = x.ne()[1];
+        let DeltaInputs { qkv, z, beta, g } = inputs;
+        let n_tokens = qkv.ne()[1];
         let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
-
-        let qkv = named(ctx.mul_mat(w.get(T::AttnQkv), x), "linear_attn_qkv_mixed"); // [channels, n_tokens]
-        let z = named(ctx.mul_mat(w.get(T::AttnGate), x), "z"); // [d_inner, n_tokens]
-        let beta = ctx.sigmoid(self.mul_mat_rowwise(w.get(T::SsmBeta), x)); // [h_v, n_tokens]
-        let alpha = self.mul_mat_rowwise(w.get(T::SsmAlpha), x);
-        let decay = ctx.softplus(ctx.add(alpha, w.get(T::SsmDt)));
-        let g = named(ctx.mul(decay, w.get(T::SsmA)), "gate"); // [h_v, n_tokens]
 
         let conv_all = self.rs.conv(layer);
         let state_all = self.rs.state(layer);
@@ -167,7 +232,7 @@ impl<'g> Builder<'g> {
 
             let conv = ctx.silu(ctx.ssm_conv(conv_in, w.get(T::SsmConv1d))); // [channels, n, 1]
             let row = conv.nb()[1];
-            let heads = |n_heads: i64, offset: i64| {
+            let head_views = |n_heads: i64, offset: i64| {
                 ctx.view_4d(
                     conv,
                     [s, n_heads, n, 1],
@@ -175,9 +240,21 @@ impl<'g> Builder<'g> {
                     offset as usize * f32_size,
                 )
             };
-            let q = self.l2_norm(heads(h_k, 0));
-            let k = self.l2_norm(heads(h_k, s * h_k));
-            let v = heads(h_v, 2 * s * h_k);
+            let q = self.l2_norm(head_views(h_k, 0));
+            let k = self.l2_norm(head_views(h_k, s * h_k));
+            let v = head_views(h_v, 2 * s * h_k);
+            let (q, k) = match heads {
+                KeyHeads::Tiled => (q, k),
+                KeyHeads::Interleaved if h_k == h_v => (q, k),
+                KeyHeads::Interleaved => {
+                    // Each key head repeated for its value heads, as llama.cpp repeats them.
+                    let repeat = |t: Tensor<'g>| {
+                        let one = ctx.reshape_4d(t, [s, 1, h_k, n]);
+                        ctx.reshape_4d(ctx.repeat_4d(one, [s, h_v / h_k, h_k, n]), [s, h_v, n, 1])
+                    };
+                    (repeat(q), repeat(k))
+                }
+            };
             let run_rows = |t: Tensor<'g>| {
                 let view = ctx.view_2d(t, h_v, n, t.nb()[1], r0 * t.nb()[1]);
                 ctx.reshape_4d(view, [1, h_v, n, 1])
@@ -257,7 +334,7 @@ impl<'g> Builder<'g> {
 
     /// Qwen's gated attention over `x [n_embd, n_tokens]`: the query projection gives
     /// each head's query and an output gate; queries and keys are RMS-normed per head
-    /// and rotated by M-RoPE; the heads' outputs are multiplied by `sigmoid(gate)`
+    /// and rotated (by M-RoPE where the model has sections); the heads' outputs are multiplied by `sigmoid(gate)`
     /// before the output projection.
     pub fn gated_attention(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
         let hp = self.hp;
@@ -274,14 +351,13 @@ impl<'g> Builder<'g> {
         let gate = ctx.view_3d(q_full, [d, n_head, n_tokens], head, row, elt * d as usize);
         let gate = ctx.cont_2d(gate, d * n_head, n_tokens);
         let v = ctx.reshape_3d(ctx.mul_mat(w.get(T::AttnV), x), d, n_head_kv, n_tokens);
-        let sections = hp.rope_sections.expect("hybrid models read their RoPE sections");
         let positions = self.inputs.positions;
-        let q = ctx
-            .rope_multi(q, positions, sections, &hp.rope)
-            .named(&format!("Qcur-{layer}"));
-        let k = ctx
-            .rope_multi(k, positions, sections, &hp.rope)
-            .named(&format!("Kcur-{layer}"));
+        let rope = |t: Tensor<'g>| match hp.rope_sections {
+            Some(sections) => ctx.rope_multi(t, positions, sections, &hp.rope),
+            None => ctx.rope(t, positions, None, &hp.rope),
+        };
+        let q = rope(q).named(&format!("Qcur-{layer}"));
+        let k = rope(k).named(&format!("Kcur-{layer}"));
         let kv = KeyValues {
             k,
             v: Some(v),

@@ -32,6 +32,7 @@ mod qwen3;
 mod qwen35;
 mod qwen35moe;
 mod qwen3moe;
+mod qwen3next;
 
 use baton_ggml::Tensor;
 use baton_gguf::Value;
@@ -62,6 +63,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &llama4::ARCH,
     &qwen35::ARCH,
     &qwen35moe::ARCH,
+    &qwen3next::ARCH,
     &nemotron_h::ARCH,
     &nemotron_h_moe::ARCH,
 ];

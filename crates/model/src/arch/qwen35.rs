@@ -30,7 +30,7 @@ pub static ARCH: Architecture = Architecture {
 };
 
 fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
-    deltanet::read_hparams(hp, keys)
+    deltanet::read_hparams(hp, keys, true)
 }
 
 fn tensors(t: &mut LayerPlan<'_>) {

@@ -31,17 +31,23 @@ pub static ARCH: Architecture = Architecture {
 };
 
 fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
-    deltanet::read_hparams(hp, keys)?;
+    read_hparams(hp, keys, true)
+}
+
+/// qwen35moe's keys (and qwen3next's, whose RoPE has no sections: `mrope` false).
+pub(super) fn read_hparams(hp: &mut HParams, keys: &Keys<'_>, mrope: bool) -> Result<(), ModelError> {
+    deltanet::read_hparams(hp, keys, mrope)?;
     let n_layer_all = keys.u32("block_count")?;
     let n_ff = hp.n_ff;
     hp.moe.read_ff_exp(keys, n_layer_all, n_ff, false)?;
-    hp.moe.require_experts("qwen35moe")?;
+    hp.moe.require_experts(hp.arch.name)?;
     // The shared expert's width; llama.cpp falls back to the FFN length.
     hp.moe.n_ff_shexp = keys.opt_u32("expert_shared_feed_forward_length")?.unwrap_or(n_ff);
     if hp.moe.n_ff_shexp == 0 {
-        return Err(ModelError::BadHParams(
-            "qwen35moe needs a shared expert: expert_shared_feed_forward_length (or feed_forward_length) is 0".into(),
-        ));
+        return Err(ModelError::BadHParams(format!(
+            "{} needs a shared expert: expert_shared_feed_forward_length (or feed_forward_length) is 0",
+            hp.arch.name
+        )));
     }
     Ok(())
 }
@@ -49,14 +55,14 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 /// The shared expert: its FFN, and the gate of its output.
 const SHARED: FfnTensors = FFN_SHEXP;
 
-fn tensors(t: &mut LayerPlan<'_>) {
+pub(super) fn tensors(t: &mut LayerPlan<'_>) {
     deltanet::mixer_tensors(t);
     tensors::experts(t, t.hp.moe.n_ff_exp, true);
     tensors::ffn(t, &SHARED, t.hp.moe.n_ff_shexp, false);
     t.vec(T::FfnGateInpShexp, &[t.hp.n_embd], Split::Whole);
 }
 
-fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+pub(super) fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
     deltanet::layer(b, w, layer, hidden, |b, x| {
         let routing = Routing {
             gating: Gating::Softmax,
@@ -74,7 +80,14 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
 
 fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
     let mut keys = deltanet::example(shape);
-    keys.extend([
+    keys.extend(expert_keys(shape));
+    keys
+}
+
+/// The expert keys of an example model of `shape` (one shared expert of the routed
+/// experts' width times `n_expert_shared`).
+pub(super) fn expert_keys(shape: &Shape) -> Vec<(&'static str, Value)> {
+    vec![
         ("expert_count", Value::U32(shape.n_expert as u32)),
         ("expert_used_count", Value::U32(shape.n_expert_used as u32)),
         ("expert_feed_forward_length", Value::U32(shape.n_ff_exp as u32)),
@@ -82,6 +95,5 @@ fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
             "expert_shared_feed_forward_length",
             Value::U32((shape.n_ff_exp * shape.n_expert_shared.max(1)) as u32),
         ),
-    ]);
-    keys
+    ]
 }

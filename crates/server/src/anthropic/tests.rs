@@ -76,9 +76,14 @@ fn what_is_not_supported_is_refused_by_name() {
         "sometimes",
     );
     refused(
-        json!({"max_tokens": 8, "messages": [], "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+        json!({"max_tokens": 8, "messages": [], "thinking": {"type": "sometimes"}}),
         "thinking",
+        "enabled, adaptive or disabled",
+    );
+    refused(
+        json!({"max_tokens": 8, "messages": [], "thinking": {"type": "enabled", "budget_tokens": "lots"}}),
         "thinking",
+        "budget_tokens",
     );
     refused(
         json!({"max_tokens": 8, "messages": [], "system": [{"type": "image"}]}),
@@ -99,4 +104,32 @@ fn stop_reasons_and_errors_in_anthropics_terms() {
         error_body(500, "x"),
         json!({"type": "error", "error": {"type": "api_error", "message": "x"}})
     );
+}
+
+/// `thinking` becomes the template's `enable_thinking`; thinking the model wrote in an
+/// earlier turn is dropped, not refused.
+#[test]
+fn thinking_turns_the_templates_switch() {
+    let body = |thinking: Value| {
+        json!({"max_tokens": 8, "thinking": thinking, "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Greet back.", "signature": "s"},
+                {"type": "text", "text": "Hello."}]},
+            {"role": "user", "content": "Bye"},
+        ]})
+    };
+    let enabled = body(json!({"type": "enabled", "budget_tokens": 1024}));
+    let chat = to_chat(&enabled).unwrap();
+    assert_eq!(chat["chat_template_kwargs"], json!({"enable_thinking": true}));
+    assert_eq!(chat["messages"][1], json!({"role": "assistant", "content": "Hello."}));
+    assert!(!thinking_disabled(&enabled));
+    let disabled = body(json!({"type": "disabled"}));
+    assert_eq!(
+        to_chat(&disabled).unwrap()["chat_template_kwargs"],
+        json!({"enable_thinking": false})
+    );
+    assert!(thinking_disabled(&disabled));
+    let absent = to_chat(&json!({"max_tokens": 8, "messages": []})).unwrap();
+    assert_eq!(absent.get("chat_template_kwargs"), None);
 }

@@ -1,11 +1,12 @@
 //! `POST /v1/messages`: Anthropic's Messages API over the chat endpoint's job (see
 //! `crate::anthropic` for the request), answered in Anthropic's shapes: a whole
 //! message, or its server-sent event sequence (`message_start`, a
-//! `content_block_start`/`_delta`/`_stop` run per text or `tool_use` block,
+//! `content_block_start`/`_delta`/`_stop` run per `thinking`, text or `tool_use` block,
 //! `message_delta` with the stop reason and usage, `message_stop`).
 
 use super::*;
 use crate::anthropic;
+use crate::reasoning::ReasoningFormat;
 
 const ENDPOINT: &str = "messages";
 
@@ -24,7 +25,11 @@ async fn messages_inner(state: Arc<AppState>, body: Body, arrived: Instant) -> R
         .off_runtime(move |state| {
             let anthropic: Value = request::parse_json(&body)?;
             let chat = anthropic::to_chat(&anthropic)?;
-            request::chat(chat.to_string().as_bytes(), &state.config.model_id)
+            let mut req = request::chat(chat.to_string().as_bytes(), &state.config.model_id)?;
+            if anthropic::thinking_disabled(&anthropic) {
+                req.reasoning = ReasoningFormat::Hidden;
+            }
+            Ok(req)
         })
         .await?;
     let (prepared, parser) = chat_job(&state, req).await?;
@@ -59,9 +64,8 @@ struct Reply {
     id: String,
     state: Arc<AppState>,
     timing: Timing,
-    /// Separates tool calls from text (when tools were offered or the model writes
-    /// channels).
-    parser: Option<ToolParser>,
+    /// Separates thinking and tool calls from text.
+    parser: Option<OutputSplitter>,
     /// Tool calls released so far.
     calls: usize,
 }
@@ -71,8 +75,8 @@ impl Reply {
         self.state.metrics.request(ENDPOINT, outcome);
     }
 
-    /// The blocks for `text`: all of it as text without a parser, else what the parser
-    /// releases (reasoning is not shown: the request cannot ask for thinking).
+    /// The blocks for `text`: all of it as text without a splitter, else what the
+    /// splitter releases.
     fn blocks(&mut self, text: &str, last: bool) -> Vec<Out> {
         answer_outs(self.parser.as_mut(), text, last)
     }
@@ -119,10 +123,9 @@ impl Reply {
                     let mut content = Vec::new();
                     for out in self.blocks(&text, true) {
                         match out {
-                            Out::Content(text) if text.is_empty() => {}
-                            Out::Content(text) => content.push(json!({"type": "text", "text": text})),
+                            Out::Content(text) => append(&mut content, Block::Text, &text),
+                            Out::Reasoning(text) => append(&mut content, Block::Thinking, &text),
                             Out::Call(call) => content.push(self.tool_use(&call)),
-                            Out::Reasoning(_) => {}
                         }
                     }
                     let stop = (Some(self.stop_reason(&finish)), finish.stop_string.as_deref());
@@ -142,8 +145,50 @@ impl Reply {
 /// The content block a stream has open.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Block {
+    Thinking,
     Text,
     ToolUse,
+}
+
+impl Block {
+    /// A text or thinking block's type, the field its text is in, and its delta's type.
+    fn names(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            Block::Thinking => ("thinking", "thinking", "thinking_delta"),
+            Block::Text | Block::ToolUse => ("text", "text", "text_delta"),
+        }
+    }
+
+    /// An empty text or thinking block (thinking carries a signature, which Anthropic
+    /// uses to check thinking sent back; this server has nothing to sign).
+    fn empty(self) -> Value {
+        let (kind, field, _) = self.names();
+        let mut block = json!({"type": kind, field: ""});
+        if self == Block::Thinking {
+            block["signature"] = json!("");
+        }
+        block
+    }
+}
+
+/// Adds `text` to `content` as a `kind` (text or thinking) block, to the last block
+/// when it is one.
+fn append(content: &mut Vec<Value>, kind: Block, text: &str) {
+    if text.is_empty() {
+        return;
+    }
+    let (name, field, _) = kind.names();
+    match content.last_mut() {
+        Some(last) if last["type"] == name => {
+            let joined = format!("{}{text}", last[field].as_str().unwrap_or_default());
+            last[field] = json!(joined);
+        }
+        _ => {
+            let mut block = kind.empty();
+            block[field] = json!(text);
+            content.push(block);
+        }
+    }
 }
 
 struct MessageStream {
@@ -215,24 +260,8 @@ impl MessageStream {
     fn push_outs(&mut self, outs: Vec<Out>) {
         for out in outs {
             match out {
-                Out::Content(text) if text.is_empty() => {}
-                Out::Content(text) => {
-                    let index = match self.block {
-                        Some((Block::Text, index)) => index,
-                        _ => {
-                            self.close_block();
-                            let index = self.next_index();
-                            let start = json!({"type": "content_block_start", "index": index,
-                                "content_block": {"type": "text", "text": ""}});
-                            self.push("content_block_start", start);
-                            self.block = Some((Block::Text, index));
-                            index
-                        }
-                    };
-                    let delta = json!({"type": "content_block_delta", "index": index,
-                        "delta": {"type": "text_delta", "text": text}});
-                    self.push("content_block_delta", delta);
-                }
+                Out::Content(text) => self.text_delta(Block::Text, &text),
+                Out::Reasoning(text) => self.text_delta(Block::Thinking, &text),
                 Out::Call(call) => {
                     self.close_block();
                     let index = self.next_index();
@@ -247,9 +276,30 @@ impl MessageStream {
                     self.push("content_block_delta", delta);
                     self.block = Some((Block::ToolUse, index));
                 }
-                Out::Reasoning(_) => {}
             }
         }
+    }
+
+    /// `text` added to the open `kind` (text or thinking) block, or to a new one.
+    fn text_delta(&mut self, kind: Block, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        let index = match self.block {
+            Some((open, index)) if open == kind => index,
+            _ => {
+                self.close_block();
+                let index = self.next_index();
+                let start = json!({"type": "content_block_start", "index": index, "content_block": kind.empty()});
+                self.push("content_block_start", start);
+                self.block = Some((kind, index));
+                index
+            }
+        };
+        let (_, field, delta) = kind.names();
+        let delta = json!({"type": "content_block_delta", "index": index,
+            "delta": {"type": delta, field: text}});
+        self.push("content_block_delta", delta);
     }
 
     fn render(&mut self, event: Event) {

@@ -13,7 +13,7 @@ pub(super) async fn respond(
     prepared: Prepared,
     kind: Kind,
     logprobs: bool,
-    parser: Option<ToolParser>,
+    parser: Option<OutputSplitter>,
     arrived: Instant,
 ) -> Result<Response, ApiError> {
     let Prepared {
@@ -65,7 +65,7 @@ pub(super) async fn respond(
                     Some(mut parser) => {
                         let mut outs = parser.push(&text);
                         outs.extend(parser.finish());
-                        if parser.n_calls > 0 {
+                        if parser.n_calls() > 0 {
                             reason = "tool_calls";
                         }
                         writer.message(&outs)
@@ -186,7 +186,7 @@ impl Writer {
         })
     }
 
-    /// The assistant message for what the tool parser released.
+    /// The assistant message for what the splitter released.
     fn message(&self, outs: &[Out]) -> Value {
         let mut content = String::new();
         let mut reasoning = String::new();
@@ -285,8 +285,8 @@ impl Writer {
 /// Engine events turned into server-sent events.
 struct SseStream {
     writer: Writer,
-    /// Separates tool calls (and gpt-oss channels) from content.
-    parser: Option<ToolParser>,
+    /// Separates reasoning and tool calls from content.
+    parser: Option<OutputSplitter>,
     events: UnboundedReceiver<Event>,
     queue: VecDeque<SseEvent>,
     include_usage: bool,
@@ -326,7 +326,7 @@ impl SseStream {
         }
     }
 
-    /// Chunks for what the tool parser released; `logprobs`: the token's, sent with
+    /// Chunks for what the splitter released; `logprobs`: the token's, sent with
     /// the first chunk (or alone when nothing was released).
     fn push_outs(&mut self, outs: Vec<Out>, mut logprobs: Option<&[TokenOut]>) {
         for out in outs {
@@ -385,7 +385,7 @@ impl SseStream {
                 if let Some(parser) = self.parser.as_mut() {
                     let mut outs = parser.push(&finish.tail);
                     outs.extend(parser.finish());
-                    if parser.n_calls > 0 {
+                    if parser.n_calls() > 0 {
                         reason = "tool_calls";
                     }
                     self.push_outs(outs, None);

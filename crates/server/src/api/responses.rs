@@ -1,9 +1,12 @@
 //! `POST /v1/responses`: OpenAI's Responses API over the chat endpoint's job (see
 //! `crate::responses` for the request), answered as a response object, or its event
 //! sequence (`response.created`, per output item `response.output_item.added`, the
-//! text's `response.content_part.added`/`response.output_text.delta`/`.done` or a
-//! call's `response.function_call_arguments.delta`/`.done`, `response.output_item.done`,
-//! then `response.completed` or `response.incomplete`). The server keeps no responses.
+//! text's `response.content_part.added`/`response.output_text.delta`/`.done` (a
+//! `reasoning` item's: `response.reasoning_text.delta`/`.done`) or a call's
+//! `response.function_call_arguments.delta`/`.done`, `response.output_item.done`, then
+//! `response.completed` or `response.incomplete`). The model's thinking is a
+//! `reasoning` item before the message, its text a `reasoning_text` content part. The
+//! server keeps no responses.
 
 use super::*;
 
@@ -77,7 +80,7 @@ struct Reply {
     created: u64,
     state: Arc<AppState>,
     timing: Timing,
-    parser: Option<ToolParser>,
+    parser: Option<OutputSplitter>,
     /// The output items so far.
     items: Vec<Value>,
 }
@@ -92,11 +95,22 @@ impl Reply {
     }
 
     fn message_item(&self, text: &str, status: &str) -> Value {
-        json!({
-            "type": "message", "id": format!("msg_{}_{}", self.suffix, self.items.len()), "status": status,
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        })
+        self.text_item(TextItem::Message, text, status)
+    }
+
+    /// A message or reasoning item holding `text`.
+    fn text_item(&self, kind: TextItem, text: &str, status: &str) -> Value {
+        let n = self.items.len();
+        match kind {
+            TextItem::Message => json!({
+                "type": "message", "id": format!("msg_{}_{n}", self.suffix), "status": status,
+                "role": "assistant", "content": [kind.part(text)],
+            }),
+            TextItem::Reasoning => json!({
+                "type": "reasoning", "id": format!("rs_{}_{n}", self.suffix), "status": status,
+                "summary": [], "content": [kind.part(text)],
+            }),
+        }
     }
 
     fn call_item(&self, call: &tools::ToolCall) -> Value {
@@ -153,19 +167,27 @@ impl Reply {
                     text.push_str(&finish.tail);
                     let status = Reply::status(&finish);
                     let mut content = String::new();
+                    let mut reasoning = String::new();
+                    let mut calls = Vec::new();
                     for out in self.outs(&text, true) {
                         match out {
                             Out::Content(text) => content.push_str(&text),
-                            Out::Call(call) => {
-                                let item = self.call_item(&call);
-                                self.items.push(item);
-                            }
-                            Out::Reasoning(_) => {}
+                            Out::Reasoning(text) => reasoning.push_str(&text),
+                            Out::Call(call) => calls.push(call),
                         }
                     }
-                    if !content.is_empty() || self.items.is_empty() {
+                    // The thinking, then the answer, then the calls.
+                    if !reasoning.is_empty() {
+                        let item = self.text_item(TextItem::Reasoning, &reasoning, "completed");
+                        self.items.push(item);
+                    }
+                    if !content.is_empty() || calls.is_empty() {
                         let item = self.message_item(&content, status);
-                        self.items.insert(0, item);
+                        self.items.push(item);
+                    }
+                    for call in &calls {
+                        let item = self.call_item(call);
+                        self.items.push(item);
                     }
                     self.record(Outcome::Ok);
                     return Ok(Json(self.object(status, Some(&finish))).into_response());
@@ -177,12 +199,40 @@ impl Reply {
     }
 }
 
+/// An output item made of text.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TextItem {
+    /// The answer.
+    Message,
+    /// The model's thinking.
+    Reasoning,
+}
+
+impl TextItem {
+    /// Its content part holding `text`.
+    fn part(self, text: &str) -> Value {
+        match self {
+            TextItem::Message => json!({"type": "output_text", "text": text, "annotations": []}),
+            TextItem::Reasoning => json!({"type": "reasoning_text", "text": text}),
+        }
+    }
+
+    /// The events for its text: a delta and the whole.
+    fn events(self) -> (&'static str, &'static str) {
+        match self {
+            TextItem::Message => ("response.output_text.delta", "response.output_text.done"),
+            TextItem::Reasoning => ("response.reasoning_text.delta", "response.reasoning_text.done"),
+        }
+    }
+}
+
 struct ResponseStream {
     reply: Reply,
     events: UnboundedReceiver<Event>,
     queue: VecDeque<SseEvent>,
-    /// The text item being written: its index in the output and its text so far.
-    text: Option<(usize, String)>,
+    /// The text item being written: what it is, its index in the output and its text
+    /// so far.
+    text: Option<(TextItem, usize, String)>,
     sequence: u64,
     started: bool,
     done: bool,
@@ -233,15 +283,17 @@ impl ResponseStream {
 
     /// Ends the open text item, if any.
     fn close_text(&mut self, status: &str) {
-        let Some((index, text)) = self.text.take() else { return };
-        let mut item = self.reply.message_item(&text, status);
+        let Some((kind, index, text)) = self.text.take() else {
+            return;
+        };
+        let mut item = self.reply.text_item(kind, &text, status);
         item["id"] = self.reply.items[index]["id"].clone();
         let id = item["id"].clone();
-        let part = json!({"type": "output_text", "text": text, "annotations": []});
+        let part = kind.part(&text);
         let at = json!({"item_id": id, "output_index": index, "content_index": 0});
         let mut done = at.clone();
         done["text"] = json!(text);
-        self.push("response.output_text.done", done);
+        self.push(kind.events().1, done);
         let mut part_done = at;
         part_done["part"] = part;
         self.push("response.content_part.done", part_done);
@@ -255,34 +307,8 @@ impl ResponseStream {
     fn push_outs(&mut self, outs: Vec<Out>) {
         for out in outs {
             match out {
-                Out::Content(text) if text.is_empty() => {}
-                Out::Content(delta) => {
-                    if self.text.is_none() {
-                        let index = self.reply.items.len();
-                        let mut item = self.reply.message_item("", "in_progress");
-                        item["content"] = json!([]);
-                        self.reply.items.push(item.clone());
-                        self.push(
-                            "response.output_item.added",
-                            json!({"output_index": index, "item": item}),
-                        );
-                        let part = json!({"type": "output_text", "text": "", "annotations": []});
-                        self.push(
-                            "response.content_part.added",
-                            json!({"item_id": item["id"], "output_index": index, "content_index": 0, "part": part}),
-                        );
-                        self.text = Some((index, String::new()));
-                    }
-                    let Some((index, text)) = self.text.as_mut() else {
-                        continue;
-                    };
-                    text.push_str(&delta);
-                    let (index, id) = (*index, self.reply.items[*index]["id"].clone());
-                    self.push(
-                        "response.output_text.delta",
-                        json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta}),
-                    );
-                }
+                Out::Content(delta) => self.text_delta(TextItem::Message, &delta),
+                Out::Reasoning(delta) => self.text_delta(TextItem::Reasoning, &delta),
                 Out::Call(call) => {
                     self.close_text("completed");
                     let index = self.reply.items.len();
@@ -307,9 +333,42 @@ impl ResponseStream {
                         json!({"output_index": index, "item": item}),
                     );
                 }
-                Out::Reasoning(_) => {}
             }
         }
+    }
+
+    /// `delta` added to the open `kind` item, or to a new one (closing another).
+    fn text_delta(&mut self, kind: TextItem, delta: &str) {
+        if delta.is_empty() {
+            return;
+        }
+        if self.text.as_ref().is_some_and(|(open, ..)| *open != kind) {
+            self.close_text("completed");
+        }
+        if self.text.is_none() {
+            let index = self.reply.items.len();
+            let mut item = self.reply.text_item(kind, "", "in_progress");
+            item["content"] = json!([]);
+            self.reply.items.push(item.clone());
+            self.push(
+                "response.output_item.added",
+                json!({"output_index": index, "item": item}),
+            );
+            self.push(
+                "response.content_part.added",
+                json!({"item_id": item["id"], "output_index": index, "content_index": 0, "part": kind.part("")}),
+            );
+            self.text = Some((kind, index, String::new()));
+        }
+        let Some((_, index, text)) = self.text.as_mut() else {
+            return;
+        };
+        text.push_str(delta);
+        let (index, id) = (*index, self.reply.items[*index]["id"].clone());
+        self.push(
+            kind.events().0,
+            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta}),
+        );
     }
 
     fn render(&mut self, event: Event) {

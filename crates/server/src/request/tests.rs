@@ -252,3 +252,65 @@ fn max_tokens_near_u64_max_is_too_long_not_wrapped() {
         );
     }
 }
+
+/// Thinking switches: `reasoning_format`, `chat_template_kwargs` (given to the
+/// template, `enable_thinking` always among them) and `reasoning_effort`.
+#[test]
+fn thinking_switches_are_read_and_checked() {
+    let chat_of = |extra: serde_json::Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "Hi"}]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        chat(body.to_string().as_bytes(), MODEL)
+    };
+    let plain = chat_of(json!({})).unwrap();
+    assert_eq!(plain.reasoning, ReasoningFormat::Separate);
+    assert_eq!(Value::Object(plain.template_kwargs), json!({"enable_thinking": true}));
+    let off = chat_of(json!({"reasoning_format": "none", "chat_template_kwargs": {"enable_thinking": false, "x": 1}}))
+        .unwrap();
+    assert_eq!(off.reasoning, ReasoningFormat::Inline);
+    assert_eq!(
+        Value::Object(off.template_kwargs),
+        json!({"enable_thinking": false, "x": 1})
+    );
+    let minimal = chat_of(json!({"reasoning_effort": "minimal"})).unwrap();
+    assert_eq!(
+        Value::Object(minimal.template_kwargs),
+        json!({"reasoning_effort": "low", "enable_thinking": false})
+    );
+    let high = chat_of(json!({"reasoning_effort": "high"})).unwrap();
+    assert_eq!(
+        Value::Object(high.template_kwargs),
+        json!({"reasoning_effort": "high", "enable_thinking": true})
+    );
+    let refused = |extra: serde_json::Value, field: &str, says: &str| {
+        let e = chat_of(extra.clone()).expect_err(&extra.to_string());
+        assert_eq!(e.field(), Some(field), "{extra}");
+        assert!(e.message().contains(says), "{}", e.message());
+    };
+    refused(
+        json!({"reasoning_format": "deepseek-legacy"}),
+        "reasoning_format",
+        "'deepseek-legacy'",
+    );
+    refused(
+        json!({"chat_template_kwargs": {"enable_thinking": "no"}}),
+        "chat_template_kwargs",
+        "true or false",
+    );
+    refused(json!({"reasoning_effort": "max"}), "reasoning_effort", "'max'");
+}
+
+/// llama.cpp's `grammar` extension: checked like a response format's, not both at once.
+#[test]
+fn a_grammar_is_checked_and_not_taken_with_a_response_format() {
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "grammar": "root ::= \"<think>\" [a-z]+"});
+    let req = chat(body.to_string().as_bytes(), MODEL).unwrap();
+    assert_eq!(req.generation.grammar.as_deref(), Some("root ::= \"<think>\" [a-z]+"));
+    let both = json!({"messages": [{"role": "user", "content": "Hi"}], "grammar": "root ::= \"a\"",
+        "response_format": {"type": "json_object"}});
+    let (status, field, _) = chat_err(&both.to_string());
+    assert_eq!((status, field), (StatusCode::BAD_REQUEST, Some("grammar")));
+    let broken = json!({"messages": [{"role": "user", "content": "Hi"}], "grammar": "root ::= ("});
+    let (status, field, message) = chat_err(&broken.to_string());
+    assert_eq!((status, field), (StatusCode::BAD_REQUEST, Some("grammar")), "{message}");
+}

@@ -2,7 +2,10 @@ use std::sync::Arc;
 
 use baton_grammar::{Grammar, Matcher, TokenTable};
 
+use baton_engine::EndCheck;
+
 use super::*;
+use crate::reasoning::{FirstCallEnds, ReasoningFormat, Start};
 
 /// Feeds `pieces` one at a time; returns everything released, in order.
 fn parse(format: ToolFormat, pieces: &[&str]) -> Vec<Out> {
@@ -267,7 +270,7 @@ fn bad_tools_are_refused_naming_the_entry() {
 /// end check and then to the response's parser, stopping after the piece that ends
 /// generation. Returns what was released and how many pieces were generated.
 fn one_call(format: ToolFormat, pieces: &[&str]) -> (Vec<Out>, usize) {
-    let mut ends = FirstCallEnds::new(format);
+    let mut ends = FirstCallEnds::new(format, ReasoningFormat::Separate, Start::Open);
     let mut parser = ToolParser::new(format, true).one_call(true);
     let mut out = Vec::new();
     let mut generated = 0;
