@@ -314,7 +314,8 @@ fn lose_a_worker_mid_stream_with(
 
 /// A hybrid model (synthetic qwen35, recurrent states in half its layers) loses a
 /// worker mid-stream: the new ring rebuilds every state by replaying the sequence from
-/// position 0, and the text goes on unchanged.
+/// position 0, and the text goes on unchanged. The disturbed request started from the
+/// first one's checkpoint of its states after its whole prompt chunks.
 #[test]
 fn a_hybrid_models_stream_goes_on_after_a_killed_worker() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -327,7 +328,7 @@ fn a_hybrid_models_stream_goes_on_after_a_killed_worker() {
     let streamed = server.stream(8, || w1.kill());
     assert!(streamed.error.is_none(), "{streamed:?}");
     assert!(streamed.disturbed_at.is_some(), "the worker was lost mid-stream");
-    assert_eq!(streamed.cached, 0, "a hybrid model's prompt is computed again");
+    assert!(streamed.cached > 0, "the prompt's whole chunks came from a checkpoint");
     assert_eq!(streamed.text, undisturbed.text, "the stream goes on unchanged");
 }
 

@@ -15,10 +15,11 @@ use tokio::sync::oneshot;
 
 use super::batch::{next_batch, BatchRules, Member};
 use super::draft::{DraftMode, DraftPolicy, Drafters};
-use super::slots::{choose_slot, reusable_prefix, runs_prefix, Active, Slot};
+use super::slots::{choose_slot, runs_prefix, Active, Slot};
 use super::text::Piece;
 use super::types::{
-    Counters, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Health, Job, StageStats, TokenOut, Vocab,
+    Counters, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Health, Job, PrefixReuse, StageStats,
+    TokenOut, Vocab,
 };
 
 /// A message in the ring, waiting for its reply.
@@ -536,18 +537,14 @@ impl Core {
         let chunk = self.config.chunk.max(1);
         while self.connected {
             let Some(job) = self.queue.front() else { break };
-            let Some(seq) = choose_slot(&self.slots, &job.prompt, chunk) else {
+            let Some(seq) = choose_slot(&self.slots, &job.prompt, chunk, self.config.prefix_reuse) else {
                 break;
             };
             let job = self.queue.pop_front().expect("the queue is not empty");
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
             self.counters.active.fetch_add(1, Ordering::Relaxed);
             let slot = &mut self.slots[seq];
-            let n_reused = if self.config.prefix_reuse {
-                reusable_prefix(&slot.cached, &slot.cached_runs, &job.prompt, chunk)
-            } else {
-                0
-            };
+            let n_reused = slot.reusable(&job.prompt, chunk, self.config.prefix_reuse);
             self.counters
                 .prompt_tokens_reused
                 .fetch_add(n_reused as u64, Ordering::Relaxed);
@@ -564,7 +561,10 @@ impl Core {
             slot.cached.clear();
             let runs = runs_prefix(&std::mem::take(&mut slot.cached_runs), n_reused);
             let prior = self.policy.prior(job.draft.mode);
-            let active = Active::new(job, epoch, n_reused, runs, prior);
+            let mut active = Active::new(job, epoch, n_reused, runs, prior);
+            // The stages drop the checkpoints past what the request keeps.
+            active.checkpoints = std::mem::take(&mut slot.checkpoints);
+            active.checkpoints.retain(|&at| at <= n_reused);
             active.span.in_scope(|| tracing::debug!(seq, "started in slot {seq}"));
             slot.active = Some(active);
             self.send(start.into(), Pending::Control, now);
@@ -610,8 +610,38 @@ impl Core {
             self.counters.draft_tokens.fetch_add(drafted as u64, Ordering::Relaxed);
             let rows = forward.positions.len();
             let decode_rows = (forward.sample_rows.len() == rows).then_some(rows);
+            let seqs: Vec<usize> = members.iter().map(|m| m.seq).collect();
             self.send(Message::Forward(forward), Pending::Step { members, decode_rows }, now);
+            if self.config.prefix_reuse == PrefixReuse::Checkpoints {
+                for seq in seqs {
+                    self.checkpoint_whole_chunk(seq, now);
+                }
+            }
         }
+    }
+
+    /// After a whole prompt chunk of `seq` went into the ring, asks every stage to keep
+    /// a copy of its recurrent states there: a later request whose prompt starts with
+    /// the same chunks continues from it (see [`PrefixReuse::Checkpoints`]).
+    fn checkpoint_whole_chunk(&mut self, seq: usize, now: Instant) {
+        let chunk = self.config.chunk.max(1);
+        let Some(active) = self.slots[seq].active.as_mut() else {
+            return;
+        };
+        let whole = active.runs.last() == Some(&(chunk as u32));
+        let at = active.n_sent;
+        if !whole || at > active.n_prompt || at % chunk != 0 || active.checkpoints.contains(&at) {
+            return;
+        }
+        active.checkpoints.push(at);
+        if active.checkpoints.len() > baton_model::CHECKPOINTS {
+            active.checkpoints.remove(0);
+        }
+        let msg = Message::Checkpoint {
+            seq: seq as u32,
+            len: at as u32,
+        };
+        self.send(msg, Pending::Control, now);
     }
 
     fn current(&mut self, seq: usize, epoch: u64) -> Option<&mut Active> {
@@ -733,6 +763,7 @@ impl Core {
         // drafted tokens past an end).
         active.tokens.truncate(active.n_sent);
         slot.cached_runs = runs_prefix(&active.runs, active.tokens.len());
+        slot.checkpoints = std::mem::take(&mut active.checkpoints);
         slot.cached = active.tokens;
         self.counters.active.fetch_sub(1, Ordering::Relaxed);
         self.counters.requests_finished.fetch_add(1, Ordering::Relaxed);

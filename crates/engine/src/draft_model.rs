@@ -93,6 +93,11 @@ impl ModelDrafter {
         if keep < n_prompt {
             keep -= keep % self.chunk;
         }
+        // A draft model with recurrent layers returns only to a state it kept (a draft's
+        // rollback); elsewhere it computes the sequence again.
+        if !self.stage.recurrent().has_state(seq, keep) {
+            keep = 0;
+        }
         self.stage.truncate_seq(seq, keep);
         let mut logits = Vec::new();
         let mut at = keep;

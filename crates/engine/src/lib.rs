@@ -59,7 +59,7 @@ pub use draft_model::ModelDrafter;
 pub use head::{GenerateRequest, Generation, Head, RingEnds};
 pub use local::LocalRing;
 pub use text::{Piece, TextStream};
-pub use types::{max_draft, prefix_reuse};
+pub use types::{max_draft, prefix_reuse, PrefixReuse};
 pub use types::{
     Cause, Counters, EndCheck, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Formed, Health, Job,
     OnLost, RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,

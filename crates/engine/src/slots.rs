@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 
 use super::draft::SeqDraft;
 use super::text::TextStream;
-use super::types::Job;
+use super::types::{Job, PrefixReuse};
 
 /// A sequence id with its share of the KV cache.
 pub(crate) struct Slot {
@@ -13,6 +13,9 @@ pub(crate) struct Slot {
     pub cached: Vec<u32>,
     /// The batches `cached` went into the ring in (token counts, in order).
     pub cached_runs: Vec<u32>,
+    /// Positions where the stages keep a checkpoint of this slot's recurrent states,
+    /// oldest first (models with recurrent layers).
+    pub checkpoints: Vec<usize>,
     /// When it was last given out (for least-recently-used choice).
     pub last_used: u64,
     pub active: Option<Active>,
@@ -23,6 +26,7 @@ impl Slot {
         Slot {
             cached: Vec::new(),
             cached_runs: Vec::new(),
+            checkpoints: Vec::new(),
             last_used: 0,
             active: None,
         }
@@ -32,6 +36,23 @@ impl Slot {
     pub fn forget(&mut self) {
         self.cached.clear();
         self.cached_runs.clear();
+        self.checkpoints.clear();
+    }
+
+    /// How many leading tokens of `prompt` a request may take from this slot's cache
+    /// (see [`reusable_prefix`]), where `reuse` allows.
+    pub fn reusable(&self, prompt: &[u32], chunk: usize, reuse: PrefixReuse) -> usize {
+        let anywhere = reusable_prefix(&self.cached, &self.cached_runs, prompt, chunk);
+        match reuse {
+            PrefixReuse::Anywhere => anywhere,
+            PrefixReuse::Checkpoints => self
+                .checkpoints
+                .iter()
+                .copied()
+                .filter(|&at| at <= anywhere)
+                .max()
+                .unwrap_or(0),
+        }
     }
 }
 
@@ -50,6 +71,9 @@ pub(crate) struct Active {
     /// How many tokens each send carried, covering `tokens[..n_sent]`: what a rebuild
     /// on a new ring repeats, batch for batch.
     pub runs: Vec<u32>,
+    /// Positions where the stages keep a checkpoint of its recurrent states, oldest
+    /// first.
+    pub checkpoints: Vec<usize>,
     /// Sends still to repeat after a rebuild.
     pub replay: VecDeque<u32>,
     /// A row of this sequence that will be sampled is in the ring.
@@ -75,6 +99,7 @@ impl Active {
             n_reused,
             n_sent: n_reused,
             runs,
+            checkpoints: Vec::new(),
             replay: VecDeque::new(),
             waiting: false,
             generated: 0,
@@ -117,6 +142,8 @@ impl Active {
     /// the batches it went in; returns how many tokens will be repeated.
     pub fn restart(&mut self) -> usize {
         self.replay = self.runs.drain(..).collect();
+        // The new ring's stages keep none; the repeated chunks ask for them again.
+        self.checkpoints.clear();
         let repeated = self.n_sent;
         self.n_sent = 0;
         self.waiting = false;
@@ -126,13 +153,13 @@ impl Active {
 
 /// The free slot a prompt should run in: the one with the longest reusable prefix, then
 /// the longest common prefix, then the least recently used.
-pub(crate) fn choose_slot(slots: &[Slot], prompt: &[u32], chunk: usize) -> Option<usize> {
+pub(crate) fn choose_slot(slots: &[Slot], prompt: &[u32], chunk: usize, reuse: PrefixReuse) -> Option<usize> {
     (0..slots.len())
         .filter(|&i| slots[i].active.is_none())
         .max_by_key(|&i| {
             let slot = &slots[i];
             (
-                reusable_prefix(&slot.cached, &slot.cached_runs, prompt, chunk),
+                slot.reusable(prompt, chunk, reuse),
                 common_prefix(&slot.cached, prompt),
                 std::cmp::Reverse(slot.last_used),
             )
@@ -243,6 +270,7 @@ mod tests {
         let slot = |cached: &[u32], runs: &[u32], last_used: u64| Slot {
             cached: cached.to_vec(),
             cached_runs: runs.to_vec(),
+            checkpoints: Vec::new(),
             last_used,
             active: None,
         };
@@ -253,9 +281,17 @@ mod tests {
             slot(&[], &[], 0),
             slot(&prompt[..3], &[3], 9),
         ];
-        assert_eq!(choose_slot(&slots, &prompt, 4), Some(0), "8 reusable tokens");
+        assert_eq!(
+            choose_slot(&slots, &prompt, 4, PrefixReuse::Anywhere),
+            Some(0),
+            "8 reusable tokens"
+        );
         // Nothing reusable anywhere (chunk 16): the longest common prefix, then the LRU.
-        assert_eq!(choose_slot(&slots, &prompt, 16), Some(0));
-        assert_eq!(choose_slot(&slots, &[99, 98], 16), Some(2), "least recently used");
+        assert_eq!(choose_slot(&slots, &prompt, 16, PrefixReuse::Anywhere), Some(0));
+        assert_eq!(
+            choose_slot(&slots, &[99, 98], 16, PrefixReuse::Anywhere),
+            Some(2),
+            "least recently used"
+        );
     }
 }

@@ -47,7 +47,7 @@ fn config() -> EngineConfig {
         max_queue: 8,
         recovery_timeout: Duration::from_secs(30),
         step_timeout: Duration::from_secs(60),
-        prefix_reuse: true,
+        prefix_reuse: crate::PrefixReuse::Anywhere,
         max_draft: crate::draft::MAX_DRAFT,
     }
 }
@@ -61,13 +61,17 @@ struct Harness {
 
 impl Harness {
     fn new(supervised: bool) -> Harness {
+        Harness::with_config(config(), supervised)
+    }
+
+    fn with_config(config: EngineConfig, supervised: bool) -> Harness {
         let counters = Arc::new(Counters::default());
         let health = Arc::new(Mutex::new(Health::Serving {
             stages: vec![],
             lost: vec![],
         }));
         let mut core = Core::new(
-            config(),
+            config,
             Arc::new(Tokens),
             counters.clone(),
             health.clone(),
@@ -321,6 +325,52 @@ fn the_end_token_stops_and_the_next_request_reuses_whole_chunks() {
             .load(std::sync::atomic::Ordering::Relaxed),
         8
     );
+}
+
+/// A model with recurrent layers: after each whole prompt chunk every stage is asked to
+/// keep a checkpoint of its states there, and a later request reuses a prefix only up
+/// to a checkpoint the stages still keep (the newest `CHECKPOINTS` of its slot's).
+#[test]
+fn recurrent_models_reuse_prefixes_at_the_checkpoints_their_stages_keep() {
+    let config = EngineConfig {
+        prefix_reuse: crate::PrefixReuse::Checkpoints,
+        ..config()
+    };
+    let mut h = Harness::with_config(config, false);
+    // Chunks of 4: 4 whole ones, then [17, 18].
+    let prompt: Vec<u32> = (1..=18).collect();
+    let _rx = h.job(&prompt, 10);
+    let sent = h.poll_answering(&[0]);
+    let mut checkpoints = Vec::new();
+    for (i, msg) in sent.iter().enumerate() {
+        if let Message::Checkpoint { len, .. } = msg {
+            // Right after the chunk it ends.
+            assert_eq!(forward(&sent[i - 1]).positions.last(), Some(&(*len as i32 - 1)));
+            checkpoints.push(*len);
+        }
+    }
+    assert_eq!(checkpoints, vec![4, 8, 12, 16]);
+    // The same prompt again: its last chunk starts at 16, a checkpoint.
+    let _rx = h.job(&prompt, 10);
+    let sent = h.poll_answering(&[0]);
+    assert!(matches!(sent[0], Message::StartSeq { keep: 16, .. }), "{sent:?}");
+    assert!(
+        !sent.iter().any(|m| matches!(m, Message::Checkpoint { .. })),
+        "nothing new to keep"
+    );
+    // Differing at token 10: a KV cache would give 8, a checkpoint too.
+    let mut other = prompt.clone();
+    other[9] = 99;
+    let _rx = h.job(&other, 10);
+    let sent = h.poll_answering(&[0]);
+    assert!(matches!(sent[0], Message::StartSeq { keep: 8, .. }), "{sent:?}");
+    // Differing at token 6: 4 would do, but of 4, 8, 12 and 16 the stages kept the
+    // newest three.
+    let mut other = prompt.clone();
+    other[5] = 99;
+    let _rx = h.job(&other, 10);
+    let sent = h.poll();
+    assert!(matches!(sent[0], Message::StartSeq { keep: 0, .. }), "{sent:?}");
 }
 
 #[test]

@@ -33,11 +33,9 @@ pub struct EngineConfig {
     /// Longest the ring may take to answer one message before it counts as broken
     /// (a stage stuck in its computation, which heartbeats do not see).
     pub step_timeout: Duration,
-    /// Whether a prompt may start from the prefix its slot's cache holds. Not for a
-    /// model with recurrent layers: their states cannot be cut back to the chunk
-    /// boundary reuse would start at (each keeps only its last few positions), so the
-    /// whole prompt is computed again ([`prefix_reuse`]).
-    pub prefix_reuse: bool,
+    /// Where a prompt may start from the prefix its slot's cache holds
+    /// ([`prefix_reuse`]).
+    pub prefix_reuse: PrefixReuse,
     /// Most tokens drafted for one step: [`MAX_DRAFT`](crate::draft::MAX_DRAFT), fewer
     /// where a rejected draft must roll recurrent states back ([`max_draft`]).
     pub max_draft: usize,
@@ -47,17 +45,33 @@ pub struct EngineConfig {
 /// can be rolled back over (recurrent states keep only their last
 /// [`KEPT_STATES`](baton_model::KEPT_STATES) positions).
 pub fn max_draft(hp: &baton_model::HParams) -> usize {
-    if prefix_reuse(hp) {
-        crate::draft::MAX_DRAFT
-    } else {
-        crate::draft::MAX_DRAFT.min(baton_model::KEPT_STATES - 1)
+    match prefix_reuse(hp) {
+        PrefixReuse::Anywhere => crate::draft::MAX_DRAFT,
+        PrefixReuse::Checkpoints => crate::draft::MAX_DRAFT.min(baton_model::KEPT_STATES - 1),
     }
 }
 
-/// Whether a model's caches can be cut back to any earlier position, which reusing a
-/// cached prefix needs: not where layers are recurrent.
-pub fn prefix_reuse(hp: &baton_model::HParams) -> bool {
-    !hp.recurrent_layers.iter().any(|&r| r)
+/// Where a request may take a cached prefix of its prompt from its slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefixReuse {
+    /// At any chunk boundary: KV caches can be cut back anywhere.
+    Anywhere,
+    /// Only where the stages keep a copy of the recurrent states: a model with
+    /// recurrent layers, whose states cannot be cut back. The engine asks every stage
+    /// to keep them at the end of each whole prompt chunk (`Message::Checkpoint`; the
+    /// newest [`CHECKPOINTS`](baton_model::CHECKPOINTS) per sequence are kept) and
+    /// reuses a prefix up to the last of those within what could be reused anywhere.
+    Checkpoints,
+}
+
+/// Where a model's cached prefixes may be reused: anywhere, or at checkpoints of its
+/// recurrent states.
+pub fn prefix_reuse(hp: &baton_model::HParams) -> PrefixReuse {
+    if hp.recurrent_layers.iter().any(|&r| r) {
+        PrefixReuse::Checkpoints
+    } else {
+        PrefixReuse::Anywhere
+    }
 }
 
 /// Called (from any thread) with a node's address and why it is lost.

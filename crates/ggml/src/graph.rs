@@ -118,6 +118,36 @@ impl<'a> Tensor<'a> {
         self.write(bytes)
     }
 
+    /// Copies `out.len()` bytes of the tensor's backend memory from byte `offset` into
+    /// `out` (a part of a cache, e.g. one sequence's row).
+    pub fn read_bytes_at(&self, offset: usize, out: &mut [u8]) -> Result<(), GgmlError> {
+        self.check_range(offset, out.len())?;
+        // SAFETY: the tensor is allocated and `offset..offset + out.len()` lies inside it.
+        unsafe { sys::ggml_backend_tensor_get(self.raw(), out.as_mut_ptr().cast(), offset, out.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into the tensor's backend memory from byte `offset` on.
+    pub fn write_bytes_at(&self, offset: usize, data: &[u8]) -> Result<(), GgmlError> {
+        self.check_range(offset, data.len())?;
+        // SAFETY: the tensor is allocated and `offset..offset + data.len()` lies inside it.
+        unsafe { sys::ggml_backend_tensor_set(self.raw(), data.as_ptr().cast(), offset, data.len()) };
+        Ok(())
+    }
+
+    /// Refuses a byte range outside the tensor, or a tensor without memory.
+    fn check_range(&self, offset: usize, len: usize) -> Result<(), GgmlError> {
+        let inside = offset.checked_add(len).is_some_and(|end| end <= self.n_bytes());
+        if !inside || self.meta().data.is_null() {
+            return Err(GgmlError::Io {
+                tensor: self.name(),
+                bytes: len,
+                expected: self.n_bytes().saturating_sub(offset),
+            });
+        }
+        Ok(())
+    }
+
     /// Copies the tensor's backend memory into `out`.
     pub fn read<T: Copy>(&self, out: &mut [T]) -> Result<(), GgmlError> {
         let bytes = std::mem::size_of_val(out);

@@ -68,6 +68,12 @@ impl StageChain {
         self.stages.iter_mut().for_each(|s| s.truncate_seq(seq, len));
     }
 
+    /// Keeps a copy of a sequence's recurrent states after `len` positions, in every
+    /// stage; the first failure is the answer.
+    pub fn checkpoint_seq(&mut self, seq: u32, len: usize) -> Result<(), crate::ModelError> {
+        self.stages.iter_mut().try_for_each(|s| s.checkpoint_seq(seq, len))
+    }
+
     /// Forgets a sequence in every stage.
     pub fn clear_seq(&mut self, seq: u32) {
         self.stages.iter_mut().for_each(|s| s.clear_seq(seq));

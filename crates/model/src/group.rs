@@ -101,6 +101,13 @@ impl StageGroup {
         self.stage.truncate_seq(seq, len);
     }
 
+    /// Keeps a copy of `seq`'s recurrent states after `len` positions. A
+    /// tensor-parallel group holds none (models with recurrent layers are refused
+    /// one), so only the stage's own are kept.
+    pub fn checkpoint_seq(&mut self, seq: u32, len: usize) -> Result<(), ModelError> {
+        self.stage.checkpoint_seq(seq, len)
+    }
+
     /// Runs the group over one batch and returns what a whole stage would: its logit
     /// rows on a last stage as `reply` asks (whole rows, or each row's best of the
     /// whole vocabulary).

@@ -30,7 +30,7 @@ pub use group::StageGroup;
 pub use hparams::{AttnTemp, HParams, Keys, Mla, Ssm, SsmKind, SwaType, TpHeads, Window, Yarn};
 pub use kv::{AttnSpan, KvCache};
 pub use names::{EndTensor, LayerTensor};
-pub use recurrent::{RecurrentCache, StateRun, KEPT_STATES};
+pub use recurrent::{RecurrentCache, StateRun, CHECKPOINTS, KEPT_STATES};
 pub use resident::mapped_rss;
 pub use runner::ComputeBytes;
 pub use stage::{Batch, LogitReply, RowBest, Stage, StageConfig, StageInput, StageMemory, StageOutput};

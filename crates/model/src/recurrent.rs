@@ -6,9 +6,11 @@
 //! A state cannot be cut back to an earlier position the way a KV cache can, so each
 //! sequence keeps the states of its last [`KEPT_STATES`] positions in a ring: a
 //! rejected draft (at most `KEPT_STATES - 1` rows) rolls back to one of them, as
-//! llama.cpp's `n_rs_seq` snapshots do. Cutting a sequence further back loses its state;
-//! it must then start again from position 0 (the engine recomputes the prompt instead
-//! of reusing a prefix of a recurrent model's cache).
+//! llama.cpp's `n_rs_seq` snapshots do. It also keeps [`CHECKPOINTS`] copies of its
+//! states at positions the engine asks for (the ends of whole prompt chunks), which a
+//! later request reusing that prefix starts from, as llama-server's context checkpoints
+//! do. Cutting a sequence back anywhere else loses its state; it must then start again
+//! from position 0.
 
 use std::ops::Range;
 
@@ -23,18 +25,24 @@ use crate::ModelError;
 /// (Qwen3.5-35B-A3B: 66 MB), so the ring is kept short.
 pub const KEPT_STATES: usize = 9;
 
+/// Checkpoints each sequence keeps (the newest the engine asked for).
+pub const CHECKPOINTS: usize = 3;
+
+/// Rows of each sequence: its ring, then its checkpoints.
+const SLOT_ROWS: usize = KEPT_STATES + CHECKPOINTS;
+
 /// Sequences a stage keeps states for when the configuration does not say
 /// (`StageConfig::n_seq` 0).
 const DEFAULT_SEQS: usize = 4;
 
 /// Rows of each state tensor for `n_seq` sequences (0: the default): each sequence's
-/// kept states, and the zero row.
+/// kept states and checkpoints, and the zero row.
 pub fn state_rows(n_seq: usize) -> usize {
     let n_slots = if n_seq == 0 { DEFAULT_SEQS } else { n_seq };
-    n_slots * KEPT_STATES + 1
+    n_slots * SLOT_ROWS + 1
 }
 
-/// One sequence's share of the states: `KEPT_STATES` rows of every state tensor.
+/// One sequence's share of the states: `SLOT_ROWS` rows of every state tensor.
 #[derive(Clone, Debug, Default)]
 struct Slot {
     /// The sequence holding it.
@@ -44,6 +52,12 @@ struct Slot {
     len: Option<usize>,
     /// Which position count each ring row holds the state after (row `len % KEPT_STATES`).
     held: Vec<Option<usize>>,
+    /// The position count each checkpoint row holds the state after, in the order they
+    /// were taken (the oldest is replaced first).
+    checkpoints: Vec<(usize, usize)>,
+    /// The checkpoint row the state after `len` is in, when the ring holds none (the
+    /// sequence was cut back to a checkpoint).
+    resume: Option<i32>,
 }
 
 /// The rows of a batch that continue one sequence's state, and where its states are.
@@ -144,7 +158,7 @@ impl RecurrentCache {
     }
 
     fn zero_row(&self) -> i32 {
-        (self.slots.len() * KEPT_STATES) as i32
+        (self.slots.len() * SLOT_ROWS) as i32
     }
 
     /// How the rows of a batch continue their sequences' states; changes nothing.
@@ -208,7 +222,7 @@ impl RecurrentCache {
                 Some(slot) => {
                     let s = &self.slots[slot];
                     match s.len {
-                        Some(len) if len == start => (slot, Self::row(slot, start)),
+                        Some(len) if len == start => (slot, s.resume.unwrap_or(Self::row(slot, start))),
                         Some(len) => {
                             return bad(format!(
                                 "sequence {seq} is at position {len}, not {start}: its recurrent state continues only where it is"
@@ -241,7 +255,12 @@ impl RecurrentCache {
 
     /// The ring row of `slot` that holds the state after `len` positions.
     fn row(slot: usize, len: usize) -> i32 {
-        (slot * KEPT_STATES + len % KEPT_STATES) as i32
+        (slot * SLOT_ROWS + len % KEPT_STATES) as i32
+    }
+
+    /// Checkpoint row `i` of `slot`.
+    fn checkpoint_row(slot: usize, i: usize) -> i32 {
+        (slot * SLOT_ROWS + KEPT_STATES + i) as i32
     }
 
     /// Records that `runs` (from [`RecurrentCache::plan`]) were computed.
@@ -258,6 +277,7 @@ impl RecurrentCache {
                 s.held[len % KEPT_STATES] = Some(len);
             }
             s.len = Some(end);
+            s.resume = None;
         }
     }
 
@@ -270,7 +290,7 @@ impl RecurrentCache {
             };
             let s = &mut self.slots[slot];
             for &target in &run.targets {
-                let i = target as usize % KEPT_STATES;
+                let i = target as usize % SLOT_ROWS;
                 if s.held[i].is_some() && s.held[i] == s.len {
                     s.len = None;
                 }
@@ -293,13 +313,16 @@ impl RecurrentCache {
             seq: Some(seq),
             len: Some(0),
             held: vec![None; KEPT_STATES],
+            checkpoints: Vec::new(),
+            resume: None,
         };
         slot
     }
 
-    /// Keeps `seq`'s state after `len` positions: its own, or one of the last
-    /// [`KEPT_STATES`]; further back the state is lost (and the sequence must start
-    /// again from 0). `len` 0 frees the sequence's slot.
+    /// Keeps `seq`'s state after `len` positions: its own, one of the last
+    /// [`KEPT_STATES`], or a checkpoint's; elsewhere the state is lost (and the sequence
+    /// must start again from 0). Checkpoints past `len` are dropped (the tokens after it
+    /// will be others). `len` 0 frees the sequence's slot.
     pub fn truncate_seq(&mut self, seq: u32, len: usize) {
         let Some(slot) = self.slots.iter().position(|s| s.seq == Some(seq)) else {
             return;
@@ -312,26 +335,90 @@ impl RecurrentCache {
         if s.len.is_some_and(|now| now <= len) {
             return;
         }
+        s.checkpoints.retain(|&(at, _)| at <= len);
+        let checkpoint = s.checkpoints.iter().find(|&&(at, _)| at == len).map(|&(_, i)| i);
         if s.held[len % KEPT_STATES] == Some(len) {
             s.len = Some(len);
+            s.resume = None;
             for held in &mut s.held {
                 if held.is_some_and(|h| h > len) {
                     *held = None;
                 }
             }
+        } else if let Some(i) = checkpoint {
+            s.len = Some(len);
+            s.resume = Some(Self::checkpoint_row(slot, i));
+            s.held = vec![None; KEPT_STATES];
         } else {
             s.len = None;
+            s.resume = None;
         }
     }
 
-    /// Whether `seq`'s state after `len` positions is at hand (its own or a kept one).
+    /// Copies `seq`'s states after `len` positions (where the sequence is, or a kept
+    /// position) into one of its checkpoint rows, replacing its oldest checkpoint when
+    /// it has [`CHECKPOINTS`]; a later [`RecurrentCache::truncate_seq`] to `len` returns
+    /// there. Refused when no state after `len` is at hand.
+    pub fn checkpoint_seq(&mut self, seq: u32, len: usize) -> Result<(), ModelError> {
+        if self.is_empty() {
+            return Ok(());
+        }
+        let Some(slot) = self.slots.iter().position(|s| s.seq == Some(seq)) else {
+            return Err(ModelError::BadBatch(format!(
+                "sequence {seq} holds no recurrent state to keep"
+            )));
+        };
+        let s = &self.slots[slot];
+        if s.checkpoints.iter().any(|&(at, _)| at == len) {
+            return Ok(());
+        }
+        let source = match s.resume {
+            Some(row) if s.len == Some(len) => row,
+            _ if len > 0 && s.held[len % KEPT_STATES] == Some(len) => Self::row(slot, len),
+            _ => {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} has no recurrent state after {len} positions to keep"
+                )))
+            }
+        };
+        let i = if s.checkpoints.len() < CHECKPOINTS {
+            (0..CHECKPOINTS)
+                .find(|i| s.checkpoints.iter().all(|&(_, used)| used != *i))
+                .expect("fewer checkpoints than rows")
+        } else {
+            s.checkpoints[0].1
+        };
+        let target = Self::checkpoint_row(slot, i);
+        self.copy_row(source as usize, target as usize)?;
+        let s = &mut self.slots[slot];
+        s.checkpoints.retain(|&(_, used)| used != i);
+        s.checkpoints.push((len, i));
+        Ok(())
+    }
+
+    /// Copies row `from` of every state tensor to row `to`.
+    fn copy_row(&self, from: usize, to: usize) -> Result<(), ModelError> {
+        for &layer in &self.layers {
+            for tensor in [self.conv(layer), self.state(layer)] {
+                let row = tensor.nb()[1];
+                let mut bytes = vec![0u8; row];
+                tensor.read_bytes_at(from * row, &mut bytes)?;
+                tensor.write_bytes_at(to * row, &bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `seq`'s state after `len` positions is at hand (its own, a kept one or a
+    /// checkpoint's; always, on a stage without recurrent layers).
     pub fn has_state(&self, seq: u32, len: usize) -> bool {
         len == 0
-            || self
-                .slots
-                .iter()
-                .find(|s| s.seq == Some(seq))
-                .is_some_and(|s| s.len == Some(len) || s.held[len % KEPT_STATES] == Some(len))
+            || self.is_empty()
+            || self.slots.iter().find(|s| s.seq == Some(seq)).is_some_and(|s| {
+                s.len == Some(len)
+                    || s.held[len % KEPT_STATES] == Some(len)
+                    || s.checkpoints.iter().any(|&(at, _)| at == len)
+            })
     }
 }
 
@@ -339,13 +426,74 @@ impl RecurrentCache {
 mod tests {
     use super::*;
 
+    /// A cache of one layer of 4-float states for 2 sequences.
     fn cache() -> RecurrentCache {
+        let n_slots = 2;
+        let ctx = Context::new(4, 0);
+        let rows = (n_slots * SLOT_ROWS + 1) as i64;
+        ctx.new_tensor(DType::F32, &[4, rows]).named("conv_l0");
+        ctx.new_tensor(DType::F32, &[4, rows]).named("state_l0");
+        let mut buffer = Buffer::alloc_cpu(&ctx).unwrap();
+        buffer.clear(0);
         RecurrentCache {
-            ctx: Context::new(1, 0),
-            buffer: None,
+            ctx,
+            buffer: Some(buffer),
             layers: vec![0],
-            slots: vec![Slot::default(); 2],
+            slots: vec![Slot::default(); n_slots],
         }
+    }
+
+    fn row_of(rs: &RecurrentCache, row: usize) -> [f32; 4] {
+        let mut bytes = [0u8; 16];
+        rs.state(0).read_bytes_at(row * 16, &mut bytes).unwrap();
+        std::array::from_fn(|i| f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap()))
+    }
+
+    /// A checkpoint keeps a copy of the state after its position, which a sequence cut
+    /// back there continues from, long after the ring moved on; the oldest of
+    /// `CHECKPOINTS` goes first, and those past a cut go with it.
+    #[test]
+    fn checkpoints_are_where_a_cut_sequence_resumes() {
+        let mut rs = cache();
+        let step = |rs: &mut RecurrentCache, from: i32, n: i32, value: f32| {
+            let runs = rs
+                .plan(&vec![1; n as usize], &(from..from + n).collect::<Vec<_>>())
+                .unwrap();
+            // What the graph would write: the newest state into the newest target.
+            let bytes: Vec<u8> = [value; 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+            rs.state(0)
+                .write_bytes_at(runs[0].targets[0] as usize * 16, &bytes)
+                .unwrap();
+            rs.commit(&runs);
+            runs[0].source
+        };
+        step(&mut rs, 0, 8, 8.0);
+        rs.checkpoint_seq(1, 8).unwrap();
+        step(&mut rs, 8, 8, 16.0);
+        rs.checkpoint_seq(1, 16).unwrap();
+        step(&mut rs, 16, 30, 46.0);
+        let err = rs.checkpoint_seq(1, 20).unwrap_err().to_string();
+        assert!(err.contains("no recurrent state after 20"), "{err}");
+        // Back to 16, long out of the ring: its checkpoint.
+        rs.truncate_seq(1, 16);
+        assert!(rs.has_state(1, 16) && rs.has_state(1, 8));
+        let source = step(&mut rs, 16, 4, 20.0);
+        assert_eq!(row_of(&rs, source as usize), [16.0; 4]);
+        // Back to 8 drops the checkpoint at 16.
+        rs.truncate_seq(1, 8);
+        assert!(!rs.has_state(1, 16));
+        let source = step(&mut rs, 8, 8, 16.5);
+        assert_eq!(row_of(&rs, source as usize), [8.0; 4]);
+        for at in [16usize, 24, 32, 40] {
+            if at > 16 {
+                step(&mut rs, at as i32 - 8, 8, at as f32);
+            }
+            rs.checkpoint_seq(1, at).unwrap();
+        }
+        assert!(!rs.has_state(1, 8), "the oldest of 4 went");
+        rs.truncate_seq(1, 24);
+        let source = step(&mut rs, 24, 1, 25.0);
+        assert_eq!(row_of(&rs, source as usize), [24.0; 4]);
     }
 
     #[test]
@@ -358,7 +506,7 @@ mod tests {
         assert_eq!(runs[0].targets, vec![3, 2, 1]);
         assert_eq!(
             (runs[1].rows.clone(), runs[1].targets.clone()),
-            (3..4, vec![KEPT_STATES as i64 + 1])
+            (3..4, vec![SLOT_ROWS as i64 + 1])
         );
         rs.commit(&runs);
         // A draft of 4 rows, then 2 rejected: back to the state after position 4.

@@ -317,6 +317,12 @@ impl Stage {
         self.rs.truncate_seq(seq, len);
     }
 
+    /// Keeps a copy of `seq`'s recurrent states after `len` positions (see
+    /// [`RecurrentCache::checkpoint_seq`]); nothing for a stage without recurrent layers.
+    pub fn checkpoint_seq(&mut self, seq: u32, len: usize) -> Result<(), ModelError> {
+        self.rs.checkpoint_seq(seq, len)
+    }
+
     /// The recurrent states (for inspection).
     pub fn recurrent(&self) -> &RecurrentCache {
         &self.rs

@@ -73,6 +73,7 @@
 //! | 24   | ForwardBest  | step u64, payload: Payload, positions [i32], seq_ids [u32],              |
 //! |      |              | sample_rows [u32], row_tokens [u32]                                      |
 //! | 25   | Share        | step u64, values [f32]                                                   |
+//! | 26   | Checkpoint   | seq u32, len u32                                                         |
 //!
 //! | structure      | fields, in order                                                            |
 //! |----------------|-----------------------------------------------------------------------------|
@@ -182,6 +183,7 @@ kinds! {
     23 PROBE Probe,
     24 FORWARD_BEST ForwardBest,
     25 SHARE Share,
+    26 CHECKPOINT Checkpoint,
 }
 
 /// The name of `msg`'s kind (see [`Message::kind`]).

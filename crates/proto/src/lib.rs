@@ -35,7 +35,8 @@ use baton_sample::SamplingParams;
 /// 11: `Share` (kind 25): a member's answer to a step, where `Partial` numbered
 /// `u64::MAX - step` stood for it.
 /// 12: `Error` says what kind of failure it reports ([`Fault`]).
-pub const PROTOCOL_VERSION: u32 = 12;
+/// 13: `Checkpoint` (kind 26): stages keep a copy of a sequence's recurrent states.
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// Most members a tensor-parallel group may have (the head never plans more; a
 /// `LoadPlan` naming more is refused at decoding).
@@ -442,6 +443,10 @@ pub enum Message {
     },
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
+    /// Keep a copy of `seq`'s recurrent states after its first `len` tokens on every
+    /// stage (models with recurrent layers; the others have none), which a later
+    /// `StartSeq` or `TruncateSeq` to `len` continues from.
+    Checkpoint { seq: u32, len: u32 },
     /// Forget `seq` on every stage (cache and sampler).
     EndSeq { seq: u32 },
     /// A batch to compute.

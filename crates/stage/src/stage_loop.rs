@@ -132,6 +132,12 @@ impl StageWorker {
                 self.stage.truncate_seq(seq, len as usize);
                 Message::TruncateSeq { seq, len }
             }
+            Message::Checkpoint { seq, len } => {
+                if let Err(e) = self.stage.checkpoint_seq(seq, len as usize) {
+                    return self.error(StageError::Model(e));
+                }
+                Message::Checkpoint { seq, len }
+            }
             Message::EndSeq { seq } => {
                 self.stage.clear_seq(seq);
                 self.samplers.remove(&seq);

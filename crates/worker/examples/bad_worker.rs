@@ -77,7 +77,10 @@ fn head(link: &mut dyn Link, addr: &str, bad_id: u32) {
                 resident: 0,
                 received: 0,
             },
-            Message::StartSeq { .. } | Message::TruncateSeq { .. } | Message::EndSeq { .. } => Message::Done,
+            Message::StartSeq { .. }
+            | Message::TruncateSeq { .. }
+            | Message::Checkpoint { .. }
+            | Message::EndSeq { .. } => Message::Done,
             Message::Forward(forward) => Message::Sampled {
                 step: forward.step,
                 tokens: forward

@@ -67,6 +67,10 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             len: r.u32("len")?,
         },
         kind::END_SEQ => Message::EndSeq { seq: r.u32("seq")? },
+        kind::CHECKPOINT => Message::Checkpoint {
+            seq: r.u32("seq")?,
+            len: r.u32("len")?,
+        },
         kind::FORWARD => Message::Forward(r.forward()?),
         kind::FORWARD_BEST => Message::ForwardBest(r.forward()?),
         kind::SAMPLED => {

@@ -143,7 +143,7 @@ const STRUCTURES: [&Layout; 10] = [
 ];
 
 /// Messages, in kind-number order.
-const MESSAGES: [Layout; 25] = [
+const MESSAGES: [Layout; 26] = [
     Layout {
         name: "Hello",
         fields: &[
@@ -297,6 +297,10 @@ const MESSAGES: [Layout; 25] = [
     Layout {
         name: "Share",
         fields: &[Field("step", Ty::U64), Field("values", Ty::List(&Ty::F32))],
+    },
+    Layout {
+        name: "Checkpoint",
+        fields: &[Field("seq", Ty::U32), Field("len", Ty::U32)],
     },
 ];
 

@@ -289,6 +289,7 @@ pub(super) fn samples() -> Vec<Message> {
             step: 7,
             values: vec![1.5, f32::NEG_INFINITY, -1.0],
         },
+        Message::Checkpoint { seq: 3, len: 512 },
     ]
 }
 
@@ -413,7 +414,7 @@ fn header_checks_length_flags_and_kind() {
     let err = parse_header(&head(0, 999, 0), DEFAULT_MAX_FRAME).unwrap_err();
     assert_eq!(err.to_string(), "unknown message kind 999");
     assert_eq!(parse_header(&head(0, 0, 0), 100), Err(ProtoError::UnknownKind(0)));
-    assert_eq!(parse_header(&head(0, 26, 0), 100), Err(ProtoError::UnknownKind(26)));
+    assert_eq!(parse_header(&head(0, 27, 0), 100), Err(ProtoError::UnknownKind(27)));
     assert_eq!(parse_header(&head(0, 15, 1), 100), Err(ProtoError::BadFlags(1)));
     assert_eq!(decode(999, &[]), Err(ProtoError::UnknownKind(999)));
 }

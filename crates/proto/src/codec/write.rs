@@ -90,7 +90,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u32(*drawn);
             w.opt_str(grammar.as_deref());
         }
-        Message::TruncateSeq { seq, len } => {
+        Message::TruncateSeq { seq, len } | Message::Checkpoint { seq, len } => {
             w.u32(*seq);
             w.u32(*len);
         }
