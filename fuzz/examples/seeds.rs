@@ -156,6 +156,7 @@ fn messages() -> Vec<(String, Message)> {
             grammar: Some("root ::= [a-z]+".into()),
         },
         Message::TruncateSeq { seq: 1, len: 12 },
+        Message::Checkpoint { seq: 1, len: 8 },
         Message::EndSeq { seq: 1 },
         Message::Forward(forward(Payload::Tokens(vec![151644, 872]))),
         Message::Forward(forward(Payload::Hidden(vec![0.5, -1.0, 2.0, 0.25]))),
