@@ -467,7 +467,13 @@ impl HParams {
         let head_dim_k = keys.opt_u32("attention.key_length")?.unwrap_or(n_embd / n_head);
         let head_dim_v = keys.opt_u32("attention.value_length")?.unwrap_or(n_embd / n_head);
         let n_ctx_train = keys.opt_u32("context_length")?.unwrap_or(2048);
-        let rms_eps = keys.f32("attention.layer_norm_rms_epsilon")?;
+        let rms_eps = match keys.opt_f32("attention.layer_norm_rms_epsilon")? {
+            Some(eps) => eps,
+            // Nemotron-H files may carry only the plain norm's epsilon, which llama.cpp
+            // then takes for its RMS norms too.
+            None if arch.name.starts_with("nemotron_h") => keys.f32("attention.layer_norm_epsilon")?,
+            None => keys.f32("attention.layer_norm_rms_epsilon")?,
+        };
         let moe = MoeParams::read(&keys, n_layer_all)?;
 
         let n_rot = keys.opt_u32("rope.dimension_count")?.unwrap_or(head_dim_k);

@@ -321,6 +321,22 @@ fn loader_errors_are_clear() {
          ([0, 1, 2]); baton needs one value for all"
     );
 
+    // Nemotron-H's RMS norms fall back to the plain norm's epsilon, as llama.cpp's do;
+    // other architectures need the RMS key.
+    let eps = Value::F32(1e-5);
+    let plain = tiny_model("nemotron_h", |w| {
+        w.without_kv("nemotron_h.attention.layer_norm_rms_epsilon")
+            .without_kv("nemotron_h.attention.layer_norm_epsilon")
+            .kv("nemotron_h.attention.layer_norm_epsilon", eps.clone())
+    });
+    assert_eq!(open("eps-nemotron.gguf", &plain).unwrap().hparams().rms_eps, 1e-5);
+    let plain = tiny_model("qwen3", |w| {
+        w.without_kv("qwen3.attention.layer_norm_rms_epsilon")
+            .kv("qwen3.attention.layer_norm_epsilon", eps)
+    });
+    let err = err_text("eps-qwen3.gguf", &plain);
+    assert!(err.contains("qwen3.attention.layer_norm_rms_epsilon"), "{err}");
+
     // A tensor the architecture does not use would be silently skipped: refused.
     let extra = tiny_model("qwen3", |w| w.tensor_f32("blk.1.attn_gate.weight", &[4], &[0.0; 4]));
     assert_eq!(
