@@ -12,6 +12,15 @@ use common::synth::{llama4_prompts, synth_dir, synthetic, synthetic_with, LLAMA4
 use common::worker::{greedy_in, reference_in, WorkerProc};
 use common::{nmse, Chain, PROMPTS};
 
+/// One test at a time: each runs ggml threads that spin while they wait, and tests side
+/// by side on two cores starve each other (the whole file: 855 s in parallel, 90 s one
+/// after another, measured on this 2-core machine).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn stages(arch: &str, file_type: FileType) {
     let path = synthetic(arch, file_type);
     let worst = check_stages(&path, &format!("{arch} {}", file_type.name()));
@@ -64,21 +73,25 @@ fn two_workers_on(arch: &str, path: &std::path::Path, prompts: &[(String, Vec<u3
 
 #[test]
 fn qwen35_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("qwen35", FileType::Q4KM);
 }
 
 #[test]
 fn qwen35moe_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("qwen35moe", FileType::Q4KM);
 }
 
 #[test]
 fn qwen3next_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("qwen3next", FileType::Q4KM);
 }
 
 #[test]
 fn qwen3next_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("qwen3next", FileType::Q4KM);
 }
 
@@ -87,6 +100,7 @@ fn qwen3next_on_two_workers_matches_llama_cpp() {
 /// ways of sharing them (qwen35 alternates, qwen3next repeats each key head).
 #[test]
 fn hybrid_models_of_other_shapes_match_llama_cpp() {
+    let _serial = serial();
     for arch in ["qwen35", "qwen3next"] {
         let path = synthetic_with(arch, FileType::Q4KM, |spec| {
             spec.shape.n_layer = 5;
@@ -103,6 +117,7 @@ fn hybrid_models_of_other_shapes_match_llama_cpp() {
 /// layers, each sequence's kept states for its recurrent ones.
 #[test]
 fn hybrid_memory_per_stage_is_what_the_planner_counts() {
+    let _serial = serial();
     let path = synthetic("qwen35moe", FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
     let hp = file.hparams().clone();
@@ -140,6 +155,7 @@ fn hybrid_memory_per_stage_is_what_the_planner_counts() {
 /// A tensor-parallel group of a hybrid model is refused, and the refusal says why.
 #[test]
 fn hybrid_models_refuse_tensor_parallelism_with_the_reason() {
+    let _serial = serial();
     let path = synthetic("qwen35moe", FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
     let err = baton_model::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
@@ -148,11 +164,13 @@ fn hybrid_models_refuse_tensor_parallelism_with_the_reason() {
 
 #[test]
 fn qwen35_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("qwen35", FileType::Q4KM);
 }
 
 #[test]
 fn qwen35moe_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("qwen35moe", FileType::Q4KM);
 }
 
@@ -167,43 +185,51 @@ fn nemotron_stages(arch: &str) {
 
 #[test]
 fn nemotron_h_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     nemotron_stages("nemotron_h");
 }
 
 #[test]
 fn nemotron_h_moe_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     nemotron_stages("nemotron_h_moe");
 }
 
 #[test]
 fn nemotron_h_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("nemotron_h", FileType::Q4KM);
 }
 
 #[test]
 fn nemotron_h_moe_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("nemotron_h_moe", FileType::Q4KM);
 }
 
 #[test]
 fn qwen3moe_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("qwen3moe", FileType::Q4KM);
     stages("qwen3moe", FileType::Q8_0);
 }
 
 #[test]
 fn qwen3moe_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("qwen3moe", FileType::Q4KM);
 }
 
 #[test]
 fn mixtral_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("mixtral", FileType::Q4KM);
     stages("mixtral", FileType::Q8_0);
 }
 
 #[test]
 fn mixtral_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("mixtral", FileType::Q4KM);
 }
 
@@ -243,6 +269,7 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 /// nemotron_h_moe's Mamba2).
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
+    let _serial = serial();
     const N_SEQ: usize = 7;
     for arch in [
         "qwen3moe",
@@ -333,82 +360,98 @@ fn batching_other_sequences_changes_nothing_for_experts() {
 
 #[test]
 fn glm4moe_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("glm4moe", FileType::Q4KM);
 }
 
 #[test]
 fn glm4moe_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("glm4moe", FileType::Q4KM);
 }
 
 #[test]
 fn gpt_oss_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("gpt-oss", FileType::Mxfp4Moe);
     stages("gpt-oss", FileType::Q8_0);
 }
 
 #[test]
 fn gpt_oss_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("gpt-oss", FileType::Mxfp4Moe);
 }
 
 #[test]
 fn deepseek2_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("deepseek2", FileType::Q4KM);
 }
 
 #[test]
 fn deepseek2_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("deepseek2", FileType::Q4KM);
 }
 
 #[test]
 fn mistral4_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("mistral4", FileType::Q4KM);
 }
 
 #[test]
 fn mistral4_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("mistral4", FileType::Q4KM);
 }
 
 #[test]
 fn mistral3_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("mistral3", FileType::Q4KM);
 }
 
 #[test]
 fn mistral3_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("mistral3", FileType::Q4KM);
 }
 
 #[test]
 fn phi3_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("phi3", FileType::Q4KM);
 }
 
 #[test]
 fn phi3_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("phi3", FileType::Q4KM);
 }
 
 #[test]
 fn gemma2_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("gemma2", FileType::Q4KM);
 }
 
 #[test]
 fn gemma2_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("gemma2", FileType::Q4KM);
 }
 
 #[test]
 fn minimax_m2_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     stages("minimax-m2", FileType::Q4KM);
 }
 
 #[test]
 fn minimax_m2_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     two_workers("minimax-m2", FileType::Q4KM);
 }
 
@@ -418,6 +461,7 @@ fn minimax_m2_on_two_workers_matches_llama_cpp() {
 /// checks that it takes those tensors.
 #[test]
 fn optional_tensors_and_rarer_variants_match_llama_cpp() {
+    let _serial = serial();
     for arch in [
         "llama",
         "mixtral",
@@ -444,6 +488,7 @@ fn optional_tensors_and_rarer_variants_match_llama_cpp() {
 /// the prompt, which one of them shows: each 8k prompt costs CI about half a minute.
 #[test]
 fn llama4_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     let path = synthetic("llama4", FileType::Q4KM);
     let oracle = LlamaModel::load_vocab(&path).unwrap();
     let worst = check_prompts(
@@ -458,6 +503,7 @@ fn llama4_matches_llama_cpp_with_1_2_3_stages() {
 
 #[test]
 fn llama4_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
     let path = synthetic("llama4", FileType::Q4KM);
     let oracle = LlamaModel::load_vocab(&path).unwrap();
     two_workers_on("llama4", &path, &llama4_prompts(&oracle)[1..2], LLAMA4_SETUP);
@@ -468,6 +514,7 @@ fn llama4_on_two_workers_matches_llama_cpp() {
 /// the synthetic model repeats itself after the long filler).
 #[test]
 fn llama4_decode_steps_across_the_chunk_boundary_match_llama_cpp() {
+    let _serial = serial();
     let path = synthetic("llama4", FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
     let oracle = LlamaModel::load_full(&path, true).unwrap();
