@@ -11,17 +11,28 @@ use baton_sample::SamplingParams;
 use common::fidelity::{check_stages, reference, MAX_NMSE, N_GREEDY};
 use common::{model, nmse, Chain, GEMMA3, PROMPTS, QWEN2};
 
+/// One test at a time: each runs ggml threads that spin while they wait, and tests side
+/// by side on two cores starve each other (this file: 402 s in parallel, 51 s one after
+/// another, measured on this 2-core machine).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn check_model(name: &str) {
     check_stages(&model(name), name);
 }
 
 #[test]
 fn qwen2_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     check_model(QWEN2);
 }
 
 #[test]
 fn gemma3_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
     check_model(GEMMA3);
 }
 
@@ -29,6 +40,7 @@ fn gemma3_matches_llama_cpp_with_1_2_3_stages() {
 /// prompts fed in several chunks (positions continuing across forward calls).
 #[test]
 fn uneven_and_one_layer_splits_match_llama_cpp() {
+    let _serial = serial();
     let path = model(QWEN2);
     let file = ModelFile::open(&path).unwrap();
     let oracle = LlamaModel::load_full(&path, true).unwrap();
@@ -60,6 +72,7 @@ fn uneven_and_one_layer_splits_match_llama_cpp() {
 /// Two sequences in one batch see only their own tokens.
 #[test]
 fn sequences_in_one_cache_do_not_see_each_other() {
+    let _serial = serial();
     let path = model(QWEN2);
     let file = ModelFile::open(&path).unwrap();
     let oracle = LlamaModel::load_full(&path, true).unwrap();
@@ -85,6 +98,7 @@ fn sequences_in_one_cache_do_not_see_each_other() {
 /// from the mapping and the results are identical too.
 #[test]
 fn without_repacking_matches_llama_cpp_without_repacking() {
+    let _serial = serial();
     let path = model(GEMMA3);
     let file = ModelFile::open(&path).unwrap();
     let oracle = LlamaModel::load_full(&path, false).unwrap();
@@ -121,6 +135,7 @@ fn without_repacking_matches_llama_cpp_without_repacking() {
 /// The bound is the measured worst case (docs/fidelity.md) with a margin.
 #[test]
 fn f16_wire_costs_little_fidelity() {
+    let _serial = serial();
     const MAX_F16_NMSE: f64 = 5e-3;
     for name in [QWEN2, GEMMA3] {
         let path = model(name);
@@ -189,6 +204,7 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 /// differs from the one for several rows: the stage attends per sequence.
 #[test]
 fn batching_with_other_sequences_changes_nothing_up_to_the_decode_row_cap() {
+    let _serial = serial();
     let cases = [
         (QWEN2, false, 0),
         (QWEN2, false, 4),

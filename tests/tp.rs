@@ -30,8 +30,10 @@ const N_STEPS: usize = 16;
 /// Context of every stage and of libllama's reference.
 const N_CTX: usize = 512;
 
-/// One group at a time: on two cores, two groups' threads computing at once keep each
-/// other waiting at every exchange.
+/// One test at a time, its libllama references included: on two cores, two groups'
+/// threads computing at once keep each other waiting at every exchange, and spinning
+/// ggml threads starve each other (this file: 144 s with the references computed side by
+/// side, 50 s one test after another).
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
@@ -166,8 +168,8 @@ fn check_model(fixture: &Fixture, stage: &mut StageGroup, label: &str) -> f64 {
 
 #[test]
 fn qwen2_tp_2_and_3_match_llama_cpp() {
-    let fixture = fixture();
     let _serial = serial();
+    let fixture = fixture();
     for n in [2, 3] {
         let config = StageConfig::new(N_CTX, 1);
         let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
@@ -180,8 +182,8 @@ fn qwen2_tp_2_and_3_match_llama_cpp() {
 /// so are their log-probabilities (the only trace of the logits a ring returns).
 #[test]
 fn tp_groups_chain_as_pipeline_stages() {
-    let fixture = fixture();
     let _serial = serial();
+    let fixture = fixture();
     let ranges = baton_plan::even_split(fixture.file.hparams().n_layer, 2).unwrap();
     let mut ring = LocalRing::start_tp(fixture.file.clone(), &ranges, &StageConfig::new(N_CTX, 1), 2).unwrap();
     let is_end = |t| fixture.oracle.is_end_of_generation(t);
@@ -216,8 +218,8 @@ fn tp_groups_chain_as_pipeline_stages() {
 /// attention and after the FFN, on the gathered rows) in groups of 2 and 3.
 #[test]
 fn gemma3_tp_2_and_3_match_llama_cpp() {
-    let fixture = Fixture::load(model(common::GEMMA3));
     let _serial = serial();
+    let fixture = Fixture::load(model(common::GEMMA3));
     for n in [2, 3] {
         let config = StageConfig::new(N_CTX, 1);
         let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
@@ -236,8 +238,8 @@ fn gemma3_tp_2_and_3_match_llama_cpp() {
 /// libllama's bits, in groups of 2 and 3.
 #[test]
 fn experts_tp_2_and_3_match_llama_cpp() {
-    use baton_ggml::FileType;
     let _serial = serial();
+    use baton_ggml::FileType;
     for arch in ["qwen3moe", "mixtral", "glm4moe", "gpt-oss", "deepseek2", "mistral4"] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
@@ -314,8 +316,8 @@ fn llama4_tp_2_and_3_match_llama_cpp() {
 /// phi3's fused q/k/v and gate/up projections (each member's rows of each part).
 #[test]
 fn gemma2_mistral3_and_phi3_tp_2_and_3_match_llama_cpp() {
-    use baton_ggml::FileType;
     let _serial = serial();
+    use baton_ggml::FileType;
     for arch in ["gemma2", "mistral3", "phi3"] {
         let fixture = Fixture::load(common::synth::synthetic(arch, FileType::Q4KM));
         for n in [2, 3] {
@@ -330,6 +332,7 @@ fn gemma2_mistral3_and_phi3_tp_2_and_3_match_llama_cpp() {
 /// A group a model cannot be split into says so instead of computing something else.
 #[test]
 fn tp_refuses_groups_a_model_cannot_be_split_into() {
+    let _serial = serial();
     let path = common::synth::synthetic("qwen3moe", baton_ggml::FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
     let err = StageGroup::load_tp(file.clone(), whole_model(&file), &StageConfig::new(64, 1), 300)
@@ -350,11 +353,11 @@ fn free_addrs(n: usize) -> Vec<String> {
 /// as libllama (bit for bit) and the same greedy tokens, for groups of 2 and 3.
 #[test]
 fn tp_over_tcp_matches_llama_cpp() {
+    let _serial = serial();
     use baton_stage::tp_net::{dial_members, MeshCollective, RemoteMember};
     use std::process::{Command, Stdio};
 
     let fixture = fixture();
-    let _serial = serial();
     for n in [2, 3] {
         let addrs = free_addrs(n - 1);
         let mut children: Vec<_> = (1..n)
