@@ -51,7 +51,7 @@ struct Slot {
     /// sequence must start again from position 0).
     len: Option<usize>,
     /// Which position count each ring row holds the state after (row `len % KEPT_STATES`).
-    held: Vec<Option<usize>>,
+    held: [Option<usize>; KEPT_STATES],
     /// The position count each checkpoint row holds the state after, in the order they
     /// were taken (the oldest is replaced first).
     checkpoints: Vec<(usize, usize)>,
@@ -67,6 +67,8 @@ pub struct StateRun {
     pub rows: Range<usize>,
     /// The sequence.
     pub seq: u32,
+    /// The slot its states are in (a free one for a sequence that starts).
+    pub slot: usize,
     /// Its position before the run.
     pub start: usize,
     /// Row of the state tensors the run starts from (the zero row for position 0).
@@ -244,6 +246,7 @@ impl RecurrentCache {
             runs.push(StateRun {
                 rows: row..end,
                 seq,
+                slot,
                 start,
                 source,
                 targets,
@@ -266,10 +269,12 @@ impl RecurrentCache {
     /// Records that `runs` (from [`RecurrentCache::plan`]) were computed.
     pub fn commit(&mut self, runs: &[StateRun]) {
         for run in runs {
-            let slot = self.slot_for(run.seq);
-            let s = &mut self.slots[slot];
+            let s = &mut self.slots[run.slot];
             if run.start == 0 {
-                s.held = vec![None; KEPT_STATES];
+                *s = Slot {
+                    seq: Some(run.seq),
+                    ..Slot::default()
+                };
             }
             let end = run.start + run.rows.len();
             for j in 0..run.targets.len() {
@@ -285,10 +290,10 @@ impl RecurrentCache {
     /// nothing any more (and a sequence whose own state was among them lost it).
     pub fn fail(&mut self, runs: &[StateRun]) {
         for run in runs {
-            let Some(slot) = self.slots.iter().position(|s| s.seq == Some(run.seq)) else {
-                continue;
-            };
-            let s = &mut self.slots[slot];
+            let s = &mut self.slots[run.slot];
+            if s.seq != Some(run.seq) {
+                continue; // a slot the run would have taken: nothing of it was kept
+            }
             for &target in &run.targets {
                 let i = target as usize % SLOT_ROWS;
                 if s.held[i].is_some() && s.held[i] == s.len {
@@ -297,26 +302,6 @@ impl RecurrentCache {
                 s.held[i] = None;
             }
         }
-    }
-
-    /// The slot `seq` holds, taking a free one for a sequence that starts.
-    fn slot_for(&mut self, seq: u32) -> usize {
-        if let Some(slot) = self.slots.iter().position(|s| s.seq == Some(seq)) {
-            return slot;
-        }
-        let slot = self
-            .slots
-            .iter()
-            .position(|s| s.seq.is_none())
-            .expect("plan checked that a slot is free");
-        self.slots[slot] = Slot {
-            seq: Some(seq),
-            len: Some(0),
-            held: vec![None; KEPT_STATES],
-            checkpoints: Vec::new(),
-            resume: None,
-        };
-        slot
     }
 
     /// Keeps `seq`'s state after `len` positions: its own, one of the last
@@ -348,7 +333,7 @@ impl RecurrentCache {
         } else if let Some(i) = checkpoint {
             s.len = Some(len);
             s.resume = Some(Self::checkpoint_row(slot, i));
-            s.held = vec![None; KEPT_STATES];
+            s.held = [None; KEPT_STATES];
         } else {
             s.len = None;
             s.resume = None;

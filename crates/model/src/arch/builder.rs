@@ -45,6 +45,7 @@ pub struct SpanInputs<'g> {
 }
 
 /// Rows of the batch that continue one sequence's recurrent state.
+#[derive(Clone)]
 pub struct StateRunInputs<'g> {
     /// Consecutive rows of the batch.
     pub rows: std::ops::Range<usize>,

@@ -27,12 +27,7 @@ use crate::ModelError;
 /// `full_attention_interval`-th, 4 by default) and, with `mrope`, the RoPE sections.
 pub fn read_hparams(hp: &mut HParams, keys: &Keys<'_>, mrope: bool) -> Result<(), ModelError> {
     hp.ssm = Some(crate::hparams::Ssm::read(keys, crate::hparams::SsmKind::GatedDeltaNet)?);
-    if hp.head_dim_k != hp.head_dim_v {
-        return Err(ModelError::BadHParams(format!(
-            "{}: key and value heads of {} and {} values; llama.cpp needs them equal",
-            hp.arch.name, hp.head_dim_k, hp.head_dim_v
-        )));
-    }
+    super::llama::require_equal_heads(hp)?;
     hp.recurrent_layers = match keys.opt_bool_array("attention.recurrent_layers")? {
         Some(flags) if flags.len() >= hp.n_layer => flags[..hp.n_layer].to_vec(),
         Some(flags) => {
@@ -78,10 +73,20 @@ pub fn read_hparams(hp: &mut HParams, keys: &Keys<'_>, mrope: bool) -> Result<()
     Ok(())
 }
 
+/// How a DeltaNet layer projects its write strengths (beta) and decays (alpha).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum BetaAlpha {
+    /// `ssm_beta` and `ssm_alpha` (qwen35).
+    Separate,
+    /// One `ssm_ba`: per key head, its value heads' betas then their alphas (qwen3next).
+    Fused,
+}
+
 /// The tensors of a hybrid Qwen layer before its FFN: the norms around the mixer, then a
-/// DeltaNet layer's or a gated attention layer's own. Tensor parallelism does not split
-/// these models (see [`crate::TpSplit::new`]), so every tensor is whole.
-pub fn mixer_tensors(t: &mut LayerPlan<'_>) {
+/// DeltaNet layer's (its beta and alpha projected as `beta_alpha` says) or a gated
+/// attention layer's own. Tensor parallelism does not split these models (see
+/// [`crate::TpSplit::new`]), so every tensor is whole.
+pub fn mixer_tensors(t: &mut LayerPlan<'_>, beta_alpha: BetaAlpha) {
     let hp = t.hp;
     let embd = hp.n_embd;
     t.norm(T::AttnNorm, embd);
@@ -95,12 +100,14 @@ pub fn mixer_tensors(t: &mut LayerPlan<'_>) {
         t.vec(T::SsmConv1d, &[ssm.d_conv, channels], Split::Whole);
         t.vec(T::SsmDt, &[heads], Split::Whole);
         t.vec(T::SsmA, &[heads], Split::Whole);
-        if hp.arch.name == super::qwen3next::ARCH.name {
-            // Each key head's value heads' beta, then their alpha.
-            t.mat(T::SsmBa, &[embd, 2 * heads], Split::Whole);
-        } else {
-            t.mat(T::SsmBeta, &[embd, heads], Split::Whole);
-            t.mat(T::SsmAlpha, &[embd, heads], Split::Whole);
+        match beta_alpha {
+            BetaAlpha::Fused => {
+                t.mat(T::SsmBa, &[embd, 2 * heads], Split::Whole);
+            }
+            BetaAlpha::Separate => {
+                t.mat(T::SsmBeta, &[embd, heads], Split::Whole);
+                t.mat(T::SsmAlpha, &[embd, heads], Split::Whole);
+            }
         }
         t.norm(T::SsmNorm, ssm.d_state);
         t.mat(T::SsmOut, &[ssm.d_inner, embd], Split::Whole);
@@ -211,25 +218,17 @@ impl<'g> Builder<'g> {
         let ctx = self.ctx;
         let ssm = hp.ssm.as_ref().expect("a recurrent layer has DeltaNet sizes");
         let (s, h_k, h_v) = (ssm.d_state as i64, ssm.n_groups as i64, ssm.n_heads as i64);
-        let channels = ssm.conv_channels() as i64;
-        let d_conv = ssm.d_conv as i64;
         let DeltaInputs { qkv, z, beta, g } = inputs;
         let n_tokens = qkv.ne()[1];
         let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
 
-        let conv_all = self.rs.conv(layer);
         let state_all = self.rs.state(layer);
         let f32_size = std::mem::size_of::<f32>();
         let mut outs: Option<Tensor<'g>> = None;
-        for run in &self.inputs.state_runs {
+        // Each run's graph writes states through `self`, so the runs are copied first.
+        for run in &self.inputs.state_runs.clone() {
             let (r0, n) = (run.rows.start, run.rows.len() as i64);
-            let n_kept = run.rows.len().min(KEPT_STATES);
-            // The convolution's input: the sequence's last d_conv - 1 inputs, then the run's.
-            let previous = ctx.reshape_3d(ctx.get_rows(conv_all, run.source), d_conv - 1, channels, 1);
-            let run_qkv = ctx.view_2d(qkv, channels, n, qkv.nb()[1], r0 * qkv.nb()[1]);
-            let conv_in = ctx.concat(previous, ctx.transpose(run_qkv), 0); // [d_conv - 1 + n, channels, 1]
-            self.graph.expand(self.keep_conv_states(conv_all, conv_in, run));
-
+            let conv_in = self.conv_input(layer, qkv, run);
             let conv = ctx.silu(ctx.ssm_conv(conv_in, w.get(T::SsmConv1d))); // [channels, n, 1]
             let row = conv.nb()[1];
             let head_views = |n_heads: i64, offset: i64| {
@@ -260,27 +259,8 @@ impl<'g> Builder<'g> {
                 ctx.reshape_4d(view, [1, h_v, n, 1])
             };
             let state = ctx.reshape_4d(ctx.get_rows(state_all, run.source), [s, s, h_v, 1]);
-            let out = ctx.gated_delta_net(q, k, v, run_rows(g), run_rows(beta), state, KEPT_STATES);
-            let scores = s * h_v * n; // floats of the outputs, before the states
-            let state_len = ssm.state_len();
-            let states = ctx.view_2d(
-                out,
-                state_len as i64,
-                n_kept as i64,
-                state_len * f32_size,
-                scores as usize * f32_size,
-            );
-            self.graph.expand(ctx.set_rows(state_all, states, run.targets));
-            let o = ctx.view_4d(
-                out,
-                [s, h_v, n, 1],
-                [
-                    s as usize * f32_size,
-                    (s * h_v) as usize * f32_size,
-                    scores as usize * f32_size,
-                ],
-                0,
-            );
+            let packed = ctx.gated_delta_net(q, k, v, run_rows(g), run_rows(beta), state, KEPT_STATES);
+            let o = self.unpack_recurrence(packed, s, h_v, state_all, run);
             outs = Some(match outs {
                 Some(done) => ctx.concat(done, o, 2),
                 None => o,
@@ -293,20 +273,20 @@ impl<'g> Builder<'g> {
         named(ctx.mul_mat(w.get(T::SsmOut), flat), "linear_attn_out")
     }
 
-    /// Writes the convolution states after a run's kept positions to its target rows
-    /// of `conv_all`: each the last `d_conv - 1` inputs up to that position, of
-    /// `conv_in` `[d_conv - 1 + n, channels, 1]` (the sequence's previous inputs, then
-    /// the run's). Returns the write, for the graph.
-    pub(super) fn keep_conv_states(
-        &self,
-        conv_all: Tensor<'g>,
-        conv_in: Tensor<'g>,
-        run: &StateRunInputs<'g>,
-    ) -> Tensor<'g> {
+    /// The causal convolution's input for `run` in recurrent layer `layer`: the
+    /// sequence's last `d_conv - 1` inputs, then the run's rows of `x`
+    /// `[channels, n_tokens]`, as `[d_conv - 1 + n, channels, 1]`. The convolution
+    /// states after the run's kept positions (the last `d_conv - 1` inputs up to each)
+    /// go to its target rows.
+    pub(super) fn conv_input(&mut self, layer: usize, x: Tensor<'g>, run: &StateRunInputs<'g>) -> Tensor<'g> {
         let ctx = self.ctx;
         let ssm = self.hp.ssm.as_ref().expect("a recurrent layer has its sizes");
         let (d_conv, channels) = (ssm.d_conv as i64, ssm.conv_channels() as i64);
-        let n = run.rows.len() as i64;
+        let (r0, n) = (run.rows.start, run.rows.len() as i64);
+        let conv_all = self.rs.conv(layer);
+        let previous = ctx.reshape_3d(ctx.get_rows(conv_all, run.source), d_conv - 1, channels, 1);
+        let run_x = ctx.view_2d(x, channels, n, x.nb()[1], r0 * x.nb()[1]);
+        let conv_in = ctx.concat(previous, ctx.transpose(run_x), 0);
         let conv_len = ssm.conv_state_len() as i64;
         let snapshots = (0..n.min(KEPT_STATES as i64))
             .map(|j| {
@@ -321,7 +301,31 @@ impl<'g> Builder<'g> {
             })
             .reduce(|done, next| ctx.concat(done, next, 1))
             .expect("a run has at least one row");
-        ctx.set_rows(conv_all, snapshots, run.targets)
+        self.graph.expand(ctx.set_rows(conv_all, snapshots, run.targets));
+        conv_in
+    }
+
+    /// The outputs `[d, heads, n, 1]` that a fused recurrence (the delta rule's or the
+    /// selective scan's) packed for `run`, before the states after its kept positions
+    /// (newest first), which go to the run's target rows of `state_all`.
+    pub(super) fn unpack_recurrence(
+        &mut self,
+        packed: Tensor<'g>,
+        d: i64,
+        heads: i64,
+        state_all: Tensor<'g>,
+        run: &StateRunInputs<'g>,
+    ) -> Tensor<'g> {
+        let ctx = self.ctx;
+        let f32_size = std::mem::size_of::<f32>();
+        let n = run.rows.len() as i64;
+        let outputs = (d * heads * n) as usize * f32_size;
+        let state_row = state_all.nb()[1];
+        let n_kept = run.rows.len().min(KEPT_STATES) as i64;
+        let states = ctx.view_2d(packed, state_all.ne()[0], n_kept, state_row, outputs);
+        self.graph.expand(ctx.set_rows(state_all, states, run.targets));
+        let row = d as usize * f32_size;
+        ctx.view_4d(packed, [d, heads, n, 1], [row, row * heads as usize, outputs], 0)
     }
 
     /// `x / max(‖x‖, ε)` over dim 0, as llama.cpp's `build_gdn_l2_norm` computes it: an

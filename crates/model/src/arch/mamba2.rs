@@ -51,7 +51,7 @@ impl<'g> Builder<'g> {
         let ssm = hp.ssm.as_ref().expect("a recurrent layer has Mamba2 sizes");
         let (d_state, n_heads, n_groups) = (ssm.d_state as i64, ssm.n_heads as i64, ssm.n_groups as i64);
         let (d_inner, head_dim) = (ssm.d_inner as i64, ssm.head_dim() as i64);
-        let (channels, d_conv) = (ssm.conv_channels() as i64, ssm.d_conv as i64);
+        let channels = ssm.conv_channels() as i64;
         let n_tokens = x.ne()[1];
         let f32_size = std::mem::size_of::<f32>();
         let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
@@ -69,18 +69,13 @@ impl<'g> Builder<'g> {
         let dt = ctx.view_2d(zxbcdt, n_heads, n_tokens, row, (d_inner + channels) as usize * f32_size);
         let dt = ctx.add(ctx.cont(dt), w.get(T::SsmDt)); // [n_heads, n_tokens]
 
-        let conv_all = self.rs.conv(layer);
         let state_all = self.rs.state(layer);
         let states = ctx.reshape_4d(state_all, [d_state, head_dim, n_heads, state_all.ne()[1]]);
         let mut outs: Option<Tensor<'g>> = None;
-        for run in &self.inputs.state_runs {
+        // Each run's graph writes states through `self`, so the runs are copied first.
+        for run in &self.inputs.state_runs.clone() {
             let (r0, n) = (run.rows.start, run.rows.len() as i64);
-            let n_kept = run.rows.len().min(KEPT_STATES) as i64;
-            // The convolution's input: the sequence's last d_conv - 1 inputs, then the run's.
-            let previous = ctx.reshape_3d(ctx.get_rows(conv_all, run.source), d_conv - 1, channels, 1);
-            let run_xbc = ctx.view_2d(xbc, channels, n, row, r0 * row);
-            let conv_in = ctx.concat(previous, ctx.transpose(run_xbc), 0); // [d_conv - 1 + n, channels, 1]
-            self.graph.expand(self.keep_conv_states(conv_all, conv_in, run));
+            let conv_in = self.conv_input(layer, xbc, run);
             let conv = ctx.ssm_conv(conv_in, w.get(T::SsmConv1d));
             let conv = ctx.silu(ctx.add(conv, w.get(T::SsmConv1dBias))); // [channels, n, 1]
 
@@ -98,26 +93,7 @@ impl<'g> Builder<'g> {
             let c = split(d_state, n_groups, d_inner + n_groups * d_state);
             let run_dt = ctx.reshape_3d(ctx.view_2d(dt, n_heads, n, dt.nb()[1], r0 * dt.nb()[1]), n_heads, n, 1);
             let out = ctx.ssm_scan(states, xs, run_dt, w.get(T::SsmA), b, c, run.source, KEPT_STATES);
-            let outputs = head_dim * n_heads * n; // floats of the outputs, before the states
-            let state_len = ssm.state_len();
-            let kept = ctx.view_2d(
-                out,
-                state_len as i64,
-                n_kept,
-                state_len * f32_size,
-                outputs as usize * f32_size,
-            );
-            self.graph.expand(ctx.set_rows(state_all, kept, run.targets));
-            let y = ctx.view_4d(
-                out,
-                [head_dim, n_heads, n, 1],
-                [
-                    head_dim as usize * f32_size,
-                    (head_dim * n_heads) as usize * f32_size,
-                    outputs as usize * f32_size,
-                ],
-                0,
-            );
+            let y = self.unpack_recurrence(out, head_dim, n_heads, state_all, run);
             let y = ctx.add(y, ctx.mul(xs, w.get(T::SsmD))); // the skip connection
             outs = Some(match outs {
                 Some(done) => ctx.concat(done, y, 2),
