@@ -34,7 +34,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 }
 
 fn tensors(t: &mut LayerPlan<'_>) {
-    deltanet::mixer_tensors(t);
+    deltanet::mixer_tensors(t, deltanet::BetaAlpha::Separate);
     tensors::ffn(t, &FFN, t.hp.n_ff, false);
 }
 

@@ -7,8 +7,9 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::builder::Act;
+use super::deltanet::{self, BetaAlpha};
 use super::moe::{DownInput, ExpertAct, Gating, Routing};
-use super::{deltanet, Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{FfnTensors, LayerTensor as T, FFN_SHEXP};
 use crate::tensors::{self, LayerPlan, Split};
@@ -55,8 +56,13 @@ pub(super) fn read_hparams(hp: &mut HParams, keys: &Keys<'_>, mrope: bool) -> Re
 /// The shared expert: its FFN, and the gate of its output.
 const SHARED: FfnTensors = FFN_SHEXP;
 
-pub(super) fn tensors(t: &mut LayerPlan<'_>) {
-    deltanet::mixer_tensors(t);
+fn tensors(t: &mut LayerPlan<'_>) {
+    deltanet::mixer_tensors(t, BetaAlpha::Separate);
+    ffn_tensors(t);
+}
+
+/// The FFN's tensors: routed experts, the shared expert and its gate.
+pub(super) fn ffn_tensors(t: &mut LayerPlan<'_>) {
     tensors::experts(t, t.hp.moe.n_ff_exp, true);
     tensors::ffn(t, &SHARED, t.hp.moe.n_ff_shexp, false);
     t.vec(T::FfnGateInpShexp, &[t.hp.n_embd], Split::Whole);

@@ -10,6 +10,7 @@ use baton_gguf::Value;
 
 use super::{deltanet, qwen35moe, Architecture, Rope, Shape};
 use crate::hparams::{HParams, Keys};
+use crate::tensors::LayerPlan;
 use crate::ModelError;
 
 pub static ARCH: Architecture = Architecture {
@@ -20,7 +21,7 @@ pub static ARCH: Architecture = Architecture {
     own_output: false,
     per_layer_blocks: false,
     hparams,
-    tensors: qwen35moe::tensors,
+    tensors,
     layer: qwen35moe::layer,
     embed: super::ends::embed,
     logits: super::ends::logits,
@@ -29,6 +30,11 @@ pub static ARCH: Architecture = Architecture {
 
 fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     qwen35moe::read_hparams(hp, keys, false)
+}
+
+fn tensors(t: &mut LayerPlan<'_>) {
+    deltanet::mixer_tensors(t, deltanet::BetaAlpha::Fused);
+    qwen35moe::ffn_tensors(t);
 }
 
 fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
