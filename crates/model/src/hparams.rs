@@ -12,6 +12,9 @@ use crate::arch::{self, Architecture};
 use crate::names::EndTensor;
 use crate::ModelError;
 
+/// The key of every RMS norm's epsilon (without the `{arch}.` prefix).
+const RMS_EPS: &str = "attention.layer_norm_rms_epsilon";
+
 /// Most layers llama.cpp accepts (`LLAMA_MAX_LAYERS`).
 const MAX_LAYERS: usize = 512;
 
@@ -467,13 +470,9 @@ impl HParams {
         let head_dim_k = keys.opt_u32("attention.key_length")?.unwrap_or(n_embd / n_head);
         let head_dim_v = keys.opt_u32("attention.value_length")?.unwrap_or(n_embd / n_head);
         let n_ctx_train = keys.opt_u32("context_length")?.unwrap_or(2048);
-        let rms_eps = match keys.opt_f32("attention.layer_norm_rms_epsilon")? {
-            Some(eps) => eps,
-            // Nemotron-H files may carry only the plain norm's epsilon, which llama.cpp
-            // then takes for its RMS norms too.
-            None if arch.name.starts_with("nemotron_h") => keys.f32("attention.layer_norm_epsilon")?,
-            None => keys.f32("attention.layer_norm_rms_epsilon")?,
-        };
+        // Missing: NaN until the architecture's own keys say otherwise (Nemotron-H falls
+        // back to another key); still NaN after them, the key is missing.
+        let rms_eps = keys.opt_f32(RMS_EPS)?.unwrap_or(f32::NAN);
         let moe = MoeParams::read(&keys, n_layer_all)?;
 
         let n_rot = keys.opt_u32("rope.dimension_count")?.unwrap_or(head_dim_k);
@@ -553,6 +552,9 @@ impl HParams {
             rope_sections: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
+        if hp.rms_eps.is_nan() {
+            return Err(ModelError::Gguf(baton_gguf::GgufError::MissingKey(keys.name(RMS_EPS))));
+        }
         hp.finish_rope();
         hp.check()?;
         Ok(hp)

@@ -46,6 +46,18 @@ pub(super) fn require_plain_heads(hp: &HParams) -> Result<(), ModelError> {
     Ok(())
 }
 
+/// Refuses key and value heads of different widths (which llama.cpp's graphs of the
+/// hybrid models assume equal).
+pub(super) fn require_equal_heads(hp: &HParams) -> Result<(), ModelError> {
+    if hp.head_dim_k != hp.head_dim_v {
+        return Err(ModelError::BadHParams(format!(
+            "{}: key and value heads of {} and {} values; llama.cpp needs them equal",
+            hp.arch.name, hp.head_dim_k, hp.head_dim_v
+        )));
+    }
+    Ok(())
+}
+
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
     t.norm(T::AttnNorm, hp.n_embd);

@@ -56,16 +56,15 @@ pub fn block(hp: &HParams, layer: usize) -> Block {
 /// Reads the Mamba2 sizes and which layers are Mamba2.
 pub fn read_hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     hp.ssm = Some(Ssm::read(keys, SsmKind::Mamba2)?);
+    if hp.rms_eps.is_nan() {
+        // Files may carry only the plain norm's epsilon, which llama.cpp then takes for
+        // its RMS norms too.
+        hp.rms_eps = keys.f32("attention.layer_norm_epsilon")?;
+    }
     hp.recurrent_layers = (0..hp.n_layer)
         .map(|l| hp.layer_kv_heads[l] == 0 && hp.layer_ff[l] == 0)
         .collect();
-    if hp.head_dim_k != hp.head_dim_v {
-        return Err(ModelError::BadHParams(format!(
-            "{}: key and value heads of {} and {} values; llama.cpp needs them equal",
-            hp.arch.name, hp.head_dim_k, hp.head_dim_v
-        )));
-    }
-    Ok(())
+    super::llama::require_equal_heads(hp)
 }
 
 /// The tensors of a Nemotron-H layer whose FFN block is `ffn`: the input norm, then the
