@@ -610,12 +610,14 @@ impl Core {
             self.counters.draft_tokens.fetch_add(drafted as u64, Ordering::Relaxed);
             let rows = forward.positions.len();
             let decode_rows = (forward.sample_rows.len() == rows).then_some(rows);
-            let seqs: Vec<usize> = members.iter().map(|m| m.seq).collect();
+            // Models with recurrent layers: the sequences whose whole prompt chunk this is.
+            let checkpointed: Vec<usize> = match self.config.prefix_reuse {
+                PrefixReuse::Checkpoints => members.iter().map(|m| m.seq).collect(),
+                PrefixReuse::Anywhere => Vec::new(),
+            };
             self.send(Message::Forward(forward), Pending::Step { members, decode_rows }, now);
-            if self.config.prefix_reuse == PrefixReuse::Checkpoints {
-                for seq in seqs {
-                    self.checkpoint_whole_chunk(seq, now);
-                }
+            for seq in checkpointed {
+                self.checkpoint_whole_chunk(seq, now);
             }
         }
     }

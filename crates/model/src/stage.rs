@@ -384,12 +384,12 @@ impl Stage {
         let result = self.compute(batch, &slots, &runs);
         match &result {
             Ok(_) => self.rs.commit(&runs),
-            Err(_) => self.rs.fail(&runs),
-        }
-        if let Err(e) = &result {
-            self.kv.release(&slots);
-            // The other members may wait for this one's sums: let them go.
-            self.abort_group(&e.to_string());
+            Err(e) => {
+                self.rs.fail(&runs);
+                self.kv.release(&slots);
+                // The other members may wait for this one's sums: let them go.
+                self.abort_group(&e.to_string());
+            }
         }
         match result? {
             StageOutput::Logits(logits) if reply == LogitReply::Best => {
