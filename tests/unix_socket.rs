@@ -208,15 +208,19 @@ fn a_stale_socket_file_does_not_stop_a_new_worker_but_a_live_one_is_not_stolen()
 }
 
 /// What a temporary directory holds: `(name, mode, sockets inside)` per directory.
+/// Workers exiting remove their files while this looks, so whatever vanishes
+/// between listing and reading counts as gone.
 fn socket_dirs(tmp: &Path) -> Vec<(String, u32, Vec<String>)> {
     use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
     let mut dirs = Vec::new();
     for entry in std::fs::read_dir(tmp).unwrap().map(Result::unwrap) {
-        let mode = entry.metadata().unwrap().permissions().mode() & 0o777;
-        let mut sockets: Vec<String> = std::fs::read_dir(entry.path())
-            .unwrap()
-            .map(Result::unwrap)
-            .filter(|e| e.file_type().unwrap().is_socket())
+        let (Ok(metadata), Ok(inside)) = (entry.metadata(), std::fs::read_dir(entry.path())) else {
+            continue;
+        };
+        let mode = metadata.permissions().mode() & 0o777;
+        let mut sockets: Vec<String> = inside
+            .filter_map(Result::ok)
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_socket()))
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect();
         sockets.sort();
