@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use baton_engine::Head;
-use baton_engine::{max_decode_rows, Draft, DraftMode, EngineConfig, Event, Job};
+use baton_engine::{Draft, DraftMode, EngineConfig, Event, Job};
 use baton_ggml::{LlamaContext, LlamaModel};
 use baton_model::ModelFile;
 use baton_proto::{Message, Payload, StartSeq};
@@ -59,7 +59,6 @@ return {\"total\": total, \"count\": count, \"largest\": largest, \"average\": a
 
 /// Generation tok/s on [`CODE_EDIT`] through an engine over `ring`'s head, without and
 /// with drafts (median of `reps`), and the tokens drafted and kept.
-#[allow(clippy::too_many_arguments)] // one call site, every argument a bench setting
 fn bench_drafting(
     ring: &mut Ring,
     model: &Path,
@@ -68,7 +67,6 @@ fn bench_drafting(
     reps: usize,
     draft: Draft,
     drafter: Option<Box<dyn baton_engine::Drafter>>,
-    repack: bool,
 ) -> anyhow::Result<(f64, f64, u64, u64)> {
     let vocab = std::sync::Arc::new(crate::load_tokenizer(model)?);
     let prompt = vocab.tokenize(CODE_EDIT, true, true)?;
@@ -78,7 +76,7 @@ fn bench_drafting(
         slot_ctx: n_ctx,
         chunk: n_ctx,
         n_stages: ring.ranges().len().max(1),
-        max_decode_rows: max_decode_rows(repack),
+        max_decode_seqs: baton_engine::MAX_DECODE_SEQS,
         max_queue: 1,
         recovery_timeout: Duration::from_secs(30),
         step_timeout: Duration::from_secs(600),
@@ -384,8 +382,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if draft.mode != DraftMode::Off {
         let repack = !args.stages.no_repack;
         let drafter = args.draft.load_model(n_vocab, 1, n_ctx, n_ctx, threads, repack)?;
-        let (plain, drafted, sent, kept) =
-            bench_drafting(&mut ring, path, n_ctx, args.tg, reps, draft, drafter, repack)?;
+        let (plain, drafted, sent, kept) = bench_drafting(&mut ring, path, n_ctx, args.tg, reps, draft, drafter)?;
         table.push_str(&format!(
             "\ncode-editing chat prompt, greedy, through the engine (median of {reps}):\n\n\
              | test | tok/s | vs no draft | drafted | kept |\n|---|---:|---:|---:|---:|\n\

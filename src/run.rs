@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use baton_engine::GenerateRequest;
-use baton_engine::{max_decode_rows, Draft, DraftMode, EngineConfig, Event, Job};
+use baton_engine::{Draft, DraftMode, EngineConfig, Event, Job};
 use baton_sample::SamplingParams;
 use clap::Args;
 
@@ -213,7 +213,7 @@ fn generate_drafting(
         slot_ctx,
         chunk,
         n_stages: ring.ranges().len().max(1),
-        max_decode_rows: max_decode_rows(repack),
+        max_decode_seqs: baton_engine::MAX_DECODE_SEQS,
         max_queue: 1,
         recovery_timeout: Duration::from_secs(30),
         step_timeout: Duration::from_secs(600),

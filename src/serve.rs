@@ -153,7 +153,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         slot_ctx: args.stages.ctx_size / args.parallel,
         chunk: args.chunk.max(1),
         n_stages: ranges.len().max(1),
-        max_decode_rows: baton_engine::max_decode_rows(!args.stages.no_repack),
+        max_decode_seqs: baton_engine::MAX_DECODE_SEQS,
         max_queue: args.max_queue,
         recovery_timeout: std::time::Duration::from_secs_f64(args.recovery_timeout),
         step_timeout: std::time::Duration::from_secs_f64(args.step_timeout),

@@ -191,6 +191,76 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
     unreachable!("the last stage returns logits")
 }
 
+/// A batch of decode steps, one per sequence, as `baton serve` forms them for many
+/// concurrent requests: each row's logits are the bits of that sequence's step alone,
+/// at every batch size up to [`baton_engine::MAX_DECODE_SEQS`], with weights repacked
+/// for the CPU or not. Each weight's product cuts the rows into pieces its kernels
+/// compute as alone (`Builder::mm`): most of qwen2's and gemma3's weights (q5_0, q8_0)
+/// take all rows at once, their K-quants 3 (repacked) or 7.
+#[test]
+fn a_decode_batch_of_many_sequences_gives_each_row_its_bits_alone() {
+    let _serial = serial();
+    const SEQS: usize = 24;
+    for (name, repack) in [(QWEN2, true), (QWEN2, false), (GEMMA3, true)] {
+        let path = model(name);
+        let file = ModelFile::open(&path).unwrap();
+        let oracle = LlamaModel::load_vocab(&path).unwrap();
+        let prompts: Vec<Vec<u32>> = (0..SEQS)
+            .map(|i| {
+                let text = format!("{} ({i})", PROMPTS[i % PROMPTS.len()]);
+                oracle.tokenize(&text, true, true).unwrap()
+            })
+            .collect();
+        let config = StageConfig {
+            n_ctx: 64 * SEQS,
+            n_threads: 2,
+            repack,
+            n_seq: SEQS,
+        };
+        let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+        let mut chain = Chain::load_with(&file, &ranges, &config);
+        for (seq, prompt) in prompts.iter().enumerate() {
+            chain.logits(seq as u32, prompt, 0);
+        }
+        let lens: Vec<i32> = prompts.iter().map(|p| p.len() as i32).collect();
+        let reset = |chain: &mut Chain| {
+            for stage in &mut chain.stages {
+                for (seq, &len) in lens.iter().enumerate() {
+                    stage.truncate_seq(seq as u32, len as usize);
+                }
+            }
+        };
+        let token = |seq: usize| 42 + 7 * seq as u32;
+        let alone: Vec<Vec<f32>> = (0..SEQS)
+            .map(|seq| {
+                let logits = forward_rows(&mut chain, &[token(seq)], &[lens[seq]], &[seq as u32], &[0]);
+                reset(&mut chain);
+                logits
+            })
+            .collect();
+        for rows in [2usize, 4, 5, 8, 9, 17, SEQS] {
+            // The last `rows` sequences, newest first: rows meet other neighbours and
+            // other row numbers than in the smaller batches.
+            let seqs: Vec<usize> = (SEQS - rows..SEQS).rev().collect();
+            let tokens: Vec<u32> = seqs.iter().map(|&s| token(s)).collect();
+            let positions: Vec<i32> = seqs.iter().map(|&s| lens[s]).collect();
+            let seq_ids: Vec<u32> = seqs.iter().map(|&s| s as u32).collect();
+            let all: Vec<u32> = (0..rows as u32).collect();
+            let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &all);
+            reset(&mut chain);
+            let n_vocab = batched.len() / rows;
+            for (row, &seq) in seqs.iter().enumerate() {
+                let err = nmse(&batched[row * n_vocab..(row + 1) * n_vocab], &alone[seq]);
+                assert_eq!(
+                    err, 0.0,
+                    "{name}, repack {repack}: sequence {seq} as row {row} of a batch of {rows}"
+                );
+            }
+            println!("{name}, repack {repack}: batch of {rows} sequences, every row NMSE 0 against its step alone");
+        }
+    }
+}
+
 /// A decode step computed alone, or in one batch with other sequences' steps: the logits
 /// are bit-identical for batches of up to `max_decode_rows(repack)` rows (3 with weights
 /// repacked for the CPU, 7 without), so concurrent requests generate what they generate

@@ -13,8 +13,8 @@ pub(crate) struct BatchRules {
     /// Stages in the ring: decoding sequences are split into this many groups, so each
     /// stage has a group to work on.
     pub n_stages: usize,
-    /// Most decode rows per micro-batch ([`super::max_decode_rows`]).
-    pub max_decode_rows: usize,
+    /// Most decoding sequences per micro-batch ([`super::MAX_DECODE_SEQS`]).
+    pub max_decode_seqs: usize,
 }
 
 /// A sequence in a micro-batch: its slot, the request's epoch, whether its last row
@@ -51,7 +51,7 @@ pub(crate) fn next_batch(
         .count();
     let group = n_decoding
         .div_ceil(rules.n_stages.max(1))
-        .clamp(1, rules.max_decode_rows.max(1));
+        .clamp(1, rules.max_decode_seqs.max(1));
 
     let chunk = rules.chunk.max(1);
     let next = |i: usize| slots[i].active.as_ref().and_then(|a| a.next_send(chunk));
@@ -172,11 +172,11 @@ mod tests {
         slot
     }
 
-    fn rules(chunk: usize, n_stages: usize, max_decode_rows: usize) -> BatchRules {
+    fn rules(chunk: usize, n_stages: usize, max_decode_seqs: usize) -> BatchRules {
         BatchRules {
             chunk,
             n_stages,
-            max_decode_rows,
+            max_decode_seqs,
         }
     }
 

@@ -576,7 +576,7 @@ impl Core {
         let rules = BatchRules {
             chunk: self.config.chunk,
             n_stages: self.config.n_stages,
-            max_decode_rows: self.config.max_decode_rows,
+            max_decode_seqs: self.config.max_decode_seqs,
         };
         while self.connected && self.steps_in_flight <= self.config.n_stages {
             let step = self.next_step;

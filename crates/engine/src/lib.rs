@@ -53,7 +53,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::oneshot;
 
-pub use baton_stage::max_decode_rows;
+pub use baton_stage::{max_decode_rows, MAX_DECODE_SEQS};
 pub use draft::{Draft, DraftMode, Drafter};
 pub use draft_model::ModelDrafter;
 pub use head::{GenerateRequest, Generation, Head, RingEnds};

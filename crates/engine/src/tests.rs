@@ -43,7 +43,7 @@ fn config() -> EngineConfig {
         slot_ctx: 64,
         chunk: 4,
         n_stages: 1,
-        max_decode_rows: 3,
+        max_decode_seqs: 3,
         max_queue: 8,
         recovery_timeout: Duration::from_secs(30),
         step_timeout: Duration::from_secs(60),

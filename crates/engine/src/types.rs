@@ -21,10 +21,9 @@ pub struct EngineConfig {
     pub chunk: usize,
     /// Stages in the ring: decoding sequences are split into this many groups.
     pub n_stages: usize,
-    /// Most decode rows in one micro-batch: as many as ggml computes with the kernel it
-    /// uses for a single row, so that a sequence generates the same beside others as
-    /// alone ([`max_decode_rows`]).
-    pub max_decode_rows: usize,
+    /// Most decoding sequences in one micro-batch ([`MAX_DECODE_SEQS`]): each row
+    /// computed as alone, so a sequence generates the same beside others as alone.
+    pub max_decode_seqs: usize,
     /// Requests allowed to wait for a slot before new ones are refused.
     pub max_queue: usize,
     /// Longest the engine tries to form a new ring after losing a node before running

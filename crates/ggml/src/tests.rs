@@ -244,3 +244,85 @@ fn f32_mul_mat_rows_agree_from_2_rows_on() {
         if alone == two { "equals" } else { "differs from" }
     );
 }
+
+/// `rows_alone` measures each kind of weight once, on random values: rows cut into
+/// pieces of that many give every row's bits alone for other values, another width
+/// and far more rows too. Prints the measure for each type, plain and repacked.
+#[test]
+fn rows_cut_as_rows_alone_says_compute_as_alone() {
+    let (k, m, n) = (2048i64, 24i64, 100usize);
+    let weights = noise((k * m) as usize, 3);
+    let x = noise(k as usize * n, 4);
+    let extras = crate::BufferType::cpu_extra();
+    for (w_type, name) in [
+        (sys::GGML_TYPE_Q4_0, "q4_0"),
+        (sys::GGML_TYPE_Q8_0, "q8_0"),
+        (sys::GGML_TYPE_IQ4_NL, "iq4_nl"),
+        (sys::GGML_TYPE_Q4_K, "q4_K"),
+        (sys::GGML_TYPE_Q6_K, "q6_K"),
+        (sys::GGML_TYPE_F16, "f16"),
+        (sys::GGML_TYPE_F32, "f32"),
+    ] {
+        // SAFETY: pure size computation for a valid type.
+        let mut w = vec![0u8; unsafe { sys::ggml_row_size(w_type, k) } * m as usize];
+        // SAFETY: `weights` holds m rows of k floats, `w` room for m rows of the type.
+        unsafe {
+            sys::ggml_quantize_chunk(
+                w_type,
+                weights.as_ptr(),
+                w.as_mut_ptr().cast(),
+                0,
+                m,
+                k,
+                std::ptr::null(),
+            );
+        }
+        for extra in [None, extras.first()] {
+            let wctx = Context::new(1, 0);
+            let wt = wctx.new_tensor(DType(w_type), &[k, m]);
+            if extra.is_some_and(|e| !e.supports(wt, crate::WeightOp::MulMat)) {
+                continue;
+            }
+            let _buffer = match extra {
+                Some(e) => e.alloc(&wctx).unwrap(),
+                None => crate::Buffer::alloc_cpu(&wctx).unwrap(),
+            };
+            wt.write_bytes(&w).unwrap();
+            let rows = crate::rows_alone(wt, crate::Product::MulMat).expect("a weight in the CPU's memory");
+            let place = extra.map_or("CPU".into(), |e| e.name());
+            println!("{name:7} {place:10} {rows} rows");
+            assert!((1..=crate::MAX_ROWS).contains(&rows));
+
+            let ctx = Context::new(4 * n + 4, 4 * n + 4);
+            let input = ctx.new_tensor(DType::F32, &[k, n as i64]).set_input();
+            let row_bytes = DType::F32.row_bytes(k as usize);
+            let times = |first: usize, count: usize| {
+                let view = ctx.view_2d(input, k, count as i64, row_bytes, first * row_bytes);
+                ctx.mul_mat(wt, view).set_output()
+            };
+            let alone: Vec<_> = (0..n).map(|row| times(row, 1)).collect();
+            let pieces: Vec<_> = (0..n)
+                .step_by(rows)
+                .map(|first| times(first, rows.min(n - first)))
+                .collect();
+            let mut graph = ctx.new_graph();
+            for &t in alone.iter().chain(&pieces) {
+                graph.expand(t);
+            }
+            let mut alloc = Allocator::new_cpu();
+            alloc.alloc(&graph).unwrap();
+            input.write(&x).unwrap();
+            CpuBackend::new(2).compute(&graph).unwrap();
+            let read = |t: crate::Tensor<'_>| {
+                let mut v = vec![0f32; t.ne().iter().product::<i64>() as usize];
+                t.read(&mut v).unwrap();
+                v
+            };
+            let batched: Vec<f32> = pieces.into_iter().flat_map(read).collect();
+            for (row, t) in alone.into_iter().enumerate() {
+                let got = &batched[row * m as usize..(row + 1) * m as usize];
+                assert_eq!(got, &read(t)[..], "{name} in {place}: row {row} in pieces of {rows}");
+            }
+        }
+    }
+}

@@ -63,6 +63,12 @@ impl StageChain {
         self.stages().any(Stage::repacked)
     }
 
+    /// Whether every stage computes a batch of decode steps whole
+    /// ([`Stage::whole_decode_batches`]).
+    pub fn whole_decode_batches(&self) -> bool {
+        self.stages().all(Stage::whole_decode_batches)
+    }
+
     /// Forgets a sequence's cells from position `len` on, in every stage.
     pub fn truncate_seq(&mut self, seq: u32, len: usize) {
         self.stages.iter_mut().for_each(|s| s.truncate_seq(seq, len));

@@ -33,7 +33,9 @@ pub use names::{EndTensor, LayerTensor};
 pub use recurrent::{RecurrentCache, StateRun, CHECKPOINTS, KEPT_STATES};
 pub use resident::mapped_rss;
 pub use runner::ComputeBytes;
-pub use stage::{Batch, LogitReply, RowBest, Stage, StageConfig, StageInput, StageMemory, StageOutput};
+pub use stage::{
+    one_row_per_sequence, Batch, LogitReply, RowBest, Stage, StageConfig, StageInput, StageMemory, StageOutput,
+};
 pub use tensors::{Dim, Presence, Split, TensorKind, TensorSpec, Use};
 pub use tp::{Collective, CollectiveError, LocalGroup, TpSplit};
 pub use tp_group::{decode_best, encode_best, join_logits, splits as tp_splits, GroupMember};

@@ -448,16 +448,18 @@ impl Stage {
         Ok(())
     }
 
+    /// Whether a batch of decode steps (one row per sequence) is computed whole, every
+    /// row as alone: on the CPU, where each product cuts the rows into pieces its
+    /// kernels compute as alone (`Builder::mm`). A GPU's kernels are not probed, so its
+    /// stage gets such batches in pieces that small (see `baton_stage::max_decode_rows`).
+    pub fn whole_decode_batches(&self) -> bool {
+        self.device.is_cpu()
+    }
+
     fn compute(&mut self, batch: &Batch<'_>, slots: &[i64], runs: &[StateRun]) -> Result<StageOutput, ModelError> {
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
-        // A batch of decode steps: each row is the only one of its sequence.
-        let decode_rows = {
-            let mut seqs = batch.seq_ids.to_vec();
-            seqs.sort_unstable();
-            seqs.dedup();
-            seqs.len() == n_tokens
-        };
+        let decode_rows = one_row_per_sequence(batch.seq_ids);
         let key = StepKey {
             tokens: matches!(batch.input, StageInput::Tokens(_)),
             n_tokens,
@@ -507,9 +509,10 @@ impl Stage {
     /// step context, and keeps it as `self.step`.
     fn build_step(&mut self, key: StepKey, spans: Vec<AttnSpan>) -> Result<(), ModelError> {
         let hp = &self.hp;
-        // About 40 nodes per attention layer plus 10 per span, about 50 for experts plus
-        // 4 per row of a decode batch (views included); generous so no model runs short.
-        let per_row = if key.decode_rows { 4 * key.n_tokens } else { 0 };
+        // About 40 nodes per attention layer plus 10 per span, about 50 for experts, plus
+        // the pieces of a decode batch's products (views included); generous so no model
+        // runs short.
+        let per_row = if key.decode_rows { PIECE_NODES * key.n_tokens } else { 0 };
         // A recurrent layer: about 40 per run, 3 per state it keeps.
         let per_run = (40 + 3 * crate::recurrent::KEPT_STATES) * key.state_runs.len();
         let n_nodes = (160 + 16 * spans.len() + per_row + per_run) * self.span.layers.len() + 64 + 4 * spans.len();
@@ -751,4 +754,17 @@ struct StepGraph {
     tokens_in: Option<TensorId>,
     hidden_in: Option<TensorId>,
     out: TensorId,
+}
+
+/// Graph nodes one row of a decode batch may add per layer: up to about 16 products a
+/// layer, each cut into pieces as small as one row (a view, the product, a concat).
+const PIECE_NODES: usize = 48;
+
+/// Whether every row of a batch is the only one of its sequence (a batch of decode
+/// steps, no drafted tokens).
+pub fn one_row_per_sequence(seq_ids: &[u32]) -> bool {
+    let mut seqs = seq_ids.to_vec();
+    seqs.sort_unstable();
+    seqs.dedup();
+    seqs.len() == seq_ids.len()
 }

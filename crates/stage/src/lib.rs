@@ -24,6 +24,12 @@ use std::sync::Arc;
 use baton_ggml::Device;
 use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageSpan};
 
+/// Most sequences in one batch of decode steps. A stage on the CPU computes such a batch
+/// whole, each product cutting its rows into pieces that its kernels compute as alone
+/// (`baton_model::Stage::whole_decode_batches`); a GPU stage cuts it into pieces of
+/// [`max_decode_rows`].
+pub const MAX_DECODE_SEQS: usize = baton_ggml::MAX_ROWS;
+
 /// Most decode rows in one micro-batch that ggml computes exactly as it computes one
 /// row alone. With weights repacked for the CPU (`CPU_REPACK`, the default) ggml takes
 /// its 4-row gemm kernel from 4 rows on (ggml-cpu/repack.cpp: "more than three rows in

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use baton_grammar::{Grammar, GrammarError, Matcher, TokenTable};
-use baton_model::{Batch, LogitReply, ModelError, RowBest, StageChain, StageInput, StageOutput};
+use baton_model::{one_row_per_sequence, Batch, LogitReply, ModelError, RowBest, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
 use baton_proto::{Fault, Forward, Message, Payload, SampledToken};
 use baton_sample::{Sampler, SamplingError};
@@ -293,11 +293,13 @@ impl StageWorker {
     }
 
     /// Runs the batch through the stage. A batch whose every row is sampled is decode
-    /// rows (single tokens, or a token and its drafts): it is computed in pieces of at
-    /// most [`max_decode_rows`] rows, each of which ggml computes exactly as one row
-    /// alone, so a drafted token's row gives the bits a one-token step would have.
-    /// Prompt chunks are computed whole, as cut. With [`LogitReply::Best`] the sampled
-    /// rows come back as their bests.
+    /// rows (single tokens, or a token and its drafts). One row per sequence, a stage on
+    /// the CPU computes it whole, each product cutting the rows as its kernels need
+    /// (`Builder::mm`); otherwise it is computed in pieces of at most
+    /// [`max_decode_rows`] rows, each of which ggml computes exactly as one row alone, so
+    /// a drafted token's row gives the bits a one-token step would have. Prompt chunks
+    /// are computed whole, as cut. With [`LogitReply::Best`] the sampled rows come back
+    /// as their bests.
     fn compute(
         &mut self,
         input: StageInput<'_>,
@@ -310,7 +312,8 @@ impl StageWorker {
         let n = positions.len();
         let cap = max_decode_rows(self.stage.repacked());
         let all_sampled = sample_rows.len() == n && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
-        if !all_sampled || n <= cap {
+        let whole_decode = one_row_per_sequence(seq_ids) && self.stage.whole_decode_batches();
+        if !all_sampled || n <= cap || whole_decode {
             let batch = Batch {
                 input,
                 positions,

@@ -148,7 +148,7 @@ impl<'g> Builder<'g> {
         let (d_k, d_v) = (hp.head_dim_k as i64, hp.head_dim_v as i64);
         let (n_head, n_head_kv) = (hp.n_head as i64, hp.n_head_kv as i64);
         if let Some(wqkv) = w.opt(T::AttnQkv) {
-            let mut qkv = ctx.mul_mat(wqkv, x);
+            let mut qkv = self.mm(wqkv, x);
             if let Some(b) = w.opt(T::AttnQkvBias) {
                 qkv = ctx.add(qkv, b);
             } else if let (Some(bq), Some(bk), Some(bv)) =

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use baton_ggml::{Context, Graph, HostOp, Tensor};
+use baton_ggml::{rows_alone, Context, Graph, HostOp, Product, Tensor};
 
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
@@ -131,7 +131,7 @@ impl<'g> Builder<'g> {
 
     /// `w x (+ b)`.
     pub fn linear(&self, w: Tensor<'g>, b: Option<Tensor<'g>>, x: Tensor<'g>) -> Tensor<'g> {
-        let y = self.ctx.mul_mat(w, x);
+        let y = self.mm(w, x);
         match b {
             Some(b) => self.ctx.add(y, b),
             None => y,
@@ -157,18 +157,59 @@ impl<'g> Builder<'g> {
             .named("tp_gather")
     }
 
-    /// `w x` for a weight whose matmul kernel depends on the number of rows: f32 (and
-    /// f16) weights go through ggml's tiled kernel from 2 rows and its dot product for 1,
-    /// which round differently. In a batch of decode steps each row is multiplied on
-    /// its own, as it would be alone; otherwise all rows at once, as llama.cpp does.
-    pub fn mul_mat_rowwise(&self, w: Tensor<'g>, x: Tensor<'g>) -> Tensor<'g> {
+    /// `w x` for a weight `w` and activations `x` (`[n, n_tokens]`, or `[n, n_tokens,
+    /// k]` for a product per head). In a batch of decode steps each row must get the
+    /// bits it gets alone, and ggml's CPU kernels change with the number of rows: the
+    /// rows go in pieces of as many as ggml computes alone with this kind of weight
+    /// ([`rows_alone`], measured on this CPU), all at once for most quantized types.
+    /// Otherwise (prompt chunks, weights on a GPU) all rows at once, as llama.cpp does.
+    pub fn mm(&self, w: Tensor<'g>, x: Tensor<'g>) -> Tensor<'g> {
         let ctx = self.ctx;
-        let [n, n_rows, _, _] = x.ne();
-        if !self.inputs.decode_rows || n_rows < 2 {
-            return ctx.mul_mat(w, x);
+        match self.decode_piece(w, Product::MulMat, x.ne()[1]) {
+            None => ctx.mul_mat(w, x),
+            Some(piece) => {
+                let [n, _, k, _] = x.ne();
+                let [_, nb1, nb2, _] = x.nb();
+                let parts = pieces(x.ne()[1], piece)
+                    .map(|(first, rows)| ctx.mul_mat(w, ctx.view_3d(x, [n, rows, k], nb1, nb2, first as usize * nb1)))
+                    .collect();
+                concat_all(ctx, parts, 1)
+            }
         }
-        let row = |i: i64| ctx.mul_mat(w, ctx.view_2d(x, n, 1, x.nb()[1], i as usize * x.nb()[1]));
-        (1..n_rows).fold(row(0), |done, i| ctx.concat(done, row(i), 1))
+    }
+
+    /// `mul_mat_id(experts, x, ids)` (`x` `[n, n_used or 1, n_tokens]`, `ids` `[n_used,
+    /// n_tokens]`), with the rows of a decode batch in pieces as [`Builder::mm`] cuts them.
+    pub fn mm_id(&self, experts: Tensor<'g>, x: Tensor<'g>, ids: Tensor<'g>) -> Tensor<'g> {
+        let ctx = self.ctx;
+        match self.decode_piece(experts, Product::MulMatId, x.ne()[2]) {
+            None => ctx.mul_mat_id(experts, x, ids),
+            Some(piece) => {
+                let [n, used, _, _] = x.ne();
+                let [_, nb1, nb2, _] = x.nb();
+                let n_used = ids.ne()[0];
+                let ids_nb1 = ids.nb()[1];
+                let parts = pieces(x.ne()[2], piece)
+                    .map(|(first, rows)| {
+                        let x = ctx.view_3d(x, [n, used, rows], nb1, nb2, first as usize * nb2);
+                        let ids = ctx.view_2d(ids, n_used, rows, ids_nb1, first as usize * ids_nb1);
+                        ctx.mul_mat_id(experts, x, ids)
+                    })
+                    .collect();
+                concat_all(ctx, parts, 2)
+            }
+        }
+    }
+
+    /// How many rows of a decode batch of `n_rows` a product with `w` takes at once,
+    /// when not all: `None` outside decode batches, for a weight whose kernels are not
+    /// probed, and when ggml computes all `n_rows` as alone.
+    fn decode_piece(&self, w: Tensor<'g>, product: Product, n_rows: i64) -> Option<i64> {
+        if !self.inputs.decode_rows || n_rows < 2 {
+            return None;
+        }
+        let piece = rows_alone(w, product)? as i64;
+        (piece < n_rows).then_some(piece)
     }
 
     /// On the model's last layer, keeps only the rows that need logits (of both the
@@ -202,4 +243,27 @@ impl<'g> Builder<'g> {
         let out = self.linear(w.get(ffn.down), down_b, hidden);
         self.gather(out, Shard::Embd)
     }
+}
+
+/// `(first row, rows)` of consecutive pieces of at most `piece` rows covering `n` rows.
+fn pieces(n: i64, piece: i64) -> impl Iterator<Item = (i64, i64)> {
+    (0..n)
+        .step_by(piece as usize)
+        .map(move |first| (first, piece.min(n - first)))
+}
+
+/// `parts` joined in order along `dim`, pairwise so each value is copied about
+/// log2(parts) times rather than once per part after it.
+fn concat_all<'g>(ctx: &'g Context, mut parts: Vec<Tensor<'g>>, dim: i32) -> Tensor<'g> {
+    while parts.len() > 1 {
+        parts = parts
+            .chunks(2)
+            .map(|pair| match *pair {
+                [a, b] => ctx.concat(a, b, dim),
+                [a] => a,
+                _ => unreachable!("chunks of at most 2"),
+            })
+            .collect();
+    }
+    parts.pop().expect("at least one piece")
 }

@@ -196,20 +196,20 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
         // A tensor-parallel member without heads: only the others' heads, its rows of
         // the projection.
         let out = b.gather(x, Shard::Heads);
-        return b.gather(ctx.mul_mat(w.get(T::AttnOutput), out), Shard::Embd);
+        return b.gather(b.mm(w.get(T::AttnOutput), out), Shard::Embd);
     }
 
     let q = match w.opt(T::AttnQA) {
         Some(q_a) => {
-            let q = ctx.mul_mat(q_a, x);
+            let q = b.mm(q_a, x);
             let q = b.norm(q, w.get(T::AttnQANorm));
-            ctx.mul_mat(w.get(T::AttnQB), q)
+            b.mm(w.get(T::AttnQB), q)
         }
-        None => ctx.mul_mat(w.get(T::AttnQ), x),
+        None => b.mm(w.get(T::AttnQ), x),
     };
     let q = ctx.reshape_3d(q, head_k, n_head, n_tokens); // [head_k, n_head, n_tokens]
 
-    let kv_pe = ctx.mul_mat(w.get(T::AttnKvAMqa), x); // [n_lora_kv + n_rot, n_tokens]
+    let kv_pe = b.mm(w.get(T::AttnKvAMqa), x); // [n_lora_kv + n_rot, n_tokens]
     let elt = kv_pe.nb()[0];
     let row = kv_pe.nb()[1];
     let kv = ctx.view_2d(kv_pe, n_lora_kv, n_tokens, row, 0);
@@ -228,7 +228,7 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     );
     let q_pe = ctx.rope(q_pe, b.inputs.positions, None, &hp.rope);
     let q_nope = ctx.permute(q_nope, [0, 2, 1, 3]); // [n_nope, n_tokens, n_head]
-    let q_absorbed = ctx.mul_mat(w.get(T::AttnKB), q_nope); // [n_lora_kv, n_tokens, n_head]
+    let q_absorbed = b.mm(w.get(T::AttnKB), q_nope); // [n_lora_kv, n_tokens, n_head]
     let q_absorbed = ctx.permute(q_absorbed, [0, 2, 1, 3]); // [n_lora_kv, n_head, n_tokens]
 
     // RoPE part last, so a cache row is [latent, rope].
@@ -252,13 +252,13 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     };
     let out = b.attend(layer, q, keys, None, scale); // [n_lora_kv, n_head, n_tokens]
     let out = ctx.permute(out, [0, 2, 1, 3]); // [n_lora_kv, n_tokens, n_head]
-    let out = ctx.mul_mat(w.get(T::AttnVB), out); // [head_dim_v, n_tokens, n_head]
+    let out = b.mm(w.get(T::AttnVB), out); // [head_dim_v, n_tokens, n_head]
     let out = ctx.cont(ctx.permute(out, [0, 2, 1, 3])); // [head_dim_v, n_head, n_tokens]
     let out = ctx.reshape_2d(out, mla.head_dim_v as i64 * n_head, n_tokens);
     // A tensor-parallel member: its heads' outputs joined with the others', then its rows
     // of the projection joined too.
     let out = b.gather(out, Shard::Heads);
-    b.gather(ctx.mul_mat(w.get(T::AttnOutput), out), Shard::Embd)
+    b.gather(b.mm(w.get(T::AttnOutput), out), Shard::Embd)
 }
 
 pub(super) fn example(shape: &Shape) -> Vec<(&'static str, Value)> {

@@ -177,15 +177,15 @@ impl<'g> Builder<'g> {
         let ssm = self.hp.ssm.as_ref().expect("a recurrent layer has DeltaNet sizes");
         let (h_k, h_v) = (ssm.n_groups as i64, ssm.n_heads as i64);
         let n_tokens = x.ne()[1];
-        let qkv = ctx
-            .mul_mat(w.get(T::AttnQkv), x)
+        let qkv = self
+            .mm(w.get(T::AttnQkv), x)
             .named(&format!("linear_attn_qkv_mixed-{layer}")); // [channels, n_tokens]
-        let z = ctx.mul_mat(w.get(T::AttnGate), x).named(&format!("z-{layer}")); // [d_inner, n_tokens]
+        let z = self.mm(w.get(T::AttnGate), x).named(&format!("z-{layer}")); // [d_inner, n_tokens]
         let (beta, alpha, heads) = match w.opt(T::SsmBa) {
             // Qwen3-Next: per key head, its value heads' beta then their alpha; its key
             // heads serve runs of consecutive value heads.
             Some(ba) => {
-                let ba = ctx.reshape_3d(self.mul_mat_rowwise(ba, x), 2 * h_v / h_k, h_k, n_tokens);
+                let ba = ctx.reshape_3d(self.mm(ba, x), 2 * h_v / h_k, h_k, n_tokens);
                 let per_key = h_v / h_k;
                 let elt = ba.nb()[0];
                 let part = |offset: usize| ctx.view_3d(ba, [per_key, h_k, n_tokens], ba.nb()[1], ba.nb()[2], offset);
@@ -194,8 +194,8 @@ impl<'g> Builder<'g> {
                 (beta, alpha, KeyHeads::Interleaved)
             }
             None => {
-                let beta = self.mul_mat_rowwise(w.get(T::SsmBeta), x);
-                let alpha = self.mul_mat_rowwise(w.get(T::SsmAlpha), x);
+                let beta = self.mm(w.get(T::SsmBeta), x);
+                let alpha = self.mm(w.get(T::SsmAlpha), x);
                 (beta, alpha, KeyHeads::Tiled)
             }
         };
@@ -270,7 +270,7 @@ impl<'g> Builder<'g> {
         let z = ctx.reshape_4d(z, [s, h_v, n_tokens, 1]);
         let normed = ctx.mul(self.norm(out, w.get(T::SsmNorm)), ctx.silu(z));
         let flat = ctx.reshape_2d(normed, s * h_v, n_tokens);
-        named(ctx.mul_mat(w.get(T::SsmOut), flat), "linear_attn_out")
+        named(self.mm(w.get(T::SsmOut), flat), "linear_attn_out")
     }
 
     /// The causal convolution's input for `run` in recurrent layer `layer`: the
@@ -345,16 +345,16 @@ impl<'g> Builder<'g> {
         let ctx = self.ctx;
         let n_tokens = x.ne()[1];
         let (d, n_head, n_head_kv) = (hp.head_dim_k as i64, hp.n_head as i64, hp.n_head_kv as i64);
-        let q_full = ctx.mul_mat(w.get(T::AttnQ), x); // [2 d n_head, n_tokens]
+        let q_full = self.mm(w.get(T::AttnQ), x); // [2 d n_head, n_tokens]
         let elt = q_full.nb()[0];
         let (head, row) = (elt * 2 * d as usize, q_full.nb()[1]);
         let q = ctx.view_3d(q_full, [d, n_head, n_tokens], head, row, 0);
         let q = self.norm(q, w.get(T::AttnQNorm));
-        let k = ctx.reshape_3d(ctx.mul_mat(w.get(T::AttnK), x), d, n_head_kv, n_tokens);
+        let k = ctx.reshape_3d(self.mm(w.get(T::AttnK), x), d, n_head_kv, n_tokens);
         let k = self.norm(k, w.get(T::AttnKNorm));
         let gate = ctx.view_3d(q_full, [d, n_head, n_tokens], head, row, elt * d as usize);
         let gate = ctx.cont_2d(gate, d * n_head, n_tokens);
-        let v = ctx.reshape_3d(ctx.mul_mat(w.get(T::AttnV), x), d, n_head_kv, n_tokens);
+        let v = ctx.reshape_3d(self.mm(w.get(T::AttnV), x), d, n_head_kv, n_tokens);
         let positions = self.inputs.positions;
         let rope = |t: Tensor<'g>| match hp.rope_sections {
             Some(sections) => ctx.rope_multi(t, positions, sections, &hp.rope),

@@ -18,5 +18,5 @@ pub fn embed<'g>(b: &Builder<'g>, tokens: Tensor<'g>) -> Tensor<'g> {
 /// `output (rms_norm(hidden) * output_norm)`.
 pub fn logits<'g>(b: &Builder<'g>, hidden: Tensor<'g>) -> Tensor<'g> {
     let normed = b.norm(hidden, b.weights.end_required(EndTensor::OutputNorm));
-    b.ctx.mul_mat(b.weights.end_required(EndTensor::Output), normed)
+    b.mm(b.weights.end_required(EndTensor::Output), normed)
 }

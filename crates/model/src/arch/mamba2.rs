@@ -56,7 +56,7 @@ impl<'g> Builder<'g> {
         let f32_size = std::mem::size_of::<f32>();
         let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
 
-        let zxbcdt = ctx.mul_mat(w.get(T::SsmIn), x); // [d_inner + channels + n_heads, n_tokens]
+        let zxbcdt = self.mm(w.get(T::SsmIn), x); // [d_inner + channels + n_heads, n_tokens]
         let row = zxbcdt.nb()[1];
         let z = ctx.view_3d(
             zxbcdt,
@@ -105,6 +105,6 @@ impl<'g> Builder<'g> {
         let groups = ctx.reshape_3d(y, d_inner / n_groups, n_groups, n_tokens);
         let normed = self.norm(groups, w.get(T::SsmNorm));
         let flat = ctx.reshape_2d(normed, d_inner, n_tokens);
-        named(ctx.mul_mat(w.get(T::SsmOut), flat), "mamba_out")
+        named(self.mm(w.get(T::SsmOut), flat), "mamba_out")
     }
 }

@@ -254,8 +254,8 @@ impl<'g> Builder<'g> {
         let (n_expert, n_used) = (moe.n_expert as i64, moe.n_expert_used as i64);
         let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
 
-        // llama.cpp's quantizer leaves the router in f32 (see `mul_mat_rowwise`).
-        let mut logits = self.mul_mat_rowwise(w.get(T::FfnGateInp), x); // [n_expert, n_tokens]
+        // llama.cpp's quantizer leaves the router in f32 (see `Builder::mm`).
+        let mut logits = self.mm(w.get(T::FfnGateInp), x); // [n_expert, n_tokens]
         if let Some(b) = w.opt(T::FfnGateInpBias) {
             logits = ctx.add(logits, b);
         }
@@ -305,11 +305,10 @@ impl<'g> Builder<'g> {
             Some(b) => ctx.add_id(out, b, selected),
             None => out,
         };
-        let experts =
-            |weight: T, bias: T, input: Tensor<'g>| biased(ctx.mul_mat_id(w.get(weight), input, selected), bias);
+        let experts = |weight: T, bias: T, input: Tensor<'g>| biased(self.mm_id(w.get(weight), input, selected), bias);
         let gated = |act: &dyn Fn(Tensor<'g>, Tensor<'g>) -> Tensor<'g>| match w.opt(T::FfnGateUpExps) {
             Some(gate_up_w) => {
-                let gate_up = ctx.mul_mat_id(gate_up_w, x3, selected); // [2 n_ff, n_used, n_tokens]
+                let gate_up = self.mm_id(gate_up_w, x3, selected); // [2 n_ff, n_used, n_tokens]
                 let n_ff = gate_up.ne()[0] / 2;
                 let [_, ne1, ne2, _] = gate_up.ne();
                 let [nb0, nb1, nb2, _] = gate_up.nb();
@@ -335,7 +334,7 @@ impl<'g> Builder<'g> {
         } else {
             hidden
         };
-        let down = ctx.mul_mat_id(w.get(T::FfnDownExps), hidden, selected); // [n_embd, n_used, n_tokens] (a member: its rows)
+        let down = self.mm_id(w.get(T::FfnDownExps), hidden, selected); // [n_embd, n_used, n_tokens] (a member: its rows)
         let down = match routing.down_input {
             DownInput::Backend => down,
             DownInput::F32 => down.prec_f32_input(),

@@ -70,11 +70,11 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
     let cur = b.norm(ffn_in, w.get(T::FfnNorm));
-    let gate_up = b.ctx.mul_mat(w.get(T::FfnUp), cur); // [2 n_ff, n_tokens]
+    let gate_up = b.mm(w.get(T::FfnUp), cur); // [2 n_ff, n_tokens]
 
     // A tensor-parallel member: its rows of gate and of up, its rows of the output.
     let hidden = b.gather(b.ctx.swiglu(gate_up), Shard::Ff);
-    let cur = b.gather(b.ctx.mul_mat(w.get(T::FfnDown), hidden), Shard::Embd);
+    let cur = b.gather(b.mm(w.get(T::FfnDown), hidden), Shard::Embd);
     b.ctx.add(ffn_in, cur)
 }
 

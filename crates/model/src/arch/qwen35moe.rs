@@ -79,7 +79,7 @@ pub(super) fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize,
         };
         let routed = b.moe(w, layer, x, routing);
         let shared = b.ffn(w, &SHARED, Act::Silu, x);
-        let gate = b.ctx.sigmoid(b.mul_mat_rowwise(w.get(T::FfnGateInpShexp), x)); // [1, n_tokens]
+        let gate = b.ctx.sigmoid(b.mm(w.get(T::FfnGateInpShexp), x)); // [1, n_tokens]
         b.ctx.add(routed, b.ctx.mul(shared, gate))
     })
 }
