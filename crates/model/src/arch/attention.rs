@@ -4,7 +4,7 @@
 
 use baton_ggml::Tensor;
 
-use super::builder::Shard;
+use super::builder::{concat_all, Shard};
 use super::Builder;
 use crate::names::{EndTensor, LayerTensor as T};
 use crate::weights::LayerTensors;
@@ -218,7 +218,7 @@ impl<'g> Builder<'g> {
         let swa = hp.is_swa(layer);
         let k_elt = k_cache.nb()[0];
         let row_bytes = q.nb()[2];
-        let mut out: Option<Tensor<'g>> = None;
+        let mut parts = Vec::with_capacity(self.inputs.spans.len());
         for span in &self.inputs.spans {
             let (rows, cells) = (&span.span.rows, &span.span.cells);
             let n_kv = cells.len() as i64;
@@ -252,12 +252,8 @@ impl<'g> Builder<'g> {
             if let Some(sinks) = sinks {
                 part = part.with_sinks(sinks);
             }
-            // part: [d_v, n_head, rows]
-            out = Some(match out {
-                Some(done) => ctx.concat(done, part, 2),
-                None => part,
-            });
+            parts.push(part); // [d_v, n_head, rows]
         }
-        out.expect("a batch has at least one row, so one span")
+        concat_all(ctx, parts, 2)
     }
 }

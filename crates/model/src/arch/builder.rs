@@ -254,7 +254,7 @@ fn pieces(n: i64, piece: i64) -> impl Iterator<Item = (i64, i64)> {
 
 /// `parts` joined in order along `dim`, pairwise so each value is copied about
 /// log2(parts) times rather than once per part after it.
-fn concat_all<'g>(ctx: &'g Context, mut parts: Vec<Tensor<'g>>, dim: i32) -> Tensor<'g> {
+pub(super) fn concat_all<'g>(ctx: &'g Context, mut parts: Vec<Tensor<'g>>, dim: i32) -> Tensor<'g> {
     while parts.len() > 1 {
         parts = parts
             .chunks(2)

@@ -14,6 +14,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::attention::KeyValues;
+use super::builder::concat_all;
 use super::{Builder, Shape, StateRunInputs};
 use crate::hparams::{HParams, Keys};
 use crate::names::LayerTensor as T;
@@ -224,7 +225,7 @@ impl<'g> Builder<'g> {
 
         let state_all = self.rs.state(layer);
         let f32_size = std::mem::size_of::<f32>();
-        let mut outs: Option<Tensor<'g>> = None;
+        let mut outs = Vec::new();
         // Each run's graph writes states through `self`, so the runs are copied first.
         for run in &self.inputs.state_runs.clone() {
             let (r0, n) = (run.rows.start, run.rows.len() as i64);
@@ -261,12 +262,10 @@ impl<'g> Builder<'g> {
             let state = ctx.reshape_4d(ctx.get_rows(state_all, run.source), [s, s, h_v, 1]);
             let packed = ctx.gated_delta_net(q, k, v, run_rows(g), run_rows(beta), state, KEPT_STATES);
             let o = self.unpack_recurrence(packed, s, h_v, state_all, run);
-            outs = Some(match outs {
-                Some(done) => ctx.concat(done, o, 2),
-                None => o,
-            });
+            outs.push(o);
         }
-        let out = outs.expect("a stage with recurrent layers plans a run for every row"); // [s, h_v, n_tokens, 1]
+        assert!(!outs.is_empty(), "a stage with recurrent layers plans a run for every row");
+        let out = concat_all(ctx, outs, 2); // [s, h_v, n_tokens, 1]
         let z = ctx.reshape_4d(z, [s, h_v, n_tokens, 1]);
         let normed = ctx.mul(self.norm(out, w.get(T::SsmNorm)), ctx.silu(z));
         let flat = ctx.reshape_2d(normed, s * h_v, n_tokens);

@@ -16,6 +16,7 @@
 
 use baton_ggml::Tensor;
 
+use super::builder::concat_all;
 use super::Builder;
 use crate::names::LayerTensor as T;
 use crate::recurrent::KEPT_STATES;
@@ -71,7 +72,7 @@ impl<'g> Builder<'g> {
 
         let state_all = self.rs.state(layer);
         let states = ctx.reshape_4d(state_all, [d_state, head_dim, n_heads, state_all.ne()[1]]);
-        let mut outs: Option<Tensor<'g>> = None;
+        let mut outs = Vec::new();
         // Each run's graph writes states through `self`, so the runs are copied first.
         for run in &self.inputs.state_runs.clone() {
             let (r0, n) = (run.rows.start, run.rows.len() as i64);
@@ -95,12 +96,10 @@ impl<'g> Builder<'g> {
             let out = ctx.ssm_scan(states, xs, run_dt, w.get(T::SsmA), b, c, run.source, KEPT_STATES);
             let y = self.unpack_recurrence(out, head_dim, n_heads, state_all, run);
             let y = ctx.add(y, ctx.mul(xs, w.get(T::SsmD))); // the skip connection
-            outs = Some(match outs {
-                Some(done) => ctx.concat(done, y, 2),
-                None => y,
-            });
+            outs.push(y);
         }
-        let y = outs.expect("a stage with recurrent layers plans a run for every row"); // [head_dim, n_heads, n_tokens, 1]
+        assert!(!outs.is_empty(), "a stage with recurrent layers plans a run for every row");
+        let y = concat_all(ctx, outs, 2); // [head_dim, n_heads, n_tokens, 1]
         let y = named(ctx.swiglu_split(ctx.cont(z), y), "mamba2_gated");
         let groups = ctx.reshape_3d(y, d_inner / n_groups, n_groups, n_tokens);
         let normed = self.norm(groups, w.get(T::SsmNorm));
