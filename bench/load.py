@@ -43,6 +43,37 @@ def stream(url, body):
     return first, time.perf_counter() - start, tokens
 
 
+def stream_times(url, body, absolute=False):
+    """POSTs a streaming completion; returns the time each text chunk arrived (seconds
+    from the request, or `time.perf_counter()` values with `absolute`) and the tokens
+    generated (the usage's count when the server sends one, else the chunks)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=900)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise SystemExit(f"HTTP {response.status}: {response.read()[:300]!r}")
+    times, tokens = [], None
+    for line in response:
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise SystemExit(f"error: {chunk['error']}")
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if any(c.get("text") for c in chunk.get("choices") or []):
+            now = time.perf_counter()
+            times.append(now if absolute else now - start)
+    conn.close()
+    return {"times": times, "tokens": tokens if tokens is not None else len(times)}
+
+
 PROMPTS = [
     "Write a long story about a dragon who learns to cook.",
     "Explain in detail how a compiler turns source code into machine code.",

@@ -161,6 +161,18 @@ fn f16_wire_costs_little_fidelity() {
 
 /// Runs one batch through every stage of `chain`; returns the logits of `rows`.
 fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
+    forward_batch(chain, tokens, positions, seq_ids, rows, false)
+}
+
+/// [`forward_rows`], saying whether the rows are decode rows ([`baton_model::Batch::decode`]).
+fn forward_batch(
+    chain: &mut Chain,
+    tokens: &[u32],
+    positions: &[i32],
+    seq_ids: &[u32],
+    rows: &[u32],
+    decode: bool,
+) -> Vec<f32> {
     use baton_model::{Batch, LogitReply, StageInput};
     let mut hidden = Vec::new();
     let n = chain.stages.len();
@@ -178,6 +190,7 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
                     positions,
                     seq_ids,
                     logit_rows,
+                    decode,
                 },
                 LogitReply::Logits,
             )
@@ -258,6 +271,57 @@ fn a_decode_batch_of_many_sequences_gives_each_row_its_bits_alone() {
             }
             println!("{name}, repack {repack}: batch of {rows} sequences, every row NMSE 0 against its step alone");
         }
+    }
+}
+
+/// A token and the 8 tokens drafted after it, verified in one batch of decode rows
+/// (`Batch::decode`, as the stage loop sends drafts on the CPU): each row's logits are
+/// the bits of the one-token step at its position. Without the flag the same 9 rows
+/// go through ggml's batched kernels whole, as a prompt chunk does (printed).
+#[test]
+fn a_token_and_its_drafts_in_one_batch_give_the_bits_of_one_token_steps() {
+    let _serial = serial();
+    for (name, repack) in [(QWEN2, true), (GEMMA3, true), (QWEN2, false)] {
+        let path = model(name);
+        let file = ModelFile::open(&path).unwrap();
+        let oracle = LlamaModel::load_vocab(&path).unwrap();
+        let prompt = oracle.tokenize(PROMPTS[1], true, true).unwrap();
+        let config = StageConfig {
+            n_ctx: 256,
+            n_threads: 2,
+            repack,
+            n_seq: 1,
+        };
+        let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+        let mut chain = Chain::load_with(&file, &ranges, &config);
+        chain.logits(0, &prompt, 0);
+        let len = prompt.len() as i32;
+        let drafted: Vec<u32> = (0..9).map(|i| 300 + 11 * i).collect();
+        let positions: Vec<i32> = (len..len + 9).collect();
+        let steps: Vec<Vec<f32>> = drafted
+            .iter()
+            .zip(&positions)
+            .map(|(&token, &pos)| forward_rows(&mut chain, &[token], &[pos], &[0], &[0]))
+            .collect();
+        let truncate = |chain: &mut Chain| chain.stages.iter_mut().for_each(|s| s.truncate_seq(0, len as usize));
+        truncate(&mut chain);
+        let rows: Vec<u32> = (0..9).collect();
+        let verified = forward_batch(&mut chain, &drafted, &positions, &[0; 9], &rows, true);
+        truncate(&mut chain);
+        let n_vocab = verified.len() / 9;
+        for (row, step) in steps.iter().enumerate() {
+            let err = nmse(&verified[row * n_vocab..(row + 1) * n_vocab], step);
+            assert_eq!(
+                err, 0.0,
+                "{name}, repack {repack}: drafted row {row} against its one-token step"
+            );
+        }
+        let whole = forward_batch(&mut chain, &drafted, &positions, &[0; 9], &rows, false);
+        truncate(&mut chain);
+        let worst = (0..9)
+            .map(|row| nmse(&whole[row * n_vocab..(row + 1) * n_vocab], &steps[row]))
+            .fold(0.0f64, f64::max);
+        println!("{name}, repack {repack}: 9 drafted rows as decode rows NMSE 0; as one plain batch, worst row NMSE {worst:.3e}");
     }
 }
 

@@ -795,6 +795,7 @@ fn a_tp_member_survives_strangers_while_its_group_forms() {
             positions: &positions,
             seq_ids: &seq_ids,
             logit_rows: &[input.len() as u32 - 1],
+            decode: false,
         };
         let baton_model::StageOutput::Logits(logits) = stage.forward(&batch, baton_model::LogitReply::Logits).unwrap()
         else {

@@ -65,6 +65,7 @@ fn check_middle_third(repack: bool) {
         positions: &[0, 1, 2, 3],
         seq_ids: &[0; 4],
         logit_rows: &[],
+        decode: false,
     };
     stage.forward(&batch, LogitReply::Logits).unwrap();
 
@@ -154,6 +155,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
                 positions: &positions,
                 seq_ids: &seqs,
                 logit_rows: &[],
+                decode: false,
             },
             LogitReply::Logits,
         )
@@ -186,6 +188,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
                     positions: &positions,
                     seq_ids: &seqs,
                     logit_rows: &[],
+                    decode: false,
                 },
                 LogitReply::Logits,
             )

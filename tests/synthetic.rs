@@ -249,6 +249,7 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
             positions,
             seq_ids,
             logit_rows,
+            decode: false,
         };
         match stage.forward(&batch, LogitReply::Logits).unwrap() {
             StageOutput::Hidden(h) => hidden = h,

@@ -125,6 +125,7 @@ fn last_logits(stage: &mut StageGroup, tokens: &[u32], start: usize) -> Vec<f32>
         positions: &positions,
         seq_ids: &seq_ids,
         logit_rows: &[tokens.len() as u32 - 1],
+        decode: false,
     };
     match stage.forward(&batch, LogitReply::Logits).unwrap() {
         StageOutput::Logits(l) => l,

@@ -100,6 +100,7 @@ impl Chain {
                 positions: &positions,
                 seq_ids: &seq_ids,
                 logit_rows: rows,
+                decode: false,
             };
             match stage.forward(&batch, LogitReply::Logits).expect("forward succeeds") {
                 StageOutput::Hidden(h) if self.wire_f16 => {

@@ -75,6 +75,7 @@ impl ModelDrafter {
             positions: &positions,
             seq_ids: &seq_ids,
             logit_rows: &[tokens.len() as u32 - 1],
+            decode: false,
         };
         match self.stage.forward(&batch, LogitReply::Logits)? {
             StageOutput::Logits(logits) => Ok(logits),

@@ -69,6 +69,11 @@ impl StageChain {
         self.stages().all(Stage::whole_decode_batches)
     }
 
+    /// Whether any stage is a tensor-parallel group of several members.
+    pub fn tensor_parallel(&self) -> bool {
+        self.stages.iter().any(|g| g.size() > 1)
+    }
+
     /// Forgets a sequence's cells from position `len` on, in every stage.
     pub fn truncate_seq(&mut self, seq: u32, len: usize) {
         self.stages.iter_mut().for_each(|s| s.truncate_seq(seq, len));

@@ -61,6 +61,10 @@ pub struct Batch<'a> {
     pub seq_ids: &'a [u32],
     /// Rows (indices into the batch) whose logits the last stage returns.
     pub logit_rows: &'a [u32],
+    /// Whether every row is a decode row (a sequence's next token, and the tokens
+    /// drafted after it), each to be computed with the bits it gets in a one-token step.
+    /// A batch with one row per sequence is computed so whatever this says.
+    pub decode: bool,
 }
 
 impl Batch<'_> {
@@ -459,7 +463,7 @@ impl Stage {
     fn compute(&mut self, batch: &Batch<'_>, slots: &[i64], runs: &[StateRun]) -> Result<StageOutput, ModelError> {
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
-        let decode_rows = one_row_per_sequence(batch.seq_ids);
+        let decode_rows = batch.decode || one_row_per_sequence(batch.seq_ids);
         let key = StepKey {
             tokens: matches!(batch.input, StageInput::Tokens(_)),
             n_tokens,

@@ -105,6 +105,7 @@ fn chain_logits(file: &Arc<ModelFile>, sizes: &[usize], tokens: &[u32]) -> Vec<f
                     positions: &positions,
                     seq_ids: &seqs,
                     logit_rows: rows,
+                    decode: false,
                 },
                 LogitReply::Logits,
             )
@@ -158,6 +159,7 @@ fn a_stage_chain_equals_its_stages_run_one_by_one() {
         positions: &positions,
         seq_ids: &[0; 6],
         logit_rows: &[5],
+        decode: false,
     };
     assert_eq!(
         chain.forward(&batch, LogitReply::Logits).unwrap(),
@@ -190,6 +192,7 @@ fn a_group_answers_a_whole_stages_logits_or_each_rows_best() {
         positions: &positions,
         seq_ids: &[0; 6],
         logit_rows: &[2, 5],
+        decode: false,
     };
     let whole = chain_logits(&file, &[N_LAYER], &tokens);
     for n in [1, 2] {
@@ -234,6 +237,7 @@ fn incremental_decoding_equals_one_batch() {
                 positions: &[pos as i32],
                 seq_ids: &[0],
                 logit_rows: &[0],
+                decode: false,
             };
             if let StageOutput::Logits(l) = stage.forward(&batch, LogitReply::Logits).unwrap() {
                 last = l;

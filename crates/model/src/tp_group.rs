@@ -111,6 +111,7 @@ struct OwnedBatch {
     positions: Vec<i32>,
     seq_ids: Vec<u32>,
     logit_rows: Vec<u32>,
+    decode: bool,
     /// What to answer for the logit rows.
     reply: LogitReply,
 }
@@ -166,6 +167,7 @@ impl Helper {
                                 positions: &b.positions,
                                 seq_ids: &b.seq_ids,
                                 logit_rows: &b.logit_rows,
+                                decode: b.decode,
                             };
                             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                                 stage.forward(&batch, b.reply)
@@ -206,6 +208,7 @@ impl GroupMember for Helper {
             positions: batch.positions.to_vec(),
             seq_ids: batch.seq_ids.to_vec(),
             logit_rows: batch.logit_rows.to_vec(),
+            decode: batch.decode,
             reply,
         }));
         // A member thread only ends when its channel closes (or it panicked, which

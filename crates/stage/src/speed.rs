@@ -26,6 +26,7 @@ pub fn measure(path: &Path, threads: usize, device: Device) -> Result<f32, NodeE
             positions: &[pos],
             seq_ids: &[0],
             logit_rows: &[],
+            decode: false,
         };
         stage.forward(&batch, LogitReply::Logits).map(|_| ())
     };

@@ -293,13 +293,14 @@ impl StageWorker {
     }
 
     /// Runs the batch through the stage. A batch whose every row is sampled is decode
-    /// rows (single tokens, or a token and its drafts). One row per sequence, a stage on
-    /// the CPU computes it whole, each product cutting the rows as its kernels need
-    /// (`Builder::mm`); otherwise it is computed in pieces of at most
-    /// [`max_decode_rows`] rows, each of which ggml computes exactly as one row alone, so
-    /// a drafted token's row gives the bits a one-token step would have. Prompt chunks
-    /// are computed whole, as cut. With [`LogitReply::Best`] the sampled rows come back
-    /// as their bests.
+    /// rows (single tokens, or a token and its drafts). Stages on the CPU compute it
+    /// whole, each product cutting the rows as its kernels need (`Builder::mm`), so a
+    /// drafted token's row gives the bits a one-token step would have; a
+    /// tensor-parallel group does so for one row per sequence only (its members take
+    /// their pieces from the sequences they see). Otherwise it is computed in pieces of
+    /// at most [`max_decode_rows`] rows, each of which ggml computes exactly as one row
+    /// alone. Prompt chunks are computed whole, as cut. With [`LogitReply::Best`] the
+    /// sampled rows come back as their bests.
     fn compute(
         &mut self,
         input: StageInput<'_>,
@@ -312,13 +313,15 @@ impl StageWorker {
         let n = positions.len();
         let cap = max_decode_rows(self.stage.repacked());
         let all_sampled = sample_rows.len() == n && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
-        let whole_decode = one_row_per_sequence(seq_ids) && self.stage.whole_decode_batches();
+        let whole_decode =
+            self.stage.whole_decode_batches() && (one_row_per_sequence(seq_ids) || !self.stage.tensor_parallel());
         if !all_sampled || n <= cap || whole_decode {
             let batch = Batch {
                 input,
                 positions,
                 seq_ids,
                 logit_rows: if last { sample_rows } else { &[] },
+                decode: all_sampled && whole_decode,
             };
             return self.run(&batch, reply);
         }
@@ -339,6 +342,7 @@ impl StageWorker {
                 positions: &positions[start..end],
                 seq_ids: &seq_ids[start..end],
                 logit_rows: if last { &rows } else { &[] },
+                decode: false,
             };
             match self.run(&batch, reply) {
                 Ok(StageOutput::Hidden(h) | StageOutput::Logits(h)) => values.extend_from_slice(&h),

@@ -277,6 +277,7 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
                     positions: &f.positions,
                     seq_ids: &f.seq_ids,
                     logit_rows: &f.sample_rows,
+                    decode: false,
                 };
                 match stage.forward(&batch, reply) {
                     Ok(StageOutput::Logits(values)) => Message::Share { step: f.step, values },

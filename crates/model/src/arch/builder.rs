@@ -28,9 +28,9 @@ pub struct StepInputs<'g> {
     /// Rows that continue one sequence's recurrent state each, in row order (stages
     /// with recurrent layers).
     pub state_runs: Vec<StateRunInputs<'g>>,
-    /// Whether every row is the only one of its sequence (a batch of decode steps):
-    /// ops whose kernels change with the number of rows then compute each row alone,
-    /// so a step gives the same bits in any such batch as on its own.
+    /// Whether every row is a decode row (a batch of decode steps, or a token and its
+    /// drafts): products whose kernels change with the number of rows then compute
+    /// each row as alone, so a step gives the same bits in any such batch as on its own.
     pub decode_rows: bool,
 }
 

@@ -264,7 +264,10 @@ impl<'g> Builder<'g> {
             let o = self.unpack_recurrence(packed, s, h_v, state_all, run);
             outs.push(o);
         }
-        assert!(!outs.is_empty(), "a stage with recurrent layers plans a run for every row");
+        assert!(
+            !outs.is_empty(),
+            "a stage with recurrent layers plans a run for every row"
+        );
         let out = concat_all(ctx, outs, 2); // [s, h_v, n_tokens, 1]
         let z = ctx.reshape_4d(z, [s, h_v, n_tokens, 1]);
         let normed = ctx.mul(self.norm(out, w.get(T::SsmNorm)), ctx.silu(z));

@@ -98,7 +98,10 @@ impl<'g> Builder<'g> {
             let y = ctx.add(y, ctx.mul(xs, w.get(T::SsmD))); // the skip connection
             outs.push(y);
         }
-        assert!(!outs.is_empty(), "a stage with recurrent layers plans a run for every row");
+        assert!(
+            !outs.is_empty(),
+            "a stage with recurrent layers plans a run for every row"
+        );
         let y = concat_all(ctx, outs, 2); // [head_dim, n_heads, n_tokens, 1]
         let y = named(ctx.swiglu_split(ctx.cont(z), y), "mamba2_gated");
         let groups = ctx.reshape_3d(y, d_inner / n_groups, n_groups, n_tokens);
