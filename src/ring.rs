@@ -179,6 +179,8 @@ impl Ring {
     fn setup(model: &Path, stages: &StageArgs, cluster: &ClusterArgs, n_seq: usize) -> anyhow::Result<Setup> {
         let file = ModelFile::open(model).with_context(|| format!("loading {}", model.display()))?;
         let n_layer = file.hparams().n_layer;
+        // Refused here, before any worker is started or reached.
+        stages.kv_types().check(file.hparams())?;
         let head_stage = !cluster.no_head_stage;
         // Bad certificate files fail here, before any worker is started or reached.
         let tls = cluster.tls.load()?;
@@ -232,6 +234,7 @@ impl Ring {
                     n_threads: stages.threads(),
                     repack: !stages.no_repack,
                     n_seq,
+                    kv_types: stages.kv_types(),
                 };
                 let ranges = stages.ranges(n_layer)?;
                 if stages.tp_size() > 1 {
@@ -254,6 +257,7 @@ impl Ring {
             split,
             n_ctx: stages.ctx_size,
             n_seq,
+            kv_types: stages.kv_types(),
             wire_f16: cluster.wire_dtype == WireDtype::F16,
             repack: !stages.no_repack,
             link: LinkOptions {
@@ -357,6 +361,7 @@ fn tp_over_links(
         n_threads: stages.threads_for(1),
         repack: !stages.no_repack,
         n_seq,
+        kv_types: stages.kv_types(),
     };
     let members: Vec<Box<dyn GroupMember>> = peers
         .into_iter()

@@ -509,6 +509,8 @@ fn a_streamed_stage_with_a_tensor_left_out_is_refused_not_loaded_as_zeros() {
         repack: false,
         devices: vec![],
         tp: None,
+        cache_type_k: "f16".into(),
+        cache_type_v: "f16".into(),
     }))
     .unwrap();
     link.send(Message::StreamStart {
@@ -579,6 +581,8 @@ fn a_plan_whose_kv_cache_exceeds_the_workers_memory_is_refused() {
             repack: false,
             devices: vec![],
             tp: None,
+            cache_type_k: "f16".into(),
+            cache_type_v: "f16".into(),
         }))
         .unwrap();
         link.recv()

@@ -49,6 +49,7 @@ fn check_middle_third(repack: bool) {
         n_threads: 2,
         repack,
         n_seq: 0,
+        kv_types: Default::default(),
     };
     let mut stage = Stage::load(file.clone(), span, &config).unwrap();
     if !repack {
@@ -101,7 +102,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
     let n_ctx = 256;
     let file = ModelFile::open(&path).unwrap();
     let hp = file.hparams().clone();
-    let cost = model_cost(&file, n_ctx, 0);
+    let cost = model_cost(&file, n_ctx, 0, Default::default());
     println!(
         "layer bytes {:?}\nread per token {:?}\nkv {:?}",
         cost.layer_bytes, cost.layer_work_bytes, cost.kv_bytes
@@ -175,6 +176,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
             n_threads: 2,
             repack,
             n_seq: 0,
+            kv_types: Default::default(),
         };
         // Pages are mapped whole: a tensor's first and last page may hold its neighbours.
         let page_slack = 2 * 4096 * baton_model::stage_tensor_sources(&own_file, &span).len() as u64;

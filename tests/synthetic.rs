@@ -134,10 +134,11 @@ fn hybrid_memory_per_stage_is_what_the_planner_counts() {
                 n_threads: 1,
                 repack: true,
                 n_seq,
+                kv_types: Default::default(),
             };
             let stage = baton_model::Stage::load(file.clone(), span, &config).unwrap();
             let held = (stage.kv().bytes() + stage.recurrent().bytes()) as u64;
-            let counted: u64 = layers.clone().map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq)).sum();
+            let counted: u64 = layers.clone().map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, Default::default())).sum();
             println!(
                 "layers {layers:?}, {n_seq} sequences, {n_ctx} cells: KV {} bytes, states {} bytes, planner {counted}",
                 stage.kv().bytes(),
@@ -302,6 +303,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
             n_threads: 2,
             repack: false,
             n_seq: N_SEQ,
+            kv_types: Default::default(),
         };
         let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
         let mut chain = Chain::load_with(&file, &ranges, &config);

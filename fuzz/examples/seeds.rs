@@ -73,6 +73,8 @@ fn messages() -> Vec<(String, Message)> {
             layer_end: 24,
         }],
         tp: None,
+        cache_type_k: "f16".into(),
+        cache_type_v: "f16".into(),
     };
     let forward = |payload| Forward {
         step: 42,
@@ -117,6 +119,8 @@ fn messages() -> Vec<(String, Message)> {
             next: None,
             first: true,
             layer_start: 0,
+            cache_type_k: "q8_0".into(),
+            cache_type_v: "q4_0".into(),
             ..plan.clone()
         }),
         Message::LoadPlan(LoadPlan {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use baton_ggml::Device;
-use baton_model::{ModelFile, StageConfig, StageSpan};
+use baton_model::{KvTypes, ModelFile, StageConfig, StageSpan};
 use baton_net::{
     client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx,
 };
@@ -39,6 +39,9 @@ pub struct ClusterOptions {
     pub n_ctx: usize,
     /// Sequences with a region of the KV cache each (0: shared cells).
     pub n_seq: usize,
+    /// Element types of every stage's cached keys and values (one setting for the
+    /// ring, sent in each worker's `LoadPlan`).
+    pub kv_types: KvTypes,
     /// Send hidden states between stages as f16.
     pub wire_f16: bool,
     /// Repack weights like llama.cpp's default.
@@ -242,7 +245,7 @@ fn check_held(
 }
 
 /// What each layer and each end of the model costs in memory, for the planner.
-pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize) -> ModelCost {
+pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvTypes) -> ModelCost {
     let hp = file.hparams();
     let tensor_bytes = |name: &str| file.gguf().tensor(name).map_or(0, |t| t.n_bytes);
     let output = if file.gguf().tensor("output.weight").is_some() {
@@ -255,7 +258,9 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize) -> ModelCost {
         layer_work_bytes: (0..hp.n_layer).map(|l| file.layer_work_bytes(l)).collect(),
         first_bytes: tensor_bytes("token_embd.weight"),
         last_bytes: tensor_bytes("output_norm.weight") + tensor_bytes(output),
-        kv_bytes: (0..hp.n_layer).map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq)).collect(),
+        kv_bytes: (0..hp.n_layer)
+            .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, kv_types))
+            .collect(),
     }
 }
 
@@ -399,7 +404,7 @@ fn plan(
     let split = opts.split.as_deref().filter(|_| unreachable.is_empty());
     let planned = plan_nodes(
         file,
-        model_cost(file, opts.n_ctx, opts.n_seq),
+        model_cost(file, opts.n_ctx, opts.n_seq, opts.kv_types),
         head,
         &offers,
         workers,
@@ -533,6 +538,8 @@ fn load(
                     rank: rank as u32,
                     members: addrs.clone(),
                 }),
+                cache_type_k: opts.kv_types.k.name().into(),
+                cache_type_v: opts.kv_types.v.name().into(),
             };
             reached.links[w].send(Message::LoadPlan(load))?;
             if !holds {
@@ -560,6 +567,7 @@ fn load(
                 n_threads: opts.threads,
                 repack: opts.repack,
                 n_seq: opts.n_seq,
+                kv_types: opts.kv_types,
             };
             let devices = baton_stage::or_cpu(&opts.head_devices);
             let parts = stage

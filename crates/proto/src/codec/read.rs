@@ -392,6 +392,8 @@ impl<'a> Reader<'a> {
                 false => None,
                 true => Some(self.tp_place()?),
             },
+            cache_type_k: self.str("cache_type_k")?,
+            cache_type_v: self.str("cache_type_v")?,
         };
         if plan.layer_start > plan.layer_end {
             let reason = format!("layer_start {} is after layer_end {}", plan.layer_start, plan.layer_end);

@@ -81,6 +81,8 @@ pub(super) fn samples() -> Vec<Message> {
             },
         ],
         tp: None,
+        cache_type_k: "q8_0".into(),
+        cache_type_v: "f16".into(),
     };
     let tensor = |name: &str, offset| TensorEntry {
         name: name.into(),
@@ -753,6 +755,8 @@ fn invalid_values_are_refused() {
         repack: false,
         devices: vec![],
         tp: None,
+        cache_type_k: "f16".into(),
+        cache_type_v: "f16".into(),
     };
     let (kind, payload) = payload_of(&Message::LoadPlan(plan.clone()));
     assert_eq!(
@@ -908,6 +912,8 @@ fn tp_places_outside_their_group_are_refused() {
             rank,
             members: (0..members).map(|m| format!("w{m}:1")).collect(),
         }),
+        cache_type_k: "f16".into(),
+        cache_type_v: "f16".into(),
     };
     let reason = |plan: LoadPlan| {
         let (kind, payload) = payload_of(&Message::LoadPlan(plan));
