@@ -140,3 +140,19 @@ fn tp_flags_that_cannot_form_a_group_are_refused() {
     ]);
     assert!(both.contains("--tp-members makes this process member 0"), "{both}");
 }
+
+/// A KV cache type llama.cpp's `-ctk`/`-ctv` do not take is refused with the list of
+/// those they do.
+#[test]
+fn unknown_kv_cache_types_are_refused_with_the_types_there_are() {
+    let model = model(GEMMA3);
+    let model = model.to_str().unwrap();
+    for flag in ["--cache-type-k", "--cache-type-v"] {
+        let error = run_error(&["--model", model, flag, "q3_k", "-n", "1"]);
+        assert!(
+            error.contains(&format!("invalid value 'q3_k' for '{flag}"))
+                && error.contains("'q3_k' is not a KV cache type; the types are f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"),
+            "{error}"
+        );
+    }
+}

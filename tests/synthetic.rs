@@ -6,7 +6,7 @@ mod common;
 
 use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::{FileType, LlamaContext, LlamaModel};
-use baton_model::{Batch, LogitReply, ModelFile, StageConfig, StageInput, StageOutput};
+use baton_model::{Batch, CacheType, KvTypes, LogitReply, ModelFile, StageConfig, StageInput, StageOutput};
 use common::fidelity::{check_prompts, check_stages, check_stages_with, Setup, SHORT, THREADS};
 use common::synth::{llama4_prompts, synth_dir, synthetic, synthetic_with, LLAMA4_SETUP};
 use common::worker::{greedy_in, reference_in, WorkerProc};
@@ -47,6 +47,7 @@ fn two_workers_on(arch: &str, path: &std::path::Path, prompts: &[(String, Vec<u3
     let options = ClusterOptions {
         token: Some(TOKEN.into()),
         n_ctx: setup.n_ctx,
+        kv_types: setup.kv_types,
         repack: true,
         ..Default::default()
     };
@@ -69,6 +70,29 @@ fn two_workers_on(arch: &str, path: &std::path::Path, prompts: &[(String, Vec<u3
             "{arch}: {prompt_text}"
         );
     }
+}
+
+/// A hybrid (gated DeltaNet and attention layers) with a quantized KV cache: its
+/// attention layers cache keys as q8_0 and values as q4_0, its recurrent states stay
+/// f32, and 1 and 2 stages (logits bit for bit) and 2 TCP workers (the types travel in
+/// the head's plan) give libllama's tokens with the same `-ctk q8_0 -ctv q4_0`.
+#[test]
+fn qwen35_with_a_quantized_kv_cache_matches_llama_cpp() {
+    let _serial = serial();
+    let path = synthetic("qwen35", FileType::Q4KM);
+    let oracle = LlamaModel::load_vocab(&path).unwrap();
+    let text = PROMPTS[2];
+    let prompts = [(format!("{text:?}"), oracle.tokenize(text, true, true).unwrap())];
+    let setup = Setup {
+        kv_types: KvTypes {
+            k: CacheType::Q8_0,
+            v: CacheType::Q4_0,
+        },
+        ..SHORT
+    };
+    let worst = check_prompts(&path, "qwen35 q8_0/q4_0", &[1, 2], &prompts, setup);
+    assert_eq!(worst, 0.0, "the logits are llama.cpp's bit for bit");
+    two_workers_on("qwen35 q8_0/q4_0", &path, &prompts, setup);
 }
 
 #[test]

@@ -460,6 +460,26 @@ mod tests {
         }
     }
 
+    /// A quantized block must lie within one head: heads of 4 values take no q8_0
+    /// (blocks of 32), and the error names the flag and both sizes.
+    #[test]
+    fn quantized_types_whose_blocks_straddle_heads_are_refused() {
+        use crate::CacheType;
+        let types = KvTypes {
+            k: CacheType::F32,
+            v: CacheType::Q8_0,
+        };
+        let err = KvCache::new_in(&tiny(), 0..2, 8, 0, types, None).err().unwrap().to_string();
+        assert_eq!(
+            err,
+            "bad stage configuration: --cache-type-v q8_0 stores blocks of 32 values, which do not divide this \
+             model's head size 4"
+        );
+        let kv = KvCache::new_in(&tiny(), 0..2, 8, 0, KvTypes::both(CacheType::Bf16), None).unwrap();
+        assert_eq!(kv.bytes(), 2 * 2 * 8 * 4 * 2, "2 layers, keys and values, 8 cells of 4 bf16");
+        assert!(kv.k_rotation().is_none(), "float types are not rotated");
+    }
+
     #[test]
     fn overflow_and_duplicate_positions_are_errors() {
         let mut kv = KvCache::new(&tiny(), 0..1, 2, 0).unwrap();
