@@ -254,7 +254,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let spec_ctx = if draft.mode == DraftMode::Off { 0 } else { 512 + args.tg };
     let n_ctx = (args.pp.max(args.tg) + 16).max(spec_ctx).next_power_of_two();
     let mut stage_args = args.stages.clone();
-    stage_args.ctx_size = n_ctx;
+    stage_args.ctx_size = Some(n_ctx);
     let threads = match args.cluster.local_workers {
         Some(n) => stage_args.threads_for(n),
         None => stage_args.threads(),
@@ -269,7 +269,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     // libllama and llama-bench compute where baton's stages do when every stage is on one
     // accelerator (all layers offloaded to it); otherwise on the CPU.
     let local_devices = match &ring {
-        Ring::Local(_) => stage_args.stage_devices(ranges.len())?,
+        Ring::Local { .. } => stage_args.stage_devices(ranges.len())?,
         _ => Vec::new(),
     };
     let accelerator = local_devices
@@ -333,7 +333,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     let place = match &ring {
-        Ring::Local(_) => format!("in-process stages on {local_devices:?}"),
+        Ring::Local { .. } => format!("in-process stages on {local_devices:?}"),
         Ring::Remote { .. } | Ring::Supervised { .. } => {
             let unix = |w: &String| matches!(baton_net::Addr::parse(w), Ok(baton_net::Addr::Unix(_)));
             if args.cluster.local_workers.is_some() || args.cluster.workers.iter().all(unix) {

@@ -64,9 +64,14 @@ pub struct StageArgs {
     /// CPU threads per stage (default: the machine's cores divided among the stages).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
-    /// KV cache cells per stage.
-    #[arg(long, short = 'c', default_value_t = 4096)]
-    pub ctx_size: usize,
+    /// KV cache cells per stage, shared by `baton serve`'s --parallel sequences.
+    /// Default: the model's trained context for each sequence when the memory of the
+    /// nodes holds it (each worker's --memory or free memory, this process's
+    /// --head-memory or available memory, with the cache type chosen), else the most
+    /// that fits (a multiple of 256 per sequence). A size given that does not fit is
+    /// refused with the numbers.
+    #[arg(long, short = 'c')]
+    pub ctx_size: Option<usize>,
     /// Read every weight straight from the mapped file instead of copying the ones ggml
     /// can repack into faster layouts (llama.cpp's `--no-repack`).
     #[arg(long)]

@@ -30,7 +30,7 @@ pub struct TpMemberArgs {
     #[arg(long, short = 't', default_value_t = 1)]
     threads: usize,
     /// KV cache cells (as member 0's --ctx-size).
-    #[arg(long, short = 'c', default_value_t = 4096)]
+    #[arg(long, short = 'c', default_value_t = crate::ring::TP_MEMBER_CTX)]
     ctx_size: usize,
     /// Sequences with a cache region each (as member 0's; `baton serve` uses --parallel).
     #[arg(long, default_value_t = 0)]

@@ -418,7 +418,7 @@ pub enum Message {
     /// Worker → head.
     Capabilities(Capabilities),
     /// Head → worker: load this.
-    LoadPlan(LoadPlan),
+    LoadPlan(Box<LoadPlan>),
     /// Head → worker (streaming): the file's header and tensor index, and the tensors
     /// that will follow.
     StreamStart { header: Vec<u8>, tensors: Vec<TensorEntry> },

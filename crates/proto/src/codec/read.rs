@@ -33,7 +33,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         },
         kind::DESCRIBE => Message::Describe { model: r.model_ref()? },
         kind::CAPABILITIES => Message::Capabilities(r.capabilities()?),
-        kind::LOAD_PLAN => Message::LoadPlan(r.load_plan()?),
+        kind::LOAD_PLAN => Message::LoadPlan(Box::new(r.load_plan()?)),
         kind::STREAM_START => {
             let header = r.bytes("header")?;
             let n = r.count("tensors", TENSOR_ENTRY_MIN)?;
