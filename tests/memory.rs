@@ -233,14 +233,31 @@ fn quantized_kv_caches_shrink_what_the_planner_counts() {
     use baton_model::{CacheType, KvTypes};
 
     let file = ModelFile::open(&model(QWEN2)).unwrap();
-    let kv_total = |t: CacheType, n_ctx: usize| -> u64 { model_cost(&file, n_ctx, 0, KvTypes::both(t)).kv_bytes.iter().sum() };
+    let kv_total =
+        |t: CacheType, n_ctx: usize| -> u64 { model_cost(&file, n_ctx, 0, KvTypes::both(t)).kv_bytes.iter().sum() };
     let n_ctx = 32768;
     let f16 = kv_total(CacheType::F16, n_ctx);
     assert_eq!(f16, 384 << 20, "24 layers × 2 × 128 values × 2 bytes × 32768 cells");
-    assert_eq!(kv_total(CacheType::Q8_0, n_ctx) * 64, f16 * 34, "q8_0: 34 bytes per 64 of f16");
-    assert_eq!(kv_total(CacheType::Q4_0, n_ctx) * 64, f16 * 18, "q4_0: 18 bytes per 64 of f16");
+    assert_eq!(
+        kv_total(CacheType::Q8_0, n_ctx) * 64,
+        f16 * 34,
+        "q8_0: 34 bytes per 64 of f16"
+    );
+    assert_eq!(
+        kv_total(CacheType::Q4_0, n_ctx) * 64,
+        f16 * 18,
+        "q4_0: 18 bytes per 64 of f16"
+    );
     assert_eq!(kv_total(CacheType::F32, n_ctx), 2 * f16);
-    let mixed = model_cost(&file, n_ctx, 0, KvTypes { k: CacheType::Q8_0, v: CacheType::Q4_0 });
+    let mixed = model_cost(
+        &file,
+        n_ctx,
+        0,
+        KvTypes {
+            k: CacheType::Q8_0,
+            v: CacheType::Q4_0,
+        },
+    );
     assert_eq!(mixed.kv_bytes.iter().sum::<u64>() * 128, f16 * (34 + 18));
 
     let span = StageSpan {

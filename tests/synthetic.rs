@@ -162,7 +162,10 @@ fn hybrid_memory_per_stage_is_what_the_planner_counts() {
             };
             let stage = baton_model::Stage::load(file.clone(), span, &config).unwrap();
             let held = (stage.kv().bytes() + stage.recurrent().bytes()) as u64;
-            let counted: u64 = layers.clone().map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, Default::default())).sum();
+            let counted: u64 = layers
+                .clone()
+                .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, Default::default()))
+                .sum();
             println!(
                 "layers {layers:?}, {n_seq} sequences, {n_ctx} cells: KV {} bytes, states {} bytes, planner {counted}",
                 stage.kv().bytes(),

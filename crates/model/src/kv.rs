@@ -469,14 +469,21 @@ mod tests {
             k: CacheType::F32,
             v: CacheType::Q8_0,
         };
-        let err = KvCache::new_in(&tiny(), 0..2, 8, 0, types, None).err().unwrap().to_string();
+        let err = KvCache::new_in(&tiny(), 0..2, 8, 0, types, None)
+            .err()
+            .unwrap()
+            .to_string();
         assert_eq!(
             err,
             "bad stage configuration: --cache-type-v q8_0 stores blocks of 32 values, which do not divide this \
              model's head size 4"
         );
         let kv = KvCache::new_in(&tiny(), 0..2, 8, 0, KvTypes::both(CacheType::Bf16), None).unwrap();
-        assert_eq!(kv.bytes(), 2 * 2 * 8 * 4 * 2, "2 layers, keys and values, 8 cells of 4 bf16");
+        assert_eq!(
+            kv.bytes(),
+            2 * 2 * 8 * 4 * 2,
+            "2 layers, keys and values, 8 cells of 4 bf16"
+        );
         assert!(kv.k_rotation().is_none(), "float types are not rotated");
     }
 

@@ -277,7 +277,14 @@ impl Stage {
         let runner = Runner::new(device, config.n_threads)?;
         let weights = StageWeights::load_split(file.clone(), &span, config.repack, device, split)?;
         let own = (!device.is_cpu()).then(|| device.buffer_type());
-        let kv = KvCache::new_in(&hp, span.layers.clone(), config.n_ctx, config.n_seq, config.kv_types, own)?;
+        let kv = KvCache::new_in(
+            &hp,
+            span.layers.clone(),
+            config.n_ctx,
+            config.n_seq,
+            config.kv_types,
+            own,
+        )?;
         let rs = RecurrentCache::new_in(&hp, span.layers.clone(), config.n_seq, own)?;
         let tp = member
             .map(|(split, collective)| Member::new(full, split, collective))
