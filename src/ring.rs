@@ -404,7 +404,7 @@ pub const TP_MEMBER_CTX: usize = 4096;
 fn asked_context(hp: &baton_model::HParams, stages: &StageArgs, n_seq: usize) -> (usize, ContextFit) {
     match stages.ctx_size {
         Some(n_ctx) => (n_ctx, ContextFit::Exact),
-        None => (hp.n_ctx_train.max(1) * n_seq.max(1), ContextFit::Fit),
+        None => (hp.n_ctx_train.max(1).saturating_mul(n_seq.max(1)), ContextFit::Fit),
     }
 }
 

@@ -155,7 +155,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let n_ctx = ring
         .n_ctx()
         .or(args.stages.ctx_size)
-        .unwrap_or(hp.n_ctx_train.max(1) * args.parallel);
+        .unwrap_or(hp.n_ctx_train.max(1).saturating_mul(args.parallel));
     let config = EngineConfig {
         n_slots: args.parallel,
         slot_ctx: n_ctx / args.parallel,

@@ -75,7 +75,8 @@ fn two_workers_on(arch: &str, path: &std::path::Path, prompts: &[(String, Vec<u3
 /// A hybrid (gated DeltaNet and attention layers) with a quantized KV cache: its
 /// attention layers cache keys as q8_0 and values as q4_0, its recurrent states stay
 /// f32, and 1 and 2 stages (logits bit for bit) and 2 TCP workers (the types travel in
-/// the head's plan) give libllama's tokens with the same `-ctk q8_0 -ctv q4_0`.
+/// the head's plan) give libllama's tokens with the same `-ctk q8_0 -ctv q4_0`; every
+/// other type llama.cpp takes matches it too (one stage each).
 #[test]
 fn qwen35_with_a_quantized_kv_cache_matches_llama_cpp() {
     let _serial = serial();
@@ -93,6 +94,20 @@ fn qwen35_with_a_quantized_kv_cache_matches_llama_cpp() {
     let worst = check_prompts(&path, "qwen35 q8_0/q4_0", &[1, 2], &prompts, setup);
     assert_eq!(worst, 0.0, "the logits are llama.cpp's bit for bit");
     two_workers_on("qwen35 q8_0/q4_0", &path, &prompts, setup);
+    // The other types llama.cpp's -ctk/-ctv take, one stage each: f32 (read as f16 by
+    // flash attention on both sides), bf16, and the other quantized ones.
+    for (k, v) in [
+        (CacheType::F32, CacheType::Bf16),
+        (CacheType::Q5_1, CacheType::Iq4Nl),
+        (CacheType::Q4_1, CacheType::Q5_0),
+    ] {
+        let setup = Setup {
+            kv_types: KvTypes { k, v },
+            ..SHORT
+        };
+        let worst = check_prompts(&path, &format!("qwen35 {k}/{v}"), &[1], &prompts, setup);
+        assert_eq!(worst, 0.0, "{k}/{v}: the logits are llama.cpp's bit for bit");
+    }
 }
 
 #[test]

@@ -181,7 +181,8 @@ impl KvCache {
         self.n_used
     }
 
-    /// Bytes of key and value memory.
+    /// Bytes of key and value memory (with a quantized type, also the two rotation
+    /// matrices: 16 KiB each for heads of 64).
     pub fn bytes(&self) -> usize {
         self.buffer.as_ref().map_or(0, Buffer::size)
     }

@@ -191,7 +191,7 @@ impl<'g> Builder<'g> {
     pub fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<'g>,
+        mut q: Tensor<'g>,
         mut kv: KeyValues<'g>,
         sinks: Option<Tensor<'g>>,
         scale: f32,
@@ -201,7 +201,6 @@ impl<'g> Builder<'g> {
         let n_tokens = self.inputs.n_tokens as i64;
         let [d_k, n_head_kv, _, _] = kv.k.ne();
         let d_v = kv.d_v as i64;
-        let mut q = q;
         if let Some(rot) = self.kv.k_rotation() {
             q = ctx.mul_mat_hadamard(rot, q);
             kv.k = ctx.mul_mat_hadamard(rot, kv.k);
