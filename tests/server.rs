@@ -512,3 +512,36 @@ fn the_default_context_shrinks_to_the_memory_given() {
     assert_eq!((100 << 20) / per_cell, 8533);
     assert_eq!(served_context(&server), 4096);
 }
+
+/// On workers that offer little memory (--memory), the default context is the most
+/// the planner finds room for: below the trained 32768, a multiple of 256, and every
+/// stage's weights and cache within its worker's offer.
+#[test]
+fn the_default_context_on_workers_fits_their_memory() {
+    use baton_model::{KvTypes, ModelFile};
+    let _serial = lock();
+    const TOKEN: &str = "test-context-fit-secret";
+    let models = common::model(common::QWEN2).parent().unwrap().to_path_buf();
+    let file = ModelFile::open(&common::model(common::QWEN2)).unwrap();
+    let weights = {
+        let cost = baton_cluster::model_cost(&file, 0, 1, KvTypes::default());
+        cost.stage_bytes(&(0..cost.layer_bytes.len()))
+    };
+    // Each offers half the weights and 100 MiB: about 200 MiB of cache in all.
+    let memory = (weights / 2 + (100 << 20)).to_string();
+    let w0 = WorkerProc::start(&models, Some(TOKEN), &["--memory", &memory]);
+    let w1 = WorkerProc::start(&models, Some(TOKEN), &["--memory", &memory]);
+    let workers = format!("{},{}", w0.addr, w1.addr);
+    let server = Server::start_sized_by_baton(
+        &["--workers", &workers, "--token", TOKEN, "--no-head-stage"],
+        &["--parallel", "1"],
+    );
+    let context = served_context(&server);
+    println!("context on two workers of {memory} bytes: {context}");
+    assert!(context < 32768 && context >= 256 && context % 256 == 0, "{context}");
+    // 12 KiB a cell: the cache takes most of the 200 MiB the weights leave.
+    assert!(context * 12 * 1024 > 150 << 20, "{context}");
+    let body = json!({"model": server.model_id(), "prompt": "def add(a, b):", "max_tokens": 4});
+    let (status, text) = server.request("POST", "/v1/completions", Some(&body), Some(KEY));
+    assert_eq!(status, 200, "{text}");
+}
