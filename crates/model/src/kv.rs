@@ -488,6 +488,26 @@ mod tests {
         assert!(kv.k_rotation().is_none(), "float types are not rotated");
     }
 
+    /// Rotations of the sizes llama.cpp picks: keys by 64 doubled while it divides the
+    /// head, values by 64, none when the head is not a multiple of 64 or the type is
+    /// not quantized.
+    #[test]
+    fn rotations_take_llama_cpps_sizes() {
+        use crate::CacheType;
+        let mut hp = tiny();
+        let q8 = KvTypes::both(CacheType::Q8_0);
+        for (head, k, v) in [(64, 64, 64), (128, 128, 64), (256, 256, 64), (192, 64, 64), (96, 0, 0)] {
+            hp.head_dim_k = head;
+            hp.head_dim_v = head;
+            assert_eq!((q8.k_rotation(&hp), q8.v_rotation(&hp)), (k, v), "head {head}");
+            let floats = KvTypes {
+                k: CacheType::Bf16,
+                v: CacheType::F32,
+            };
+            assert_eq!((floats.k_rotation(&hp), floats.v_rotation(&hp)), (0, 0));
+        }
+    }
+
     #[test]
     fn overflow_and_duplicate_positions_are_errors() {
         let mut kv = KvCache::new(&tiny(), 0..1, 2, 0).unwrap();
