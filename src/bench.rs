@@ -280,7 +280,15 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         Some(device) => LlamaModel::load_full_on(path, !args.stages.no_repack, device)?,
         None => LlamaModel::load_full(path, !args.stages.no_repack)?,
     };
-    let mut ctx = LlamaContext::new(&oracle, n_ctx as u32, args.pp.max(1) as u32, threads)?;
+    // libllama caches keys and values as the stages do (llama.cpp's -ctk/-ctv).
+    let types = stage_args.kv_types();
+    let mut ctx = LlamaContext::with_cache_types(
+        &oracle,
+        n_ctx as u32,
+        args.pp.max(1) as u32,
+        threads,
+        [types.k.dtype(), types.v.dtype()],
+    )?;
 
     // Warm-up: fault in the weights of both and size the compute buffers.
     baton_pp(ring.head()?, &prompt)?;
