@@ -252,7 +252,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let spec_ctx = if draft.mode == DraftMode::Off { 0 } else { 512 + args.tg };
     let n_ctx = (args.pp.max(args.tg) + 16).max(spec_ctx).next_power_of_two();
     let mut stage_args = args.stages.clone();
-    stage_args.ctx_size = n_ctx;
+    stage_args.ctx_size = Some(n_ctx);
     let threads = match args.cluster.local_workers {
         Some(n) => stage_args.threads_for(n),
         None => stage_args.threads(),
@@ -267,7 +267,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     // libllama and llama-bench compute where baton's stages do when every stage is on one
     // accelerator (all layers offloaded to it); otherwise on the CPU.
     let local_devices = match &ring {
-        Ring::Local(_) => stage_args.stage_devices(ranges.len())?,
+        Ring::Local { .. } => stage_args.stage_devices(ranges.len())?,
         _ => Vec::new(),
     };
     let accelerator = local_devices
@@ -278,7 +278,15 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         Some(device) => LlamaModel::load_full_on(path, !args.stages.no_repack, device)?,
         None => LlamaModel::load_full(path, !args.stages.no_repack)?,
     };
-    let mut ctx = LlamaContext::new(&oracle, n_ctx as u32, args.pp.max(1) as u32, threads)?;
+    // libllama caches keys and values as the stages do (llama.cpp's -ctk/-ctv).
+    let types = stage_args.kv_types();
+    let mut ctx = LlamaContext::with_cache_types(
+        &oracle,
+        n_ctx as u32,
+        args.pp.max(1) as u32,
+        threads,
+        [types.k.dtype(), types.v.dtype()],
+    )?;
 
     // Warm-up: fault in the weights of both and size the compute buffers.
     baton_pp(ring.head()?, &prompt)?;
@@ -331,7 +339,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     let place = match &ring {
-        Ring::Local(_) => format!("in-process stages on {local_devices:?}"),
+        Ring::Local { .. } => format!("in-process stages on {local_devices:?}"),
         Ring::Remote { .. } | Ring::Supervised { .. } => {
             let unix = |w: &String| matches!(baton_net::Addr::parse(w), Ok(baton_net::Addr::Unix(_)));
             if args.cluster.local_workers.is_some() || args.cluster.workers.iter().all(unix) {

@@ -64,13 +64,25 @@ pub struct StageArgs {
     /// CPU threads per stage (default: the machine's cores divided among the stages).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
-    /// KV cache cells per stage.
-    #[arg(long, short = 'c', default_value_t = 4096)]
-    pub ctx_size: usize,
+    /// KV cache cells per stage, shared by `baton serve`'s --parallel sequences.
+    /// Default: the model's trained context for each sequence when the memory of the
+    /// nodes holds it (each worker's --memory or free memory, this process's
+    /// --head-memory or available memory, with the cache type chosen), else the most
+    /// that fits (a multiple of 256 per sequence). A size given that does not fit is
+    /// refused with the numbers.
+    #[arg(long, short = 'c')]
+    pub ctx_size: Option<usize>,
     /// Read every weight straight from the mapped file instead of copying the ones ggml
     /// can repack into faster layouts (llama.cpp's `--no-repack`).
     #[arg(long)]
     pub no_repack: bool,
+    /// Element type of the cached keys, on every stage of the ring (llama.cpp's
+    /// `-ctk`): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1.
+    #[arg(long, visible_alias = "ctk", default_value = "f16", value_parser = parse_cache_type)]
+    pub cache_type_k: baton_model::CacheType,
+    /// Element type of the cached values (llama.cpp's `-ctv`), as --cache-type-k.
+    #[arg(long, visible_alias = "ctv", default_value = "f16", value_parser = parse_cache_type)]
+    pub cache_type_v: baton_model::CacheType,
     /// Members of each stage's tensor-parallel group: each holds a slice of every layer
     /// of the stage (heads, FFN, vocabulary) and they gather their slices four times per
     /// layer. In this process, members are threads; with --workers or --local-workers,
@@ -86,6 +98,11 @@ pub struct StageArgs {
     /// CPU), each given a layer range by the plan like a worker's devices.
     #[arg(long, value_delimiter = ',')]
     pub device: Vec<String>,
+}
+
+/// `--cache-type-k`, `--cache-type-v`: a type llama.cpp's `-ctk` accepts.
+fn parse_cache_type(s: &str) -> Result<baton_model::CacheType, String> {
+    baton_model::CacheType::parse(s).map_err(|e| e.to_string())
 }
 
 /// `--tp`: a group size of 1 or more, or `auto`.
@@ -106,6 +123,14 @@ impl StageArgs {
     /// Threads per stage.
     pub fn threads(&self) -> usize {
         self.threads_for(self.stages * self.tp_size())
+    }
+
+    /// Element types of the cached keys and values.
+    pub fn kv_types(&self) -> baton_model::KvTypes {
+        baton_model::KvTypes {
+            k: self.cache_type_k,
+            v: self.cache_type_v,
+        }
     }
 
     /// Members of each in-process group (1 for `--tp auto`, which only workers take).

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use anyhow::Context as _;
-use baton_cluster::{connect_cluster, ClusterOptions, RemoteRing, Supervisor};
+use baton_cluster::{connect_cluster, ClusterOptions, ContextFit, RemoteRing, Supervisor, CONTEXT_STEP};
 use baton_engine::{Engine, EngineConfig, FormError};
 use baton_engine::{Head, LocalRing};
 use baton_model::{ModelFile, StageConfig};
@@ -45,7 +45,9 @@ pub struct ClusterArgs {
     /// itself when it has the memory and the planner finds that faster).
     #[arg(long)]
     pub no_head_stage: bool,
-    /// Bytes of memory the head offers for its own stage (default: what is available).
+    /// Bytes of memory this process offers its stages: its own stage beside workers, or
+    /// every in-process stage (default: what is available). The default context is
+    /// the most that fits in it.
     #[arg(long)]
     pub head_memory: Option<u64>,
     /// TLS on every link (with --local-workers, the workers get the same files).
@@ -84,8 +86,8 @@ fn heartbeat_secs(s: &str) -> Result<f64, String> {
 
 /// A running ring of one of the three kinds.
 pub enum Ring {
-    /// Stages on threads of this process.
-    Local(LocalRing),
+    /// Stages on threads of this process, each with a KV cache of `n_ctx` cells.
+    Local { ring: LocalRing, n_ctx: usize },
     /// Stages on workers; the local worker processes, if we started them, die with it.
     Remote {
         /// The ring through the workers.
@@ -105,7 +107,10 @@ pub enum Ring {
 
 /// What forming a remote ring needs, or the in-process ring when no workers are given.
 enum Setup {
-    Local(LocalRing),
+    Local {
+        ring: LocalRing,
+        n_ctx: usize,
+    },
     Remote {
         workers: Vec<String>,
         opts: Box<ClusterOptions>,
@@ -119,7 +124,7 @@ impl Ring {
     /// KV cache (see `baton_model::KvCache::new`).
     pub fn start(model: &Path, stages: &StageArgs, cluster: &ClusterArgs, n_seq: usize) -> anyhow::Result<Ring> {
         match Ring::setup(model, stages, cluster, n_seq)? {
-            Setup::Local(ring) => Ok(Ring::Local(ring)),
+            Setup::Local { ring, n_ctx } => Ok(Ring::Local { ring, n_ctx }),
             Setup::Remote { workers, opts, local } => {
                 let remote = connect_cluster(model, &workers, &opts)?;
                 Ok(Ring::Remote {
@@ -139,7 +144,7 @@ impl Ring {
         n_seq: usize,
     ) -> anyhow::Result<Ring> {
         match Ring::setup(model, stages, cluster, n_seq)? {
-            Setup::Local(ring) => Ok(Ring::Local(ring)),
+            Setup::Local { ring, n_ctx } => Ok(Ring::Local { ring, n_ctx }),
             Setup::Remote { workers, opts, local } => {
                 let heartbeat = std::time::Duration::from_secs_f64(cluster.heartbeat_timeout);
                 let supervisor = Box::new(Supervisor::new(model, &workers, *opts, heartbeat));
@@ -165,7 +170,7 @@ impl Ring {
                     FormError::Capacity(why) | FormError::Retry(why) => anyhow::anyhow!(why),
                 })
             }
-            Ring::Local(ring) => {
+            Ring::Local { ring, .. } => {
                 let ends = ring.take_ends().context("the ring is driven by an engine already")?;
                 Ok(Engine::start(ends, vocab, config, draft_model))
             }
@@ -179,6 +184,9 @@ impl Ring {
     fn setup(model: &Path, stages: &StageArgs, cluster: &ClusterArgs, n_seq: usize) -> anyhow::Result<Setup> {
         let file = ModelFile::open(model).with_context(|| format!("loading {}", model.display()))?;
         let n_layer = file.hparams().n_layer;
+        // Refused here, before any worker is started or reached.
+        stages.kv_types().check(file.hparams())?;
+        let context = asked_context(file.hparams(), stages, n_seq);
         let head_stage = !cluster.no_head_stage;
         // Bad certificate files fail here, before any worker is started or reached.
         let tls = cluster.tls.load()?;
@@ -211,7 +219,12 @@ impl Ring {
             }
         }
         if !cluster.tp_members.is_empty() {
-            return Ok(Setup::Local(tp_over_links(file, stages, cluster, n_seq)?));
+            // The members are told their context on their own command line (4096 by
+            // default), so member 0 keeps to that unless --ctx-size says otherwise.
+            let context = (stages.ctx_size.unwrap_or(TP_MEMBER_CTX), ContextFit::Exact);
+            let n_ctx = local_context(&file, context, stages, cluster, n_seq)?;
+            let ring = tp_over_links(file, stages, cluster, n_seq, n_ctx)?;
+            return Ok(Setup::Local { ring, n_ctx });
         }
         let (workers, token, local, threads) = match cluster.local_workers {
             Some(n) => {
@@ -227,33 +240,34 @@ impl Ring {
                 stages.threads_for(1),
             ),
             None => {
+                let n_ctx = local_context(&file, context, stages, cluster, n_seq)?;
                 let config = StageConfig {
-                    n_ctx: stages.ctx_size,
+                    n_ctx,
                     n_threads: stages.threads(),
                     repack: !stages.no_repack,
                     n_seq,
+                    kv_types: stages.kv_types(),
                 };
                 let ranges = stages.ranges(n_layer)?;
                 if stages.tp_size() > 1 {
                     // Members run on the CPU (checked above), whatever devices there are.
-                    return Ok(Setup::Local(LocalRing::start_tp(
-                        file,
-                        &ranges,
-                        &config,
-                        stages.tp_size(),
-                    )?));
+                    let ring = LocalRing::start_tp(file, &ranges, &config, stages.tp_size())?;
+                    return Ok(Setup::Local { ring, n_ctx });
                 }
                 let devices = stages.stage_devices(ranges.len())?;
                 let on: Vec<_> = ranges.into_iter().zip(devices).collect();
-                return Ok(Setup::Local(LocalRing::start_on(file, &on, &config)?));
+                let ring = LocalRing::start_on(file, &on, &config)?;
+                return Ok(Setup::Local { ring, n_ctx });
             }
         };
         let split = stages.split.as_deref().map(baton_plan::parse_node_split).transpose()?;
         let opts = ClusterOptions {
             token,
             split,
-            n_ctx: stages.ctx_size,
+            n_ctx: context.0,
+            ctx_fit: context.1,
             n_seq,
+            kv_types: stages.kv_types(),
             wire_f16: cluster.wire_dtype == WireDtype::F16,
             repack: !stages.no_repack,
             link: LinkOptions {
@@ -281,7 +295,7 @@ impl Ring {
     /// (See [`tp_over_links`] for `--tp-members`.)
     pub fn head(&mut self) -> anyhow::Result<&mut Head> {
         let head = match self {
-            Ring::Local(ring) => ring.head(),
+            Ring::Local { ring, .. } => ring.head(),
             Ring::Remote { ring, .. } => ring.head(),
             Ring::Supervised { .. } => None,
         };
@@ -292,7 +306,7 @@ impl Ring {
     pub fn plan_why(&self) -> Option<&str> {
         match self {
             Ring::Remote { ring, .. } => Some(&ring.plan.why),
-            Ring::Local(_) | Ring::Supervised { .. } => None,
+            Ring::Local { .. } | Ring::Supervised { .. } => None,
         }
     }
 
@@ -301,14 +315,24 @@ impl Ring {
     pub fn describe_stages(&self) -> Option<Vec<String>> {
         match self {
             Ring::Remote { ring, .. } => Some(ring.describe_stages()),
-            Ring::Local(_) | Ring::Supervised { .. } => None,
+            Ring::Local { .. } | Ring::Supervised { .. } => None,
+        }
+    }
+
+    /// KV cells of every stage, when known before an engine forms the ring (a
+    /// supervised ring's is known once formed: see `Engine::slot_ctx`).
+    pub fn n_ctx(&self) -> Option<usize> {
+        match self {
+            Ring::Local { n_ctx, .. } => Some(*n_ctx),
+            Ring::Remote { ring, .. } => Some(ring.n_ctx),
+            Ring::Supervised { .. } => None,
         }
     }
 
     /// The layer range of each stage, in ring order.
     pub fn ranges(&self) -> Vec<std::ops::Range<usize>> {
         match self {
-            Ring::Local(ring) => ring.ranges().to_vec(),
+            Ring::Local { ring, .. } => ring.ranges().to_vec(),
             Ring::Remote { ring, .. } => ring.plan.stages.iter().map(|s| s.layers.clone()).collect(),
             Ring::Supervised { .. } => Vec::new(),
         }
@@ -323,6 +347,7 @@ fn tp_over_links(
     stages: &StageArgs,
     cluster: &ClusterArgs,
     n_seq: usize,
+    n_ctx: usize,
 ) -> anyhow::Result<LocalRing> {
     use baton_model::{GroupMember, Stage, StageGroup, StageSpan};
     use baton_stage::tp_net::{dial_members, MeshCollective, RemoteMember};
@@ -353,10 +378,11 @@ fn tp_over_links(
     let peers = dial_members(&cluster.tp_members, token.as_deref().map(str::as_bytes), &opts)?;
     let collective = std::sync::Arc::new(MeshCollective::new(0, peers.clone()));
     let config = StageConfig {
-        n_ctx: stages.ctx_size,
+        n_ctx,
         n_threads: stages.threads_for(1),
         repack: !stages.no_repack,
         n_seq,
+        kv_types: stages.kv_types(),
     };
     let members: Vec<Box<dyn GroupMember>> = peers
         .into_iter()
@@ -367,6 +393,73 @@ fn tp_over_links(
         vec![StageGroup::new(member0, members)],
         &ranges,
     )?)
+}
+
+/// `baton tp-member`'s default --ctx-size, which member 0 of such a group keeps to.
+pub const TP_MEMBER_CTX: usize = 4096;
+
+/// The KV cells every stage is asked for, and whether that is what it gets or the most:
+/// `--ctx-size`, exactly; by default the model's trained context for each of `n_seq`
+/// sequences (one when 0), or what memory holds.
+fn asked_context(hp: &baton_model::HParams, stages: &StageArgs, n_seq: usize) -> (usize, ContextFit) {
+    match stages.ctx_size {
+        Some(n_ctx) => (n_ctx, ContextFit::Exact),
+        None => (hp.n_ctx_train.max(1).saturating_mul(n_seq.max(1)), ContextFit::Fit),
+    }
+}
+
+/// The KV cells of stages in this process (or of a tensor-parallel group led from it):
+/// `(n_ctx, fit)` as [`asked_context`] gives them, against the memory this machine
+/// offers (`--head-memory`, else what is available): weights and KV cache of every
+/// layer must fit. An exact context that does not fit, or a fitted one of which not
+/// even 256 cells per sequence fit, is refused with the numbers.
+fn local_context(
+    file: &ModelFile,
+    (n_ctx, fit): (usize, ContextFit),
+    stages: &StageArgs,
+    cluster: &ClusterArgs,
+    n_seq: usize,
+) -> anyhow::Result<usize> {
+    let hp = file.hparams();
+    let offered = cluster.head_memory.unwrap_or_else(baton_stage::available_memory);
+    let types = stages.kv_types();
+    let need = |n: usize| baton_cluster::model_cost(file, n, n_seq, types).stage_bytes(&(0..hp.n_layer));
+    let step = CONTEXT_STEP * n_seq.max(1);
+    let tried = match fit {
+        ContextFit::Exact if need(n_ctx) <= offered => return Ok(n_ctx),
+        ContextFit::Exact => n_ctx,
+        ContextFit::Fit => match baton_plan::largest_context(n_ctx, step, |n| need(n) <= offered) {
+            Some(n) => {
+                if n < n_ctx {
+                    tracing::info!(n_ctx = n, most = n_ctx, "memory holds a KV cache of {n} cells");
+                }
+                return Ok(n);
+            }
+            None => step.min(n_ctx),
+        },
+    };
+    let mib = |bytes: u64| bytes as f64 / f64::from(1 << 20);
+    let kv = need(tried) - need(0);
+    anyhow::bail!(
+        "a context of {tried} tokens{} needs {:.0} MiB of KV cache ({}/{}), {:.0} MiB with the weights, but this \
+         machine offers {:.0} MiB ({}); lower --ctx-size{}, or quantize the cache (--cache-type-k/-v q8_0)",
+        if n_seq > 1 {
+            format!(" ({} per sequence for --parallel {n_seq})", tried / n_seq)
+        } else {
+            String::new()
+        },
+        mib(kv),
+        types.k,
+        types.v,
+        mib(need(tried)),
+        mib(offered),
+        if cluster.head_memory.is_some() {
+            "--head-memory"
+        } else {
+            "its available memory"
+        },
+        if n_seq > 1 { " or --parallel" } else { "" },
+    )
 }
 
 /// The devices of a worker's stage, or of the head's own beside workers: `--device`,

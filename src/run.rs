@@ -4,6 +4,7 @@ use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use baton_engine::GenerateRequest;
 use baton_engine::{Draft, DraftMode, EngineConfig, Event, Job};
 use baton_sample::SamplingParams;
@@ -198,10 +199,10 @@ fn generate_drafting(
     draft: Draft,
     print: &mut dyn FnMut(u32),
 ) -> anyhow::Result<Generated> {
-    let slot_ctx = args.stages.ctx_size;
+    let slot_ctx = ring.n_ctx().context("a ring formed by `baton run` knows its context")?;
     anyhow::ensure!(
         prompt.len() + args.n_predict <= slot_ctx,
-        "the prompt ({} tokens) and -n {} do not fit --ctx-size {slot_ctx}",
+        "the prompt ({} tokens) and -n {} do not fit the context of {slot_ctx} tokens (--ctx-size)",
         prompt.len(),
         args.n_predict
     );

@@ -34,7 +34,8 @@ pub struct ServeArgs {
     /// Serve on a non-loopback address without --api-key.
     #[arg(long)]
     insecure: bool,
-    /// Sequences computed at once; --ctx-size is shared among them.
+    /// Sequences computed at once; --ctx-size is shared among them (by default each
+    /// gets the model's trained context, or what memory holds).
     #[arg(long, default_value_t = 4)]
     parallel: usize,
     /// Most prompt tokens per micro-batch (longer prompts go in pipelined chunks).
@@ -120,12 +121,13 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             "{flag} must be between 0 and 86400 seconds"
         );
     }
-    anyhow::ensure!(
-        args.stages.ctx_size / args.parallel >= 16,
-        "--ctx-size {} shared by --parallel {} leaves under 16 tokens per sequence",
-        args.stages.ctx_size,
-        args.parallel
-    );
+    if let Some(ctx_size) = args.stages.ctx_size {
+        anyhow::ensure!(
+            ctx_size / args.parallel >= 16,
+            "--ctx-size {ctx_size} shared by --parallel {} leaves under 16 tokens per sequence",
+            args.parallel
+        );
+    }
     let model_path = args.stages.model.clone();
     let vocab = Arc::new(crate::load_tokenizer(&model_path)?);
     let eos = vocab
@@ -148,9 +150,15 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // A supervised ring is formed by the engine; it tells its own number of stages.
     let ranges = ring.ranges();
     let hp = crate::model_hparams(&model_path)?;
+    // A supervised ring's context is chosen when it forms: the engine takes it then
+    // (the draft model is sized for the most it can be).
+    let n_ctx = ring
+        .n_ctx()
+        .or(args.stages.ctx_size)
+        .unwrap_or(hp.n_ctx_train.max(1).saturating_mul(args.parallel));
     let config = EngineConfig {
         n_slots: args.parallel,
-        slot_ctx: args.stages.ctx_size / args.parallel,
+        slot_ctx: n_ctx / args.parallel,
         chunk: args.chunk.max(1),
         n_stages: ranges.len().max(1),
         max_decode_seqs: baton_engine::MAX_DECODE_SEQS,

@@ -30,7 +30,7 @@ pub struct TpMemberArgs {
     #[arg(long, short = 't', default_value_t = 1)]
     threads: usize,
     /// KV cache cells (as member 0's --ctx-size).
-    #[arg(long, short = 'c', default_value_t = 4096)]
+    #[arg(long, short = 'c', default_value_t = crate::ring::TP_MEMBER_CTX)]
     ctx_size: usize,
     /// Sequences with a cache region each (as member 0's; `baton serve` uses --parallel).
     #[arg(long, default_value_t = 0)]
@@ -38,6 +38,12 @@ pub struct TpMemberArgs {
     /// As member 0's --no-repack.
     #[arg(long)]
     no_repack: bool,
+    /// As member 0's --cache-type-k.
+    #[arg(long, visible_alias = "ctk", default_value = "f16", value_parser = crate::parse_cache_type)]
+    cache_type_k: baton_model::CacheType,
+    /// As member 0's --cache-type-v.
+    #[arg(long, visible_alias = "ctv", default_value = "f16", value_parser = crate::parse_cache_type)]
+    cache_type_v: baton_model::CacheType,
     /// The cluster secret.
     #[command(flatten)]
     token: crate::token::TokenArgs,
@@ -114,6 +120,10 @@ pub fn tp_member(args: TpMemberArgs) -> anyhow::Result<()> {
         n_threads: args.threads,
         repack: !args.no_repack,
         n_seq: args.n_seq,
+        kv_types: baton_model::KvTypes {
+            k: args.cache_type_k,
+            v: args.cache_type_v,
+        },
     };
     let collective = Arc::new(MeshCollective::new(args.rank, peers));
     let stage = Stage::load_member(file, span, &config, Some((split, collective)))?;

@@ -140,3 +140,67 @@ fn tp_flags_that_cannot_form_a_group_are_refused() {
     ]);
     assert!(both.contains("--tp-members makes this process member 0"), "{both}");
 }
+
+/// A KV cache type llama.cpp's `-ctk`/`-ctv` do not take is refused with the list of
+/// those they do.
+#[test]
+fn unknown_kv_cache_types_are_refused_with_the_types_there_are() {
+    let model = model(GEMMA3);
+    let model = model.to_str().unwrap();
+    for flag in ["--cache-type-k", "--cache-type-v"] {
+        let error = run_error(&["--model", model, flag, "q3_k", "-n", "1"]);
+        assert!(
+            error.contains(&format!("invalid value 'q3_k' for '{flag}"))
+                && error.contains(
+                    "'q3_k' is not a KV cache type; the types are f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"
+                ),
+            "{error}"
+        );
+    }
+}
+
+/// A --ctx-size that the memory cannot hold is refused before anything loads, with
+/// what it needs and what is offered: on this machine (gemma3: 18 KiB of f16 cache a
+/// token, 1M tokens against --head-memory of 10^9 bytes), and on workers (the nodes'
+/// offers, each named).
+#[test]
+fn a_context_that_does_not_fit_is_refused_with_the_numbers() {
+    let model = model(GEMMA3);
+    let model = model.to_str().unwrap();
+    let here = run_error(&[
+        "--model",
+        model,
+        "--stages",
+        "1",
+        "--ctx-size",
+        "1000000",
+        "--head-memory",
+        "1000000000",
+        "-n",
+        "1",
+    ]);
+    assert!(
+        here.contains("a context of 1000000 tokens needs 17578 MiB of KV cache (f16/f16)")
+            && here.contains("but this machine offers 954 MiB (--head-memory)"),
+        "{here}"
+    );
+    let workers = run_error(&[
+        "--model",
+        model,
+        "--local-workers",
+        "2",
+        "--no-head-stage",
+        "--threads",
+        "1",
+        "--ctx-size",
+        "10000000",
+        "-n",
+        "1",
+    ]);
+    assert!(
+        workers.contains("the nodes cannot hold the model")
+            && workers.contains("a KV cache of 10000000 cells (f16/f16) is part of that; offered by node: unix:")
+            && workers.matches(" MiB").count() == 2,
+        "{workers}"
+    );
+}

@@ -106,6 +106,35 @@ fn gemma3_on_two_workers_matches_llama_cpp() {
     check_model_on_two_workers(GEMMA3);
 }
 
+/// A q4_0 KV cache on two TCP workers (the types travel in each worker's `LoadPlan`):
+/// the greedy tokens of llama.cpp with `-ctk q4_0 -ctv q4_0`.
+#[test]
+fn a_quantized_kv_cache_on_two_workers_matches_llama_cpp() {
+    use baton_model::{CacheType, KvTypes};
+    use common::fidelity::{Setup, SHORT};
+    let path = model(GEMMA3);
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let w0 = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let w1 = WorkerProc::start(&models_dir(), Some(TOKEN), &[]);
+    let kv_types = KvTypes::both(CacheType::Q4_0);
+    let options = ClusterOptions {
+        kv_types,
+        split: Some(vec![9, 9]),
+        ..options()
+    };
+    let mut ring = connect_cluster(&path, &[w0.addr.clone(), w1.addr.clone()], &options).unwrap();
+    assert_eq!(ring.plan.stages.len(), 2);
+    let prompt = oracle.tokenize(PROMPTS[2], true, true).unwrap();
+    let setup = Setup { kv_types, ..SHORT };
+    let expected = common::worker::reference_in(&oracle, &prompt, 32, setup);
+    assert_ne!(
+        expected,
+        reference(&oracle, &prompt, 32),
+        "q4_0 changes llama.cpp's tokens here, so the test sees the type arrive"
+    );
+    assert_eq!(greedy(&mut ring, &prompt, 32, &oracle), expected);
+}
+
 #[test]
 fn per_token_traffic_is_one_hidden_state_per_hop_and_a_token_id_back() {
     let path = model(QWEN2);

@@ -6,9 +6,9 @@ mod common;
 
 use baton_engine::{GenerateRequest, LocalRing};
 use baton_ggml::{LlamaContext, LlamaModel};
-use baton_model::{ModelFile, StageConfig};
+use baton_model::{CacheType, KvTypes, ModelFile, StageConfig};
 use baton_sample::SamplingParams;
-use common::fidelity::{check_stages, reference, MAX_NMSE, N_GREEDY};
+use common::fidelity::{check_prompts, check_stages, reference, Setup, MAX_NMSE, N_GREEDY, SHORT};
 use common::{model, nmse, Chain, GEMMA3, PROMPTS, QWEN2};
 
 /// One test at a time: each runs ggml threads that spin while they wait, and tests side
@@ -110,6 +110,7 @@ fn without_repacking_matches_llama_cpp_without_repacking() {
         n_threads: 2,
         repack: false,
         n_seq: 0,
+        kv_types: Default::default(),
     };
     let mut chain = Chain::load_with(&file, &ranges, &config);
     let err = nmse(&chain.logits(0, &prompt, 0), &ref_logits);
@@ -367,6 +368,7 @@ fn batching_with_other_sequences_changes_nothing_up_to_the_decode_row_cap() {
             n_threads: 2,
             repack,
             n_seq,
+            kv_types: Default::default(),
         };
         let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
         let mut chain = Chain::load_with(&file, &ranges, &config);
@@ -405,5 +407,33 @@ fn batching_with_other_sequences_changes_nothing_up_to_the_decode_row_cap() {
                 assert_eq!(err, 0.0, "{name}: batch of {rows}, repack {repack}, {n_seq} regions");
             }
         }
+    }
+}
+
+/// Keys and values cached as q8_0 or q4_0 (llama.cpp's `-ctk`/`-ctv`): the same
+/// logits, bit for bit, and tokens as libllama with the same cache types, with 1 and 2
+/// stages. Both sides rotate queries, keys and values by a Walsh-Hadamard matrix before
+/// a quantized cache; without the rotation the logits part from llama.cpp's. Each
+/// type, model and stage count appears once (every further combination costs CI half a
+/// minute).
+#[test]
+fn quantized_kv_caches_match_llama_cpp() {
+    let _serial = serial();
+    for (name, t, stages) in [
+        (QWEN2, CacheType::Q8_0, &[1, 2][..]),
+        (QWEN2, CacheType::Q4_0, &[2]),
+        (GEMMA3, CacheType::Q8_0, &[2]),
+        (GEMMA3, CacheType::Q4_0, &[1]),
+    ] {
+        let path = model(name);
+        let oracle = LlamaModel::load_vocab(&path).unwrap();
+        let text = PROMPTS[2];
+        let prompts = [(format!("{text:?}"), oracle.tokenize(text, true, true).unwrap())];
+        let setup = Setup {
+            kv_types: KvTypes::both(t),
+            ..SHORT
+        };
+        let worst = check_prompts(&path, &format!("{name} {t}/{t}"), stages, &prompts, setup);
+        assert_eq!(worst, 0.0, "{name} {t}/{t}: the logits are llama.cpp's bit for bit");
     }
 }

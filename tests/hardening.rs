@@ -495,7 +495,7 @@ fn a_streamed_stage_with_a_tensor_left_out_is_refused_not_loaded_as_zeros() {
     })
     .unwrap();
     assert!(matches!(link.recv().unwrap(), Message::Capabilities(_)));
-    link.send(Message::LoadPlan(LoadPlan {
+    link.send(Message::LoadPlan(Box::new(LoadPlan {
         model: model_ref,
         layer_start: 5,
         layer_end: 6,
@@ -509,7 +509,9 @@ fn a_streamed_stage_with_a_tensor_left_out_is_refused_not_loaded_as_zeros() {
         repack: false,
         devices: vec![],
         tp: None,
-    }))
+        cache_type_k: "f16".into(),
+        cache_type_v: "f16".into(),
+    })))
     .unwrap();
     link.send(Message::StreamStart {
         header: bytes[..file.gguf().data_offset as usize].to_vec(),
@@ -565,7 +567,7 @@ fn a_plan_whose_kv_cache_exceeds_the_workers_memory_is_refused() {
         })
         .unwrap();
         assert!(matches!(link.recv().unwrap(), Message::Capabilities(_)));
-        link.send(Message::LoadPlan(LoadPlan {
+        link.send(Message::LoadPlan(Box::new(LoadPlan {
             model: model_ref.clone(),
             layer_start: 0,
             layer_end: 2,
@@ -579,7 +581,9 @@ fn a_plan_whose_kv_cache_exceeds_the_workers_memory_is_refused() {
             repack: false,
             devices: vec![],
             tp: None,
-        }))
+            cache_type_k: "f16".into(),
+            cache_type_v: "f16".into(),
+        })))
         .unwrap();
         link.recv()
     };

@@ -49,6 +49,7 @@ fn check_middle_third(repack: bool) {
         n_threads: 2,
         repack,
         n_seq: 0,
+        kv_types: Default::default(),
     };
     let mut stage = Stage::load(file.clone(), span, &config).unwrap();
     if !repack {
@@ -102,7 +103,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
     let n_ctx = 256;
     let file = ModelFile::open(&path).unwrap();
     let hp = file.hparams().clone();
-    let cost = model_cost(&file, n_ctx, 0);
+    let cost = model_cost(&file, n_ctx, 0, Default::default());
     println!(
         "layer bytes {:?}\nread per token {:?}\nkv {:?}",
         cost.layer_bytes, cost.layer_work_bytes, cost.kv_bytes
@@ -177,6 +178,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
             n_threads: 2,
             repack,
             n_seq: 0,
+            kv_types: Default::default(),
         };
         // Pages are mapped whole: a tensor's first and last page may hold its neighbours.
         let page_slack = 2 * 4096 * baton_model::stage_tensor_sources(&own_file, &span).len() as u64;
@@ -219,5 +221,61 @@ fn a_planned_moe_stage_stays_within_its_plan() {
                 "resident {weights} < own layer bytes {own}"
             );
         }
+    }
+}
+
+/// The planner counts a quantized KV cache by ggml's row size of its type, and a stage
+/// holds what it counts: q8_0 stores each block of 32 values in 34 bytes (8.5 bits a
+/// value against f16's 16), q4_0 in 18 (4.5 bits); a 32k-token context of qwen2
+/// 0.5B's 24 layers takes 384 MiB in f16, 204 MiB in q8_0 and 108 MiB in q4_0. The
+/// cache of a quantized type also holds the two rotation matrices (64 × 64 f32 each
+/// for qwen2's heads of 64).
+#[test]
+fn quantized_kv_caches_shrink_what_the_planner_counts() {
+    use baton_cluster::model_cost;
+    use baton_model::{CacheType, KvTypes};
+
+    let file = ModelFile::open(&model(QWEN2)).unwrap();
+    let kv_total =
+        |t: CacheType, n_ctx: usize| -> u64 { model_cost(&file, n_ctx, 0, KvTypes::both(t)).kv_bytes.iter().sum() };
+    let n_ctx = 32768;
+    let f16 = kv_total(CacheType::F16, n_ctx);
+    assert_eq!(f16, 384 << 20, "24 layers × 2 × 128 values × 2 bytes × 32768 cells");
+    assert_eq!(
+        kv_total(CacheType::Q8_0, n_ctx) * 64,
+        f16 * 34,
+        "q8_0: 34 bytes per 64 of f16"
+    );
+    assert_eq!(
+        kv_total(CacheType::Q4_0, n_ctx) * 64,
+        f16 * 18,
+        "q4_0: 18 bytes per 64 of f16"
+    );
+    assert_eq!(kv_total(CacheType::F32, n_ctx), 2 * f16);
+    let mixed = model_cost(
+        &file,
+        n_ctx,
+        0,
+        KvTypes {
+            k: CacheType::Q8_0,
+            v: CacheType::Q4_0,
+        },
+    );
+    assert_eq!(mixed.kv_bytes.iter().sum::<u64>() * 128, f16 * (34 + 18));
+
+    let span = StageSpan {
+        layers: 0..4,
+        first: true,
+        last: false,
+    };
+    for t in [CacheType::F16, CacheType::Q8_0, CacheType::Q4_0] {
+        let config = StageConfig {
+            kv_types: KvTypes::both(t),
+            ..StageConfig::new(256, 1)
+        };
+        let stage = Stage::load(file.clone(), span.clone(), &config).unwrap();
+        let counted: u64 = model_cost(&file, 256, 0, KvTypes::both(t)).kv_bytes[0..4].iter().sum();
+        let rotations = if t.is_quantized() { 2 * 64 * 64 * 4 } else { 0 };
+        assert_eq!(stage.kv().bytes() as u64, counted + rotations, "{t}");
     }
 }

@@ -449,3 +449,102 @@ fn bad_requests_get_openai_shaped_errors() {
     let (status, text) = server.request("GET", "/health", None, Some(KEY));
     assert_eq!(status, 200, "{text}");
 }
+
+/// `context_length` of the served model in /v1/models.
+fn served_context(server: &Server) -> u64 {
+    let (status, text) = server.request("GET", "/v1/models", None, Some(KEY));
+    assert_eq!(status, 200, "{text}");
+    let models: Value = serde_json::from_str(&text).unwrap();
+    models["data"][0]["context_length"].as_u64().unwrap()
+}
+
+/// Without --ctx-size, a sequence gets the model's trained context (qwen2.5-coder:
+/// 32768) when the workers' memory holds it, and /v1/models says so; a request beyond
+/// it is refused with the numbers. (q8_0 keys and values: 204 MiB of cache instead of
+/// 384.)
+#[test]
+fn the_default_context_is_the_trained_one_when_memory_holds_it() {
+    let _serial = lock();
+    let server = Server::start_sized_by_baton(
+        &["--local-workers", "2"],
+        &["--parallel", "1", "--cache-type-k", "q8_0", "--cache-type-v", "q8_0"],
+    );
+    assert_eq!(served_context(&server), 32768);
+    let body = json!({
+        "model": server.model_id(),
+        "prompt": "Hello",
+        "max_tokens": 32768,
+    });
+    let (status, text) = server.request("POST", "/v1/completions", Some(&body), Some(KEY));
+    assert_eq!(status, 400, "{text}");
+    assert!(
+        text.contains(
+            "this model's context per sequence is 32768 tokens, but the request needs 1 prompt tokens plus 32768"
+        ),
+        "{text}"
+    );
+}
+
+/// With less memory than the trained context needs, the default context is the most
+/// that fits, a multiple of 256 per sequence: in-process stages offered the weights and
+/// 100 MiB (--head-memory) hold 8533 cells of qwen2's 12 KiB each (f16), so each of
+/// --parallel 2 sequences gets 4096.
+#[test]
+fn the_default_context_shrinks_to_the_memory_given() {
+    use baton_model::{KvTypes, ModelFile};
+    let _serial = lock();
+    let file = ModelFile::open(&common::model(common::QWEN2)).unwrap();
+    let cost = |n| {
+        let cost = baton_cluster::model_cost(&file, n, 2, KvTypes::default());
+        cost.stage_bytes(&(0..cost.layer_bytes.len()))
+    };
+    let memory = cost(0) + (100 << 20);
+    let per_cell = cost(1) - cost(0);
+    assert_eq!(
+        per_cell,
+        24 * 2 * 128 * 2,
+        "qwen2: 24 layers, keys and values of 128 f16"
+    );
+    let server = Server::start_sized_by_baton(
+        &["--stages", "1"],
+        &["--parallel", "2", "--head-memory", &memory.to_string()],
+    );
+    assert_eq!((100 << 20) / per_cell, 8533);
+    assert_eq!(served_context(&server), 4096);
+}
+
+/// On workers that offer little memory (--memory), the default context is the most
+/// the planner finds room for: below the trained 32768, a multiple of 256, and every
+/// stage's weights and cache within its worker's offer.
+#[test]
+fn the_default_context_on_workers_fits_their_memory() {
+    use baton_model::{KvTypes, ModelFile};
+    let _serial = lock();
+    const TOKEN: &str = "test-context-fit-secret";
+    let models = common::model(common::QWEN2).parent().unwrap().to_path_buf();
+    let file = ModelFile::open(&common::model(common::QWEN2)).unwrap();
+    let weights = {
+        let cost = baton_cluster::model_cost(&file, 0, 1, KvTypes::default());
+        cost.stage_bytes(&(0..cost.layer_bytes.len()))
+    };
+    // Each offers half the weights and 100 MiB: about 200 MiB of cache in all.
+    let memory = (weights / 2 + (100 << 20)).to_string();
+    let w0 = WorkerProc::start(&models, Some(TOKEN), &["--memory", &memory]);
+    let w1 = WorkerProc::start(&models, Some(TOKEN), &["--memory", &memory]);
+    let workers = format!("{},{}", w0.addr, w1.addr);
+    let server = Server::start_sized_by_baton(
+        &["--workers", &workers, "--token", TOKEN, "--no-head-stage"],
+        &["--parallel", "1"],
+    );
+    let context = served_context(&server);
+    println!("context on two workers of {memory} bytes: {context}");
+    assert!(
+        (256..32768).contains(&context) && context.is_multiple_of(256),
+        "{context}"
+    );
+    // 12 KiB a cell: the cache takes most of the 200 MiB the weights leave.
+    assert!(context * 12 * 1024 > 150 << 20, "{context}");
+    let body = json!({"model": server.model_id(), "prompt": "def add(a, b):", "max_tokens": 4});
+    let (status, text) = server.request("POST", "/v1/completions", Some(&body), Some(KEY));
+    assert_eq!(status, 200, "{text}");
+}

@@ -6,7 +6,7 @@ mod common;
 
 use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::{FileType, LlamaContext, LlamaModel};
-use baton_model::{Batch, LogitReply, ModelFile, StageConfig, StageInput, StageOutput};
+use baton_model::{Batch, CacheType, KvTypes, LogitReply, ModelFile, StageConfig, StageInput, StageOutput};
 use common::fidelity::{check_prompts, check_stages, check_stages_with, Setup, SHORT, THREADS};
 use common::synth::{llama4_prompts, synth_dir, synthetic, synthetic_with, LLAMA4_SETUP};
 use common::worker::{greedy_in, reference_in, WorkerProc};
@@ -47,6 +47,7 @@ fn two_workers_on(arch: &str, path: &std::path::Path, prompts: &[(String, Vec<u3
     let options = ClusterOptions {
         token: Some(TOKEN.into()),
         n_ctx: setup.n_ctx,
+        kv_types: setup.kv_types,
         repack: true,
         ..Default::default()
     };
@@ -68,6 +69,44 @@ fn two_workers_on(arch: &str, path: &std::path::Path, prompts: &[(String, Vec<u3
             expected,
             "{arch}: {prompt_text}"
         );
+    }
+}
+
+/// A hybrid (gated DeltaNet and attention layers) with a quantized KV cache: its
+/// attention layers cache keys as q8_0 and values as q4_0, its recurrent states stay
+/// f32, and 1 and 2 stages (logits bit for bit) and 2 TCP workers (the types travel in
+/// the head's plan) give libllama's tokens with the same `-ctk q8_0 -ctv q4_0`; every
+/// other type llama.cpp takes matches it too (one stage each).
+#[test]
+fn qwen35_with_a_quantized_kv_cache_matches_llama_cpp() {
+    let _serial = serial();
+    let path = synthetic("qwen35", FileType::Q4KM);
+    let oracle = LlamaModel::load_vocab(&path).unwrap();
+    let text = PROMPTS[2];
+    let prompts = [(format!("{text:?}"), oracle.tokenize(text, true, true).unwrap())];
+    let setup = Setup {
+        kv_types: KvTypes {
+            k: CacheType::Q8_0,
+            v: CacheType::Q4_0,
+        },
+        ..SHORT
+    };
+    let worst = check_prompts(&path, "qwen35 q8_0/q4_0", &[1, 2], &prompts, setup);
+    assert_eq!(worst, 0.0, "the logits are llama.cpp's bit for bit");
+    two_workers_on("qwen35 q8_0/q4_0", &path, &prompts, setup);
+    // The other types llama.cpp's -ctk/-ctv take, one stage each: f32 (read as f16 by
+    // flash attention on both sides), bf16, and the other quantized ones.
+    for (k, v) in [
+        (CacheType::F32, CacheType::Bf16),
+        (CacheType::Q5_1, CacheType::Iq4Nl),
+        (CacheType::Q4_1, CacheType::Q5_0),
+    ] {
+        let setup = Setup {
+            kv_types: KvTypes { k, v },
+            ..SHORT
+        };
+        let worst = check_prompts(&path, &format!("qwen35 {k}/{v}"), &[1], &prompts, setup);
+        assert_eq!(worst, 0.0, "{k}/{v}: the logits are llama.cpp's bit for bit");
     }
 }
 
@@ -134,10 +173,14 @@ fn hybrid_memory_per_stage_is_what_the_planner_counts() {
                 n_threads: 1,
                 repack: true,
                 n_seq,
+                kv_types: Default::default(),
             };
             let stage = baton_model::Stage::load(file.clone(), span, &config).unwrap();
             let held = (stage.kv().bytes() + stage.recurrent().bytes()) as u64;
-            let counted: u64 = layers.clone().map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq)).sum();
+            let counted: u64 = layers
+                .clone()
+                .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, Default::default()))
+                .sum();
             println!(
                 "layers {layers:?}, {n_seq} sequences, {n_ctx} cells: KV {} bytes, states {} bytes, planner {counted}",
                 stage.kv().bytes(),
@@ -303,6 +346,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
             n_threads: 2,
             repack: false,
             n_seq: N_SEQ,
+            kv_types: Default::default(),
         };
         let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
         let mut chain = Chain::load_with(&file, &ranges, &config);

@@ -73,6 +73,8 @@ fn messages() -> Vec<(String, Message)> {
             layer_end: 24,
         }],
         tp: None,
+        cache_type_k: "f16".into(),
+        cache_type_v: "f16".into(),
     };
     let forward = |payload| Forward {
         step: 42,
@@ -112,21 +114,23 @@ fn messages() -> Vec<(String, Message)> {
             ring_addr: "10.0.0.3:7301".into(),
             session: 0x5e55_1000,
         }),
-        Message::LoadPlan(plan.clone()),
-        Message::LoadPlan(LoadPlan {
+        Message::LoadPlan(Box::new(plan.clone())),
+        Message::LoadPlan(Box::new(LoadPlan {
             next: None,
             first: true,
             layer_start: 0,
+            cache_type_k: "q8_0".into(),
+            cache_type_v: "q4_0".into(),
             ..plan.clone()
-        }),
-        Message::LoadPlan(LoadPlan {
+        })),
+        Message::LoadPlan(Box::new(LoadPlan {
             tp: Some(baton_proto::TpPlace {
                 group: 0x6e0_0001,
                 rank: 1,
                 members: vec!["10.0.0.2:7301".into(), "10.0.0.3:7301".into()],
             }),
             ..plan
-        }),
+        })),
         Message::StreamStart {
             header: b"GGUF\x03\x00\x00\x00".to_vec(),
             tensors: vec![TensorEntry {

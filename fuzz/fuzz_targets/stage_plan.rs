@@ -70,7 +70,7 @@ fuzz_target!(|data: &[u8]| {
     let n_layer = hparams.n_layer;
 
     let (nodes, n_ctx) = offers(cluster);
-    let cost = baton_cluster::model_cost(&file, n_ctx);
+    let cost = baton_cluster::model_cost(&file, n_ctx, 0, Default::default());
     assert_eq!(cost.layer_bytes.len(), n_layer);
     let mut plans = Vec::new();
     if let Ok(plan) = baton_plan::partition(&cost, &nodes) {

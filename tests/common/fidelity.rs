@@ -5,7 +5,7 @@ use std::path::Path;
 
 use baton_engine::{GenerateRequest, LocalRing};
 use baton_ggml::{LlamaContext, LlamaModel};
-use baton_model::{ModelFile, StageConfig};
+use baton_model::{CacheType, KvTypes, ModelFile, StageConfig};
 use baton_sample::{argmax, SamplingParams};
 
 use super::{nmse, Chain, PROMPTS};
@@ -32,6 +32,8 @@ pub struct Setup {
     /// thread keeps two tests side by side from oversubscribing CI's two cores (ggml's
     /// threads spin while they wait).
     pub ring_threads: usize,
+    /// Element types of the KV cache, on both sides (llama.cpp's `-ctk`/`-ctv`).
+    pub kv_types: KvTypes,
 }
 
 /// CPU threads of libllama's context and of baton's stages. The same on both sides:
@@ -44,6 +46,10 @@ pub const SHORT: Setup = Setup {
     n_ctx: 512,
     n_batch: 512,
     ring_threads: 1,
+    kv_types: KvTypes {
+        k: CacheType::F16,
+        v: CacheType::F16,
+    },
 };
 
 /// libllama's last-token logits of `prompt` and up to `n` greedy tokens.
@@ -53,7 +59,9 @@ pub fn reference_n(oracle: &LlamaModel, prompt: &[u32], n: usize) -> (Vec<f32>, 
 
 /// [`reference_n`] in a context of `setup`.
 pub fn reference_in(oracle: &LlamaModel, prompt: &[u32], n: usize, setup: Setup) -> (Vec<f32>, Vec<u32>) {
-    let mut ctx = LlamaContext::new(oracle, setup.n_ctx as u32, setup.n_batch as u32, THREADS).unwrap();
+    let types = [setup.kv_types.k.dtype(), setup.kv_types.v.dtype()];
+    let mut ctx =
+        LlamaContext::with_cache_types(oracle, setup.n_ctx as u32, setup.n_batch as u32, THREADS, types).unwrap();
     let logits = ctx.decode(prompt).unwrap();
     let mut tokens = Vec::new();
     let mut next = argmax(&logits).unwrap();
@@ -99,7 +107,11 @@ pub fn check_prompts(
         let (ref_logits, ref_tokens) = reference_in(&oracle, prompt, N_GREEDY, setup);
         for &n_stages in stage_counts {
             let ranges = baton_plan::even_split(n_layer, n_stages).unwrap();
-            let mut chain = Chain::load(&file, &ranges, setup.n_ctx);
+            let stage_config = StageConfig {
+                kv_types: setup.kv_types,
+                ..StageConfig::new(setup.n_ctx, 2)
+            };
+            let mut chain = Chain::load_with(&file, &ranges, &stage_config);
             let logits = chain.logits(0, prompt, 0);
             let err = nmse(&logits, &ref_logits);
             worst = worst.max(err);
@@ -110,7 +122,10 @@ pub fn check_prompts(
             );
             assert_eq!(argmax(&logits), argmax(&ref_logits));
 
-            let config = StageConfig::new(setup.n_ctx, setup.ring_threads);
+            let config = StageConfig {
+                kv_types: setup.kv_types,
+                ..StageConfig::new(setup.n_ctx, setup.ring_threads)
+            };
             let mut ring = LocalRing::start(file.clone(), &ranges, &config).unwrap();
             let req = GenerateRequest {
                 seq: 0,

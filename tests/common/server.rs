@@ -60,7 +60,22 @@ impl Server {
 
     /// `baton serve` on `served` (a file name in models/) with `cluster` arguments
     /// (where the stages run) and `extra` ones.
+    /// Unless `extra` gives a --ctx-size, 4096 cells shared by the --parallel
+    /// sequences: the model's whole trained context (baton's default) for each of 4
+    /// would cost every test server a gigabyte and more.
     fn launch(served: &std::path::Path, cluster: &[&str], extra: &[&str]) -> Server {
+        let sized = extra.iter().any(|a| *a == "--ctx-size" || *a == "-c");
+        let size: &[&str] = if sized { &[] } else { &["--ctx-size", "4096"] };
+        Server::launch_sized(served, cluster, &[size, extra].concat())
+    }
+
+    /// `baton serve` of QWEN2 (with an API key) on `cluster`, with `extra` arguments
+    /// and the context baton chooses unless they give one.
+    pub fn start_sized_by_baton(cluster: &[&str], extra: &[&str]) -> Server {
+        Server::launch_sized(&model(QWEN2), cluster, &[&["--api-key", KEY][..], extra].concat())
+    }
+
+    fn launch_sized(served: &std::path::Path, cluster: &[&str], extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_baton"))
             .args(["serve", "--port", "0", "--threads", "1", "--model"])
             .arg(served)

@@ -82,4 +82,5 @@ pub const LLAMA4_SETUP: Setup = Setup {
     n_ctx: 8448,
     n_batch: 8448,
     ring_threads: super::fidelity::THREADS,
+    kv_types: super::fidelity::SHORT.kv_types,
 };

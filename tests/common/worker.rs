@@ -87,7 +87,8 @@ pub fn reference(oracle: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
 
 /// [`reference`] in a context of `setup`.
 pub fn reference_in(oracle: &LlamaModel, prompt: &[u32], n: usize, setup: super::fidelity::Setup) -> Vec<u32> {
-    let mut ctx = LlamaContext::new(oracle, setup.n_ctx as u32, setup.n_batch as u32, 1).unwrap();
+    let types = [setup.kv_types.k.dtype(), setup.kv_types.v.dtype()];
+    let mut ctx = LlamaContext::with_cache_types(oracle, setup.n_ctx as u32, setup.n_batch as u32, 1, types).unwrap();
     let mut next = argmax(&ctx.decode(prompt).unwrap()).unwrap();
     let mut out = Vec::new();
     while out.len() < n && !oracle.is_end_of_generation(next) {

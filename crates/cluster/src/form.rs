@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use baton_ggml::Device;
-use baton_model::{ModelFile, StageConfig, StageSpan};
+use baton_model::{KvTypes, ModelFile, StageConfig, StageSpan};
 use baton_net::{
     client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx,
 };
-use baton_plan::{DeviceOffer, LinkOffer, ModelCost, NodeOffer, Plan, TpDegree};
+use baton_plan::{DeviceOffer, LinkOffer, ModelCost, NodeOffer, Plan, PlanError, TpDegree};
 use baton_proto::auth::identity_hash;
 use baton_proto::{Capabilities, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role, TpPlace};
 
@@ -28,6 +28,18 @@ use baton_stage::{run, StageWorker};
 /// control link and that link's counters (where the heartbeat records round trips).
 pub type OnReached = Arc<dyn Fn(&str, u64, LinkCloser, Arc<Counters>) + Send + Sync>;
 
+/// How the head sizes every stage's KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ContextFit {
+    /// [`ClusterOptions::n_ctx`] cells: a plan whose nodes cannot hold them is refused
+    /// with the numbers.
+    #[default]
+    Exact,
+    /// The most cells, up to [`ClusterOptions::n_ctx`], that the planner finds room for
+    /// on the nodes: `n_ctx` itself, or a multiple of 256 per sequence below it.
+    Fit,
+}
+
 /// How the head forms the cluster.
 #[derive(Clone, Default)]
 pub struct ClusterOptions {
@@ -35,10 +47,15 @@ pub struct ClusterOptions {
     pub token: Option<String>,
     /// Layers per worker (overrides the planner), e.g. `[12, 12]`.
     pub split: Option<Vec<usize>>,
-    /// KV cells per stage.
+    /// KV cells per stage (the most, with [`ContextFit::Fit`]).
     pub n_ctx: usize,
+    /// Whether `n_ctx` is what every stage gets, or the most it may get.
+    pub ctx_fit: ContextFit,
     /// Sequences with a region of the KV cache each (0: shared cells).
     pub n_seq: usize,
+    /// Element types of every stage's cached keys and values (one setting for the
+    /// ring, sent in each worker's `LoadPlan`).
+    pub kv_types: KvTypes,
     /// Send hidden states between stages as f16.
     pub wire_f16: bool,
     /// Repack weights like llama.cpp's default.
@@ -100,6 +117,8 @@ pub struct RemoteRing {
     /// The plan that was applied; node 0 is the head when it was offered, the
     /// workers follow in the order given.
     pub plan: Plan,
+    /// KV cells of every stage (what [`ContextFit::Fit`] found room for).
+    pub n_ctx: usize,
     /// The name of every planned node, in the plan's numbering.
     pub node_names: Vec<String>,
     /// The names of every planned node's devices, in the plan's numbering.
@@ -242,7 +261,7 @@ fn check_held(
 }
 
 /// What each layer and each end of the model costs in memory, for the planner.
-pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize) -> ModelCost {
+pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvTypes) -> ModelCost {
     let hp = file.hparams();
     let tensor_bytes = |name: &str| file.gguf().tensor(name).map_or(0, |t| t.n_bytes);
     let output = if file.gguf().tensor("output.weight").is_some() {
@@ -255,7 +274,9 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize) -> ModelCost {
         layer_work_bytes: (0..hp.n_layer).map(|l| file.layer_work_bytes(l)).collect(),
         first_bytes: tensor_bytes("token_embd.weight"),
         last_bytes: tensor_bytes("output_norm.weight") + tensor_bytes(output),
-        kv_bytes: (0..hp.n_layer).map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq)).collect(),
+        kv_bytes: (0..hp.n_layer)
+            .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, kv_types))
+            .collect(),
     }
 }
 
@@ -268,7 +289,8 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     let file = ModelFile::open(model)?;
     let model_ref = model_ref(&file);
     let mut reached = reach_all(workers, model, &model_ref, opts)?;
-    let planned = plan(&file, model, &reached.workers, &reached.unreachable, opts)?;
+    let (planned, n_ctx) = plan(&file, model, &reached.workers, &reached.unreachable, opts)?;
+    let opts = &ClusterOptions { n_ctx, ..opts.clone() };
     let head_stage = load(&file, model, &model_ref, &mut reached, &planned, opts)?;
     let ends = link(reached.links, &planned, head_stage)?;
     Ok(RemoteRing {
@@ -278,6 +300,7 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
         })),
         workers: reached.workers,
         plan: planned.plan,
+        n_ctx,
         node_names: planned.node_names,
         node_devices: planned.node_devices,
         to_first: ends.to_first,
@@ -351,14 +374,16 @@ fn reach_all(
 
 /// Plans over the head (when offered) and the workers that answered: from their
 /// memory and measured speed, or `opts.split` when every worker answered; in
-/// tensor-parallel groups with `opts.tp` (see `groups.rs`).
+/// tensor-parallel groups with `opts.tp` (see `groups.rs`). Returns the plan and the
+/// KV cells of every stage: `opts.n_ctx`, or with [`ContextFit::Fit`] the most up to it
+/// that a plan finds room for.
 fn plan(
     file: &ModelFile,
     model: &Path,
     workers: &[RemoteWorker],
     unreachable: &[(String, NodeError)],
     opts: &ClusterOptions,
-) -> Result<Planned, NodeError> {
+) -> Result<(Planned, usize), NodeError> {
     // Groups of workers are the stages: the head runs none of its own.
     let grouped = opts.tp != TpDegree::Fixed(1);
     let head = match opts.head_stage && !grouped {
@@ -397,20 +422,76 @@ fn plan(
         })
         .collect();
     let split = opts.split.as_deref().filter(|_| unreachable.is_empty());
-    let planned = plan_nodes(
-        file,
-        model_cost(file, opts.n_ctx, opts.n_seq),
-        head,
-        &offers,
-        workers,
-        split,
-        opts.tp,
-    )?;
+    let plan_for = |n_ctx: usize| {
+        let cost = model_cost(file, n_ctx, opts.n_seq, opts.kv_types);
+        plan_nodes(file, cost, head.clone(), &offers, workers, split, opts.tp)
+    };
+    let n_ctx = match opts.ctx_fit {
+        ContextFit::Exact => opts.n_ctx,
+        // When not even the smallest fits, the context asked for fails with the numbers.
+        ContextFit::Fit => {
+            baton_plan::largest_context(opts.n_ctx, CONTEXT_STEP * opts.n_seq.max(1), |n| plan_for(n).is_ok())
+                .unwrap_or(opts.n_ctx)
+        }
+    };
+    let planned = plan_for(n_ctx).map_err(|e| context_refused(e, n_ctx, opts, head.as_ref(), &offers))?;
+    if n_ctx < opts.n_ctx {
+        tracing::info!(
+            n_ctx,
+            most = opts.n_ctx,
+            "the nodes' memory holds a KV cache of {n_ctx} cells"
+        );
+    }
     tracing::info!("plan: {}", planned.plan.why);
     for (name, why) in &planned.plan.left_out {
         tracing::warn!(node = %name, "left out of the plan: {why}");
     }
-    Ok(planned)
+    Ok((planned, n_ctx))
+}
+
+/// Cells per sequence a fitted KV cache is a multiple of (llama.cpp pads its cache to
+/// 256 cells, and attention looks at 256 at a time).
+pub const CONTEXT_STEP: usize = 256;
+
+/// A plan that found no room: when memory is what is missing, the error also says
+/// which context was asked for, what its KV cache takes, and what each node offers.
+fn context_refused(
+    e: NodeError,
+    n_ctx: usize,
+    opts: &ClusterOptions,
+    head: Option<&NodeOffer>,
+    offers: &[NodeOffer],
+) -> NodeError {
+    match e {
+        NodeError::Plan(PlanError::NotEnoughMemory {
+            needed,
+            offered,
+            detail,
+        }) => {
+            let nodes: Vec<String> = head
+                .into_iter()
+                .chain(offers)
+                .map(|o| format!("{} {}", o.name, mib(o.memory())))
+                .collect();
+            let detail = format!(
+                "{detail}; a KV cache of {n_ctx} cells ({}/{}) is part of that; offered by node: {}",
+                opts.kv_types.k,
+                opts.kv_types.v,
+                nodes.join(", ")
+            );
+            NodeError::Plan(PlanError::NotEnoughMemory {
+                needed,
+                offered,
+                detail,
+            })
+        }
+        other => other,
+    }
+}
+
+/// `bytes` in MiB, for people.
+fn mib(bytes: u64) -> String {
+    format!("{:.0} MiB", bytes as f64 / f64::from(1 << 20))
 }
 
 /// What the head offers for its own stage: each of its devices with its memory and
@@ -533,8 +614,10 @@ fn load(
                     rank: rank as u32,
                     members: addrs.clone(),
                 }),
+                cache_type_k: opts.kv_types.k.name().into(),
+                cache_type_v: opts.kv_types.v.name().into(),
             };
-            reached.links[w].send(Message::LoadPlan(load))?;
+            reached.links[w].send(Message::LoadPlan(Box::new(load)))?;
             if !holds {
                 streams.push((w, span.clone()));
             }
@@ -560,6 +643,7 @@ fn load(
                 n_threads: opts.threads,
                 repack: opts.repack,
                 n_seq: opts.n_seq,
+                kv_types: opts.kv_types,
             };
             let devices = baton_stage::or_cpu(&opts.head_devices);
             let parts = stage

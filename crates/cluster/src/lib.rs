@@ -10,5 +10,7 @@ mod stream;
 mod supervise;
 mod watch;
 
-pub use form::{connect_cluster, model_cost, model_ref, ClusterOptions, RemoteRing, RemoteWorker};
+pub use form::{
+    connect_cluster, model_cost, model_ref, ClusterOptions, ContextFit, RemoteRing, RemoteWorker, CONTEXT_STEP,
+};
 pub use supervise::Supervisor;

@@ -14,7 +14,7 @@ use baton_net::{client_handshake, connect_by, Counters, LinkCloser, LinkOptions}
 use baton_plan::PlanError;
 use baton_proto::{RefusalCode, Role};
 
-use crate::form::{connect_cluster, ClusterOptions, OnReached, RemoteRing};
+use crate::form::{connect_cluster, ClusterOptions, ContextFit, OnReached, RemoteRing};
 use crate::watch::{OnLost, Watch};
 use baton_engine::{FormError, Formed, RingSource, WorkerLink};
 use baton_stage::NodeError;
@@ -188,6 +188,9 @@ impl RingSource for Supervisor {
             }
         }
         self.opts.head_secs_per_layer = ring.head_secs_per_layer.clone();
+        // Later rings keep this one's context: the engine's slots were sized by it.
+        self.opts.n_ctx = ring.n_ctx;
+        self.opts.ctx_fit = ContextFit::Exact;
         // The first ring needs every worker (a wrong address or token is a mistake to
         // report); later ones are formed over whoever answers.
         self.opts.skip_unreachable = true;
@@ -208,6 +211,7 @@ impl RingSource for Supervisor {
         drop(watched);
 
         let stages = ring.describe_stages();
+        let n_ctx = ring.n_ctx;
         let mut ring = ring;
         let ends = ring
             .take_ends()
@@ -229,6 +233,7 @@ impl RingSource for Supervisor {
             stages,
             lost: self.lost().into_iter().collect(),
             workers,
+            n_ctx: Some(n_ctx),
         })
     }
 

@@ -57,6 +57,7 @@ impl ModelDrafter {
             n_threads: threads,
             repack,
             n_seq: n_slots,
+            kv_types: Default::default(),
         };
         Ok(ModelDrafter {
             stage: Stage::load(file, span, &config)?,

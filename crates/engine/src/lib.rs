@@ -91,6 +91,7 @@ impl Engine {
             stages: Vec::new(),
             lost: Vec::new(),
             workers: Vec::new(),
+            n_ctx: None,
         };
         let (inbox, receiver) = mpsc::channel();
         Engine::launch(inbox, receiver, formed, None, vocab, config, draft_model)
@@ -131,6 +132,10 @@ impl Engine {
             stages: formed.stages.clone(),
             lost: formed.lost.clone(),
         }));
+        let mut config = config;
+        if let Some(n_ctx) = formed.n_ctx {
+            config.slot_ctx = n_ctx / config.n_slots.max(1);
+        }
         let core = Core::new(
             config.clone(),
             vocab,

@@ -68,6 +68,7 @@ impl Shell {
             stages,
             lost,
             workers,
+            n_ctx: _,
         } = formed;
         let counters = EndCounters {
             into_first: ends.tx.counters(),

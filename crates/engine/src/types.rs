@@ -93,6 +93,10 @@ pub struct Formed {
     pub stages: Vec<String>,
     /// Nodes out of the ring because they were lost, and why.
     pub lost: Vec<(String, String)>,
+    /// KV cells of each stage when the formation chose them from the nodes' memory
+    /// (the engine's first ring then sets each slot's context: the cells shared by its
+    /// slots); `None`: the configuration's context.
+    pub n_ctx: Option<usize>,
     /// The workers the head watches, each with the counters of the head's link to it
     /// (whose round trip the heartbeat keeps current); empty for an in-process ring.
     pub workers: Vec<WorkerLink>,

@@ -70,6 +70,12 @@ impl<'a> Tensor<'a> {
         DType(self.meta().type_)
     }
 
+    /// Whether the elements lie in memory in order, without gaps (not a strided view).
+    pub fn is_contiguous(&self) -> bool {
+        // SAFETY: only reads the tensor's metadata.
+        unsafe { sys::ggml_is_contiguous(self.raw()) }
+    }
+
     /// Gives the tensor a name (shown in graph dumps and ggml errors).
     pub fn named(self, name: &str) -> Self {
         let name = std::ffi::CString::new(name).unwrap_or_default();

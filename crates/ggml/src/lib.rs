@@ -56,6 +56,26 @@ impl DType {
     pub const I32: DType = DType(sys::GGML_TYPE_I32);
     /// 64-bit signed integer.
     pub const I64: DType = DType(sys::GGML_TYPE_I64);
+    /// bfloat16.
+    pub const BF16: DType = DType(sys::GGML_TYPE_BF16);
+    /// 8-bit blocks of 32 with an f16 scale.
+    pub const Q8_0: DType = DType(sys::GGML_TYPE_Q8_0);
+    /// 4-bit blocks of 32 with an f16 scale.
+    pub const Q4_0: DType = DType(sys::GGML_TYPE_Q4_0);
+    /// 4-bit blocks of 32 with an f16 scale and minimum.
+    pub const Q4_1: DType = DType(sys::GGML_TYPE_Q4_1);
+    /// 5-bit blocks of 32 with an f16 scale.
+    pub const Q5_0: DType = DType(sys::GGML_TYPE_Q5_0);
+    /// 5-bit blocks of 32 with an f16 scale and minimum.
+    pub const Q5_1: DType = DType(sys::GGML_TYPE_Q5_1);
+    /// 4-bit non-linear blocks of 32.
+    pub const IQ4_NL: DType = DType(sys::GGML_TYPE_IQ4_NL);
+
+    /// Whether the type stores blocks of quantized values (not a float or integer type).
+    pub fn is_quantized(self) -> bool {
+        // SAFETY: pure lookup in ggml's static type table (ids past the end read false).
+        self.0 < sys::GGML_TYPE_COUNT && unsafe { sys::ggml_is_quantized(self.0) }
+    }
 
     /// Whether the CPU backend can multiply by a matrix of this type (weights).
     pub fn can_mul_mat(self) -> bool {

@@ -7,7 +7,7 @@ use std::ptr::NonNull;
 
 use llama_cpp_sys_2 as sys;
 
-use crate::{Device, GgmlError};
+use crate::{DType, Device, GgmlError};
 
 /// A model loaded through libllama, either vocabulary only or with all weights.
 pub struct LlamaModel {
@@ -196,8 +196,22 @@ impl<'m> LlamaContext<'m> {
     /// A context with `n_ctx` cells, `n_batch` tokens per decode call and `n_threads` threads.
     /// Flash attention is on and the KV cache is f16, as baton's stages compute.
     pub fn new(model: &'m LlamaModel, n_ctx: u32, n_batch: u32, n_threads: usize) -> Result<Self, GgmlError> {
+        Self::with_cache_types(model, n_ctx, n_batch, n_threads, [DType::F16, DType::F16])
+    }
+
+    /// [`LlamaContext::new`] with keys and values cached as `[type_k, type_v]`
+    /// (llama.cpp's `-ctk`/`-ctv`).
+    pub fn with_cache_types(
+        model: &'m LlamaModel,
+        n_ctx: u32,
+        n_batch: u32,
+        n_threads: usize,
+        [type_k, type_v]: [DType; 2],
+    ) -> Result<Self, GgmlError> {
         // SAFETY: returns a plain struct of defaults.
         let mut params = unsafe { sys::llama_context_default_params() };
+        params.type_k = type_k.0;
+        params.type_v = type_v.0;
         params.n_ctx = n_ctx;
         params.n_batch = n_batch;
         params.n_ubatch = n_batch;

@@ -9,6 +9,7 @@
 use llama_cpp_sys_2 as sys;
 
 use crate::graph::{Context, Tensor};
+use crate::DType;
 
 impl Context {
     /// Expert matmul: `experts [k, n, n_expert]`, `b [k, n_b, n_tokens]` (`n_b` is 1 or
@@ -259,6 +260,32 @@ impl Context {
                 keep as i64,
             ))
         }
+    }
+
+    /// `a` converted to `dtype` (a new contiguous tensor of the same shape).
+    pub fn cast<'t>(&'t self, a: Tensor<'t>, dtype: DType) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_cast(self.raw(), a.raw(), dtype.0)) }
+    }
+
+    /// `rot × b` where `rot` (`[n, n]`, f32) is a Walsh-Hadamard matrix, marked so that
+    /// the CPU backend computes it as a fast transform (llama.cpp's
+    /// `llama_mul_mat_hadamard`): `b` of any shape, `n` values at a time.
+    pub fn mul_mat_hadamard<'t>(&'t self, rot: Tensor<'t>, b: Tensor<'t>) -> Tensor<'t> {
+        let n = rot.ne()[0];
+        let rows = if b.is_contiguous() {
+            self.reshape_2d(b, n, b.n_elements() / n)
+        } else {
+            self.cont_2d(b, n, b.n_elements() / n)
+        };
+        // SAFETY: records a node over valid tensors and sets an op parameter of the
+        // matmul node (ggml asserts the op).
+        let product = unsafe {
+            let out = sys::ggml_mul_mat(self.raw(), rot.raw(), rows.raw());
+            sys::ggml_mul_mat_set_hint(out, sys::GGML_HINT_SRC0_IS_HADAMARD);
+            self.wrap(out)
+        };
+        self.reshape_4d(product, b.ne())
     }
 
     /// A contiguous copy of `a` with the 2-d shape `[ne0, ne1]`.

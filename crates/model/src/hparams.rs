@@ -9,6 +9,7 @@ use baton_gguf::Gguf;
 
 use crate::arch::moe::MoeParams;
 use crate::arch::{self, Architecture};
+use crate::cache_type::KvTypes;
 use crate::names::EndTensor;
 use crate::ModelError;
 
@@ -674,24 +675,30 @@ impl HParams {
         self.head_dim_v * self.n_head_kv
     }
 
-    /// Bytes one token takes in one layer's KV cache: f16 keys and values, or with MLA
-    /// only the compressed row (see [`crate::KvCache`]).
-    pub fn kv_cell_bytes(&self) -> usize {
-        let values = if self.mla.is_some() { 0 } else { self.n_embd_v_gqa() };
-        (self.n_embd_k_gqa() + values) * 2
+    /// Bytes one token takes in one layer's KV cache: keys and values of `types`
+    /// (ggml's row size of each), or with MLA only the compressed row (see
+    /// [`crate::KvCache`]).
+    pub fn kv_cell_bytes(&self, types: KvTypes) -> usize {
+        let values = if self.mla.is_some() {
+            0
+        } else {
+            types.v.row_bytes(self.n_embd_v_gqa())
+        };
+        types.k.row_bytes(self.n_embd_k_gqa()) + values
     }
 
     /// Bytes layer `layer`'s cache takes on a stage of `n_ctx` cells for `n_seq`
-    /// sequences: keys and values of every cell for an attention layer; for a
-    /// recurrent layer, each sequence's kept states (see [`crate::RecurrentCache`]),
-    /// whatever the context; nothing for a layer that does neither.
-    pub fn layer_cache_bytes(&self, layer: usize, n_ctx: usize, n_seq: usize) -> u64 {
+    /// sequences: keys and values (of `types`) of every cell for an attention layer;
+    /// for a recurrent layer, each sequence's kept states (f32, see
+    /// [`crate::RecurrentCache`]), whatever the context; nothing for a layer that does
+    /// neither.
+    pub fn layer_cache_bytes(&self, layer: usize, n_ctx: usize, n_seq: usize, types: KvTypes) -> u64 {
         match &self.ssm {
             Some(ssm) if self.is_recurrent(layer) => {
                 let rows = crate::recurrent::state_rows(n_seq) as u64;
                 rows * ((ssm.conv_state_len() + ssm.state_len()) * std::mem::size_of::<f32>()) as u64
             }
-            _ if self.has_kv(layer) => (self.kv_cell_bytes() * n_ctx) as u64,
+            _ if self.has_kv(layer) => (self.kv_cell_bytes(types) as u64).saturating_mul(n_ctx as u64),
             _ => 0,
         }
     }

@@ -1,10 +1,12 @@
-//! The KV cache of one stage: f16 keys and values for each of its layers, in cells
-//! shared by many sequences. Each cell holds one token of one sequence.
+//! The KV cache of one stage: keys and values for each of its layers (f16, or the
+//! types of [`KvTypes`]), in cells shared by many sequences. Each cell holds one token
+//! of one sequence.
 
 use std::ops::Range;
 
 use baton_ggml::{Buffer, BufferType, Context, DType, Tensor};
 
+use crate::cache_type::{hadamard, KvTypes};
 use crate::hparams::{HParams, Window};
 use crate::ModelError;
 
@@ -41,9 +43,11 @@ const FREE: Cell = Cell { pos: -1, seq: 0 };
 
 /// Keys and values for a stage's layers plus the cell bookkeeping.
 pub struct KvCache {
-    // Tensors `cache_k_l{layer}` / `cache_v_l{layer}` live in `ctx`, their data in
-    // `buffer`; none for a tensor-parallel member without heads (cells only).
+    // Tensors `cache_k_l{layer}` / `cache_v_l{layer}` (and the rotations `cache_k_rot`
+    // / `cache_v_rot` of quantized types) live in `ctx`, their data in `buffer`; none
+    // for a tensor-parallel member without heads (cells only).
     ctx: Context,
+    types: KvTypes,
     buffer: Option<Buffer>,
     layers: Range<usize>,
     cells: Vec<Cell>,
@@ -60,16 +64,17 @@ impl KvCache {
     /// so a sequence computes the same in any batch (ggml accumulates attention in f16,
     /// where order shows). With `n_seq = 0` any free cell is taken.
     pub fn new(hp: &HParams, layers: Range<usize>, n_ctx: usize, n_seq: usize) -> Result<KvCache, ModelError> {
-        KvCache::new_in(hp, layers, n_ctx, n_seq, None)
+        KvCache::new_in(hp, layers, n_ctx, n_seq, KvTypes::default(), None)
     }
 
-    /// [`KvCache::new`] with the keys and values in memory of `buft` (a device's own
-    /// memory) instead of the CPU's.
+    /// [`KvCache::new`] with keys and values of `types`, in memory of `buft` (a
+    /// device's own memory) instead of the CPU's.
     pub fn new_in(
         hp: &HParams,
         layers: Range<usize>,
         n_ctx: usize,
         n_seq: usize,
+        types: KvTypes,
         buft: Option<BufferType>,
     ) -> Result<KvCache, ModelError> {
         if n_ctx == 0 {
@@ -80,18 +85,24 @@ impl KvCache {
                 "{n_seq} sequences cannot share {n_ctx} cells"
             )));
         }
-        let ctx = Context::new(2 * layers.len() + 2, 0);
+        types.check(hp)?;
+        let ctx = Context::new(2 * layers.len() + 4, 0);
         // Recurrent layers keep states instead (see `RecurrentCache`); layers that do not
         // attend keep nothing.
         let has_heads = hp.n_embd_k_gqa() > 0 && layers.clone().any(|l| hp.has_kv(l));
         for layer in layers.clone().filter(|&l| has_heads && hp.has_kv(l)) {
-            ctx.new_tensor(DType::F16, &[hp.n_embd_k_gqa() as i64, n_ctx as i64])
+            ctx.new_tensor(types.k.dtype(), &[hp.n_embd_k_gqa() as i64, n_ctx as i64])
                 .named(&format!("cache_k_l{layer}"));
             // MLA caches only the compressed keys; values are a view of them.
             if hp.mla.is_none() {
-                ctx.new_tensor(DType::F16, &[hp.n_embd_v_gqa() as i64, n_ctx as i64])
+                ctx.new_tensor(types.v.dtype(), &[hp.n_embd_v_gqa() as i64, n_ctx as i64])
                     .named(&format!("cache_v_l{layer}"));
             }
+        }
+        let rotations = [("k", types.k_rotation(hp)), ("v", types.v_rotation(hp))];
+        for (kind, n) in rotations.iter().filter(|(_, n)| has_heads && *n > 0) {
+            ctx.new_tensor(DType::F32, &[*n as i64, *n as i64])
+                .named(&format!("cache_{kind}_rot"));
         }
         let buffer = if has_heads {
             let mut buffer = match buft {
@@ -100,12 +111,18 @@ impl KvCache {
             };
             // Zeroed so that never-written cells hold finite values (masked, but multiplied).
             buffer.clear(0);
+            for (kind, n) in rotations.iter().filter(|(_, n)| *n > 0) {
+                if let Some(rot) = ctx.get_tensor(&format!("cache_{kind}_rot")) {
+                    rot.write(&hadamard(*n))?;
+                }
+            }
             Some(buffer)
         } else {
             None
         };
         Ok(KvCache {
             ctx,
+            types,
             buffer,
             layers,
             cells: vec![FREE; n_ctx],
@@ -123,6 +140,24 @@ impl KvCache {
     /// have none (their values are the first `head_dim_v` entries of each key row).
     pub fn v(&self, layer: usize) -> Tensor<'_> {
         self.tensor("v", layer)
+    }
+
+    /// The element types of keys and values.
+    pub fn types(&self) -> KvTypes {
+        self.types
+    }
+
+    /// The Walsh-Hadamard matrix queries and keys are rotated by before a quantized
+    /// key cache (see [`KvTypes::k_rotation`]); `None` when they are not.
+    pub fn k_rotation(&self) -> Option<Tensor<'_>> {
+        self.ctx.get_tensor("cache_k_rot")
+    }
+
+    /// The matrix values are rotated by before a quantized value cache, and the
+    /// attention's output after it (see [`KvTypes::v_rotation`]); `None` when they are
+    /// not.
+    pub fn v_rotation(&self) -> Option<Tensor<'_>> {
+        self.ctx.get_tensor("cache_v_rot")
     }
 
     fn tensor(&self, kind: &str, layer: usize) -> Tensor<'_> {
@@ -146,7 +181,8 @@ impl KvCache {
         self.n_used
     }
 
-    /// Bytes of key and value memory.
+    /// Bytes of key and value memory (with a quantized type, also the two rotation
+    /// matrices: 16 KiB each for heads of 64).
     pub fn bytes(&self) -> usize {
         self.buffer.as_ref().map_or(0, Buffer::size)
     }
@@ -422,6 +458,53 @@ mod tests {
             (Window::Sliding(16), 20, 6, false),
         ] {
             assert_eq!(window.hides(pos, past), hidden, "{window:?} {pos} {past}");
+        }
+    }
+
+    /// A quantized block must lie within one head: heads of 4 values take no q8_0
+    /// (blocks of 32), and the error names the flag and both sizes.
+    #[test]
+    fn quantized_types_whose_blocks_straddle_heads_are_refused() {
+        use crate::CacheType;
+        let types = KvTypes {
+            k: CacheType::F32,
+            v: CacheType::Q8_0,
+        };
+        let err = KvCache::new_in(&tiny(), 0..2, 8, 0, types, None)
+            .err()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            err,
+            "bad stage configuration: --cache-type-v q8_0 stores blocks of 32 values, which do not divide this \
+             model's head size 4"
+        );
+        let kv = KvCache::new_in(&tiny(), 0..2, 8, 0, KvTypes::both(CacheType::Bf16), None).unwrap();
+        assert_eq!(
+            kv.bytes(),
+            2 * 2 * 8 * 4 * 2,
+            "2 layers, keys and values, 8 cells of 4 bf16"
+        );
+        assert!(kv.k_rotation().is_none(), "float types are not rotated");
+    }
+
+    /// Rotations of the sizes llama.cpp picks: keys by 64 doubled while it divides the
+    /// head, values by 64, none when the head is not a multiple of 64 or the type is
+    /// not quantized.
+    #[test]
+    fn rotations_take_llama_cpps_sizes() {
+        use crate::CacheType;
+        let mut hp = tiny();
+        let q8 = KvTypes::both(CacheType::Q8_0);
+        for (head, k, v) in [(64, 64, 64), (128, 128, 64), (256, 256, 64), (192, 64, 64), (96, 0, 0)] {
+            hp.head_dim_k = head;
+            hp.head_dim_v = head;
+            assert_eq!((q8.k_rotation(&hp), q8.v_rotation(&hp)), (k, v), "head {head}");
+            let floats = KvTypes {
+                k: CacheType::Bf16,
+                v: CacheType::F32,
+            };
+            assert_eq!((floats.k_rotation(&hp), floats.v_rotation(&hp)), (0, 0));
         }
     }
 

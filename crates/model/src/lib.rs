@@ -3,6 +3,7 @@
 #![deny(unsafe_code)]
 
 mod arch;
+mod cache_type;
 mod chain;
 pub mod example;
 mod group;
@@ -25,6 +26,7 @@ use std::path::PathBuf;
 
 pub use arch::moe::{Gating, MoeParams};
 pub use arch::{find as find_architecture, supported_names, Architecture, Shape, ARCHITECTURES};
+pub use cache_type::{CacheType, KvTypes, UnknownCacheType};
 pub use chain::StageChain;
 pub use group::StageGroup;
 pub use hparams::{AttnTemp, HParams, Keys, Mla, Ssm, SsmKind, SwaType, TpHeads, Window, Yarn};

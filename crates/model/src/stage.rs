@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use baton_ggml::{Context, DType, Device, GraphId, HostOp, Tensor, TensorId};
 
 use crate::arch::{Builder, Gather, SpanInputs, StateRunInputs, StepInputs, TpOps};
+use crate::cache_type::KvTypes;
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
 use crate::recurrent::{RecurrentCache, StateRun};
@@ -27,6 +28,8 @@ pub struct StageConfig {
     /// Sequences with a region of the cache each (`n_ctx / n_seq` cells); 0: all
     /// sequences share every cell (see [`crate::KvCache::new`]).
     pub n_seq: usize,
+    /// Element types of the cached keys and values (recurrent states stay f32).
+    pub kv_types: KvTypes,
 }
 
 impl StageConfig {
@@ -37,6 +40,7 @@ impl StageConfig {
             n_threads,
             repack: true,
             n_seq: 0,
+            kv_types: KvTypes::default(),
         }
     }
 }
@@ -277,7 +281,14 @@ impl Stage {
         let runner = Runner::new(device, config.n_threads)?;
         let weights = StageWeights::load_split(file.clone(), &span, config.repack, device, split)?;
         let own = (!device.is_cpu()).then(|| device.buffer_type());
-        let kv = KvCache::new_in(&hp, span.layers.clone(), config.n_ctx, config.n_seq, own)?;
+        let kv = KvCache::new_in(
+            &hp,
+            span.layers.clone(),
+            config.n_ctx,
+            config.n_seq,
+            config.kv_types,
+            own,
+        )?;
         let rs = RecurrentCache::new_in(&hp, span.layers.clone(), config.n_seq, own)?;
         let tp = member
             .map(|(split, collective)| Member::new(full, split, collective))

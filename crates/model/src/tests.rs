@@ -8,8 +8,8 @@ use baton_gguf::{GgmlType, GgufWriter, Value};
 
 use crate::example::{example_gguf, ExampleOptions};
 use crate::{
-    Batch, LogitReply, ModelError, ModelFile, RowBest, Shape, Stage, StageChain, StageConfig, StageGroup, StageInput,
-    StageOutput, StageSpan, ARCHITECTURES,
+    Batch, KvTypes, LogitReply, ModelError, ModelFile, RowBest, Shape, Stage, StageChain, StageConfig, StageGroup,
+    StageInput, StageOutput, StageSpan, ARCHITECTURES,
 };
 
 const N_LAYER: usize = 3;
@@ -496,7 +496,7 @@ fn kv_cache_is_sized_per_architecture() {
     ] {
         let file = open(&format!("kv-{arch}.gguf"), &tiny_model(arch, |w| w)).unwrap();
         assert_eq!(
-            file.hparams().kv_cell_bytes(),
+            file.hparams().kv_cell_bytes(KvTypes::default()),
             row_bytes,
             "{arch}: what the planner counts"
         );
@@ -511,7 +511,9 @@ fn kv_cache_is_sized_per_architecture() {
     let row_bytes = 2 * (2 * 8) * 2;
     let ssm = hp.ssm.clone().unwrap();
     let states = crate::recurrent::state_rows(1) * (ssm.conv_state_len() + ssm.state_len()) * 4;
-    let per_layer: Vec<u64> = (0..N_LAYER).map(|l| hp.layer_cache_bytes(l, n_ctx, 1)).collect();
+    let per_layer: Vec<u64> = (0..N_LAYER)
+        .map(|l| hp.layer_cache_bytes(l, n_ctx, 1, KvTypes::default()))
+        .collect();
     assert_eq!(per_layer, [states as u64, 0, (n_ctx * row_bytes) as u64]);
     let stage = Stage::load(file, span, &StageConfig::new(n_ctx, 1)).unwrap();
     assert_eq!(stage.kv().bytes(), n_ctx * row_bytes);

@@ -514,6 +514,29 @@ pub fn plan_with_split(cost: &ModelCost, nodes: &[NodeOffer], sizes: &[usize]) -
     })
 }
 
+/// The largest KV cache, in cells, that `fits` (a plan over the nodes succeeds, or one
+/// machine holds it): `most` itself when it fits, else the largest multiple of `step`
+/// below it that does; `None` when not even `step` cells fit. `fits` must be monotonic
+/// (what fits with more cells fits with fewer); it is asked about a logarithmic number
+/// of sizes.
+pub fn largest_context(most: usize, step: usize, mut fits: impl FnMut(usize) -> bool) -> Option<usize> {
+    if most > 0 && fits(most) {
+        return Some(most);
+    }
+    let step = step.max(1);
+    // The largest k with k × step < most and fits(k × step); 0 stands for none.
+    let (mut lo, mut hi) = (0, most.saturating_sub(1) / step);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid * step) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    (lo > 0).then_some(lo * step)
+}
+
 fn not_enough_memory(cost: &ModelCost, nodes: &[NodeOffer]) -> PlanError {
     let needed = cost.stage_bytes(&(0..cost.n_layers()));
     let offered = nodes.iter().map(NodeOffer::memory).sum();
@@ -829,6 +852,31 @@ mod tests {
             "{}",
             plan.left_out[0].1
         );
+    }
+
+    #[test]
+    fn the_largest_context_that_fits_is_found() {
+        // (most, step, the largest size that fits, expected)
+        for (most, step, limit, expected) in [
+            (32768, 256, usize::MAX, Some(32768)),
+            (32768, 256, 32767, Some(32512)),
+            (32768, 256, 10_000, Some(9984)),
+            (32768, 1024, 10_000, Some(9216)),
+            (32768, 256, 256, Some(256)),
+            (32768, 256, 255, None),
+            (1000, 256, 999, Some(768)),
+            (100, 256, 99, None),
+            (100, 256, 100, Some(100)),
+            (0, 256, usize::MAX, None),
+        ] {
+            let mut asked = 0;
+            let got = largest_context(most, step, |n| {
+                asked += 1;
+                n <= limit
+            });
+            assert_eq!(got, expected, "most {most}, step {step}, limit {limit}");
+            assert!(asked <= 10, "{asked} sizes asked for most {most}");
+        }
     }
 
     #[test]

@@ -49,7 +49,8 @@
 //! |      |              | session u64                                                              |
 //! | 6    | LoadPlan     | model: ModelRef, layer_start u32, layer_end u32, first bool, last bool,  |
 //! |      |              | n_ctx u32, n_seq u32, next opt<str>, stream bool, wire_f16 bool,         |
-//! |      |              | repack bool, devices [DeviceRange], tp opt<TpPlace>                      |
+//! |      |              | repack bool, devices [DeviceRange], tp opt<TpPlace>, cache_type_k str,   |
+//! |      |              | cache_type_v str                                                         |
 //! | 7    | StreamStart  | header bytes, tensors [TensorEntry]                                      |
 //! | 8    | TensorChunk  | index u32, offset u64, data bytes                                        |
 //! | 9    | Loaded       | resident u64, received u64                                               |

@@ -36,7 +36,9 @@ use baton_sample::SamplingParams;
 /// `u64::MAX - step` stood for it.
 /// 12: `Error` says what kind of failure it reports ([`Fault`]).
 /// 13: `Checkpoint` (kind 26): stages keep a copy of a sequence's recurrent states.
-pub const PROTOCOL_VERSION: u32 = 13;
+/// 14: `LoadPlan` ends with the element types of the KV cache (`cache_type_k`,
+/// `cache_type_v`), one setting for the whole ring.
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// Most members a tensor-parallel group may have (the head never plans more; a
 /// `LoadPlan` naming more is refused at decoding).
@@ -364,6 +366,12 @@ pub struct LoadPlan {
     /// (`None`: it computes the whole stage alone). Every member gets the same layers;
     /// member 0 sits in the ring (`next` is its), the others answer member 0 only.
     pub tp: Option<TpPlace>,
+    /// Element type of the cached keys, as llama.cpp's `-ctk` names it (`f16`, `q8_0`):
+    /// the head chooses one setting for the whole ring, and the worker refuses a name
+    /// it does not know.
+    pub cache_type_k: String,
+    /// Element type of the cached values (`-ctv`).
+    pub cache_type_v: String,
 }
 
 /// A worker's place in a tensor-parallel group (see [`LoadPlan::tp`]).
@@ -410,7 +418,7 @@ pub enum Message {
     /// Worker → head.
     Capabilities(Capabilities),
     /// Head → worker: load this.
-    LoadPlan(LoadPlan),
+    LoadPlan(Box<LoadPlan>),
     /// Head → worker (streaming): the file's header and tensor index, and the tensors
     /// that will follow.
     StreamStart { header: Vec<u8>, tensors: Vec<TensorEntry> },

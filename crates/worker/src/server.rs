@@ -17,7 +17,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use baton_ggml::Device;
-use baton_model::{ModelFile, Stage, StageChain, StageConfig, StageGroup, StageSpan};
+use baton_model::{CacheType, KvTypes, ModelFile, Stage, StageChain, StageConfig, StageGroup, StageSpan};
 use baton_net::{
     client_handshake, connect_by, refuse_unexpected_auth, Link, LinkCloser, LinkOptions, Listener, NetError,
 };
@@ -563,6 +563,7 @@ enum Loaded {
 /// after linking with the group's other members (before any tensor is received: the
 /// head sends every member its plan before it streams to any).
 fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Result<Loaded, NodeError> {
+    let kv_types = plan_kv_types(plan)?;
     let mesh = plan.tp.as_ref().map(|place| form_mesh(shared, id, place)).transpose()?;
     let (path, received, verified) = if plan.stream {
         let got = receive_stage_tensors(&shared.models, &plan.model, link)?;
@@ -594,6 +595,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
         n_threads: shared.config.threads,
         repack: plan.repack,
         n_seq: plan.n_seq as usize,
+        kv_types,
     };
     let devices = baton_stage::or_cpu(&shared.config.devices);
     let offered = baton_stage::device_memory(&devices, shared.config.memory)
@@ -696,6 +698,15 @@ fn split_between(span: &StageSpan, devices: &[Device]) -> Vec<(StageSpan, Device
     baton_stage::part_spans(span, parts.collect())
 }
 
+/// The element types of the KV cache the head chose for the ring.
+fn plan_kv_types(plan: &LoadPlan) -> Result<KvTypes, NodeError> {
+    let parse = |name: &str| CacheType::parse(name).map_err(|e| NodeError::Request(format!("the head's plan: {e}")));
+    Ok(KvTypes {
+        k: parse(&plan.cache_type_k)?,
+        v: parse(&plan.cache_type_v)?,
+    })
+}
+
 /// Refuses a plan whose KV cache alone exceeds the memory this worker offers: the head
 /// chose `n_ctx`, and the cache is allocated and zeroed at once, so an absurd one would
 /// otherwise take the worker's memory (or the process) with it.
@@ -704,7 +715,7 @@ fn check_kv_fits(file: &ModelFile, span: &StageSpan, config: &StageConfig, offer
     let kv: u128 = span
         .layers
         .clone()
-        .map(|l| hp.layer_cache_bytes(l, config.n_ctx, config.n_seq) as u128)
+        .map(|l| hp.layer_cache_bytes(l, config.n_ctx, config.n_seq, config.kv_types) as u128)
         .sum();
     if kv > offered as u128 {
         return Err(NodeError::Request(format!(

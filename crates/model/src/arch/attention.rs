@@ -2,7 +2,7 @@
 //! it with flash attention: which optional pieces a layer has (fused qkv, biases, q/k
 //! norms, attention sinks) follows from the tensors its architecture lists.
 
-use baton_ggml::Tensor;
+use baton_ggml::{DType, Tensor};
 
 use super::builder::{concat_all, Shard};
 use super::Builder;
@@ -183,11 +183,16 @@ impl<'g> Builder<'g> {
     /// Stores the batch's keys and values in layer `layer`'s cache cells, then attends:
     /// `q [d_k, n_head, n_tokens]` over the cache, with optional per-head `sinks`.
     /// Returns `[d_v, n_head, n_tokens]`.
+    ///
+    /// Before a quantized cache, queries and keys (and values) are rotated by a
+    /// Walsh-Hadamard matrix, and the output rotated back, as llama.cpp does (see
+    /// [`KvTypes::k_rotation`](crate::KvTypes::k_rotation)); an f32 cache is read as
+    /// f16 by flash attention, as llama.cpp does too.
     pub fn attend(
         &mut self,
         layer: usize,
-        q: Tensor<'g>,
-        kv: KeyValues<'g>,
+        mut q: Tensor<'g>,
+        mut kv: KeyValues<'g>,
         sinks: Option<Tensor<'g>>,
         scale: f32,
     ) -> Tensor<'g> {
@@ -196,6 +201,14 @@ impl<'g> Builder<'g> {
         let n_tokens = self.inputs.n_tokens as i64;
         let [d_k, n_head_kv, _, _] = kv.k.ne();
         let d_v = kv.d_v as i64;
+        if let Some(rot) = self.kv.k_rotation() {
+            q = ctx.mul_mat_hadamard(rot, q);
+            kv.k = ctx.mul_mat_hadamard(rot, kv.k);
+        }
+        let v_rotation = self.kv.v_rotation();
+        if let (Some(rot), Some(v)) = (v_rotation, kv.v) {
+            kv.v = Some(ctx.mul_mat_hadamard(rot, v));
+        }
 
         // Store this batch's keys and values in their cells; expanding the writes now
         // orders them before the attention that reads the cache.
@@ -216,7 +229,7 @@ impl<'g> Builder<'g> {
         // Each span attends on its own (see `KvCache::attention_spans`); the outputs
         // `[d_v, n_head, rows]` join back in row order.
         let swa = hp.is_swa(layer);
-        let k_elt = k_cache.nb()[0];
+        let k_head = k_cache.dtype().row_bytes(d_k as usize);
         let row_bytes = q.nb()[2];
         let mut parts = Vec::with_capacity(self.inputs.spans.len());
         for span in &self.inputs.spans {
@@ -231,12 +244,16 @@ impl<'g> Builder<'g> {
                     cache.nb()[1],
                     cells.start * cache.nb()[1],
                 );
-                ctx.permute(view, [0, 2, 1, 3])
+                let view = ctx.permute(view, [0, 2, 1, 3]);
+                match cache.dtype() {
+                    DType::F32 => ctx.cast(view, DType::F16),
+                    _ => view,
+                }
             };
-            let keys = cache_view(k_cache, d_k, k_elt * d_k as usize);
+            let keys = cache_view(k_cache, d_k, k_head);
             let values = match v_cache {
-                Some(v_cache) => cache_view(v_cache, d_v, v_cache.nb()[0] * d_v as usize),
-                None => cache_view(k_cache, d_v, k_elt * d_k as usize),
+                Some(v_cache) => cache_view(v_cache, d_v, v_cache.dtype().row_bytes(d_v as usize)),
+                None => cache_view(k_cache, d_v, k_head),
             };
             let q_rows = ctx.view_3d(
                 q,
@@ -254,6 +271,10 @@ impl<'g> Builder<'g> {
             }
             parts.push(part); // [d_v, n_head, rows]
         }
-        concat_all(ctx, parts, 2)
+        let out = concat_all(ctx, parts, 2);
+        match v_rotation {
+            Some(rot) => ctx.mul_mat_hadamard(rot, out),
+            None => out,
+        }
     }
 }

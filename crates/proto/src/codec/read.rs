@@ -33,7 +33,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
         },
         kind::DESCRIBE => Message::Describe { model: r.model_ref()? },
         kind::CAPABILITIES => Message::Capabilities(r.capabilities()?),
-        kind::LOAD_PLAN => Message::LoadPlan(r.load_plan()?),
+        kind::LOAD_PLAN => Message::LoadPlan(Box::new(r.load_plan()?)),
         kind::STREAM_START => {
             let header = r.bytes("header")?;
             let n = r.count("tensors", TENSOR_ENTRY_MIN)?;
@@ -392,6 +392,8 @@ impl<'a> Reader<'a> {
                 false => None,
                 true => Some(self.tp_place()?),
             },
+            cache_type_k: self.str("cache_type_k")?,
+            cache_type_v: self.str("cache_type_v")?,
         };
         if plan.layer_start > plan.layer_end {
             let reason = format!("layer_start {} is after layer_end {}", plan.layer_start, plan.layer_end);

@@ -190,6 +190,8 @@ const MESSAGES: [Layout; 26] = [
             Field("repack", Ty::Bool),
             Field("devices", Ty::List(&Ty::Struct(&DEVICE_RANGE))),
             Field("tp", Ty::Opt(&Ty::Struct(&TP_PLACE))),
+            Field("cache_type_k", Ty::Str),
+            Field("cache_type_v", Ty::Str),
         ],
     },
     Layout {

@@ -81,6 +81,8 @@ pub(super) fn samples() -> Vec<Message> {
             },
         ],
         tp: None,
+        cache_type_k: "q8_0".into(),
+        cache_type_v: "f16".into(),
     };
     let tensor = |name: &str, offset| TensorEntry {
         name: name.into(),
@@ -153,8 +155,8 @@ pub(super) fn samples() -> Vec<Message> {
             ring_addr: "[::1]:0".into(),
             session: 0,
         }),
-        Message::LoadPlan(plan.clone()),
-        Message::LoadPlan(LoadPlan {
+        Message::LoadPlan(Box::new(plan.clone())),
+        Message::LoadPlan(Box::new(LoadPlan {
             next: Some("10.0.0.3:7311".into()),
             first: true,
             last: false,
@@ -164,7 +166,7 @@ pub(super) fn samples() -> Vec<Message> {
                 members: vec!["10.0.0.3:7311".into(), "unix:/tmp/w1.sock".into(), "[::1]:7".into()],
             }),
             ..plan
-        }),
+        })),
         Message::StreamStart {
             header: b"GGUF\x03\0\0\0".to_vec(),
             tensors: vec![tensor("blk.0.attn_q.weight", 1 << 33), tensor("", 0)],
@@ -753,8 +755,10 @@ fn invalid_values_are_refused() {
         repack: false,
         devices: vec![],
         tp: None,
+        cache_type_k: "f16".into(),
+        cache_type_v: "f16".into(),
     };
-    let (kind, payload) = payload_of(&Message::LoadPlan(plan.clone()));
+    let (kind, payload) = payload_of(&Message::LoadPlan(Box::new(plan.clone())));
     assert_eq!(
         invalid_reason(decode(kind, &payload)),
         "layer_start 5 is after layer_end 4"
@@ -784,7 +788,7 @@ fn invalid_values_are_refused() {
             devices,
             ..plan.clone()
         };
-        let (kind, payload) = payload_of(&Message::LoadPlan(plan));
+        let (kind, payload) = payload_of(&Message::LoadPlan(Box::new(plan)));
         assert_eq!(invalid_reason(decode(kind, &payload)), reason);
     }
     let caps = Capabilities {
@@ -908,14 +912,16 @@ fn tp_places_outside_their_group_are_refused() {
             rank,
             members: (0..members).map(|m| format!("w{m}:1")).collect(),
         }),
+        cache_type_k: "f16".into(),
+        cache_type_v: "f16".into(),
     };
     let reason = |plan: LoadPlan| {
-        let (kind, payload) = payload_of(&Message::LoadPlan(plan));
+        let (kind, payload) = payload_of(&Message::LoadPlan(Box::new(plan)));
         invalid_reason(decode(kind, &payload))
     };
     assert_eq!(reason(place(2, 2)), "rank 2 in a group of 2");
     assert_eq!(reason(place(0, 1)), "1 members; a group has 2 to 64");
     assert_eq!(reason(place(0, 65)), "65 members; a group has 2 to 64");
-    let (kind, payload) = payload_of(&Message::LoadPlan(place(1, 64)));
+    let (kind, payload) = payload_of(&Message::LoadPlan(Box::new(place(1, 64))));
     assert!(decode(kind, &payload).is_ok(), "64 members are allowed");
 }

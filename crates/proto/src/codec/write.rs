@@ -283,6 +283,8 @@ impl Writer<'_> {
                 place.members.iter().for_each(|m| self.str(m));
             }
         }
+        self.str(&plan.cache_type_k);
+        self.str(&plan.cache_type_v);
     }
 
     fn tensor_entry(&mut self, entry: &TensorEntry) {
