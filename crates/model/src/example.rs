@@ -102,7 +102,10 @@ fn random_weights(spec: &TensorSpec, seed: u64) -> Vec<f32> {
         bits as f32 / (1u64 << 23) as f32 - 1.0
     };
     let (scale, offset) = match spec.usage {
-        Use::Elementwise if spec.name.contains("norm") => (0.1, 1.0),
+        // Norm weights and a layer's output scale (Gemma 4) near 1.
+        Use::Elementwise if spec.name.contains("norm") || spec.name.ends_with("layer_output_scale.weight") => {
+            (0.1, 1.0)
+        }
         // A DeltaNet layer's decay rate must be negative (a real model's `-exp(A_log)`),
         // or its state grows without bound; its convolution taps near unit scale.
         Use::Elementwise if spec.name.ends_with(".ssm_a") => (0.5, -1.0),

@@ -71,6 +71,8 @@ tensor_names! {
         PostAttentionNorm = "post_attention_norm.weight",
         FfnNorm = "ffn_norm.weight",
         PostFfwNorm = "post_ffw_norm.weight",
+        // One factor scaling the layer's output (Gemma 4).
+        LayerOutputScale = "layer_output_scale.weight",
         FfnGate = "ffn_gate.weight",
         FfnUp = "ffn_up.weight",
         FfnDown = "ffn_down.weight",

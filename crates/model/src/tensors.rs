@@ -278,6 +278,11 @@ pub fn attention_whole_qk_norms(t: &mut LayerPlan<'_>) {
 /// Per-head RMS norms of queries and keys (`attn_q_norm`, `attn_k_norm`).
 pub fn qk_norms(t: &mut LayerPlan<'_>, presence: Presence) {
     let head = t.hp.head_dim_k;
+    qk_norms_of(t, head, presence);
+}
+
+/// Per-head RMS norms of queries and keys of heads of `head` values.
+pub fn qk_norms_of(t: &mut LayerPlan<'_>, head: usize, presence: Presence) {
     t.vec(LayerTensor::AttnQNorm, &[head], Split::WithHeads)
         .presence(presence);
     t.vec(LayerTensor::AttnKNorm, &[head], Split::WithHeads)

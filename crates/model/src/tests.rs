@@ -297,7 +297,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4)"
     );
 
     // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
@@ -511,6 +511,60 @@ fn kv_cache_is_sized_per_architecture() {
     assert_eq!(per_layer, [states as u64, 0, (n_ctx * row_bytes) as u64]);
     let stage = Stage::load(file, span, &StageConfig::new(n_ctx, 1)).unwrap();
     assert_eq!(stage.kv().bytes(), n_ctx * row_bytes);
+}
+
+/// Gemma 4's sliding-window layers (0 and 2 of the tiny model) cache 2 heads of 8 per
+/// token, its global layer 1 head of 32; the planner counts each layer at its size; a
+/// tensor-parallel group is refused with the reason. Its variants baton does not
+/// compute are refused with the key named.
+#[test]
+fn gemma4_layers_of_each_kind_have_their_own_heads() {
+    let n_ctx = 64;
+    let file = open("kv-gemma4.gguf", &tiny_model("gemma4", |w| w)).unwrap();
+    let hp = file.hparams().clone();
+    let (swa, global) = ((2 * (2 * 8) * 2 * n_ctx) as u64, (2 * 32 * 2 * n_ctx) as u64);
+    let per_layer: Vec<u64> = (0..N_LAYER).map(|l| hp.layer_cache_bytes(l, n_ctx, 1)).collect();
+    assert_eq!(per_layer, [swa, global, swa]);
+    let span = StageSpan {
+        layers: 0..N_LAYER,
+        first: true,
+        last: true,
+    };
+    let stage = Stage::load(file, span, &StageConfig::new(n_ctx, 1)).unwrap();
+    assert_eq!(stage.kv().bytes() as u64, 2 * swa + global);
+    let err = crate::TpSplit::new(&hp, 0, 2).unwrap_err().to_string();
+    assert!(
+        err.contains("gemma4's sliding-window layers have heads of their own (2 key/value heads of 8, the global layers 1 of 32)")
+            && err.contains("run it as pipeline stages"),
+        "{err}"
+    );
+
+    let refused = |name: &str, key: &str, value: Value| {
+        let bytes = tiny_model("gemma4", |w| w.without_kv(key).kv(key, value));
+        err_text(name, &bytes)
+    };
+    assert_eq!(
+        refused("ple.gguf", "gemma4.embedding_length_per_layer_input", Value::U32(256)),
+        "bad hyper-parameters: gemma4.embedding_length_per_layer_input 256: per-layer embeddings \
+         (Gemma 4 E2B, E4B) are not supported yet"
+    );
+    assert_eq!(
+        refused("shared-kv.gguf", "gemma4.attention.shared_kv_layers", Value::U32(2)),
+        "bad hyper-parameters: gemma4.attention.shared_kv_layers 2: layers that reuse an earlier \
+         layer's keys and values (Gemma 4 E2B, E4B) are not supported yet"
+    );
+    let experts = tiny_model("gemma4", |w| {
+        w.kv("gemma4.expert_count", Value::U32(8))
+            .kv("gemma4.expert_used_count", Value::U32(2))
+    });
+    assert_eq!(
+        err_text("experts.gguf", &experts),
+        "bad hyper-parameters: gemma4.expert_count 8: experts (Gemma 4 26B-A4B) are not supported yet"
+    );
+    assert_eq!(
+        refused("pattern.gguf", "gemma4.attention.sliding_window_pattern", Value::U32(2)),
+        "bad hyper-parameters: gemma4.attention.sliding_window_pattern must be an array of one flag per layer"
+    );
 }
 
 /// Recurrent layers are not split between tensor-parallel members: the group is

@@ -4,7 +4,7 @@
 
 use baton_gguf::Value;
 
-use super::{Architecture, Rope, Shape};
+use super::{Architecture, LayerSizes, Rope, Shape};
 use crate::hparams::{AttnTemp, HParams, Keys};
 use crate::tensors::LayerPlan;
 use crate::ModelError;
@@ -15,7 +15,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Norm,
     rope_freqs: true,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer: super::llama::layer,

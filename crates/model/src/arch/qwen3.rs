@@ -3,7 +3,7 @@
 
 use baton_gguf::Value;
 
-use super::{Architecture, Rope, Shape};
+use super::{Architecture, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{LayerTensor as T, FFN};
 use crate::tensors::{self, LayerPlan, Presence};
@@ -15,7 +15,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Neox,
     rope_freqs: false,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer: super::llama::layer,

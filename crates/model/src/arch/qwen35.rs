@@ -7,7 +7,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::builder::Act;
-use super::{deltanet, Architecture, Builder, Rope, Shape};
+use super::{deltanet, Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::FFN;
 use crate::tensors::{self, LayerPlan};
@@ -20,7 +20,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Imrope,
     rope_freqs: false,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

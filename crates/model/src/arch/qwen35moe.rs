@@ -9,7 +9,7 @@ use baton_gguf::Value;
 use super::builder::Act;
 use super::deltanet::{self, BetaAlpha};
 use super::moe::{DownInput, ExpertAct, Gating, Routing};
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{FfnTensors, LayerTensor as T, FFN_SHEXP};
 use crate::tensors::{self, LayerPlan, Split};
@@ -22,7 +22,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Imrope,
     rope_freqs: false,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

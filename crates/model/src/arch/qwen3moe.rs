@@ -6,7 +6,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::moe::{DownInput, ExpertAct, Gating, Routing};
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::LayerTensor as T;
 use crate::tensors::{self, LayerPlan, Presence};
@@ -19,7 +19,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Neox,
     rope_freqs: false,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

@@ -8,7 +8,7 @@
 
 use baton_gguf::Value;
 
-use super::{deltanet, qwen35moe, Architecture, Rope, Shape};
+use super::{deltanet, qwen35moe, Architecture, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::tensors::LayerPlan;
 use crate::ModelError;
@@ -19,7 +19,7 @@ pub static ARCH: Architecture = Architecture {
     rope: Rope::Neox,
     rope_freqs: false,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer: qwen35moe::layer,
