@@ -443,6 +443,21 @@ fn gemma2_on_two_workers_matches_llama_cpp() {
     two_workers("gemma2", FileType::Q4KM);
 }
 
+/// Gemma 4's synthetic model: sliding-window layers 0 and 2 (2 key/value heads of 64,
+/// a window of 16), global layers 1 and 3 (1 key/value head of 256, keys as values,
+/// another RoPE base), so every split has both kinds on each side of a boundary.
+#[test]
+fn gemma4_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    stages("gemma4", FileType::Q4KM);
+}
+
+#[test]
+fn gemma4_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("gemma4", FileType::Q4KM);
+}
+
 #[test]
 fn minimax_m2_matches_llama_cpp_with_1_2_3_stages() {
     let _serial = serial();

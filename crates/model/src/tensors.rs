@@ -367,7 +367,12 @@ pub fn ends(hp: &HParams, first: bool, last: bool, in_file: &dyn Fn(&str) -> boo
         };
         specs.push(spec(EndTensor::Output, source, vec![embd, vocab], Use::MulMat));
     }
-    if hp.arch.rope_freqs && in_file(EndTensor::RopeFreqs.name()) {
+    let rope_freqs = match hp.arch.rope_freqs {
+        Some(Presence::Required) => true,
+        Some(_) => in_file(EndTensor::RopeFreqs.name()),
+        None => false,
+    };
+    if rope_freqs {
         let n = hp.rope.n_dims as i64 / 2;
         specs.push(spec(
             EndTensor::RopeFreqs,

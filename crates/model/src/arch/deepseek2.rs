@@ -26,7 +26,7 @@ pub static ARCH: Architecture = Architecture {
     name: "deepseek2",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
     layer_sizes: LayerSizes::Uniform,
     hparams,

@@ -25,7 +25,7 @@ pub static ARCH: Architecture = Architecture {
     name: "gemma4",
     aliases: &[],
     rope: Rope::Neox,
-    rope_freqs: true,
+    rope_freqs: Some(Presence::Required),
     own_output: false,
     layer_sizes: LayerSizes::KvHeadsPerLayer,
     hparams,

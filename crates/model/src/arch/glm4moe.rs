@@ -19,7 +19,7 @@ pub static ARCH: Architecture = Architecture {
     name: "glm4moe",
     aliases: &[],
     rope: Rope::Neox,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
     layer_sizes: LayerSizes::Uniform,
     hparams,

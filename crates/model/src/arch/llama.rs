@@ -17,7 +17,7 @@ pub static ARCH: Architecture = Architecture {
     name: "llama",
     aliases: &["mistral"],
     rope: Rope::Norm,
-    rope_freqs: true,
+    rope_freqs: Some(Presence::Optional),
     own_output: false,
     layer_sizes: LayerSizes::Uniform,
     hparams,

@@ -21,7 +21,7 @@ pub static ARCH: Architecture = Architecture {
     name: "llama4",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: true,
+    rope_freqs: Some(Presence::Optional),
     own_output: false,
     layer_sizes: LayerSizes::Uniform,
     hparams,

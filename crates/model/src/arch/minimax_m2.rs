@@ -19,7 +19,7 @@ pub static ARCH: Architecture = Architecture {
     name: "minimax-m2",
     aliases: &[],
     rope: Rope::Neox,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: true,
     layer_sizes: LayerSizes::Uniform,
     hparams,

@@ -6,14 +6,14 @@ use baton_gguf::Value;
 
 use super::{Architecture, LayerSizes, Rope, Shape};
 use crate::hparams::{AttnTemp, HParams, Keys};
-use crate::tensors::LayerPlan;
+use crate::tensors::{LayerPlan, Presence};
 use crate::ModelError;
 
 pub static ARCH: Architecture = Architecture {
     name: "mistral3",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: true,
+    rope_freqs: Some(Presence::Optional),
     own_output: false,
     layer_sizes: LayerSizes::Uniform,
     hparams,

@@ -41,7 +41,7 @@ use baton_gguf::Value;
 pub use builder::{Builder, Gather, SpanInputs, StateRunInputs, StepInputs, TpOps};
 
 use crate::hparams::{HParams, Keys};
-use crate::tensors::LayerPlan;
+use crate::tensors::{LayerPlan, Presence};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -128,8 +128,9 @@ pub struct Architecture {
     pub aliases: &'static [&'static str],
     /// How RoPE rotates.
     pub rope: Rope,
-    /// Whether layers may scale RoPE frequencies with a global `rope_freqs.weight`.
-    pub rope_freqs: bool,
+    /// Whether layers scale RoPE frequencies with a global `rope_freqs.weight`, and
+    /// whether the file must have it (`None`: the architecture takes none).
+    pub rope_freqs: Option<Presence>,
     /// Whether the model always has its own `output.weight` (never tied to the token
     /// embedding).
     pub own_output: bool,

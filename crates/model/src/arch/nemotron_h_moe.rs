@@ -20,7 +20,7 @@ pub static ARCH: Architecture = Architecture {
     name: "nemotron_h_moe",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
     layer_sizes: LayerSizes::Blocks,
     hparams,

@@ -20,7 +20,7 @@ pub static ARCH: Architecture = Architecture {
     name: "qwen35moe",
     aliases: &[],
     rope: Rope::Imrope,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
     layer_sizes: LayerSizes::Uniform,
     hparams,

@@ -17,7 +17,7 @@ pub static ARCH: Architecture = Architecture {
     name: "qwen3moe",
     aliases: &[],
     rope: Rope::Neox,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
     layer_sizes: LayerSizes::Uniform,
     hparams,
