@@ -266,7 +266,7 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 /// sequence's greedy tokens are the same alone and beside others. Every MoE family:
 /// routers with selection biases and groups, shared experts, MLA, sinks and windows,
 /// experts weighted before their FFN (llama4), recurrent layers (qwen35moe's DeltaNet,
-/// nemotron_h_moe's Mamba2).
+/// nemotron_h_moe's Mamba2), experts routed by another input than theirs (gemma4).
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
     let _serial = serial();
@@ -281,6 +281,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         "qwen35moe",
         "qwen3next",
         "nemotron_h_moe",
+        "gemma4-moe",
     ] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
@@ -471,6 +472,20 @@ fn gemma4_matches_llama_cpp_with_1_2_3_stages() {
 fn gemma4_on_two_workers_matches_llama_cpp() {
     let _serial = serial();
     two_workers("gemma4", FileType::Q4KM);
+}
+
+/// Gemma 4 with experts (as the 26B-A4B): 8 experts of 256, 2 used, in every layer
+/// beside the dense MLP.
+#[test]
+fn gemma4_moe_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    stages("gemma4-moe", FileType::Q4KM);
+}
+
+#[test]
+fn gemma4_moe_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("gemma4-moe", FileType::Q4KM);
 }
 
 #[test]

@@ -102,8 +102,12 @@ fn random_weights(spec: &TensorSpec, seed: u64) -> Vec<f32> {
         bits as f32 / (1u64 << 23) as f32 - 1.0
     };
     let (scale, offset) = match spec.usage {
-        // Norm weights and a layer's output scale (Gemma 4) near 1.
-        Use::Elementwise if spec.name.contains("norm") || spec.name.ends_with("layer_output_scale.weight") => {
+        // Norm weights and scales (Gemma 4's layer output, router input, experts) near 1.
+        Use::Elementwise
+            if spec.name.contains("norm")
+                || spec.name.ends_with("layer_output_scale.weight")
+                || spec.name.ends_with(".scale") =>
+        {
             (0.1, 1.0)
         }
         // A DeltaNet layer's decay rate must be negative (a real model's `-exp(A_log)`),

@@ -36,14 +36,20 @@ fn shape() -> Shape {
     }
 }
 
-/// A tiny model of architecture `arch` (`mixtral`: llama with experts); `edit` may
+/// A tiny model of architecture `arch` (`mixtral`: llama with experts; `gemma4` dense,
+/// `gemma4-moe` with experts); `edit` may
 /// change the writer before it is saved.
 fn tiny_model(arch: &str, edit: impl FnOnce(GgufWriter) -> GgufWriter) -> Vec<u8> {
     let mut shape = shape();
-    if arch == "llama" {
+    if arch == "llama" || arch == "gemma4" {
         shape.n_expert = 0;
     }
-    let arch = crate::arch::find(if arch == "mixtral" { "llama" } else { arch }).unwrap();
+    let arch = crate::arch::find(match arch {
+        "mixtral" => "llama",
+        "gemma4-moe" => "gemma4",
+        other => other,
+    })
+    .unwrap();
     let options = ExampleOptions {
         n_vocab: N_VOCAB as usize,
         seed: 7,
@@ -53,10 +59,11 @@ fn tiny_model(arch: &str, edit: impl FnOnce(GgufWriter) -> GgufWriter) -> Vec<u8
     edit(example_gguf(arch, &shape, &options, Vec::new()).unwrap()).to_bytes()
 }
 
-/// Every architecture, and llama both dense and with experts.
+/// Every architecture, and llama and gemma4 both dense and with experts.
 fn cases() -> Vec<&'static str> {
     let mut cases: Vec<&'static str> = ARCHITECTURES.iter().map(|a| a.name).collect();
     cases.push("mixtral");
+    cases.push("gemma4-moe");
     cases
 }
 
@@ -516,7 +523,7 @@ fn kv_cache_is_sized_per_architecture() {
 /// Gemma 4's sliding-window layers (0 and 2 of the tiny model) cache 2 heads of 8 per
 /// token, its global layer 1 head of 32; the planner counts each layer at its size; a
 /// tensor-parallel group is refused with the reason. Its variants baton does not
-/// compute are refused with the key named.
+/// compute are refused with the key named, and experts without their width too.
 #[test]
 fn gemma4_layers_of_each_kind_have_their_own_heads() {
     let n_ctx = 64;
@@ -553,14 +560,9 @@ fn gemma4_layers_of_each_kind_have_their_own_heads() {
         "bad hyper-parameters: gemma4.attention.shared_kv_layers 2: layers that reuse an earlier \
          layer's keys and values (Gemma 4 E2B, E4B) are not supported yet"
     );
-    let experts = tiny_model("gemma4", |w| {
-        w.kv("gemma4.expert_count", Value::U32(8))
-            .kv("gemma4.expert_used_count", Value::U32(2))
-    });
-    assert_eq!(
-        err_text("experts.gguf", &experts),
-        "bad hyper-parameters: gemma4.expert_count 8: experts (Gemma 4 26B-A4B) are not supported yet"
-    );
+    let experts = tiny_model("gemma4-moe", |w| w.without_kv("gemma4.expert_feed_forward_length"));
+    let err = err_text("experts.gguf", &experts);
+    assert!(err.contains("gemma4.expert_feed_forward_length"), "{err}");
     assert_eq!(
         refused("pattern.gguf", "gemma4.attention.sliding_window_pattern", Value::U32(2)),
         "bad hyper-parameters: gemma4.attention.sliding_window_pattern must be an array of one flag per layer"

@@ -1,19 +1,23 @@
-//! Gemma 4 (`gemma4`), its dense text models: scaled embeddings; sliding-window and
+//! Gemma 4 (`gemma4`), its text models: scaled embeddings; sliding-window and
 //! global layers in a per-layer pattern, each kind with heads of its own (the 31B: 16
 //! key/value heads of 256 on sliding-window layers, 4 of 512 on global ones) and its own
 //! RoPE (the global layers' frequencies scaled by `rope_freqs`); q/k norms, values
 //! RMS-normalised without a weight, keys reused as values where a layer has no
 //! `attn_v`; unscaled attention; a norm after attention and after the FFN; GeGLU; each
-//! layer's output scaled by one factor; soft-capped logits.
+//! layer's output scaled by one factor; soft-capped logits. With experts (26B-A4B),
+//! every layer runs them beside its dense MLP, each side with norms of its own, routed
+//! by the attention output (normalised without a weight and scaled), GeGLU experts
+//! with an output scale each.
 //!
 //! Not computed (refused with the key named): per-layer embeddings and layers that
-//! reuse an earlier layer's keys and values (E2B, E4B), experts (26B-A4B).
+//! reuse an earlier layer's keys and values (E2B, E4B).
 
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::attention::KeyValues;
 use super::builder::Act;
+use super::moe::{DownInput, ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys, LayerHeads};
 use crate::names::{EndTensor, LayerTensor as T, FFN};
@@ -64,7 +68,11 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         );
     }
     if hp.moe.n_expert > 0 {
-        return unsupported("expert_count", hp.moe.n_expert, "experts", "26B-A4B");
+        // Experts in every layer (llama.cpp: every layer with a router), as wide as
+        // the file says (llama.cpp sizes them by nothing else).
+        let n_layer_all = keys.u32("block_count")?;
+        let n_ff = hp.n_ff;
+        hp.moe.read_ff_exp(keys, n_layer_all, n_ff, true)?;
     }
 
     // Queries and scores unscaled (the q/k norms take the place of 1/sqrt(d)).
@@ -152,6 +160,14 @@ fn tensors(t: &mut LayerPlan<'_>) {
     t.norm(T::PostAttentionNorm, embd);
     t.norm(T::FfnNorm, embd);
     tensors::ffn(t, &FFN, hp.n_ff, false);
+    if hp.is_moe(t.layer) {
+        t.norm(T::PostFfwNorm1, embd);
+        t.norm(T::FfnPreNorm2, embd);
+        t.vec(T::FfnGateInpScale, &[embd], Split::Whole);
+        tensors::experts(t, hp.moe.n_ff_exp, true);
+        t.vec(T::FfnDownExpsScale, &[hp.moe.n_expert], Split::Whole).usual();
+        t.norm(T::PostFfwNorm2, embd);
+    }
     t.norm(T::PostFfwNorm, embd);
     t.vec(T::LayerOutputScale, &[1], Split::Whole).usual();
 }
@@ -164,14 +180,47 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
     let cur = b.norm(cur, w.get(T::PostAttentionNorm));
     let attn_out = b.ctx.add(cur, hidden); // [n_embd, n_tokens]
 
-    let cur = b.norm(attn_out, w.get(T::FfnNorm));
-    let cur = b.ffn(w, &FFN, Act::Gelu, cur);
+    let cur = if b.hp.is_moe(layer) {
+        mlp_and_experts(b, w, layer, attn_out)
+    } else {
+        let cur = b.norm(attn_out, w.get(T::FfnNorm));
+        b.ffn(w, &FFN, Act::Gelu, cur)
+    };
     let cur = b.norm(cur, w.get(T::PostFfwNorm));
     let out = b.ctx.add(cur, attn_out);
     match w.opt(T::LayerOutputScale) {
         Some(scale) => b.ctx.mul(out, scale),
         None => out,
     }
+}
+
+/// The dense MLP and the experts side by side, each between norms of its own, summed.
+/// The router scores the attention output `attn_out` (`[n_embd, n_tokens]`)
+/// normalised without a weight, scaled by `1/sqrt(n_embd)` and `ffn_gate_inp.scale`.
+fn mlp_and_experts<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, attn_out: Tensor<'g>) -> Tensor<'g> {
+    let ctx = b.ctx;
+    let hp = b.hp;
+    let mlp = b.norm(attn_out, w.get(T::FfnNorm));
+    let mlp = b.ffn(w, &FFN, Act::Gelu, mlp);
+    let mlp = b.norm(mlp, w.get(T::PostFfwNorm1)).named(&format!("ffn_mlp-{layer}"));
+
+    let experts_in = b.norm(attn_out, w.get(T::FfnPreNorm2));
+    let router_in = ctx.rms_norm(attn_out, hp.rms_eps);
+    let router_in = ctx.scale(router_in, 1.0 / (hp.n_embd as f32).sqrt());
+    let router_in = ctx.mul(router_in, w.get(T::FfnGateInpScale));
+    let logits = b.router_logits(w, router_in); // [n_expert, n_tokens]
+    let routing = Routing {
+        gating: Gating::Softmax,
+        norm_weights: true,
+        scale: 1.0,
+        act: ExpertAct::Gelu,
+        down_input: DownInput::Backend,
+    };
+    let experts = b.moe_with_logits(w, layer, experts_in, logits, routing);
+    let experts = b
+        .norm(experts, w.get(T::PostFfwNorm2))
+        .named(&format!("ffn_moe-{layer}"));
+    ctx.add(mlp, experts)
 }
 
 /// Normed queries and keys rotated by the layer's RoPE (on global layers scaled by
@@ -229,7 +278,7 @@ fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
         .iter()
         .map(|&swa| Value::U32(if swa { shape.n_head_kv } else { global_kv_heads } as u32))
         .collect();
-    vec![
+    let mut keys = vec![
         ("attention.sliding_window", Value::U32(shape.n_swa as u32)),
         (
             "attention.sliding_window_pattern",
@@ -246,5 +295,13 @@ fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
         ("rope.freq_base_swa", Value::F32(10_000.0)),
         ("embedding_length_per_layer_input", Value::U32(0)),
         ("final_logit_softcapping", Value::F32(30.0)),
-    ]
+    ];
+    if shape.n_expert > 0 {
+        keys.extend([
+            ("expert_count", Value::U32(shape.n_expert as u32)),
+            ("expert_used_count", Value::U32(shape.n_expert_used as u32)),
+            ("expert_feed_forward_length", Value::U32(shape.n_ff_exp as u32)),
+        ]);
+    }
+    keys
 }
