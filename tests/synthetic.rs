@@ -310,11 +310,10 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 /// sequence's greedy tokens are the same alone and beside others. Every MoE family:
 /// routers with selection biases and groups, shared experts, MLA, sinks and windows,
 /// experts weighted before their FFN (llama4), recurrent layers (qwen35moe's DeltaNet,
-/// nemotron_h_moe's Mamba2).
+/// nemotron_h_moe's Mamba2), experts routed by another input than theirs (gemma4).
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
     let _serial = serial();
-    const N_SEQ: usize = 7;
     for arch in [
         "qwen3moe",
         "mixtral",
@@ -326,81 +325,98 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         "qwen35moe",
         "qwen3next",
         "nemotron_h_moe",
+        "gemma4-moe",
     ] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
         } else {
             FileType::Q4KM
         };
-        let path = synthetic(arch, file_type);
-        let file = ModelFile::open(&path).unwrap();
-        let oracle = LlamaModel::load_vocab(&path).unwrap();
-        let prompts: Vec<Vec<u32>> = (0..N_SEQ)
-            .map(|i| {
-                let text = format!("{} ({i})", PROMPTS[i % PROMPTS.len()]);
-                oracle.tokenize(&text, true, true).unwrap()
-            })
-            .collect();
-        let config = StageConfig {
-            n_ctx: 256 * N_SEQ,
-            n_threads: 2,
-            repack: false,
-            n_seq: N_SEQ,
-            kv_types: Default::default(),
-        };
-        let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
-        let mut chain = Chain::load_with(&file, &ranges, &config);
-        for (seq, prompt) in prompts.iter().enumerate() {
-            chain.logits(seq as u32, prompt, 0);
-        }
-        let lens: Vec<i32> = prompts.iter().map(|p| p.len() as i32).collect();
-        let reset = |chain: &mut Chain| {
-            for stage in &mut chain.stages {
-                for (seq, &len) in lens.iter().enumerate() {
-                    stage.truncate_seq(seq as u32, len as usize);
-                }
-            }
-        };
-        let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
-        reset(&mut chain);
-        for rows in 2..=N_SEQ {
-            let seq_ids: Vec<u32> = (0..rows as u32).collect();
-            let positions: Vec<i32> = lens[..rows].to_vec();
-            let tokens: Vec<u32> = (0..rows as u32).map(|r| 42 + 7 * r).collect();
-            let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &[0]);
-            reset(&mut chain);
-            assert_eq!(nmse(&batched, &alone), 0.0, "{arch}: batch of {rows}");
-        }
-
-        // Greedy decoding of sequence 0 alone, then beside the others decoding in the
-        // same batches: the same tokens. Steps a recurrent state can be rolled back
-        // over (it keeps its last KEPT_STATES positions), 12 elsewhere.
-        let steps = if file.hparams().ssm.is_some() {
-            baton_model::KEPT_STATES - 1
-        } else {
-            12
-        };
-        let decode = |chain: &mut Chain, seqs: &[u32]| -> Vec<u32> {
-            let mut next: Vec<u32> = vec![42; seqs.len()];
-            let mut pos: Vec<i32> = seqs.iter().map(|&s| lens[s as usize]).collect();
-            let mut first = Vec::new();
-            for _ in 0..steps {
-                let rows: Vec<u32> = (0..seqs.len() as u32).collect();
-                let logits = forward_rows(chain, &next, &pos, seqs, &rows);
-                let n_vocab = logits.len() / seqs.len();
-                for (i, row) in logits.chunks_exact(n_vocab).enumerate() {
-                    next[i] = baton_sample::argmax(row).unwrap();
-                    pos[i] += 1;
-                }
-                first.push(next[0]);
-            }
-            first
-        };
-        let alone = decode(&mut chain, &[0]);
-        reset(&mut chain);
-        let beside = decode(&mut chain, &[0, 1, 2, 3, 4, 5, 6]);
-        assert_eq!(alone, beside, "{arch}: sequence 0's greedy tokens");
+        batching_changes_nothing(arch, file_type);
     }
+}
+
+/// Gemma 4's layers of two kinds (each kind's heads and window) in batches of decode
+/// steps of up to 7 sequences: the same bits and greedy tokens as alone.
+#[test]
+fn gemma4_batching_other_sequences_changes_nothing() {
+    let _serial = serial();
+    batching_changes_nothing("gemma4", FileType::Q4KM);
+}
+
+/// A decode step of one sequence alone and beside the steps of up to 6 others, on 2
+/// stages of the synthetic `arch`: the same bits; and sequence 0's greedy tokens alone
+/// and beside the others: the same tokens.
+fn batching_changes_nothing(arch: &str, file_type: FileType) {
+    const N_SEQ: usize = 7;
+    let path = synthetic(arch, file_type);
+    let file = ModelFile::open(&path).unwrap();
+    let oracle = LlamaModel::load_vocab(&path).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..N_SEQ)
+        .map(|i| {
+            let text = format!("{} ({i})", PROMPTS[i % PROMPTS.len()]);
+            oracle.tokenize(&text, true, true).unwrap()
+        })
+        .collect();
+    let config = StageConfig {
+        n_ctx: 256 * N_SEQ,
+        n_threads: 2,
+        repack: false,
+        n_seq: N_SEQ,
+        kv_types: Default::default(),
+    };
+    let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+    let mut chain = Chain::load_with(&file, &ranges, &config);
+    for (seq, prompt) in prompts.iter().enumerate() {
+        chain.logits(seq as u32, prompt, 0);
+    }
+    let lens: Vec<i32> = prompts.iter().map(|p| p.len() as i32).collect();
+    let reset = |chain: &mut Chain| {
+        for stage in &mut chain.stages {
+            for (seq, &len) in lens.iter().enumerate() {
+                stage.truncate_seq(seq as u32, len as usize);
+            }
+        }
+    };
+    let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
+    reset(&mut chain);
+    for rows in 2..=N_SEQ {
+        let seq_ids: Vec<u32> = (0..rows as u32).collect();
+        let positions: Vec<i32> = lens[..rows].to_vec();
+        let tokens: Vec<u32> = (0..rows as u32).map(|r| 42 + 7 * r).collect();
+        let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &[0]);
+        reset(&mut chain);
+        assert_eq!(nmse(&batched, &alone), 0.0, "{arch}: batch of {rows}");
+    }
+
+    // Greedy decoding of sequence 0 alone, then beside the others decoding in the
+    // same batches: the same tokens. Steps a recurrent state can be rolled back
+    // over (it keeps its last KEPT_STATES positions), 12 elsewhere.
+    let steps = if file.hparams().ssm.is_some() {
+        baton_model::KEPT_STATES - 1
+    } else {
+        12
+    };
+    let decode = |chain: &mut Chain, seqs: &[u32]| -> Vec<u32> {
+        let mut next: Vec<u32> = vec![42; seqs.len()];
+        let mut pos: Vec<i32> = seqs.iter().map(|&s| lens[s as usize]).collect();
+        let mut first = Vec::new();
+        for _ in 0..steps {
+            let rows: Vec<u32> = (0..seqs.len() as u32).collect();
+            let logits = forward_rows(chain, &next, &pos, seqs, &rows);
+            let n_vocab = logits.len() / seqs.len();
+            for (i, row) in logits.chunks_exact(n_vocab).enumerate() {
+                next[i] = baton_sample::argmax(row).unwrap();
+                pos[i] += 1;
+            }
+            first.push(next[0]);
+        }
+        first
+    };
+    let alone = decode(&mut chain, &[0]);
+    reset(&mut chain);
+    let beside = decode(&mut chain, &[0, 1, 2, 3, 4, 5, 6]);
+    assert_eq!(alone, beside, "{arch}: sequence 0's greedy tokens");
 }
 
 #[test]
@@ -488,6 +504,35 @@ fn gemma2_on_two_workers_matches_llama_cpp() {
     two_workers("gemma2", FileType::Q4KM);
 }
 
+/// Gemma 4's synthetic model: sliding-window layers 0 and 2 (2 key/value heads of 64,
+/// a window of 16), global layers 1 and 3 (1 key/value head of 256, keys as values,
+/// another RoPE base), so every split has both kinds on each side of a boundary.
+#[test]
+fn gemma4_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    stages("gemma4", FileType::Q4KM);
+}
+
+#[test]
+fn gemma4_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("gemma4", FileType::Q4KM);
+}
+
+/// Gemma 4 with experts (as the 26B-A4B): 8 experts of 256, 2 used, in every layer
+/// beside the dense MLP.
+#[test]
+fn gemma4_moe_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    stages("gemma4-moe", FileType::Q4KM);
+}
+
+#[test]
+fn gemma4_moe_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("gemma4-moe", FileType::Q4KM);
+}
+
 #[test]
 fn minimax_m2_matches_llama_cpp_with_1_2_3_stages() {
     let _serial = serial();
@@ -502,7 +547,8 @@ fn minimax_m2_on_two_workers_matches_llama_cpp() {
 
 /// The paths real files rarely take, against libllama too: every optional tensor an
 /// architecture takes (llama's q/k/v/o and FFN biases, the others' q/k/v biases
-/// (minimax-m2's and llama4's too), glm4moe's q/k norms) and mistral3 with experts. libllama loading each file also
+/// (minimax-m2's and llama4's too), glm4moe's q/k norms, gemma4's values on its global
+/// layers) and mistral3 with experts. libllama loading each file also
 /// checks that it takes those tensors.
 #[test]
 fn optional_tensors_and_rarer_variants_match_llama_cpp() {
@@ -518,6 +564,7 @@ fn optional_tensors_and_rarer_variants_match_llama_cpp() {
         "gemma2",
         "minimax-m2",
         "llama4",
+        "gemma4",
     ] {
         let path = synthetic_with(arch, FileType::Q8_0, |spec| spec.optional_tensors = true);
         let worst = check_stages_with(&path, &format!("{arch} with optional tensors"), &[1, 3]);

@@ -37,15 +37,19 @@ pub fn test_shape() -> Shape {
     }
 }
 
-/// The synthetic model of `arch` (`mixtral`: llama with experts; `llama` and
-/// `mistral3`: dense) quantized as `file_type`, with [`test_shape`], the spec changed by
+/// The synthetic model of `arch` (`mixtral`: llama with experts; `gemma4-moe`: gemma4
+/// with experts; `llama`, `mistral3` and `gemma4`: dense) quantized as `file_type`, with [`test_shape`], the spec changed by
 /// `edit`.
 pub fn synthetic_with(arch: &str, file_type: FileType, edit: impl FnOnce(&mut SynthSpec)) -> PathBuf {
     let mut shape = test_shape();
-    if arch == "llama" || arch == "mistral3" {
+    if arch == "llama" || arch == "mistral3" || arch == "gemma4" {
         shape.n_expert = 0;
     }
-    let name = if arch == "mixtral" { "llama" } else { arch };
+    let name = match arch {
+        "mixtral" => "llama",
+        "gemma4-moe" => "gemma4",
+        other => other,
+    };
     let architecture = baton_model::find_architecture(name).unwrap();
     let mut spec = SynthSpec::new(architecture, shape, file_type, model(QWEN2));
     edit(&mut spec);

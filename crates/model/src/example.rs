@@ -102,11 +102,20 @@ fn random_weights(spec: &TensorSpec, seed: u64) -> Vec<f32> {
         bits as f32 / (1u64 << 23) as f32 - 1.0
     };
     let (scale, offset) = match spec.usage {
-        Use::Elementwise if spec.name.contains("norm") => (0.1, 1.0),
+        // Norm weights and scales (Gemma 4's layer output, router input, experts) near 1.
+        Use::Elementwise
+            if spec.name.contains("norm")
+                || spec.name.ends_with("layer_output_scale.weight")
+                || spec.name.ends_with(".scale") =>
+        {
+            (0.1, 1.0)
+        }
         // A DeltaNet layer's decay rate must be negative (a real model's `-exp(A_log)`),
         // or its state grows without bound; its convolution taps near unit scale.
         Use::Elementwise if spec.name.ends_with(".ssm_a") => (0.5, -1.0),
         Use::Elementwise if spec.name.contains("ssm_conv1d") => (0.5, 0.0),
+        // RoPE frequency factors between 0.5 and 1.5 (a real model's are positive).
+        Use::Elementwise if spec.name == crate::EndTensor::RopeFreqs.name() => (0.5, 1.0),
         Use::Elementwise => (0.1, 0.0),
         Use::Embedding => (1.0, 0.0),
         Use::MulMat | Use::Experts => ((3.0 / spec.shape[0] as f32).sqrt(), 0.0),

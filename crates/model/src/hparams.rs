@@ -8,7 +8,7 @@ use baton_ggml::RopeParams;
 use baton_gguf::Gguf;
 
 use crate::arch::moe::MoeParams;
-use crate::arch::{self, Architecture};
+use crate::arch::{self, Architecture, LayerSizes};
 use crate::cache_type::KvTypes;
 use crate::names::EndTensor;
 use crate::ModelError;
@@ -91,6 +91,21 @@ pub struct HParams {
     /// Multi-section RoPE (Qwen's M-RoPE): dimensions rotated by each of a token's four
     /// position coordinates; text tokens use `[p, p, p, 0]`.
     pub rope_sections: Option<[i32; 4]>,
+    /// The heads of sliding-window layers where they differ from the other layers'
+    /// (Gemma 4); `None`: every attention layer has `n_head_kv` heads of `head_dim_k`
+    /// and `head_dim_v` (see [`HParams::layer_heads`]).
+    pub swa_heads: Option<LayerHeads>,
+}
+
+/// The key/value heads of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerHeads {
+    /// Key/value heads.
+    pub n_head_kv: usize,
+    /// Dimension of each key (and query) head.
+    pub head_dim_k: usize,
+    /// Dimension of each value head.
+    pub head_dim_v: usize,
 }
 
 /// Which recurrent layer a model's `ssm_*` keys size.
@@ -448,7 +463,7 @@ impl HParams {
         // One value for every layer, or with per-layer blocks one for the layers that
         // have the block and 0 for the others.
         let per_layer = |key: &str| -> Result<Option<(usize, Vec<usize>)>, ModelError> {
-            if arch.per_layer_blocks {
+            if arch.layer_sizes == LayerSizes::Blocks {
                 keys.opt_per_layer_blocks(key, n_layer_all)
             } else {
                 Ok(keys
@@ -457,8 +472,14 @@ impl HParams {
             }
         };
         let n_head = per_layer("attention.head_count")?.map_or(0, |(n, _)| n);
-        let (n_head_kv, mut layer_kv_heads) =
-            per_layer("attention.head_count_kv")?.unwrap_or((n_head, vec![n_head; n_layer_all]));
+        let kv_heads = if arch.layer_sizes == LayerSizes::KvHeadsPerLayer {
+            // Each layer's own; the architecture says which value `n_head_kv` is.
+            keys.opt_per_layer_u32("attention.head_count_kv", n_layer_all)?
+                .map(|heads| (heads.first().copied().unwrap_or(0), heads))
+        } else {
+            per_layer("attention.head_count_kv")?
+        };
+        let (n_head_kv, mut layer_kv_heads) = kv_heads.unwrap_or((n_head, vec![n_head; n_layer_all]));
         if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
             return Err(ModelError::BadHParams(format!(
                 "n_layer {n_layer}, n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv}: \
@@ -551,6 +572,7 @@ impl HParams {
             layer_kv_heads,
             layer_ff,
             rope_sections: None,
+            swa_heads: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         if hp.rms_eps.is_nan() {
@@ -573,12 +595,22 @@ impl HParams {
                 return bad(format!("attention.{name} {dim} must be between 1 and {MAX_HEAD_DIM}"));
             }
         }
-        for (name, rope) in [("rope", &self.rope), ("sliding-window rope", &self.rope_swa)] {
+        if let Some(swa) = &self.swa_heads {
+            for (name, dim) in [("key_length_swa", swa.head_dim_k), ("value_length_swa", swa.head_dim_v)] {
+                if dim == 0 || dim > MAX_HEAD_DIM {
+                    return bad(format!("attention.{name} {dim} must be between 1 and {MAX_HEAD_DIM}"));
+                }
+            }
+        }
+        let swa_head_dim = self.swa_heads.map_or(self.head_dim_k, |h| h.head_dim_k);
+        for (name, rope, head_dim) in [
+            ("rope", &self.rope, self.head_dim_k),
+            ("sliding-window rope", &self.rope_swa, swa_head_dim),
+        ] {
             let n_dims = rope.n_dims;
-            if n_dims <= 0 || n_dims % 2 != 0 || n_dims as usize > self.head_dim_k {
+            if n_dims <= 0 || n_dims % 2 != 0 || n_dims as usize > head_dim {
                 return bad(format!(
-                    "{name} dimension count {n_dims} must be even, positive and at most the head size {}",
-                    self.head_dim_k
+                    "{name} dimension count {n_dims} must be even, positive and at most the head size {head_dim}"
                 ));
             }
             if !(rope.freq_base.is_finite() && rope.freq_base > 0.0 && rope.freq_scale.is_finite()) {
@@ -687,6 +719,31 @@ impl HParams {
         types.k.row_bytes(self.n_embd_k_gqa()) + values
     }
 
+    /// Bytes one token takes in layer `layer`'s KV cache with cache types `types` (see
+    /// [`HParams::layer_heads`]).
+    pub fn layer_kv_cell_bytes(&self, layer: usize, types: KvTypes) -> usize {
+        match self.swa_heads {
+            Some(_) if self.is_swa(layer) => {
+                let heads = self.layer_heads(layer);
+                types.k.row_bytes(heads.n_head_kv * heads.head_dim_k) + types.v.row_bytes(heads.n_head_kv * heads.head_dim_v)
+            }
+            _ => self.kv_cell_bytes(types),
+        }
+    }
+
+    /// The key/value heads of layer `layer`: those of [`HParams::swa_heads`] on a
+    /// sliding-window layer of a model that has them, else the model's.
+    pub fn layer_heads(&self, layer: usize) -> LayerHeads {
+        match self.swa_heads {
+            Some(heads) if self.is_swa(layer) => heads,
+            _ => LayerHeads {
+                n_head_kv: self.n_head_kv,
+                head_dim_k: self.head_dim_k,
+                head_dim_v: self.head_dim_v,
+            },
+        }
+    }
+
     /// Bytes layer `layer`'s cache takes on a stage of `n_ctx` cells for `n_seq`
     /// sequences: keys and values (of `types`) of every cell for an attention layer;
     /// for a recurrent layer, each sequence's kept states (f32, see
@@ -698,7 +755,7 @@ impl HParams {
                 let rows = crate::recurrent::state_rows(n_seq) as u64;
                 rows * ((ssm.conv_state_len() + ssm.state_len()) * std::mem::size_of::<f32>()) as u64
             }
-            _ if self.has_kv(layer) => (self.kv_cell_bytes(types) as u64).saturating_mul(n_ctx as u64),
+            _ if self.has_kv(layer) => (self.layer_kv_cell_bytes(layer, types) as u64).saturating_mul(n_ctx as u64),
             _ => 0,
         }
     }

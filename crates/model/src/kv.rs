@@ -91,11 +91,13 @@ impl KvCache {
         // attend keep nothing.
         let has_heads = hp.n_embd_k_gqa() > 0 && layers.clone().any(|l| hp.has_kv(l));
         for layer in layers.clone().filter(|&l| has_heads && hp.has_kv(l)) {
-            ctx.new_tensor(types.k.dtype(), &[hp.n_embd_k_gqa() as i64, n_ctx as i64])
+            // Sliding-window layers may have heads of their own (Gemma 4).
+            let heads = hp.layer_heads(layer);
+            ctx.new_tensor(types.k.dtype(), &[(heads.n_head_kv * heads.head_dim_k) as i64, n_ctx as i64])
                 .named(&format!("cache_k_l{layer}"));
             // MLA caches only the compressed keys; values are a view of them.
             if hp.mla.is_none() {
-                ctx.new_tensor(types.v.dtype(), &[hp.n_embd_v_gqa() as i64, n_ctx as i64])
+                ctx.new_tensor(types.v.dtype(), &[(heads.n_head_kv * heads.head_dim_v) as i64, n_ctx as i64])
                     .named(&format!("cache_v_l{layer}"));
             }
         }
@@ -404,6 +406,7 @@ mod tests {
             ssm: None,
             recurrent_layers: vec![false; 2],
             layer_kv_heads: vec![1; 2],
+            swa_heads: None,
             layer_ff: vec![16; 2],
             rope_sections: None,
             yarn: crate::Yarn {

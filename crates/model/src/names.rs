@@ -71,6 +71,15 @@ tensor_names! {
         PostAttentionNorm = "post_attention_norm.weight",
         FfnNorm = "ffn_norm.weight",
         PostFfwNorm = "post_ffw_norm.weight",
+        // One factor scaling the layer's output (Gemma 4).
+        LayerOutputScale = "layer_output_scale.weight",
+        // Gemma 4's experts beside its dense MLP: the norms around each, the router
+        // input's scale and each expert's output scale.
+        PostFfwNorm1 = "post_ffw_norm_1.weight",
+        FfnPreNorm2 = "pre_ffw_norm_2.weight",
+        PostFfwNorm2 = "post_ffw_norm_2.weight",
+        FfnGateInpScale = "ffn_gate_inp.scale",
+        FfnDownExpsScale = "ffn_down_exps.scale",
         FfnGate = "ffn_gate.weight",
         FfnUp = "ffn_up.weight",
         FfnDown = "ffn_down.weight",

@@ -278,6 +278,11 @@ pub fn attention_whole_qk_norms(t: &mut LayerPlan<'_>) {
 /// Per-head RMS norms of queries and keys (`attn_q_norm`, `attn_k_norm`).
 pub fn qk_norms(t: &mut LayerPlan<'_>, presence: Presence) {
     let head = t.hp.head_dim_k;
+    qk_norms_of(t, head, presence);
+}
+
+/// Per-head RMS norms of queries and keys of heads of `head` values.
+pub fn qk_norms_of(t: &mut LayerPlan<'_>, head: usize, presence: Presence) {
     t.vec(LayerTensor::AttnQNorm, &[head], Split::WithHeads)
         .presence(presence);
     t.vec(LayerTensor::AttnKNorm, &[head], Split::WithHeads)
@@ -362,7 +367,12 @@ pub fn ends(hp: &HParams, first: bool, last: bool, in_file: &dyn Fn(&str) -> boo
         };
         specs.push(spec(EndTensor::Output, source, vec![embd, vocab], Use::MulMat));
     }
-    if hp.arch.rope_freqs && in_file(EndTensor::RopeFreqs.name()) {
+    let rope_freqs = match hp.arch.rope_freqs {
+        Some(Presence::Required) => true,
+        Some(_) => in_file(EndTensor::RopeFreqs.name()),
+        None => false,
+    };
+    if rope_freqs {
         let n = hp.rope.n_dims as i64 / 2;
         specs.push(spec(
             EndTensor::RopeFreqs,

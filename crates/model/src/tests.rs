@@ -36,14 +36,20 @@ fn shape() -> Shape {
     }
 }
 
-/// A tiny model of architecture `arch` (`mixtral`: llama with experts); `edit` may
+/// A tiny model of architecture `arch` (`mixtral`: llama with experts; `gemma4` dense,
+/// `gemma4-moe` with experts); `edit` may
 /// change the writer before it is saved.
 fn tiny_model(arch: &str, edit: impl FnOnce(GgufWriter) -> GgufWriter) -> Vec<u8> {
     let mut shape = shape();
-    if arch == "llama" {
+    if arch == "llama" || arch == "gemma4" {
         shape.n_expert = 0;
     }
-    let arch = crate::arch::find(if arch == "mixtral" { "llama" } else { arch }).unwrap();
+    let arch = crate::arch::find(match arch {
+        "mixtral" => "llama",
+        "gemma4-moe" => "gemma4",
+        other => other,
+    })
+    .unwrap();
     let options = ExampleOptions {
         n_vocab: N_VOCAB as usize,
         seed: 7,
@@ -53,10 +59,11 @@ fn tiny_model(arch: &str, edit: impl FnOnce(GgufWriter) -> GgufWriter) -> Vec<u8
     edit(example_gguf(arch, &shape, &options, Vec::new()).unwrap()).to_bytes()
 }
 
-/// Every architecture, and llama both dense and with experts.
+/// Every architecture, and llama and gemma4 both dense and with experts.
 fn cases() -> Vec<&'static str> {
     let mut cases: Vec<&'static str> = ARCHITECTURES.iter().map(|a| a.name).collect();
     cases.push("mixtral");
+    cases.push("gemma4-moe");
     cases
 }
 
@@ -301,7 +308,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4)"
     );
 
     // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
@@ -517,6 +524,55 @@ fn kv_cache_is_sized_per_architecture() {
     assert_eq!(per_layer, [states as u64, 0, (n_ctx * row_bytes) as u64]);
     let stage = Stage::load(file, span, &StageConfig::new(n_ctx, 1)).unwrap();
     assert_eq!(stage.kv().bytes(), n_ctx * row_bytes);
+}
+
+/// Gemma 4's sliding-window layers (0 and 2 of the tiny model) cache 2 heads of 8 per
+/// token, its global layer 1 head of 32; the planner counts each layer at its size; a
+/// tensor-parallel group is refused with the reason. Its variants baton does not
+/// compute are refused with the key named, and experts without their width too.
+#[test]
+fn gemma4_layers_of_each_kind_have_their_own_heads() {
+    let n_ctx = 64;
+    let file = open("kv-gemma4.gguf", &tiny_model("gemma4", |w| w)).unwrap();
+    let hp = file.hparams().clone();
+    let (swa, global) = ((2 * (2 * 8) * 2 * n_ctx) as u64, (2 * 32 * 2 * n_ctx) as u64);
+    let per_layer: Vec<u64> = (0..N_LAYER).map(|l| hp.layer_cache_bytes(l, n_ctx, 1)).collect();
+    assert_eq!(per_layer, [swa, global, swa]);
+    let span = StageSpan {
+        layers: 0..N_LAYER,
+        first: true,
+        last: true,
+    };
+    let stage = Stage::load(file, span, &StageConfig::new(n_ctx, 1)).unwrap();
+    assert_eq!(stage.kv().bytes() as u64, 2 * swa + global);
+    let err = crate::TpSplit::new(&hp, 0, 2).unwrap_err().to_string();
+    assert!(
+        err.contains("gemma4's sliding-window layers have heads of their own (2 key/value heads of 8, the global layers 1 of 32)")
+            && err.contains("run it as pipeline stages"),
+        "{err}"
+    );
+
+    let refused = |name: &str, key: &str, value: Value| {
+        let bytes = tiny_model("gemma4", |w| w.without_kv(key).kv(key, value));
+        err_text(name, &bytes)
+    };
+    assert_eq!(
+        refused("ple.gguf", "gemma4.embedding_length_per_layer_input", Value::U32(256)),
+        "bad hyper-parameters: gemma4.embedding_length_per_layer_input 256: per-layer embeddings \
+         (Gemma 4 E2B, E4B) are not supported yet"
+    );
+    assert_eq!(
+        refused("shared-kv.gguf", "gemma4.attention.shared_kv_layers", Value::U32(2)),
+        "bad hyper-parameters: gemma4.attention.shared_kv_layers 2: layers that reuse an earlier \
+         layer's keys and values (Gemma 4 E2B, E4B) are not supported yet"
+    );
+    let experts = tiny_model("gemma4-moe", |w| w.without_kv("gemma4.expert_feed_forward_length"));
+    let err = err_text("experts.gguf", &experts);
+    assert!(err.contains("gemma4.expert_feed_forward_length"), "{err}");
+    assert_eq!(
+        refused("pattern.gguf", "gemma4.attention.sliding_window_pattern", Value::U32(2)),
+        "bad hyper-parameters: gemma4.attention.sliding_window_pattern must be an array of one flag per layer"
+    );
 }
 
 /// Recurrent layers are not split between tensor-parallel members: the group is

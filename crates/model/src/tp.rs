@@ -108,6 +108,14 @@ impl TpSplit {
                 hp.arch.name
             )));
         }
+        if let Some(swa) = &hp.swa_heads {
+            return Err(ModelError::BadConfig(format!(
+                "{}'s sliding-window layers have heads of their own ({} key/value heads of {}, the \
+                 global layers {} of {}), which baton does not split between tensor-parallel \
+                 members yet: a group joins every layer's heads in one width; run it as pipeline stages",
+                hp.arch.name, swa.n_head_kv, swa.head_dim_k, hp.n_head_kv, hp.head_dim_k
+            )));
+        }
         let unit = |n: usize| if n / ROW_UNIT >= size { ROW_UNIT } else { 1 };
         let shexp = hp.moe.n_ff_exp * hp.moe.n_expert_shared;
         let experts_too_narrow = hp.moe.n_expert > 0 && hp.moe.n_ff_exp < size || shexp > 0 && shexp < size;

@@ -15,7 +15,7 @@ use baton_gguf::Value;
 use super::attention::KeyValues;
 use super::builder::{Act, Shard};
 use super::moe::{DownInput, ExpertAct, Gating, Routing};
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{AttnTemp, HParams, Keys, Mla};
 use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
 use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
@@ -26,9 +26,9 @@ pub static ARCH: Architecture = Architecture {
     name: "deepseek2",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

@@ -5,7 +5,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::builder::Act;
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{LayerTensor as T, FFN};
 use crate::tensors::{self, LayerPlan, Presence};
@@ -16,9 +16,9 @@ pub static ARCH: Architecture = Architecture {
     name: "gemma3",
     aliases: &[],
     rope: Rope::Neox,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

@@ -8,7 +8,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::moe::{DownInput, ExpertAct, Gating, Routing};
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::LayerTensor as T;
 use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
@@ -19,9 +19,9 @@ pub static ARCH: Architecture = Architecture {
     name: "gpt-oss",
     aliases: &[],
     rope: Rope::Neox,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: true,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

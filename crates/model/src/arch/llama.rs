@@ -6,7 +6,7 @@ use baton_gguf::Value;
 
 use super::builder::Act;
 use super::moe::{DownInput, ExpertAct, Gating, Routing};
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{LayerTensor as T, FFN};
 use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
@@ -17,9 +17,9 @@ pub static ARCH: Architecture = Architecture {
     name: "llama",
     aliases: &["mistral"],
     rope: Rope::Norm,
-    rope_freqs: true,
+    rope_freqs: Some(Presence::Optional),
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

@@ -10,7 +10,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::builder::{Act, Shard};
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{AttnTemp, HParams, Keys, SwaType};
 use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
 use crate::tensors::{self, LayerPlan, Presence};
@@ -21,9 +21,9 @@ pub static ARCH: Architecture = Architecture {
     name: "llama4",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: true,
+    rope_freqs: Some(Presence::Optional),
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

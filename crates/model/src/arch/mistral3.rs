@@ -4,18 +4,18 @@
 
 use baton_gguf::Value;
 
-use super::{Architecture, Rope, Shape};
+use super::{Architecture, LayerSizes, Rope, Shape};
 use crate::hparams::{AttnTemp, HParams, Keys};
-use crate::tensors::LayerPlan;
+use crate::tensors::{LayerPlan, Presence};
 use crate::ModelError;
 
 pub static ARCH: Architecture = Architecture {
     name: "mistral3",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: true,
+    rope_freqs: Some(Presence::Optional),
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer: super::llama::layer,

@@ -13,7 +13,7 @@ use baton_gguf::Value;
 
 use super::deepseek2;
 use super::moe::DownInput;
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::weights::LayerTensors;
 use crate::ModelError;
@@ -22,9 +22,9 @@ pub static ARCH: Architecture = Architecture {
     name: "mistral4",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors: deepseek2::tensors,
     layer,

@@ -17,6 +17,7 @@ pub mod moe;
 mod deepseek2;
 mod gemma2;
 mod gemma3;
+mod gemma4;
 mod glm4moe;
 mod gpt_oss;
 mod llama;
@@ -40,7 +41,7 @@ use baton_gguf::Value;
 pub use builder::{Builder, Gather, SpanInputs, StateRunInputs, StepInputs, TpOps};
 
 use crate::hparams::{HParams, Keys};
-use crate::tensors::LayerPlan;
+use crate::tensors::{LayerPlan, Presence};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -66,6 +67,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &qwen3next::ARCH,
     &nemotron_h::ARCH,
     &nemotron_h_moe::ARCH,
+    &gemma4::ARCH,
 ];
 
 /// How RoPE rotates a head.
@@ -91,6 +93,21 @@ impl Rope {
     }
 }
 
+/// How the per-layer sizes `attention.head_count_kv` and `feed_forward_length` may
+/// vary between an architecture's layers (llama.cpp reads each as one value or an array).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerSizes {
+    /// The same in every layer.
+    Uniform,
+    /// The same in the layers that have the block; 0 for a layer that lacks attention or
+    /// a dense FFN (Nemotron-H).
+    Blocks,
+    /// Key/value heads per layer, which the architecture's `hparams` makes sense of
+    /// (Gemma 4: one count for its sliding-window layers, another for its global ones);
+    /// the FFN the same in every layer.
+    KvHeadsPerLayer,
+}
+
 /// One layer's graph: hidden `[n_embd, n_tokens]` in, hidden out (fewer rows after the
 /// model's last layer when it keeps only the rows that need logits).
 pub type LayerFn = for<'g> fn(&mut Builder<'g>, &LayerTensors<'g>, usize, Tensor<'g>) -> Tensor<'g>;
@@ -111,15 +128,14 @@ pub struct Architecture {
     pub aliases: &'static [&'static str],
     /// How RoPE rotates.
     pub rope: Rope,
-    /// Whether layers may scale RoPE frequencies with a global `rope_freqs.weight`.
-    pub rope_freqs: bool,
+    /// Whether layers scale RoPE frequencies with a global `rope_freqs.weight`, and
+    /// whether the file must have it (`None`: the architecture takes none).
+    pub rope_freqs: Option<Presence>,
     /// Whether the model always has its own `output.weight` (never tied to the token
     /// embedding).
     pub own_output: bool,
-    /// Whether a layer may lack attention or a dense FFN, which the file says with a 0
-    /// for that layer in `attention.head_count_kv` or `feed_forward_length` (Nemotron-H);
-    /// elsewhere those values are the same for every layer.
-    pub per_layer_blocks: bool,
+    /// How `attention.head_count_kv` and `feed_forward_length` may vary between layers.
+    pub layer_sizes: LayerSizes,
     /// Reads the architecture's own keys after the common ones.
     pub hparams: fn(&mut HParams, &Keys<'_>) -> Result<(), ModelError>,
     /// Lists one layer's tensors.

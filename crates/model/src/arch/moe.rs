@@ -182,6 +182,8 @@ pub enum ExpertAct {
     SwigluOai,
     /// `relu(up)²`: no gate (Nemotron-H).
     ReluSqr,
+    /// `gelu(gate) * up` (Gemma 4).
+    Gelu,
 }
 
 /// What a device backend may convert the experts' down-projection input (the activated
@@ -222,7 +224,27 @@ impl<'g> Builder<'g> {
     /// The routed experts of layer `layer` for `x [n_embd, n_tokens]`; returns the
     /// weighted sum of each token's experts, `[n_embd, n_tokens]`.
     pub fn moe(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>, routing: Routing) -> Tensor<'g> {
-        self.routed_experts(w, layer, x, routing, Weighing::Outputs)
+        let logits = self.router_logits(w, x);
+        self.routed_experts(w, layer, x, logits, routing, Weighing::Outputs)
+    }
+
+    /// [`moe`](Self::moe) with router logits `[n_expert, n_tokens]` the architecture
+    /// computed itself (Gemma 4 routes by another input than the experts').
+    pub fn moe_with_logits(
+        &mut self,
+        w: &LayerTensors<'g>,
+        layer: usize,
+        x: Tensor<'g>,
+        logits: Tensor<'g>,
+        routing: Routing,
+    ) -> Tensor<'g> {
+        self.routed_experts(w, layer, x, logits, routing, Weighing::Outputs)
+    }
+
+    /// The router's logits of `x [n_embd, n_tokens]`: `[n_expert, n_tokens]`.
+    /// llama.cpp's quantizer leaves the router in f32 (see `Builder::mm`).
+    pub fn router_logits(&self, w: &LayerTensors<'g>, x: Tensor<'g>) -> Tensor<'g> {
+        self.mm(w.get(T::FfnGateInp), x)
     }
 
     /// Llama 4's routed experts (llama.cpp's `weight_before_ffn`): the top `k` experts
@@ -237,7 +259,8 @@ impl<'g> Builder<'g> {
             act: ExpertAct::Silu,
             down_input: DownInput::Backend,
         };
-        self.routed_experts(w, layer, x, routing, Weighing::Inputs)
+        let logits = self.router_logits(w, x);
+        self.routed_experts(w, layer, x, logits, routing, Weighing::Inputs)
     }
 
     fn routed_experts(
@@ -245,6 +268,7 @@ impl<'g> Builder<'g> {
         w: &LayerTensors<'g>,
         layer: usize,
         x: Tensor<'g>,
+        mut logits: Tensor<'g>,
         routing: Routing,
         weighing: Weighing,
     ) -> Tensor<'g> {
@@ -254,8 +278,6 @@ impl<'g> Builder<'g> {
         let (n_expert, n_used) = (moe.n_expert as i64, moe.n_expert_used as i64);
         let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
 
-        // llama.cpp's quantizer leaves the router in f32 (see `Builder::mm`).
-        let mut logits = self.mm(w.get(T::FfnGateInp), x); // [n_expert, n_tokens]
         if let Some(b) = w.opt(T::FfnGateInpBias) {
             logits = ctx.add(logits, b);
         }
@@ -325,6 +347,7 @@ impl<'g> Builder<'g> {
             ExpertAct::Silu => gated(&|gate, up| ctx.swiglu_split(gate, up)),
             ExpertAct::SwigluOai => gated(&|gate, up| ctx.swiglu_oai(gate, up, 1.702, 7.0)),
             ExpertAct::ReluSqr => ctx.sqr(ctx.relu(experts(T::FfnUpExps, T::FfnUpExpsBias, x3))),
+            ExpertAct::Gelu => gated(&|gate, up| ctx.geglu_split(gate, up)),
         }; // [n_ff, n_used, n_tokens]; a tensor-parallel member's share of n_ff
         let hidden = if self.tp.is_some() {
             let [n_ff, _, _, _] = hidden.ne();
@@ -338,6 +361,15 @@ impl<'g> Builder<'g> {
         let down = match routing.down_input {
             DownInput::Backend => down,
             DownInput::F32 => down.prec_f32_input(),
+        };
+        // Each chosen expert's output scale, where the layer has them (Gemma 4).
+        let down = match w.opt(T::FfnDownExpsScale) {
+            Some(scales) => {
+                let scales = ctx.reshape_3d(scales, 1, n_expert, 1);
+                let scales = ctx.repeat_4d(scales, [1, n_expert, n_tokens, 1]);
+                ctx.mul(down, ctx.get_rows(scales, selected)) // [n_embd, n_used, n_tokens]
+            }
+            None => down,
         };
         let out = biased(named(down, "ffn_moe_down"), T::FfnDownExpsBias);
         let out = match weighing {

@@ -10,7 +10,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::attention::KeyValues;
-use super::{mamba2, Architecture, Builder, Rope, Shape};
+use super::{mamba2, Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys, Ssm, SsmKind};
 use crate::names::LayerTensor as T;
 use crate::tensors::{self, Dim, LayerPlan, Presence, Split};
@@ -21,9 +21,9 @@ pub static ARCH: Architecture = Architecture {
     name: "nemotron_h",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
-    per_layer_blocks: true,
+    layer_sizes: LayerSizes::Blocks,
     hparams: read_hparams,
     tensors,
     layer,

@@ -9,7 +9,7 @@ use baton_gguf::Value;
 
 use super::moe::{DownInput, ExpertAct, Gating, Routing};
 use super::nemotron_h::{self, UpDown};
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::LayerTensor as T;
 use crate::tensors::{Dim, LayerPlan, Split};
@@ -20,9 +20,9 @@ pub static ARCH: Architecture = Architecture {
     name: "nemotron_h_moe",
     aliases: &[],
     rope: Rope::Norm,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
-    per_layer_blocks: true,
+    layer_sizes: LayerSizes::Blocks,
     hparams,
     tensors,
     layer,

@@ -3,7 +3,7 @@
 
 use baton_gguf::Value;
 
-use super::{Architecture, Rope, Shape};
+use super::{Architecture, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{LayerTensor as T, FFN};
 use crate::tensors::{self, LayerPlan, Presence};
@@ -13,9 +13,9 @@ pub static ARCH: Architecture = Architecture {
     name: "qwen3",
     aliases: &[],
     rope: Rope::Neox,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer: super::llama::layer,

@@ -7,7 +7,7 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::builder::Act;
-use super::{deltanet, Architecture, Builder, Rope, Shape};
+use super::{deltanet, Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::FFN;
 use crate::tensors::{self, LayerPlan};
@@ -18,9 +18,9 @@ pub static ARCH: Architecture = Architecture {
     name: "qwen35",
     aliases: &[],
     rope: Rope::Imrope,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

@@ -9,7 +9,7 @@ use baton_gguf::Value;
 use super::builder::Act;
 use super::deltanet::{self, BetaAlpha};
 use super::moe::{DownInput, ExpertAct, Gating, Routing};
-use super::{Architecture, Builder, Rope, Shape};
+use super::{Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::names::{FfnTensors, LayerTensor as T, FFN_SHEXP};
 use crate::tensors::{self, LayerPlan, Split};
@@ -20,9 +20,9 @@ pub static ARCH: Architecture = Architecture {
     name: "qwen35moe",
     aliases: &[],
     rope: Rope::Imrope,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer,

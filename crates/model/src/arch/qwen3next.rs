@@ -8,7 +8,7 @@
 
 use baton_gguf::Value;
 
-use super::{deltanet, qwen35moe, Architecture, Rope, Shape};
+use super::{deltanet, qwen35moe, Architecture, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
 use crate::tensors::LayerPlan;
 use crate::ModelError;
@@ -17,9 +17,9 @@ pub static ARCH: Architecture = Architecture {
     name: "qwen3next",
     aliases: &[],
     rope: Rope::Neox,
-    rope_freqs: false,
+    rope_freqs: None,
     own_output: false,
-    per_layer_blocks: false,
+    layer_sizes: LayerSizes::Uniform,
     hparams,
     tensors,
     layer: qwen35moe::layer,
