@@ -16,31 +16,10 @@ import urllib.parse
 
 def stream(url, body):
     """POSTs a streaming completion; returns (seconds to first token, seconds, completion tokens)."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
     start = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    if response.status != 200:
-        raise SystemExit(f"HTTP {response.status}: {response.read()[:300]!r}")
-    first = None
-    tokens = 0
-    for line in response:
-        line = line.strip()
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:]
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise SystemExit(f"error: {chunk['error']}")
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-        elif first is None:
-            first = time.perf_counter() - start
-    conn.close()
-    return first, time.perf_counter() - start, tokens
+    result = stream_times(url, body)
+    first = result["times"][0] if result["times"] else None
+    return first, time.perf_counter() - start, result["tokens"]
 
 
 def stream_times(url, body, absolute=False):

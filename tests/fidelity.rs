@@ -230,20 +230,12 @@ fn a_decode_batch_of_many_sequences_gives_each_row_its_bits_alone() {
             n_threads: 2,
             repack,
             n_seq: SEQS,
+            kv_types: Default::default(),
         };
         let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
         let mut chain = Chain::load_with(&file, &ranges, &config);
-        for (seq, prompt) in prompts.iter().enumerate() {
-            chain.logits(seq as u32, prompt, 0);
-        }
-        let lens: Vec<i32> = prompts.iter().map(|p| p.len() as i32).collect();
-        let reset = |chain: &mut Chain| {
-            for stage in &mut chain.stages {
-                for (seq, &len) in lens.iter().enumerate() {
-                    stage.truncate_seq(seq as u32, len as usize);
-                }
-            }
-        };
+        let lens = chain.prefill_all(&prompts);
+        let reset = |chain: &mut Chain| chain.truncate_all(&lens);
         let token = |seq: usize| 42 + 7 * seq as u32;
         let alone: Vec<Vec<f32>> = (0..SEQS)
             .map(|seq| {
@@ -292,6 +284,7 @@ fn a_token_and_its_drafts_in_one_batch_give_the_bits_of_one_token_steps() {
             n_threads: 2,
             repack,
             n_seq: 1,
+            kv_types: Default::default(),
         };
         let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
         let mut chain = Chain::load_with(&file, &ranges, &config);
@@ -372,17 +365,8 @@ fn batching_with_other_sequences_changes_nothing_up_to_the_decode_row_cap() {
         };
         let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
         let mut chain = Chain::load_with(&file, &ranges, &config);
-        for (seq, prompt) in prompts.iter().enumerate() {
-            chain.logits(seq as u32, prompt, 0);
-        }
-        let lens: Vec<i32> = prompts.iter().map(|p| p.len() as i32).collect();
-        let reset = |chain: &mut Chain| {
-            for stage in &mut chain.stages {
-                for (seq, &len) in lens.iter().enumerate() {
-                    stage.truncate_seq(seq as u32, len as usize);
-                }
-            }
-        };
+        let lens = chain.prefill_all(&prompts);
+        let reset = |chain: &mut Chain| chain.truncate_all(&lens);
         let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
         reset(&mut chain);
         for rows in [2usize, 3, 4, 7, 8] {

@@ -367,17 +367,8 @@ fn batching_changes_nothing(arch: &str, file_type: FileType) {
     };
     let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
     let mut chain = Chain::load_with(&file, &ranges, &config);
-    for (seq, prompt) in prompts.iter().enumerate() {
-        chain.logits(seq as u32, prompt, 0);
-    }
-    let lens: Vec<i32> = prompts.iter().map(|p| p.len() as i32).collect();
-    let reset = |chain: &mut Chain| {
-        for stage in &mut chain.stages {
-            for (seq, &len) in lens.iter().enumerate() {
-                stage.truncate_seq(seq as u32, len as usize);
-            }
-        }
-    };
+    let lens = chain.prefill_all(&prompts);
+    let reset = |chain: &mut Chain| chain.truncate_all(&lens);
     let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
     reset(&mut chain);
     for rows in 2..=N_SEQ {

@@ -50,6 +50,23 @@ pub struct Chain {
 }
 
 impl Chain {
+    /// Computes prompt `i` as sequence `i`, from position 0; returns their lengths.
+    pub fn prefill_all(&mut self, prompts: &[Vec<u32>]) -> Vec<i32> {
+        for (seq, prompt) in prompts.iter().enumerate() {
+            self.logits(seq as u32, prompt, 0);
+        }
+        prompts.iter().map(|p| p.len() as i32).collect()
+    }
+
+    /// Cuts sequence `i` back to `lens[i]` positions in every stage.
+    pub fn truncate_all(&mut self, lens: &[i32]) {
+        for stage in &mut self.stages {
+            for (seq, &len) in lens.iter().enumerate() {
+                stage.truncate_seq(seq as u32, len as usize);
+            }
+        }
+    }
+
     pub fn load(file: &Arc<ModelFile>, ranges: &[Range<usize>], n_ctx: usize) -> Chain {
         Self::load_with(file, ranges, &StageConfig::new(n_ctx, 2))
     }

@@ -85,7 +85,7 @@ pub fn rows_alone(weight: Tensor<'_>, product: Product) -> Option<usize> {
 }
 
 /// Deterministic values in [-0.5, 0.5).
-fn noise(n: usize, mut seed: u64) -> Vec<f32> {
+pub(crate) fn noise(n: usize, mut seed: u64) -> Vec<f32> {
     (0..n)
         .map(|_| {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

@@ -2,17 +2,8 @@
 
 use llama_cpp_sys_2 as sys;
 
+use crate::invariant::noise;
 use crate::{Allocator, Context, CpuBackend, DType};
-
-/// Deterministic values in [-0.5, 0.5).
-fn noise(n: usize, mut seed: u64) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
 
 /// `w x` for the first `n` columns of `x` on 2 threads; returns column 0 of the result.
 fn first_column(w_type: u32, w: &[u8], x: &[f32], k: i64, m: i64, n: i64) -> Vec<f32> {
