@@ -725,7 +725,8 @@ impl HParams {
         match self.swa_heads {
             Some(_) if self.is_swa(layer) => {
                 let heads = self.layer_heads(layer);
-                types.k.row_bytes(heads.n_head_kv * heads.head_dim_k) + types.v.row_bytes(heads.n_head_kv * heads.head_dim_v)
+                types.k.row_bytes(heads.n_head_kv * heads.head_dim_k)
+                    + types.v.row_bytes(heads.n_head_kv * heads.head_dim_v)
             }
             _ => self.kv_cell_bytes(types),
         }

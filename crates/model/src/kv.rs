@@ -93,12 +93,18 @@ impl KvCache {
         for layer in layers.clone().filter(|&l| has_heads && hp.has_kv(l)) {
             // Sliding-window layers may have heads of their own (Gemma 4).
             let heads = hp.layer_heads(layer);
-            ctx.new_tensor(types.k.dtype(), &[(heads.n_head_kv * heads.head_dim_k) as i64, n_ctx as i64])
-                .named(&format!("cache_k_l{layer}"));
+            ctx.new_tensor(
+                types.k.dtype(),
+                &[(heads.n_head_kv * heads.head_dim_k) as i64, n_ctx as i64],
+            )
+            .named(&format!("cache_k_l{layer}"));
             // MLA caches only the compressed keys; values are a view of them.
             if hp.mla.is_none() {
-                ctx.new_tensor(types.v.dtype(), &[(heads.n_head_kv * heads.head_dim_v) as i64, n_ctx as i64])
-                    .named(&format!("cache_v_l{layer}"));
+                ctx.new_tensor(
+                    types.v.dtype(),
+                    &[(heads.n_head_kv * heads.head_dim_v) as i64, n_ctx as i64],
+                )
+                .named(&format!("cache_v_l{layer}"));
             }
         }
         let rotations = [("k", types.k_rotation(hp)), ("v", types.v_rotation(hp))];
