@@ -94,6 +94,26 @@ pub(crate) fn noise(n: usize, mut seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// `values` (rows of `k`) in `dtype`'s encoding, without an importance matrix.
+pub(crate) fn quantized(dtype: DType, values: &[f32], k: i64) -> Vec<u8> {
+    let rows = values.len() as i64 / k;
+    let mut bytes = vec![0u8; dtype.row_bytes(k as usize) * rows as usize];
+    // SAFETY: `values` holds `rows` rows of `k` floats and `bytes` room for as many rows
+    // of the type; the types probed and tested need no importance matrix.
+    unsafe {
+        sys::ggml_quantize_chunk(
+            dtype.0,
+            values.as_ptr(),
+            bytes.as_mut_ptr().cast(),
+            0,
+            rows,
+            k,
+            std::ptr::null(),
+        );
+    }
+    bytes
+}
+
 /// Experts in a probe of `mul_mat_id`; each row goes through the first two, so every
 /// expert meets every row, as many rows as the batch has.
 const PROBE_EXPERTS: i64 = 3;
@@ -107,21 +127,7 @@ fn probe(kind: Kind, buft: sys::ggml_backend_buffer_type_t) -> usize {
         Product::MulMat => 1,
         Product::MulMatId => PROBE_EXPERTS,
     };
-    let values = noise((k * m * n_mats) as usize, 1);
-    let mut bytes = vec![0u8; dtype.row_bytes(k as usize) * (m * n_mats) as usize];
-    // SAFETY: `values` holds `m * n_mats` rows of `k` floats and `bytes` room for as
-    // many rows of the type; no importance matrix (the values only need to be some).
-    unsafe {
-        sys::ggml_quantize_chunk(
-            kind.dtype,
-            values.as_ptr(),
-            bytes.as_mut_ptr().cast(),
-            0,
-            m * n_mats,
-            k,
-            std::ptr::null(),
-        );
-    }
+    let bytes = quantized(dtype, &noise((k * m * n_mats) as usize, 1), k);
     let weights = Context::new(1, 0);
     let w = match kind.product {
         Product::MulMat => weights.new_tensor(dtype, &[k, m]),

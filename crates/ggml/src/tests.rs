@@ -2,7 +2,7 @@
 
 use llama_cpp_sys_2 as sys;
 
-use crate::invariant::noise;
+use crate::invariant::{noise, quantized};
 use crate::{Allocator, Context, CpuBackend, DType};
 
 /// `w x` for the first `n` columns of `x` on 2 threads; returns column 0 of the result.
@@ -40,22 +40,7 @@ fn quantized_mul_mat_rows_are_batch_invariant_below_8() {
         (sys::GGML_TYPE_Q4_K, "q4_K"),
         (sys::GGML_TYPE_Q6_K, "q6_K"),
     ] {
-        // SAFETY: pure size computation for a valid type.
-        let row = unsafe { sys::ggml_row_size(w_type, k) };
-        let mut w = vec![0u8; row * m as usize];
-        // SAFETY: `weights` holds m rows of k floats; `w` has room for m quantized rows;
-        // these types need no importance matrix.
-        unsafe {
-            sys::ggml_quantize_chunk(
-                w_type,
-                weights.as_ptr(),
-                w.as_mut_ptr().cast(),
-                0,
-                m,
-                k,
-                std::ptr::null(),
-            );
-        }
+        let w = quantized(DType(w_type), &weights, k);
         let alone = first_column(w_type, &w, &x, k, m, 1);
         for n in 2..=7 {
             assert_eq!(first_column(w_type, &w, &x, k, m, n), alone, "{name}: batch of {n}");
@@ -169,22 +154,7 @@ fn quantized_mul_mat_id_rows_are_batch_invariant_below_8() {
         (sys::GGML_TYPE_Q6_K, "q6_K"),
         (sys::GGML_TYPE_MXFP4, "mxfp4"),
     ] {
-        // SAFETY: pure size computation for a valid type.
-        let row = unsafe { sys::ggml_row_size(w_type, k) };
-        let mut w = vec![0u8; row * (m * 8) as usize];
-        // SAFETY: `weights` holds 8·m rows of k floats; `w` has room for them quantized;
-        // these types need no importance matrix.
-        unsafe {
-            sys::ggml_quantize_chunk(
-                w_type,
-                weights.as_ptr(),
-                w.as_mut_ptr().cast(),
-                0,
-                m * 8,
-                k,
-                std::ptr::null(),
-            );
-        }
+        let w = quantized(DType(w_type), &weights, k);
         let alone = first_token_experts(w_type, &w, &x, k, m, 1, same);
         assert!(alone.iter().any(|&v| v != 0.0), "{name}: expert rows are computed");
         for n in 2..=7 {
@@ -254,20 +224,7 @@ fn rows_cut_as_rows_alone_says_compute_as_alone() {
         (sys::GGML_TYPE_F16, "f16"),
         (sys::GGML_TYPE_F32, "f32"),
     ] {
-        // SAFETY: pure size computation for a valid type.
-        let mut w = vec![0u8; unsafe { sys::ggml_row_size(w_type, k) } * m as usize];
-        // SAFETY: `weights` holds m rows of k floats, `w` room for m rows of the type.
-        unsafe {
-            sys::ggml_quantize_chunk(
-                w_type,
-                weights.as_ptr(),
-                w.as_mut_ptr().cast(),
-                0,
-                m,
-                k,
-                std::ptr::null(),
-            );
-        }
+        let w = quantized(DType(w_type), &weights, k);
         for extra in [None, extras.first()] {
             let wctx = Context::new(1, 0);
             let wt = wctx.new_tensor(DType(w_type), &[k, m]);
