@@ -313,15 +313,17 @@ impl StageWorker {
         let n = positions.len();
         let cap = max_decode_rows(self.stage.repacked());
         let all_sampled = sample_rows.len() == n && sample_rows.iter().enumerate().all(|(i, &r)| r as usize == i);
-        let whole_decode =
-            self.stage.whole_decode_batches() && (one_row_per_sequence(seq_ids) || !self.stage.tensor_parallel());
+        // Only decode rows are checked: a prompt chunk of hundreds of rows skips the sort.
+        let whole_decode = all_sampled
+            && self.stage.whole_decode_batches()
+            && (!self.stage.tensor_parallel() || one_row_per_sequence(seq_ids));
         if !all_sampled || n <= cap || whole_decode {
             let batch = Batch {
                 input,
                 positions,
                 seq_ids,
                 logit_rows: if last { sample_rows } else { &[] },
-                decode: all_sampled && whole_decode,
+                decode: whole_decode,
             };
             return self.run(&batch, reply);
         }
