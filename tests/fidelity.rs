@@ -219,12 +219,7 @@ fn a_decode_batch_of_many_sequences_gives_each_row_its_bits_alone() {
         let path = model(name);
         let file = ModelFile::open(&path).unwrap();
         let oracle = LlamaModel::load_vocab(&path).unwrap();
-        let prompts: Vec<Vec<u32>> = (0..SEQS)
-            .map(|i| {
-                let text = format!("{} ({i})", PROMPTS[i % PROMPTS.len()]);
-                oracle.tokenize(&text, true, true).unwrap()
-            })
-            .collect();
+        let prompts = common::numbered_prompts(&oracle, SEQS);
         let config = StageConfig {
             n_ctx: 64 * SEQS,
             n_threads: 2,

@@ -352,12 +352,7 @@ fn batching_changes_nothing(arch: &str, file_type: FileType) {
     let path = synthetic(arch, file_type);
     let file = ModelFile::open(&path).unwrap();
     let oracle = LlamaModel::load_vocab(&path).unwrap();
-    let prompts: Vec<Vec<u32>> = (0..N_SEQ)
-        .map(|i| {
-            let text = format!("{} ({i})", PROMPTS[i % PROMPTS.len()]);
-            oracle.tokenize(&text, true, true).unwrap()
-        })
-        .collect();
+    let prompts = common::numbered_prompts(&oracle, N_SEQ);
     let config = StageConfig {
         n_ctx: 256 * N_SEQ,
         n_threads: 2,

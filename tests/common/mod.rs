@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use baton_ggml::Device;
+use baton_ggml::{Device, LlamaModel};
 use baton_model::{Batch, LogitReply, ModelFile, Stage, StageConfig, StageInput, StageOutput, StageSpan};
 
 pub mod fidelity;
@@ -47,6 +47,16 @@ pub struct Chain {
     pub stages: Vec<Stage>,
     /// Round hidden states to f16 between stages, as `--wire-dtype f16` does.
     pub wire_f16: bool,
+}
+
+/// `n` distinct prompts, tokenized by `vocab`: the test prompts in turn, each numbered.
+pub fn numbered_prompts(vocab: &LlamaModel, n: usize) -> Vec<Vec<u32>> {
+    (0..n)
+        .map(|i| {
+            let text = format!("{} ({i})", PROMPTS[i % PROMPTS.len()]);
+            vocab.tokenize(&text, true, true).unwrap()
+        })
+        .collect()
 }
 
 impl Chain {
