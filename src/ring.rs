@@ -4,10 +4,11 @@
 use std::path::Path;
 
 use anyhow::Context as _;
-use baton_cluster::{connect_cluster, ClusterOptions, ContextFit, RemoteRing, Supervisor, CONTEXT_STEP};
+use baton_cluster::{connect_cluster, ClusterOptions, ContextFit, Members, RemoteRing, Supervisor, CONTEXT_STEP};
 use baton_engine::{Engine, EngineConfig, FormError};
 use baton_engine::{Head, LocalRing};
 use baton_model::{ModelFile, StageConfig};
+use baton_net::discovery::Browser;
 use baton_net::LinkOptions;
 use clap::{Args, ValueEnum};
 
@@ -66,6 +67,16 @@ pub struct ClusterArgs {
     /// forms groups of workers itself: give --tp N or auto instead.)
     #[arg(long, value_delimiter = ',')]
     pub tp_members: Vec<String>,
+    /// Find the workers on the local network (mDNS): those started with `baton worker
+    /// --announce` and the same token. With `baton serve`, a worker that announces itself
+    /// later joins the running cluster (running requests move to the new ring with
+    /// their text unchanged).
+    #[arg(long)]
+    pub discover: bool,
+    /// Seconds --discover looks for workers before the first ring is formed (longer
+    /// while none has answered).
+    #[arg(long, default_value_t = 3.0, value_parser = positive_secs)]
+    pub discover_wait: f64,
 }
 
 fn positive_secs(s: &str) -> Result<f64, String> {
@@ -82,6 +93,39 @@ fn heartbeat_secs(s: &str) -> Result<f64, String> {
         Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= most => Ok(secs),
         _ => Err(format!("'{s}' is not a number of seconds between 0 and {most}")),
     }
+}
+
+/// Looks for the cluster's workers on the local network for `wait` seconds, and then
+/// until one answers; the browser keeps adding those that announce themselves later.
+fn discover(members: &Members, token: Option<&str>, wait: f64) -> anyhow::Result<Browser> {
+    let token = token.context(
+        "--discover needs the cluster token (--token-file or BATON_TOKEN): workers announce the \
+         cluster by an id derived from it",
+    )?;
+    let cluster = baton_proto::auth::cluster_id(token.as_bytes());
+    let joining = members.clone();
+    let browser = Browser::start(
+        &cluster,
+        Box::new(move |addr: &str| {
+            joining.join(addr);
+        }),
+    )?;
+    eprintln!("looking for workers on the local network ({wait} s)");
+    std::thread::sleep(std::time::Duration::from_secs_f64(wait));
+    let mut waited = std::time::Instant::now();
+    while members.addrs().is_empty() {
+        if waited.elapsed() >= std::time::Duration::from_secs(10) {
+            eprintln!("no worker of this cluster has announced itself yet (baton worker --announce, same token)");
+            waited = std::time::Instant::now();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    eprintln!(
+        "found {} worker(s): {}",
+        members.addrs().len(),
+        members.addrs().join(", ")
+    );
+    Ok(browser)
 }
 
 /// A running ring of one of the three kinds.
@@ -102,6 +146,8 @@ pub enum Ring {
         supervisor: Option<Box<Supervisor>>,
         /// Worker processes this command started (they outlive the engine).
         _local: Option<LocalWorkers>,
+        /// Finds workers that join (`--discover`).
+        _browser: Option<Browser>,
     },
 }
 
@@ -112,9 +158,10 @@ enum Setup {
         n_ctx: usize,
     },
     Remote {
-        workers: Vec<String>,
+        members: Members,
         opts: Box<ClusterOptions>,
         local: Option<LocalWorkers>,
+        browser: Option<Browser>,
     },
 }
 
@@ -125,8 +172,10 @@ impl Ring {
     pub fn start(model: &Path, stages: &StageArgs, cluster: &ClusterArgs, n_seq: usize) -> anyhow::Result<Ring> {
         match Ring::setup(model, stages, cluster, n_seq)? {
             Setup::Local { ring, n_ctx } => Ok(Ring::Local { ring, n_ctx }),
-            Setup::Remote { workers, opts, local } => {
-                let remote = connect_cluster(model, &workers, &opts)?;
+            Setup::Remote {
+                members, opts, local, ..
+            } => {
+                let remote = connect_cluster(model, &members.addrs(), &opts)?;
                 Ok(Ring::Remote {
                     ring: Box::new(remote),
                     _local: local,
@@ -145,12 +194,18 @@ impl Ring {
     ) -> anyhow::Result<Ring> {
         match Ring::setup(model, stages, cluster, n_seq)? {
             Setup::Local { ring, n_ctx } => Ok(Ring::Local { ring, n_ctx }),
-            Setup::Remote { workers, opts, local } => {
+            Setup::Remote {
+                members,
+                opts,
+                local,
+                browser,
+            } => {
                 let heartbeat = std::time::Duration::from_secs_f64(cluster.heartbeat_timeout);
-                let supervisor = Box::new(Supervisor::new(model, &workers, *opts, heartbeat));
+                let supervisor = Box::new(Supervisor::new(model, members, *opts, heartbeat));
                 Ok(Ring::Supervised {
                     supervisor: Some(supervisor),
                     _local: local,
+                    _browser: browser,
                 })
             }
         }
@@ -190,7 +245,7 @@ impl Ring {
         let head_stage = !cluster.no_head_stage;
         // Bad certificate files fail here, before any worker is started or reached.
         let tls = cluster.tls.load()?;
-        let with_workers = cluster.local_workers.is_some() || !cluster.workers.is_empty();
+        let with_workers = cluster.local_workers.is_some() || !cluster.workers.is_empty() || cluster.discover;
         anyhow::ensure!(
             with_workers || stages.tp != baton_plan::TpDegree::Auto,
             "--tp auto chooses groups of workers (--workers or --local-workers); in one process give --tp N"
@@ -203,7 +258,7 @@ impl Ring {
         if let baton_plan::TpDegree::Fixed(n) = stages.tp {
             let offered = cluster.local_workers.unwrap_or(cluster.workers.len());
             anyhow::ensure!(
-                !with_workers || offered >= n,
+                !with_workers || cluster.discover || offered >= n,
                 "--tp {n} needs at least {n} workers to form one group; {offered} given"
             );
         }
@@ -233,7 +288,7 @@ impl Ring {
                 let local = LocalWorkers::start(n, model, threads, &cluster.tls)?;
                 (local.addrs.clone(), Some(local.token.clone()), Some(local), threads)
             }
-            None if !cluster.workers.is_empty() => (
+            None if !cluster.workers.is_empty() || cluster.discover => (
                 cluster.workers.clone(),
                 cluster.token.load()?,
                 None,
@@ -260,6 +315,11 @@ impl Ring {
                 return Ok(Setup::Local { ring, n_ctx });
             }
         };
+        let members = Members::new(&workers);
+        let browser = match cluster.discover {
+            true => Some(discover(&members, token.as_deref(), cluster.discover_wait)?),
+            false => None,
+        };
         let split = stages.split.as_deref().map(baton_plan::parse_node_split).transpose()?;
         let opts = ClusterOptions {
             token,
@@ -279,15 +339,18 @@ impl Ring {
             head_memory: cluster.head_memory,
             head_devices: node_devices(&stages.device)?,
             head_secs_per_layer: Vec::new(),
-            skip_unreachable: false,
+            // A worker found on the network may be anyone's: one that refuses is left
+            // out. Given addresses must all answer.
+            skip_unreachable: cluster.discover,
             handshake_timeout: Some(std::time::Duration::from_secs_f64(cluster.handshake_timeout)),
             on_reached: None,
             tp: stages.tp,
         };
         Ok(Setup::Remote {
-            workers,
+            members,
             opts: Box::new(opts),
             local,
+            browser,
         })
     }
 

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use baton_net::discovery::Announcement;
 use baton_net::{Addr, LinkOptions};
 use baton_worker::{Worker, WorkerConfig};
 use clap::Args;
@@ -13,9 +14,19 @@ use clap::Args;
 pub struct WorkerArgs {
     /// Address to listen on: HOST:PORT (port 0 picks a free port), or unix:PATH for a
     /// Unix-domain socket that only this machine can reach (a socket file left by a
-    /// stopped worker is taken over). The bound address is printed.
-    #[arg(long, default_value = "127.0.0.1:7070")]
-    listen: String,
+    /// stopped worker is taken over). The bound address is printed. Default
+    /// 127.0.0.1:7070, or 0.0.0.0:7070 with --announce.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Announce this worker on the local network (mDNS/DNS-SD), so that `baton serve
+    /// --discover` with the same token finds it: the announcement carries an id derived
+    /// from the token, never the token. Needs a token.
+    #[arg(long)]
+    announce: bool,
+    /// Seconds a stopped worker (SIGTERM or Ctrl-C) waits for its head to form a ring
+    /// without it before it exits anyway; a second signal exits at once.
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout: f64,
     /// Directory of GGUF models (streamed tensors are cached under DIR/.baton).
     #[arg(long)]
     models: PathBuf,
@@ -71,15 +82,28 @@ pub struct WorkerArgs {
 
 /// Runs the worker until killed.
 pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
-    let local = Addr::parse(&args.listen)
+    let listen = args.listen.clone().unwrap_or_else(|| {
+        let host = if args.announce { "0.0.0.0" } else { "127.0.0.1" };
+        format!("{host}:7070")
+    });
+    let local = Addr::parse(&listen)
         .and_then(|addr| addr.is_local())
-        .with_context(|| format!("bad --listen address {}", args.listen))?;
+        .with_context(|| format!("bad --listen address {listen}"))?;
     let token = args.token.load()?;
+    anyhow::ensure!(
+        !args.announce || token.is_some(),
+        "--announce needs the cluster token (--token-file or BATON_TOKEN): the announcement names \
+         the cluster by an id derived from it, and a head finds its workers by that id"
+    );
+    anyhow::ensure!(
+        args.drain_timeout.is_finite() && args.drain_timeout >= 0.0 && args.drain_timeout <= 86_400.0,
+        "--drain-timeout must be between 0 and 86400 seconds"
+    );
     if !local && token.is_none() && !args.insecure {
         anyhow::bail!(
             "refusing to listen on {} without --token: any machine that can reach it could drive this \
              worker. Set a cluster token (--token-file or BATON_TOKEN), or pass --insecure to accept that.",
-            args.listen
+            listen
         );
     }
     anyhow::ensure!(
@@ -104,12 +128,12 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let devices = crate::ring::node_devices(&args.device)?;
     let config = WorkerConfig {
-        listen: args.listen.clone(),
+        listen,
         models: args.models,
-        token,
+        token: token.clone(),
         threads,
         memory: args.memory,
-        advertise: args.advertise,
+        advertise: args.advertise.clone(),
         link: LinkOptions {
             max_frame: args.max_frame,
             send_buffer: args.socket_buffer,
@@ -142,8 +166,58 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
             std::process::exit(0);
         });
     }
+    let _announcement = match (args.announce, token.as_deref()) {
+        (true, Some(token)) => Some(announce(worker.local_addr(), token, args.advertise.as_deref())?),
+        _ => None,
+    };
+    leave_on_signal(&worker, Duration::from_secs_f64(args.drain_timeout))?;
     // The first line on stdout is the bound address: `--local-workers` and tests read it.
     println!("listening on {}", worker.local_addr());
     worker.serve();
+    Ok(())
+}
+
+/// Announces the worker bound at `bound` on the local network.
+fn announce(bound: &str, token: &str, advertise: Option<&str>) -> anyhow::Result<Announcement> {
+    let port = match Addr::parse(bound)? {
+        Addr::Tcp(addr) => addr
+            .rsplit_once(':')
+            .and_then(|(_, port)| port.parse::<u16>().ok())
+            .with_context(|| format!("no port in {addr}"))?,
+        _ => anyhow::bail!("--announce needs a TCP --listen address: a Unix socket is not on the network"),
+    };
+    let cluster = baton_proto::auth::cluster_id(token.as_bytes());
+    let announcement = Announcement::start(&cluster, port, advertise)?;
+    tracing::info!(name = announcement.name(), "announced on the local network");
+    Ok(announcement)
+}
+
+/// On SIGTERM or SIGINT the worker leaves: it refuses new heads, tells its head (which
+/// forms a ring without it and replays what ran here), and exits once the head has let
+/// it go, or after `timeout`. A second signal exits at once.
+fn leave_on_signal(worker: &Worker, timeout: Duration) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).context("handling SIGTERM")?;
+    let leave = worker.leave_handle();
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        if signals.forever().next().is_none() {
+            return;
+        }
+        std::thread::spawn(move || {
+            let _ = signals.forever().next();
+            tracing::warn!("a second signal: exiting without waiting for the head");
+            std::process::exit(1);
+        });
+        tracing::info!("leaving: refusing new heads and telling the head to form its ring without this worker");
+        if leave.drain(timeout) {
+            tracing::info!("left the cluster: no head uses this worker");
+            std::process::exit(0);
+        }
+        tracing::warn!(
+            "the head still used this worker after {} s: exiting",
+            timeout.as_secs_f64()
+        );
+        std::process::exit(1);
+    })?;
     Ok(())
 }

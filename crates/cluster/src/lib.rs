@@ -13,4 +13,4 @@ mod watch;
 pub use form::{
     connect_cluster, model_cost, model_ref, ClusterOptions, ContextFit, RemoteRing, RemoteWorker, CONTEXT_STEP,
 };
-pub use supervise::Supervisor;
+pub use supervise::{Members, Supervisor, MAX_WORKERS};

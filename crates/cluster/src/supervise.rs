@@ -16,13 +16,79 @@ use baton_proto::{RefusalCode, Role};
 
 use crate::form::{connect_cluster, ClusterOptions, ContextFit, OnReached, RemoteRing};
 use crate::watch::{OnLost, Watch};
-use baton_engine::{FormError, Formed, RingSource, WorkerLink};
+use baton_engine::{Better, FormError, Formed, RingSource, WorkerLink};
+use baton_stage::probe::ping;
 use baton_stage::NodeError;
 
-/// Forms and re-forms the ring over a fixed list of workers.
+/// Most workers a cluster takes: those given, and those that join.
+pub const MAX_WORKERS: usize = 64;
+
+/// The workers a supervisor forms rings over: those it was given, and those that
+/// joined since (found on the network, say). Cloned handles share the list.
+#[derive(Clone, Default)]
+pub struct Members {
+    inner: Arc<Mutex<MemberList>>,
+}
+
+#[derive(Default)]
+struct MemberList {
+    addrs: Vec<String>,
+    /// Some worker joined since the last ring was formed.
+    joined: bool,
+}
+
+impl Members {
+    /// Members `addrs` to begin with.
+    pub fn new(addrs: &[String]) -> Members {
+        let members = Members::default();
+        members.list().addrs = addrs.to_vec();
+        members
+    }
+
+    fn list(&self) -> std::sync::MutexGuard<'_, MemberList> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a worker that joins; the supervisor forms a ring with it. False when it is
+    /// a member already, or the cluster has [`MAX_WORKERS`].
+    pub fn join(&self, addr: &str) -> bool {
+        let mut list = self.list();
+        if list.addrs.iter().any(|a| a == addr) {
+            return false;
+        }
+        if list.addrs.len() >= MAX_WORKERS {
+            tracing::warn!(worker = %addr, "not taken in: the cluster has {MAX_WORKERS} workers");
+            return false;
+        }
+        tracing::info!(worker = %addr, "a worker joins the cluster");
+        list.addrs.push(addr.to_string());
+        list.joined = true;
+        true
+    }
+
+    /// The members now.
+    pub fn addrs(&self) -> Vec<String> {
+        self.list().addrs.clone()
+    }
+
+    fn joined(&self) -> bool {
+        self.list().joined
+    }
+
+    /// The members, marking the joins seen.
+    fn take(&self) -> Vec<String> {
+        let mut list = self.list();
+        list.joined = false;
+        list.addrs.clone()
+    }
+}
+
+/// Forms and re-forms the ring over a cluster's workers.
 pub struct Supervisor {
     model: PathBuf,
-    workers: Vec<String>,
+    members: Members,
+    /// The workers given at the start (those a `--split` names).
+    given: Vec<String>,
     opts: ClusterOptions,
     heartbeat: Duration,
     ring: Option<RemoteRing>,
@@ -35,12 +101,13 @@ pub struct Supervisor {
 }
 
 impl Supervisor {
-    /// A supervisor for `workers`; nothing is connected until [`RingSource::form`].
-    /// A worker silent for `heartbeat` is lost.
-    pub fn new(model: &Path, workers: &[String], opts: ClusterOptions, heartbeat: Duration) -> Supervisor {
+    /// A supervisor for `members` (which may grow while it runs); nothing is connected
+    /// until [`RingSource::form`]. A worker silent for `heartbeat` is lost.
+    pub fn new(model: &Path, members: Members, opts: ClusterOptions, heartbeat: Duration) -> Supervisor {
         Supervisor {
             model: model.to_path_buf(),
-            workers: workers.to_vec(),
+            given: members.addrs(),
+            members,
             opts,
             heartbeat,
             ring: None,
@@ -69,10 +136,10 @@ impl Supervisor {
         on_reached: OnReached,
     ) -> Result<RemoteRing, NodeError> {
         let deadline = Instant::now() + Duration::from_secs(3);
-        // A `--split` names every worker; without all of them the planner decides.
+        // A `--split` names the workers given; with others the planner decides.
         let mut opts = self.opts.clone();
         opts.on_reached = Some(on_reached);
-        if candidates.len() < self.workers.len() {
+        if candidates != self.given {
             opts.split = None;
         }
         loop {
@@ -110,10 +177,10 @@ impl RingSource for Supervisor {
         self.returned.store(false, Ordering::SeqCst);
         let lost_before = self.lost();
         let candidates: Vec<String> = self
-            .workers
-            .iter()
-            .filter(|w| !lost_before.contains_key(*w))
-            .cloned()
+            .members
+            .take()
+            .into_iter()
+            .filter(|w| !lost_before.contains_key(w))
             .collect();
 
         // Each worker is watched from the moment it answers: one that dies or hangs
@@ -237,8 +304,14 @@ impl RingSource for Supervisor {
         })
     }
 
-    fn returned(&self) -> bool {
-        self.returned.load(Ordering::SeqCst)
+    fn better(&self) -> Option<Better> {
+        if self.members.joined() {
+            Some(Better::Joined)
+        } else if self.returned.load(Ordering::SeqCst) {
+            Some(Better::Returned)
+        } else {
+            None
+        }
     }
 }
 
@@ -317,9 +390,15 @@ impl Prober {
                     return;
                 }
                 for addr in addrs {
-                    let answered = connect_by(&addr, &opts, Instant::now() + timeout).and_then(|mut conn| {
-                        client_handshake(conn.as_mut(), Role::Heartbeat, token.as_deref().map(str::as_bytes))
-                    });
+                    // A heartbeat that names no session: a worker that is leaving
+                    // refuses it, and it ends no session of another head.
+                    let answered = connect_by(&addr, &opts, Instant::now() + timeout)
+                        .and_then(|mut conn| {
+                            client_handshake(conn.as_mut(), Role::Heartbeat, token.as_deref().map(str::as_bytes))?;
+                            Ok(conn)
+                        })
+                        .map_err(|e| e.to_string())
+                        .and_then(|mut conn| ping(conn.as_mut(), 0, timeout));
                     if answered.is_ok() && !stopped.load(Ordering::SeqCst) {
                         tracing::info!(worker = %addr, "a lost worker answers again");
                         lost.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr);

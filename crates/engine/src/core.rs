@@ -18,8 +18,8 @@ use super::draft::{DraftMode, DraftPolicy, Drafters};
 use super::slots::{choose_slot, runs_prefix, Active, Slot};
 use super::text::Piece;
 use super::types::{
-    Counters, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Health, Job, PrefixReuse, StageStats,
-    TokenOut, Vocab,
+    Better, Counters, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Health, Job, PrefixReuse,
+    StageStats, TokenOut, Vocab,
 };
 
 /// A message in the ring, waiting for its reply.
@@ -400,8 +400,8 @@ impl Core {
 
     /// Everything that depends on time or on what the last event changed: deadlines,
     /// clients that went away, moving back to a better ring, admission, and filling the
-    /// ring with micro-batches. `returned`: a lost node answers again.
-    pub fn poll(&mut self, now: Instant, returned: bool) {
+    /// ring with micro-batches. `better`: a better ring may be formed.
+    pub fn poll(&mut self, now: Instant, better: Option<Better>) {
         if self.stopping {
             return;
         }
@@ -411,10 +411,18 @@ impl Core {
         if !self.connected {
             return;
         }
-        if returned && self.idle() {
-            self.counters.workers_returned.fetch_add(1, Ordering::Relaxed);
-            self.lose_ring("a lost worker is back: moving to the better plan", now);
-            return;
+        match better {
+            Some(Better::Returned) if self.idle() => {
+                self.counters.workers_returned.fetch_add(1, Ordering::Relaxed);
+                self.lose_ring("a lost worker is back: moving to the better plan", now);
+                return;
+            }
+            Some(Better::Joined) => {
+                self.counters.workers_joined.fetch_add(1, Ordering::Relaxed);
+                self.lose_ring("a worker joined: forming a ring with it", now);
+                return;
+            }
+            _ => {}
         }
         self.admit(now);
         self.schedule(now);

@@ -61,8 +61,8 @@ pub use local::LocalRing;
 pub use text::{Piece, TextStream};
 pub use types::{max_draft, prefix_reuse, PrefixReuse};
 pub use types::{
-    Cause, Counters, EndCheck, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Formed, Health, Job,
-    OnLost, RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
+    Better, Cause, Counters, EndCheck, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Formed, Health,
+    Job, OnLost, RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
 };
 
 use self::core::Core;

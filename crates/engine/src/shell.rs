@@ -123,8 +123,8 @@ impl Shell {
                 }
                 None => {}
             }
-            let returned = self.source.as_ref().is_some_and(|s| s.returned());
-            self.core.poll(now, returned);
+            let better = self.source.as_ref().and_then(|s| s.better());
+            self.core.poll(now, better);
             self.carry_out();
         }
     }

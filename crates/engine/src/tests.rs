@@ -96,7 +96,7 @@ impl Harness {
 
     /// Polls and returns the messages the core sends.
     fn poll(&mut self) -> Vec<Message> {
-        self.core.poll(self.now, false);
+        self.core.poll(self.now, None);
         sends(self.core.actions())
     }
 

@@ -81,8 +81,20 @@ pub trait RingSource: Send {
     /// Closes the current ring, if any, and forms a new one over the nodes that answer
     /// now. `on_lost` is called when a node of the new ring stops answering.
     fn form(&mut self, on_lost: OnLost) -> Result<Formed, FormError>;
-    /// Whether a node that was lost answers again (a better ring may be formed).
-    fn returned(&self) -> bool;
+    /// Whether a better ring than the one running may be formed, and why.
+    fn better(&self) -> Option<Better>;
+}
+
+/// Why a better ring may be formed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Better {
+    /// A node that was lost answers again: the engine moves to the better plan when
+    /// nothing runs.
+    Returned,
+    /// A node joined the cluster: the engine forms a ring with it at once, replaying
+    /// what runs on the new ring (the same text, as after a loss), so that a busy
+    /// server still takes in a new node.
+    Joined,
 }
 
 /// A ring just formed.
@@ -341,6 +353,8 @@ pub struct Counters {
     pub workers_lost: AtomicU64,
     /// Times a lost worker answered again and the ring was formed again with it.
     pub workers_returned: AtomicU64,
+    /// Nodes that joined the cluster while it served.
+    pub workers_joined: AtomicU64,
     /// Microseconds from sending each answered micro-batch to its answer, summed (divide
     /// by `steps` answered for the mean round trip).
     pub round_trip_us: AtomicU64,

@@ -13,6 +13,7 @@
 #![deny(unsafe_code)]
 
 mod addr;
+pub mod discovery;
 mod framed;
 mod handshake;
 mod local;

@@ -228,6 +228,16 @@ pub fn identity_hash(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
 }
 
+/// The name a cluster goes by on the local network (workers announce it, a head looks
+/// for it): an HMAC of a fixed label under the token, so that it tells nothing of the
+/// token, and members of other clusters on the same network are told apart. 16 bytes
+/// in hexadecimal.
+pub fn cluster_id(token: &[u8]) -> String {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token).expect("HMAC takes keys of any length");
+    mac.update(b"baton cluster id v1");
+    hex(&mac.finalize().into_bytes()[..16])
+}
+
 /// Lower-case hexadecimal, for logs and file names.
 pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -274,6 +284,17 @@ mod tests {
             verify(SECRET, &x.nonce_a, &x.nonce_b, Role::Worker, &x.proof_b),
             "A accepts B"
         );
+    }
+
+    #[test]
+    fn a_cluster_id_names_its_token_and_tells_nothing_of_it() {
+        let id = cluster_id(SECRET);
+        assert_eq!(id.len(), 32);
+        assert!(id.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(id, cluster_id(SECRET), "the same token, the same id");
+        assert_ne!(id, cluster_id(b"another secret"));
+        assert!(!id.contains(&hex(SECRET)));
+        assert_ne!(id, hex(&identity_hash(SECRET))[..32], "not a plain hash of the token");
     }
 
     #[test]

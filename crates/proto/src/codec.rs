@@ -91,7 +91,7 @@
 //! | TopLogprob     | token u32, logprob f32                                                      |
 //! | TpPlace        | group u64, rank u32, members [str]                                          |
 //!
-//! Refusal codes (Refused.code): 1 Busy, 2 Auth, 3 Version, 4 TlsRequired, 5 BadRequest, 6 LoadFailed
+//! Refusal codes (Refused.code): 1 Busy, 2 Auth, 3 Version, 4 TlsRequired, 5 BadRequest, 6 LoadFailed, 7 Leaving
 //! Stage faults (Error.fault): 1 Request, 2 CacheFull, 3 Compute, 4 Protocol
 //! ```
 //!

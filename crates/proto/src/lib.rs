@@ -38,7 +38,9 @@ use baton_sample::SamplingParams;
 /// 13: `Checkpoint` (kind 26): stages keep a copy of a sequence's recurrent states.
 /// 14: `LoadPlan` ends with the element types of the KV cache (`cache_type_k`,
 /// `cache_type_v`), one setting for the whole ring.
-pub const PROTOCOL_VERSION: u32 = 14;
+/// 15: refusal code 7, `Leaving`: a draining worker refuses new heads and answers the
+/// head's heartbeat with it.
+pub const PROTOCOL_VERSION: u32 = 15;
 
 /// Most members a tensor-parallel group may have (the head never plans more; a
 /// `LoadPlan` naming more is refused at decoding).
@@ -164,17 +166,21 @@ pub enum RefusalCode {
     /// The worker could not load the stage it was told to (file missing or damaged,
     /// streamed tensors wrong, not enough memory).
     LoadFailed,
+    /// The worker is leaving the cluster (it was told to stop and drains): the head
+    /// forms its ring without it.
+    Leaving,
 }
 
 impl RefusalCode {
     /// Every code, in wire-number order.
-    pub const ALL: [RefusalCode; 6] = [
+    pub const ALL: [RefusalCode; 7] = [
         RefusalCode::Busy,
         RefusalCode::Auth,
         RefusalCode::Version,
         RefusalCode::TlsRequired,
         RefusalCode::BadRequest,
         RefusalCode::LoadFailed,
+        RefusalCode::Leaving,
     ];
 
     /// The code's number on the wire.
@@ -186,6 +192,7 @@ impl RefusalCode {
             RefusalCode::TlsRequired => 4,
             RefusalCode::BadRequest => 5,
             RefusalCode::LoadFailed => 6,
+            RefusalCode::Leaving => 7,
         }
     }
 

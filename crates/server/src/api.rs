@@ -584,6 +584,7 @@ async fn stats(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiErr
         "round_trip_seconds": load(&c.round_trip_us) as f64 / 1e6,
         "workers_lost": load(&c.workers_lost),
         "workers_returned": load(&c.workers_returned),
+        "workers_joined": load(&c.workers_joined),
         "stages": stages.resident.iter().enumerate()
             .map(|(i, resident)| json!({
                 "name": names.get(i),

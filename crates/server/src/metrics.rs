@@ -182,6 +182,12 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         "Times a lost worker came back and the ring was formed again with it",
         load(&counters.workers_returned),
     );
+    counter(
+        &mut registry,
+        "workers_joined",
+        "Times a worker joined the cluster and the ring was formed again with it",
+        load(&counters.workers_joined),
+    );
     let round_trip = prometheus_client::metrics::counter::ConstCounter::new(load(&counters.round_trip_us) as f64 / 1e6);
     registry.register(
         "ring_round_trip_seconds",

@@ -108,6 +108,7 @@ pub fn ping(conn: &mut dyn Link, session: u64, timeout: Duration) -> Result<Dura
     }
     match conn.recv() {
         Ok(Message::Pong) => Ok(sent.elapsed()),
+        Ok(Message::Refused { reason, .. }) => Err(reason),
         Ok(other) => Err(format!("it answered a heartbeat with {}", other.kind())),
         Err(NetError::Timeout { .. }) => Err(format!(
             "it did not answer a heartbeat within {} ms",

@@ -9,4 +9,4 @@ mod group;
 mod receive;
 mod server;
 
-pub use server::{Worker, WorkerConfig};
+pub use server::{Leave, Worker, WorkerConfig};

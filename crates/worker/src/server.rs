@@ -80,6 +80,9 @@ pub(crate) struct Shared {
     /// Which connections are served (handshakes and authenticated ones).
     gate: Arc<Gate>,
     busy: AtomicBool,
+    /// Told to leave the cluster: new heads are refused, and the head's next heartbeat
+    /// is answered `Leaving` (see [`Leave`]).
+    leaving: AtomicBool,
     /// The head session now running: its number, and closers of its links (control
     /// and upstream) that a heartbeat timeout uses to end it.
     session: Mutex<Session>,
@@ -209,6 +212,7 @@ impl Worker {
             models,
             gate,
             busy: AtomicBool::new(false),
+            leaving: AtomicBool::new(false),
             session: Mutex::default(),
             upstream: Mutex::new(None),
             upstream_ready: Condvar::new(),
@@ -222,6 +226,11 @@ impl Worker {
     /// absolute).
     pub fn local_addr(&self) -> &str {
         self.listener.local_addr()
+    }
+
+    /// A handle that tells this worker to leave the cluster.
+    pub fn leave_handle(&self) -> Leave {
+        Leave(self.shared.clone())
     }
 
     /// Serves connections until the process ends.
@@ -256,6 +265,31 @@ impl Worker {
     }
 }
 
+/// Makes a worker leave its cluster without failing a request: it refuses new heads,
+/// and answers the running head's next heartbeat with `Refused { Leaving }`, which the
+/// head takes as the worker lost: it forms a new ring without it and replays its
+/// running requests there (the same text, as after any loss).
+pub struct Leave(Arc<Shared>);
+
+impl Leave {
+    /// Starts leaving, and waits until no head session runs here (the head has formed
+    /// its ring without this worker), at most `timeout`; false if one still runs.
+    pub fn drain(&self, timeout: Duration) -> bool {
+        self.0.leaving.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + timeout;
+        while self.0.busy.load(Ordering::SeqCst) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        true
+    }
+}
+
+/// What a leaving worker tells a head or a heartbeat.
+const LEAVING: &str = "this worker is leaving the cluster";
+
 /// Serves one connection: its handshake, under one deadline, then its role.
 fn handle(shared: &Shared, admitted: Admitted, peer: &str) {
     match serve_connection(shared, admitted) {
@@ -271,6 +305,10 @@ fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError
     let closer = link.closer().ok();
     match role {
         Role::Head => {
+            if shared.leaving.load(Ordering::SeqCst) {
+                refuse(link.as_mut(), RefusalCode::Leaving, LEAVING.into());
+                return Err(NodeError::Request(format!("a head connected: {LEAVING}")));
+            }
             let Some(head) = shared.claim_head() else {
                 let reason = "another head is already connected to this worker".to_string();
                 refuse(link.as_mut(), RefusalCode::Busy, reason.clone());
@@ -308,6 +346,10 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
     let mut watched: Option<Option<u64>> = None;
     let why = loop {
         match link.recv() {
+            Ok(Message::Ping { .. }) if shared.leaving.load(Ordering::SeqCst) => {
+                refuse(link.as_mut(), RefusalCode::Leaving, LEAVING.into());
+                break LEAVING.to_string();
+            }
             Ok(Message::Ping { timeout_ms, session }) => {
                 let bound = *watched.get_or_insert_with(|| shared.is_current(session).then_some(session));
                 if bound.is_some_and(|id| id != session) {
