@@ -8,6 +8,7 @@ mod local_workers;
 mod ring;
 mod run;
 mod serve;
+mod status;
 mod synth;
 mod token;
 mod tp_member;
@@ -46,6 +47,9 @@ enum Command {
     Synth(synth::SynthArgs),
     /// List the devices stages can compute on (CPU, GPUs), with their memory.
     Devices(devices::DevicesArgs),
+    /// Show what a running `baton serve` is doing: its ring's stages, memory, link
+    /// round trips, tokens per second, and the workers that joined or were lost.
+    Status(status::StatusArgs),
 }
 
 /// How the model is split into in-process stages.
@@ -226,6 +230,7 @@ fn main() -> std::process::ExitCode {
         Command::Cert(args) => cert::cert(args),
         Command::Synth(args) => synth::synth(args),
         Command::Devices(args) => devices::devices(args),
+        Command::Status(args) => status::status(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -322,6 +322,24 @@ fn workers_found_on_the_network_form_a_cluster_that_grows_and_shrinks_with_the_s
     assert_eq!(text, alone, "the same text with a worker joining mid-stream");
     let stats: Value = serde_json::from_str(&net.curl(1, &[&format!("{URL}/stats")])).unwrap();
     assert!(stats["workers_joined"].as_u64().unwrap() >= 1, "{stats}");
+    let status = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &net.ns(1),
+            env!("CARGO_BIN_EXE_baton"),
+            "status",
+            "--url",
+            URL,
+        ])
+        .output()
+        .unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.starts_with(&format!("{URL}: ok")), "{status}");
+    assert!(
+        status.contains("10.77.0.4:7070") && status.contains("1 joined"),
+        "{status}"
+    );
 
     // A worker stopped during a stream drains: the stream finishes with the same text,
     // the worker exits by itself, and the ring goes on without it.
