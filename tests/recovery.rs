@@ -512,7 +512,7 @@ fn start_worker_that_hangs_while_loading() -> String {
 
 #[test]
 fn a_worker_that_hangs_while_the_ring_forms_is_left_out_in_time() {
-    use baton_cluster::{ClusterOptions, Supervisor};
+    use baton_cluster::{ClusterOptions, Members, Supervisor};
     use baton_engine::{FormError, RingSource};
 
     let addr = start_worker_that_hangs_while_loading();
@@ -523,7 +523,7 @@ fn a_worker_that_hangs_while_the_ring_forms_is_left_out_in_time() {
         ..Default::default()
     };
     let workers = [addr.clone()];
-    let mut supervisor = Supervisor::new(&model(QWEN2), &workers, opts, Duration::from_secs(1));
+    let mut supervisor = Supervisor::new(&model(QWEN2), Members::new(&workers), opts, Duration::from_secs(1));
     let (done, outcome) = std::sync::mpsc::channel();
     let started = Instant::now();
     std::thread::spawn(move || {
@@ -547,7 +547,7 @@ fn a_worker_that_hangs_while_the_ring_forms_is_left_out_in_time() {
 /// link is closed while the ring forms), instead of waiting for member 0 to give up.
 #[test]
 fn a_member_that_hangs_while_its_group_forms_ends_the_formation_in_time() {
-    use baton_cluster::{ClusterOptions, Supervisor};
+    use baton_cluster::{ClusterOptions, Members, Supervisor};
     use baton_engine::{FormError, RingSource};
 
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -561,7 +561,7 @@ fn a_member_that_hangs_while_its_group_forms_ends_the_formation_in_time() {
         ..Default::default()
     };
     let workers = [w0.addr(), hung.clone()];
-    let mut supervisor = Supervisor::new(&model(QWEN2), &workers, opts, Duration::from_secs(1));
+    let mut supervisor = Supervisor::new(&model(QWEN2), Members::new(&workers), opts, Duration::from_secs(1));
     let (done, outcome) = std::sync::mpsc::channel();
     let started = Instant::now();
     std::thread::spawn(move || {

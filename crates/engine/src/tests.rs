@@ -10,7 +10,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::core::{Action, Core, EndCounters};
 use super::draft::{Draft, Drafters};
-use super::types::{Counters, EndCheck, EngineConfig, Event, FinishReason, FormError, Health, Job, Vocab};
+use super::types::{Better, Counters, EndCheck, EngineConfig, Event, FinishReason, FormError, Health, Job, Vocab};
 
 /// Token 0 ends generation; token `t` reads `<t>`.
 struct Tokens;
@@ -482,10 +482,10 @@ fn deadlines_come_from_the_clock_given() {
     let _rx = h.job(&[1, 2], 4);
     h.poll();
     h.now += Duration::from_secs(59);
-    h.core.poll(h.now, false);
+    h.core.poll(h.now, None);
     assert!(h.core.actions().is_empty());
     h.now += Duration::from_secs(2);
-    h.core.poll(h.now, false);
+    h.core.poll(h.now, None);
     assert!(matches!(h.core.actions()[..], [Action::FormRing { .. }]));
 
     // No new ring within the recovery timeout: running requests fail, health waits.
@@ -497,7 +497,7 @@ fn deadlines_come_from_the_clock_given() {
     h.core.actions();
     h.core.form_failed(FormError::Retry("w:2 refused".into()));
     h.now += Duration::from_secs(31);
-    h.core.poll(h.now, false);
+    h.core.poll(h.now, None);
     assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("within 30 s")));
     assert!(matches!(h.health(), Health::Waiting { .. }));
 }
@@ -522,14 +522,28 @@ fn when_a_lost_node_returns_an_idle_engine_moves_to_the_better_ring() {
     let mut h = Harness::new(true);
     let rx = h.job(&[1], 1);
     let sent = h.poll();
-    h.core.poll(h.now, true);
+    h.core.poll(h.now, Some(Better::Returned));
     assert!(h.core.actions().is_empty(), "busy: stays on the ring it has");
     for msg in &sent {
         h.answer(msg, &[5]);
     }
     drop(rx);
-    h.core.poll(h.now, true);
+    h.core.poll(h.now, Some(Better::Returned));
     assert!(matches!(h.core.actions()[..], [Action::FormRing { .. }]));
+}
+
+#[test]
+fn when_a_node_joins_a_busy_engine_forms_a_ring_with_it_at_once_and_keeps_its_requests() {
+    let mut h = Harness::new(true);
+    let mut rx = h.job(&[1], 4);
+    h.poll();
+    h.core.poll(h.now, Some(Better::Joined));
+    assert!(matches!(h.core.actions()[..], [Action::FormRing { .. }]));
+    assert!(matches!(h.health(), Health::Recovering { .. }));
+    assert!(
+        !events(&mut rx).iter().any(|e| matches!(e, Event::Failed(_))),
+        "the running request waits for the new ring"
+    );
 }
 
 #[test]
