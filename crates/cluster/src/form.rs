@@ -22,6 +22,7 @@ use baton_engine::{Head, RingEnds};
 use baton_stage::probe::LinkProbe;
 use baton_stage::NodeError;
 use baton_stage::{run, StageWorker};
+use indicatif::MultiProgress;
 
 /// Called with a worker's address, the session it opened for this head (which the
 /// head's heartbeat names, see [`Capabilities::session`]), a handle that closes its
@@ -623,15 +624,74 @@ fn load(
             }
         }
     }
-    for (w, span) in streams {
+    // Workers that lack the file get their tensors at once, each over its own link
+    // (one thread per worker), while the head loads its own stage (always the first
+    // when it has one) and links it to the second.
+    let addrs: Vec<String> = reached.workers.iter().map(|w| w.addr.clone()).collect();
+    let bars = MultiProgress::new();
+    let (head_stage, streamed) = std::thread::scope(|scope| {
+        let sending: Vec<_> = reached
+            .links
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(w, link)| {
+                let (_, span) = streams.iter().find(|(s, _)| *s == w)?;
+                let (addr, bars) = (&addrs[w], &bars);
+                Some((
+                    w,
+                    scope.spawn(move || send_stage_tensors(file, span, link.as_mut(), addr, bars)),
+                ))
+            })
+            .collect();
+        let head_stage = load_head_stage(model, planned, opts, &nexts);
+        let streamed: Vec<(usize, Result<u64, NodeError>)> = sending
+            .into_iter()
+            .map(|(w, thread)| {
+                let sent = thread
+                    .join()
+                    .unwrap_or_else(|_| Err(NodeError::Protocol("the thread streaming weights panicked".into())));
+                (w, sent)
+            })
+            .collect();
+        (head_stage, streamed)
+    });
+    for (w, sent) in streamed {
         let worker = &mut reached.workers[w];
-        worker.streamed = send_stage_tensors(file, &span, reached.links[w].as_mut(), &worker.addr)?;
+        worker.streamed = sent?;
         tracing::info!(worker = %worker.addr, bytes = worker.streamed, "streamed weights");
     }
+    let head_stage = head_stage?;
 
-    // The head's own stage (always the first when it has one) loads while the workers
-    // load, then links to the second stage.
-    let head_stage = match stages.first() {
+    for &w in stages.iter().flat_map(|stage| planned.members(stage.node)) {
+        let link = &mut reached.links[w];
+        match link.recv()? {
+            Message::Loaded { resident, received } => {
+                tracing::info!(worker = %link.peer(), resident, received, "stage ready");
+            }
+            Message::Refused { code, reason } => {
+                return Err(NodeError::Refused {
+                    worker: link.peer().to_string(),
+                    code,
+                    reason,
+                })
+            }
+            other => return Err(NodeError::Protocol(format!("expected Loaded, got {}", other.kind()))),
+        }
+    }
+    Ok(head_stage)
+}
+
+/// Loads the head's own stage when the plan gives it one (always the first), and links
+/// it to the second stage.
+fn load_head_stage(
+    model: &Path,
+    planned: &Planned,
+    opts: &ClusterOptions,
+    nexts: &[Option<String>],
+) -> Result<Option<HeadStage>, NodeError> {
+    let stages = &planned.plan.stages;
+    let n = stages.len();
+    Ok(match stages.first() {
         Some(stage) if planned.worker_of(stage.node).is_none() => {
             let span = StageSpan {
                 layers: stage.layers.clone(),
@@ -672,25 +732,7 @@ fn load(
             })
         }
         _ => None,
-    };
-
-    for &w in stages.iter().flat_map(|stage| planned.members(stage.node)) {
-        let link = &mut reached.links[w];
-        match link.recv()? {
-            Message::Loaded { resident, received } => {
-                tracing::info!(worker = %link.peer(), resident, received, "stage ready");
-            }
-            Message::Refused { code, reason } => {
-                return Err(NodeError::Refused {
-                    worker: link.peer().to_string(),
-                    code,
-                    reason,
-                })
-            }
-            other => return Err(NodeError::Protocol(format!("expected Loaded, got {}", other.kind()))),
-        }
-    }
-    Ok(head_stage)
+    })
 }
 
 /// The head's two ends of the ring, what they count, the head's own stage thread when

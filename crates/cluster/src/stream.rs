@@ -10,18 +10,20 @@ use baton_net::Link;
 use baton_proto::auth::identity_hash;
 use baton_proto::{Message, TensorEntry};
 use baton_stage::NodeError;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
 /// Bytes per `TensorChunk`: large frames, few of them.
 const CHUNK: usize = 8 << 20;
 
 /// Head side: offers a stage's tensors and sends the ones the worker asks for; returns
-/// the bytes sent. A progress bar (bytes, rate, ETA) shows on a terminal.
+/// the bytes sent. A progress bar (bytes, rate, ETA) shows on a terminal, one line of
+/// `bars` per worker.
 pub fn send_stage_tensors(
     file: &ModelFile,
     span: &StageSpan,
     link: &mut dyn Link,
     worker: &str,
+    bars: &MultiProgress,
 ) -> Result<u64, NodeError> {
     let bytes = file.bytes();
     let header = bytes[..file.gguf().data_offset as usize].to_vec();
@@ -62,7 +64,7 @@ pub fn send_stage_tensors(
         }
     };
     let total: u64 = wanted.iter().map(|e| e.len).sum();
-    let bar = ProgressBar::new(total).with_message(format!("weights to {worker}"));
+    let bar = bars.add(ProgressBar::new(total).with_message(format!("weights to {worker}")));
     bar.set_style(
         ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}")
             .expect("the template is valid")
