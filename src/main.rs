@@ -4,6 +4,7 @@ mod bench;
 mod cert;
 mod devices;
 mod draft;
+mod invite;
 mod local_workers;
 mod ring;
 mod run;
@@ -50,6 +51,9 @@ enum Command {
     /// Show what a running `baton serve` is doing: its ring's stages, memory, link
     /// round trips, tokens per second, and the workers that joined or were lost.
     Status(status::StatusArgs),
+    /// Print a one-time code with which a worker on any network that reaches this
+    /// head's API joins the cluster (`baton worker --join CODE`), no token copied.
+    Invite(invite::InviteArgs),
 }
 
 /// How the model is split into in-process stages.
@@ -231,6 +235,7 @@ fn main() -> std::process::ExitCode {
         Command::Synth(args) => synth::synth(args),
         Command::Devices(args) => devices::devices(args),
         Command::Status(args) => status::status(args),
+        Command::Invite(args) => invite::invite(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

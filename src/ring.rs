@@ -148,6 +148,10 @@ pub enum Ring {
         _local: Option<LocalWorkers>,
         /// Finds workers that join (`--discover`).
         _browser: Option<Browser>,
+        /// The cluster's members (shared with the supervisor: adding one joins it).
+        members: Members,
+        /// The cluster token, given to workers that join with an invite.
+        token: Option<String>,
     },
 }
 
@@ -201,11 +205,14 @@ impl Ring {
                 browser,
             } => {
                 let heartbeat = std::time::Duration::from_secs_f64(cluster.heartbeat_timeout);
-                let supervisor = Box::new(Supervisor::new(model, members, *opts, heartbeat));
+                let token = opts.token.clone();
+                let supervisor = Box::new(Supervisor::new(model, members.clone(), *opts, heartbeat));
                 Ok(Ring::Supervised {
                     supervisor: Some(supervisor),
                     _local: local,
                     _browser: browser,
+                    members,
+                    token,
                 })
             }
         }
@@ -352,6 +359,19 @@ impl Ring {
             local,
             browser,
         })
+    }
+
+    /// The members of a supervised ring of workers and their token: what a worker that
+    /// joins with an invite is added to and given.
+    pub fn joinable(&self) -> Option<(Members, String)> {
+        match self {
+            Ring::Supervised {
+                members,
+                token: Some(token),
+                ..
+            } => Some((members.clone(), token.clone())),
+            _ => None,
+        }
     }
 
     /// The head end, while no engine drives the ring.

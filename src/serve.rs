@@ -4,9 +4,10 @@ use std::net::ToSocketAddrs;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use baton_cluster::Members;
 use baton_engine::{EngineConfig, Health};
 use baton_server::template::ChatTemplate;
-use baton_server::{AppState, ServerConfig};
+use baton_server::{AppState, Joining, ServerConfig};
 use clap::Args;
 
 use crate::draft::DraftArgs;
@@ -191,7 +192,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .file_stem()
             .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
     });
-    let state = Arc::new(AppState::new(
+    let joining = match ring.joinable() {
+        Some((members, token)) => Some(joining(members, token, &args.cluster.tls)?),
+        None => None,
+    };
+    let state = AppState::new(
         engine,
         vocab,
         template,
@@ -210,7 +215,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             prepare_concurrency: std::thread::available_parallelism().map_or(2, |n| n.get()),
             ..ServerConfig::new(model_id)
         },
-    ));
+    );
+    let state = Arc::new(match joining {
+        Some(joining) => state.with_joining(joining),
+        None => state,
+    });
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -245,6 +254,21 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     drop(state);
     drop(ring);
     Ok(())
+}
+
+/// Invites for the cluster of `token`: a worker that joins is added to `members`, and
+/// given the token and the TLS files.
+fn joining(members: Members, token: String, tls: &crate::cert::TlsArgs) -> anyhow::Result<Joining> {
+    let tls = match (&tls.tls_cert, &tls.tls_key) {
+        (Some(cert), Some(key)) => {
+            let read = |path: &std::path::Path| {
+                std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+            };
+            Some((read(cert)?, read(key)?))
+        }
+        _ => None,
+    };
+    Ok(Joining::new(token, tls, Arc::new(move |addr: &str| members.join(addr))))
 }
 
 /// SIGINT or SIGTERM.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use baton_net::discovery::Announcement;
-use baton_net::{Addr, LinkOptions};
+use baton_net::{Addr, LinkOptions, Listener};
 use baton_worker::{Worker, WorkerConfig};
 use clap::Args;
 
@@ -23,6 +23,12 @@ pub struct WorkerArgs {
     /// from the token, never the token. Needs a token.
     #[arg(long)]
     announce: bool,
+    /// Join a cluster with an invite code (`baton invite` on the head prints one; or
+    /// the BATON_JOIN variable): the head gives this worker the cluster token (kept in
+    /// DIR/.baton/cluster.token for restarts) and plans it in. Default listen
+    /// 0.0.0.0:7070 then.
+    #[arg(long, env = "BATON_JOIN", hide_env_values = true, value_name = "CODE")]
+    join: Option<String>,
     /// Seconds a stopped worker (SIGTERM or Ctrl-C) waits for its head to form a ring
     /// without it before it exits anyway; a second signal exits at once.
     #[arg(long, default_value_t = 30.0)]
@@ -83,15 +89,23 @@ pub struct WorkerArgs {
 /// Runs the worker until killed.
 pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     let listen = args.listen.clone().unwrap_or_else(|| {
-        let host = if args.announce { "0.0.0.0" } else { "127.0.0.1" };
+        let host = if args.announce || args.join.is_some() {
+            "0.0.0.0"
+        } else {
+            "127.0.0.1"
+        };
         format!("{host}:7070")
     });
     let local = Addr::parse(&listen)
         .and_then(|addr| addr.is_local())
         .with_context(|| format!("bad --listen address {listen}"))?;
-    let token = args.token.load()?;
+    let mut token = args.token.load()?;
     anyhow::ensure!(
-        !args.announce || token.is_some(),
+        args.join.is_none() || token.is_none(),
+        "--join gets the cluster token from the head: give no --token-file, --token or BATON_TOKEN with it"
+    );
+    anyhow::ensure!(
+        !args.announce || token.is_some() || args.join.is_some(),
         "--announce needs the cluster token (--token-file or BATON_TOKEN): the announcement names \
          the cluster by an id derived from it, and a head finds its workers by that id"
     );
@@ -99,7 +113,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         args.drain_timeout.is_finite() && args.drain_timeout >= 0.0 && args.drain_timeout <= 86_400.0,
         "--drain-timeout must be between 0 and 86400 seconds"
     );
-    if !local && token.is_none() && !args.insecure {
+    if !local && token.is_none() && args.join.is_none() && !args.insecure {
         anyhow::bail!(
             "refusing to listen on {} without --token: any machine that can reach it could drive this \
              worker. Set a cluster token (--token-file or BATON_TOKEN), or pass --insecure to accept that.",
@@ -122,7 +136,21 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         args.max_frame >= 1 << 20,
         "--max-frame must be at least 1 MiB (a prompt chunk's hidden states must fit)"
     );
-    let tls = args.tls.load()?;
+    let mut tls = args.tls.load()?;
+    // Bound before joining: the head is told the port.
+    let listener = Listener::bind(&listen)?;
+    if let Some(code) = &args.join {
+        let joined = crate::invite::join(
+            code,
+            port_of(listener.local_addr())?,
+            args.advertise.as_deref(),
+            &args.models,
+        )?;
+        token = Some(joined.token);
+        if let Some((cert, key)) = joined.tls {
+            tls = Some(std::sync::Arc::new(baton_net::TlsConfig::from_pem_files(&cert, &key)?));
+        }
+    }
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -146,7 +174,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         max_handshakes_per_source: args.max_handshakes_per_source,
         devices,
     };
-    let worker = Worker::bind(config)?;
+    let worker = Worker::on(listener, config)?;
     if args.exit_on_stdin_close {
         let socket = match Addr::parse(worker.local_addr()) {
             Ok(Addr::Unix(path)) => Some(path),
@@ -179,17 +207,22 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
 
 /// Announces the worker bound at `bound` on the local network.
 fn announce(bound: &str, token: &str, advertise: Option<&str>) -> anyhow::Result<Announcement> {
-    let port = match Addr::parse(bound)? {
-        Addr::Tcp(addr) => addr
-            .rsplit_once(':')
-            .and_then(|(_, port)| port.parse::<u16>().ok())
-            .with_context(|| format!("no port in {addr}"))?,
-        _ => anyhow::bail!("--announce needs a TCP --listen address: a Unix socket is not on the network"),
-    };
+    let port = port_of(bound)?;
     let cluster = baton_proto::auth::cluster_id(token.as_bytes());
     let announcement = Announcement::start(&cluster, port, advertise)?;
     tracing::info!(name = announcement.name(), "announced on the local network");
     Ok(announcement)
+}
+
+/// The TCP port of a bound address.
+fn port_of(bound: &str) -> anyhow::Result<u16> {
+    match Addr::parse(bound)? {
+        Addr::Tcp(addr) => addr
+            .rsplit_once(':')
+            .and_then(|(_, port)| port.parse::<u16>().ok())
+            .with_context(|| format!("no port in {addr}")),
+        _ => anyhow::bail!("--announce and --join need a TCP --listen address: a Unix socket is not on the network"),
+    }
 }
 
 /// On SIGTERM or SIGINT the worker leaves: it refuses new heads, tells its head (which

@@ -364,3 +364,134 @@ fn workers_found_on_the_network_form_a_cluster_that_grows_and_shrinks_with_the_s
     assert_eq!(stats["requests_failed"], 0, "{stats}");
     let _ = std::fs::remove_file(&token_file);
 }
+
+/// The text of a streamed completion's events.
+fn streamed_text(events: &[String]) -> String {
+    events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| {
+            let chunk: Value = serde_json::from_str(e).unwrap();
+            assert!(chunk.get("error").is_none(), "the stream failed: {e}");
+            chunk["choices"][0]["text"].as_str().unwrap_or_default().to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn a_worker_with_an_invite_joins_a_running_server_and_the_stream_keeps_its_text() {
+    use common::server::{Server, KEY};
+    use common::worker::WorkerProc;
+    let _guard = common::server::lock();
+    let token = "invite test cluster token";
+    let model = common::model(common::QWEN2);
+    let first = WorkerProc::start(model.parent().unwrap(), Some(token), &[]);
+    let server = Arc::new(Server::start_on_workers(
+        std::slice::from_ref(&first.addr),
+        token,
+        &["--no-head-stage"],
+    ));
+    // The joining machine has its own models directory (the token is kept there).
+    let dir = std::env::temp_dir().join(format!("baton-invite-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let linked = dir.join(model.file_name().unwrap());
+    if std::fs::hard_link(&model, &linked).is_err() {
+        std::fs::copy(&model, &linked).unwrap();
+    }
+
+    // Refusals: a bad ttl, and joins without a valid invite.
+    let (status, text) = server.request(
+        "POST",
+        "/v1/cluster/invites",
+        Some(&serde_json::json!({"url": server.url(), "ttl_seconds": 0})),
+        Some(KEY),
+    );
+    assert_eq!(status, 400, "{text}");
+    let (status, _) = server.request(
+        "POST",
+        "/v1/cluster/invites",
+        Some(&serde_json::json!({"url": server.url()})),
+        None,
+    );
+    assert_eq!(status, 401, "invites need the API key");
+    let bogus = serde_json::json!({"invite": "0011223344556677", "nonce": "00".repeat(32), "port": 7070, "proof": "00".repeat(32)});
+    let (status, text) = server.request("POST", "/cluster/join", Some(&bogus), None);
+    assert_eq!(status, 403, "{text}");
+
+    let alone = server.post(
+        "/v1/completions",
+        &serde_json::from_str(&completion(64, false)).unwrap(),
+    );
+    let alone = alone["choices"][0]["text"].as_str().unwrap().to_string();
+
+    // `baton invite` prints the code on stdout.
+    let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["invite", "--url", &server.url(), "--api-key", KEY])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let code = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    assert!(code.starts_with("baton-invite-1."), "{code}");
+
+    let streaming = {
+        let server = server.clone();
+        std::thread::spawn(move || {
+            let body: Value = serde_json::from_str(&completion(64, true)).unwrap();
+            streamed_text(&server.stream("/v1/completions", &body))
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    // No token on its command line or in its environment: the invite brings it.
+    let mut joiner = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["worker", "--listen", "127.0.0.1:0", "--threads", "1", "--models"])
+        .arg(&dir)
+        .env("BATON_JOIN", &code)
+        .env_remove("BATON_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let joined = common::printed_addr(&mut joiner, "listening on ");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut stages = Vec::new();
+    while Instant::now() < deadline {
+        let (_, health) = server.request("GET", "/health", None, Some(KEY));
+        stages = serde_json::from_str::<Value>(&health).unwrap()["stages"]
+            .as_array()
+            .map(|s| s.iter().map(|v| v.as_str().unwrap_or_default().to_string()).collect())
+            .unwrap_or_default();
+        if stages.iter().any(|s: &String| s.starts_with(&joined)) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let text = streaming.join().unwrap();
+    assert!(
+        stages.iter().any(|s| s.starts_with(&joined)),
+        "{joined} got layers: {stages:?}"
+    );
+    assert_eq!(text, alone, "the same text with a worker joining mid-stream");
+    let kept = dir.join(".baton/cluster.token");
+    assert_eq!(
+        std::fs::read_to_string(&kept).unwrap(),
+        token,
+        "the token is kept for restarts"
+    );
+    use std::os::unix::fs::PermissionsExt as _;
+    assert_eq!(std::fs::metadata(&kept).unwrap().permissions().mode() & 0o777, 0o600);
+
+    // The invite is spent.
+    let again = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["worker", "--listen", "127.0.0.1:0", "--models"])
+        .arg(&dir)
+        .env("BATON_JOIN", &code)
+        .env_remove("BATON_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(err.contains("no such invite, or it was used"), "{err}");
+    let _ = joiner.kill();
+    let _ = joiner.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}

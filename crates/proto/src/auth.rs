@@ -238,6 +238,18 @@ pub fn cluster_id(token: &[u8]) -> String {
     hex(&mac.finalize().into_bytes()[..16])
 }
 
+/// The bytes of hexadecimal `text` (either case); `None` when it is not that.
+pub fn unhex(text: &str) -> Option<Vec<u8>> {
+    // `from_str_radix` alone would take "+1".
+    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
 /// Lower-case hexadecimal, for logs and file names.
 pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -284,6 +296,16 @@ mod tests {
             verify(SECRET, &x.nonce_a, &x.nonce_b, Role::Worker, &x.proof_b),
             "A accepts B"
         );
+    }
+
+    #[test]
+    fn hex_reads_back() {
+        assert_eq!(unhex(&hex(&[0, 1, 0xab, 0xff])), Some(vec![0, 1, 0xab, 0xff]));
+        assert_eq!(unhex("ABcd"), Some(vec![0xab, 0xcd]));
+        assert_eq!(unhex(""), Some(vec![]));
+        for bad in ["a", "0g", "+1", "é0"] {
+            assert_eq!(unhex(bad), None, "{bad}");
+        }
     }
 
     #[test]

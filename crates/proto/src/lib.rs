@@ -12,6 +12,7 @@
 pub mod auth;
 mod codec;
 pub mod handshake;
+pub mod invite;
 
 pub use codec::{decode, encode, encode_payload, header, parse_header, ProtoError, DEFAULT_MAX_FRAME, HEADER_LEN};
 

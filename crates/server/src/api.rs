@@ -27,11 +27,13 @@ use crate::request::{self, CompletionPrompt, Generation};
 use crate::template::{ChatMessage, ChatTemplate};
 use crate::tools::{self, Out, ToolChoice, ToolFormat, ToolParser};
 
+mod cluster;
 mod guard;
 mod messages;
 mod respond;
 mod responses;
 
+pub use cluster::Joining;
 use guard::{authenticate, guard};
 use respond::{respond, Kind};
 
@@ -99,6 +101,8 @@ pub struct AppState {
     control_texts: Vec<String>,
     /// Prometheus figures the server keeps itself.
     pub(crate) metrics: crate::metrics::Metrics,
+    /// Invites and joins, when the server heads a cluster of workers.
+    joining: Option<Joining>,
 }
 
 impl AppState {
@@ -140,7 +144,15 @@ impl AppState {
             config,
             created: unix_time(),
             next_id: AtomicU64::new(1),
+            joining: None,
         }
+    }
+
+    /// Lets workers join the cluster with invites (`/v1/cluster/invites`,
+    /// `/cluster/join`).
+    pub fn with_joining(mut self, joining: Joining) -> AppState {
+        self.joining = Some(joining);
+        self
     }
 
     /// The engine.
@@ -300,6 +312,8 @@ routes! {
     post "/v1/messages" => messages::messages,
     post "/v1/responses" => responses::responses,
     get "/v1/models" => models,
+    post "/v1/cluster/invites" => cluster::invite,
+    post "/cluster/join" => cluster::join,
     post "/tokenize" => tokenize,
     post "/detokenize" => detokenize,
     get "/health" => health,

@@ -96,7 +96,9 @@ pub async fn serve(
             }
             continue;
         };
-        let service = TowerToHyperService::new(app.clone());
+        // Handlers that need the client's address (a worker joining) find it here.
+        let app = app.clone().layer(axum::Extension(axum::extract::ConnectInfo(peer)));
+        let service = TowerToHyperService::new(app);
         let connection = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)

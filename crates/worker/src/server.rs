@@ -195,10 +195,16 @@ impl Worker {
     /// Binds the listening socket and opens the models directory. An empty or short
     /// token is refused.
     pub fn bind(config: WorkerConfig) -> Result<Worker, NodeError> {
+        let listener = Listener::bind(&config.listen)?;
+        Worker::on(listener, config)
+    }
+
+    /// A worker serving on `listener`, bound already (a worker that joins with an
+    /// invite binds first: the head is told its port before it has a token).
+    pub fn on(listener: Listener, config: WorkerConfig) -> Result<Worker, NodeError> {
         if let Some(token) = &config.token {
             baton_proto::auth::check_token(token.as_bytes())?;
         }
-        let listener = Listener::bind(&config.listen)?;
         let models = ModelDir::new(&config.models)?;
         let gate = Gate::new(GateConfig {
             token: config.token.clone(),

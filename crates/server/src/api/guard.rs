@@ -61,12 +61,13 @@ fn is_loopback_host(host: &str) -> bool {
     name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
-/// Every path but the page itself needs the key, when there is one.
+/// Every path but the page itself and a worker's join (whose invite is its
+/// credential) needs the key, when there is one.
 pub(super) async fn authenticate(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let Some(key) = state.config.api_key.as_deref() else {
         return next.run(request).await;
     };
-    if request.uri().path() == "/" {
+    if matches!(request.uri().path(), "/" | "/cluster/join") {
         return next.run(request).await;
     }
     // OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`.
