@@ -100,8 +100,11 @@ pub struct RemoteWorker {
     pub caps: Capabilities,
     /// Its layers, if the plan uses it.
     pub layers: Option<std::ops::Range<usize>>,
-    /// Weight bytes it received by streaming.
+    /// Weight bytes the head streamed to it.
     pub streamed: u64,
+    /// Weight bytes it received in all (from the head and from workers that hold the
+    /// file).
+    pub received: u64,
     /// Its rank and its group's size, when the plan puts it in a tensor-parallel group.
     pub tp: Option<(usize, usize)>,
     /// The head's link to it, when measured (`--tp auto`).
@@ -362,6 +365,7 @@ fn reach_all(
             caps,
             layers: None,
             streamed: 0,
+            received: 0,
             tp: None,
             link: measured,
         });
@@ -563,6 +567,9 @@ fn load(
     // Every worker gets its plan before any tensor is streamed: the members of a group
     // link with each other as soon as they have theirs.
     let mut streams = Vec::new();
+    // Workers of the plan that hold the whole file: they send part of the tensors to
+    // those that lack it, beside the head.
+    let mut holders = Vec::new();
     for (i, stage) in stages.iter().enumerate() {
         let members = planned.members(stage.node);
         let addrs: Vec<String> = members
@@ -621,6 +628,8 @@ fn load(
             reached.links[w].send(Message::LoadPlan(Box::new(load)))?;
             if !holds {
                 streams.push((w, span.clone()));
+            } else {
+                holders.push(worker.caps.ring_addr.clone());
             }
         }
     }
@@ -636,10 +645,10 @@ fn load(
             .enumerate()
             .filter_map(|(w, link)| {
                 let (_, span) = streams.iter().find(|(s, _)| *s == w)?;
-                let (addr, bars) = (&addrs[w], &bars);
+                let (addr, bars, holders) = (&addrs[w], &bars, &holders);
                 Some((
                     w,
-                    scope.spawn(move || send_stage_tensors(file, span, link.as_mut(), addr, bars)),
+                    scope.spawn(move || send_stage_tensors(file, span, link.as_mut(), addr, holders, bars)),
                 ))
             })
             .collect();
@@ -667,6 +676,7 @@ fn load(
         match link.recv()? {
             Message::Loaded { resident, received } => {
                 tracing::info!(worker = %link.peer(), resident, received, "stage ready");
+                reached.workers[w].received = received;
             }
             Message::Refused { code, reason } => {
                 return Err(NodeError::Refused {

@@ -12,17 +12,23 @@ use baton_proto::{Message, TensorEntry};
 use baton_stage::NodeError;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
+/// Most holders one worker fetches from (the worker refuses more).
+const MAX_PEERS: usize = 16;
+
 /// Bytes per `TensorChunk`: large frames, few of them.
 const CHUNK: usize = 8 << 20;
 
-/// Head side: offers a stage's tensors and sends the ones the worker asks for; returns
-/// the bytes sent. A progress bar (bytes, rate, ETA) shows on a terminal, one line of
-/// `bars` per worker.
+/// Head side: offers a stage's tensors and sends the ones the worker asks for, sharing
+/// them with `holders` (ring addresses of workers that hold the whole file): each
+/// holder is given a share to send the worker itself (`FetchFrom`), balanced by bytes,
+/// so the worker receives from every source at once. Returns the bytes the head sent.
+/// A progress bar (bytes, rate, ETA) shows on a terminal, one line of `bars` per worker.
 pub fn send_stage_tensors(
     file: &ModelFile,
     span: &StageSpan,
     link: &mut dyn Link,
     worker: &str,
+    holders: &[String],
     bars: &MultiProgress,
 ) -> Result<u64, NodeError> {
     let bytes = file.bytes();
@@ -63,7 +69,27 @@ pub fn send_stage_tensors(
             )))
         }
     };
-    let total: u64 = wanted.iter().map(|e| e.len).sum();
+    let index_of = |name: &str| {
+        entries
+            .iter()
+            .position(|e| e.name == name)
+            .ok_or_else(|| NodeError::Protocol(format!("worker asked for tensor {name} it was not offered")))
+    };
+    let wanted = wanted
+        .iter()
+        .map(|w| index_of(&w.name))
+        .collect::<Result<Vec<usize>, NodeError>>()?;
+    let shares = share_out(&wanted, |i| entries[i].len, 1 + holders.len().min(MAX_PEERS));
+    for (holder, share) in holders.iter().zip(&shares[1..]).filter(|(_, share)| !share.is_empty()) {
+        link.send(Message::FetchFrom {
+            peer: holder.clone(),
+            tensors: share.iter().map(|&i| i as u32).collect(),
+        })?;
+        let bytes: u64 = share.iter().map(|&i| entries[i].len).sum();
+        tracing::info!(%worker, %holder, bytes, "the worker fetches part of its weights from a holder");
+    }
+    let wanted = &shares[0];
+    let total: u64 = wanted.iter().map(|&i| entries[i].len).sum();
     let bar = bars.add(ProgressBar::new(total).with_message(format!("weights to {worker}")));
     bar.set_style(
         ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}")
@@ -72,11 +98,7 @@ pub fn send_stage_tensors(
     );
     let started = Instant::now();
     let mut sent = 0u64;
-    for want in &wanted {
-        let index = entries
-            .iter()
-            .position(|e| e.name == want.name)
-            .ok_or_else(|| NodeError::Protocol(format!("worker asked for tensor {} it was not offered", want.name)))?;
+    for &index in wanted {
         let entry = &entries[index];
         let data = &bytes[entry.offset as usize..(entry.offset + entry.len) as usize];
         for (i, chunk) in data.chunks(CHUNK).enumerate() {
@@ -96,4 +118,43 @@ pub fn send_stage_tensors(
         tracing::info!(%worker, "sent {:.1} MiB of weights in {secs:.1} s", sent as f64 / 1048576.0);
     }
     Ok(sent)
+}
+
+/// `items` shared among `n` sources so that each sends about as many bytes (`len`):
+/// the largest first, each to the source with the fewest bytes so far (the first on a
+/// tie). Each share keeps the items' order.
+fn share_out(items: &[usize], len: impl Fn(usize) -> u64, n: usize) -> Vec<Vec<usize>> {
+    let mut by_size: Vec<usize> = items.to_vec();
+    by_size.sort_by_key(|&i| std::cmp::Reverse(len(i)));
+    let mut load = vec![0u64; n.max(1)];
+    let mut owner = std::collections::BTreeMap::new();
+    for i in by_size {
+        let source = (0..load.len()).min_by_key(|&s| load[s]).expect("one source at least");
+        load[source] += len(i);
+        owner.insert(i, source);
+    }
+    let mut shares = vec![Vec::new(); load.len()];
+    for &i in items {
+        shares[owner[&i]].push(i);
+    }
+    shares
+}
+
+#[cfg(test)]
+mod tests {
+    use super::share_out;
+
+    #[test]
+    fn shares_are_balanced_by_bytes_and_keep_the_order() {
+        let sizes = [10u64, 1, 7, 3, 3, 6];
+        let shares = share_out(&[0, 1, 2, 3, 4, 5], |i| sizes[i], 2);
+        let bytes: Vec<u64> = shares.iter().map(|s| s.iter().map(|&i| sizes[i]).sum()).collect();
+        assert_eq!(bytes.iter().sum::<u64>(), 30);
+        assert!(bytes[0].abs_diff(bytes[1]) <= 1, "{bytes:?}");
+        for share in &shares {
+            assert!(share.windows(2).all(|w| w[0] < w[1]), "{shares:?}");
+        }
+        assert_eq!(share_out(&[0, 1], |i| sizes[i], 1), vec![vec![0, 1]], "the head alone");
+        assert_eq!(share_out(&[], |i| sizes[i], 3), vec![Vec::<usize>::new(); 3]);
+    }
 }

@@ -75,6 +75,7 @@
 //! |      |              | sample_rows [u32], row_tokens [u32]                                      |
 //! | 25   | Share        | step u64, values [f32]                                                   |
 //! | 26   | Checkpoint   | seq u32, len u32                                                         |
+//! | 27   | FetchFrom    | peer str, tensors [u32]                                                  |
 //!
 //! | structure      | fields, in order                                                            |
 //! |----------------|-----------------------------------------------------------------------------|
@@ -185,6 +186,7 @@ kinds! {
     24 FORWARD_BEST ForwardBest,
     25 SHARE Share,
     26 CHECKPOINT Checkpoint,
+    27 FETCH_FROM FetchFrom,
 }
 
 /// The name of `msg`'s kind (see [`Message::kind`]).
@@ -290,6 +292,7 @@ pub(crate) fn role_byte(role: Role) -> u8 {
         Role::Ring => 2,
         Role::Heartbeat => 3,
         Role::Member => 4,
+        Role::Fetch => 5,
     }
 }
 
@@ -301,6 +304,7 @@ fn role_from_byte(byte: u8) -> Option<Role> {
         2 => Some(Role::Ring),
         3 => Some(Role::Heartbeat),
         4 => Some(Role::Member),
+        5 => Some(Role::Fetch),
         _ => None,
     }
 }

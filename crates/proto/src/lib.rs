@@ -40,7 +40,9 @@ use baton_sample::SamplingParams;
 /// 14: `LoadPlan` ends with the element types of the KV cache (`cache_type_k`,
 /// `cache_type_v`), one setting for the whole ring.
 /// 15: refusal code 7, `Leaving`: a draining worker refuses new heads and answers the
-/// head's heartbeat with it.
+/// head's heartbeat with it. `FetchFrom` (kind 27): a worker receiving a stage fetches
+/// some of its tensors from another worker that holds the file, on a [`Role::Fetch`]
+/// link (its `StreamStart` asks, `TensorChunk`s answer).
 pub const PROTOCOL_VERSION: u32 = 15;
 
 /// Most members a tensor-parallel group may have (the head never plans more; a
@@ -256,6 +258,10 @@ pub enum Role {
     /// A member of a tensor-parallel group connecting to another member of its group
     /// (its first frame is `JoinGroup`); the group's exchanges flow on it.
     Member,
+    /// A worker fetching tensors from another worker that holds the model file: it sends
+    /// `StreamStart` with the model's header and the tensors it wants, and gets
+    /// `TensorChunk`s back.
+    Fetch,
 }
 
 /// A model as the head names it to workers.
@@ -433,6 +439,10 @@ pub enum Message {
     /// Head → worker (streaming): bytes of tensor `index` of `StreamStart`, at `offset`
     /// within that tensor.
     TensorChunk { index: u32, offset: u64, data: Vec<u8> },
+    /// Head → worker (streaming, after the worker's `StreamStart`): fetch tensors
+    /// `tensors` (indices into the head's `StreamStart`) from the worker at `peer`, which
+    /// holds the file, while the head sends the others. At most one per peer.
+    FetchFrom { peer: String, tensors: Vec<u32> },
     /// Worker → head: the stage is loaded and its ring links are up.
     Loaded { resident: u64, received: u64 },
 

@@ -276,6 +276,17 @@ impl ModelDir {
         }
     }
 
+    /// A complete file with this identity, whatever its name (a worker serving another
+    /// worker's fetch knows the model by its header only).
+    pub fn find_by_identity(&self, identity: &[u8; 32]) -> Option<PathBuf> {
+        let entries = fs::read_dir(&self.root).ok()?;
+        entries.flatten().map(|e| e.path()).find(|path| {
+            path.extension().is_some_and(|e| e == "gguf")
+                && path.is_file()
+                && identity_of(path).is_ok_and(|(id, _)| &id == identity)
+        })
+    }
+
     /// `file_name` inside the directory; anything that could escape it is refused.
     pub fn resolve(&self, file_name: &str) -> Result<PathBuf, NodeError> {
         let plain = !file_name.is_empty()

@@ -24,6 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Instant;
 
 use baton_gguf::Gguf;
@@ -55,8 +56,20 @@ pub struct Received {
     pub verified: BTreeSet<String>,
 }
 
-/// Worker side: receives what is missing of a stage into the sparse copy of the model.
-pub fn receive_stage_tensors(models: &ModelDir, model: &ModelRef, link: &mut dyn Link) -> Result<Received, NodeError> {
+/// Dials a worker that holds the model, for a fetch ([`Role::Fetch`](baton_proto::Role)).
+pub type DialPeer<'a> = &'a (dyn Fn(&str) -> Result<Box<dyn Link>, NodeError> + Sync);
+
+/// Most peers the head may send a worker to at once.
+pub const MAX_PEERS: usize = 16;
+
+/// Worker side: receives what is missing of a stage into the sparse copy of the model,
+/// from the head and from the peers it names (`FetchFrom`), all at once.
+pub fn receive_stage_tensors(
+    models: &ModelDir,
+    model: &ModelRef,
+    link: &mut dyn Link,
+    dial: DialPeer<'_>,
+) -> Result<Received, NodeError> {
     let (header, entries) = match link.recv()? {
         Message::StreamStart { header, tensors } => (header, tensors),
         other => {
@@ -78,11 +91,6 @@ pub fn receive_stage_tensors(models: &ModelDir, model: &ModelRef, link: &mut dyn
     let _lock = models.lock_partial(&model.identity)?;
     let path = models.partial_path(&model.identity);
     let file = models.open_partial(&model.identity, model.size, &header)?;
-    let io = |action, source| NodeError::File {
-        path: path.clone(),
-        action,
-        source,
-    };
 
     // What the record says was received, checked against the head's list and hashed
     // again: a tensor damaged on disk, or recorded with another hash, is sent again.
@@ -91,15 +99,10 @@ pub fn receive_stage_tensors(models: &ModelDir, model: &ModelRef, link: &mut dyn
     let mut verified = BTreeSet::new();
     let mut missing = Vec::new();
     for entry in &entries {
-        let wanted = CachedTensor {
-            offset: entry.offset,
-            len: entry.len,
-            sha256: entry.sha256,
-        };
-        let reusable = recorded.get(&entry.name) == Some(&wanted)
-            && hash_range(&file, entry.offset, entry.len).map_err(|e| io("read", e))? == entry.sha256;
+        let reusable = recorded.get(&entry.name) == Some(&cached(entry))
+            && hash_range(&file, entry.offset, entry.len).map_err(|e| file_error(&path, "read", e))? == entry.sha256;
         if reusable {
-            have.insert(entry.name.clone(), wanted);
+            have.insert(entry.name.clone(), cached(entry));
             verified.insert(entry.name.clone());
         } else {
             missing.push(entry.clone());
@@ -118,16 +121,189 @@ pub fn receive_stage_tensors(models: &ModelDir, model: &ModelRef, link: &mut dyn
         tensors: missing.clone(),
     })?;
 
-    let total: u64 = missing.iter().map(|e| e.len).sum();
-    let mut received = 0u64;
-    let mut unrecorded = 0u64;
-    let started = Instant::now();
-    let mut last_report = Instant::now();
-    for entry in &missing {
+    // Before its first chunk the head may name peers that hold the file, each with the
+    // tensors to fetch from it; the head sends the rest (when nothing is left for it,
+    // nothing more comes from it).
+    let mut first = None;
+    let mut fetches: Vec<(String, Vec<&TensorEntry>)> = Vec::new();
+    while fetches.iter().map(|(_, w)| w.len()).sum::<usize>() < missing.len() {
+        let (peer, tensors) = match link.recv()? {
+            Message::FetchFrom { peer, tensors } => (peer, tensors),
+            chunk => {
+                first = Some(chunk);
+                break;
+            }
+        };
+        if fetches.len() >= MAX_PEERS || fetches.iter().any(|(p, _)| *p == peer) {
+            return Err(NodeError::Protocol(format!(
+                "the head names peer {peer} twice, or more than {MAX_PEERS} peers"
+            )));
+        }
+        let mut wanted = Vec::new();
+        for i in tensors {
+            let entry = entries
+                .get(i as usize)
+                .filter(|e| missing.iter().any(|m| m.name == e.name))
+                .filter(|e| !fetches.iter().flat_map(|(_, w)| w).any(|w| w.name == e.name))
+                .filter(|e| !wanted.iter().any(|w: &&TensorEntry| w.name == e.name))
+                .ok_or_else(|| {
+                    NodeError::Protocol(format!(
+                        "FetchFrom {peer}: tensor {i} is not one still missing, or twice"
+                    ))
+                })?;
+            wanted.push(entry);
+        }
+        fetches.push((peer, wanted));
+    }
+    let from_head: Vec<&TensorEntry> = missing
+        .iter()
+        .filter(|e| !fetches.iter().flat_map(|(_, w)| w).any(|w| w.name == e.name))
+        .collect();
+
+    let sink = Sink {
+        models,
+        identity: model.identity,
+        path: &path,
+        file: &file,
+        progress: Mutex::new(Progress {
+            total: missing.iter().map(|e| e.len).sum(),
+            received: 0,
+            unrecorded: 0,
+            started: Instant::now(),
+            reported: Instant::now(),
+        }),
+        have: Mutex::new(have),
+        verified: Mutex::new(verified),
+    };
+    std::thread::scope(|scope| {
+        let peers: Vec<_> = fetches
+            .iter()
+            .map(|(peer, wanted)| {
+                let (sink, header) = (&sink, &header);
+                scope.spawn(move || {
+                    fetch_from(dial, peer, header, wanted, sink)
+                        .map_err(|e| NodeError::Request(format!("fetching tensors from {peer}: {e}")))
+                })
+            })
+            .collect();
+        let mut next = || match first.take() {
+            Some(message) => Ok(message),
+            None => link.recv().map_err(NodeError::from),
+        };
+        let position = |entry: &TensorEntry| entries.iter().position(|e| e.name == entry.name);
+        let from_head = receive_chunks(&mut next, &from_head, position, &sink);
+        peers
+            .into_iter()
+            .map(|thread| {
+                thread
+                    .join()
+                    .unwrap_or_else(|_| Err(NodeError::Protocol("a fetch thread panicked".into())))
+            })
+            .fold(from_head, |all, one| all.and(one))
+    })?;
+    file.sync_data().map_err(|e| file_error(&path, "sync", e))?;
+    let have = sink.have.into_inner().unwrap_or_else(|p| p.into_inner());
+    models.record_partial(&model.identity, &have)?;
+    let progress = sink.progress.into_inner().unwrap_or_else(|p| p.into_inner());
+    let verified = sink.verified.into_inner().unwrap_or_else(|p| p.into_inner());
+    if progress.total > 0 {
+        log_progress(progress.received, progress.total, progress.started);
+    }
+    Ok(Received {
+        path,
+        bytes: progress.received,
+        verified,
+    })
+}
+
+fn cached(entry: &TensorEntry) -> CachedTensor {
+    CachedTensor {
+        offset: entry.offset,
+        len: entry.len,
+        sha256: entry.sha256,
+    }
+}
+
+fn file_error(path: &std::path::Path, action: &'static str, source: std::io::Error) -> NodeError {
+    NodeError::File {
+        path: path.to_path_buf(),
+        action,
+        source,
+    }
+}
+
+/// Where received tensors go, from any source: the sparse copy, the record of verified
+/// tensors (written every [`RECORD_EVERY`] bytes, after the data is synced), progress.
+struct Sink<'a> {
+    models: &'a ModelDir,
+    identity: [u8; 32],
+    path: &'a std::path::Path,
+    file: &'a std::fs::File,
+    progress: Mutex<Progress>,
+    have: Mutex<BTreeMap<String, CachedTensor>>,
+    verified: Mutex<BTreeSet<String>>,
+}
+
+struct Progress {
+    total: u64,
+    received: u64,
+    unrecorded: u64,
+    started: Instant,
+    reported: Instant,
+}
+
+impl Sink<'_> {
+    fn write(&self, entry: &TensorEntry, offset: u64, data: &[u8]) -> Result<(), NodeError> {
+        self.file
+            .write_all_at(data, entry.offset + offset)
+            .map_err(|e| file_error(self.path, "write", e))?;
+        let mut progress = self.progress.lock().unwrap_or_else(|p| p.into_inner());
+        progress.received += data.len() as u64;
+        progress.unrecorded += data.len() as u64;
+        if progress.reported.elapsed().as_secs_f32() >= 1.0 {
+            progress.reported = Instant::now();
+            log_progress(progress.received, progress.total, progress.started);
+        }
+        Ok(())
+    }
+
+    /// Records `entry`, whose bytes were all written and hashed to `sha256`.
+    fn verified(&self, entry: &TensorEntry, sha256: [u8; 32]) -> Result<(), NodeError> {
+        if sha256 != entry.sha256 {
+            return Err(NodeError::Protocol(format!(
+                "tensor {} failed verification (SHA-256 mismatch)",
+                entry.name
+            )));
+        }
+        let mut have = self.have.lock().unwrap_or_else(|p| p.into_inner());
+        have.insert(entry.name.clone(), cached(entry));
+        self.verified
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(entry.name.clone());
+        let mut progress = self.progress.lock().unwrap_or_else(|p| p.into_inner());
+        if progress.unrecorded >= RECORD_EVERY {
+            self.file.sync_data().map_err(|e| file_error(self.path, "sync", e))?;
+            self.models.record_partial(&self.identity, &have)?;
+            progress.unrecorded = 0;
+        }
+        Ok(())
+    }
+}
+
+/// Receives `wanted` in order, each in chunks numbered by `index_of` (its place in the
+/// list the sender was given), from `next`.
+fn receive_chunks(
+    next: &mut dyn FnMut() -> Result<Message, NodeError>,
+    wanted: &[&TensorEntry],
+    index_of: impl Fn(&TensorEntry) -> Option<usize>,
+    sink: &Sink<'_>,
+) -> Result<(), NodeError> {
+    for entry in wanted {
         let mut hasher = Sha256::new();
         let mut done = 0u64;
         while done < entry.len {
-            let (index, offset, data) = match link.recv()? {
+            let (index, offset, data) = match next()? {
                 Message::TensorChunk { index, offset, data } => (index, offset, data),
                 other => {
                     return Err(NodeError::Protocol(format!(
@@ -136,55 +312,81 @@ pub fn receive_stage_tensors(models: &ModelDir, model: &ModelRef, link: &mut dyn
                     )))
                 }
             };
-            let expected = entries.iter().position(|e| e.name == entry.name);
-            if Some(index as usize) != expected || offset != done || done + data.len() as u64 > entry.len {
+            if Some(index as usize) != index_of(entry) || offset != done || done + data.len() as u64 > entry.len {
                 return Err(NodeError::Protocol(format!(
                     "out-of-order or oversized chunk for tensor {}",
                     entry.name
                 )));
             }
             hasher.update(&data);
-            file.write_all_at(&data, entry.offset + done)
-                .map_err(|e| io("write", e))?;
+            sink.write(entry, done, &data)?;
             done += data.len() as u64;
-            received += data.len() as u64;
-            unrecorded += data.len() as u64;
-            if last_report.elapsed().as_secs_f32() >= 1.0 {
-                last_report = Instant::now();
-                log_progress(received, total, started);
-            }
         }
-        if <[u8; 32]>::from(hasher.finalize()) != entry.sha256 {
+        sink.verified(entry, hasher.finalize().into())?;
+    }
+    Ok(())
+}
+
+/// Fetches `wanted` from the worker at `peer`, which holds the model whose header is
+/// `header`: the peer answers chunks numbered by their place in `wanted`.
+fn fetch_from(
+    dial: DialPeer<'_>,
+    peer: &str,
+    header: &[u8],
+    wanted: &[&TensorEntry],
+    sink: &Sink<'_>,
+) -> Result<(), NodeError> {
+    let mut link = dial(peer)?;
+    link.send(Message::StreamStart {
+        header: header.to_vec(),
+        tensors: wanted.iter().map(|e| (*e).clone()).collect(),
+    })?;
+    let position = |entry: &TensorEntry| wanted.iter().position(|w| w.name == entry.name);
+    let mut next = || link.recv().map_err(NodeError::from);
+    receive_chunks(&mut next, wanted, position, sink)?;
+    tracing::info!(%peer, tensors = wanted.len(), "fetched tensors from a peer");
+    Ok(())
+}
+
+/// Holder side of a fetch: another worker sends the model's header and the tensors it
+/// wants (`StreamStart`); this worker sends them from its complete copy, in chunks
+/// numbered by their place in that list. Each must be a tensor of the copy's own index,
+/// at its place, listed once.
+pub fn serve_fetch(models: &ModelDir, link: &mut dyn Link) -> Result<(), NodeError> {
+    let (header, wanted) = match link.recv()? {
+        Message::StreamStart { header, tensors } => (header, tensors),
+        other => {
             return Err(NodeError::Protocol(format!(
-                "tensor {} failed verification (SHA-256 mismatch)",
-                entry.name
-            )));
+                "a fetch starts with StreamStart, not {}",
+                other.kind()
+            )))
         }
-        have.insert(
-            entry.name.clone(),
-            CachedTensor {
-                offset: entry.offset,
-                len: entry.len,
-                sha256: entry.sha256,
-            },
-        );
-        verified.insert(entry.name.clone());
-        if unrecorded >= RECORD_EVERY {
-            file.sync_data().map_err(|e| io("sync", e))?;
-            models.record_partial(&model.identity, &have)?;
-            unrecorded = 0;
+    };
+    let identity = identity_hash(&header);
+    let path = models
+        .find_by_identity(&identity)
+        .ok_or_else(|| NodeError::Request("this worker holds no complete copy of that model".into()))?;
+    let file = std::fs::File::open(&path).map_err(|e| file_error(&path, "open", e))?;
+    let size = file.metadata().map_err(|e| file_error(&path, "read", e))?.len();
+    // The header hashes to this copy's identity: it is this copy's own index.
+    check_entries(&read_index(&header, size)?, &wanted)?;
+    for (i, entry) in wanted.iter().enumerate() {
+        let mut done = 0u64;
+        while done < entry.len {
+            let n = CHUNK.min((entry.len - done) as usize);
+            let mut data = vec![0u8; n];
+            file.read_exact_at(&mut data, entry.offset + done)
+                .map_err(|e| file_error(&path, "read", e))?;
+            link.send(Message::TensorChunk {
+                index: i as u32,
+                offset: done,
+                data,
+            })?;
+            done += n as u64;
         }
     }
-    file.sync_data().map_err(|e| io("sync", e))?;
-    models.record_partial(&model.identity, &have)?;
-    if total > 0 {
-        log_progress(received, total, started);
-    }
-    Ok(Received {
-        path,
-        bytes: received,
-        verified,
-    })
+    tracing::info!(tensors = wanted.len(), "sent tensors to a peer");
+    Ok(())
 }
 
 /// The tensor index of a streamed header, for a file of `size` bytes: parsed here, so
@@ -371,7 +573,8 @@ mod tests {
                 }
                 wanted.into_iter().map(|e| e.name).collect()
             });
-            let result = receive_stage_tensors(&self.models, model, &mut worker);
+            let no_peers = |peer: &str| -> Result<Box<dyn Link>, NodeError> { panic!("dialed {peer}") };
+            let result = receive_stage_tensors(&self.models, model, &mut worker, &no_peers);
             // Wakes the head if the worker gave up before answering.
             worker.closer().unwrap().close();
             (result, head_side.join().unwrap())
@@ -429,6 +632,96 @@ mod tests {
         assert_eq!(received.verified.len(), 2);
         let copy = std::fs::read(&received.path).unwrap();
         assert_eq!(copy, f.bytes);
+    }
+
+    /// Runs a head that offers `a` and `b` and names a peer for `fetched` (indices into
+    /// its list), sending the rest itself; the peer serves from a complete copy.
+    fn stream_with_peer(f: &Fixture, fetched: Vec<u32>) -> Result<Received, NodeError> {
+        let holder_dir = f.dir.join("holder");
+        std::fs::create_dir_all(&holder_dir).unwrap();
+        std::fs::write(holder_dir.join("copy.gguf"), &f.bytes).unwrap();
+        let (mut head, mut worker): (LocalLink, LocalLink) = local_pair("worker", "head");
+        let (bytes, header, offered) = (f.bytes.clone(), f.header(), vec![f.entry("a"), f.entry("b")]);
+        let head_side = std::thread::spawn(move || {
+            head.send(Message::StreamStart {
+                header,
+                tensors: offered.clone(),
+            })
+            .unwrap();
+            let Ok(Message::StreamStart { tensors: wanted, .. }) = head.recv() else {
+                return;
+            };
+            let _ = head.send(Message::FetchFrom {
+                peer: "peer:1".into(),
+                tensors: fetched.clone(),
+            });
+            for (i, e) in offered.iter().enumerate() {
+                if wanted.iter().any(|w| w.name == e.name) && !fetched.contains(&(i as u32)) {
+                    let data = bytes[e.offset as usize..(e.offset + e.len) as usize].to_vec();
+                    let _ = head.send(Message::TensorChunk {
+                        index: i as u32,
+                        offset: 0,
+                        data,
+                    });
+                }
+            }
+        });
+        let dial = |peer: &str| -> Result<Box<dyn Link>, NodeError> {
+            assert_eq!(peer, "peer:1");
+            let (mine, mut theirs): (LocalLink, LocalLink) = local_pair("peer", "worker");
+            let dir = holder_dir.clone();
+            std::thread::spawn(move || serve_fetch(&ModelDir::new(&dir).unwrap(), &mut theirs));
+            Ok(Box::new(mine))
+        };
+        let result = receive_stage_tensors(&f.models, &f.model, &mut worker, &dial);
+        worker.closer().unwrap().close();
+        head_side.join().unwrap();
+        result
+    }
+
+    #[test]
+    fn tensors_the_head_names_come_from_a_peer_holding_the_file_the_rest_from_the_head() {
+        let f = fixture("fetch", None);
+        let received = stream_with_peer(&f, vec![1]).unwrap();
+        assert_eq!(received.verified.len(), 2);
+        assert_eq!(std::fs::read(&received.path).unwrap(), f.bytes);
+        assert_eq!(received.bytes, f.entry("a").len + f.entry("b").len);
+
+        // A tensor the worker does not miss, or one out of the list, is refused.
+        let f = fixture("fetch-bad", None);
+        let err = stream_with_peer(&f, vec![7]).err().unwrap().to_string();
+        assert!(err.contains("is not one still missing"), "{err}");
+        let err = stream_with_peer(&f, vec![0, 0]).err().unwrap().to_string();
+        assert!(err.contains("is not one still missing, or twice"), "{err}");
+    }
+
+    #[test]
+    fn a_peer_sends_only_tensors_of_its_own_copy_at_their_place() {
+        let f = fixture("serve", None);
+        std::fs::write(f.dir.join("copy.gguf"), &f.bytes).unwrap();
+        let ask = |tensors: Vec<TensorEntry>, header: Vec<u8>| {
+            let (mut asker, mut holder): (LocalLink, LocalLink) = local_pair("holder", "asker");
+            asker.send(Message::StreamStart { header, tensors }).unwrap();
+            serve_fetch(&f.models, &mut holder)
+        };
+        let (a, b) = (f.entry("a"), f.entry("b"));
+        assert!(ask(vec![b.clone(), a.clone()], f.header()).is_ok());
+        let moved = TensorEntry {
+            offset: b.offset,
+            ..a.clone()
+        };
+        assert!(ask(vec![moved], f.header())
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("index puts it at"));
+        assert!(ask(vec![a.clone(), a.clone()], f.header())
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("twice"));
+        let other = ask(vec![a], b"not this model".to_vec()).err().unwrap().to_string();
+        assert!(other.contains("no complete copy"), "{other}");
     }
 
     #[test]

@@ -24,7 +24,7 @@ use baton_net::{
 use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, RefusalCode, Role};
 
 use crate::group::{form_mesh, Arrived, Mesh};
-use crate::receive::{check_stage_complete, receive_stage_tensors};
+use crate::receive::{check_stage_complete, receive_stage_tensors, serve_fetch};
 pub(crate) use baton_stage::gate::ConnSlot;
 use baton_stage::gate::{refuse, Admitted, Gate, GateConfig};
 use baton_stage::models::ModelDir;
@@ -334,6 +334,11 @@ fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError
         }
         Role::Heartbeat => heartbeat(shared, link),
         Role::Member => crate::group::accept_member(shared, link, closer, conn),
+        Role::Fetch => {
+            // Chunks go out as fast as the peer takes them; a stalled peer is dropped.
+            link.set_read_timeout(Some(Duration::from_secs(60)))?;
+            serve_fetch(&shared.models, link.as_mut())
+        }
         Role::Worker => {
             let reason = "workers do not connect to workers as workers";
             refuse(link.as_mut(), RefusalCode::BadRequest, reason.into());
@@ -614,7 +619,18 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
     let kv_types = plan_kv_types(plan)?;
     let mesh = plan.tp.as_ref().map(|place| form_mesh(shared, id, place)).transpose()?;
     let (path, received, verified) = if plan.stream {
-        let got = receive_stage_tensors(&shared.models, &plan.model, link)?;
+        let dial = |peer: &str| -> Result<Box<dyn Link>, NodeError> {
+            let deadline = Instant::now() + shared.config.handshake_timeout;
+            let mut link = connect_by(peer, &shared.config.link, deadline)?;
+            client_handshake(
+                link.as_mut(),
+                Role::Fetch,
+                shared.config.token.as_deref().map(str::as_bytes),
+            )?;
+            link.set_deadline(None)?;
+            Ok(link)
+        };
+        let got = receive_stage_tensors(&shared.models, &plan.model, link, &dial)?;
         (got.path, got.bytes, Some(got.verified))
     } else {
         let path = shared

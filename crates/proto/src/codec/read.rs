@@ -45,6 +45,10 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             offset: r.u64("offset")?,
             data: r.bytes("data")?,
         },
+        kind::FETCH_FROM => Message::FetchFrom {
+            peer: r.str("peer")?,
+            tensors: r.array("tensors", u32::from_le_bytes)?,
+        },
         kind::LOADED => Message::Loaded {
             resident: r.u64("resident")?,
             received: r.u64("received")?,

@@ -143,7 +143,7 @@ const STRUCTURES: [&Layout; 10] = [
 ];
 
 /// Messages, in kind-number order.
-const MESSAGES: [Layout; 26] = [
+const MESSAGES: [Layout; 27] = [
     Layout {
         name: "Hello",
         fields: &[
@@ -303,6 +303,10 @@ const MESSAGES: [Layout; 26] = [
     Layout {
         name: "Checkpoint",
         fields: &[Field("seq", Ty::U32), Field("len", Ty::U32)],
+    },
+    Layout {
+        name: "FetchFrom",
+        fields: &[Field("peer", Ty::Str), Field("tensors", Ty::List(&Ty::U32))],
     },
 ];
 

@@ -292,6 +292,14 @@ pub(super) fn samples() -> Vec<Message> {
             values: vec![1.5, f32::NEG_INFINITY, -1.0],
         },
         Message::Checkpoint { seq: 3, len: 512 },
+        Message::FetchFrom {
+            peer: "10.0.0.2:7070".into(),
+            tensors: vec![0, 3, 4],
+        },
+        Message::FetchFrom {
+            peer: String::new(),
+            tensors: vec![],
+        },
     ]
 }
 
@@ -416,7 +424,7 @@ fn header_checks_length_flags_and_kind() {
     let err = parse_header(&head(0, 999, 0), DEFAULT_MAX_FRAME).unwrap_err();
     assert_eq!(err.to_string(), "unknown message kind 999");
     assert_eq!(parse_header(&head(0, 0, 0), 100), Err(ProtoError::UnknownKind(0)));
-    assert_eq!(parse_header(&head(0, 27, 0), 100), Err(ProtoError::UnknownKind(27)));
+    assert_eq!(parse_header(&head(0, 28, 0), 100), Err(ProtoError::UnknownKind(28)));
     assert_eq!(parse_header(&head(0, 15, 1), 100), Err(ProtoError::BadFlags(1)));
     assert_eq!(decode(999, &[]), Err(ProtoError::UnknownKind(999)));
 }
@@ -506,8 +514,8 @@ fn strings_must_be_short_utf8() {
 
 #[test]
 fn unknown_role_and_tags_are_refused() {
-    let hello = Bytes::default().u32(1).u8(5).raw(&[0; 32]);
-    assert_eq!(invalid_reason(decode(kind::HELLO, &hello.0)), "unknown role byte 5");
+    let hello = Bytes::default().u32(1).u8(6).raw(&[0; 32]);
+    assert_eq!(invalid_reason(decode(kind::HELLO, &hello.0)), "unknown role byte 6");
 
     let (kind, mut payload) = payload_of(&Message::StartSeq {
         seq: 1,

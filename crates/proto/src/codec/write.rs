@@ -67,6 +67,10 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u64(*offset);
             w.bytes(data);
         }
+        Message::FetchFrom { peer, tensors } => {
+            w.str(peer);
+            w.array(tensors, u32::to_le_bytes);
+        }
         Message::Loaded { resident, received } => {
             w.u64(*resident);
             w.u64(*received);
