@@ -318,6 +318,11 @@ fn workers_found_on_the_network_form_a_cluster_that_grows_and_shrinks_with_the_s
         head.log()
     );
     assert!(still_streaming, "the worker joined while the stream ran");
+    let log = head.log();
+    assert!(
+        log.contains("a worker joins the cluster") && log.contains("new ring:") && log.contains("plan:"),
+        "the join and the planner's choice are printed: {log}"
+    );
     assert!(finished, "the stream finished");
     assert_eq!(text, alone, "the same text with a worker joining mid-stream");
     let stats: Value = serde_json::from_str(&net.curl(1, &[&format!("{URL}/stats")])).unwrap();

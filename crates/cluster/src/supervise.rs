@@ -60,7 +60,7 @@ impl Members {
             tracing::warn!(worker = %addr, "not taken in: the cluster has {MAX_WORKERS} workers");
             return false;
         }
-        tracing::info!(worker = %addr, "a worker joins the cluster");
+        tracing::warn!(worker = %addr, "a worker joins the cluster: forming a ring with it");
         list.addrs.push(addr.to_string());
         list.joined = true;
         true
@@ -89,6 +89,8 @@ pub struct Supervisor {
     members: Members,
     /// The workers given at the start (those a `--split` names).
     given: Vec<String>,
+    /// Rings formed so far.
+    formed: u64,
     opts: ClusterOptions,
     heartbeat: Duration,
     ring: Option<RemoteRing>,
@@ -107,6 +109,7 @@ impl Supervisor {
         Supervisor {
             model: model.to_path_buf(),
             given: members.addrs(),
+            formed: 0,
             members,
             opts,
             heartbeat,
@@ -278,6 +281,12 @@ impl RingSource for Supervisor {
         drop(watched);
 
         let stages = ring.describe_stages();
+        // The first ring is announced by the command; later ones (after a loss, a
+        // return or a join) are told here, with the planner's reasons.
+        if self.formed > 0 {
+            tracing::warn!("new ring: {}; plan: {}", stages.join(", "), ring.plan.why);
+        }
+        self.formed += 1;
         let n_ctx = ring.n_ctx;
         let mut ring = ring;
         let ends = ring
