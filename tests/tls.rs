@@ -5,7 +5,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -275,4 +275,84 @@ fn bad_certificate_files_stop_a_worker_at_startup_with_the_reason() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-key"));
+}
+
+/// Invites to a TLS cluster carry the certificate's fingerprint; the joining worker gets
+/// the certificate and key with the token, checks them against it, and joins over TLS.
+#[test]
+fn a_worker_invited_to_a_tls_cluster_gets_the_certificate_the_code_names_and_joins() {
+    use common::server::{Server, KEY};
+    let _guard = common::server::lock();
+    let cert = Cert::new("tls-invite");
+    let first = WorkerProc::start(&models_dir(), Some(TOKEN), &cert.worker_args());
+    let mut extra = vec!["--no-head-stage"];
+    extra.extend(cert.worker_args());
+    let server = Server::start_on_workers(std::slice::from_ref(&first.addr), TOKEN, &extra);
+    let invite = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+            .args(["invite", "--url", &server.url(), "--api-key", KEY])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    let dir = tempdir("tls-invite-models");
+    let model = model(QWEN2);
+    let linked = dir.join(model.file_name().unwrap());
+    if std::fs::hard_link(&model, &linked).is_err() {
+        std::fs::copy(&model, &linked).unwrap();
+    }
+    let join = |code: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_baton"));
+        cmd.args(["worker", "--listen", "127.0.0.1:0", "--threads", "1", "--models"])
+            .arg(&dir)
+            .env("BATON_JOIN", code)
+            .env_remove("BATON_TOKEN");
+        cmd
+    };
+
+    // A code whose fingerprint is not the cluster's certificate: the worker refuses
+    // what the head sends.
+    let mut forged = baton_proto::invite::Invite::parse(&invite()).unwrap();
+    assert!(
+        forged.fingerprint.is_some(),
+        "a TLS cluster's code names its certificate"
+    );
+    forged.fingerprint = Some("ab".repeat(32));
+    let refused = join(&forged.code()).output().unwrap();
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("not the one the invite names"), "{err}");
+
+    let mut joiner = join(&invite())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let joined = common::printed_addr(&mut joiner, "listening on ");
+    assert_eq!(
+        std::fs::read(dir.join(".baton/cluster.crt")).unwrap(),
+        std::fs::read(&cert.cert).unwrap()
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut health = String::new();
+    while std::time::Instant::now() < deadline {
+        health = server.request("GET", "/health", None, Some(KEY)).1;
+        if health.contains(&format!("\"{joined} layers")) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        health.contains(&format!("\"{joined} layers")),
+        "{joined} got layers: {health}"
+    );
+    let answer = server.post(
+        "/v1/completions",
+        &serde_json::json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+    );
+    assert!(!answer["choices"][0]["text"].as_str().unwrap().is_empty());
+    let _ = joiner.kill();
+    let _ = joiner.wait();
+    let _ = std::fs::remove_dir_all(&dir);
 }
