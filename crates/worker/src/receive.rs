@@ -554,12 +554,7 @@ mod tests {
             let header = self.header();
             let offered = entries.clone();
             let head_side = std::thread::spawn(move || {
-                head.send(Message::StreamStart {
-                    header,
-                    tensors: offered.clone(),
-                })
-                .unwrap();
-                let Ok(Message::StreamStart { tensors: wanted, .. }) = head.recv() else {
+                let Some(wanted) = offer(&mut head, header, &offered) else {
                     return Vec::new();
                 };
                 for want in &wanted {
@@ -578,6 +573,19 @@ mod tests {
             // Wakes the head if the worker gave up before answering.
             worker.closer().unwrap().close();
             (result, head_side.join().unwrap())
+        }
+    }
+
+    /// The head's offer of `offered`; what the worker asks for, unless it gave up.
+    fn offer(head: &mut LocalLink, header: Vec<u8>, offered: &[TensorEntry]) -> Option<Vec<TensorEntry>> {
+        head.send(Message::StreamStart {
+            header,
+            tensors: offered.to_vec(),
+        })
+        .unwrap();
+        match head.recv() {
+            Ok(Message::StreamStart { tensors, .. }) => Some(tensors),
+            _ => None,
         }
     }
 
@@ -643,12 +651,7 @@ mod tests {
         let (mut head, mut worker): (LocalLink, LocalLink) = local_pair("worker", "head");
         let (bytes, header, offered) = (f.bytes.clone(), f.header(), vec![f.entry("a"), f.entry("b")]);
         let head_side = std::thread::spawn(move || {
-            head.send(Message::StreamStart {
-                header,
-                tensors: offered.clone(),
-            })
-            .unwrap();
-            let Ok(Message::StreamStart { tensors: wanted, .. }) = head.recv() else {
+            let Some(wanted) = offer(&mut head, header, &offered) else {
                 return;
             };
             let _ = head.send(Message::FetchFrom {
