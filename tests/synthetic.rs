@@ -442,6 +442,20 @@ fn deepseek2_on_two_workers_matches_llama_cpp() {
     two_workers("deepseek2", FileType::Q4KM);
 }
 
+/// DeepSeek V3.2's sparse attention: each query attends to the 8 tokens its indexer
+/// scores best (the prompts have 6 to 21 tokens, and 32 more are decoded).
+#[test]
+fn deepseek32_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    stages("deepseek32", FileType::Q4KM);
+}
+
+#[test]
+fn deepseek32_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("deepseek32", FileType::Q4KM);
+}
+
 #[test]
 fn mistral4_matches_llama_cpp_with_1_2_3_stages() {
     let _serial = serial();

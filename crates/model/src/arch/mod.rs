@@ -15,6 +15,8 @@ pub mod mamba2;
 pub mod moe;
 
 mod deepseek2;
+mod deepseek32;
+mod dsa;
 mod gemma2;
 mod gemma3;
 mod gemma4;
@@ -68,6 +70,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &nemotron_h::ARCH,
     &nemotron_h_moe::ARCH,
     &gemma4::ARCH,
+    &deepseek32::ARCH,
 ];
 
 /// How RoPE rotates a head.
