@@ -332,6 +332,24 @@ fn a_hybrid_models_stream_goes_on_after_a_killed_worker() {
     assert_eq!(streamed.text, undisturbed.text, "the stream goes on unchanged");
 }
 
+/// DeepSeek V3.2's sparse attention (synthetic deepseek32, 2 workers) loses a worker
+/// mid-stream: the new ring replays the sequence, which fills each layer's indexer
+/// keys again with its latent rows, and the text goes on unchanged.
+#[test]
+fn a_sparse_attention_models_stream_goes_on_after_a_killed_worker() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = common::synth::synthetic("deepseek32", baton_ggml::FileType::Q4KM);
+    let w0 = Worker::start_in(path.parent().unwrap(), &[]);
+    let mut w1 = Worker::start_in(path.parent().unwrap(), &[]);
+    let server = Server::start_served(&[&w0, &w1], &path, &["--split", "2,2"], &[]);
+    let undisturbed = server.stream(usize::MAX, || {});
+    assert_eq!(undisturbed.finish.as_deref(), Some("length"), "{undisturbed:?}");
+    let streamed = server.stream(8, || w1.kill());
+    assert!(streamed.error.is_none(), "{streamed:?}");
+    assert!(streamed.disturbed_at.is_some(), "the worker was lost mid-stream");
+    assert_eq!(streamed.text, undisturbed.text, "the stream goes on unchanged");
+}
+
 #[test]
 fn a_killed_worker_is_replaced_and_the_stream_goes_on() {
     lose_a_worker_mid_stream(|w| w.kill(), |w| w.restart());
