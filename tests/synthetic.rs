@@ -466,6 +466,21 @@ fn deepseek32_on_two_workers_matches_llama_cpp() {
     two_workers("deepseek32", FileType::Q4KM);
 }
 
+/// GLM-5's sparse attention: deepseek32's with consecutive-pair RoPE in the indexer,
+/// no epsilon in its key norm, sigmoid gating by default, and a shared indexer in
+/// layer 1 (it attends to the tokens layer 0 chose).
+#[test]
+fn glm_dsa_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    stages("glm-dsa", FileType::Q4KM);
+}
+
+#[test]
+fn glm_dsa_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("glm-dsa", FileType::Q4KM);
+}
+
 #[test]
 fn mistral4_matches_llama_cpp_with_1_2_3_stages() {
     let _serial = serial();

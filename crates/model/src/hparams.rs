@@ -303,6 +303,9 @@ pub struct Indexer {
     /// How the indexer's RoPE rotates (NeoX for DeepSeek V3.2, consecutive pairs for
     /// GLM-5).
     pub rope_mode: i32,
+    /// Epsilon of the indexer keys' layer norm (llama.cpp's `f_norm_eps`: 1e-6 for
+    /// DeepSeek V3.2; GLM-5's loader sets none, so 0).
+    pub key_norm_eps: f32,
     /// Per layer: whether it computes its own selection (`false`: it reuses the
     /// previous full layer's, GLM-5.2's shared indexer layers).
     pub full_layers: Vec<bool>,

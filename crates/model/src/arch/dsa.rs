@@ -21,16 +21,14 @@ use super::attention::SparseMask;
 use super::Builder;
 use crate::hparams::{HParams, Indexer, Keys};
 use crate::names::LayerTensor as T;
-use crate::tensors::{LayerPlan, Split};
+use crate::tensors::{LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
-/// Epsilon of the indexer keys' layer norm (llama.cpp's `f_norm_eps` for these models).
-const KEY_NORM_EPS: f32 = 1e-6;
-
 /// The indexer's keys (`attention.indexer.*`), as llama.cpp reads them, onto the MLA
-/// hyper-parameters `hp` already holds; `rope_mode` is how its RoPE rotates and
-/// `full_layers` which layers compute their own selection. Refuses what llama.cpp
+/// hyper-parameters `hp` already holds; `rope_mode` is how its RoPE rotates,
+/// `key_norm_eps` its key norm's epsilon and `full_layers` which layers compute their
+/// own selection. Refuses what llama.cpp
 /// cannot compute: no heads or no tokens to keep, heads narrower than the RoPE part
 /// (llama.cpp asserts), or heads whose Walsh-Hadamard matrix would not span them (its
 /// product then fails).
@@ -38,8 +36,17 @@ pub(super) fn read_indexer(
     hp: &mut HParams,
     keys: &Keys<'_>,
     rope_mode: i32,
+    key_norm_eps: f32,
     full_layers: Vec<bool>,
 ) -> Result<(), ModelError> {
+    if full_layers.first() == Some(&false) {
+        // llama.cpp asserts: the first layer has no earlier choice to reuse.
+        return Err(ModelError::BadHParams(format!(
+            "{}: layer 0 must have its own indexer (type 1), as it has no earlier layer's \
+             choice to reuse",
+            keys.name("attention.indexer.types")
+        )));
+    }
     let n_head = keys.u32("attention.indexer.head_count")?;
     let head_dim = keys.u32("attention.indexer.key_length")?;
     let top_k = keys.u32("attention.indexer.top_k")?;
@@ -63,6 +70,7 @@ pub(super) fn read_indexer(
         head_dim,
         top_k,
         rope_mode,
+        key_norm_eps,
         full_layers,
     };
     if indexer.rotation() != head_dim {
@@ -93,7 +101,7 @@ pub(super) fn example() -> Vec<(&'static str, baton_gguf::Value)> {
     ]
 }
 
-/// The indexer's tensors on layers that compute their own selection. Tensor
+/// The indexer's tensors: required on layers that compute their own selection. Tensor
 /// parallelism: every member with heads computes the whole selection (it needs every
 /// indexer head), as it computes the compressed rows whole.
 pub(super) fn tensors(t: &mut LayerPlan<'_>) {
@@ -101,22 +109,51 @@ pub(super) fn tensors(t: &mut LayerPlan<'_>) {
     let (Some(mla), Some(ix)) = (hp.mla.as_ref(), hp.indexer()) else {
         return;
     };
-    if !ix.full_layers[t.layer] {
-        return;
-    }
+    // A layer that reuses an earlier choice may still have them (llama.cpp loads and
+    // ignores them).
+    let presence = if ix.full_layers[t.layer] {
+        Presence::Required
+    } else {
+        Presence::Optional
+    };
     let (embd, head, n_head) = (hp.n_embd, ix.head_dim, ix.n_head);
-    t.vec(T::IndexerKNorm, &[head], Split::WithHeads);
-    t.vec(T::IndexerKNormBias, &[head], Split::WithHeads);
-    t.mat(T::IndexerProj, &[embd, n_head], Split::WithHeads);
-    t.mat(T::IndexerAttnK, &[embd, head], Split::WithHeads);
-    t.mat(T::IndexerAttnQB, &[mla.n_lora_q, n_head * head], Split::WithHeads);
+    t.vec(T::IndexerKNorm, &[head], Split::WithHeads).presence(presence);
+    t.vec(T::IndexerKNormBias, &[head], Split::WithHeads).presence(presence);
+    t.mat(T::IndexerProj, &[embd, n_head], Split::WithHeads)
+        .presence(presence);
+    t.mat(T::IndexerAttnK, &[embd, head], Split::WithHeads)
+        .presence(presence);
+    t.mat(T::IndexerAttnQB, &[mla.n_lora_q, n_head * head], Split::WithHeads)
+        .presence(presence);
 }
 
-/// The masks of layer `layer`'s sparse attention, one per span: the indexer's choice
-/// for each row from the layer input `x` `[n_embd, n_tokens]` and the normalised
-/// compressed query `q_compressed` `[n_lora_q, n_tokens]`. Stores the batch's indexer
-/// keys in the layer's cache.
+/// The masks of layer `layer`'s sparse attention, one per span: on a full indexer
+/// layer the indexer's choice for each row from the layer input `x` `[n_embd,
+/// n_tokens]` and the normalised compressed query `q_compressed` `[n_lora_q,
+/// n_tokens]` (the batch's indexer keys stored in the layer's cache); on a layer that
+/// shares an earlier layer's indexer, that layer's choice.
 pub(super) fn select<'g>(
+    b: &mut Builder<'g>,
+    w: &LayerTensors<'g>,
+    layer: usize,
+    x: Tensor<'g>,
+    q_compressed: Tensor<'g>,
+) -> Vec<SparseMask<'g>> {
+    let ix = b.hp.indexer().expect("sparse attention has an indexer");
+    if !ix.full_layers[layer] {
+        // A stage never starts at such a layer (refused at load).
+        return b
+            .selection
+            .clone()
+            .expect("a shared indexer layer follows a full one on its stage");
+    }
+    let masks = choose(b, w, layer, x, q_compressed);
+    b.selection = Some(masks.clone());
+    masks
+}
+
+/// The lightning indexer's choice on a full indexer layer (see [`select`]).
+fn choose<'g>(
     b: &mut Builder<'g>,
     w: &LayerTensors<'g>,
     layer: usize,
@@ -139,7 +176,7 @@ pub(super) fn select<'g>(
     let q = ctx.rope(q, positions, None, &rope).named(&format!("indexer_q-{layer}"));
 
     let k = b.mm(w.get(T::IndexerAttnK), x); // [head, n_tokens]
-    let k = ctx.layer_norm(k, KEY_NORM_EPS);
+    let k = ctx.layer_norm(k, ix.key_norm_eps);
     let k = ctx.add(ctx.mul(k, w.get(T::IndexerKNorm)), w.get(T::IndexerKNormBias));
     let k = ctx.reshape_3d(k, head, 1, n_tokens);
     let k = ctx.rope(k, positions, None, &rope).named(&format!("indexer_k-{layer}"));

@@ -21,6 +21,7 @@ mod gemma2;
 mod gemma3;
 mod gemma4;
 mod glm4moe;
+mod glm_dsa;
 mod gpt_oss;
 mod llama;
 mod llama4;
@@ -71,6 +72,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &nemotron_h_moe::ARCH,
     &gemma4::ARCH,
     &deepseek32::ARCH,
+    &glm_dsa::ARCH,
 ];
 
 /// How RoPE rotates a head.
