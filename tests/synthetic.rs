@@ -344,13 +344,16 @@ fn gemma4_batching_other_sequences_changes_nothing() {
     batching_changes_nothing("gemma4", FileType::Q4KM);
 }
 
-/// DeepSeek V3.2's sparse attention in batches of decode steps of up to 7 sequences:
-/// each row's indexer scores, choice and attention cover its own sequence's cells only
-/// (prompts of 11 to 26 tokens, 8 chosen), so the same bits and greedy tokens as alone.
+/// DeepSeek sparse attention (deepseek32; glm-dsa with a shared indexer layer) in
+/// batches of decode steps of up to 7 sequences: each row's indexer scores, choice and
+/// attention cover its own sequence's cells only (prompts of 11 to 26 tokens, 8
+/// chosen), so the same bits and greedy tokens as alone.
 #[test]
-fn deepseek32_batching_other_sequences_changes_nothing() {
+fn sparse_attention_batching_other_sequences_changes_nothing() {
     let _serial = serial();
-    batching_changes_nothing("deepseek32", FileType::Q4KM);
+    for arch in ["deepseek32", "glm-dsa"] {
+        batching_changes_nothing(arch, FileType::Q4KM);
+    }
 }
 
 /// A decode step of one sequence alone and beside the steps of up to 6 others, on 2

@@ -262,20 +262,23 @@ fn experts_tp_2_and_3_match_llama_cpp() {
     }
 }
 
-/// DeepSeek V3.2's sparse attention (synthetic): every member with query heads computes
-/// the lightning indexer whole (its heads score each token for all query heads), caches
-/// the indexer keys beside its whole compressed rows, and so chooses the same tokens as
-/// the others; a member of a group of 3 over 4 heads gets none and computes no
-/// selection. The logits are libllama's bits in groups of 2 and 3.
+/// DeepSeek sparse attention (synthetic deepseek32, and glm-dsa with a shared indexer
+/// layer): every member with query heads computes the lightning indexer whole (its
+/// heads score each token for all query heads), caches the indexer keys beside its
+/// whole compressed rows, and so chooses the same tokens as the others; a member of a
+/// group of 3 over 4 heads gets none and computes no selection. The logits are
+/// libllama's bits in groups of 2 and 3.
 #[test]
-fn deepseek32_tp_2_and_3_match_llama_cpp() {
+fn sparse_attention_tp_2_and_3_match_llama_cpp() {
     let _serial = serial();
-    let fixture = Fixture::load(common::synth::synthetic("deepseek32", baton_ggml::FileType::Q4KM));
-    for n in [2, 3] {
-        let config = StageConfig::new(N_CTX, 1);
-        let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
-        let worst = check_model(&fixture, &mut stage, &format!("deepseek32 tp {n}"));
-        assert_eq!(worst, 0.0, "deepseek32 tp {n}: the logits are libllama's bits");
+    for arch in ["deepseek32", "glm-dsa"] {
+        let fixture = Fixture::load(common::synth::synthetic(arch, baton_ggml::FileType::Q4KM));
+        for n in [2, 3] {
+            let config = StageConfig::new(N_CTX, 1);
+            let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+            let worst = check_model(&fixture, &mut stage, &format!("{arch} tp {n}"));
+            assert_eq!(worst, 0.0, "{arch} tp {n}: the logits are libllama's bits");
+        }
     }
 }
 

@@ -49,8 +49,8 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     let full_layers = match keys.opt_per_layer_u32("attention.indexer.types", n)? {
         Some(types) => types.iter().map(|&t| t != 0).collect(),
         None if hp.n_ctx_train < SHARED_INDEXERS_FROM_CTX => vec![true; n],
-        // llama.cpp's GLM-5.2 default: layers 0 to 2 and every 4th from 2 have their
-        // own indexer (for its 78 layers; none after).
+        // llama.cpp's GLM-5.2 default: layers 0, 1 and every 4th from 2 have their own
+        // indexer (for its 78 layers; none after).
         None => (0..n).map(|l| l < 78 && (l < 2 || (l - 2) % 4 == 0)).collect(),
     };
     dsa::read_indexer(hp, keys, Rope::Norm.mode(), 0.0, full_layers)
