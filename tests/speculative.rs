@@ -36,6 +36,22 @@ fn complete(server: &Server, prompt: &str, extra: Value) -> Answer {
     }
 }
 
+/// [`CODE`] again (a server with `--chunk 8` that computed it before) takes every whole
+/// chunk of 8 before its last from the cache.
+fn assert_reuses_whole_chunks_of_8(server: &Server) {
+    let body = json!({"model": server.model_id(), "prompt": CODE, "max_tokens": 4, "temperature": 0});
+    let reply = server.post("/v1/completions", &body);
+    let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    let prompt = reply["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        cached,
+        (prompt - 1) / 8 * 8,
+        "reused up to the last whole chunk: {reply}"
+    );
+}
+
 fn drafts(server: &Server) -> (u64, u64) {
     let stats = server.stats();
     (
@@ -232,17 +248,7 @@ fn a_hybrid_models_drafts_and_repeated_prompts_give_the_undrafted_text() {
                 "another model's drafts are rejected at times: {sent}/{kept}"
             );
         }
-        let body = json!({"model": server.model_id(), "prompt": CODE, "max_tokens": 4, "temperature": 0});
-        let reply = server.post("/v1/completions", &body);
-        let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0);
-        let prompt = reply["usage"]["prompt_tokens"].as_u64().unwrap();
-        assert_eq!(
-            cached,
-            (prompt - 1) / 8 * 8,
-            "reused up to the last whole chunk: {reply}"
-        );
+        assert_reuses_whole_chunks_of_8(&server);
     }
 }
 
@@ -272,17 +278,7 @@ fn sparse_attention_drafts_repeated_and_concurrent_prompts_give_the_undrafted_te
         assert_eq!(drafted, plain, "{sampling}: text with drafts vs without");
         let again = complete(&server, CODE, sampling.clone());
         assert_eq!(again, plain, "{sampling}: the prompt again");
-        let body = json!({"model": server.model_id(), "prompt": CODE, "max_tokens": 4, "temperature": 0});
-        let reply = server.post("/v1/completions", &body);
-        let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0);
-        let prompt = reply["usage"]["prompt_tokens"].as_u64().unwrap();
-        assert_eq!(
-            cached,
-            (prompt - 1) / 8 * 8,
-            "reused up to the last whole chunk: {reply}"
-        );
+        assert_reuses_whole_chunks_of_8(&server);
         let other_alone = complete(&server, other, off);
         let (code, story) = std::thread::scope(|s| {
             let code = s.spawn(|| complete(&server, CODE, sampling.clone()));

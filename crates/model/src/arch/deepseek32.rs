@@ -49,12 +49,13 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 }
 
 /// deepseek2's tensors and the indexer's.
-fn tensors(t: &mut LayerPlan<'_>) {
+pub(super) fn tensors(t: &mut LayerPlan<'_>) {
     deepseek2::tensors(t);
     dsa::tensors(t);
 }
 
-fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
+/// deepseek2's layer, its attention sparse.
+pub(super) fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
     deepseek2::layer_with(b, w, layer, hidden, DownInput::Backend)
 }
 

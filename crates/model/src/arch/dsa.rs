@@ -139,7 +139,9 @@ pub(super) fn select<'g>(
     x: Tensor<'g>,
     q_compressed: Tensor<'g>,
 ) -> Vec<SparseMask<'g>> {
-    let ix = b.hp.indexer().expect("sparse attention has an indexer");
+    let ctx = b.ctx;
+    let hp = b.hp;
+    let ix = hp.indexer().expect("sparse attention has an indexer");
     if !ix.full_layers[layer] {
         // A stage never starts at such a layer (refused at load).
         return b
@@ -147,22 +149,6 @@ pub(super) fn select<'g>(
             .clone()
             .expect("a shared indexer layer follows a full one on its stage");
     }
-    let masks = choose(b, w, layer, x, q_compressed);
-    b.selection = Some(masks.clone());
-    masks
-}
-
-/// The lightning indexer's choice on a full indexer layer (see [`select`]).
-fn choose<'g>(
-    b: &mut Builder<'g>,
-    w: &LayerTensors<'g>,
-    layer: usize,
-    x: Tensor<'g>,
-    q_compressed: Tensor<'g>,
-) -> Vec<SparseMask<'g>> {
-    let ctx = b.ctx;
-    let hp = b.hp;
-    let ix = hp.indexer().expect("sparse attention has an indexer");
     let n_tokens = b.inputs.n_tokens as i64;
     let (head, n_head) = (ix.head_dim as i64, ix.n_head as i64);
     let rope = RopeParams {
@@ -215,6 +201,7 @@ fn choose<'g>(
             n_kv_max: n_top,
         });
     }
+    b.selection = Some(masks.clone());
     masks
 }
 

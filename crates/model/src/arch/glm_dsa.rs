@@ -6,15 +6,11 @@
 //! reuse the previous full layer's choice of tokens (`attention.indexer.types`, or
 //! llama.cpp's default pattern for models trained on 1M-token contexts).
 
-use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-use super::deepseek2;
-use super::moe::{DownInput, Gating};
-use super::{dsa, Architecture, Builder, LayerSizes, Rope, Shape};
+use super::moe::Gating;
+use super::{deepseek2, deepseek32, dsa, Architecture, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys};
-use crate::tensors::LayerPlan;
-use crate::weights::LayerTensors;
 use crate::ModelError;
 
 pub static ARCH: Architecture = Architecture {
@@ -25,8 +21,8 @@ pub static ARCH: Architecture = Architecture {
     own_output: false,
     layer_sizes: LayerSizes::Uniform,
     hparams,
-    tensors,
-    layer,
+    tensors: deepseek32::tensors,
+    layer: deepseek32::layer,
     embed: super::ends::embed,
     logits: super::ends::logits,
     example,
@@ -54,16 +50,6 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         None => (0..n).map(|l| l < 78 && (l < 2 || (l - 2) % 4 == 0)).collect(),
     };
     dsa::read_indexer(hp, keys, Rope::Norm.mode(), 0.0, full_layers)
-}
-
-/// deepseek2's tensors and the indexer's.
-fn tensors(t: &mut LayerPlan<'_>) {
-    deepseek2::tensors(t);
-    dsa::tensors(t);
-}
-
-fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
-    deepseek2::layer_with(b, w, layer, hidden, DownInput::Backend)
 }
 
 /// deepseek32's example without a gating function (sigmoid by default) and, with 4
