@@ -660,3 +660,29 @@ fn sparse_attention_variants_are_refused_with_the_key_named() {
     let logits = chain_logits(&file, &[N_LAYER], &[1, 5, 9, 2, 7, 3]);
     assert!(logits.iter().all(|x| x.is_finite()));
 }
+
+/// GLM-5.2's shared indexer layers without `attention.indexer.types`: llama.cpp's
+/// default pattern for a model trained on 1M-token contexts (layers 0, 1 and every 4th
+/// from 2 have their own indexer); GLM-5 and 5.1 (shorter contexts) have one in every
+/// layer.
+#[test]
+fn glm_dsa_without_indexer_types_takes_llama_cpps_default() {
+    let arch = crate::arch::find("glm-dsa").unwrap();
+    let shape = Shape { n_layer: 11, ..shape() };
+    let full_layers = |n_ctx: u32| {
+        let mut writer = GgufWriter::new();
+        for (key, value) in crate::example::example_metadata(arch, &shape) {
+            writer = writer.without_kv(&key).kv(key, value);
+        }
+        let writer = writer
+            .without_kv("glm-dsa.attention.indexer.types")
+            .without_kv("glm-dsa.context_length")
+            .kv("glm-dsa.context_length", Value::U32(n_ctx));
+        let header = baton_gguf::Gguf::parse(&writer.to_bytes()).unwrap();
+        let hp = crate::HParams::from_metadata(&header, N_VOCAB as usize).unwrap();
+        hp.indexer().unwrap().full_layers.clone()
+    };
+    let (t, s) = (true, false);
+    assert_eq!(full_layers(1 << 20), [t, t, t, s, s, s, t, s, s, s, t]);
+    assert_eq!(full_layers((1 << 20) - 1), [t; 11]);
+}
