@@ -312,24 +312,42 @@ fn lose_a_worker_mid_stream_with(
     assert_eq!(again.text, undisturbed.text);
 }
 
-/// A hybrid model (synthetic qwen35, recurrent states in half its layers) loses a
-/// worker mid-stream: the new ring rebuilds every state by replaying the sequence from
-/// position 0, and the text goes on unchanged. The disturbed request started from the
-/// first one's checkpoint of its states after its whole prompt chunks.
-#[test]
-fn a_hybrid_models_stream_goes_on_after_a_killed_worker() {
+/// A synthetic `arch` on 2 workers (2 layers each) loses the second mid-stream; the
+/// stream goes on without an error and with the undisturbed text. Returns it.
+fn synthetic_stream_survives_a_killed_worker(arch: &str) -> Streamed {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let path = common::synth::synthetic("qwen35", baton_ggml::FileType::Q4KM);
+    let path = common::synth::synthetic(arch, baton_ggml::FileType::Q4KM);
     let w0 = Worker::start_in(path.parent().unwrap(), &[]);
     let mut w1 = Worker::start_in(path.parent().unwrap(), &[]);
     let server = Server::start_served(&[&w0, &w1], &path, &["--split", "2,2"], &[]);
     let undisturbed = server.stream(usize::MAX, || {});
     assert_eq!(undisturbed.finish.as_deref(), Some("length"), "{undisturbed:?}");
     let streamed = server.stream(8, || w1.kill());
-    assert!(streamed.error.is_none(), "{streamed:?}");
-    assert!(streamed.disturbed_at.is_some(), "the worker was lost mid-stream");
+    assert!(streamed.error.is_none(), "{arch}: {streamed:?}");
+    assert!(
+        streamed.disturbed_at.is_some(),
+        "{arch}: the worker was lost mid-stream"
+    );
+    assert_eq!(streamed.text, undisturbed.text, "{arch}: the stream goes on unchanged");
+    streamed
+}
+
+/// A hybrid model (synthetic qwen35, recurrent states in half its layers) loses a
+/// worker mid-stream: the new ring rebuilds every state by replaying the sequence from
+/// position 0, and the text goes on unchanged. The disturbed request started from the
+/// first one's checkpoint of its states after its whole prompt chunks.
+#[test]
+fn a_hybrid_models_stream_goes_on_after_a_killed_worker() {
+    let streamed = synthetic_stream_survives_a_killed_worker("qwen35");
     assert!(streamed.cached > 0, "the prompt's whole chunks came from a checkpoint");
-    assert_eq!(streamed.text, undisturbed.text, "the stream goes on unchanged");
+}
+
+/// DeepSeek V3.2's sparse attention (synthetic deepseek32) loses a worker mid-stream:
+/// the new ring replays the sequence, which fills each layer's indexer keys again with
+/// its latent rows, and the text goes on unchanged.
+#[test]
+fn a_sparse_attention_models_stream_goes_on_after_a_killed_worker() {
+    synthetic_stream_survives_a_killed_worker("deepseek32");
 }
 
 #[test]

@@ -36,6 +36,22 @@ fn complete(server: &Server, prompt: &str, extra: Value) -> Answer {
     }
 }
 
+/// [`CODE`] again (a server with `--chunk 8` that computed it before) takes every whole
+/// chunk of 8 before its last from the cache.
+fn assert_reuses_whole_chunks_of_8(server: &Server) {
+    let body = json!({"model": server.model_id(), "prompt": CODE, "max_tokens": 4, "temperature": 0});
+    let reply = server.post("/v1/completions", &body);
+    let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    let prompt = reply["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        cached,
+        (prompt - 1) / 8 * 8,
+        "reused up to the last whole chunk: {reply}"
+    );
+}
+
 fn drafts(server: &Server) -> (u64, u64) {
     let stats = server.stats();
     (
@@ -232,16 +248,47 @@ fn a_hybrid_models_drafts_and_repeated_prompts_give_the_undrafted_text() {
                 "another model's drafts are rejected at times: {sent}/{kept}"
             );
         }
-        let body = json!({"model": server.model_id(), "prompt": CODE, "max_tokens": 4, "temperature": 0});
-        let reply = server.post("/v1/completions", &body);
-        let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0);
-        let prompt = reply["usage"]["prompt_tokens"].as_u64().unwrap();
-        assert_eq!(
-            cached,
-            (prompt - 1) / 8 * 8,
-            "reused up to the last whole chunk: {reply}"
-        );
+        assert_reuses_whole_chunks_of_8(&server);
     }
+}
+
+/// DeepSeek V3.2's sparse attention (synthetic deepseek32, each query attending to the
+/// 8 tokens its indexer chooses): the indexer's keys live in the KV cache's cells, so a
+/// rejected draft's go with its latent rows and a repeated prompt reuses them. Drafted
+/// text equals the undrafted one, greedy and seeded; the prompt again (in chunks of 8)
+/// reuses every whole chunk before its last and gives the same text; two requests at
+/// once give each the text it gives alone.
+#[test]
+fn sparse_attention_drafts_repeated_and_concurrent_prompts_give_the_undrafted_text() {
+    let _serial = lock();
+    let path = common::synth::synthetic("deepseek32", baton_ggml::FileType::Q4KM);
+    let server = Server::start_path(
+        &path,
+        &["--draft", "ngram", "--draft-max", "8", "--draft-fixed", "--chunk", "8"],
+    );
+    let other = "Once upon a time, in a small village by the sea, there lived an old fisherman who";
+    for sampling in [
+        json!({"temperature": 0}),
+        json!({"temperature": 1.0, "seed": 7, "top_k": 40}),
+    ] {
+        let mut off = sampling.clone();
+        off["draft"] = json!("off");
+        let plain = complete(&server, CODE, off.clone());
+        let drafted = complete(&server, CODE, sampling.clone());
+        assert_eq!(drafted, plain, "{sampling}: text with drafts vs without");
+        let again = complete(&server, CODE, sampling.clone());
+        assert_eq!(again, plain, "{sampling}: the prompt again");
+        assert_reuses_whole_chunks_of_8(&server);
+        let other_alone = complete(&server, other, off);
+        let (code, story) = std::thread::scope(|s| {
+            let code = s.spawn(|| complete(&server, CODE, sampling.clone()));
+            let story = s.spawn(|| complete(&server, other, sampling.clone()));
+            (code.join().unwrap(), story.join().unwrap())
+        });
+        assert_eq!(code, plain, "{sampling}: beside another request");
+        assert_eq!(story, other_alone, "{sampling}: the other request beside it");
+    }
+    let (sent, kept) = drafts(&server);
+    println!("deepseek32: {sent} tokens drafted, {kept} kept");
+    assert!(sent > kept, "drafts were sent and some rejected: {sent}/{kept}");
 }

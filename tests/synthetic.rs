@@ -344,6 +344,18 @@ fn gemma4_batching_other_sequences_changes_nothing() {
     batching_changes_nothing("gemma4", FileType::Q4KM);
 }
 
+/// DeepSeek sparse attention (deepseek32; glm-dsa with a shared indexer layer) in
+/// batches of decode steps of up to 7 sequences: each row's indexer scores, choice and
+/// attention cover its own sequence's cells only (prompts of 11 to 26 tokens, 8
+/// chosen), so the same bits and greedy tokens as alone.
+#[test]
+fn sparse_attention_batching_other_sequences_changes_nothing() {
+    let _serial = serial();
+    for arch in ["deepseek32", "glm-dsa"] {
+        batching_changes_nothing(arch, FileType::Q4KM);
+    }
+}
+
 /// A decode step of one sequence alone and beside the steps of up to 6 others, on 2
 /// stages of the synthetic `arch`: the same bits; and sequence 0's greedy tokens alone
 /// and beside the others: the same tokens.
@@ -440,6 +452,36 @@ fn deepseek2_matches_llama_cpp_with_1_2_3_stages() {
 fn deepseek2_on_two_workers_matches_llama_cpp() {
     let _serial = serial();
     two_workers("deepseek2", FileType::Q4KM);
+}
+
+/// DeepSeek V3.2's sparse attention: each query attends to the 8 tokens its indexer
+/// scores best (the prompts have 6 to 21 tokens, and 32 more are decoded; attending to
+/// every token instead gives other greedy tokens on the first prompt).
+#[test]
+fn deepseek32_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    stages("deepseek32", FileType::Q4KM);
+}
+
+#[test]
+fn deepseek32_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("deepseek32", FileType::Q4KM);
+}
+
+/// GLM-5's sparse attention: deepseek32's with consecutive-pair RoPE in the indexer,
+/// no epsilon in its key norm, sigmoid gating by default, and a shared indexer in
+/// layer 1 (it attends to the tokens layer 0 chose).
+#[test]
+fn glm_dsa_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    stages("glm-dsa", FileType::Q4KM);
+}
+
+#[test]
+fn glm_dsa_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("glm-dsa", FileType::Q4KM);
 }
 
 #[test]

@@ -262,6 +262,26 @@ fn experts_tp_2_and_3_match_llama_cpp() {
     }
 }
 
+/// DeepSeek sparse attention (synthetic deepseek32, and glm-dsa with a shared indexer
+/// layer): every member with query heads computes the lightning indexer whole (its
+/// heads score each token for all query heads), caches the indexer keys beside its
+/// whole compressed rows, and so chooses the same tokens as the others; a member of a
+/// group of 3 over 4 heads gets none and computes no selection. The logits are
+/// libllama's bits in groups of 2 and 3.
+#[test]
+fn sparse_attention_tp_2_and_3_match_llama_cpp() {
+    let _serial = serial();
+    for arch in ["deepseek32", "glm-dsa"] {
+        let fixture = Fixture::load(common::synth::synthetic(arch, baton_ggml::FileType::Q4KM));
+        for n in [2, 3] {
+            let config = StageConfig::new(N_CTX, 1);
+            let mut stage = StageGroup::load_tp(fixture.file.clone(), whole_model(&fixture.file), &config, n).unwrap();
+            let worst = check_model(&fixture, &mut stage, &format!("{arch} tp {n}"));
+            assert_eq!(worst, 0.0, "{arch} tp {n}: the logits are libllama's bits");
+        }
+    }
+}
+
 /// minimax-m2's q/k norms span all heads at once: each member computes its query
 /// heads' rows and all are gathered before the norm, every member with heads computes
 /// every key head, and each keeps its own heads after the norms (a member of a group of

@@ -281,6 +281,11 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvType
         kv_bytes: (0..hp.n_layer)
             .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, kv_types))
             .collect(),
+        // A layer that reuses an earlier layer's choice of tokens stays on its stage.
+        no_stage_start: hp
+            .indexer()
+            .map(|ix| (0..hp.n_layer).filter(|&l| !ix.full_layers[l]).collect())
+            .unwrap_or_default(),
     }
 }
 

@@ -64,6 +64,44 @@ impl Context {
         unsafe { self.wrap(sys::ggml_argsort_top_k(self.raw(), a.raw(), k as i32)) }
     }
 
+    /// Indices (i32) of the `k` largest values of each row (dim 0), in no particular
+    /// order: ggml's `top_k` (a partial sort; llama.cpp's lightning indexer selects with
+    /// it, so ties fall as they fall there).
+    pub fn top_k<'t>(&'t self, a: Tensor<'t>, k: usize) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs); ggml asserts k <= ne[0].
+        unsafe { self.wrap(sys::ggml_top_k(self.raw(), a.raw(), k as i32)) }
+    }
+
+    /// DeepSeek's lightning indexer: for queries `q` `[d, n_head, n_rows]` (f32), one
+    /// key head `k` `[d, 1, n_kv]` (the cache's type), head weights `weights`
+    /// `[n_head, n_rows]` (f32, pre-scaled) and an f16 `mask` `[n_kv, n_rows]`, the
+    /// scores `[n_kv, n_rows]`: `Σ_h relu(q_h · k) × w_h + mask`.
+    pub fn lightning_indexer<'t>(
+        &'t self,
+        q: Tensor<'t>,
+        k: Tensor<'t>,
+        weights: Tensor<'t>,
+        mask: Tensor<'t>,
+    ) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs); ggml asserts the shapes and types.
+        unsafe {
+            self.wrap(sys::ggml_lightning_indexer(
+                self.raw(),
+                q.raw(),
+                k.raw(),
+                weights.raw(),
+                mask.raw(),
+            ))
+        }
+    }
+
+    /// Layer normalisation over dim 0 (mean removed, then scaled to unit variance; no
+    /// weight or bias).
+    pub fn layer_norm<'t>(&'t self, a: Tensor<'t>, eps: f32) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_norm(self.raw(), a.raw(), eps)) }
+    }
+
     /// A tensor of `a`'s shape filled with `value`.
     pub fn fill<'t>(&'t self, a: Tensor<'t>, value: f32) -> Tensor<'t> {
         // SAFETY: records a node (see module docs).
@@ -313,6 +351,16 @@ impl<'a> Tensor<'a> {
         // GGML_MAX_SRC, as ggml asserts, and any other op is left as it is.
         let set = unsafe { sys::ggml_prec_set_src(self.raw(), sys::GGML_PREC_F32, 1) };
         debug_assert!(set, "an f32 input asked of a node that is not a matmul");
+        self
+    }
+
+    /// Tells backends that each row of this `flash_attn` node's mask has at most
+    /// `n_kv_max` finite entries (a sparse set of keys, DeepSeek's sparse attention), as
+    /// llama.cpp does; the CPU backend reads every entry either way.
+    pub fn with_n_kv_max(self, n_kv_max: usize) -> Self {
+        // SAFETY: sets an op parameter of a valid flash-attention node; ggml asserts the
+        // node's op and that the count is not negative.
+        unsafe { sys::ggml_flash_attn_ext_set_n_kv_max(self.raw(), n_kv_max.min(i32::MAX as usize) as i32) };
         self
     }
 

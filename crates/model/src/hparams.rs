@@ -283,6 +283,44 @@ pub struct Mla {
     pub head_dim_k: usize,
     /// Width of each value head after decompression.
     pub head_dim_v: usize,
+    /// DeepSeek sparse attention (deepseek32, glm-dsa): the lightning indexer that
+    /// chooses the cached tokens each query attends to; `None`: dense MLA.
+    pub indexer: Option<Indexer>,
+}
+
+/// DeepSeek sparse attention's lightning indexer: per token, its own queries
+/// (`n_head` heads of `head_dim`) score every cached indexer key (one head of
+/// `head_dim` per token, kept in the KV cache beside the latent rows); each query then
+/// attends to the `top_k` best-scored tokens only.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Indexer {
+    /// Query heads of the indexer.
+    pub n_head: usize,
+    /// Width of each indexer head (its first `n_rot` values rotate).
+    pub head_dim: usize,
+    /// Tokens each query attends to.
+    pub top_k: usize,
+    /// How the indexer's RoPE rotates (NeoX for DeepSeek V3.2, consecutive pairs for
+    /// GLM-5).
+    pub rope_mode: i32,
+    /// Epsilon of the indexer keys' layer norm (llama.cpp's `f_norm_eps`: 1e-6 for
+    /// DeepSeek V3.2; GLM-5's loader sets none, so 0).
+    pub key_norm_eps: f32,
+    /// Per layer: whether it computes its own selection (`false`: it reuses the
+    /// previous full layer's, GLM-5.2's shared indexer layers).
+    pub full_layers: Vec<bool>,
+}
+
+impl Indexer {
+    /// Size of the Walsh-Hadamard matrix llama.cpp rotates indexer queries and keys by:
+    /// 64, doubled while it divides the head (the whole head for the sizes accepted).
+    pub fn rotation(&self) -> usize {
+        let mut n = 64;
+        while self.head_dim.is_multiple_of(2 * n) {
+            n *= 2;
+        }
+        n
+    }
 }
 
 /// How RoPE positions are scaled beyond the trained context.
@@ -728,8 +766,22 @@ impl HParams {
                 types.k.row_bytes(heads.n_head_kv * heads.head_dim_k)
                     + types.v.row_bytes(heads.n_head_kv * heads.head_dim_v)
             }
-            _ => self.kv_cell_bytes(types),
+            _ => self.kv_cell_bytes(types) + self.indexer_cell_bytes(layer, types),
         }
+    }
+
+    /// Bytes one token takes in layer `layer`'s indexer key cache (DeepSeek sparse
+    /// attention; 0 for other models and for layers that reuse an earlier selection).
+    pub fn indexer_cell_bytes(&self, layer: usize, types: KvTypes) -> usize {
+        match self.indexer() {
+            Some(ix) if ix.full_layers.get(layer) == Some(&true) => types.k.row_bytes(ix.head_dim),
+            _ => 0,
+        }
+    }
+
+    /// The lightning indexer of DeepSeek sparse attention, for models that have it.
+    pub fn indexer(&self) -> Option<&Indexer> {
+        self.mla.as_ref().and_then(|mla| mla.indexer.as_ref())
     }
 
     /// The key/value heads of layer `layer`: those of [`HParams::swa_heads`] on a

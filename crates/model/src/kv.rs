@@ -86,7 +86,7 @@ impl KvCache {
             )));
         }
         types.check(hp)?;
-        let ctx = Context::new(2 * layers.len() + 4, 0);
+        let ctx = Context::new(3 * layers.len() + 5, 0);
         // Recurrent layers keep states instead (see `RecurrentCache`); layers that do not
         // attend keep nothing.
         let has_heads = hp.n_embd_k_gqa() > 0 && layers.clone().any(|l| hp.has_kv(l));
@@ -106,6 +106,16 @@ impl KvCache {
                 )
                 .named(&format!("cache_v_l{layer}"));
             }
+            // DeepSeek sparse attention: the indexer's key of each token, in the same cells.
+            if let Some(ix) = hp.indexer().filter(|ix| ix.full_layers[layer]) {
+                ctx.new_tensor(types.k.dtype(), &[ix.head_dim as i64, n_ctx as i64])
+                    .named(&format!("cache_ik_l{layer}"));
+            }
+        }
+        let indexer_rotation = hp.indexer().map_or(0, |ix| ix.rotation());
+        if has_heads && indexer_rotation > 0 {
+            ctx.new_tensor(DType::F32, &[indexer_rotation as i64, indexer_rotation as i64])
+                .named("cache_ik_rot");
         }
         let rotations = [("k", types.k_rotation(hp)), ("v", types.v_rotation(hp))];
         for (kind, n) in rotations.iter().filter(|(_, n)| has_heads && *n > 0) {
@@ -123,6 +133,9 @@ impl KvCache {
                 if let Some(rot) = ctx.get_tensor(&format!("cache_{kind}_rot")) {
                     rot.write(&hadamard(*n))?;
                 }
+            }
+            if let Some(rot) = ctx.get_tensor("cache_ik_rot") {
+                rot.write(&hadamard(indexer_rotation))?;
             }
             Some(buffer)
         } else {
@@ -148,6 +161,21 @@ impl KvCache {
     /// have none (their values are the first `head_dim_v` entries of each key row).
     pub fn v(&self, layer: usize) -> Tensor<'_> {
         self.tensor("v", layer)
+    }
+
+    /// Indexer key cache of global layer `layer` (`[head_dim, n_ctx]`, DeepSeek sparse
+    /// attention): one key per cell, written and dropped with the cell's latent row, so
+    /// truncating a sequence (prefix reuse, rejected drafts) and replaying it (recovery)
+    /// keep it with them. `None` on layers that reuse an earlier layer's selection.
+    pub fn indexer_k(&self, layer: usize) -> Option<Tensor<'_>> {
+        assert!(self.layers.contains(&layer), "layer {layer} is not in this cache");
+        self.ctx.get_tensor(&format!("cache_ik_l{layer}"))
+    }
+
+    /// The Walsh-Hadamard matrix indexer queries and keys are multiplied by before
+    /// scoring (as llama.cpp does, whatever the cache type).
+    pub fn indexer_rotation(&self) -> Option<Tensor<'_>> {
+        self.ctx.get_tensor("cache_ik_rot")
     }
 
     /// The element types of keys and values.

@@ -68,6 +68,13 @@ tensor_names! {
         AttnKvANorm = "attn_kv_a_norm.weight",
         AttnKB = "attn_k_b.weight",
         AttnVB = "attn_v_b.weight",
+        // DeepSeek sparse attention's lightning indexer (deepseek32, glm-dsa): its query
+        // and key projections, the keys' layer norm, the per-head weights.
+        IndexerAttnQB = "indexer.attn_q_b.weight",
+        IndexerAttnK = "indexer.attn_k.weight",
+        IndexerKNorm = "indexer.k_norm.weight",
+        IndexerKNormBias = "indexer.k_norm.bias",
+        IndexerProj = "indexer.proj.weight",
         PostAttentionNorm = "post_attention_norm.weight",
         FfnNorm = "ffn_norm.weight",
         PostFfwNorm = "post_ffw_norm.weight",

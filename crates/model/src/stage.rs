@@ -269,6 +269,19 @@ impl Stage {
                 span.layers, full.n_layer
             )));
         }
+        // A layer that reuses an earlier layer's choice of tokens (GLM-5.2's shared
+        // indexer layers) needs that layer on its stage: the choice does not travel.
+        if let Some(ix) = full.indexer() {
+            let first = span.layers.start;
+            if !ix.full_layers[first] {
+                let full_layer = (0..first).rev().find(|&l| ix.full_layers[l]).unwrap_or(0);
+                return Err(ModelError::BadConfig(format!(
+                    "a stage cannot start at layer {first}: it reuses layer {full_layer}'s \
+                     choice of tokens (a shared indexer layer); start stages at layers that \
+                     have their own indexer (e.g. with --split)"
+                )));
+            }
+        }
         // The exchanges are host ops reading and writing the member's activations in
         // host memory, which only the CPU backend gives them.
         if member.is_some() && !device.is_cpu() {
@@ -527,10 +540,17 @@ impl Stage {
         // About 40 nodes per attention layer plus 10 per span, about 50 for experts, plus
         // the pieces of a decode batch's products (views included); generous so no model
         // runs short.
-        let per_row = if key.decode_rows { PIECE_NODES * key.n_tokens } else { 0 };
+        // DeepSeek sparse attention: the indexer's 3 products, about 20 nodes per layer
+        // and 12 per span (its scores, choice and mask).
+        let (per_span, piece_nodes) = match hp.indexer() {
+            Some(_) => (32, PIECE_NODES + 12),
+            None => (16, PIECE_NODES),
+        };
+        let per_row = if key.decode_rows { piece_nodes * key.n_tokens } else { 0 };
         // A recurrent layer: about 40 per run, 3 per state it keeps.
         let per_run = (40 + 3 * crate::recurrent::KEPT_STATES) * key.state_runs.len();
-        let n_nodes = (160 + 16 * spans.len() + per_row + per_run) * self.span.layers.len() + 64 + 4 * spans.len();
+        let n_nodes =
+            (160 + per_span * spans.len() + per_row + per_run) * self.span.layers.len() + 64 + 4 * spans.len();
         // The same context every step, reset: the graph's tensors keep their addresses,
         // so a device that records graphs (CUDA) replays the step's instead of recording
         // a new one each token (without this, measured on an H100: 0.30x libllama's
@@ -555,6 +575,7 @@ impl Stage {
             rs: &self.rs,
             inputs,
             outputs_selected: false,
+            selection: None,
             tp: self.tp.as_ref().map(|m| m.ops.clone()),
         };
         let mut hidden = match input {

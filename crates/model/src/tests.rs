@@ -308,7 +308,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa)"
     );
 
     // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
@@ -486,7 +486,8 @@ fn loader_errors_are_clear() {
 
 /// The KV cache holds what llama.cpp's holds: keys and values of `head_dim × n_head_kv`
 /// per token and layer, except with MLA (deepseek2), where one compressed row of
-/// `kv_lora_rank + n_rot` per token and layer is all there is.
+/// `kv_lora_rank + n_rot` per token and layer is all there is (with sparse attention,
+/// plus the indexer's key).
 #[test]
 fn kv_cache_is_sized_per_architecture() {
     let n_ctx = 64;
@@ -522,8 +523,19 @@ fn kv_cache_is_sized_per_architecture() {
         .map(|l| hp.layer_cache_bytes(l, n_ctx, 1, KvTypes::default()))
         .collect();
     assert_eq!(per_layer, [states as u64, 0, (n_ctx * row_bytes) as u64]);
-    let stage = Stage::load(file, span, &StageConfig::new(n_ctx, 1)).unwrap();
+    let stage = Stage::load(file, span.clone(), &StageConfig::new(n_ctx, 1)).unwrap();
     assert_eq!(stage.kv().bytes(), n_ctx * row_bytes);
+
+    // DeepSeek sparse attention: beside each latent row, the indexer's key (one head of
+    // 64, f16), and one 64 × 64 f32 rotation for the stage.
+    let file = open("kv-deepseek32.gguf", &tiny_model("deepseek32", |w| w)).unwrap();
+    let row_bytes = (32 + 4) * 2 + 64 * 2;
+    let hp = file.hparams().clone();
+    for layer in 0..N_LAYER {
+        assert_eq!(hp.layer_kv_cell_bytes(layer, KvTypes::default()), row_bytes);
+    }
+    let stage = Stage::load(file, span, &StageConfig::new(n_ctx, 1)).unwrap();
+    assert_eq!(stage.kv().bytes(), N_LAYER * n_ctx * row_bytes + 64 * 64 * 4);
 }
 
 /// Gemma 4's sliding-window layers (0 and 2 of the tiny model) cache 2 heads of 8 per
@@ -587,4 +599,90 @@ fn tensor_parallelism_refuses_recurrent_layers() {
         assert!(err.contains(&format!("{arch} has recurrent ({kind}) layers")), "{err}");
         assert!(err.contains("run it as pipeline stages"), "{err}");
     }
+}
+
+/// DeepSeek sparse attention that baton (or llama.cpp) cannot compute is refused before
+/// loading, the key or tensor named: a missing indexer tensor, a gating function that
+/// is missing or none (deepseek32), indexer heads the Hadamard rotation does not span,
+/// no tokens to choose, and (glm-dsa) a first layer without its own indexer. A stage
+/// may not start at a layer that reuses an earlier layer's choice.
+#[test]
+fn sparse_attention_variants_are_refused_with_the_key_named() {
+    let text = |arch: &str, edit: &dyn Fn(GgufWriter) -> GgufWriter| {
+        err_text(&format!("dsa-{arch}.gguf"), &tiny_model(arch, edit))
+    };
+    let set = |key: &'static str, value: Value| move |w: GgufWriter| w.without_kv(key).kv(key, value.clone());
+    assert_eq!(
+        text("deepseek32", &|w| w.without_tensor("blk.1.indexer.proj.weight")),
+        "tensor 'blk.1.indexer.proj.weight' is missing from the model file"
+    );
+    assert_eq!(
+        text("deepseek32", &|w| w.without_kv("deepseek32.expert_gating_func")),
+        "GGUF metadata key 'deepseek32.expert_gating_func' is missing"
+    );
+    assert_eq!(
+        text("deepseek32", &set("deepseek32.expert_gating_func", Value::U32(0))),
+        "bad hyper-parameters: deepseek32.expert_gating_func is 0 (none): deepseek32's experts need softmax or sigmoid gating"
+    );
+    assert_eq!(
+        text("deepseek32", &set("deepseek32.expert_gating_func", Value::U32(4))),
+        "bad hyper-parameters: expert_gating_func 4 is not supported (1 softmax, 2 sigmoid, 3 softmax of the chosen)"
+    );
+    assert_eq!(
+        text("deepseek32", &set("deepseek32.attention.indexer.key_length", Value::U32(96))),
+        "bad hyper-parameters: deepseek32.attention.indexer.key_length is 96: llama.cpp rotates indexer heads by a Walsh-Hadamard matrix of 64, which must be the whole head (64 times a power of two)"
+    );
+    assert_eq!(
+        text("glm-dsa", &set("glm-dsa.attention.indexer.top_k", Value::U32(0))),
+        "bad hyper-parameters: glm-dsa.attention.indexer.top_k must not be 0"
+    );
+    let types = |t: [u32; 3]| Value::Array(t.map(Value::U32).to_vec());
+    assert_eq!(
+        text("glm-dsa", &set("glm-dsa.attention.indexer.types", types([0, 1, 1]))),
+        "bad hyper-parameters: glm-dsa.attention.indexer.types: layer 0 must have its own indexer (type 1), as it has no earlier layer's choice to reuse"
+    );
+
+    // Layer 1 reuses layer 0's choice: a stage of layers 1..3 is refused, the whole
+    // model runs.
+    let shared = tiny_model("glm-dsa", set("glm-dsa.attention.indexer.types", types([1, 0, 1])));
+    let file = open("dsa-shared.gguf", &shared).unwrap();
+    let span = |layers| StageSpan {
+        layers,
+        first: false,
+        last: true,
+    };
+    let err = Stage::load(file.clone(), span(1..N_LAYER), &config())
+        .err()
+        .unwrap()
+        .to_string();
+    assert_eq!(err, "bad stage configuration: a stage cannot start at layer 1: it reuses layer 0's choice of tokens (a shared indexer layer); start stages at layers that have their own indexer (e.g. with --split)");
+    assert!(Stage::load(file.clone(), span(2..N_LAYER), &config()).is_ok());
+    let logits = chain_logits(&file, &[N_LAYER], &[1, 5, 9, 2, 7, 3]);
+    assert!(logits.iter().all(|x| x.is_finite()));
+}
+
+/// GLM-5.2's shared indexer layers without `attention.indexer.types`: llama.cpp's
+/// default pattern for a model trained on 1M-token contexts (layers 0, 1 and every 4th
+/// from 2 have their own indexer); GLM-5 and 5.1 (shorter contexts) have one in every
+/// layer.
+#[test]
+fn glm_dsa_without_indexer_types_takes_llama_cpps_default() {
+    let arch = crate::arch::find("glm-dsa").unwrap();
+    let shape = Shape { n_layer: 11, ..shape() };
+    let full_layers = |n_ctx: u32| {
+        let mut writer = GgufWriter::new();
+        for (key, value) in crate::example::example_metadata(arch, &shape) {
+            writer = writer.without_kv(&key).kv(key, value);
+        }
+        let writer = writer
+            .without_kv("glm-dsa.attention.indexer.types")
+            .without_kv("glm-dsa.context_length")
+            .kv("glm-dsa.context_length", Value::U32(n_ctx));
+        let header = baton_gguf::Gguf::parse(&writer.to_bytes()).unwrap();
+        let hp = crate::HParams::from_metadata(&header, N_VOCAB as usize).unwrap();
+        hp.indexer().unwrap().full_layers.clone()
+    };
+    let (t, s) = (true, false);
+    assert_eq!(full_layers(1 << 20), [t, t, t, s, s, s, t, s, s, s, t]);
+    assert_eq!(full_layers((1 << 20) - 1), [t; 11]);
 }

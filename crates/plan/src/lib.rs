@@ -38,6 +38,12 @@ pub enum PlanError {
         needed: u64,
         offered: u64,
     },
+    /// A `--split` that starts a stage at a layer that reuses an earlier layer's work.
+    #[error(
+        "--split starts {node}'s stage at layer {layer}, which reuses an earlier layer's choice of \
+         tokens (a shared indexer layer) and must stay on that layer's stage"
+    )]
+    SplitStartsInside { node: String, layer: usize },
     /// The nodes together cannot hold the model.
     #[error(
         "the nodes cannot hold the model: it needs {needed} bytes (layers, ends and KV cache); \
@@ -99,11 +105,20 @@ pub struct ModelCost {
     /// KV cache bytes of each layer at the planned context size (what the
     /// architecture caches: keys and values, or one compressed row with MLA).
     pub kv_bytes: Vec<u64>,
+    /// Layers no stage may start at: each reuses what an earlier layer computed, which
+    /// stays on that layer's stage (GLM-5.2's shared indexer layers reuse the previous
+    /// full layer's choice of tokens). Empty for most models.
+    pub no_stage_start: Vec<usize>,
 }
 
 impl ModelCost {
     fn n_layers(&self) -> usize {
         self.layer_bytes.len()
+    }
+
+    /// Whether a stage (or a device's part of one) may start at `layer`.
+    pub fn may_start(&self, layer: usize) -> bool {
+        !self.no_stage_start.contains(&layer)
     }
 
     /// Memory a stage holding `layers` needs: its weights, its ends, its KV cache.
@@ -328,7 +343,7 @@ fn place(cost: &ModelCost, layers: Range<usize>, units: &[Unit]) -> Option<Vec<(
             for (s, prev) in best[i][..l].iter().enumerate() {
                 let Some(prev) = *prev else { continue };
                 let range = first + s..first + l;
-                if cost.stage_bytes(&range) > unit.memory {
+                if !cost.may_start(range.start) || cost.stage_bytes(&range) > unit.memory {
                     continue;
                 }
                 let secs = unit.secs_per_layer * cost.stage_work(&range);
@@ -497,6 +512,12 @@ pub fn plan_with_split(cost: &ModelCost, nodes: &[NodeOffer], sizes: &[usize]) -
         }
         let layers = start..start + n;
         start += n;
+        if !cost.may_start(layers.start) {
+            return Err(PlanError::SplitStartsInside {
+                node: node.name.clone(),
+                layer: layers.start,
+            });
+        }
         let own: Vec<Unit> = units.iter().filter(|u| u.node == i).cloned().collect();
         let pieces = place(cost, layers.clone(), &own).ok_or_else(|| PlanError::SplitTooBig {
             node: node.name.clone(),
@@ -624,6 +645,7 @@ mod tests {
             first_bytes: 5 * MB,
             last_bytes: 20 * MB,
             kv_bytes: vec![kv * MB; n],
+            no_stage_start: Vec::new(),
         }
     }
 
@@ -790,6 +812,37 @@ mod tests {
                 assert!((g - s).abs() < 1e-9, "{measured:?}: {got:?}");
             }
         }
+    }
+
+    /// Layers that reuse an earlier layer's work (GLM-5.2's shared indexer layers) start
+    /// no stage and no device's part: the plan moves its cut to the nearest layer that
+    /// may start one, and a `--split` that cuts there is refused with the layer named.
+    #[test]
+    fn stages_never_start_at_layers_tied_to_the_one_before() {
+        let big = 10_000;
+        let nodes = vec![node("a", big, 1.0), node("b", big, 1.0)];
+        let free = partition(&dense(8, 0), &nodes).unwrap();
+        let cut = free.stages[1].layers.start;
+        let tied = ModelCost {
+            no_stage_start: vec![cut],
+            ..dense(8, 0)
+        };
+        let plan = partition(&tied, &nodes).unwrap();
+        assert_eq!(plan.stages.len(), 2);
+        let moved = plan.stages[1].layers.start;
+        assert!(moved == cut - 1 || moved == cut + 1, "cut at {cut} moved to {moved}");
+        let err = plan_with_split(&tied, &nodes, &[cut, 8 - cut]).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "--split starts b's stage at layer {cut}, which reuses an earlier layer's choice of tokens \
+                 (a shared indexer layer) and must stay on that layer's stage"
+            )
+        );
+        // Two devices of one node: neither part starts there either.
+        let two_devices = vec![multi("ab", &[("d0", big, 1.0), ("d1", big, 1.0)])];
+        let plan = partition(&tied, &two_devices).unwrap();
+        assert!(plan.stages[0].parts.iter().all(|p| p.layers.start != cut), "{plan:?}");
     }
 
     /// A mixture-of-experts model: a dense leading layer (10 MB, all read per token),

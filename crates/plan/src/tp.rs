@@ -299,6 +299,7 @@ mod tests {
             first_bytes: 130 * MB,
             last_bytes: 130 * MB,
             kv_bytes: vec![MB; 24],
+            no_stage_start: Vec::new(),
         }
     }
 

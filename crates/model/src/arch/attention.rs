@@ -20,6 +20,15 @@ pub struct KeyValues<'g> {
     pub d_v: usize,
 }
 
+/// One span's attention mask chosen by a sparse-attention indexer.
+#[derive(Clone, Copy)]
+pub struct SparseMask<'g> {
+    /// f16 `[cells, rows]`: 0 on the cells each row attends to, -inf elsewhere.
+    pub mask: Tensor<'g>,
+    /// At most this many cells of each row are 0.
+    pub n_kv_max: usize,
+}
+
 impl<'g> Builder<'g> {
     /// The standard attention block: projections (fused or separate, with biases when
     /// the layer has them), q/k norms when the layer has them, RoPE, the cache, flash
@@ -191,10 +200,24 @@ impl<'g> Builder<'g> {
     pub fn attend(
         &mut self,
         layer: usize,
+        q: Tensor<'g>,
+        kv: KeyValues<'g>,
+        sinks: Option<Tensor<'g>>,
+        scale: f32,
+    ) -> Tensor<'g> {
+        self.attend_masked(layer, q, kv, sinks, scale, None)
+    }
+
+    /// [`attend`](Self::attend) with the masks of `sparse` (one per span, in span
+    /// order) in place of the spans' own: DeepSeek sparse attention's selection.
+    pub fn attend_masked(
+        &mut self,
+        layer: usize,
         mut q: Tensor<'g>,
         mut kv: KeyValues<'g>,
         sinks: Option<Tensor<'g>>,
         scale: f32,
+        sparse: Option<&[SparseMask<'g>]>,
     ) -> Tensor<'g> {
         let hp = self.hp;
         let ctx = self.ctx;
@@ -232,7 +255,7 @@ impl<'g> Builder<'g> {
         let k_head = k_cache.dtype().row_bytes(d_k as usize);
         let row_bytes = q.nb()[2];
         let mut parts = Vec::with_capacity(self.inputs.spans.len());
-        for span in &self.inputs.spans {
+        for (index, span) in self.inputs.spans.iter().enumerate() {
             let (rows, cells) = (&span.span.rows, &span.span.cells);
             let n_kv = cells.len() as i64;
             // `[d, n_kv, n_head_kv]` over the span's cells, heads `head_stride` apart.
@@ -265,7 +288,14 @@ impl<'g> Builder<'g> {
             let q_rows = ctx.permute(q_rows, [0, 2, 1, 3]); // [d_k, rows, n_head]
             let mask = if swa { span.mask_swa } else { span.mask };
             let mask = mask.expect("the stage creates the mask of every kind of layer it has");
-            let mut part = ctx.flash_attn(q_rows, keys, values, mask, scale, hp.attn_logit_softcap);
+            let mut part = match sparse {
+                Some(sparse) => {
+                    let SparseMask { mask, n_kv_max } = sparse[index];
+                    ctx.flash_attn(q_rows, keys, values, mask, scale, hp.attn_logit_softcap)
+                        .with_n_kv_max(n_kv_max)
+                }
+                None => ctx.flash_attn(q_rows, keys, values, mask, scale, hp.attn_logit_softcap),
+            };
             if let Some(sinks) = sinks {
                 part = part.with_sinks(sinks);
             }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use baton_ggml::{rows_alone, Context, Graph, HostOp, Product, Tensor};
 
+use super::attention::SparseMask;
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache};
 use crate::names::FfnTensors;
@@ -67,6 +68,9 @@ pub struct Builder<'g> {
     pub inputs: StepInputs<'g>,
     /// Whether a layer already kept only the rows that need logits.
     pub outputs_selected: bool,
+    /// DeepSeek sparse attention: the last layer's choice of tokens (one mask per
+    /// span), for the layers after it that reuse it (GLM-5.2's shared indexer layers).
+    pub selection: Option<Vec<SparseMask<'g>>>,
     /// The group's sums, when this stage is one member of a tensor-parallel group.
     pub tp: Option<TpOps>,
 }

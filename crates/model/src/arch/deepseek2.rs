@@ -84,6 +84,7 @@ pub(super) fn read_hparams(hp: &mut HParams, keys: &Keys<'_>, arch: &str) -> Res
         n_lora_kv,
         head_dim_k,
         head_dim_v,
+        indexer: None,
     });
     let n_ff = hp.n_ff;
     hp.moe.read_ff_exp(keys, n_layer_all, n_ff, true)?;
@@ -199,13 +200,15 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
         return b.gather(b.mm(w.get(T::AttnOutput), out), Shard::Embd);
     }
 
-    let q = match w.opt(T::AttnQA) {
+    // DeepSeek sparse attention chooses each query's tokens from the compressed query.
+    let (q, sparse) = match w.opt(T::AttnQA) {
         Some(q_a) => {
             let q = b.mm(q_a, x);
             let q = b.norm(q, w.get(T::AttnQANorm));
-            b.mm(w.get(T::AttnQB), q)
+            let sparse = hp.indexer().map(|_| super::dsa::select(b, w, layer, x, q));
+            (b.mm(w.get(T::AttnQB), q), sparse)
         }
-        None => b.mm(w.get(T::AttnQ), x),
+        None => (b.mm(w.get(T::AttnQ), x), None),
     };
     let q = ctx.reshape_3d(q, head_k, n_head, n_tokens); // [head_k, n_head, n_tokens]
 
@@ -250,7 +253,7 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
         v: None,
         d_v: mla.n_lora_kv,
     };
-    let out = b.attend(layer, q, keys, None, scale); // [n_lora_kv, n_head, n_tokens]
+    let out = b.attend_masked(layer, q, keys, None, scale, sparse.as_deref()); // [n_lora_kv, n_head, n_tokens]
     let out = ctx.permute(out, [0, 2, 1, 3]); // [n_lora_kv, n_tokens, n_head]
     let out = b.mm(w.get(T::AttnVB), out); // [head_dim_v, n_tokens, n_head]
     let out = ctx.cont(ctx.permute(out, [0, 2, 1, 3])); // [head_dim_v, n_head, n_tokens]

@@ -15,10 +15,13 @@ pub mod mamba2;
 pub mod moe;
 
 mod deepseek2;
+mod deepseek32;
+mod dsa;
 mod gemma2;
 mod gemma3;
 mod gemma4;
 mod glm4moe;
+mod glm_dsa;
 mod gpt_oss;
 mod llama;
 mod llama4;
@@ -68,6 +71,8 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &nemotron_h::ARCH,
     &nemotron_h_moe::ARCH,
     &gemma4::ARCH,
+    &deepseek32::ARCH,
+    &glm_dsa::ARCH,
 ];
 
 /// How RoPE rotates a head.
