@@ -49,6 +49,7 @@ fn config() -> EngineConfig {
         step_timeout: Duration::from_secs(60),
         prefix_reuse: crate::PrefixReuse::Anywhere,
         max_draft: crate::draft::MAX_DRAFT,
+        n_embd: 4,
     }
 }
 
@@ -173,6 +174,7 @@ fn greedy_job(prompt: &[u32], max_tokens: usize, events: UnboundedSender<Event>)
         grammar: None,
         show: Vec::new(),
         end: None,
+        pooling: None,
         events,
     }
 }
