@@ -323,7 +323,7 @@ impl StageWorker {
         }
         let n_embd = self.stage.file().hparams().n_embd;
         let pool = self.pools.get(&seq).expect("the caller found the sequence's pool");
-        let at = pool.n_rows(n_embd);
+        let at = pool.n_rows;
         if positions.iter().enumerate().any(|(i, &p)| p as usize != at + i) {
             return Err(StageError::Protocol(format!(
                 "pooled sequence {seq} holds {at} rows; the batch's positions do not continue it"
@@ -351,7 +351,7 @@ impl StageWorker {
             _ => return Err(StageError::Protocol("the stage did not answer with normed rows".into())),
         };
         let pool = self.pools.get_mut(&seq).expect("checked above");
-        pool.rows.extend_from_slice(&normed);
+        pool.add(&normed, n_embd);
         if !ends {
             return Ok(Message::Sampled {
                 step,
@@ -361,8 +361,12 @@ impl StageWorker {
         let pool = self.pools.remove(&seq).expect("checked above");
         let pooled = match pool.pooling {
             Pooling::Mean => baton_model::mean_rows(&pool.rows, n_embd, POOL_THREADS)?,
-            Pooling::Cls => pool.rows[..n_embd].to_vec(),
-            Pooling::Last => pool.rows[pool.rows.len() - n_embd..].to_vec(),
+            Pooling::Cls | Pooling::Last if pool.rows.len() == n_embd => pool.rows,
+            Pooling::Cls | Pooling::Last => {
+                return Err(StageError::Protocol(format!(
+                    "pooled sequence {seq} lost its first row (cut back to none, then continued)"
+                )))
+            }
         };
         let values = normalize(&pooled);
         if values.iter().any(|x| !x.is_finite()) {
@@ -590,11 +594,13 @@ impl StageError {
 /// Threads for a pooled mean (one dot product per value: its bits do not depend on them).
 const POOL_THREADS: usize = 2;
 
-/// A pooled sequence on the last stage: how it pools, and its rows so far (after the
-/// output norm, `n_embd` each). Every row is kept so that the mean is computed once,
-/// over all of them, as libllama computes it.
+/// A pooled sequence on the last stage: how it pools, how many rows it has had, and the
+/// rows it needs (after the output norm, `n_embd` each): every one for the mean (computed
+/// once over all of them, as libllama computes it: `n_embd` × 4 bytes per token held
+/// until the vector is sent), the first for cls, the latest chunk's last for last.
 struct SeqPool {
     pooling: Pooling,
+    n_rows: usize,
     rows: Vec<f32>,
 }
 
@@ -602,17 +608,33 @@ impl SeqPool {
     fn new(pooling: Pooling) -> SeqPool {
         SeqPool {
             pooling,
+            n_rows: 0,
             rows: Vec::new(),
         }
     }
 
-    fn n_rows(&self, n_embd: usize) -> usize {
-        self.rows.len() / n_embd.max(1)
+    /// Takes the next chunk's rows.
+    fn add(&mut self, normed: &[f32], n_embd: usize) {
+        match self.pooling {
+            Pooling::Mean => self.rows.extend_from_slice(normed),
+            Pooling::Cls if self.n_rows == 0 => self.rows = normed[..n_embd].to_vec(),
+            Pooling::Cls => {}
+            Pooling::Last => self.rows = normed[normed.len() - n_embd..].to_vec(),
+        }
+        self.n_rows += normed.len() / n_embd.max(1);
     }
 
-    /// Keeps the first `len` rows.
+    /// Keeps the first `len` rows (the last row is the next chunk's).
     fn truncate(&mut self, len: usize, n_embd: usize) {
-        self.rows.truncate(len.saturating_mul(n_embd));
+        if len >= self.n_rows {
+            return;
+        }
+        self.n_rows = len;
+        match self.pooling {
+            Pooling::Mean => self.rows.truncate(len.saturating_mul(n_embd)),
+            Pooling::Cls if len > 0 => {}
+            Pooling::Cls | Pooling::Last => self.rows.clear(),
+        }
     }
 }
 
