@@ -718,7 +718,8 @@ fn an_embedding_pools_its_prompt_and_keeps_nothing_cached() {
     );
     let chunks: Vec<&Forward> = sent
         .iter()
-        .filter_map(|m| matches!(m, Message::Forward(_)).then(|| forward(m)))
+        .filter(|m| matches!(m, Message::Forward(_)))
+        .map(forward)
         .collect();
     assert_eq!(chunks.iter().map(|f| tokens(f).len()).collect::<Vec<_>>(), [4, 4, 2]);
     assert!(chunks.iter().all(|f| f.seq_ids.iter().all(|&s| s == f.seq_ids[0])));
