@@ -222,10 +222,17 @@ impl<'m> LlamaContext<'m> {
         n_threads: usize,
         [type_k, type_v]: [DType; 2],
     ) -> Result<Self, GgmlError> {
-        // SAFETY: returns a plain struct of defaults.
-        let mut params = unsafe { sys::llama_context_default_params() };
+        let mut params = Self::params(n_ctx, n_batch, n_threads);
         params.type_k = type_k.0;
         params.type_v = type_v.0;
+        Self::with_params(model, params)
+    }
+
+    /// libllama's context defaults with baton's: `n_ctx` cells, `n_batch` tokens per
+    /// decode call (and micro-batch), `n_threads` threads, one sequence, flash attention.
+    fn params(n_ctx: u32, n_batch: u32, n_threads: usize) -> sys::llama_context_params {
+        // SAFETY: returns a plain struct of defaults.
+        let mut params = unsafe { sys::llama_context_default_params() };
         params.n_ctx = n_ctx;
         params.n_batch = n_batch;
         params.n_ubatch = n_batch;
@@ -234,14 +241,18 @@ impl<'m> LlamaContext<'m> {
         params.n_threads_batch = n_threads as i32;
         params.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_ENABLED;
         params.no_perf = true;
+        params
+    }
+
+    fn with_params(model: &'m LlamaModel, params: sys::llama_context_params) -> Result<Self, GgmlError> {
         // SAFETY: valid model and params; null on failure.
         let ptr = unsafe { sys::llama_init_from_model(model.ptr.as_ptr(), params) };
         let ptr = NonNull::new(ptr).ok_or_else(|| GgmlError::Llama("llama_init_from_model failed".into()))?;
         Ok(LlamaContext { ptr, model, n_past: 0 })
     }
 
-    /// Appends `tokens` to the sequence; returns the logits of the last one.
-    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GgmlError> {
+    /// Appends `tokens` to the sequence (one decode call).
+    fn decode_only(&mut self, tokens: &[u32]) -> Result<(), GgmlError> {
         let mut ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         // SAFETY: the batch borrows `ids`, which outlives the decode call.
         let status = unsafe {
@@ -252,6 +263,12 @@ impl<'m> LlamaContext<'m> {
             return Err(GgmlError::Llama(format!("llama_decode failed with status {status}")));
         }
         self.n_past += tokens.len();
+        Ok(())
+    }
+
+    /// Appends `tokens` to the sequence; returns the logits of the last one.
+    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GgmlError> {
+        self.decode_only(tokens)?;
         let n_vocab = self.model.n_vocab();
         // SAFETY: after a successful decode the last token's logits hold n_vocab floats.
         let logits = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), -1) };
@@ -274,16 +291,7 @@ impl<'m> LlamaContext<'m> {
         n_threads: usize,
         pooling: LlamaPooling,
     ) -> Result<Self, GgmlError> {
-        // SAFETY: returns a plain struct of defaults.
-        let mut params = unsafe { sys::llama_context_default_params() };
-        params.n_ctx = n_ctx;
-        params.n_batch = n_batch;
-        params.n_ubatch = n_batch;
-        params.n_seq_max = 1;
-        params.n_threads = n_threads as i32;
-        params.n_threads_batch = n_threads as i32;
-        params.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_ENABLED;
-        params.no_perf = true;
+        let mut params = Self::params(n_ctx, n_batch, n_threads);
         params.embeddings = true;
         params.pooling_type = match pooling {
             LlamaPooling::Mean => sys::LLAMA_POOLING_TYPE_MEAN,
@@ -291,26 +299,14 @@ impl<'m> LlamaContext<'m> {
             LlamaPooling::Last => sys::LLAMA_POOLING_TYPE_LAST,
             LlamaPooling::None => sys::LLAMA_POOLING_TYPE_NONE,
         };
-        // SAFETY: valid model and params; null on failure.
-        let ptr = unsafe { sys::llama_init_from_model(model.ptr.as_ptr(), params) };
-        let ptr = NonNull::new(ptr).ok_or_else(|| GgmlError::Llama("llama_init_from_model failed".into()))?;
-        Ok(LlamaContext { ptr, model, n_past: 0 })
+        Self::with_params(model, params)
     }
 
     /// The pooled embedding of `tokens` as a fresh sequence (the cache is cleared
     /// first), not normalized; on a context made by [`LlamaContext::for_embeddings`].
     pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GgmlError> {
         self.clear();
-        let mut ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        // SAFETY: the batch borrows `ids`, which outlives the decode call.
-        let status = unsafe {
-            let batch = sys::llama_batch_get_one(ids.as_mut_ptr(), ids.len() as i32);
-            sys::llama_decode(self.ptr.as_ptr(), batch)
-        };
-        if status != 0 {
-            return Err(GgmlError::Llama(format!("llama_decode failed with status {status}")));
-        }
-        self.n_past = tokens.len();
+        self.decode_only(tokens)?;
         // SAFETY: valid model.
         let n_embd = unsafe { sys::llama_model_n_embd_out(self.model.ptr.as_ptr()) }.max(0) as usize;
         // SAFETY: valid context; sequence 0 was just decoded.
@@ -333,16 +329,7 @@ impl<'m> LlamaContext<'m> {
         let n_embd = unsafe { sys::llama_model_n_embd_out(self.model.ptr.as_ptr()) }.max(0) as usize;
         let mut rows = Vec::new();
         for chunk in chunks {
-            let mut ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
-            // SAFETY: the batch borrows `ids`, which outlives the decode call.
-            let status = unsafe {
-                let batch = sys::llama_batch_get_one(ids.as_mut_ptr(), ids.len() as i32);
-                sys::llama_decode(self.ptr.as_ptr(), batch)
-            };
-            if status != 0 {
-                return Err(GgmlError::Llama(format!("llama_decode failed with status {status}")));
-            }
-            self.n_past += chunk.len();
+            self.decode_only(chunk)?;
             // SAFETY: valid context; every row of the batch is an output.
             let values = unsafe { sys::llama_get_embeddings(self.ptr.as_ptr()) };
             if values.is_null() {
