@@ -1,6 +1,7 @@
 //! `POST /v1/embeddings` on real servers: the pooled vectors the ring computes are
 //! libllama's own (`llama_get_embeddings_seq`, normalized as llama-server does) bit for
-//! bit, on 1 and 2 in-process stages and on TCP workers, for mean, cls and last pooling,
+//! bit, on 1 and 2 in-process stages, on 2 workers over TCP and on local workers (Unix
+//! sockets), for mean, cls and last pooling,
 //! on the test model and a `baton synth` model; a batch gives each input the vector it
 //! gets alone; inputs longer than a chunk are pooled across chunks; embeddings leave
 //! chat text and the prefix cache as they were; and, where `bench/peer` has built it,
@@ -17,6 +18,7 @@ use serde_json::{json, Value};
 
 use common::server::{lock, Server, KEY};
 use common::synth::synthetic;
+use common::worker::WorkerProc;
 use common::{model, PROMPTS, QWEN2};
 
 /// Inputs of several lengths: 6 to about 90 tokens with the test model's tokenizer.
@@ -158,11 +160,29 @@ fn pooled_vectors_are_libllamas_on_one_and_two_stages_and_on_workers() {
     let path = model(QWEN2);
     let texts = texts();
     let prompts = tokenize(&path, &texts);
-    let setups: [(&[&str], &str, LlamaPooling); 4] = [
+    // Two workers over TCP, a stage each.
+    const TOKEN: &str = "test-embeddings-secret";
+    let models = path.parent().unwrap();
+    let workers = [
+        WorkerProc::start(models, Some(TOKEN), &[]),
+        WorkerProc::start(models, Some(TOKEN), &[]),
+    ];
+    let addrs = format!("{},{}", workers[0].addr, workers[1].addr);
+    let over_tcp = [
+        "--workers",
+        &addrs,
+        "--token",
+        TOKEN,
+        "--no-head-stage",
+        "--split",
+        "12,12",
+    ];
+    let setups: [(&[&str], &str, LlamaPooling); 5] = [
         (&["--stages", "1"], "mean", LlamaPooling::Mean),
         (&["--stages", "2"], "mean", LlamaPooling::Mean),
-        (&["--local-workers", "2"], "last", LlamaPooling::Last),
-        (&["--stages", "2"], "cls", LlamaPooling::Cls),
+        (&over_tcp, "mean", LlamaPooling::Mean),
+        (&over_tcp, "last", LlamaPooling::Last),
+        (&["--local-workers", "2"], "cls", LlamaPooling::Cls),
     ];
     for (cluster, pooling, oracle_pooling) in setups {
         let label = format!("{} {} {pooling}", cluster[0], cluster[1]);
