@@ -801,3 +801,77 @@ fn a_pooled_vector_of_the_wrong_width_fails_the_request() {
     );
     assert!(matches!(events(&mut rx).as_slice(), [Event::Failed(_)]));
 }
+
+/// An embedding whose ring is lost mid-way is started again on the new one, pooled, and
+/// its chunks sent again as before, each alone (a one-token chunk included: it is never
+/// taken for a decode row beside another sequence's).
+#[test]
+fn a_lost_ring_rebuilds_an_embedding_chunk_for_chunk() {
+    let mut h = Harness::new(true);
+    let decoding = h.job(&[1, 2], 10);
+    let sent = h.poll();
+    for msg in &sent {
+        h.answer(msg, &[7]);
+    }
+    let (events_tx, mut rx) = unbounded_channel();
+    h.core.submit(Box::new(Job {
+        pooling: Some(baton_proto::Pooling::Cls),
+        ..greedy_job(&[1, 2, 3, 4, 5], 0, events_tx)
+    }));
+    // Everything answered until the embedding's last chunk is in flight: the ring is
+    // lost then, so both of its chunks (4 tokens, then 1) are sent again.
+    'sent: for _ in 0..10 {
+        for msg in h.poll() {
+            if matches!(&msg, Message::Forward(f) if f.sample_rows.len() == 1 && tokens(f) == [5]) {
+                break 'sent;
+            }
+            h.answer(&msg, &[7]);
+        }
+    }
+    let gen = h.core.gen();
+    h.core.lost(gen, "worker w:1 was lost", h.now);
+    h.core.installed(1, serving(), EndCounters::default(), h.now);
+    let rebuilt = sends(h.core.actions());
+    let pooled_seq = rebuilt
+        .iter()
+        .find_map(|m| match m {
+            Message::StartSeq {
+                seq,
+                keep: 0,
+                pooling: Some(baton_proto::Pooling::Cls),
+                ..
+            } => Some(*seq),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no pooled StartSeq: {rebuilt:?}"));
+    for msg in &rebuilt {
+        h.answer(msg, &[]);
+    }
+    let mut pooled_batches = Vec::new();
+    for _ in 0..10 {
+        let sent = h.poll();
+        for msg in &sent {
+            if let Message::Forward(f) = msg {
+                if f.seq_ids.contains(&pooled_seq) {
+                    let alone = f.seq_ids.iter().all(|&s| s == pooled_seq);
+                    assert!(alone, "a pooled chunk in company: {f:?}");
+                    pooled_batches.push(tokens(f).to_vec());
+                    if !f.sample_rows.is_empty() {
+                        let pooled = Message::Pooled {
+                            step: f.step,
+                            seq: pooled_seq,
+                            values: vec![0.5; 4],
+                        };
+                        let gen = h.core.gen();
+                        h.core.reply(gen, pooled, h.now);
+                        continue;
+                    }
+                }
+            }
+            h.answer(msg, &[7]);
+        }
+    }
+    assert_eq!(pooled_batches, [vec![1, 2, 3, 4], vec![5]]);
+    assert!(matches!(events(&mut rx).as_slice(), [Event::Finished(f)] if f.embedding.is_some()));
+    drop(decoding);
+}
