@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use common::server::{lock, Server, KEY};
 use common::synth::synthetic;
 use common::worker::WorkerProc;
-use common::{model, PROMPTS, QWEN2};
+use common::{model, GEMMA3, PROMPTS, QWEN2};
 
 /// Inputs of several lengths: 6 to about 90 tokens with the test model's tokenizer.
 fn texts() -> Vec<String> {
@@ -193,24 +193,26 @@ fn pooled_vectors_are_libllamas_on_one_and_two_stages_and_on_workers() {
     }
 }
 
+/// Another architecture (gemma3: scaled embedding, its own norms) and a `baton synth`
+/// model give libllama's vectors too.
 #[test]
-fn a_synthetic_models_pooled_vectors_are_libllamas() {
+fn gemma3_and_a_synthetic_models_pooled_vectors_are_libllamas() {
     let _serial = lock();
-    let path = synthetic("qwen2", FileType::Q4KM);
     let texts = texts();
-    let prompts = tokenize(&path, &texts);
-    let server = Server::start_on(
-        &path,
-        &["--local-workers", "2"],
-        &["--pooling", "mean", "--chunk", "512"],
-    );
-    let ours = solo_and_batch(&server, &texts, &prompts);
-    drop(server);
-    check_identical(
-        "synthetic qwen2 mean",
-        &ours,
-        &oracle(&path, LlamaPooling::Mean, &prompts),
-    );
+    for (label, path, cluster) in [
+        (
+            "synthetic qwen2 mean",
+            synthetic("qwen2", FileType::Q4KM),
+            ["--local-workers", "2"],
+        ),
+        ("gemma3 mean", model(GEMMA3), ["--stages", "2"]),
+    ] {
+        let prompts = tokenize(&path, &texts);
+        let server = Server::start_on(&path, &cluster, &["--pooling", "mean", "--chunk", "512"]);
+        let ours = solo_and_batch(&server, &texts, &prompts);
+        drop(server);
+        check_identical(label, &ours, &oracle(&path, LlamaPooling::Mean, &prompts));
+    }
 }
 
 /// Inputs longer than a chunk are prefilled in chunks and pooled over all of them.
