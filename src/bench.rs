@@ -82,6 +82,7 @@ fn bench_drafting(
         step_timeout: Duration::from_secs(600),
         prefix_reuse: baton_engine::prefix_reuse(&hp),
         max_draft: baton_engine::max_draft(&hp),
+        n_embd: hp.n_embd,
     };
     let engine = ring.engine(vocab.clone(), config, drafter)?;
     let generate = |draft: Draft| -> anyhow::Result<(f64, Vec<u32>)> {
@@ -97,6 +98,7 @@ fn bench_drafting(
             grammar: None,
             show: Vec::new(),
             end: None,
+            pooling: None,
             events,
         })?;
         let (mut first, mut tokens) = (None, Vec::new());

@@ -220,6 +220,7 @@ fn generate_drafting(
         step_timeout: Duration::from_secs(600),
         prefix_reuse: baton_engine::prefix_reuse(&hp),
         max_draft: baton_engine::max_draft(&hp),
+        n_embd: hp.n_embd,
     };
     let drafter = args
         .draft
@@ -238,6 +239,7 @@ fn generate_drafting(
         grammar: None,
         show: Vec::new(),
         end: None,
+        pooling: None,
         events,
     })?;
     let mut first = None;

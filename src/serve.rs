@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use baton_cluster::Members;
-use baton_engine::{EngineConfig, Health};
+use baton_engine::{EngineConfig, Health, Pooling};
 use baton_server::template::ChatTemplate;
 use baton_server::{AppState, Joining, ServerConfig};
 use clap::Args;
@@ -48,6 +48,10 @@ pub struct ServeArgs {
     /// Model id for clients (default: the file name without .gguf).
     #[arg(long)]
     alias: Option<String>,
+    /// How /v1/embeddings pools a sequence's rows: mean, cls or last (default: the
+    /// GGUF's `<arch>.pooling_type`; without either, /v1/embeddings refuses requests).
+    #[arg(long)]
+    pooling: Option<String>,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 8 << 20)]
     max_body: usize,
@@ -131,6 +135,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let model_path = args.stages.model.clone();
     let vocab = Arc::new(crate::load_tokenizer(&model_path)?);
+    let pooling = embedding_pooling(&model_path, args.pooling.as_deref())?;
     let eos = vocab
         .eos_token()
         .map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
@@ -168,6 +173,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         step_timeout: std::time::Duration::from_secs_f64(args.step_timeout),
         prefix_reuse: baton_engine::prefix_reuse(&hp),
         max_draft: baton_engine::max_draft(&hp),
+        n_embd: hp.n_embd,
     };
     let draft = args.draft.settings()?;
     let draft_model = args.draft.load_model(
@@ -213,6 +219,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .map(|o| o.trim_end_matches('/').to_string())
                 .collect(),
             prepare_concurrency: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            pooling,
             ..ServerConfig::new(model_id)
         },
     );
@@ -280,5 +287,41 @@ async fn stop_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+    }
+}
+
+/// How /v1/embeddings pools: `--pooling` (refused at start when it names a pooling
+/// the endpoint cannot serve), else the GGUF's `<arch>.pooling_type` as llama.cpp numbers
+/// it (1 mean, 2 cls, 3 last); `Err` holds why every embeddings request is refused.
+fn embedding_pooling(model: &std::path::Path, flag: Option<&str>) -> anyhow::Result<Result<Pooling, String>> {
+    let named = |name: &str| Pooling::ALL.into_iter().find(|p| p.name() == name);
+    if let Some(flag) = flag {
+        return match named(flag) {
+            Some(pooling) => Ok(Ok(pooling)),
+            None => anyhow::bail!(
+                "--pooling {flag}: /v1/embeddings pools with mean, cls or last (none gives no single vector, \
+                 rank is a reranker's)"
+            ),
+        };
+    }
+    let file = baton_model::ModelFile::open(model)?;
+    let arch = file.gguf().architecture()?.to_string();
+    let key = format!("{arch}.pooling_type");
+    let why = |what: String| {
+        Ok(Err(format!(
+            "{what}: /v1/embeddings needs mean, cls or last pooling; start the server with --pooling mean|cls|last"
+        )))
+    };
+    match file.gguf().opt_u32(&key) {
+        Ok(Some(1)) => Ok(Ok(Pooling::Mean)),
+        Ok(Some(2)) => Ok(Ok(Pooling::Cls)),
+        Ok(Some(3)) => Ok(Ok(Pooling::Last)),
+        Ok(Some(0)) => why(format!("the model's GGUF says {key} = 0 (none)")),
+        Ok(Some(4)) => why(format!("the model's GGUF says {key} = 4 (rank: a reranker)")),
+        Ok(Some(n)) => why(format!(
+            "the model's GGUF says {key} = {n}, which is no pooling llama.cpp knows"
+        )),
+        Ok(None) => why(format!("the model's GGUF names no pooling ({key} is absent)")),
+        Err(e) => why(format!("the model's GGUF key {key} cannot be read ({e})")),
     }
 }

@@ -199,7 +199,9 @@ fn forward_batch(
         {
             baton_model::StageOutput::Hidden(h) => hidden = h,
             baton_model::StageOutput::Logits(l) => return l,
-            baton_model::StageOutput::Best(_) => unreachable!("logits were asked for"),
+            baton_model::StageOutput::Best(_) | baton_model::StageOutput::Normed(_) => {
+                unreachable!("logits were asked for")
+            }
         }
     }
     unreachable!("the last stage returns logits")

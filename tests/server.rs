@@ -19,7 +19,7 @@ use common::worker::WorkerProc;
 #[test]
 fn the_openai_python_client_works_against_the_server() {
     let _serial = lock();
-    let server = Server::start(&["--parallel", "4", "-c", "4096"]);
+    let server = Server::start(&["--parallel", "4", "-c", "4096", "--pooling", "mean"]);
     assert!(
         server.pytest("tests/openai"),
         "the openai client tests failed (output above)"

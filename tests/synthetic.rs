@@ -297,7 +297,7 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
         match stage.forward(&batch, LogitReply::Logits).unwrap() {
             StageOutput::Hidden(h) => hidden = h,
             StageOutput::Logits(l) => return l,
-            StageOutput::Best(_) => unreachable!("logits were asked for"),
+            StageOutput::Best(_) | StageOutput::Normed(_) => unreachable!("logits were asked for"),
         }
     }
     unreachable!("the last stage returns logits")

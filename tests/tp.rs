@@ -129,7 +129,7 @@ fn last_logits(stage: &mut StageGroup, tokens: &[u32], start: usize) -> Vec<f32>
     };
     match stage.forward(&batch, LogitReply::Logits).unwrap() {
         StageOutput::Logits(l) => l,
-        StageOutput::Hidden(_) | StageOutput::Best(_) => panic!("a last stage returns logits"),
+        StageOutput::Hidden(_) | StageOutput::Best(_) | StageOutput::Normed(_) => panic!("a last stage returns logits"),
     }
 }
 

@@ -158,6 +158,18 @@ fn messages() -> Vec<(String, Message)> {
             logprobs: true,
             drawn: 0,
             grammar: Some("root ::= [a-z]+".into()),
+            pooling: None,
+        },
+        Message::StartSeq {
+            seq: 2,
+            keep: 0,
+            params: SamplingParams::greedy(),
+            history: vec![],
+            top_logprobs: 0,
+            logprobs: false,
+            drawn: 0,
+            grammar: None,
+            pooling: Some(baton_proto::Pooling::Mean),
         },
         Message::TruncateSeq { seq: 1, len: 12 },
         Message::Checkpoint { seq: 1, len: 8 },
@@ -204,6 +216,11 @@ fn messages() -> Vec<(String, Message)> {
         Message::Share {
             step: 3,
             values: vec![2.5, 17.0, f32::NEG_INFINITY, -1.0],
+        },
+        Message::Pooled {
+            step: 4,
+            seq: 2,
+            values: vec![0.6, -0.8, 0.0, 0.0],
         },
     ];
     let mut named: Vec<(String, Message)> = Vec::new();

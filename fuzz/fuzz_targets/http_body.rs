@@ -1,4 +1,5 @@
-//! Request bodies of `POST /v1/chat/completions` and `POST /v1/completions`, up to the
+//! Request bodies of `POST /v1/chat/completions`, `POST /v1/completions` and
+//! `POST /v1/embeddings`, up to the
 //! point where a job would be submitted: every input is parsed as both, and a chat that
 //! passes is rendered as the handler would, with the default (ChatML) template and with
 //! one in the style of the models' own.
@@ -12,7 +13,7 @@
 
 use axum::response::IntoResponse;
 use baton_fuzz::{check_allocations, LargestAlloc};
-use baton_server::request::{chat, completion, fit_slot, CompletionPrompt, Generation};
+use baton_server::request::{chat, completion, embeddings, fit_slot, CompletionPrompt, Generation, MAX_EMBEDDING_INPUTS};
 use baton_server::template::{ChatTemplate, DEFAULT_TEMPLATE};
 use baton_server::ApiError;
 use libfuzzer_sys::fuzz_target;
@@ -80,6 +81,20 @@ fuzz_target!(|data: &[u8]| {
                 CompletionPrompt::Text(_) => TEXT_PROMPT_LEN,
             };
             fits(g, prompt_len);
+        }
+        Err(err) => refused(err),
+    }
+    match check_allocations(data.len(), || embeddings(data, MODEL, N_VOCAB, 896)) {
+        Ok(req) => {
+            assert!(!req.inputs.is_empty() && req.inputs.len() <= MAX_EMBEDDING_INPUTS);
+            for input in &req.inputs {
+                match input {
+                    CompletionPrompt::Tokens(tokens) => {
+                        assert!(!tokens.is_empty() && tokens.iter().all(|&t| (t as usize) < N_VOCAB))
+                    }
+                    CompletionPrompt::Text(text) => assert!(!text.is_empty()),
+                }
+            }
         }
         Err(err) => refused(err),
     }

@@ -137,7 +137,7 @@ impl Chain {
                 }
                 StageOutput::Hidden(h) => hidden = h,
                 StageOutput::Logits(l) => return l,
-                StageOutput::Best(_) => unreachable!("logits were asked for"),
+                StageOutput::Best(_) | StageOutput::Normed(_) => unreachable!("logits were asked for"),
             }
         }
         unreachable!("the last stage returns logits")

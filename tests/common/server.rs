@@ -45,9 +45,15 @@ impl Server {
 
     /// A server of the model file at `path` on 2 local workers.
     pub fn start_path(path: &std::path::Path, extra: &[&str]) -> Server {
+        Server::start_on(path, &["--local-workers", "2"], extra)
+    }
+
+    /// A server of the model file at `path` (with an API key) whose stages run where
+    /// `cluster` says (`--stages N` in its own process, `--local-workers N`).
+    pub fn start_on(path: &std::path::Path, cluster: &[&str], extra: &[&str]) -> Server {
         let mut args = vec!["--api-key", KEY];
         args.extend_from_slice(extra);
-        Server::launch(path, &["--local-workers", "2"], &args)
+        Server::launch(path, cluster, &args)
     }
 
     /// A server whose ring runs on `workers` (already started, requiring `token`).

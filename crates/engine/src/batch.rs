@@ -154,6 +154,7 @@ mod tests {
             grammar: None,
             show: Vec::new(),
             end: None,
+            pooling: None,
             events,
         };
         let runs = vec![chunk as u32; n_reused / chunk];

@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 
 use super::batch::{next_batch, BatchRules, Member};
 use super::draft::{DraftMode, DraftPolicy, Drafters};
-use super::slots::{choose_slot, runs_prefix, Active, Slot};
+use super::slots::{choose_slot, choose_slot_to_pool, runs_prefix, Active, Slot};
 use super::text::Piece;
 use super::types::{
     Better, Counters, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Health, Job, PrefixReuse,
@@ -213,7 +213,8 @@ impl Core {
             let start = StartSeq::new(seq as u32, active.job.params.clone(), active.tokens.clone())
                 .with_logprobs(active.job.logprobs, active.job.top_logprobs)
                 .with_drawn(active.generated as u32)
-                .with_grammar(active.job.grammar.clone());
+                .with_grammar(active.job.grammar.clone())
+                .with_pooling(active.job.pooling);
             self.send(start.into(), Pending::Control, now);
         }
     }
@@ -303,6 +304,13 @@ impl Core {
                     }
                     self.on_tokens(member, &got, now);
                 }
+            }
+            (Pending::Step { members, .. }, Message::Pooled { seq, values, .. }) => {
+                self.steps_in_flight -= 1;
+                self.counters
+                    .round_trip_us
+                    .fetch_add(now.duration_since(sent).as_micros() as u64, Ordering::Relaxed);
+                self.on_pooled(members, seq, values, now);
             }
             (
                 Pending::Step { members, .. },
@@ -545,14 +553,22 @@ impl Core {
         let chunk = self.config.chunk.max(1);
         while self.connected {
             let Some(job) = self.queue.front() else { break };
-            let Some(seq) = choose_slot(&self.slots, &job.prompt, chunk, self.config.prefix_reuse) else {
+            let chosen = match job.pooling {
+                Some(_) => choose_slot_to_pool(&self.slots),
+                None => choose_slot(&self.slots, &job.prompt, chunk, self.config.prefix_reuse),
+            };
+            let Some(seq) = chosen else {
                 break;
             };
             let job = self.queue.pop_front().expect("the queue is not empty");
             self.counters.queued.fetch_sub(1, Ordering::Relaxed);
             self.counters.active.fetch_add(1, Ordering::Relaxed);
             let slot = &mut self.slots[seq];
-            let n_reused = slot.reusable(&job.prompt, chunk, self.config.prefix_reuse);
+            // A pooled prompt needs every row's output: nothing cached is reused.
+            let n_reused = match job.pooling {
+                Some(_) => 0,
+                None => slot.reusable(&job.prompt, chunk, self.config.prefix_reuse),
+            };
             self.counters
                 .prompt_tokens_reused
                 .fetch_add(n_reused as u64, Ordering::Relaxed);
@@ -562,7 +578,8 @@ impl Core {
             let start = StartSeq::new(seq as u32, job.params.clone(), job.prompt.clone())
                 .keeping(n_reused as u32)
                 .with_logprobs(job.logprobs, job.top_logprobs)
-                .with_grammar(job.grammar.clone());
+                .with_grammar(job.grammar.clone())
+                .with_pooling(job.pooling);
             let epoch = self.next_epoch;
             self.next_epoch += 1;
             slot.last_used = epoch;
@@ -670,6 +687,41 @@ impl Core {
         self.counters.active.fetch_sub(1, Ordering::Relaxed);
         self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
         self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
+    }
+
+    /// The last stage's embedding for the step's pooled sequence `seq`: the request
+    /// finishes with it, and its cells are freed on every stage (nothing of it stays
+    /// cached). An answer the step did not ask for fails what the step carried.
+    fn on_pooled(&mut self, members: Vec<Member>, seq: u32, values: Vec<f32>, now: Instant) {
+        let n_embd = self.config.n_embd;
+        let asked = members.iter().find(|m| m.sampled && m.seq == seq as usize).copied();
+        let pooled = asked.filter(|m| self.current(m.seq, m.epoch).is_some_and(|a| a.pooled()));
+        let Some(member) = pooled.filter(|_| values.len() == n_embd) else {
+            let why = format!(
+                "the last stage pooled {} values for sequence {seq}, which the step did not ask of it                  (or not the model's {n_embd})",
+                values.len()
+            );
+            for member in members {
+                self.fail_seq(member.seq, member.epoch, Failure::server(why.clone()), now);
+            }
+            return;
+        };
+        let slot = &mut self.slots[member.seq];
+        let Some(active) = slot.active.take() else { return };
+        slot.forget();
+        self.counters.active.fetch_sub(1, Ordering::Relaxed);
+        self.counters.requests_finished.fetch_add(1, Ordering::Relaxed);
+        active.span.in_scope(|| tracing::debug!("pooled"));
+        let _ = active.job.events.send(Event::Finished(Finish {
+            reason: FinishReason::Stop,
+            tail: String::new(),
+            prompt_tokens: active.n_prompt,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            stop_string: None,
+            embedding: Some(values),
+        }));
+        self.send(Message::EndSeq { seq }, Pending::Control, now);
     }
 
     /// The tokens the last stage sampled for a member of a step: its token's sample
@@ -790,6 +842,7 @@ impl Core {
             cached_tokens: active.n_reused,
             completion_tokens: active.generated,
             stop_string: active.text.matched().map(str::to_string),
+            embedding: None,
         }));
     }
 }

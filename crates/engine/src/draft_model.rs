@@ -80,7 +80,7 @@ impl ModelDrafter {
         };
         match self.stage.forward(&batch, LogitReply::Logits)? {
             StageOutput::Logits(logits) => Ok(logits),
-            StageOutput::Hidden(_) | StageOutput::Best(_) => {
+            StageOutput::Hidden(_) | StageOutput::Best(_) | StageOutput::Normed(_) => {
                 Err(ModelError::BadConfig("the draft stage returned no logits".into()))
             }
         }

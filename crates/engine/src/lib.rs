@@ -53,6 +53,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::oneshot;
 
+pub use baton_proto::Pooling;
 pub use baton_stage::{max_decode_rows, MAX_DECODE_SEQS};
 pub use draft::{Draft, DraftMode, Drafter};
 pub use draft_model::ModelDrafter;
@@ -209,6 +210,16 @@ impl Engine {
     /// Tokens a request may hold (prompt plus generated).
     pub fn slot_ctx(&self) -> usize {
         self.config.slot_ctx
+    }
+
+    /// Width of the model's hidden state: the length of its embeddings.
+    pub fn n_embd(&self) -> usize {
+        self.config.n_embd
+    }
+
+    /// Sequences computed at once (`--parallel`).
+    pub fn n_slots(&self) -> usize {
+        self.config.n_slots
     }
 
     /// The latest round trip between the head and each worker of the ring, by address:

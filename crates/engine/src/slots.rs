@@ -122,7 +122,7 @@ impl Active {
             return None;
         }
         if let Some(&n) = self.replay.front() {
-            return Some((n as usize, n > 1));
+            return Some((n as usize, n > 1 || self.pooled()));
         }
         if self.n_sent < self.n_prompt {
             return Some((chunk.min(self.n_prompt - self.n_sent), true));
@@ -132,10 +132,19 @@ impl Active {
 
     /// Whether its next send is a decode row.
     pub fn decoding(&self) -> bool {
+        if self.pooled() {
+            return false;
+        }
         match self.replay.front() {
             Some(&n) => n == 1,
             None => self.n_sent >= self.n_prompt,
         }
+    }
+
+    /// Whether the request is an embedding: its prompt only, each chunk alone in its
+    /// batch (a one-token chunk is never a decode row), its rows pooled.
+    pub fn pooled(&self) -> bool {
+        self.job.pooling.is_some()
     }
 
     /// Prepares the sequence to be sent again from the start on a new ring, in exactly
@@ -149,6 +158,14 @@ impl Active {
         self.waiting = false;
         repeated
     }
+}
+
+/// The free slot an embedding should run in: it keeps no prefix, so the one whose
+/// cache has least to lose, then the least recently used.
+pub(crate) fn choose_slot_to_pool(slots: &[Slot]) -> Option<usize> {
+    (0..slots.len())
+        .filter(|&i| slots[i].active.is_none())
+        .min_by_key(|&i| (slots[i].cached.len(), slots[i].last_used))
 }
 
 /// The free slot a prompt should run in: the one with the longest reusable prefix, then

@@ -49,6 +49,7 @@ fn config() -> EngineConfig {
         step_timeout: Duration::from_secs(60),
         prefix_reuse: crate::PrefixReuse::Anywhere,
         max_draft: crate::draft::MAX_DRAFT,
+        n_embd: 4,
     }
 }
 
@@ -173,6 +174,7 @@ fn greedy_job(prompt: &[u32], max_tokens: usize, events: UnboundedSender<Event>)
         grammar: None,
         show: Vec::new(),
         end: None,
+        pooling: None,
         events,
     }
 }
@@ -682,4 +684,208 @@ fn a_jobs_end_check_ends_it_at_the_token_that_completes_it() {
         })
         .collect();
     assert_eq!(decoded, [2], "only the token before the end goes back into the ring");
+}
+
+/// Runs an embedding of `prompt` to its last chunk: the sends, and the last forward.
+fn pooled_job(h: &mut Harness, prompt: &[u32]) -> (UnboundedReceiver<Event>, Vec<Message>, Forward) {
+    let (events, receiver) = unbounded_channel();
+    h.core.submit(Box::new(Job {
+        pooling: Some(baton_proto::Pooling::Mean),
+        ..greedy_job(prompt, 0, events)
+    }));
+    let mut all = Vec::new();
+    loop {
+        let sent = h.poll();
+        assert!(!sent.is_empty(), "the embedding stalled: {all:?}");
+        for msg in &sent {
+            if let Message::Forward(f) = msg {
+                if !f.sample_rows.is_empty() {
+                    all.extend(sent.clone());
+                    return (receiver, all, f.clone());
+                }
+            }
+            h.answer(msg, &[]);
+        }
+        all.extend(sent);
+    }
+}
+
+/// An embedding: the stages are told to pool the sequence from an empty cache, its
+/// prompt goes in chunks, each alone, the last samples only the last row; the pooled
+/// vector finishes the request, its cells are freed on every stage, and its prompt is
+/// never reused as a cached prefix.
+#[test]
+fn an_embedding_pools_its_prompt_and_keeps_nothing_cached() {
+    let mut h = Harness::new(false);
+    let prompt: Vec<u32> = (1..=10).collect();
+    let (mut rx, sent, last) = pooled_job(&mut h, &prompt);
+    assert!(
+        matches!(
+            sent[0],
+            Message::StartSeq {
+                keep: 0,
+                pooling: Some(baton_proto::Pooling::Mean),
+                ..
+            }
+        ),
+        "{sent:?}"
+    );
+    let chunks: Vec<&Forward> = sent
+        .iter()
+        .filter(|m| matches!(m, Message::Forward(_)))
+        .map(forward)
+        .collect();
+    assert_eq!(chunks.iter().map(|f| tokens(f).len()).collect::<Vec<_>>(), [4, 4, 2]);
+    assert!(chunks.iter().all(|f| f.seq_ids.iter().all(|&s| s == f.seq_ids[0])));
+    assert_eq!(last.sample_rows, [1]);
+    let seq = last.seq_ids[0];
+    let values = vec![0.5, -0.5, 0.5, -0.5];
+    let gen = h.core.gen();
+    let pooled = Message::Pooled {
+        step: last.step,
+        seq,
+        values: values.clone(),
+    };
+    h.core.reply(gen, pooled, h.now);
+    let events = events(&mut rx);
+    match events.as_slice() {
+        [Event::Finished(f)] => {
+            assert_eq!(f.embedding.as_deref(), Some(&values[..]));
+            assert_eq!((f.prompt_tokens, f.completion_tokens, f.cached_tokens), (10, 0, 0));
+        }
+        other => panic!("{other:?}"),
+    }
+    let sent = h.poll();
+    assert!(sent.contains(&Message::EndSeq { seq }), "{sent:?}");
+    h.answer(&sent[0], &[]);
+    // The same prompt to generate from: nothing is reused.
+    let _rx = h.job(&prompt, 2);
+    let sent = h.poll();
+    assert!(
+        matches!(
+            sent[0],
+            Message::StartSeq {
+                keep: 0,
+                pooling: None,
+                ..
+            }
+        ),
+        "{sent:?}"
+    );
+}
+
+/// A pooled vector of another width than the model's, or for a step that asked for
+/// none, fails the request as the server's fault.
+#[test]
+fn a_pooled_vector_of_the_wrong_width_fails_the_request() {
+    for values in [vec![1.0; 3], vec![1.0; 5]] {
+        let mut h = Harness::new(false);
+        let (mut rx, _, last) = pooled_job(&mut h, &[1, 2, 3]);
+        let gen = h.core.gen();
+        let seq = last.seq_ids[0];
+        h.core.reply(
+            gen,
+            Message::Pooled {
+                step: last.step,
+                seq,
+                values,
+            },
+            h.now,
+        );
+        match events(&mut rx).as_slice() {
+            [Event::Failed(f)] => assert_eq!(f.cause, crate::types::Cause::Server, "{f:?}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    // A generating request answered with a vector fails too.
+    let mut h = Harness::new(false);
+    let mut rx = h.job(&[1, 2, 3], 2);
+    let sent = h.poll();
+    h.answer(&sent[0], &[]);
+    let f = forward(&sent[1]).clone();
+    let gen = h.core.gen();
+    h.core.reply(
+        gen,
+        Message::Pooled {
+            step: f.step,
+            seq: f.seq_ids[0],
+            values: vec![1.0; 4],
+        },
+        h.now,
+    );
+    assert!(matches!(events(&mut rx).as_slice(), [Event::Failed(_)]));
+}
+
+/// An embedding whose ring is lost mid-way is started again on the new one, pooled, and
+/// its chunks sent again as before, each alone (a one-token chunk included: it is never
+/// taken for a decode row beside another sequence's).
+#[test]
+fn a_lost_ring_rebuilds_an_embedding_chunk_for_chunk() {
+    let mut h = Harness::new(true);
+    let decoding = h.job(&[1, 2], 10);
+    let sent = h.poll();
+    for msg in &sent {
+        h.answer(msg, &[7]);
+    }
+    let (events_tx, mut rx) = unbounded_channel();
+    h.core.submit(Box::new(Job {
+        pooling: Some(baton_proto::Pooling::Cls),
+        ..greedy_job(&[1, 2, 3, 4, 5], 0, events_tx)
+    }));
+    // Everything answered until the embedding's last chunk is in flight: the ring is
+    // lost then, so both of its chunks (4 tokens, then 1) are sent again.
+    'sent: for _ in 0..10 {
+        for msg in h.poll() {
+            if matches!(&msg, Message::Forward(f) if f.sample_rows.len() == 1 && tokens(f) == [5]) {
+                break 'sent;
+            }
+            h.answer(&msg, &[7]);
+        }
+    }
+    let gen = h.core.gen();
+    h.core.lost(gen, "worker w:1 was lost", h.now);
+    h.core.installed(1, serving(), EndCounters::default(), h.now);
+    let rebuilt = sends(h.core.actions());
+    let pooled_seq = rebuilt
+        .iter()
+        .find_map(|m| match m {
+            Message::StartSeq {
+                seq,
+                keep: 0,
+                pooling: Some(baton_proto::Pooling::Cls),
+                ..
+            } => Some(*seq),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no pooled StartSeq: {rebuilt:?}"));
+    for msg in &rebuilt {
+        h.answer(msg, &[]);
+    }
+    let mut pooled_batches = Vec::new();
+    for _ in 0..10 {
+        let sent = h.poll();
+        for msg in &sent {
+            if let Message::Forward(f) = msg {
+                if f.seq_ids.contains(&pooled_seq) {
+                    let alone = f.seq_ids.iter().all(|&s| s == pooled_seq);
+                    assert!(alone, "a pooled chunk in company: {f:?}");
+                    pooled_batches.push(tokens(f).to_vec());
+                    if !f.sample_rows.is_empty() {
+                        let pooled = Message::Pooled {
+                            step: f.step,
+                            seq: pooled_seq,
+                            values: vec![0.5; 4],
+                        };
+                        let gen = h.core.gen();
+                        h.core.reply(gen, pooled, h.now);
+                        continue;
+                    }
+                }
+            }
+            h.answer(msg, &[7]);
+        }
+    }
+    assert_eq!(pooled_batches, [vec![1, 2, 3, 4], vec![5]]);
+    assert!(matches!(events(&mut rx).as_slice(), [Event::Finished(f)] if f.embedding.is_some()));
+    drop(decoding);
 }

@@ -38,6 +38,9 @@ pub struct EngineConfig {
     /// Most tokens drafted for one step: [`MAX_DRAFT`](crate::draft::MAX_DRAFT), fewer
     /// where a rejected draft must roll recurrent states back ([`max_draft`]).
     pub max_draft: usize,
+    /// Width of the model's hidden state: a pooled vector (an embedding) from the last
+    /// stage must have exactly this many values.
+    pub n_embd: usize,
 }
 
 /// Most tokens the engine may draft per step for a model: as many as a rejected draft
@@ -185,6 +188,11 @@ pub struct Job {
     /// Decides from the text that generation is complete (one tool call written, with
     /// `parallel_tool_calls: false`).
     pub end: Option<Box<dyn EndCheck>>,
+    /// An embedding instead of generated text: the last stage pools the prompt's rows
+    /// this way and the request finishes with the vector ([`Finish::embedding`]), nothing
+    /// generated (`max_tokens` 0). Its cells are freed at once and its prompt is never
+    /// kept as a cached prefix.
+    pub pooling: Option<baton_proto::Pooling>,
     /// Where the engine reports; dropping the receiver cancels the request.
     pub events: UnboundedSender<Event>,
 }
@@ -294,6 +302,8 @@ pub struct Finish {
     pub completion_tokens: usize,
     /// The stop string that ended the text, if one did.
     pub stop_string: Option<String>,
+    /// A pooled request's embedding ([`Job::pooling`]): `n_embd` values, L2-normalized.
+    pub embedding: Option<Vec<f32>>,
 }
 
 /// Why a request is refused before it starts.

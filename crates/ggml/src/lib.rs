@@ -25,7 +25,7 @@ pub use device::{BufferType, Device, DeviceKind, DeviceMemory, WeightOp};
 pub use graph::{Context, Graph, GraphId, RopeParams, Tensor, TensorId};
 pub use host::{HostFn, HostOp};
 pub use invariant::{rows_alone, Product, MAX_ROWS};
-pub use llama::{LlamaContext, LlamaModel};
+pub use llama::{LlamaContext, LlamaModel, LlamaPooling};
 pub use quantize::{quantize, FileType};
 pub use sched::Scheduler;
 

@@ -185,6 +185,20 @@ impl Drop for LlamaModel {
     }
 }
 
+/// How a libllama context pools a sequence's rows into an embedding (llama.cpp's
+/// `LLAMA_POOLING_TYPE_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlamaPooling {
+    /// The mean of every row.
+    Mean,
+    /// The first row.
+    Cls,
+    /// The last row.
+    Last,
+    /// No pooling: every row after the output norm ([`LlamaContext::embed_rows`]).
+    None,
+}
+
 /// A libllama inference context over a fully loaded model: the reference oracle.
 pub struct LlamaContext<'m> {
     ptr: NonNull<sys::llama_context>,
@@ -208,10 +222,17 @@ impl<'m> LlamaContext<'m> {
         n_threads: usize,
         [type_k, type_v]: [DType; 2],
     ) -> Result<Self, GgmlError> {
-        // SAFETY: returns a plain struct of defaults.
-        let mut params = unsafe { sys::llama_context_default_params() };
+        let mut params = Self::params(n_ctx, n_batch, n_threads);
         params.type_k = type_k.0;
         params.type_v = type_v.0;
+        Self::with_params(model, params)
+    }
+
+    /// libllama's context defaults with baton's: `n_ctx` cells, `n_batch` tokens per
+    /// decode call (and micro-batch), `n_threads` threads, one sequence, flash attention.
+    fn params(n_ctx: u32, n_batch: u32, n_threads: usize) -> sys::llama_context_params {
+        // SAFETY: returns a plain struct of defaults.
+        let mut params = unsafe { sys::llama_context_default_params() };
         params.n_ctx = n_ctx;
         params.n_batch = n_batch;
         params.n_ubatch = n_batch;
@@ -220,14 +241,18 @@ impl<'m> LlamaContext<'m> {
         params.n_threads_batch = n_threads as i32;
         params.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_ENABLED;
         params.no_perf = true;
+        params
+    }
+
+    fn with_params(model: &'m LlamaModel, params: sys::llama_context_params) -> Result<Self, GgmlError> {
         // SAFETY: valid model and params; null on failure.
         let ptr = unsafe { sys::llama_init_from_model(model.ptr.as_ptr(), params) };
         let ptr = NonNull::new(ptr).ok_or_else(|| GgmlError::Llama("llama_init_from_model failed".into()))?;
         Ok(LlamaContext { ptr, model, n_past: 0 })
     }
 
-    /// Appends `tokens` to the sequence; returns the logits of the last one.
-    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GgmlError> {
+    /// Appends `tokens` to the sequence (one decode call).
+    fn decode_only(&mut self, tokens: &[u32]) -> Result<(), GgmlError> {
         let mut ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         // SAFETY: the batch borrows `ids`, which outlives the decode call.
         let status = unsafe {
@@ -238,6 +263,12 @@ impl<'m> LlamaContext<'m> {
             return Err(GgmlError::Llama(format!("llama_decode failed with status {status}")));
         }
         self.n_past += tokens.len();
+        Ok(())
+    }
+
+    /// Appends `tokens` to the sequence; returns the logits of the last one.
+    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GgmlError> {
+        self.decode_only(tokens)?;
         let n_vocab = self.model.n_vocab();
         // SAFETY: after a successful decode the last token's logits hold n_vocab floats.
         let logits = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), -1) };
@@ -246,6 +277,68 @@ impl<'m> LlamaContext<'m> {
         }
         // SAFETY: non-null, n_vocab floats, valid until the next decode.
         Ok(unsafe { std::slice::from_raw_parts(logits, n_vocab) }.to_vec())
+    }
+
+    /// A context that computes pooled embeddings instead of logits, as llama-server
+    /// `--embeddings --pooling P` does: every row is an output, and the rows after the
+    /// output norm are pooled per sequence (`llama_get_embeddings_seq`). `n_batch` is
+    /// also the largest input [`LlamaContext::embed`] takes (llama.cpp pools within
+    /// one micro-batch only).
+    pub fn for_embeddings(
+        model: &'m LlamaModel,
+        n_ctx: u32,
+        n_batch: u32,
+        n_threads: usize,
+        pooling: LlamaPooling,
+    ) -> Result<Self, GgmlError> {
+        let mut params = Self::params(n_ctx, n_batch, n_threads);
+        params.embeddings = true;
+        params.pooling_type = match pooling {
+            LlamaPooling::Mean => sys::LLAMA_POOLING_TYPE_MEAN,
+            LlamaPooling::Cls => sys::LLAMA_POOLING_TYPE_CLS,
+            LlamaPooling::Last => sys::LLAMA_POOLING_TYPE_LAST,
+            LlamaPooling::None => sys::LLAMA_POOLING_TYPE_NONE,
+        };
+        Self::with_params(model, params)
+    }
+
+    /// The pooled embedding of `tokens` as a fresh sequence (the cache is cleared
+    /// first), not normalized; on a context made by [`LlamaContext::for_embeddings`].
+    pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, GgmlError> {
+        self.clear();
+        self.decode_only(tokens)?;
+        // SAFETY: valid model.
+        let n_embd = unsafe { sys::llama_model_n_embd_out(self.model.ptr.as_ptr()) }.max(0) as usize;
+        // SAFETY: valid context; sequence 0 was just decoded.
+        let pooled = unsafe { sys::llama_get_embeddings_seq(self.ptr.as_ptr(), 0) };
+        if pooled.is_null() {
+            return Err(GgmlError::Llama(
+                "llama_get_embeddings_seq returned nothing (a context without pooling?)".into(),
+            ));
+        }
+        // SAFETY: non-null, n_embd floats, valid until the next decode.
+        Ok(unsafe { std::slice::from_raw_parts(pooled, n_embd) }.to_vec())
+    }
+
+    /// Every row of a fresh sequence after the output norm, `n_embd` each, fed in
+    /// `chunks` (one decode call each, positions continuing), on a context made by
+    /// [`LlamaContext::for_embeddings`] with [`LlamaPooling::None`].
+    pub fn embed_rows(&mut self, chunks: &[&[u32]]) -> Result<Vec<f32>, GgmlError> {
+        self.clear();
+        // SAFETY: valid model.
+        let n_embd = unsafe { sys::llama_model_n_embd_out(self.model.ptr.as_ptr()) }.max(0) as usize;
+        let mut rows = Vec::new();
+        for chunk in chunks {
+            self.decode_only(chunk)?;
+            // SAFETY: valid context; every row of the batch is an output.
+            let values = unsafe { sys::llama_get_embeddings(self.ptr.as_ptr()) };
+            if values.is_null() {
+                return Err(GgmlError::Llama("llama_get_embeddings returned nothing".into()));
+            }
+            // SAFETY: non-null, one row of n_embd floats per token of the batch.
+            rows.extend_from_slice(unsafe { std::slice::from_raw_parts(values, n_embd * chunk.len()) });
+        }
+        Ok(rows)
     }
 
     /// Forgets everything in the KV cache.

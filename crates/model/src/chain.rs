@@ -126,7 +126,7 @@ impl StageChain {
             match self.stages[i].forward(&step, reply) {
                 Ok(out) if last => return Ok(out),
                 Ok(StageOutput::Hidden(h)) => hidden = Some(h),
-                Ok(StageOutput::Logits(_) | StageOutput::Best(_)) => {
+                Ok(StageOutput::Logits(_) | StageOutput::Best(_) | StageOutput::Normed(_)) => {
                     self.forget(i + 1, batch);
                     return Err(ModelError::BadBatch(
                         "a stage before the chain's last produced logits".into(),

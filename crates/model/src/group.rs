@@ -115,6 +115,12 @@ impl StageGroup {
         if self.others.is_empty() {
             return self.stage.forward(batch, reply);
         }
+        if reply == LogitReply::Normed {
+            // The members would each compute their share of the logits for nothing.
+            return Err(ModelError::Unsupported(
+                "embeddings on a tensor-parallel last stage".into(),
+            ));
+        }
         let n_vocab = self.stage.weights().file().hparams().n_vocab;
         let asked = match reply {
             LogitReply::Best if n_vocab <= BEST_MAX_VOCAB => LogitReply::Best,
@@ -165,6 +171,7 @@ fn unexpected(rank: usize, got: &StageOutput, due: &str) -> ModelError {
         StageOutput::Hidden(_) => "a hidden state",
         StageOutput::Logits(_) => "logits",
         StageOutput::Best(_) => "row bests",
+        StageOutput::Normed(_) => "normed rows",
     };
     ModelError::Collective(CollectiveError::Peer {
         peer: rank,

@@ -10,6 +10,7 @@ mod group;
 mod hparams;
 mod kv;
 pub mod names;
+mod pool;
 mod recurrent;
 mod resident;
 mod runner;
@@ -32,6 +33,7 @@ pub use group::StageGroup;
 pub use hparams::{AttnTemp, HParams, Indexer, Keys, Mla, Ssm, SsmKind, SwaType, TpHeads, Window, Yarn};
 pub use kv::{AttnSpan, KvCache};
 pub use names::{EndTensor, LayerTensor};
+pub use pool::mean_rows;
 pub use recurrent::{RecurrentCache, StateRun, CHECKPOINTS, KEPT_STATES};
 pub use resident::mapped_rss;
 pub use runner::ComputeBytes;
@@ -103,6 +105,9 @@ pub enum ModelError {
     /// ggml failed.
     #[error(transparent)]
     Ggml(#[from] baton_ggml::GgmlError),
+    /// What was asked is valid but this stage does not compute it.
+    #[error("{0} is not supported")]
+    Unsupported(String),
     /// A tensor-parallel sum failed (a member or its link).
     #[error(transparent)]
     Collective(#[from] tp::CollectiveError),

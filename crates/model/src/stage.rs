@@ -86,6 +86,9 @@ pub enum LogitReply {
     /// Each row's best logit and its token ([`StageOutput::Best`]): enough for greedy
     /// sampling without penalties, and a few bytes instead of a row of the vocabulary.
     Best,
+    /// The rows after the output norm, before the output projection
+    /// ([`StageOutput::Normed`]): what embeddings pool, as llama.cpp's `t_embd`.
+    Normed,
 }
 
 /// What leaves a stage.
@@ -99,6 +102,9 @@ pub enum StageOutput {
     /// Each requested row's best ([`LogitReply::Best`]), in the order of `logit_rows`;
     /// `None` for a row of only NaN. A tensor-parallel member's is the best of its share.
     Best(Vec<Option<RowBest>>),
+    /// The requested rows after the output norm ([`LogitReply::Normed`]), `n_embd`
+    /// per row, in the order of `logit_rows`.
+    Normed(Vec<f32>),
 }
 
 /// The largest logit of a row (or of a member's share of it) and its token, the lowest
@@ -409,7 +415,7 @@ impl Stage {
         self.check(batch)?;
         let runs = self.rs.plan(batch.seq_ids, batch.positions)?;
         let slots = self.kv.claim(batch.seq_ids, batch.positions)?;
-        let result = self.compute(batch, &slots, &runs);
+        let result = self.compute(batch, &slots, &runs, reply == LogitReply::Normed);
         match &result {
             Ok(_) => self.rs.commit(&runs),
             Err(e) => {
@@ -484,7 +490,13 @@ impl Stage {
         self.device.is_cpu()
     }
 
-    fn compute(&mut self, batch: &Batch<'_>, slots: &[i64], runs: &[StateRun]) -> Result<StageOutput, ModelError> {
+    fn compute(
+        &mut self,
+        batch: &Batch<'_>,
+        slots: &[i64],
+        runs: &[StateRun],
+        normed: bool,
+    ) -> Result<StageOutput, ModelError> {
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
         let decode_rows = batch.decode || one_row_per_sequence(batch.seq_ids);
@@ -494,6 +506,7 @@ impl Stage {
             decode_rows,
             spans: spans.iter().map(|s| (s.rows.clone(), s.cells.clone())).collect(),
             logit_rows: batch.logit_rows.len(),
+            normed: normed && self.span.last && !batch.logit_rows.is_empty(),
             state_runs: runs.iter().map(|r| r.rows.clone()).collect(),
         };
         // A step shaped like the last one computes the last one's graph again: only its
@@ -519,10 +532,14 @@ impl Stage {
 
         let want_logits = self.span.last && !batch.logit_rows.is_empty();
         if want_logits {
-            // [n_vocab, n_out]; a tensor-parallel member's share of the vocabulary.
-            let mut logits = vec![0f32; out.ne()[0] as usize * batch.logit_rows.len()];
-            out.read(&mut logits)?;
-            Ok(StageOutput::Logits(logits))
+            // [n_vocab, n_out] (a tensor-parallel member's share of the vocabulary), or
+            // [n_embd, n_out] normed rows.
+            let mut values = vec![0f32; out.ne()[0] as usize * batch.logit_rows.len()];
+            out.read(&mut values)?;
+            Ok(match step.key.normed {
+                true => StageOutput::Normed(values),
+                false => StageOutput::Logits(values),
+            })
         } else if self.span.last {
             Ok(StageOutput::Logits(Vec::new()))
         } else {
@@ -593,7 +610,9 @@ impl Stage {
                 hidden = ctx.get_rows(hidden, rows);
             }
         }
-        let out = if want_logits {
+        let out = if want_logits && key.normed {
+            crate::arch::ends::normed(&b, hidden) // [n_embd, n_out]
+        } else if want_logits {
             (hp.arch.logits)(&b, hidden) // [n_vocab, n_out]
         } else {
             hidden
@@ -769,8 +788,10 @@ struct StepKey {
     decode_rows: bool,
     /// Rows and cells of each attention span.
     spans: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>,
-    /// Rows that need logits.
+    /// Rows that need logits (or normed rows).
     logit_rows: usize,
+    /// The output rows are the output norm's, not logits ([`LogitReply::Normed`]).
+    normed: bool,
     /// Rows of each run that continues a recurrent state.
     state_runs: Vec<std::ops::Range<usize>>,
 }

@@ -120,7 +120,7 @@ fn chain_logits(file: &Arc<ModelFile>, sizes: &[usize], tokens: &[u32]) -> Vec<f
         {
             StageOutput::Hidden(h) => hidden = h,
             StageOutput::Logits(l) => return l,
-            StageOutput::Best(_) => unreachable!("logits were asked for"),
+            StageOutput::Best(_) | StageOutput::Normed(_) => unreachable!("logits were asked for"),
         }
     }
     unreachable!()

@@ -55,7 +55,7 @@
 //! | 8    | TensorChunk  | index u32, offset u64, data bytes                                        |
 //! | 9    | Loaded       | resident u64, received u64                                               |
 //! | 10   | StartSeq     | seq u32, keep u32, params: SamplingParams, history [u32],                |
-//! |      |              | top_logprobs u8, logprobs bool, drawn u32, grammar opt<str>              |
+//! |      |              | top_logprobs u8, logprobs bool, drawn u32, grammar opt<str>, pooling u8  |
 //! | 11   | TruncateSeq  | seq u32, len u32                                                         |
 //! | 12   | EndSeq       | seq u32                                                                  |
 //! | 13   | Forward      | step u64, payload: Payload, positions [i32], seq_ids [u32],              |
@@ -75,7 +75,8 @@
 //! |      |              | sample_rows [u32], row_tokens [u32]                                      |
 //! | 25   | Share        | step u64, values [f32]                                                   |
 //! | 26   | Checkpoint   | seq u32, len u32                                                         |
-//! | 27   | FetchFrom    | peer str, tensors [u32]                                                  |
+//! | 27   | Pooled       | step u64, seq u32, values [f32]                                          |
+//! | 28   | FetchFrom    | peer str, tensors [u32]                                                  |
 //!
 //! | structure      | fields, in order                                                            |
 //! |----------------|-----------------------------------------------------------------------------|
@@ -94,6 +95,7 @@
 //!
 //! Refusal codes (Refused.code): 1 Busy, 2 Auth, 3 Version, 4 TlsRequired, 5 BadRequest, 6 LoadFailed, 7 Leaving
 //! Stage faults (Error.fault): 1 Request, 2 CacheFull, 3 Compute, 4 Protocol
+//! Poolings (StartSeq.pooling): 0 none, 1 Mean, 2 Cls, 3 Last
 //! ```
 //!
 //! Checks beyond the layout: a `Forward` has at least one row, as many positions as
@@ -103,7 +105,8 @@
 //! except a log-probability (a NaN hidden state would silently poison every later
 //! stage, so it is stopped at the first hop); a tensor's offset plus length fits in u64;
 //! a worker offers at least one device, and a `LoadPlan`'s device ranges are non-empty,
-//! in order, and end where the stage ends.
+//! in order, and end where the stage ends; a `Pooled` vector holds 1 to
+//! [`MAX_POOLED_WIDTH`](crate::MAX_POOLED_WIDTH) values.
 
 mod read;
 mod write;
@@ -186,7 +189,8 @@ kinds! {
     24 FORWARD_BEST ForwardBest,
     25 SHARE Share,
     26 CHECKPOINT Checkpoint,
-    27 FETCH_FROM FetchFrom,
+    27 POOLED Pooled,
+    28 FETCH_FROM FetchFrom,
 }
 
 /// The name of `msg`'s kind (see [`Message::kind`]).

@@ -39,11 +39,17 @@ use baton_sample::SamplingParams;
 /// 13: `Checkpoint` (kind 26): stages keep a copy of a sequence's recurrent states.
 /// 14: `LoadPlan` ends with the element types of the KV cache (`cache_type_k`,
 /// `cache_type_v`), one setting for the whole ring.
-/// 15: refusal code 7, `Leaving`: a draining worker refuses new heads and answers the
-/// head's heartbeat with it. `FetchFrom` (kind 27): a worker receiving a stage fetches
-/// some of its tensors from another worker that holds the file, on a [`Role::Fetch`]
-/// link (its `StreamStart` asks, `TensorChunk`s answer).
+/// 15: `StartSeq` ends with the sequence's [`Pooling`] (an embedding: the last stage
+/// pools its rows instead of sampling) and `Pooled` (kind 27) carries the vector back.
+/// Refusal code 7, `Leaving`: a draining worker refuses new heads and answers the head's
+/// heartbeat with it. `FetchFrom` (kind 28): a worker receiving a stage fetches some of
+/// its tensors from another worker that holds the file, on a [`Role::Fetch`] link (its
+/// `StreamStart` asks, `TensorChunk`s answer).
 pub const PROTOCOL_VERSION: u32 = 15;
+
+/// Most values a `Pooled` vector may carry: far above any model's width (the head
+/// also checks it equals its model's `n_embd`).
+pub const MAX_POOLED_WIDTH: usize = 1 << 16;
 
 /// Most members a tensor-parallel group may have (the head never plans more; a
 /// `LoadPlan` naming more is refused at decoding).
@@ -240,6 +246,48 @@ impl Fault {
     /// The kind with wire number `number`, if there is one.
     pub fn from_number(number: u16) -> Option<Fault> {
         Fault::ALL.into_iter().find(|fault| fault.number() == number)
+    }
+}
+
+/// How the last stage turns a sequence's rows into one vector (an embedding), as
+/// llama.cpp's pooling types: each row is the last layer's output after the output norm
+/// (before the output projection). The numbers are stable on the wire; 0 means the
+/// sequence generates (it is sampled, not pooled).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pooling {
+    /// The mean of every row of the sequence.
+    Mean,
+    /// The first row (the `[CLS]` token of encoder models).
+    Cls,
+    /// The last row.
+    Last,
+}
+
+impl Pooling {
+    /// Every pooling, in wire-number order.
+    pub const ALL: [Pooling; 3] = [Pooling::Mean, Pooling::Cls, Pooling::Last];
+
+    /// The pooling's number on the wire.
+    pub fn number(self) -> u8 {
+        match self {
+            Pooling::Mean => 1,
+            Pooling::Cls => 2,
+            Pooling::Last => 3,
+        }
+    }
+
+    /// The pooling with wire number `number`, if there is one.
+    pub fn from_number(number: u8) -> Option<Pooling> {
+        Pooling::ALL.into_iter().find(|p| p.number() == number)
+    }
+
+    /// The name llama.cpp's `--pooling` and GGUF's `pooling_type` use: `mean`, `cls`, `last`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+            Pooling::Last => "last",
+        }
     }
 }
 
@@ -452,6 +500,8 @@ pub enum Message {
     /// sampler with `params`, seeding penalties with `history`, and computes
     /// log-probabilities of sampled tokens (and the `top_logprobs` best alternatives)
     /// only when `logprobs` is set (it costs a pass over the vocabulary per token).
+    /// With `pooling` the sequence is an embedding instead: the last stage keeps its
+    /// rows and answers the `Forward` that samples its last row with `Pooled`.
     StartSeq {
         seq: u32,
         keep: u32,
@@ -466,6 +516,8 @@ pub enum Message {
         /// token it does not allow); the last `drawn` tokens of `history` were already
         /// generated under it.
         grammar: Option<String>,
+        /// Pool the sequence's rows into one vector instead of sampling.
+        pooling: Option<Pooling>,
     },
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
@@ -479,6 +531,10 @@ pub enum Message {
     Forward(Forward),
     /// The last stage's answer to a `Forward`: one token per sampled row.
     Sampled { step: StepId, tokens: Vec<SampledToken> },
+    /// The last stage's answer to a `Forward` that ends a pooled sequence (the only
+    /// sequence whose row it samples): the pooled rows, L2-normalized, `n_embd` values
+    /// (at most [`MAX_POOLED_WIDTH`]); NaN is refused.
+    Pooled { step: StepId, seq: u32, values: Vec<f32> },
     /// The last stage's answer to a control message.
     Done,
     /// A stage failed to handle a message; the ring drops it and reports this. The
@@ -555,6 +611,7 @@ pub struct StartSeq {
     logprobs: bool,
     drawn: u32,
     grammar: Option<String>,
+    pooling: Option<Pooling>,
 }
 
 impl StartSeq {
@@ -570,6 +627,7 @@ impl StartSeq {
             logprobs: false,
             drawn: 0,
             grammar: None,
+            pooling: None,
         }
     }
 
@@ -597,6 +655,12 @@ impl StartSeq {
         self.grammar = grammar;
         self
     }
+
+    /// Pools the sequence's rows into an embedding instead of sampling.
+    pub fn with_pooling(mut self, pooling: Option<Pooling>) -> StartSeq {
+        self.pooling = pooling;
+        self
+    }
 }
 
 impl From<StartSeq> for Message {
@@ -610,6 +674,7 @@ impl From<StartSeq> for Message {
             logprobs: s.logprobs,
             drawn: s.drawn,
             grammar: s.grammar,
+            pooling: s.pooling,
         }
     }
 }

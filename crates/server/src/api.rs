@@ -28,6 +28,7 @@ use crate::template::{ChatMessage, ChatTemplate};
 use crate::tools::{self, Out, ToolChoice, ToolFormat, ToolParser};
 
 mod cluster;
+mod embeddings;
 mod guard;
 mod messages;
 mod respond;
@@ -59,6 +60,9 @@ pub struct ServerConfig {
     pub allowed_origins: Vec<String>,
     /// Prompts rendered and tokenized at once, off the async threads.
     pub prepare_concurrency: usize,
+    /// How `/v1/embeddings` pools (the GGUF's `pooling_type` or `--pooling`), or why
+    /// it refuses every request (the model names no pooling, or one it cannot serve).
+    pub pooling: Result<baton_engine::Pooling, String>,
 }
 
 impl ServerConfig {
@@ -74,6 +78,7 @@ impl ServerConfig {
             loopback: true,
             allowed_origins: Vec::new(),
             prepare_concurrency: 2,
+            pooling: Err("this server was started without a pooling for embeddings".into()),
         }
     }
 }
@@ -311,6 +316,7 @@ routes! {
     post "/v1/completions" => completions,
     post "/v1/messages" => messages::messages,
     post "/v1/responses" => responses::responses,
+    post "/v1/embeddings" => embeddings::embeddings,
     get "/v1/models" => models,
     post "/v1/cluster/invites" => cluster::invite,
     post "/cluster/join" => cluster::join,
@@ -682,6 +688,7 @@ fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result
         grammar: generation.grammar,
         show: Vec::new(),
         end: None,
+        pooling: None,
         events: tx,
     };
     Ok(Prepared {

@@ -340,6 +340,114 @@ pub fn fit_slot(generation: &Generation, prompt_len: usize, slot_ctx: usize) -> 
     }
 }
 
+/// Refuses a request that names a model other than `model_id` (404, as OpenAI).
+fn check_model(model: Option<&str>, model_id: &str) -> Result<(), ApiError> {
+    match model {
+        Some(model) if model != model_id => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Some("model_not_found"),
+            format!("The model '{model}' does not exist; this server serves '{model_id}'."),
+        )
+        .param("model")),
+        _ => Ok(()),
+    }
+}
+
+/// Most inputs one embeddings request may carry (OpenAI's limit).
+pub const MAX_EMBEDDING_INPUTS: usize = 2048;
+
+/// A checked `POST /v1/embeddings`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Embeddings {
+    /// Each input, its own sequence: text still to be tokenized, or token ids (at least
+    /// one, each inside the vocabulary). At least one input.
+    pub inputs: Vec<CompletionPrompt>,
+    /// Answer each vector as base64 of its little-endian f32 bytes instead of numbers.
+    pub base64: bool,
+}
+
+/// Parses and checks the body of an embeddings request for the model named `model_id`,
+/// whose vocabulary has `n_vocab` tokens and whose vectors have `n_embd` values.
+pub fn embeddings(body: &[u8], model_id: &str, n_vocab: usize, n_embd: usize) -> Result<Embeddings, ApiError> {
+    let req: EmbeddingsRequest = parse_json(body)?;
+    check_model(req.model.as_deref(), model_id)?;
+    let base64 = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::invalid(format!(
+                "encoding_format must be \"float\" or \"base64\", not {other:?}"
+            ))
+            .param("encoding_format"))
+        }
+    };
+    if let Some(dimensions) = req.dimensions.filter(|&d| d != n_embd as u64) {
+        return Err(ApiError::invalid(format!(
+            "dimensions must be this model's width, {n_embd} (its vectors cannot be shortened), not {dimensions}"
+        ))
+        .param("dimensions"));
+    }
+    let tokens = |ids: Vec<u32>| {
+        if ids.is_empty() {
+            return Err(ApiError::invalid("an input has no tokens").param("input"));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(
+                ApiError::invalid(format!("token {bad} is outside the vocabulary of {n_vocab}")).param("input"),
+            );
+        }
+        Ok(CompletionPrompt::Tokens(ids))
+    };
+    let inputs: Vec<CompletionPrompt> = match req.input {
+        EmbeddingInput::Text(text) => vec![CompletionPrompt::Text(text)],
+        EmbeddingInput::Texts(texts) => texts.into_iter().map(CompletionPrompt::Text).collect(),
+        EmbeddingInput::Tokens(ids) if ids.is_empty() => Vec::new(),
+        EmbeddingInput::Tokens(ids) => vec![tokens(ids)?],
+        EmbeddingInput::TokenLists(lists) => lists.into_iter().map(tokens).collect::<Result<_, _>>()?,
+    };
+    if inputs.is_empty() {
+        return Err(ApiError::invalid("input must not be empty").param("input"));
+    }
+    if inputs.len() > MAX_EMBEDDING_INPUTS {
+        return Err(ApiError::invalid(format!(
+            "input holds {} items, more than the {MAX_EMBEDDING_INPUTS} one request may carry",
+            inputs.len()
+        ))
+        .param("input"));
+    }
+    if inputs
+        .iter()
+        .any(|i| matches!(i, CompletionPrompt::Text(t) if t.is_empty()))
+    {
+        return Err(ApiError::invalid("an input is empty text").param("input"));
+    }
+    Ok(Embeddings { inputs, base64 })
+}
+
+/// `input` of an embeddings request.
+#[derive(Clone, Debug, serde::Deserialize)]
+#[serde(untagged)]
+enum EmbeddingInput {
+    /// One text.
+    Text(String),
+    /// One input as token ids.
+    Tokens(Vec<u32>),
+    /// Several texts.
+    Texts(Vec<String>),
+    /// Several inputs as token ids.
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// `POST /v1/embeddings`, as OpenAI defines it (`user` is accepted and ignored).
+#[derive(Clone, Debug, serde::Deserialize)]
+struct EmbeddingsRequest {
+    input: EmbeddingInput,
+    model: Option<String>,
+    encoding_format: Option<String>,
+    dimensions: Option<u64>,
+}
+
 /// The error for a prompt with no tokens (also given after tokenizing an empty text).
 pub(crate) fn empty_prompt() -> ApiError {
     ApiError::invalid("the prompt is empty").param("prompt")
@@ -359,17 +467,7 @@ pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
 /// The fields both endpoints share, checked against OpenAI's ranges and then
 /// [`SamplingParams::validate`].
 fn generation(sampling: &Sampling, model_id: &str, logprobs: bool, top_logprobs: u8) -> Result<Generation, ApiError> {
-    if let Some(model) = &sampling.model {
-        if model != model_id {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                Some("model_not_found"),
-                format!("The model '{model}' does not exist; this server serves '{model_id}'."),
-            )
-            .param("model"));
-        }
-    }
+    check_model(sampling.model.as_deref(), model_id)?;
     if sampling.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only n = 1 is supported").param("n"));
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use baton_grammar::{Grammar, GrammarError, Matcher, TokenTable};
 use baton_model::{one_row_per_sequence, Batch, LogitReply, ModelError, RowBest, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
-use baton_proto::{Fault, Forward, Message, Payload, SampledToken};
+use baton_proto::{Fault, Forward, Message, Payload, Pooling, SampledToken};
 use baton_sample::{Sampler, SamplingError};
 
 use crate::max_decode_rows;
@@ -19,6 +19,8 @@ use crate::NodeError;
 pub struct StageWorker {
     stage: StageChain,
     samplers: HashMap<u32, SeqSampler>,
+    /// On the last stage, the sequences that pool their rows (embeddings).
+    pools: HashMap<u32, SeqPool>,
     wire_f16: bool,
     /// The vocabulary as grammars see it, read from the model file the first time a
     /// sequence brings a grammar.
@@ -52,6 +54,7 @@ impl StageWorker {
         StageWorker {
             stage: stage.into(),
             samplers: HashMap::new(),
+            pools: HashMap::new(),
             wire_f16: false,
             tokens: None,
             busy: std::time::Duration::ZERO,
@@ -86,9 +89,18 @@ impl StageWorker {
                 logprobs,
                 drawn,
                 grammar,
+                pooling,
             } => {
                 self.stage.truncate_seq(seq, keep as usize);
-                if last {
+                self.pools.remove(&seq);
+                if let (true, Some(pooling)) = (last, pooling) {
+                    self.samplers.remove(&seq);
+                    if keep > 0 {
+                        let why = format!("pooled sequence {seq} must start from an empty cache, not {keep} tokens");
+                        return self.error(StageError::Protocol(why));
+                    }
+                    self.pools.insert(seq, SeqPool::new(pooling));
+                } else if last {
                     let generated = &history[history.len().saturating_sub(drawn as usize)..];
                     let matcher = match grammar.as_deref().map(|g| self.matcher(g, generated)).transpose() {
                         Ok(matcher) => matcher,
@@ -126,10 +138,14 @@ impl StageWorker {
                     logprobs,
                     drawn,
                     grammar,
+                    pooling,
                 }
             }
             Message::TruncateSeq { seq, len } => {
                 self.stage.truncate_seq(seq, len as usize);
+                if let Some(pool) = self.pools.get_mut(&seq) {
+                    pool.truncate(len as usize, self.stage.file().hparams().n_embd);
+                }
                 Message::TruncateSeq { seq, len }
             }
             Message::Checkpoint { seq, len } => {
@@ -141,6 +157,7 @@ impl StageWorker {
             Message::EndSeq { seq } => {
                 self.stage.clear_seq(seq);
                 self.samplers.remove(&seq);
+                self.pools.remove(&seq);
                 Message::EndSeq { seq }
             }
             Message::Forward(forward) => {
@@ -180,9 +197,11 @@ impl StageWorker {
                 };
             }
             // Replies and errors from upstream pass through untouched.
-            other @ (Message::Sampled { .. } | Message::Done | Message::Error { .. } | Message::Shutdown) => {
-                return other
-            }
+            other @ (Message::Sampled { .. }
+            | Message::Pooled { .. }
+            | Message::Done
+            | Message::Error { .. }
+            | Message::Shutdown) => return other,
             // Handshake and control messages never travel the ring.
             other => return self.error(StageError::Protocol(format!("{} is not a ring message", other.kind()))),
         };
@@ -250,6 +269,9 @@ impl StageWorker {
                 StageInput::Hidden(&widened)
             }
         };
+        if self.stage.span().last && seq_ids.iter().any(|seq| self.pools.contains_key(seq)) {
+            return self.pool(step, input, &positions, &seq_ids, &sample_rows);
+        }
         let reply = match self.best_only(&seq_ids, &sample_rows) {
             true => LogitReply::Best,
             false => LogitReply::Logits,
@@ -276,7 +298,83 @@ impl StageWorker {
                 let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Best(&best))?;
                 Ok(Message::Sampled { step, tokens })
             }
+            StageOutput::Normed(_) => Err(StageError::Protocol("normed rows where logits were asked for".into())),
         }
+    }
+
+    /// A batch of a pooled sequence on the last stage: a chunk of its rows, computed
+    /// whole as the head cut it, each row after the output norm kept; the chunk that
+    /// samples the sequence's last row ends it, and is answered with the pooled vector,
+    /// L2-normalized. A batch must hold that one sequence only (the head sends a
+    /// prompt's chunks alone), in order.
+    fn pool(
+        &mut self,
+        step: u64,
+        input: StageInput<'_>,
+        positions: &[i32],
+        seq_ids: &[u32],
+        sample_rows: &[u32],
+    ) -> Result<Message, StageError> {
+        let seq = seq_ids[0];
+        if seq_ids.iter().any(|&s| s != seq) {
+            return Err(StageError::Protocol(format!(
+                "a batch holds pooled sequence {seq} and others"
+            )));
+        }
+        let n_embd = self.stage.file().hparams().n_embd;
+        let pool = self.pools.get(&seq).expect("the caller found the sequence's pool");
+        let at = pool.n_rows;
+        if positions.iter().enumerate().any(|(i, &p)| p as usize != at + i) {
+            return Err(StageError::Protocol(format!(
+                "pooled sequence {seq} holds {at} rows; the batch's positions do not continue it"
+            )));
+        }
+        let ends = match sample_rows {
+            [] => false,
+            [row] if *row as usize + 1 == positions.len() => true,
+            _ => {
+                return Err(StageError::Protocol(format!(
+                    "pooled sequence {seq} samples only its last row"
+                )))
+            }
+        };
+        let rows: Vec<u32> = (0..positions.len() as u32).collect();
+        let batch = Batch {
+            input,
+            positions,
+            seq_ids,
+            logit_rows: &rows,
+            decode: false,
+        };
+        let normed = match self.run(&batch, LogitReply::Normed)? {
+            StageOutput::Normed(normed) if normed.len() == rows.len() * n_embd => normed,
+            _ => return Err(StageError::Protocol("the stage did not answer with normed rows".into())),
+        };
+        let pool = self.pools.get_mut(&seq).expect("checked above");
+        pool.add(&normed, n_embd);
+        if !ends {
+            return Ok(Message::Sampled {
+                step,
+                tokens: Vec::new(),
+            });
+        }
+        let pool = self.pools.remove(&seq).expect("checked above");
+        let pooled = match pool.pooling {
+            Pooling::Mean => baton_model::mean_rows(&pool.rows, n_embd, POOL_THREADS)?,
+            Pooling::Cls | Pooling::Last if pool.rows.len() == n_embd => pool.rows,
+            Pooling::Cls | Pooling::Last => {
+                return Err(StageError::Protocol(format!(
+                    "pooled sequence {seq} lost its first row (cut back to none, then continued)"
+                )))
+            }
+        };
+        let values = normalize(&pooled);
+        if values.iter().any(|x| !x.is_finite()) {
+            return Err(StageError::Model(ModelError::BadBatch(format!(
+                "the pooled vector of sequence {seq} is not finite"
+            ))));
+        }
+        Ok(Message::Pooled { step, seq, values })
     }
 
     /// Whether every sampled row is a plain arg-max (greedy, no penalties, no
@@ -347,7 +445,9 @@ impl StageWorker {
                 decode: false,
             };
             match self.run(&batch, reply) {
-                Ok(StageOutput::Hidden(h) | StageOutput::Logits(h)) => values.extend_from_slice(&h),
+                Ok(StageOutput::Hidden(h) | StageOutput::Logits(h) | StageOutput::Normed(h)) => {
+                    values.extend_from_slice(&h)
+                }
                 Ok(StageOutput::Best(rows)) => best.extend_from_slice(&rows),
                 Err(e) => {
                     // Rows already computed hold cells: forget them with the failure.
@@ -361,6 +461,7 @@ impl StageWorker {
         Ok(match (reply, last) {
             (LogitReply::Best, true) => StageOutput::Best(best),
             (LogitReply::Logits, true) => StageOutput::Logits(values),
+            (LogitReply::Normed, true) => StageOutput::Normed(values),
             (_, false) => StageOutput::Hidden(values),
         })
     }
@@ -481,12 +582,69 @@ impl StageError {
         match self {
             StageError::Model(ModelError::CacheFull { .. }) => Fault::CacheFull,
             StageError::Model(ModelError::BadBatch(_)) | StageError::Protocol(_) => Fault::Protocol,
+            StageError::Model(ModelError::Unsupported(_)) => Fault::Request,
             StageError::Model(_) | StageError::Vocabulary(_) => Fault::Compute,
             StageError::Grammar(_) | StageError::Replay(_) | StageError::DeadEnd | StageError::Sampling(_) => {
                 Fault::Request
             }
         }
     }
+}
+
+/// Threads for a pooled mean (one dot product per value: its bits do not depend on them).
+const POOL_THREADS: usize = 2;
+
+/// A pooled sequence on the last stage: how it pools, how many rows it has had, and the
+/// rows it needs (after the output norm, `n_embd` each): every one for the mean (computed
+/// once over all of them, as libllama computes it: `n_embd` × 4 bytes per token held
+/// until the vector is sent), the first for cls, the latest chunk's last for last.
+struct SeqPool {
+    pooling: Pooling,
+    n_rows: usize,
+    rows: Vec<f32>,
+}
+
+impl SeqPool {
+    fn new(pooling: Pooling) -> SeqPool {
+        SeqPool {
+            pooling,
+            n_rows: 0,
+            rows: Vec::new(),
+        }
+    }
+
+    /// Takes the next chunk's rows.
+    fn add(&mut self, normed: &[f32], n_embd: usize) {
+        match self.pooling {
+            Pooling::Mean => self.rows.extend_from_slice(normed),
+            Pooling::Cls if self.n_rows == 0 => self.rows = normed[..n_embd].to_vec(),
+            Pooling::Cls => {}
+            Pooling::Last => self.rows = normed[normed.len() - n_embd..].to_vec(),
+        }
+        self.n_rows += normed.len() / n_embd.max(1);
+    }
+
+    /// Keeps the first `len` rows (the last row is the next chunk's).
+    fn truncate(&mut self, len: usize, n_embd: usize) {
+        if len >= self.n_rows {
+            return;
+        }
+        self.n_rows = len;
+        match self.pooling {
+            Pooling::Mean => self.rows.truncate(len.saturating_mul(n_embd)),
+            Pooling::Cls if len > 0 => {}
+            Pooling::Cls | Pooling::Last => self.rows.clear(),
+        }
+    }
+}
+
+/// `values` scaled to unit Euclidean length, exactly as llama.cpp's
+/// `common_embd_normalize(.., 2)` (llama-server's default): squares summed in f64, each
+/// value times the f32 reciprocal of the norm; a zero vector stays zero.
+pub fn normalize(values: &[f32]) -> Vec<f32> {
+    let sum: f64 = values.iter().map(|&x| f64::from(x * x)).sum::<f64>().sqrt();
+    let norm = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
+    values.iter().map(|&x| x * norm).collect()
 }
 
 /// The sampled rows: their logits, `n_vocab` each, or their arg-max tokens.

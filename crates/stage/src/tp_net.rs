@@ -211,6 +211,12 @@ impl GroupMember for RemoteMember {
         let msg = match reply {
             LogitReply::Best => Message::ForwardBest(forward),
             LogitReply::Logits => Message::Forward(forward),
+            // `StageGroup::forward` refuses embeddings before asking the members.
+            LogitReply::Normed => {
+                return Err(ModelError::Unsupported(
+                    "embeddings on a tensor-parallel last stage".into(),
+                ))
+            }
         };
         self.peer.send(msg).map_err(model_error)
     }
@@ -219,6 +225,9 @@ impl GroupMember for RemoteMember {
         match self.peer.recv().map_err(model_error)? {
             Message::Share { step, values } if step == self.step => match self.asked {
                 LogitReply::Logits => Ok(StageOutput::Logits(values)),
+                LogitReply::Normed => Err(ModelError::Unsupported(
+                    "embeddings on a tensor-parallel last stage".into(),
+                )),
                 LogitReply::Best => decode_best(&values, self.n_rows, self.peer.rank)
                     .map(StageOutput::Best)
                     .map_err(model_error),
@@ -286,6 +295,11 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
                         values: encode_best(&best),
                     },
                     Ok(StageOutput::Hidden(_)) => Message::Done,
+                    Ok(StageOutput::Normed(_)) => Message::Error {
+                        first_layer,
+                        fault: baton_proto::Fault::Protocol,
+                        message: "a member was asked for normed rows".into(),
+                    },
                     Err(e) => {
                         let e = crate::stage_loop::StageError::Model(e);
                         Message::Error {

@@ -17,6 +17,12 @@ pub fn embed<'g>(b: &Builder<'g>, tokens: Tensor<'g>) -> Tensor<'g> {
 /// `[n_vocab, n_out]` (a tensor-parallel member: its share of the vocabulary):
 /// `output (rms_norm(hidden) * output_norm)`.
 pub fn logits<'g>(b: &Builder<'g>, hidden: Tensor<'g>) -> Tensor<'g> {
-    let normed = b.norm(hidden, b.weights.end_required(EndTensor::OutputNorm));
-    b.mm(b.weights.end_required(EndTensor::Output), normed)
+    b.mm(b.weights.end_required(EndTensor::Output), normed(b, hidden))
+}
+
+/// Hidden states `[n_embd, n_out]` → the output norm's rows `[n_embd, n_out]`, what
+/// the output projection reads and what embeddings pool (llama.cpp's `result_norm`).
+pub fn normed<'g>(b: &Builder<'g>, hidden: Tensor<'g>) -> Tensor<'g> {
+    b.norm(hidden, b.weights.end_required(EndTensor::OutputNorm))
+        .named("result_norm")
 }

@@ -65,6 +65,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
                 false => None,
                 true => Some(r.str("grammar")?),
             },
+            pooling: r.pooling()?,
         },
         kind::TRUNCATE_SEQ => Message::TruncateSeq {
             seq: r.u32("seq")?,
@@ -82,6 +83,19 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             let n = r.count("tokens", SAMPLED_TOKEN_LEN)?;
             let tokens = (0..n).map(|_| r.sampled_token()).collect::<Result<_, _>>()?;
             Message::Sampled { step, tokens }
+        }
+        kind::POOLED => {
+            let step = r.u64("step")?;
+            let seq = r.u32("seq")?;
+            let values = r.array("values", f32::from_le_bytes)?;
+            if values.is_empty() || values.len() > crate::MAX_POOLED_WIDTH {
+                let why = format!("{} values, expected 1 to {}", values.len(), crate::MAX_POOLED_WIDTH);
+                return Err(r.invalid("values", why));
+            }
+            if values.iter().any(|x| x.is_nan()) {
+                return Err(r.invalid("values", "a pooled vector contains NaN".into()));
+            }
+            Message::Pooled { step, seq, values }
         }
         kind::DONE => Message::Done,
         kind::ERROR => Message::Error {
@@ -249,6 +263,16 @@ impl<'a> Reader<'a> {
     fn fault(&mut self) -> Result<crate::Fault, ProtoError> {
         let number = self.u16("fault")?;
         crate::Fault::from_number(number).ok_or_else(|| self.invalid("fault", format!("unknown fault {number}")))
+    }
+
+    /// A sequence's pooling: 0 for none (it generates), else [`crate::Pooling`]'s number.
+    fn pooling(&mut self) -> Result<Option<crate::Pooling>, ProtoError> {
+        match self.u8("pooling")? {
+            0 => Ok(None),
+            number => crate::Pooling::from_number(number)
+                .map(Some)
+                .ok_or_else(|| self.invalid("pooling", format!("unknown pooling {number}"))),
+        }
     }
 
     /// An element count, refused when even the smallest `min_size`-byte elements could

@@ -143,7 +143,7 @@ const STRUCTURES: [&Layout; 10] = [
 ];
 
 /// Messages, in kind-number order.
-const MESSAGES: [Layout; 27] = [
+const MESSAGES: [Layout; 28] = [
     Layout {
         name: "Hello",
         fields: &[
@@ -224,6 +224,7 @@ const MESSAGES: [Layout; 27] = [
             Field("logprobs", Ty::Bool),
             Field("drawn", Ty::U32),
             Field("grammar", Ty::Opt(&Ty::Str)),
+            Field("pooling", Ty::U8),
         ],
     },
     Layout {
@@ -303,6 +304,14 @@ const MESSAGES: [Layout; 27] = [
     Layout {
         name: "Checkpoint",
         fields: &[Field("seq", Ty::U32), Field("len", Ty::U32)],
+    },
+    Layout {
+        name: "Pooled",
+        fields: &[
+            Field("step", Ty::U64),
+            Field("seq", Ty::U32),
+            Field("values", Ty::List(&Ty::F32)),
+        ],
     },
     Layout {
         name: "FetchFrom",
@@ -476,6 +485,11 @@ fn render() -> String {
         .map(|fault| format!("{} {fault:?}", fault.number()))
         .collect();
     lines.push(format!("Stage faults (Error.fault): {}", faults.join(", ")));
+    let poolings: Vec<String> = crate::Pooling::ALL
+        .iter()
+        .map(|pooling| format!("{} {pooling:?}", pooling.number()))
+        .collect();
+    lines.push(format!("Poolings (StartSeq.pooling): 0 none, {}", poolings.join(", ")));
     lines.join("\n")
 }
 

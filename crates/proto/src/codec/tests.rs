@@ -193,6 +193,7 @@ pub(super) fn samples() -> Vec<Message> {
             logprobs: true,
             drawn: 17,
             grammar: Some("root ::= \"a\"".into()),
+            pooling: None,
         },
         Message::StartSeq {
             seq: 0,
@@ -203,6 +204,7 @@ pub(super) fn samples() -> Vec<Message> {
             logprobs: false,
             drawn: 0,
             grammar: None,
+            pooling: Some(crate::Pooling::Last),
         },
         Message::TruncateSeq { seq: 9, len: 100 },
         Message::EndSeq { seq: u32::MAX },
@@ -292,6 +294,11 @@ pub(super) fn samples() -> Vec<Message> {
             values: vec![1.5, f32::NEG_INFINITY, -1.0],
         },
         Message::Checkpoint { seq: 3, len: 512 },
+        Message::Pooled {
+            step: 12,
+            seq: 2,
+            values: vec![0.5, -0.0, f32::INFINITY, 1e-30],
+        },
         Message::FetchFrom {
             peer: "10.0.0.2:7070".into(),
             tensors: vec![0, 3, 4],
@@ -424,7 +431,7 @@ fn header_checks_length_flags_and_kind() {
     let err = parse_header(&head(0, 999, 0), DEFAULT_MAX_FRAME).unwrap_err();
     assert_eq!(err.to_string(), "unknown message kind 999");
     assert_eq!(parse_header(&head(0, 0, 0), 100), Err(ProtoError::UnknownKind(0)));
-    assert_eq!(parse_header(&head(0, 28, 0), 100), Err(ProtoError::UnknownKind(28)));
+    assert_eq!(parse_header(&head(0, 29, 0), 100), Err(ProtoError::UnknownKind(29)));
     assert_eq!(parse_header(&head(0, 15, 1), 100), Err(ProtoError::BadFlags(1)));
     assert_eq!(decode(999, &[]), Err(ProtoError::UnknownKind(999)));
 }
@@ -526,13 +533,42 @@ fn unknown_role_and_tags_are_refused() {
         logprobs: true,
         drawn: 0,
         grammar: None,
+        pooling: None,
     });
-    // The logprobs byte, before the 4-byte `drawn` and the 1-byte absent `grammar`.
-    let at = payload.len() - 6;
+    // The logprobs byte, before the 4-byte `drawn`, the 1-byte absent `grammar` and the
+    // 1-byte `pooling`.
+    let at = payload.len() - 7;
     payload[at] = 2;
     assert_eq!(
         invalid_reason(decode(kind, &payload)),
         "boolean byte 2 is neither 0 nor 1"
+    );
+    payload[at] = 1;
+    let last = payload.len() - 1;
+    payload[last] = 4;
+    assert_eq!(invalid_reason(decode(kind, &payload)), "unknown pooling 4");
+
+    // A pooled vector: empty, wider than any model, or with NaN.
+    let pooled = |values: &[f32]| {
+        payload_of(&Message::Pooled {
+            step: 1,
+            seq: 0,
+            values: values.to_vec(),
+        })
+        .1
+    };
+    assert_eq!(
+        invalid_reason(decode(kind::POOLED, &pooled(&[]))),
+        format!("0 values, expected 1 to {}", crate::MAX_POOLED_WIDTH)
+    );
+    assert!(
+        invalid_reason(decode(kind::POOLED, &pooled(&vec![0.5; crate::MAX_POOLED_WIDTH + 1])))
+            .contains("expected 1 to")
+    );
+    assert!(decode(kind::POOLED, &pooled(&vec![0.5; crate::MAX_POOLED_WIDTH])).is_ok());
+    assert_eq!(
+        invalid_reason(decode(kind::POOLED, &pooled(&[1.0, f32::NAN]))),
+        "a pooled vector contains NaN"
     );
 
     let forward = Bytes::default().u64(1).u8(3).u32(0);
@@ -684,6 +720,7 @@ fn invalid_values_are_refused() {
         logprobs: false,
         drawn: 0,
         grammar: None,
+        pooling: None,
     };
     let (kind, payload) = payload_of(&msg);
     let err = decode(kind, &payload).unwrap_err();
@@ -709,6 +746,7 @@ fn invalid_values_are_refused() {
         logprobs: false,
         drawn: 0,
         grammar: None,
+        pooling: None,
     };
     assert!(invalid_reason(decode(kind, &payload_of(&top_p).1)).contains("top_p"));
 

@@ -5,7 +5,9 @@
 use baton_sample::SamplingParams;
 
 use super::{kind_of, role_byte, HEADER_LEN};
-use crate::{Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken, TensorEntry};
+use crate::{
+    Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, Pooling, SampledToken, TensorEntry,
+};
 
 /// Appends one whole frame (header and payload) for `msg` to `out`.
 pub fn encode(msg: &Message, out: &mut Vec<u8>) {
@@ -84,6 +86,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             logprobs,
             drawn,
             grammar,
+            pooling,
         } => {
             w.u32(*seq);
             w.u32(*keep);
@@ -93,6 +96,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.bool(*logprobs);
             w.u32(*drawn);
             w.opt_str(grammar.as_deref());
+            w.u8(pooling.map_or(0, Pooling::number));
         }
         Message::TruncateSeq { seq, len } | Message::Checkpoint { seq, len } => {
             w.u32(*seq);
@@ -108,6 +112,11 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u64(*step);
             w.count(tokens.len());
             tokens.iter().for_each(|t| w.sampled_token(t));
+        }
+        Message::Pooled { step, seq, values } => {
+            w.u64(*step);
+            w.u32(*seq);
+            w.array(values, f32::to_le_bytes);
         }
         Message::Done | Message::Shutdown | Message::Pong => {}
         Message::Error {

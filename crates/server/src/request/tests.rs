@@ -314,3 +314,76 @@ fn a_grammar_is_checked_and_not_taken_with_a_response_format() {
     let (status, field, message) = chat_err(&broken.to_string());
     assert_eq!((status, field), (StatusCode::BAD_REQUEST, Some("grammar")), "{message}");
 }
+
+/// `POST /v1/embeddings`: each shape of `input`, the encodings, and each refusal's field.
+#[test]
+fn embeddings_inputs_are_each_a_sequence_and_refusals_name_the_field() {
+    let parse = |body: serde_json::Value| embeddings(body.to_string().as_bytes(), MODEL, N_VOCAB, 896);
+    let text = |t: &str| CompletionPrompt::Text(t.into());
+    let ok = parse(json!({"input": "hi"})).unwrap();
+    assert_eq!(
+        ok,
+        Embeddings {
+            inputs: vec![text("hi")],
+            base64: false
+        }
+    );
+    assert_eq!(
+        parse(json!({"input": ["a", "b"], "encoding_format": "base64"}))
+            .unwrap()
+            .inputs,
+        vec![text("a"), text("b")]
+    );
+    assert!(
+        parse(json!({"input": "a", "encoding_format": "base64"}))
+            .unwrap()
+            .base64
+    );
+    assert_eq!(
+        parse(json!({"input": [1, 2]})).unwrap().inputs,
+        vec![CompletionPrompt::Tokens(vec![1, 2])]
+    );
+    assert_eq!(
+        parse(json!({"input": [[1], [2, 3]], "model": MODEL, "dimensions": 896, "user": "u"}))
+            .unwrap()
+            .inputs,
+        vec![CompletionPrompt::Tokens(vec![1]), CompletionPrompt::Tokens(vec![2, 3])]
+    );
+    let refused = |body: serde_json::Value, status: StatusCode, field: Option<&str>, says: &str| {
+        let e = parse(body.clone()).expect_err(&body.to_string());
+        assert_eq!((e.status(), e.field()), (status, field), "{body}: {}", e.message());
+        assert!(e.message().contains(says), "{body}: {}", e.message());
+    };
+    let bad = StatusCode::BAD_REQUEST;
+    refused(json!({"input": []}), bad, Some("input"), "must not be empty");
+    refused(json!({"input": ""}), bad, Some("input"), "empty text");
+    refused(json!({"input": ["a", ""]}), bad, Some("input"), "empty text");
+    refused(json!({"input": [[1], []]}), bad, Some("input"), "no tokens");
+    refused(
+        json!({"input": [N_VOCAB]}),
+        bad,
+        Some("input"),
+        "outside the vocabulary",
+    );
+    refused(
+        json!({"input": vec!["a"; MAX_EMBEDDING_INPUTS + 1]}),
+        bad,
+        Some("input"),
+        "2049 items",
+    );
+    refused(
+        json!({"input": "a", "encoding_format": "hex"}),
+        bad,
+        Some("encoding_format"),
+        "\"hex\"",
+    );
+    refused(json!({"input": "a", "dimensions": 64}), bad, Some("dimensions"), "896");
+    refused(
+        json!({"input": "a", "model": "other"}),
+        StatusCode::NOT_FOUND,
+        Some("model"),
+        "'other'",
+    );
+    refused(json!({"input": [1, "a"]}), bad, None, "invalid request");
+    refused(json!({}), bad, None, "input");
+}

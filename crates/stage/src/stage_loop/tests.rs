@@ -235,3 +235,80 @@ fn a_broken_group_ends_the_loop_without_an_answer() {
         "nothing follows: the link closed"
     );
 }
+
+/// A pooled sequence on a last stage: its chunks are kept and the one that samples its
+/// last row is answered with a unit vector of the model's width (the last row's, here:
+/// the same whether the sequence came in one chunk or two only when the chunks are the
+/// same, so only its shape is checked); a truncated pool continues; frames that break
+/// the rules (a cached prefix, another sequence in the batch, positions that skip, a
+/// sampled row that is not the last) are refused without touching the pool.
+#[test]
+fn a_pooled_sequence_is_answered_with_its_vector_and_bad_frames_are_refused() {
+    use baton_proto::{Fault, Pooling};
+    let mut worker = worker();
+    let pooled = |seq: u32, keep: u32| {
+        StartSeq::new(seq, SamplingParams::greedy(), Vec::new())
+            .keeping(keep)
+            .with_pooling(Some(Pooling::Last))
+            .into()
+    };
+    let chunk = |seq_ids: Vec<u32>, start: i32, sample_rows: Vec<u32>| {
+        let n = seq_ids.len();
+        Message::Forward(Forward {
+            step: 7,
+            payload: Payload::Tokens((0..n as u32).map(|t| 100 + t).collect()),
+            positions: (start..start + n as i32).collect(),
+            seq_ids,
+            sample_rows,
+            row_tokens: Vec::new(),
+        })
+    };
+    let refused = |reply: Message, says: &str| match reply {
+        Message::Error { fault, message, .. } => {
+            assert_eq!(fault, Fault::Protocol, "{message}");
+            assert!(message.contains(says), "{message}");
+        }
+        other => panic!("expected an error, got {other:?}"),
+    };
+    refused(worker.handle(pooled(0, 3)), "empty cache");
+    assert_eq!(worker.handle(pooled(0, 0)), Message::Done);
+    assert_eq!(worker.handle(pooled(1, 0)), Message::Done);
+    let first = worker.handle(chunk(vec![0; 4], 0, vec![]));
+    assert_eq!(
+        first,
+        Message::Sampled {
+            step: 7,
+            tokens: vec![]
+        }
+    );
+    refused(worker.handle(chunk(vec![0, 0, 1], 4, vec![])), "and others");
+    refused(worker.handle(chunk(vec![0; 2], 5, vec![])), "do not continue");
+    refused(worker.handle(chunk(vec![0; 2], 4, vec![0])), "only its last row");
+    // Cut back to 2 rows, then the rest: 5 rows in all, the last one sampled.
+    assert_eq!(worker.handle(Message::TruncateSeq { seq: 0, len: 2 }), Message::Done);
+    match worker.handle(chunk(vec![0; 3], 2, vec![2])) {
+        Message::Pooled { step, seq, values } => {
+            assert_eq!((step, seq, values.len()), (7, 0, 896));
+            let norm: f64 = values.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+            assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+        }
+        other => panic!("expected Pooled, got {other:?}"),
+    }
+    // The pool ended with its vector: the sequence is neither pooled nor sampled now.
+    refused(worker.handle(chunk(vec![0], 5, vec![0])), "no sampler");
+    // A one-row sequence is its own vector.
+    assert!(matches!(
+        worker.handle(chunk(vec![1], 0, vec![0])),
+        Message::Pooled { seq: 1, .. }
+    ));
+}
+
+#[test]
+fn vectors_are_normalized_as_llama_server_normalizes_them() {
+    assert_eq!(super::normalize(&[3.0, 4.0]), [0.6, 0.8]);
+    assert_eq!(super::normalize(&[0.0, 0.0]), [0.0, 0.0]);
+    let v = super::normalize(&[1e-10, -2e-10, 3e-10]);
+    assert!((v.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-6, "{v:?}");
+    // Squares are taken in f32, as llama.cpp takes them: these underflow to a zero norm.
+    assert_eq!(super::normalize(&[1e-30, 2e-30]), [0.0, 0.0]);
+}
