@@ -338,8 +338,11 @@ class Baton:
         return wrapped
 
     def head(self, dial):
+        # The context llama-server gets (-c 4096): baton's default is the model's trained
+        # context for each of --parallel sequences, a KV cache of several hundred MB per
+        # stage to allocate before it is ready.
         return ["--model", self.model, "--workers", dial, "--no-head-stage",
-                "--split", self.split, "--threads", 1]
+                "--split", self.split, "--threads", 1, "--ctx-size", 4096]
 
     @session
     def ready(self, procs, tox, dial):

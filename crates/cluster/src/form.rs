@@ -643,6 +643,7 @@ fn load(
     // when it has one) and links it to the second.
     let addrs: Vec<String> = reached.workers.iter().map(|w| w.addr.clone()).collect();
     let bars = MultiProgress::new();
+    let cache = head_cache_dir();
     let (head_stage, streamed) = std::thread::scope(|scope| {
         let sending: Vec<_> = reached
             .links
@@ -650,10 +651,10 @@ fn load(
             .enumerate()
             .filter_map(|(w, link)| {
                 let (_, span) = streams.iter().find(|(s, _)| *s == w)?;
-                let (addr, bars, holders) = (&addrs[w], &bars, &holders);
+                let (addr, bars, holders, cache) = (&addrs[w], &bars, &holders, &cache);
                 Some((
                     w,
-                    scope.spawn(move || send_stage_tensors(file, span, link.as_mut(), addr, holders, bars)),
+                    scope.spawn(move || send_stage_tensors(file, span, link.as_mut(), addr, holders, bars, cache)),
                 ))
             })
             .collect();

@@ -23,6 +23,7 @@ const CHUNK: usize = 8 << 20;
 /// holder is given a share to send the worker itself (`FetchFrom`), balanced by bytes,
 /// so the worker receives from every source at once. Returns the bytes the head sent.
 /// A progress bar (bytes, rate, ETA) shows on a terminal, one line of `bars` per worker.
+/// Tensor hashes are kept in `cache` (see `baton_stage::models::tensor_hashes`).
 pub fn send_stage_tensors(
     file: &ModelFile,
     span: &StageSpan,
@@ -30,23 +31,23 @@ pub fn send_stage_tensors(
     worker: &str,
     holders: &[String],
     bars: &MultiProgress,
+    cache: &std::path::Path,
 ) -> Result<u64, NodeError> {
     let bytes = file.bytes();
     let header = bytes[..file.gguf().data_offset as usize].to_vec();
     let names: BTreeSet<String> = baton_model::stage_tensor_sources(file, span).into_iter().collect();
-    let entries: Vec<TensorEntry> = file
-        .gguf()
-        .tensors
+    let tensors: Vec<_> = file.gguf().tensors.iter().filter(|t| names.contains(&t.name)).collect();
+    let places: Vec<(&str, u64, u64)> = tensors.iter().map(|t| (t.name.as_str(), t.offset, t.n_bytes)).collect();
+    let identity = identity_hash(&header);
+    let hashes = baton_stage::models::tensor_hashes(file.path(), &identity, cache, bytes, &places);
+    let entries: Vec<TensorEntry> = tensors
         .iter()
-        .filter(|t| names.contains(&t.name))
-        .map(|t| {
-            let data = &bytes[t.offset as usize..(t.offset + t.n_bytes) as usize];
-            TensorEntry {
-                name: t.name.clone(),
-                offset: t.offset,
-                len: t.n_bytes,
-                sha256: identity_hash(data),
-            }
+        .zip(hashes)
+        .map(|(t, sha256)| TensorEntry {
+            name: t.name.clone(),
+            offset: t.offset,
+            len: t.n_bytes,
+            sha256,
         })
         .collect();
     link.send(Message::StreamStart {

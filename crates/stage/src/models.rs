@@ -104,6 +104,62 @@ pub fn content_hash(path: &Path, identity: &[u8; 32], cache: &Path) -> Option<[u
     None
 }
 
+/// SHA-256 of each of `tensors` (name, offset, length) of the file at `path`, whose
+/// header hash is `identity`, as it is now. Known hashes are kept in
+/// `cache/<identity>.tensors` under the file's size and modification time, so a head
+/// that streams the same model again hashes nothing (hashing a stage's tensors before
+/// sending any took most of a second on two cores); the others are computed from
+/// `bytes` (the file's mapped contents) and added to the record.
+pub fn tensor_hashes(
+    path: &Path,
+    identity: &[u8; 32],
+    cache: &Path,
+    bytes: &[u8],
+    tensors: &[(&str, u64, u64)],
+) -> Vec<[u8; 32]> {
+    let record = cache.join(format!("{}.tensors", hex(identity)));
+    let stamp = file_stamp(path);
+    let mut known: BTreeMap<(String, u64, u64), [u8; 32]> = BTreeMap::new();
+    if let (Some(stamp), Ok(text)) = (&stamp, read_state(&record)) {
+        let mut lines = text.lines();
+        if lines.next() == Some(stamp.as_str()) {
+            for line in lines {
+                let mut fields = line.splitn(4, ' ');
+                let (Some(hash), Some(offset), Some(len), Some(name)) =
+                    (fields.next(), fields.next(), fields.next(), fields.next())
+                else {
+                    continue;
+                };
+                let hash: Option<[u8; 32]> = baton_proto::auth::unhex(hash).and_then(|h| h.try_into().ok());
+                if let (Some(hash), Ok(offset), Ok(len)) = (hash, offset.parse(), len.parse()) {
+                    known.insert((name.to_string(), offset, len), hash);
+                }
+            }
+        }
+    }
+    let mut added = false;
+    let hashes = tensors
+        .iter()
+        .map(|&(name, offset, len)| {
+            *known.entry((name.to_string(), offset, len)).or_insert_with(|| {
+                added = true;
+                identity_hash(&bytes[offset as usize..(offset + len) as usize])
+            })
+        })
+        .collect();
+    // Stored only if the file has not changed since its stamp was taken.
+    if let Some(stamp) = stamp.filter(|stamp| added && file_stamp(path).as_ref() == Some(stamp)) {
+        let mut text = format!("{stamp}\n");
+        for ((name, offset, len), hash) in known.iter().filter(|((name, ..), _)| !name.contains(char::is_control)) {
+            text += &format!("{} {offset} {len} {name}\n", hex(hash));
+        }
+        if let Err(e) = store_record(&record, &text) {
+            tracing::warn!("cannot store tensor hashes in {}: {e}", record.display());
+        }
+    }
+    hashes
+}
+
 /// Writes `text` to `record` atomically. Several processes may store the same record at
 /// once (`--local-workers` start workers sharing one models directory, each hashing the
 /// same files), so each writes a temporary file of its own before the rename
@@ -440,6 +496,32 @@ impl ModelDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tensor_hashes_are_kept_while_the_file_is_unchanged() {
+        let dir = std::env::temp_dir().join(format!("baton-tensor-hashes-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.gguf");
+        let bytes: Vec<u8> = (0..64u8).collect();
+        fs::write(&path, &bytes).unwrap();
+        let identity = [7u8; 32];
+        let places = [("a", 0, 16), ("b w", 16, 32)];
+        let hashes = tensor_hashes(&path, &identity, &dir, &bytes, &places);
+        assert_eq!(hashes, vec![identity_hash(&bytes[..16]), identity_hash(&bytes[16..48])]);
+        // Kept: other bytes given for the same file give the recorded hashes.
+        let other = vec![0u8; 64];
+        assert_eq!(tensor_hashes(&path, &identity, &dir, &other, &places), hashes);
+        // A tensor not recorded yet is computed and added.
+        let more = tensor_hashes(&path, &identity, &dir, &bytes, &[("c", 48, 16), ("a", 0, 16)]);
+        assert_eq!(more, vec![identity_hash(&bytes[48..]), hashes[0]]);
+        // The file changes (its size here): nothing recorded holds.
+        fs::write(&path, [&bytes[..], &[1]].concat()).unwrap();
+        assert_eq!(
+            tensor_hashes(&path, &identity, &dir, &other, &places),
+            vec![identity_hash(&other[..16]), identity_hash(&other[16..48])]
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn names_from_the_network_stay_inside_the_directory() {
