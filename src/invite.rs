@@ -29,7 +29,8 @@ pub struct InviteArgs {
     ttl: u64,
 }
 
-fn agent() -> ureq::Agent {
+/// A client of a head's API: its error answers are read, not raised.
+pub fn agent() -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(Duration::from_secs(30)))
@@ -114,10 +115,8 @@ pub fn join(code: &str, port: u16, advertise: Option<&str>, models: &Path) -> an
     write_private(&token_file, &token)?;
     let tls = match (grant["tls_cert"].as_str(), grant["tls_key"].as_str()) {
         (Some(cert), Some(key)) => {
-            use sha2::Digest as _;
-            let fingerprint = baton_proto::auth::hex(&sha2::Sha256::digest(cert.as_bytes()));
             anyhow::ensure!(
-                invite.fingerprint.as_deref() == Some(fingerprint.as_str()),
+                invite.fingerprint.as_deref() == Some(baton_proto::invite::fingerprint(cert).as_str()),
                 "the head's TLS certificate is not the one the invite names"
             );
             let (cert_file, key_file) = (dir.join("cluster.crt"), dir.join("cluster.key"));

@@ -32,11 +32,7 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
         "--interval must be between 0 and 60 seconds"
     );
     let base = args.url.trim_end_matches('/').to_string();
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(15)))
-        .build()
-        .into();
+    let agent = crate::invite::agent();
     let get = |path: &str| -> anyhow::Result<(u16, Value)> {
         let mut request = agent.get(format!("{base}{path}"));
         if let Some(key) = &args.api_key {

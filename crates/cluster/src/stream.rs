@@ -12,9 +12,6 @@ use baton_proto::{Message, TensorEntry};
 use baton_stage::NodeError;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
-/// Most holders one worker fetches from (the worker refuses more).
-const MAX_PEERS: usize = 16;
-
 /// Bytes per `TensorChunk`: large frames, few of them.
 const CHUNK: usize = 8 << 20;
 
@@ -80,7 +77,11 @@ pub fn send_stage_tensors(
         .iter()
         .map(|w| index_of(&w.name))
         .collect::<Result<Vec<usize>, NodeError>>()?;
-    let shares = share_out(&wanted, |i| entries[i].len, 1 + holders.len().min(MAX_PEERS));
+    let shares = share_out(
+        &wanted,
+        |i| entries[i].len,
+        1 + holders.len().min(baton_proto::MAX_FETCH_PEERS),
+    );
     for (holder, share) in holders.iter().zip(&shares[1..]).filter(|(_, share)| !share.is_empty()) {
         link.send(Message::FetchFrom {
             peer: holder.clone(),

@@ -27,59 +27,55 @@ pub const MAX_WORKERS: usize = 64;
 /// joined since (found on the network, say). Cloned handles share the list.
 #[derive(Clone, Default)]
 pub struct Members {
-    inner: Arc<Mutex<MemberList>>,
-}
-
-#[derive(Default)]
-struct MemberList {
-    addrs: Vec<String>,
-    /// Some worker joined since the last ring was formed.
-    joined: bool,
+    addrs: Arc<Mutex<Vec<String>>>,
+    /// Some worker joined since the last ring was formed (set and cleared under the
+    /// list's lock; read without it, by the engine's loop at every event).
+    joined: Arc<AtomicBool>,
 }
 
 impl Members {
     /// Members `addrs` to begin with.
     pub fn new(addrs: &[String]) -> Members {
         let members = Members::default();
-        members.list().addrs = addrs.to_vec();
+        *members.list() = addrs.to_vec();
         members
     }
 
-    fn list(&self) -> std::sync::MutexGuard<'_, MemberList> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn list(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.addrs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Adds a worker that joins; the supervisor forms a ring with it. False when it is
     /// a member already, or the cluster has [`MAX_WORKERS`].
     pub fn join(&self, addr: &str) -> bool {
         let mut list = self.list();
-        if list.addrs.iter().any(|a| a == addr) {
+        if list.iter().any(|a| a == addr) {
             return false;
         }
-        if list.addrs.len() >= MAX_WORKERS {
+        if list.len() >= MAX_WORKERS {
             tracing::warn!(worker = %addr, "not taken in: the cluster has {MAX_WORKERS} workers");
             return false;
         }
         tracing::warn!(worker = %addr, "a worker joins the cluster: forming a ring with it");
-        list.addrs.push(addr.to_string());
-        list.joined = true;
+        list.push(addr.to_string());
+        self.joined.store(true, Ordering::SeqCst);
         true
     }
 
     /// The members now.
     pub fn addrs(&self) -> Vec<String> {
-        self.list().addrs.clone()
+        self.list().clone()
     }
 
     fn joined(&self) -> bool {
-        self.list().joined
+        self.joined.load(Ordering::SeqCst)
     }
 
     /// The members, marking the joins seen.
     fn take(&self) -> Vec<String> {
-        let mut list = self.list();
-        list.joined = false;
-        list.addrs.clone()
+        let list = self.list();
+        self.joined.store(false, Ordering::SeqCst);
+        list.clone()
     }
 }
 

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -103,7 +103,6 @@ pub type OnFound = Box<dyn Fn(&str) + Send>;
 /// Browses the local network for a cluster's workers until dropped.
 pub struct Browser {
     daemon: ServiceDaemon,
-    found: Arc<Mutex<BTreeMap<String, String>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -114,13 +113,14 @@ impl Browser {
     pub fn start(cluster: &str, on_found: OnFound) -> Result<Browser, DiscoveryError> {
         let daemon = ServiceDaemon::new()?;
         let events = daemon.browse(SERVICE_TYPE)?;
-        let found: Arc<Mutex<BTreeMap<String, String>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
-            let (found, stop, cluster) = (found.clone(), stop.clone(), cluster.to_string());
+            let (stop, cluster) = (stop.clone(), cluster.to_string());
             std::thread::Builder::new()
                 .name("discovery".into())
                 .spawn(move || {
+                    // Each announced instance's address, as last told to `on_found`.
+                    let mut known: BTreeMap<String, String> = BTreeMap::new();
                     while !stop.load(Ordering::SeqCst) {
                         let Ok(event) = events.recv_timeout(Duration::from_millis(200)) else {
                             continue;
@@ -131,13 +131,11 @@ impl Browser {
                         let Some(addr) = worker_address(&service, &cluster) else {
                             continue;
                         };
-                        let mut known = found.lock().unwrap_or_else(|p| p.into_inner());
                         if known.get(&service.fullname) == Some(&addr) || known.len() >= MAX_FOUND {
                             continue;
                         }
                         tracing::info!(worker = %addr, name = %service.fullname, "found a worker of this cluster");
                         known.insert(service.fullname.clone(), addr.clone());
-                        drop(known);
                         on_found(&addr);
                     }
                 })
@@ -145,19 +143,9 @@ impl Browser {
         };
         Ok(Browser {
             daemon,
-            found,
             stop,
             thread: Some(thread),
         })
-    }
-
-    /// The workers found so far, by address.
-    pub fn found(&self) -> Vec<String> {
-        let found = self.found.lock().unwrap_or_else(|p| p.into_inner());
-        let mut addrs: Vec<String> = found.values().cloned().collect();
-        addrs.sort();
-        addrs.dedup();
-        addrs
     }
 }
 

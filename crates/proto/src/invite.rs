@@ -110,6 +110,14 @@ impl Invite {
     }
 }
 
+/// What an invite names a TLS cluster's certificate by: SHA-256 of its PEM text, in
+/// hexadecimal. The head writes it into the code; the joining worker checks the
+/// certificate it is given against it.
+pub fn fingerprint(cert_pem: &str) -> String {
+    use sha2::Digest as _;
+    hex(&Sha256::digest(cert_pem.as_bytes()))
+}
+
 fn mac(secret: &[u8; 32], label: &[u8], nonce: &[u8; 32]) -> Hmac<Sha256> {
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
     mac.update(label);

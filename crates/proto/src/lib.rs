@@ -47,6 +47,10 @@ use baton_sample::SamplingParams;
 /// `StreamStart` asks, `TensorChunk`s answer).
 pub const PROTOCOL_VERSION: u32 = 15;
 
+/// Most workers one `StreamStart` may send a worker to with `FetchFrom` (the head
+/// shares a stage among at most this many holders; a worker refuses more).
+pub const MAX_FETCH_PEERS: usize = 16;
+
 /// Most values a `Pooled` vector may carry: far above any model's width (the head
 /// also checks it equals its model's `n_embd`).
 pub const MAX_POOLED_WIDTH: usize = 1 << 16;

@@ -96,8 +96,9 @@ pub async fn serve(
             }
             continue;
         };
-        // Handlers that need the client's address (a worker joining) find it here.
-        let app = app.clone().layer(axum::Extension(axum::extract::ConnectInfo(peer)));
+        // Handlers that need the client's address (a worker joining) find it in each
+        // request's extensions: one small wrapper per connection around the router.
+        let app = tower_layer::Layer::layer(&axum::Extension(axum::extract::ConnectInfo(peer)), app.clone());
         let service = TowerToHyperService::new(app);
         let connection = http1::Builder::new()
             .timer(TokioTimer::new())

@@ -31,7 +31,7 @@ use baton_gguf::Gguf;
 use baton_model::{ModelFile, StageSpan};
 use baton_net::Link;
 use baton_proto::auth::identity_hash;
-use baton_proto::{Message, ModelRef, TensorEntry};
+use baton_proto::{Message, ModelRef, TensorEntry, MAX_FETCH_PEERS};
 use sha2::{Digest, Sha256};
 
 use baton_stage::models::{check_tensor_name, CachedTensor, ModelDir};
@@ -58,9 +58,6 @@ pub struct Received {
 
 /// Dials a worker that holds the model, for a fetch ([`Role::Fetch`](baton_proto::Role)).
 pub type DialPeer<'a> = &'a (dyn Fn(&str) -> Result<Box<dyn Link>, NodeError> + Sync);
-
-/// Most peers the head may send a worker to at once.
-pub const MAX_PEERS: usize = 16;
 
 /// Worker side: receives what is missing of a stage into the sparse copy of the model,
 /// from the head and from the peers it names (`FetchFrom`), all at once.
@@ -134,9 +131,9 @@ pub fn receive_stage_tensors(
                 break;
             }
         };
-        if fetches.len() >= MAX_PEERS || fetches.iter().any(|(p, _)| *p == peer) {
+        if fetches.len() >= MAX_FETCH_PEERS || fetches.iter().any(|(p, _)| *p == peer) {
             return Err(NodeError::Protocol(format!(
-                "the head names peer {peer} twice, or more than {MAX_PEERS} peers"
+                "the head names peer {peer} twice, or more than {MAX_FETCH_PEERS} peers"
             )));
         }
         let mut wanted = Vec::new();

@@ -185,6 +185,16 @@ impl Shared {
         session.id == id && session.aborted
     }
 
+    /// A link to another worker as `role`, authenticated, its handshake done within
+    /// the handshake timeout.
+    fn dial(&self, addr: &str, role: Role) -> Result<Box<dyn Link>, NodeError> {
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        let mut link = connect_by(addr, &self.config.link, deadline)?;
+        client_handshake(link.as_mut(), role, self.config.token.as_deref().map(str::as_bytes))?;
+        link.set_deadline(None)?;
+        Ok(link)
+    }
+
     /// Whether `id` is the session now running.
     fn is_current(&self, id: u64) -> bool {
         id != 0 && self.busy.load(Ordering::SeqCst) && self.session().id == id
@@ -488,10 +498,7 @@ fn session(
     // as long as the session runs.
     let (downstream, _probe) = match &plan.next {
         Some(next) => {
-            let deadline = Instant::now() + shared.config.handshake_timeout;
-            let mut down = connect_by(next, &shared.config.link, deadline)?;
-            client_handshake(down.as_mut(), Role::Ring, token)?;
-            down.set_deadline(None)?;
+            let down = shared.dial(next, Role::Ring)?;
             let probe = LinkProbe::start(next, &shared.config.link, token, down.counters());
             (Some(down), Some(probe))
         }
@@ -619,17 +626,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
     let kv_types = plan_kv_types(plan)?;
     let mesh = plan.tp.as_ref().map(|place| form_mesh(shared, id, place)).transpose()?;
     let (path, received, verified) = if plan.stream {
-        let dial = |peer: &str| -> Result<Box<dyn Link>, NodeError> {
-            let deadline = Instant::now() + shared.config.handshake_timeout;
-            let mut link = connect_by(peer, &shared.config.link, deadline)?;
-            client_handshake(
-                link.as_mut(),
-                Role::Fetch,
-                shared.config.token.as_deref().map(str::as_bytes),
-            )?;
-            link.set_deadline(None)?;
-            Ok(link)
-        };
+        let dial = |peer: &str| shared.dial(peer, Role::Fetch);
         let got = receive_stage_tensors(&shared.models, &plan.model, link, &dial)?;
         (got.path, got.bytes, Some(got.verified))
     } else {

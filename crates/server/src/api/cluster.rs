@@ -50,9 +50,9 @@ impl Joining {
     }
 
     fn fingerprint(&self) -> Option<String> {
-        use sha2::Digest as _;
-        let (cert, _) = self.tls.as_ref()?;
-        Some(baton_proto::auth::hex(&sha2::Sha256::digest(cert.as_bytes())))
+        self.tls
+            .as_ref()
+            .map(|(cert, _)| baton_proto::invite::fingerprint(cert))
     }
 
     fn invites(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Pending>> {
