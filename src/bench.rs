@@ -245,7 +245,7 @@ fn llama_tg(ctx: &mut LlamaContext<'_>, first: u32, n: usize) -> anyhow::Result<
 
 /// Runs both systems and prints the table.
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let path = &args.stages.model;
+    let path = args.stages.one_model()?;
     let file = ModelFile::open(path).with_context(|| format!("loading {}", path.display()))?;
     let n_vocab = file.hparams().n_vocab;
     drop(file);

@@ -59,9 +59,10 @@ enum Command {
 /// How the model is split into in-process stages.
 #[derive(Args, Clone, Debug)]
 pub struct StageArgs {
-    /// GGUF model file.
+    /// GGUF model file. `baton serve` takes several (repeat --model): each model gets its
+    /// own plan over the same workers, and requests choose one by their `model` field.
     #[arg(long, short = 'm', default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")]
-    pub model: PathBuf,
+    pub model: Vec<PathBuf>,
     /// Number of stages (layers are split evenly unless --split is given).
     #[arg(long, default_value_t = 2)]
     pub stages: usize,
@@ -128,6 +129,14 @@ fn parse_tp(s: &str) -> Result<baton_plan::TpDegree, String> {
 }
 
 impl StageArgs {
+    /// The model of a command that runs one.
+    pub fn one_model(&self) -> anyhow::Result<&Path> {
+        match self.model.as_slice() {
+            [one] => Ok(one),
+            _ => anyhow::bail!("this command runs one model: give --model once (baton serve takes several)"),
+        }
+    }
+
     /// Threads per stage.
     pub fn threads(&self) -> usize {
         self.threads_for(self.stages * self.tp_size())

@@ -60,7 +60,7 @@ pub struct RunArgs {
 
 /// Runs the prompt and prints the text as it is generated, then timings on stderr.
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let model_path = &args.stages.model;
+    let model_path = args.stages.one_model()?;
     let vocab = std::sync::Arc::new(crate::load_tokenizer(model_path)?);
     let params = SamplingParams {
         temperature: args.temperature,
@@ -208,7 +208,7 @@ fn generate_drafting(
     );
     let repack = !args.stages.no_repack;
     let chunk = args.batch_size.max(1);
-    let hp = crate::model_hparams(&args.stages.model)?;
+    let hp = crate::model_hparams(args.stages.one_model()?)?;
     let config = EngineConfig {
         n_slots: 1,
         slot_ctx,

@@ -11,6 +11,7 @@ use baton_server::{AppState, Joining, ServerConfig};
 use clap::Args;
 
 use crate::draft::DraftArgs;
+use crate::local_workers::LocalWorkers;
 use crate::ring::{ClusterArgs, Ring};
 use crate::StageArgs;
 
@@ -45,9 +46,10 @@ pub struct ServeArgs {
     /// Requests that may wait for a free sequence before new ones are refused.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
-    /// Model id for clients (default: the file name without .gguf).
+    /// Model id for clients (default: the file name without .gguf); with several
+    /// --model, the n-th --alias names the n-th model.
     #[arg(long)]
-    alias: Option<String>,
+    alias: Vec<String>,
     /// How /v1/embeddings pools a sequence's rows: mean, cls or last (default: the
     /// GGUF's `<arch>.pooling_type`; without either, /v1/embeddings refuses requests).
     #[arg(long)]
@@ -133,9 +135,122 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             args.parallel
         );
     }
-    let model_path = args.stages.model.clone();
-    let vocab = Arc::new(crate::load_tokenizer(&model_path)?);
-    let pooling = embedding_pooling(&model_path, args.pooling.as_deref())?;
+    let models = &args.stages.model;
+    anyhow::ensure!(
+        args.alias.len() <= models.len(),
+        "{} --alias for {} --model: give at most one alias per model",
+        args.alias.len(),
+        models.len()
+    );
+    let ids: Vec<String> = models
+        .iter()
+        .enumerate()
+        .map(|(i, path)| {
+            args.alias.get(i).cloned().unwrap_or_else(|| {
+                path.file_stem()
+                    .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
+            })
+        })
+        .collect();
+    if let Some(twice) = ids.iter().enumerate().find_map(|(i, id)| ids[..i].contains(id).then_some(id)) {
+        anyhow::bail!("two models are called '{twice}': give each its own --alias");
+    }
+    // Several models share one set of local workers, as they would share --workers.
+    let (cluster, _shared_workers) = shared_local_workers(&args)?;
+    let mut rings = Vec::new();
+    let mut states = Vec::new();
+    let mut described = Vec::new();
+    for (i, (path, id)) in models.iter().zip(&ids).enumerate() {
+        let mut stages = args.stages.clone();
+        stages.model = vec![path.clone()];
+        // The draft model drafts for the first model (its vocabulary must be that one's).
+        let (state, ring, on) = serve_model(&args, &stages, &cluster, id.clone(), loopback, i == 0)?;
+        described.push(format!("{} as '{id}' on {on}", path.display()));
+        states.push(state);
+        rings.push(ring);
+    }
+    let joinable: Vec<(Members, String)> = rings.iter().filter_map(Ring::joinable).collect();
+    if let Some((_, token)) = joinable.first() {
+        let members = joinable.iter().map(|(m, _)| m.clone()).collect();
+        let joining = joining(members, token.clone(), &cluster.tls)?;
+        let first = states.remove(0).with_joining(joining);
+        states.insert(0, first);
+    }
+    let router = baton_server::router_for(states);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        for line in &described {
+            eprintln!("serving {line}");
+        }
+        // The first stdout line is the address: scripts and tests read it.
+        println!("listening on http://{addr}");
+        let limits = baton_server::listen::Limits {
+            max_connections: args.max_connections,
+            per_source,
+            header_timeout: std::time::Duration::from_secs_f64(args.header_timeout),
+            write_timeout: std::time::Duration::from_secs_f64(args.write_timeout),
+            shutdown_grace: std::time::Duration::from_secs(5),
+        };
+        baton_server::listen::serve(listener, router, limits, stop_signal())
+            .await
+            .context("serving HTTP")
+    })?;
+    // The router (and with it each engine, which stops its ring) went when serving
+    // ended; the rings' owners and any local workers go after.
+    drop(rings);
+    Ok(())
+}
+
+/// With several models and --local-workers: starts the workers once, holding every
+/// model (they must share a directory), and gives the arguments that reach them as
+/// --workers would; otherwise the arguments as they are.
+fn shared_local_workers(args: &ServeArgs) -> anyhow::Result<(ClusterArgs, Option<LocalWorkers>)> {
+    let mut cluster = args.cluster.clone();
+    let models = &args.stages.model;
+    let Some(n) = cluster.local_workers.filter(|_| models.len() > 1) else {
+        return Ok((cluster, None));
+    };
+    let dir = |path: &std::path::Path| path.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
+    if let Some(other) = models.iter().find(|m| dir(m) != dir(&models[0])) {
+        anyhow::bail!(
+            "--local-workers serve one directory: {} is not beside {} (move them together, or start \
+             `baton worker`s and give --workers)",
+            other.display(),
+            models[0].display()
+        );
+    }
+    let threads = args.stages.threads_for(n + usize::from(!cluster.no_head_stage));
+    let local = LocalWorkers::start(n, &models[0], threads, &cluster.tls)?;
+    cluster.local_workers = None;
+    cluster.workers = local.addrs.clone();
+    cluster.token = crate::token::TokenArgs {
+        token_file: None,
+        token: Some(local.token.clone()),
+    };
+    Ok((cluster, Some(local)))
+}
+
+/// One model's ring, engine and API state; also where its stages run, for people.
+fn serve_model(
+    args: &ServeArgs,
+    stages: &StageArgs,
+    cluster: &ClusterArgs,
+    model_id: String,
+    loopback: bool,
+    with_draft: bool,
+) -> anyhow::Result<(AppState, Ring, String)> {
+    let model_path = stages.one_model()?;
+    let vocab = Arc::new(crate::load_tokenizer(model_path)?);
+    let pooling = embedding_pooling(model_path, args.pooling.as_deref())?;
     let eos = vocab
         .eos_token()
         .map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
@@ -147,20 +262,20 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         bos.as_deref().unwrap_or_default(),
         eos.as_deref().unwrap_or_default(),
     )
-    .context("the model's chat template")?;
+    .with_context(|| format!("the chat template of {}", model_path.display()))?;
     if template.is_default() {
-        tracing::warn!("the model has no chat template: using ChatML");
+        tracing::warn!("{} has no chat template: using ChatML", model_path.display());
     }
 
-    let mut ring = Ring::start_supervised(&model_path, &args.stages, &args.cluster, args.parallel)?;
+    let mut ring = Ring::start_supervised(model_path, stages, cluster, args.parallel)?;
     // A supervised ring is formed by the engine; it tells its own number of stages.
     let ranges = ring.ranges();
-    let hp = crate::model_hparams(&model_path)?;
+    let hp = crate::model_hparams(model_path)?;
     // A supervised ring's context is chosen when it forms: the engine takes it then
     // (the draft model is sized for the most it can be).
     let n_ctx = ring
         .n_ctx()
-        .or(args.stages.ctx_size)
+        .or(stages.ctx_size)
         .unwrap_or(hp.n_ctx_train.max(1).saturating_mul(args.parallel));
     let config = EngineConfig {
         n_slots: args.parallel,
@@ -176,32 +291,27 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         n_embd: hp.n_embd,
     };
     let draft = args.draft.settings()?;
-    let draft_model = args.draft.load_model(
-        vocab.n_vocab(),
-        config.n_slots,
-        config.slot_ctx,
-        config.chunk,
-        args.stages.threads(),
-        !args.stages.no_repack,
-    )?;
+    let draft_model = match with_draft {
+        true => args.draft.load_model(
+            vocab.n_vocab(),
+            config.n_slots,
+            config.slot_ctx,
+            config.chunk,
+            stages.threads(),
+            !stages.no_repack,
+        )?,
+        false => None,
+    };
     let has_draft_model = draft_model.is_some();
     let engine = ring.engine(vocab.clone(), config, draft_model)?;
-    let stages = match engine.health() {
+    let on = match engine.health() {
         Health::Serving { stages, .. } if !stages.is_empty() => stages,
         _ => ranges
             .iter()
             .map(|r| format!("layers {}..{}", r.start, r.end))
             .collect(),
     };
-    let model_id = args.alias.clone().unwrap_or_else(|| {
-        model_path
-            .file_stem()
-            .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
-    });
-    let joining = match ring.joinable() {
-        Some((members, token)) => Some(joining(members, token, &args.cluster.tls)?),
-        None => None,
-    };
+    let on = format!("{} stage(s) [{}]", on.len(), on.join(", "));
     let state = AppState::new(
         engine,
         vocab,
@@ -223,49 +333,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ..ServerConfig::new(model_id)
         },
     );
-    let state = Arc::new(match joining {
-        Some(joining) => state.with_joining(joining),
-        None => state,
-    });
-
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-            .await
-            .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
-        let addr = listener.local_addr()?;
-        eprintln!(
-            "serving {} on {} stage(s) [{}]",
-            model_path.display(),
-            stages.len(),
-            stages.join(", ")
-        );
-        // The first stdout line is the address: scripts and tests read it.
-        println!("listening on http://{addr}");
-        let limits = baton_server::listen::Limits {
-            max_connections: args.max_connections,
-            per_source,
-            header_timeout: std::time::Duration::from_secs_f64(args.header_timeout),
-            write_timeout: std::time::Duration::from_secs_f64(args.write_timeout),
-            shutdown_grace: std::time::Duration::from_secs(5),
-        };
-        baton_server::listen::serve(listener, baton_server::router(state.clone()), limits, stop_signal())
-            .await
-            .context("serving HTTP")
-    })?;
-    // The engine stops the ring before the ring's owner (and any local workers) go.
-    drop(state);
-    drop(ring);
-    Ok(())
+    Ok((state, ring, on))
 }
 
-/// Invites for the cluster of `token`: a worker that joins is added to `members`, and
-/// given the token and the TLS files.
-fn joining(members: Members, token: String, tls: &crate::cert::TlsArgs) -> anyhow::Result<Joining> {
+/// Invites for the cluster of `token`: a worker that joins is added to every model's
+/// `members`, and given the token and the TLS files.
+fn joining(members: Vec<Members>, token: String, tls: &crate::cert::TlsArgs) -> anyhow::Result<Joining> {
     let tls = match (&tls.tls_cert, &tls.tls_key) {
         (Some(cert), Some(key)) => {
             let read = |path: &std::path::Path| {
@@ -275,7 +348,9 @@ fn joining(members: Members, token: String, tls: &crate::cert::TlsArgs) -> anyho
         }
         _ => None,
     };
-    Ok(Joining::new(token, tls, Arc::new(move |addr: &str| members.join(addr))))
+    // `|` and not `||`: every model's ring gets the worker.
+    let join = move |addr: &str| members.iter().fold(false, |added, m| m.join(addr) | added);
+    Ok(Joining::new(token, tls, Arc::new(join)))
 }
 
 /// SIGINT or SIGTERM.

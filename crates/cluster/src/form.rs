@@ -605,7 +605,11 @@ fn load(
                 n_ctx: opts.n_ctx as u32,
                 n_seq: opts.n_seq as u32,
                 // Only member 0 sits in the ring.
-                next: if rank == 0 { nexts[i].clone() } else { None },
+                next: if rank == 0 { nexts[i].as_ref().map(|(addr, _)| addr.clone()) } else { None },
+                next_session: match rank {
+                    0 => nexts[i].as_ref().map_or(0, |&(_, session)| session),
+                    _ => 0,
+                },
                 stream: !holds,
                 wire_f16: opts.wire_f16,
                 repack: opts.repack,
@@ -703,7 +707,7 @@ fn load_head_stage(
     model: &Path,
     planned: &Planned,
     opts: &ClusterOptions,
-    nexts: &[Option<String>],
+    nexts: &[Option<(String, u64)>],
 ) -> Result<Option<HeadStage>, NodeError> {
     let stages = &planned.plan.stages;
     let n = stages.len();
@@ -732,9 +736,10 @@ fn load_head_stage(
             tracing::info!(layers = ?stage.layers, resident = loaded.resident_bytes(), "head stage ready");
             let token = opts.token.as_deref().map(str::as_bytes);
             let (next, probe) = match nexts.first() {
-                Some(Some(next)) => {
+                Some(Some((next, session))) => {
                     let mut down = dial(next, &opts.link, opts.handshake_timeout)?;
                     client_handshake(down.as_mut(), Role::Ring, token)?;
+                    down.send(Message::JoinRing { session: *session })?;
                     down.set_deadline(None)?;
                     let probe = LinkProbe::start(next, &opts.link, token, down.counters());
                     (Some(down), Some(probe))

@@ -39,14 +39,16 @@ impl Planned {
         &self.nodes[node]
     }
 
-    /// The ring address of the stage after each stage (`None` for the last, which
-    /// answers the head, and for the head's own stage).
-    pub fn nexts(&self, workers: &[RemoteWorker]) -> Vec<Option<String>> {
+    /// The ring address of the stage after each stage and the session its worker opened
+    /// for this head (`None` for the last, which answers the head, and for the head's
+    /// own stage).
+    pub fn nexts(&self, workers: &[RemoteWorker]) -> Vec<Option<(String, u64)>> {
         let stages = &self.plan.stages;
         (0..stages.len())
             .map(|i| {
                 let next = stages.get(i + 1)?;
-                Some(workers[self.worker_of(next.node)?].caps.ring_addr.clone())
+                let caps = &workers[self.worker_of(next.node)?].caps;
+                Some((caps.ring_addr.clone(), caps.session))
             })
             .collect()
     }

@@ -48,9 +48,9 @@
 //! | 5    | Capabilities | devices [DeviceCaps], threads u32, models [HeldModel], ring_addr str,    |
 //! |      |              | session u64                                                              |
 //! | 6    | LoadPlan     | model: ModelRef, layer_start u32, layer_end u32, first bool, last bool,  |
-//! |      |              | n_ctx u32, n_seq u32, next opt<str>, stream bool, wire_f16 bool,         |
-//! |      |              | repack bool, devices [DeviceRange], tp opt<TpPlace>, cache_type_k str,   |
-//! |      |              | cache_type_v str                                                         |
+//! |      |              | n_ctx u32, n_seq u32, next opt<str>, next_session u64, stream bool,      |
+//! |      |              | wire_f16 bool, repack bool, devices [DeviceRange], tp opt<TpPlace>,      |
+//! |      |              | cache_type_k str, cache_type_v str                                       |
 //! | 7    | StreamStart  | header bytes, tensors [TensorEntry]                                      |
 //! | 8    | TensorChunk  | index u32, offset u64, data bytes                                        |
 //! | 9    | Loaded       | resident u64, received u64                                               |
@@ -77,6 +77,7 @@
 //! | 26   | Checkpoint   | seq u32, len u32                                                         |
 //! | 27   | Pooled       | step u64, seq u32, values [f32]                                          |
 //! | 28   | FetchFrom    | peer str, tensors [u32]                                                  |
+//! | 29   | JoinRing     | session u64                                                              |
 //!
 //! | structure      | fields, in order                                                            |
 //! |----------------|-----------------------------------------------------------------------------|
@@ -191,6 +192,7 @@ kinds! {
     26 CHECKPOINT Checkpoint,
     27 POOLED Pooled,
     28 FETCH_FROM FetchFrom,
+    29 JOIN_RING JoinRing,
 }
 
 /// The name of `msg`'s kind (see [`Message::kind`]).

@@ -45,7 +45,10 @@ use baton_sample::SamplingParams;
 /// heartbeat with it. `FetchFrom` (kind 28): a worker receiving a stage fetches some of
 /// its tensors from another worker that holds the file, on a [`Role::Fetch`] link (its
 /// `StreamStart` asks, `TensorChunk`s answer).
-pub const PROTOCOL_VERSION: u32 = 15;
+/// Version 16: a worker serves one head per model at once (a server of several models
+/// plans each over the same workers). A ring link's first frame is `JoinRing` (kind 29)
+/// naming the session it joins, told the dialing stage in `LoadPlan::next_session`.
+pub const PROTOCOL_VERSION: u32 = 16;
 
 /// Most workers one `StreamStart` may send a worker to with `FetchFrom` (the head
 /// shares a stage among at most this many holders; a worker refuses more).
@@ -302,7 +305,8 @@ pub enum Role {
     Head,
     /// A worker, answering a connection.
     Worker,
-    /// A stage connecting to the next stage of the ring (hidden states flow on it).
+    /// A stage connecting to the next stage of the ring (its first frame is
+    /// `JoinRing`; hidden states flow on it).
     Ring,
     /// The head watching a worker: `Ping` / `Pong` on a connection of their own, so a
     /// worker busy computing still answers, and a hung one is noticed.
@@ -419,6 +423,10 @@ pub struct LoadPlan {
     pub n_seq: u32,
     /// Ring address of the next stage; `None` for the last stage (it answers the head).
     pub next: Option<String>,
+    /// The session the next stage's worker opened for this head: the ring link names it
+    /// in its `JoinRing`, so that a worker serving several heads (one per model) knows
+    /// whose ring the link is. 0 with no next stage.
+    pub next_session: u64,
     /// Whether the head streams the stage's tensors (the worker lacks them).
     pub stream: bool,
     /// Send hidden states as f16.
@@ -587,6 +595,9 @@ pub enum Message {
     /// The first frame on a [`Role::Member`] link: the dialing member's group (from its
     /// [`TpPlace`]) and rank.
     JoinGroup { group: u64, rank: u32 },
+    /// The first frame on a [`Role::Ring`] link: the session of the worker it joins
+    /// (the head's [`LoadPlan::next_session`] for the dialing stage).
+    JoinRing { session: u64 },
     /// Member 0 → another member of a last stage's group: a `Forward` whose logit rows
     /// are to be answered with each row's best of the member's share only (`Partial`
     /// values `[value, token]` per row, the token a whole number in f32, `[-inf, -1]`

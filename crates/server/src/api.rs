@@ -33,10 +33,12 @@ mod guard;
 mod messages;
 mod respond;
 mod responses;
+mod served;
 
 pub use cluster::Joining;
 use guard::{authenticate, guard};
 use respond::{respond, Kind};
+pub(crate) use served::Served;
 
 /// How the API behaves.
 #[derive(Clone, Debug)]
@@ -83,6 +85,9 @@ impl ServerConfig {
     }
 }
 
+/// The next response id's number (see [`AppState::new_id`]).
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
 /// Everything the handlers share.
 pub struct AppState {
     engine: Engine,
@@ -90,7 +95,6 @@ pub struct AppState {
     template: ChatTemplate,
     config: ServerConfig,
     created: u64,
-    next_id: AtomicU64,
     /// How the model writes tool calls (from its template).
     tool_format: ToolFormat,
     /// Mistral's `[TOOL_CALLS]` control token, if the vocabulary has one.
@@ -148,7 +152,6 @@ impl AppState {
             template,
             config,
             created: unix_time(),
-            next_id: AtomicU64::new(1),
             joining: None,
         }
     }
@@ -287,55 +290,103 @@ impl AppState {
             .map_err(|e| ApiError::invalid(e.to_string()))
     }
 
+    /// A response id, unique in this process: every model's answers count from one
+    /// number.
     fn new_id(&self, prefix: &str) -> String {
         format!(
             "{prefix}-{:x}{:06x}",
             self.created,
-            self.next_id.fetch_add(1, Ordering::Relaxed)
+            NEXT_ID.fetch_add(1, Ordering::Relaxed)
         )
     }
 }
 
 /// Mounts each route and lists it in [`ROUTES`] from one table, so that the list the
-/// OpenAPI description is checked against is what the router serves.
+/// OpenAPI description is checked against is what the router serves. Three kinds:
+/// `server` routes answer for the whole server (the first model's state holds what
+/// the models share: the key, the origins, the invites); `model` routes are answered
+/// by the model their body names ([`Served::route`]); `all` routes see every model.
 macro_rules! routes {
-    ($($method:ident $path:literal => $handler:expr,)*) => {
+    (
+        server { $($s_method:ident $s_path:literal => $s_handler:expr,)* }
+        model { $($m_method:ident $m_path:literal => $m_handler:expr,)* }
+        all { $($a_method:ident $a_path:literal => $a_handler:expr,)* }
+    ) => {
         /// Every `(method, path)` the router mounts (for the description's tests).
         #[cfg(test)]
-        pub(crate) const ROUTES: &[(&str, &str)] = &[$((stringify!($method), $path)),*];
+        pub(crate) const ROUTES: &[(&str, &str)] = &[
+            $((stringify!($s_method), $s_path),)*
+            $((stringify!($m_method), $m_path),)*
+            $((stringify!($a_method), $a_path),)*
+        ];
 
-        fn mount(router: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
-            router$(.route($path, $method($handler)))*
+        fn mount(first: Arc<AppState>, served: Arc<Served>) -> Router {
+            let server = Router::new()$(.route($s_path, $s_method($s_handler)))*.with_state(first);
+            let models = Router::new()
+                $(.route($m_path, $m_method(|State(served): State<Arc<Served>>, body: Body| async move {
+                    served.route(body, $m_handler).await
+                })))*
+                $(.route($a_path, $a_method($a_handler)))*
+                .with_state(served);
+            server.merge(models)
         }
     };
 }
 
 routes! {
-    get "/" => crate::page::index,
-    post "/v1/chat/completions" => chat,
-    post "/v1/completions" => completions,
-    post "/v1/messages" => messages::messages,
-    post "/v1/responses" => responses::responses,
-    post "/v1/embeddings" => embeddings::embeddings,
-    get "/v1/models" => models,
-    post "/v1/cluster/invites" => cluster::invite,
-    post "/cluster/join" => cluster::join,
-    post "/tokenize" => tokenize,
-    post "/detokenize" => detokenize,
-    get "/health" => health,
-    get "/stats" => stats,
-    get "/metrics" => crate::metrics::metrics,
-    get "/openapi.json" => crate::description::openapi,
+    server {
+        get "/" => crate::page::index,
+        post "/v1/cluster/invites" => cluster::invite,
+        post "/cluster/join" => cluster::join,
+        get "/openapi.json" => crate::description::openapi,
+    }
+    model {
+        post "/v1/chat/completions" => chat,
+        post "/v1/completions" => completions,
+        post "/v1/messages" => messages::messages,
+        post "/v1/responses" => responses::responses,
+        post "/v1/embeddings" => embeddings::embeddings,
+        post "/tokenize" => tokenize,
+        post "/detokenize" => detokenize,
+    }
+    all {
+        get "/v1/models" => served::models,
+        get "/health" => served::health,
+        get "/stats" => served::stats,
+        get "/metrics" => crate::metrics::metrics,
+    }
 }
 
-/// The routes.
+/// The routes of a server of one model.
 pub fn router(state: Arc<AppState>) -> Router {
-    mount(Router::new())
+    routes_of(vec![state])
+}
+
+/// The routes of a server of several models, each with its own engine (in the order
+/// given): a request goes to the model its `model` field names, the first when it names
+/// none. The first model's configuration holds what they share (the API key, the
+/// origins, invites); `/metrics` labels each model's figures with its id.
+///
+/// # Panics
+/// When `models` is empty.
+pub fn router_for(mut models: Vec<AppState>) -> Router {
+    assert!(!models.is_empty(), "a server serves at least one model");
+    if models.len() > 1 {
+        let shared = crate::metrics::Metrics::default();
+        for model in &mut models {
+            model.metrics = crate::metrics::Metrics::of_model(&shared, &model.config.model_id);
+        }
+    }
+    routes_of(models.into_iter().map(Arc::new).collect())
+}
+
+fn routes_of(models: Vec<Arc<AppState>>) -> Router {
+    let first = models[0].clone();
+    mount(first.clone(), Arc::new(Served::new(models)))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate))
-        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
-        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(first.clone(), authenticate))
+        .layer(axum::middleware::from_fn_with_state(first, guard))
 }
 
 /// An error in OpenAI's shape.
@@ -470,22 +521,6 @@ async fn method_not_allowed(request: Request) -> ApiError {
     )
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
-    let slot_ctx = state.engine.slot_ctx();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.model_id,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "baton",
-            // Tokens one request may hold (prompt plus generated): the cache per slot.
-            "context_length": slot_ctx,
-            "meta": { "slot_ctx": slot_ctx, "n_vocab": state.vocab.n_vocab() },
-        }],
-    }))
-}
-
 /// `POST /tokenize {"content", "add_special"?, "parse_special"?, "with_pieces"?}`, as
 /// llama.cpp's server answers it: `{"tokens": [...]}` (or `[{"id", "piece"}]`).
 async fn tokenize(State(state): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
@@ -543,92 +578,6 @@ async fn detokenize(State(state): State<Arc<AppState>>, body: Body) -> Result<Js
         .off_runtime(move |state| Ok(state.vocab.detokenize(&req.tokens, true)))
         .await?;
     Ok(Json(json!({ "content": content })))
-}
-
-/// `ok` (200) while a ring computes, with its stages and the workers lost from it;
-/// `recovering` (503) while a new ring is formed after a worker was lost (requests
-/// wait); `waiting` (503) while no ring can be formed until a lost worker returns
-/// (requests are refused); `error` (503) when the ring is gone for good.
-async fn health(State(state): State<Arc<AppState>>) -> Response {
-    let counters = state.engine.counters();
-    let active = counters.active.load(Ordering::Relaxed);
-    let queued = counters.queued.load(Ordering::Relaxed);
-    let rings_formed = counters.rings_formed.load(Ordering::Relaxed);
-    let unavailable = |status: &str, reason: String| {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "status": status, "error": reason, "active": active, "queued": queued })),
-        )
-            .into_response()
-    };
-    match state.engine.health() {
-        Health::Serving { stages, lost } => Json(json!({
-            "status": "ok",
-            "active": active,
-            "queued": queued,
-            "stages": stages,
-            "lost": lost.iter().map(|(node, why)| json!({ "node": node, "why": why })).collect::<Vec<_>>(),
-            "rings_formed": rings_formed,
-        }))
-        .into_response(),
-        Health::Recovering { reason } => unavailable("recovering", reason),
-        Health::Waiting { reason } => unavailable("waiting", reason),
-        Health::Failed { reason } => unavailable("error", reason),
-    }
-}
-
-async fn stats(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
-    let stages = tokio::time::timeout(Duration::from_secs(10), state.engine.stage_stats())
-        .await
-        .map_err(|_| ApiError::server("the stages did not answer within 10 s"))?
-        .map_err(ApiError::server)?;
-    let c = state.engine.counters();
-    let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
-    let names = match state.engine.health() {
-        Health::Serving { stages, .. } => stages,
-        _ => Vec::new(),
-    };
-    Ok(Json(json!({
-        "prompt_tokens_computed": load(&c.prompt_tokens_computed),
-        "prompt_tokens_reused": load(&c.prompt_tokens_reused),
-        "completion_tokens": load(&c.completion_tokens),
-        "requests_finished": load(&c.requests_finished),
-        "requests_cancelled": load(&c.requests_cancelled),
-        "requests_failed": load(&c.requests_failed),
-        "steps": load(&c.steps),
-        "active": c.active.load(Ordering::Relaxed),
-        "queued": c.queued.load(Ordering::Relaxed),
-        "draft_tokens": c.draft_tokens.load(Ordering::Relaxed),
-        "draft_accepted": c.draft_accepted.load(Ordering::Relaxed),
-        "slot_ctx": state.engine.slot_ctx(),
-        "round_trip_seconds": load(&c.round_trip_us) as f64 / 1e6,
-        "workers_lost": load(&c.workers_lost),
-        "workers_returned": load(&c.workers_returned),
-        "workers_joined": load(&c.workers_joined),
-        "stages": stages.resident.iter().enumerate()
-            .map(|(i, resident)| json!({
-                "name": names.get(i),
-                "resident_bytes": resident,
-                "kv_cells_used": stages.kv_used.get(i),
-                "busy_seconds": stages.busy_us.get(i).map(|&us| us as f64 / 1e6),
-                "rows": stages.rows.get(i),
-                "link_bytes_sent": stages.link_sent.get(i),
-                "link_round_trip_seconds": stages.link_rtt_us.get(i).copied().and_then(seconds),
-            }))
-            .collect::<Vec<_>>(),
-        "head_link_round_trip_seconds": seconds(stages.head_link_rtt_us),
-        "workers": state.engine.heartbeats().into_iter()
-            .map(|(addr, round_trip)| json!({
-                "addr": addr,
-                "heartbeat_round_trip_seconds": round_trip.map(|d| d.as_secs_f64()),
-            }))
-            .collect::<Vec<_>>(),
-    })))
-}
-
-/// Microseconds as seconds; 0 (not measured) as nothing.
-fn seconds(micros: u64) -> Option<f64> {
-    (micros > 0).then(|| micros as f64 / 1e6)
 }
 
 async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {

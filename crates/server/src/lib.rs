@@ -15,4 +15,4 @@ mod responses;
 pub mod template;
 pub mod tools;
 
-pub use api::{router, ApiError, AppState, Joining, ServerConfig};
+pub use api::{router, router_for, ApiError, AppState, Joining, ServerConfig};

@@ -12,35 +12,55 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use baton_engine::Health;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::api::AppState;
+use crate::api::{AppState, Served};
 
 type Labels = Vec<(String, String)>;
 
-/// What the server measures itself.
+/// What the server measures itself. A server of several models keeps one set of
+/// families for all of them, each model's samples labelled with its id; a server of one
+/// model labels nothing (its exposition reads as it always has).
 #[derive(Debug)]
 pub(crate) struct Metrics {
+    families: Arc<Families>,
+    /// `model="<id>"` on a server of several models; empty otherwise.
+    labels: Labels,
+}
+
+type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
+
+#[derive(Debug)]
+struct Families {
     /// Requests by endpoint and outcome.
     requests: Family<Labels, Counter>,
     /// Seconds from a request's arrival to its first generated token.
-    time_to_first_token: Histogram,
+    time_to_first_token: HistogramFamily,
     /// Seconds between consecutive tokens of one request.
-    inter_token: Histogram,
+    inter_token: HistogramFamily,
+}
+
+impl Default for Families {
+    fn default() -> Families {
+        Families {
+            requests: Family::default(),
+            // 5 ms .. ~80 s
+            time_to_first_token: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 15))),
+            // 1 ms .. ~16 s
+            inter_token: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 15))),
+        }
+    }
 }
 
 impl Default for Metrics {
     fn default() -> Metrics {
         Metrics {
-            requests: Family::default(),
-            // 5 ms .. ~80 s
-            time_to_first_token: Histogram::new(exponential_buckets(0.005, 2.0, 15)),
-            // 1 ms .. ~16 s
-            inter_token: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            families: Arc::default(),
+            labels: Labels::new(),
         }
     }
 }
@@ -59,6 +79,14 @@ pub(crate) enum Outcome {
 }
 
 impl Metrics {
+    /// The metrics of model `id` among several, in the families of `shared`.
+    pub(crate) fn of_model(shared: &Metrics, id: &str) -> Metrics {
+        Metrics {
+            families: shared.families.clone(),
+            labels: model_label(id),
+        }
+    }
+
     pub(crate) fn request(&self, endpoint: &str, outcome: Outcome) {
         let outcome = match outcome {
             Outcome::Ok => "ok",
@@ -66,12 +94,10 @@ impl Metrics {
             Outcome::ServerError => "server_error",
             Outcome::Cancelled => "cancelled",
         };
-        self.requests
-            .get_or_create(&vec![
-                ("endpoint".to_string(), endpoint.to_string()),
-                ("outcome".to_string(), outcome.to_string()),
-            ])
-            .inc();
+        let mut labels = self.labels.clone();
+        labels.push(("endpoint".to_string(), endpoint.to_string()));
+        labels.push(("outcome".to_string(), outcome.to_string()));
+        self.families.requests.get_or_create(&labels).inc();
     }
 }
 
@@ -90,20 +116,211 @@ impl Timing {
     /// A token arrived now.
     pub(crate) fn token(&mut self, metrics: &Metrics) {
         let now = Instant::now();
+        let families = &metrics.families;
         match self.last {
-            None => metrics
+            None => families
                 .time_to_first_token
+                .get_or_create(&metrics.labels)
                 .observe(now.duration_since(self.arrived).as_secs_f64()),
-            Some(last) => metrics.inter_token.observe(now.duration_since(last).as_secs_f64()),
+            Some(last) => families
+                .inter_token
+                .get_or_create(&metrics.labels)
+                .observe(now.duration_since(last).as_secs_f64()),
         }
         self.last = Some(now);
     }
 }
 
-/// The exposition, OpenMetrics text.
-pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+/// `model="<id>"`.
+fn model_label(id: &str) -> Labels {
+    vec![("model".to_string(), id.to_string())]
+}
+
+/// `base` and one more label.
+fn with(base: &Labels, key: &str, value: impl Into<String>) -> Labels {
+    let mut labels = base.clone();
+    labels.push((key.to_string(), value.into()));
+    labels
+}
+
+type Counters = Family<Labels, Counter>;
+type SecondsCounters = Family<Labels, Counter<f64, AtomicU64>>;
+type Gauges = Family<Labels, Gauge>;
+type SecondsGauges = Family<Labels, Gauge<f64, AtomicU64>>;
+
+/// The figures read from each model's engine and ring at scrape time, one family per
+/// name whatever the number of models.
+#[derive(Default)]
+struct EngineFamilies {
+    prompt: Counters,
+    generated: Counters,
+    sequences: Counters,
+    steps: Counters,
+    draft_tokens: Counters,
+    draft_accepted: Counters,
+    rings_formed: Counters,
+    workers_lost: Counters,
+    workers_returned: Counters,
+    workers_joined: Counters,
+    round_trip: SecondsCounters,
+    queue_depth: Gauges,
+    active: Gauges,
+    serving: Gauges,
+    workers_out: Gauges,
+    link_sent: Counters,
+    link_rtt: SecondsGauges,
+    kv: Gauges,
+    resident: Gauges,
+    busy: SecondsCounters,
+    rows: Counters,
+    heartbeat: SecondsGauges,
+}
+
+impl EngineFamilies {
+    fn register(&self, registry: &mut Registry) {
+        let f = self;
+        registry.register("prompt_tokens", "Prompt tokens, computed or reused from cache", f.prompt.clone());
+        registry.register("generated_tokens", "Tokens generated", f.generated.clone());
+        registry.register("sequences", "Sequences the engine ended, by how", f.sequences.clone());
+        registry.register("steps", "Micro-batches sent into the ring", f.steps.clone());
+        registry.register("draft_tokens", "Drafted tokens sent through the ring", f.draft_tokens.clone());
+        registry.register("draft_accepted_tokens", "Drafted tokens accepted", f.draft_accepted.clone());
+        registry.register("rings_formed", "Rings formed after the first", f.rings_formed.clone());
+        registry.register("workers_lost", "Times a worker of the ring was lost", f.workers_lost.clone());
+        registry.register(
+            "workers_returned",
+            "Times a lost worker came back and the ring was formed again with it",
+            f.workers_returned.clone(),
+        );
+        registry.register(
+            "workers_joined",
+            "Times a worker joined the cluster and the ring was formed again with it",
+            f.workers_joined.clone(),
+        );
+        registry.register(
+            "ring_round_trip_seconds",
+            "Seconds from sending each micro-batch into the ring to its answer, summed (per step: divide by steps)",
+            f.round_trip.clone(),
+        );
+        registry.register("queue_depth", "Requests waiting for a slot", f.queue_depth.clone());
+        registry.register("active_sequences", "Sequences being computed", f.active.clone());
+        registry.register("serving", "1 while a ring computes", f.serving.clone());
+        registry.register("workers_out", "Workers lost and not back in the ring", f.workers_out.clone());
+        registry.register(
+            "link_bytes_sent",
+            "Bytes each stage sent to the next hop (the last stage: to the head; 0 in process)",
+            f.link_sent.clone(),
+        );
+        registry.register(
+            "link_round_trip_seconds",
+            "Latest round trip of each stage's link to the next hop (stage=head: the head's link into the first \
+             stage), timed on that link's path; one-way latency is about half. Links in process or not measured \
+             have no sample",
+            f.link_rtt.clone(),
+        );
+        registry.register("kv_cells_used", "KV cache cells holding a token, per stage", f.kv.clone());
+        registry.register("stage_resident_bytes", "Bytes resident per stage", f.resident.clone());
+        registry.register(
+            "stage_busy_seconds",
+            "Seconds each stage spent computing micro-batches (step time = rate of this / rate of steps)",
+            f.busy.clone(),
+        );
+        registry.register("stage_rows", "Token rows each stage computed", f.rows.clone());
+        registry.register(
+            "heartbeat_round_trip_seconds",
+            "Latest round trip of the head's heartbeat to each worker of the ring",
+            f.heartbeat.clone(),
+        );
+    }
+
+    /// Adds the samples of one model's engine, labelled `model`.
+    async fn add(&self, state: &AppState, model: &Labels) {
+        let f = self;
+        let counters = state.engine().counters();
+        let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
+        f.prompt
+            .get_or_create(&with(model, "source", "computed"))
+            .inc_by(load(&counters.prompt_tokens_computed));
+        f.prompt
+            .get_or_create(&with(model, "source", "cache"))
+            .inc_by(load(&counters.prompt_tokens_reused));
+        for (outcome, value) in [
+            ("finished", &counters.requests_finished),
+            ("cancelled", &counters.requests_cancelled),
+            ("failed", &counters.requests_failed),
+        ] {
+            f.sequences.get_or_create(&with(model, "outcome", outcome)).inc_by(load(value));
+        }
+        for (family, value) in [
+            (&f.generated, &counters.completion_tokens),
+            (&f.steps, &counters.steps),
+            (&f.draft_tokens, &counters.draft_tokens),
+            (&f.draft_accepted, &counters.draft_accepted),
+            (&f.rings_formed, &counters.rings_formed),
+            (&f.workers_lost, &counters.workers_lost),
+            (&f.workers_returned, &counters.workers_returned),
+            (&f.workers_joined, &counters.workers_joined),
+        ] {
+            family.get_or_create(model).inc_by(load(value));
+        }
+        f.round_trip
+            .get_or_create(model)
+            .inc_by(load(&counters.round_trip_us) as f64 / 1e6);
+        f.queue_depth.get_or_create(model).set(counters.queued.load(Ordering::Relaxed) as i64);
+        f.active.get_or_create(model).set(counters.active.load(Ordering::Relaxed) as i64);
+        let (serving, lost) = match state.engine().health() {
+            Health::Serving { lost, .. } => (1, lost.len()),
+            _ => (0, 0),
+        };
+        f.serving.get_or_create(model).set(serving);
+        f.workers_out.get_or_create(model).set(lost as i64);
+
+        if let Ok(Ok(stages)) = tokio::time::timeout(Duration::from_secs(2), state.engine().stage_stats()).await {
+            let stage = |stage: String| with(model, "stage", stage);
+            if stages.head_link_rtt_us > 0 {
+                f.link_rtt
+                    .get_or_create(&stage("head".into()))
+                    .set(stages.head_link_rtt_us as f64 / 1e6);
+            }
+            for (i, &micros) in stages.link_rtt_us.iter().enumerate() {
+                if micros > 0 {
+                    f.link_rtt.get_or_create(&stage(i.to_string())).set(micros as f64 / 1e6);
+                }
+            }
+            for (i, cells) in stages.kv_used.iter().enumerate() {
+                let stage = stage(i.to_string());
+                f.kv.get_or_create(&stage).set(i64::from(*cells));
+                if let Some(&bytes) = stages.resident.get(i) {
+                    f.resident.get_or_create(&stage).set(bytes as i64);
+                }
+                if let Some(&micros) = stages.busy_us.get(i) {
+                    f.busy.get_or_create(&stage).inc_by(micros as f64 / 1e6);
+                }
+                if let Some(&n) = stages.rows.get(i) {
+                    f.rows.get_or_create(&stage).inc_by(n);
+                }
+                if let Some(&bytes) = stages.link_sent.get(i) {
+                    f.link_sent.get_or_create(&stage).inc_by(bytes);
+                }
+            }
+        }
+        for (worker, round_trip) in state.engine().heartbeats() {
+            if let Some(round_trip) = round_trip {
+                f.heartbeat
+                    .get_or_create(&with(model, "worker", worker))
+                    .set(round_trip.as_secs_f64());
+            }
+        }
+    }
+}
+
+/// The exposition, OpenMetrics text: every model's figures, labelled `model` when the
+/// server has several.
+pub(crate) async fn metrics(State(served): State<Arc<Served>>) -> Response {
     let mut registry = Registry::with_prefix("baton");
-    let m = &state.metrics;
+    let models = served.models();
+    // Every model's state shares the families of the first.
+    let m = &models[0].metrics.families;
     registry.register("requests", "HTTP generation requests by outcome", m.requests.clone());
     registry.register(
         "time_to_first_token_seconds",
@@ -115,183 +332,11 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         "Time between consecutive generated tokens of a request",
         m.inter_token.clone(),
     );
-
-    let counters = state.engine().counters();
-    let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
-    let counter = |registry: &mut Registry, name: &str, help: &str, value: u64| {
-        registry.register(name, help, ConstCounter::new(value));
-    };
-    let prompt = Family::<Labels, Counter>::default();
-    prompt
-        .get_or_create(&vec![("source".into(), "computed".into())])
-        .inc_by(load(&counters.prompt_tokens_computed));
-    prompt
-        .get_or_create(&vec![("source".into(), "cache".into())])
-        .inc_by(load(&counters.prompt_tokens_reused));
-    registry.register("prompt_tokens", "Prompt tokens, computed or reused from cache", prompt);
-    counter(
-        &mut registry,
-        "generated_tokens",
-        "Tokens generated",
-        load(&counters.completion_tokens),
-    );
-    let ended = Family::<Labels, Counter>::default();
-    for (outcome, value) in [
-        ("finished", &counters.requests_finished),
-        ("cancelled", &counters.requests_cancelled),
-        ("failed", &counters.requests_failed),
-    ] {
-        ended
-            .get_or_create(&vec![("outcome".into(), outcome.into())])
-            .inc_by(load(value));
+    let engines = EngineFamilies::default();
+    engines.register(&mut registry);
+    for state in models {
+        engines.add(state, &state.metrics.labels).await;
     }
-    registry.register("sequences", "Sequences the engine ended, by how", ended);
-    counter(
-        &mut registry,
-        "steps",
-        "Micro-batches sent into the ring",
-        load(&counters.steps),
-    );
-    counter(
-        &mut registry,
-        "draft_tokens",
-        "Drafted tokens sent through the ring",
-        load(&counters.draft_tokens),
-    );
-    counter(
-        &mut registry,
-        "draft_accepted_tokens",
-        "Drafted tokens accepted",
-        load(&counters.draft_accepted),
-    );
-    counter(
-        &mut registry,
-        "rings_formed",
-        "Rings formed after the first",
-        load(&counters.rings_formed),
-    );
-    counter(
-        &mut registry,
-        "workers_lost",
-        "Times a worker of the ring was lost",
-        load(&counters.workers_lost),
-    );
-    counter(
-        &mut registry,
-        "workers_returned",
-        "Times a lost worker came back and the ring was formed again with it",
-        load(&counters.workers_returned),
-    );
-    counter(
-        &mut registry,
-        "workers_joined",
-        "Times a worker joined the cluster and the ring was formed again with it",
-        load(&counters.workers_joined),
-    );
-    let round_trip = prometheus_client::metrics::counter::ConstCounter::new(load(&counters.round_trip_us) as f64 / 1e6);
-    registry.register(
-        "ring_round_trip_seconds",
-        "Seconds from sending each micro-batch into the ring to its answer, summed (per step: divide by steps)",
-        round_trip,
-    );
-    let gauge = |registry: &mut Registry, name: &str, help: &str, value: i64| {
-        registry.register(name, help, ConstGauge::new(value));
-    };
-    gauge(
-        &mut registry,
-        "queue_depth",
-        "Requests waiting for a slot",
-        counters.queued.load(Ordering::Relaxed) as i64,
-    );
-    gauge(
-        &mut registry,
-        "active_sequences",
-        "Sequences being computed",
-        counters.active.load(Ordering::Relaxed) as i64,
-    );
-    let (serving, lost) = match state.engine().health() {
-        Health::Serving { lost, .. } => (1, lost.len()),
-        _ => (0, 0),
-    };
-    gauge(&mut registry, "serving", "1 while a ring computes", serving);
-    gauge(
-        &mut registry,
-        "workers_out",
-        "Workers lost and not back in the ring",
-        lost as i64,
-    );
-
-    if let Ok(Ok(stages)) = tokio::time::timeout(Duration::from_secs(2), state.engine().stage_stats()).await {
-        let kv = Family::<Labels, prometheus_client::metrics::gauge::Gauge>::default();
-        let resident = Family::<Labels, prometheus_client::metrics::gauge::Gauge>::default();
-        let busy = Family::<Labels, prometheus_client::metrics::counter::Counter<f64>>::default();
-        let rows = Family::<Labels, Counter>::default();
-        let link = Family::<Labels, Counter>::default();
-        let link_rtt = Family::<Labels, Gauge<f64, AtomicU64>>::default();
-        let stage_label = |stage: String| vec![("stage".to_string(), stage)];
-        if stages.head_link_rtt_us > 0 {
-            link_rtt
-                .get_or_create(&stage_label("head".into()))
-                .set(stages.head_link_rtt_us as f64 / 1e6);
-        }
-        for (i, &micros) in stages.link_rtt_us.iter().enumerate() {
-            if micros > 0 {
-                link_rtt
-                    .get_or_create(&stage_label(i.to_string()))
-                    .set(micros as f64 / 1e6);
-            }
-        }
-        for (i, cells) in stages.kv_used.iter().enumerate() {
-            let stage = stage_label(i.to_string());
-            kv.get_or_create(&stage).set(i64::from(*cells));
-            if let Some(&bytes) = stages.resident.get(i) {
-                resident.get_or_create(&stage).set(bytes as i64);
-            }
-            if let Some(&micros) = stages.busy_us.get(i) {
-                busy.get_or_create(&stage).inc_by(micros as f64 / 1e6);
-            }
-            if let Some(&n) = stages.rows.get(i) {
-                rows.get_or_create(&stage).inc_by(n);
-            }
-            if let Some(&bytes) = stages.link_sent.get(i) {
-                link.get_or_create(&stage).inc_by(bytes);
-            }
-        }
-        registry.register(
-            "link_bytes_sent",
-            "Bytes each stage sent to the next hop (the last stage: to the head; 0 in process)",
-            link,
-        );
-        registry.register(
-            "link_round_trip_seconds",
-            "Latest round trip of each stage's link to the next hop (stage=head: the head's link into the first \
-             stage), timed on that link's path; one-way latency is about half. Links in process or not measured \
-             have no sample",
-            link_rtt,
-        );
-        registry.register("kv_cells_used", "KV cache cells holding a token, per stage", kv);
-        registry.register("stage_resident_bytes", "Bytes resident per stage", resident);
-        registry.register(
-            "stage_busy_seconds",
-            "Seconds each stage spent computing micro-batches (step time = rate of this / rate of steps)",
-            busy,
-        );
-        registry.register("stage_rows", "Token rows each stage computed", rows);
-    }
-
-    let heartbeat = Family::<Labels, Gauge<f64, AtomicU64>>::default();
-    for (worker, round_trip) in state.engine().heartbeats() {
-        if let Some(round_trip) = round_trip {
-            heartbeat
-                .get_or_create(&vec![("worker".to_string(), worker)])
-                .set(round_trip.as_secs_f64());
-        }
-    }
-    registry.register(
-        "heartbeat_round_trip_seconds",
-        "Latest round trip of the head's heartbeat to each worker of the ring",
-        heartbeat,
-    );
 
     let mut text = String::new();
     if let Err(e) = encode(&mut text, &registry) {

@@ -115,7 +115,7 @@ impl Shared {
                         .position(|a| a.group == group && a.rank as usize == rank)
                         .expect("checked above");
                     let mut arrived = waiting.swap_remove(at);
-                    self.attach(arrived.closer.take());
+                    self.attach(id, arrived.closer.take());
                     taken.push((rank, arrived));
                 }
                 return Ok(taken);
@@ -171,7 +171,7 @@ pub(crate) fn form_mesh(shared: &Shared, id: u64, place: &TpPlace) -> Result<Mes
                     "cannot link to member {lower} of the tensor-parallel group at {addr}: {e}"
                 ))
             })?;
-        shared.attach(link.closer().ok());
+        shared.attach(id, link.closer().ok());
         peers.push(Peer::from_link(lower, link)?);
     }
     let mut slots = Vec::new();

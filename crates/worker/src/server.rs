@@ -74,31 +74,40 @@ pub struct Worker {
     shared: Arc<Shared>,
 }
 
+/// Most heads a worker serves at once, one per model: a server of several models
+/// plans each of them over the same workers.
+pub const MAX_SESSIONS: usize = 8;
+
 pub(crate) struct Shared {
     pub(crate) config: WorkerConfig,
     models: ModelDir,
     /// Which connections are served (handshakes and authenticated ones).
     gate: Arc<Gate>,
-    busy: AtomicBool,
-    /// Told to leave the cluster: new heads are refused, and the head's next heartbeat
-    /// is answered `Leaving` (see [`Leave`]).
+    /// Told to leave the cluster: new heads are refused, and the heads' next heartbeats
+    /// are answered `Leaving` (see [`Leave`]).
     leaving: AtomicBool,
-    /// The head session now running: its number, and closers of its links (control
-    /// and upstream) that a heartbeat timeout uses to end it.
-    session: Mutex<Session>,
-    upstream: Mutex<Option<(Box<dyn Link>, ConnSlot)>>,
+    /// The head sessions now running, at most one per model.
+    sessions: Mutex<Vec<Session>>,
+    /// Ring links from previous stages, each for the session its `JoinRing` names,
+    /// until that session takes it.
+    upstreams: Mutex<Vec<Upstream>>,
     upstream_ready: Condvar,
     /// Links other members of a tensor-parallel group dialed, until the session takes
-    /// them (see `worker_tp.rs`).
+    /// them (see `group.rs`).
     pub(crate) members: Mutex<Vec<Arrived>>,
     pub(crate) members_ready: Condvar,
 }
 
-#[derive(Default)]
+/// One head's session.
 struct Session {
     /// Random, so that only the head this session serves (told it in `Capabilities`)
-    /// can name it in its heartbeat; 0 is never a session.
+    /// can name it in its heartbeat and its ring links; 0 is never a session.
     id: u64,
+    /// The model the head described: another head for the same model is refused.
+    model: Option<[u8; 32]>,
+    /// Bytes the session's stage holds, once loaded: memory the next head is not
+    /// offered.
+    resident: u64,
     /// The session's control link and the member links it dialed or took.
     closers: Vec<LinkCloser>,
     /// The latest upstream (ring) link's closer.
@@ -106,73 +115,116 @@ struct Session {
     aborted: bool,
 }
 
-/// The one head this worker serves; dropping it (the session ended, or its thread
-/// panicked) frees the worker for the next head. Before this was a guard, a panic
-/// while a head was served left every later head refused as "another head".
+/// A ring link waiting for its session.
+struct Upstream {
+    session: u64,
+    link: Box<dyn Link>,
+    slot: ConnSlot,
+}
+
+/// A head's session; dropping it (the session ended, or its thread panicked) ends its
+/// bookkeeping. Before this was a guard, a panic while a head was served left every
+/// later head refused as "another head".
 struct HeadSlot<'a> {
     shared: &'a Shared,
+    id: u64,
 }
 
 impl Drop for HeadSlot<'_> {
     fn drop(&mut self) {
-        let mut session = self.shared.session();
-        session.closers.clear();
-        session.upstream = None;
-        self.shared.busy.store(false, Ordering::SeqCst);
+        self.shared.sessions().retain(|s| s.id != self.id);
+        self.shared.upstreams().retain(|u| u.session != self.id);
     }
 }
 
 impl Shared {
-    fn session(&self) -> MutexGuard<'_, Session> {
-        self.session.lock().unwrap_or_else(|p| p.into_inner())
+    fn sessions(&self) -> MutexGuard<'_, Vec<Session>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes the worker for a head, unless one has it.
-    fn claim_head(&self) -> Option<HeadSlot<'_>> {
-        (!self.busy.swap(true, Ordering::SeqCst)).then_some(HeadSlot { shared: self })
+    fn upstreams(&self) -> MutexGuard<'_, Vec<Upstream>> {
+        self.upstreams.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Starts session bookkeeping for a head whose control link `control` closes;
-    /// returns the session's (random, non-zero) id.
-    fn begin_session(&self, control: Option<LinkCloser>) -> u64 {
-        // An upstream link or member links left over from an earlier session are dead.
-        *self.upstream.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        self.arrived().clear();
-        let mut session = self.session();
-        session.id = loop {
+    /// Opens a session for a head whose control link `control` closes, unless the
+    /// worker serves [`MAX_SESSIONS`] heads already (the reason).
+    fn begin_session(&self, control: Option<LinkCloser>) -> Result<HeadSlot<'_>, String> {
+        let mut sessions = self.sessions();
+        if sessions.len() >= MAX_SESSIONS {
+            return Err(format!(
+                "this worker serves {MAX_SESSIONS} heads already, the most it serves at once"
+            ));
+        }
+        let id = loop {
             let nonce = baton_proto::auth::new_nonce();
             let id = u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes"));
-            if id != 0 && id != session.id {
+            if id != 0 && sessions.iter().all(|s| s.id != id) {
                 break id;
             }
         };
-        session.closers = control.into_iter().collect();
-        session.upstream = None;
-        session.aborted = false;
-        session.id
+        sessions.push(Session {
+            id,
+            model: None,
+            resident: 0,
+            closers: control.into_iter().collect(),
+            upstream: None,
+            aborted: false,
+        });
+        Ok(HeadSlot { shared: self, id })
     }
 
-    /// Adds a link that ending the current session must close.
-    pub(crate) fn attach(&self, closer: Option<LinkCloser>) {
-        self.session().closers.extend(closer);
-    }
-
-    /// Ends session `id` if it is still the current one: closes its links, so whatever
-    /// it waits on returns an error and it unwinds.
-    fn abort_session(&self, id: u64) -> bool {
-        let mut session = self.session();
-        if session.id != id || !self.busy.load(Ordering::SeqCst) {
+    /// Gives session `id` the model `identity`, unless another head's session has it
+    /// (a head that re-forms its ring ends its old session first).
+    fn claim_model(&self, id: u64, identity: &[u8; 32]) -> bool {
+        let mut sessions = self.sessions();
+        if sessions.iter().any(|s| s.id != id && s.model.as_ref() == Some(identity)) {
             return false;
         }
-        session.aborted = true;
-        let open = &mut *session;
-        for closer in open.closers.drain(..).chain(open.upstream.take()) {
-            closer.close();
+        if let Some(session) = sessions.iter_mut().find(|s| s.id == id) {
+            session.model = Some(*identity);
         }
-        // Member links parked for this session's group go too (after the session's
-        // lock is let go: `wait_members` takes the two the other way round).
-        drop(session);
-        self.arrived().clear();
+        true
+    }
+
+    /// Runs `f` on session `id`, if it runs.
+    fn with_session<R>(&self, id: u64, f: impl FnOnce(&mut Session) -> R) -> Option<R> {
+        self.sessions().iter_mut().find(|s| s.id == id).map(f)
+    }
+
+    /// Bytes the stages of the sessions other than `id` hold.
+    fn held_by_others(&self, id: u64) -> u64 {
+        self.sessions()
+            .iter()
+            .filter(|s| s.id != id)
+            .fold(0, |sum: u64, s| sum.saturating_add(s.resident))
+    }
+
+    /// Memory offered to session `id`, per device: with `--memory`, what the other
+    /// sessions' stages leave of it (without, the free memory the system reports
+    /// already counts them).
+    fn memory_for(&self, id: u64, devices: &[Device]) -> Vec<u64> {
+        let limit = self.config.memory.map(|m| m.saturating_sub(self.held_by_others(id)));
+        baton_stage::device_memory(devices, limit)
+    }
+
+    /// Adds a link that ending session `id` must close.
+    pub(crate) fn attach(&self, id: u64, closer: Option<LinkCloser>) {
+        self.with_session(id, |s| s.closers.extend(closer));
+    }
+
+    /// Ends session `id` if it still runs: closes its links, so whatever it waits on
+    /// returns an error and it unwinds.
+    fn abort_session(&self, id: u64) -> bool {
+        let found = self.with_session(id, |session| {
+            session.aborted = true;
+            for closer in session.closers.drain(..).chain(session.upstream.take()) {
+                closer.close();
+            }
+        });
+        if found.is_none() {
+            return false;
+        }
+        self.upstreams().retain(|u| u.session != id);
         // A session still waiting for its upstream (or its group's members) wakes up
         // and finds it never came.
         self.upstream_ready.notify_all();
@@ -181,8 +233,7 @@ impl Shared {
     }
 
     pub(crate) fn is_aborted(&self, id: u64) -> bool {
-        let session = self.session();
-        session.id == id && session.aborted
+        self.with_session(id, |s| s.aborted).unwrap_or(false)
     }
 
     /// A link to another worker as `role`, authenticated, its handshake done within
@@ -195,9 +246,29 @@ impl Shared {
         Ok(link)
     }
 
-    /// Whether `id` is the session now running.
+    /// Whether `id` is a session now running.
     fn is_current(&self, id: u64) -> bool {
-        id != 0 && self.busy.load(Ordering::SeqCst) && self.session().id == id
+        id != 0 && self.with_session(id, |_| ()).is_some()
+    }
+
+    /// Keeps a ring link until session `session` takes it ([`wait_upstream`]); a newer
+    /// link for the same session replaces an older one, so replaced links keep no
+    /// socket open.
+    fn arrive_upstream(
+        &self,
+        session: u64,
+        link: Box<dyn Link>,
+        closer: Option<LinkCloser>,
+        slot: ConnSlot,
+    ) -> Result<(), (Box<dyn Link>, String)> {
+        if self.with_session(session, |s| s.upstream = closer).is_none() {
+            return Err((link, format!("no session {session} runs on this worker")));
+        }
+        let mut upstreams = self.upstreams();
+        upstreams.retain(|u| u.session != session);
+        upstreams.push(Upstream { session, link, slot });
+        self.upstream_ready.notify_all();
+        Ok(())
     }
 }
 
@@ -227,10 +298,9 @@ impl Worker {
             config,
             models,
             gate,
-            busy: AtomicBool::new(false),
             leaving: AtomicBool::new(false),
-            session: Mutex::default(),
-            upstream: Mutex::new(None),
+            sessions: Mutex::new(Vec::new()),
+            upstreams: Mutex::new(Vec::new()),
             upstream_ready: Condvar::new(),
             members: Mutex::new(Vec::new()),
             members_ready: Condvar::new(),
@@ -293,7 +363,7 @@ impl Leave {
     pub fn drain(&self, timeout: Duration) -> bool {
         self.0.leaving.store(true, Ordering::SeqCst);
         let deadline = Instant::now() + timeout;
-        while self.0.busy.load(Ordering::SeqCst) {
+        while !self.0.sessions().is_empty() {
             if Instant::now() >= deadline {
                 return false;
             }
@@ -325,22 +395,31 @@ fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError
                 refuse(link.as_mut(), RefusalCode::Leaving, LEAVING.into());
                 return Err(NodeError::Request(format!("a head connected: {LEAVING}")));
             }
-            let Some(head) = shared.claim_head() else {
-                let reason = "another head is already connected to this worker".to_string();
-                refuse(link.as_mut(), RefusalCode::Busy, reason.clone());
-                return Err(NodeError::Request(reason));
+            let head = match shared.begin_session(closer) {
+                Ok(head) => head,
+                Err(reason) => {
+                    refuse(link.as_mut(), RefusalCode::Busy, reason.clone());
+                    return Err(NodeError::Request(reason));
+                }
             };
-            let id = shared.begin_session(closer);
-            session(shared, link, head, &local, id)
+            session(shared, link, head, &local)
         }
         Role::Ring => {
+            // The first frame (within the handshake's read timeout) names the session
+            // whose ring the link belongs to.
+            let session = match link.recv()? {
+                Message::JoinRing { session } => session,
+                other => {
+                    let reason = format!("{} where a ring link's JoinRing was due", other.kind());
+                    refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
+                    return Err(NodeError::Protocol(reason));
+                }
+            };
             link.set_read_timeout(None)?;
-            // One upstream at a time: a new one replaces the last, closer included, so
-            // replaced links keep no socket open.
-            shared.session().upstream = closer;
-            *shared.upstream.lock().unwrap_or_else(|p| p.into_inner()) = Some((link, conn));
-            shared.upstream_ready.notify_all();
-            Ok(())
+            shared.arrive_upstream(session, link, closer, conn).map_err(|(mut link, reason)| {
+                refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
+                NodeError::Request(reason)
+            })
         }
         Role::Heartbeat => heartbeat(shared, link),
         Role::Member => crate::group::accept_member(shared, link, closer, conn),
@@ -408,19 +487,21 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
     Ok(())
 }
 
+/// Refuses a head for a model another head's session serves here.
+fn another_head(link: &mut dyn Link, file_name: &str) -> NodeError {
+    let reason = format!("another head is already connected to this worker for {file_name}");
+    refuse(link, RefusalCode::Busy, reason.clone());
+    NodeError::Request(reason)
+}
+
 /// One head's session: describe, load, then run the stage until the ring closes.
 ///
 /// `head` comes after `link` so that, when a panic unwinds this frame, the worker is
 /// free again before the head's connection closes (parameters drop in reverse order): a
 /// head that reconnects the moment it sees the close is not told "another head". For
 /// the same reason a refusal frees the worker before it is sent.
-fn session(
-    shared: &Shared,
-    mut link: Box<dyn Link>,
-    head: HeadSlot<'_>,
-    local: &str,
-    id: u64,
-) -> Result<(), NodeError> {
+fn session(shared: &Shared, mut link: Box<dyn Link>, head: HeadSlot<'_>, local: &str) -> Result<(), NodeError> {
+    let id = head.id;
     // The head may take its time between messages (planning, other workers loading).
     link.set_read_timeout(None)?;
     let plan = loop {
@@ -430,8 +511,16 @@ fn session(
                 if tests::PANIC_ON_DESCRIBE.load(Ordering::SeqCst) {
                     panic!("a test made this session panic");
                 }
+                if !shared.claim_model(id, &model.identity) {
+                    drop(head);
+                    return Err(another_head(link.as_mut(), &model.file_name));
+                }
                 let caps = describe(shared, &model.file_name, &model.identity, local, id);
                 link.send(Message::Capabilities(caps))?;
+            }
+            Message::LoadPlan(plan) if !shared.claim_model(id, &plan.model.identity) => {
+                drop(head);
+                return Err(another_head(link.as_mut(), &plan.model.file_name));
             }
             Message::LoadPlan(plan) => break plan,
             // The head times its link to this worker (`--tp auto`).
@@ -464,6 +553,11 @@ fn session(
             return Err(e);
         }
     };
+    let resident = match &loaded {
+        Loaded::Ring { stage, .. } => stage.resident_bytes(),
+        Loaded::Member { stage, .. } => stage.resident_bytes(),
+    };
+    shared.with_session(id, |s| s.resident = resident);
     let (stage, received, _member_links) = match loaded {
         Loaded::Ring { stage, received, mesh } => (stage, received, mesh),
         Loaded::Member {
@@ -498,7 +592,10 @@ fn session(
     // as long as the session runs.
     let (downstream, _probe) = match &plan.next {
         Some(next) => {
-            let down = shared.dial(next, Role::Ring)?;
+            let mut down = shared.dial(next, Role::Ring)?;
+            down.send(Message::JoinRing {
+                session: plan.next_session,
+            })?;
             let probe = LinkProbe::start(next, &shared.config.link, token, down.counters());
             (Some(down), Some(probe))
         }
@@ -531,12 +628,14 @@ fn session(
     }
 }
 
+/// Waits for the ring link from the previous stage of session `id`'s ring.
 fn wait_upstream(shared: &Shared, id: u64) -> Result<(Box<dyn Link>, ConnSlot), NodeError> {
     let deadline = Instant::now() + Duration::from_secs(60);
-    let mut slot = shared.upstream.lock().unwrap_or_else(|p| p.into_inner());
+    let mut slot = shared.upstreams();
     loop {
-        if let Some(link) = slot.take() {
-            return Ok(link);
+        if let Some(at) = slot.iter().position(|u| u.session == id) {
+            let upstream = slot.swap_remove(at);
+            return Ok((upstream.link, upstream.slot));
         }
         if shared.is_aborted(id) {
             return Err(NodeError::Request(
@@ -561,7 +660,7 @@ fn describe(shared: &Shared, file_name: &str, identity: &[u8; 32], local: &str, 
     let config = &shared.config;
     let path = shared.models.find_complete(file_name, identity);
     let devices = baton_stage::or_cpu(&config.devices);
-    let memory = baton_stage::device_memory(&devices, config.memory);
+    let memory = shared.memory_for(session, &devices);
     let devices = devices
         .iter()
         .zip(memory)
@@ -659,7 +758,8 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
         kv_types,
     };
     let devices = baton_stage::or_cpu(&shared.config.devices);
-    let offered = baton_stage::device_memory(&devices, shared.config.memory)
+    let offered = shared
+        .memory_for(id, &devices)
         .iter()
         .fold(0, |a: u64, &m| a.saturating_add(m));
     check_kv_fits(&file, &span, &config, offered)?;

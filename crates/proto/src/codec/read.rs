@@ -138,6 +138,9 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             rank: r.u32("rank")?,
         },
         kind::PROBE => Message::Probe { data: r.bytes("data")? },
+        kind::JOIN_RING => Message::JoinRing {
+            session: r.u64("session")?,
+        },
         // `kind_name` accepted it, so a number is missing above.
         _ => return Err(ProtoError::UnknownKind(kind)),
     };
@@ -393,6 +396,7 @@ impl<'a> Reader<'a> {
             false => None,
             true => Some(self.str("next")?),
         };
+        let next_session = self.u64("next_session")?;
         let plan = LoadPlan {
             model,
             layer_start,
@@ -402,6 +406,7 @@ impl<'a> Reader<'a> {
             n_ctx,
             n_seq,
             next,
+            next_session,
             stream: self.bool("stream")?,
             wire_f16: self.bool("wire_f16")?,
             repack: self.bool("repack")?,

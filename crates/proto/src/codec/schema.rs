@@ -143,7 +143,7 @@ const STRUCTURES: [&Layout; 10] = [
 ];
 
 /// Messages, in kind-number order.
-const MESSAGES: [Layout; 28] = [
+const MESSAGES: [Layout; 29] = [
     Layout {
         name: "Hello",
         fields: &[
@@ -185,6 +185,7 @@ const MESSAGES: [Layout; 28] = [
             Field("n_ctx", Ty::U32),
             Field("n_seq", Ty::U32),
             Field("next", Ty::Opt(&Ty::Str)),
+            Field("next_session", Ty::U64),
             Field("stream", Ty::Bool),
             Field("wire_f16", Ty::Bool),
             Field("repack", Ty::Bool),
@@ -316,6 +317,10 @@ const MESSAGES: [Layout; 28] = [
     Layout {
         name: "FetchFrom",
         fields: &[Field("peer", Ty::Str), Field("tensors", Ty::List(&Ty::U32))],
+    },
+    Layout {
+        name: "JoinRing",
+        fields: &[Field("session", Ty::U64)],
     },
 ];
 

@@ -67,6 +67,7 @@ pub(super) fn samples() -> Vec<Message> {
         n_ctx: 4096,
         n_seq: 8,
         next: None,
+        next_session: 0,
         stream: true,
         wire_f16: false,
         repack: true,
@@ -158,6 +159,7 @@ pub(super) fn samples() -> Vec<Message> {
         Message::LoadPlan(Box::new(plan.clone())),
         Message::LoadPlan(Box::new(LoadPlan {
             next: Some("10.0.0.3:7311".into()),
+            next_session: 7,
             first: true,
             last: false,
             tp: Some(crate::TpPlace {
@@ -307,6 +309,7 @@ pub(super) fn samples() -> Vec<Message> {
             peer: String::new(),
             tensors: vec![],
         },
+        Message::JoinRing { session: 0x1234_5678_9abc },
     ]
 }
 
@@ -431,7 +434,7 @@ fn header_checks_length_flags_and_kind() {
     let err = parse_header(&head(0, 999, 0), DEFAULT_MAX_FRAME).unwrap_err();
     assert_eq!(err.to_string(), "unknown message kind 999");
     assert_eq!(parse_header(&head(0, 0, 0), 100), Err(ProtoError::UnknownKind(0)));
-    assert_eq!(parse_header(&head(0, 29, 0), 100), Err(ProtoError::UnknownKind(29)));
+    assert_eq!(parse_header(&head(0, 30, 0), 100), Err(ProtoError::UnknownKind(30)));
     assert_eq!(parse_header(&head(0, 15, 1), 100), Err(ProtoError::BadFlags(1)));
     assert_eq!(decode(999, &[]), Err(ProtoError::UnknownKind(999)));
 }
@@ -796,6 +799,7 @@ fn invalid_values_are_refused() {
         n_ctx: 1,
         n_seq: 0,
         next: None,
+        next_session: 0,
         stream: false,
         wire_f16: false,
         repack: false,
@@ -949,6 +953,7 @@ fn tp_places_outside_their_group_are_refused() {
         n_ctx: 64,
         n_seq: 0,
         next: None,
+        next_session: 0,
         stream: false,
         wire_f16: false,
         repack: true,

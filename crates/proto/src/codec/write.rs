@@ -162,6 +162,9 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
         Message::Probe { data } => {
             w.bytes(data);
         }
+        Message::JoinRing { session } => {
+            w.u64(*session);
+        }
     }
     kind_of(msg)
 }
@@ -278,6 +281,7 @@ impl Writer<'_> {
         self.u32(plan.n_ctx);
         self.u32(plan.n_seq);
         self.opt_str(plan.next.as_deref());
+        self.u64(plan.next_session);
         self.bool(plan.stream);
         self.bool(plan.wire_f16);
         self.bool(plan.repack);
