@@ -1,7 +1,8 @@
 //! Several models on one server (issue 32): `baton serve --model A --model B` plans each
 //! model over the same workers, routes requests by their `model` field, and every model
 //! answers with libllama's tokens, alone or while the other computes. A worker serves
-//! one head per model at once, and still refuses a second head for the same model.
+//! one head per model at once, and still refuses a second head for the same model. The
+//! page offers every model.
 
 mod common;
 
@@ -123,6 +124,13 @@ fn two_models_on_the_same_workers_answer_by_name_with_libllamas_tokens() {
             .unwrap_or_else(|| panic!("no generated tokens for {id}:\n{text}"));
         assert!(generated.value >= 24.0, "{id}: {}", generated.value);
     }
+
+    // The page offers both, and chats with the one chosen (headless Chromium).
+    let status = server
+        .node_tests(&["page_models.test.mjs"])
+        .status()
+        .expect("node runs (scripts/setup installs tests/node)");
+    assert!(status.success(), "the page test failed (output above)");
 }
 
 const TOKEN: &str = "test-models-secret";

@@ -3,32 +3,14 @@
 // sent streams an answer in, and the ring is drawn. Writes a screenshot to
 // $BATON_SCREENSHOT when set.
 import assert from "node:assert/strict";
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
 import { test } from "node:test";
 
-import { chromium } from "playwright-core";
+import { withBrowser } from "./browser.mjs";
 
 const { BATON_URL, BATON_API_KEY, BATON_SCREENSHOT } = process.env;
-const CHROMIUM = process.env.BATON_CHROMIUM || "/usr/bin/chromium";
 
 test("the page chats with streamed text and draws the ring", async () => {
-  const profile = mkdtempSync(join(tmpdir(), "baton-chromium-"));
-  const browser = await chromium.launchPersistentContext(profile, {
-    executablePath: CHROMIUM,
-    headless: true,
-    viewport: { width: 1200, height: 720 },
-    args: [
-      "--no-sandbox",
-      "--disable-gpu",
-      "--disable-background-networking",
-      "--disable-component-update",
-      "--disable-sync",
-      "--no-first-run",
-    ],
-  });
-  try {
+  await withBrowser(async (browser) => {
     const page = browser.pages()[0] ?? (await browser.newPage());
     const foreign = [];
     page.on("request", (request) => {
@@ -63,8 +45,5 @@ test("the page chats with streamed text and draws the ring", async () => {
     assert.match(await page.textContent("#ring"), /RTT \d+\.\d+ ms/);
     if (BATON_SCREENSHOT) await page.screenshot({ path: BATON_SCREENSHOT });
     assert.deepEqual(foreign, [], "the page loaded something from elsewhere");
-  } finally {
-    await browser.close();
-    rmSync(profile, { recursive: true, force: true });
-  }
+  });
 });
