@@ -152,7 +152,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             })
         })
         .collect();
-    if let Some(twice) = ids.iter().enumerate().find_map(|(i, id)| ids[..i].contains(id).then_some(id)) {
+    if let Some(twice) = ids
+        .iter()
+        .enumerate()
+        .find_map(|(i, id)| ids[..i].contains(id).then_some(id))
+    {
         anyhow::bail!("two models are called '{twice}': give each its own --alias");
     }
     // Several models share one set of local workers, as they would share --workers.

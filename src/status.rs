@@ -23,6 +23,10 @@ pub struct StatusArgs {
     /// Print the head's answers as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// On a server of several models, the one whose figures to show (default: the
+    /// first).
+    #[arg(long)]
+    model: Option<String>,
 }
 
 /// Prints the status of the server at `args.url`.
@@ -35,6 +39,9 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     let agent = crate::invite::agent();
     let get = |path: &str| -> anyhow::Result<(u16, Value)> {
         let mut request = agent.get(format!("{base}{path}"));
+        if let (Some(model), "/stats") = (&args.model, path) {
+            request = request.query("model", model);
+        }
         if let Some(key) = &args.api_key {
             request = request.header("Authorization", format!("Bearer {key}"));
         }
@@ -48,7 +55,11 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     };
     let (_, health) = get("/health")?;
     let models = get("/v1/models").map(|(_, m)| m).unwrap_or(Value::Null);
-    let first = get("/stats").ok().filter(|(code, _)| *code == 200).map(|(_, s)| s);
+    let first = get("/stats").ok();
+    if let Some((404, body)) = &first {
+        anyhow::bail!("{}", body["error"]["message"].as_str().unwrap_or("no such model"));
+    }
+    let first = first.filter(|(code, _)| *code == 200).map(|(_, s)| s);
     let started = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(args.interval));
     let second = get("/stats").ok().filter(|(code, _)| *code == 200).map(|(_, s)| s);
@@ -85,8 +96,10 @@ fn report(
         .as_array()
         .map(|m| m.iter().filter_map(|m| m["id"].as_str()).collect())
         .unwrap_or_default();
-    if !names.is_empty() {
-        out += &format!("model: {}\n", names.join(", "));
+    match (names.as_slice(), stats.and_then(|s| s["model"].as_str())) {
+        ([], _) => {}
+        ([_, _, ..], Some(shown)) => out += &format!("models: {} (figures below: {shown})\n", names.join(", ")),
+        _ => out += &format!("model: {}\n", names.join(", ")),
     }
     let count = |v: &Value, key: &str| v[key].as_u64().unwrap_or(0);
     out += &format!(

@@ -40,7 +40,14 @@ fn two_models_on_the_same_workers_answer_by_name_with_libllamas_tokens() {
     let server = Server::start_on(
         &model(QWEN2),
         &["--local-workers", "2", "--no-head-stage"],
-        &["--model", gemma.to_str().unwrap(), "--alias", "qwen", "--alias", "gemma"],
+        &[
+            "--model",
+            gemma.to_str().unwrap(),
+            "--alias",
+            "qwen",
+            "--alias",
+            "gemma",
+        ],
     );
     let qwen_oracle = LlamaModel::load_full(&model(QWEN2), true).unwrap();
     let gemma_oracle = LlamaModel::load_full(&gemma, true).unwrap();
@@ -49,7 +56,12 @@ fn two_models_on_the_same_workers_answer_by_name_with_libllamas_tokens() {
     let (status, text) = server.request("GET", "/v1/models", None, Some(KEY));
     assert_eq!(status, 200, "{text}");
     let listed: Value = serde_json::from_str(&text).unwrap();
-    let ids: Vec<&str> = listed["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let ids: Vec<&str> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
     assert_eq!(ids, ["qwen", "gemma"]);
 
     // Each answers by name, with libllama's tokens; at once, as alone.
@@ -78,7 +90,12 @@ fn two_models_on_the_same_workers_answer_by_name_with_libllamas_tokens() {
     assert_eq!(unnamed["choices"][0]["text"], expected[0].1.as_str());
 
     // An unknown model: 404 naming what is served, on every endpoint that takes one.
-    for path in ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages"] {
+    for path in [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/messages",
+    ] {
         let body = json!({ "model": "nope", "prompt": "x", "input": "x", "max_tokens": 1,
                            "messages": [{"role": "user", "content": "x"}] });
         let (status, text) = server.request("POST", path, Some(&body), Some(KEY));
@@ -98,7 +115,12 @@ fn two_models_on_the_same_workers_answer_by_name_with_libllamas_tokens() {
     assert_eq!(models.len(), 2, "{health}");
     for m in models {
         assert_eq!(m["status"], "ok", "{health}");
-        let stages: Vec<&str> = m["stages"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+        let stages: Vec<&str> = m["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap())
+            .collect();
         assert!(
             stages.len() == 2 && stages[0].contains("w0.sock") && stages[1].contains("w1.sock"),
             "{health}"
@@ -178,13 +200,22 @@ fn a_worker_serves_one_head_per_model_at_once() {
     for prompt in PROMPTS {
         let q = qwen_oracle.tokenize(prompt, true, true).unwrap();
         let g = gemma_oracle.tokenize(prompt, true, true).unwrap();
-        assert_eq!(greedy(&mut qwen_ring, &q, 12, &qwen_oracle), reference(&qwen_oracle, &q, 12));
-        assert_eq!(greedy(&mut gemma_ring, &g, 12, &gemma_oracle), reference(&gemma_oracle, &g, 12));
+        assert_eq!(
+            greedy(&mut qwen_ring, &q, 12, &qwen_oracle),
+            reference(&qwen_oracle, &q, 12)
+        );
+        assert_eq!(
+            greedy(&mut gemma_ring, &g, 12, &gemma_oracle),
+            reference(&gemma_oracle, &g, 12)
+        );
     }
     // When one head goes, the other's ring keeps computing; the model is free again.
     drop(qwen_ring);
     let g = gemma_oracle.tokenize(PROMPTS[1], true, true).unwrap();
-    assert_eq!(greedy(&mut gemma_ring, &g, 8, &gemma_oracle), reference(&gemma_oracle, &g, 8));
+    assert_eq!(
+        greedy(&mut gemma_ring, &g, 8, &gemma_oracle),
+        reference(&gemma_oracle, &g, 8)
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut again = loop {
         match connect_cluster(&qwen, &addrs, &options()) {

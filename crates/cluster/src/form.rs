@@ -605,7 +605,11 @@ fn load(
                 n_ctx: opts.n_ctx as u32,
                 n_seq: opts.n_seq as u32,
                 // Only member 0 sits in the ring.
-                next: if rank == 0 { nexts[i].as_ref().map(|(addr, _)| addr.clone()) } else { None },
+                next: if rank == 0 {
+                    nexts[i].as_ref().map(|(addr, _)| addr.clone())
+                } else {
+                    None
+                },
                 next_session: match rank {
                     0 => nexts[i].as_ref().map_or(0, |&(_, session)| session),
                     _ => 0,

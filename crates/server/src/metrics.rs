@@ -179,14 +179,30 @@ struct EngineFamilies {
 impl EngineFamilies {
     fn register(&self, registry: &mut Registry) {
         let f = self;
-        registry.register("prompt_tokens", "Prompt tokens, computed or reused from cache", f.prompt.clone());
+        registry.register(
+            "prompt_tokens",
+            "Prompt tokens, computed or reused from cache",
+            f.prompt.clone(),
+        );
         registry.register("generated_tokens", "Tokens generated", f.generated.clone());
         registry.register("sequences", "Sequences the engine ended, by how", f.sequences.clone());
         registry.register("steps", "Micro-batches sent into the ring", f.steps.clone());
-        registry.register("draft_tokens", "Drafted tokens sent through the ring", f.draft_tokens.clone());
-        registry.register("draft_accepted_tokens", "Drafted tokens accepted", f.draft_accepted.clone());
+        registry.register(
+            "draft_tokens",
+            "Drafted tokens sent through the ring",
+            f.draft_tokens.clone(),
+        );
+        registry.register(
+            "draft_accepted_tokens",
+            "Drafted tokens accepted",
+            f.draft_accepted.clone(),
+        );
         registry.register("rings_formed", "Rings formed after the first", f.rings_formed.clone());
-        registry.register("workers_lost", "Times a worker of the ring was lost", f.workers_lost.clone());
+        registry.register(
+            "workers_lost",
+            "Times a worker of the ring was lost",
+            f.workers_lost.clone(),
+        );
         registry.register(
             "workers_returned",
             "Times a lost worker came back and the ring was formed again with it",
@@ -205,7 +221,11 @@ impl EngineFamilies {
         registry.register("queue_depth", "Requests waiting for a slot", f.queue_depth.clone());
         registry.register("active_sequences", "Sequences being computed", f.active.clone());
         registry.register("serving", "1 while a ring computes", f.serving.clone());
-        registry.register("workers_out", "Workers lost and not back in the ring", f.workers_out.clone());
+        registry.register(
+            "workers_out",
+            "Workers lost and not back in the ring",
+            f.workers_out.clone(),
+        );
         registry.register(
             "link_bytes_sent",
             "Bytes each stage sent to the next hop (the last stage: to the head; 0 in process)",
@@ -218,7 +238,11 @@ impl EngineFamilies {
              have no sample",
             f.link_rtt.clone(),
         );
-        registry.register("kv_cells_used", "KV cache cells holding a token, per stage", f.kv.clone());
+        registry.register(
+            "kv_cells_used",
+            "KV cache cells holding a token, per stage",
+            f.kv.clone(),
+        );
         registry.register("stage_resident_bytes", "Bytes resident per stage", f.resident.clone());
         registry.register(
             "stage_busy_seconds",
@@ -249,7 +273,9 @@ impl EngineFamilies {
             ("cancelled", &counters.requests_cancelled),
             ("failed", &counters.requests_failed),
         ] {
-            f.sequences.get_or_create(&with(model, "outcome", outcome)).inc_by(load(value));
+            f.sequences
+                .get_or_create(&with(model, "outcome", outcome))
+                .inc_by(load(value));
         }
         for (family, value) in [
             (&f.generated, &counters.completion_tokens),
@@ -266,8 +292,12 @@ impl EngineFamilies {
         f.round_trip
             .get_or_create(model)
             .inc_by(load(&counters.round_trip_us) as f64 / 1e6);
-        f.queue_depth.get_or_create(model).set(counters.queued.load(Ordering::Relaxed) as i64);
-        f.active.get_or_create(model).set(counters.active.load(Ordering::Relaxed) as i64);
+        f.queue_depth
+            .get_or_create(model)
+            .set(counters.queued.load(Ordering::Relaxed) as i64);
+        f.active
+            .get_or_create(model)
+            .set(counters.active.load(Ordering::Relaxed) as i64);
         let (serving, lost) = match state.engine().health() {
             Health::Serving { lost, .. } => (1, lost.len()),
             _ => (0, 0),

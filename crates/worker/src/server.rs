@@ -177,7 +177,10 @@ impl Shared {
     /// (a head that re-forms its ring ends its old session first).
     fn claim_model(&self, id: u64, identity: &[u8; 32]) -> bool {
         let mut sessions = self.sessions();
-        if sessions.iter().any(|s| s.id != id && s.model.as_ref() == Some(identity)) {
+        if sessions
+            .iter()
+            .any(|s| s.id != id && s.model.as_ref() == Some(identity))
+        {
             return false;
         }
         if let Some(session) = sessions.iter_mut().find(|s| s.id == id) {
@@ -416,10 +419,12 @@ fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError
                 }
             };
             link.set_read_timeout(None)?;
-            shared.arrive_upstream(session, link, closer, conn).map_err(|(mut link, reason)| {
-                refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
-                NodeError::Request(reason)
-            })
+            shared
+                .arrive_upstream(session, link, closer, conn)
+                .map_err(|(mut link, reason)| {
+                    refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
+                    NodeError::Request(reason)
+                })
         }
         Role::Heartbeat => heartbeat(shared, link),
         Role::Member => crate::group::accept_member(shared, link, closer, conn),

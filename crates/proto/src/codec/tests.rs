@@ -309,7 +309,9 @@ pub(super) fn samples() -> Vec<Message> {
             peer: String::new(),
             tensors: vec![],
         },
-        Message::JoinRing { session: 0x1234_5678_9abc },
+        Message::JoinRing {
+            session: 0x1234_5678_9abc,
+        },
     ]
 }
 

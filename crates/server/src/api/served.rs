@@ -31,7 +31,10 @@ impl Served {
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 Some("model_not_found"),
-                format!("The model '{id}' does not exist; this server serves {}.", ids.join(", ")),
+                format!(
+                    "The model '{id}' does not exist; this server serves {}.",
+                    ids.join(", ")
+                ),
             )
             .param("model")
         })
@@ -134,7 +137,11 @@ fn health_of(state: &AppState) -> Value {
 pub(super) async fn health(State(served): State<Arc<Served>>) -> Response {
     let each: Vec<Value> = served.models.iter().map(|state| health_of(state)).collect();
     let ok = each.iter().all(|h| h["status"] == "ok");
-    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     if let [one] = each.as_slice() {
         return (status, Json(one.clone())).into_response();
     }
