@@ -65,6 +65,7 @@ fn messages() -> Vec<(String, Message)> {
         n_ctx: 4096,
         n_seq: 4,
         next: Some("10.0.0.2:7301".into()),
+        next_session: 0x5eed,
         stream: true,
         wire_f16: true,
         repack: false,
@@ -117,6 +118,7 @@ fn messages() -> Vec<(String, Message)> {
         Message::LoadPlan(Box::new(plan.clone())),
         Message::LoadPlan(Box::new(LoadPlan {
             next: None,
+            next_session: 0,
             first: true,
             layer_start: 0,
             cache_type_k: "q8_0".into(),
@@ -222,6 +224,7 @@ fn messages() -> Vec<(String, Message)> {
             seq: 2,
             values: vec![0.6, -0.8, 0.0, 0.0],
         },
+        Message::JoinRing { session: 0x5e55_1000 },
     ];
     let mut named: Vec<(String, Message)> = Vec::new();
     for message in messages {

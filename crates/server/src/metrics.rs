@@ -25,7 +25,7 @@ type Labels = Vec<(String, String)>;
 /// What the server measures itself. A server of several models keeps one set of
 /// families for all of them, each model's samples labelled with its id; a server of one
 /// model labels nothing (its exposition reads as it always has).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct Metrics {
     families: Arc<Families>,
     /// `model="<id>"` on a server of several models; empty otherwise.
@@ -52,15 +52,6 @@ impl Default for Families {
             time_to_first_token: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 15))),
             // 1 ms .. ~16 s
             inter_token: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 15))),
-        }
-    }
-}
-
-impl Default for Metrics {
-    fn default() -> Metrics {
-        Metrics {
-            families: Arc::default(),
-            labels: Labels::new(),
         }
     }
 }
