@@ -15,22 +15,13 @@ use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::LlamaModel;
 use baton_proto::{Payload, StartSeq};
 use baton_sample::SamplingParams;
-use common::worker::{assert_prompts_match, greedy, reference, WorkerProc};
+use common::worker::{assert_prompts_match, greedy, models_dir, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};
 
 const TOKEN: &str = "test-cluster-secret";
 
-fn models_dir() -> PathBuf {
-    model(QWEN2).parent().unwrap().to_path_buf()
-}
-
 fn options() -> ClusterOptions {
-    ClusterOptions {
-        token: Some(TOKEN.into()),
-        n_ctx: 512,
-        repack: true,
-        ..Default::default()
-    }
+    common::worker::options(TOKEN)
 }
 
 /// Counts the bytes TCP connections carry each way; forwards them to a target given

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use baton_cluster::{connect_cluster, ClusterOptions};
@@ -14,7 +13,7 @@ use baton_ggml::LlamaModel;
 use serde_json::{json, Value};
 
 use common::server::{lock, parse_metrics, Server, KEY};
-use common::worker::{greedy, reference, WorkerProc};
+use common::worker::{greedy, models_dir, reference, WorkerProc};
 use common::{model, GEMMA3, PROMPTS, QWEN2};
 
 /// The greedy continuation of `prompt` (as tokens) by libllama, as text.
@@ -157,17 +156,10 @@ fn two_models_on_the_same_workers_answer_by_name_with_libllamas_tokens() {
 
 const TOKEN: &str = "test-models-secret";
 
-fn models_dir() -> PathBuf {
-    model(QWEN2).parent().unwrap().to_path_buf()
-}
-
 fn options() -> ClusterOptions {
     ClusterOptions {
-        token: Some(TOKEN.into()),
-        n_ctx: 512,
-        repack: true,
         head_stage: false,
-        ..Default::default()
+        ..common::worker::options(TOKEN)
     }
 }
 

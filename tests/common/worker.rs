@@ -2,14 +2,29 @@
 //! and libllama's greedy output that a ring must reproduce.
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 
-use baton_cluster::RemoteRing;
+use baton_cluster::{ClusterOptions, RemoteRing};
 use baton_engine::GenerateRequest;
 use baton_ggml::{LlamaContext, LlamaModel};
 use baton_sample::{argmax, SamplingParams};
+
+/// The directory of the test models, which the test workers serve.
+pub fn models_dir() -> PathBuf {
+    super::model(super::QWEN2).parent().unwrap().to_path_buf()
+}
+
+/// What the tests form rings of workers with: `token`, 512 cells, weights repacked.
+pub fn options(token: &str) -> ClusterOptions {
+    ClusterOptions {
+        token: Some(token.into()),
+        n_ctx: 512,
+        repack: true,
+        ..Default::default()
+    }
+}
 
 /// A `baton worker` child process; killed on drop. Its stderr is collected.
 pub struct WorkerProc {
