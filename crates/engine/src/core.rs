@@ -1,16 +1,19 @@
 //! The engine's decisions, with no I/O: which requests run, what goes into the ring
 //! next, what each reply means, when the ring counts as lost, and how running requests
-//! are rebuilt on a new one. Time comes in as an argument and messages go out through
-//! an outbox, so tests drive it step by step (see the tests below); `super::shell`
-//! connects it to the ring's links, the clock and the recovery thread.
+//! are rebuilt on a new one. Time comes in as an argument; what goes into the ring comes
+//! out as [`Action`]s, and everything else it has to say (a request's tokens and end,
+//! counters, health, the stages' figures) as [`Output`]s: the core touches no channel,
+//! counter or lock, so tests drive it step by step and read what it said (see the tests
+//! below). `super::shell` connects it to the ring's links, the clock and the recovery
+//! thread, and delivers its outputs.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_net::Counters as LinkCounters;
 use baton_proto::{Message, SampledToken, StartSeq};
+use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use super::batch::{next_batch, BatchRules, Member};
@@ -18,7 +21,7 @@ use super::draft::{DraftMode, DraftPolicy, Drafters};
 use super::slots::{choose_slot, choose_slot_to_pool, runs_prefix, Active, Slot};
 use super::text::Piece;
 use super::types::{
-    Better, Counters, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Health, Job, PrefixReuse,
+    Better, EngineConfig, Event, Failure, Figure, Finish, FinishReason, FormError, Health, Job, Output, PrefixReuse,
     StageStats, TokenOut, Vocab,
 };
 
@@ -65,8 +68,8 @@ struct Recovery {
 pub(crate) struct Core {
     config: EngineConfig,
     vocab: Arc<dyn Vocab>,
-    counters: Arc<Counters>,
-    health: Arc<Mutex<Health>>,
+    /// What the shell delivers beside the ring (see [`Output`]).
+    outputs: Vec<Output>,
     /// Whether a ring is installed (messages can be sent).
     connected: bool,
     /// The current ring's ends, as the head measures them.
@@ -94,22 +97,14 @@ pub(crate) struct Core {
 }
 
 impl Core {
-    pub fn new(
-        config: EngineConfig,
-        vocab: Arc<dyn Vocab>,
-        counters: Arc<Counters>,
-        health: Arc<Mutex<Health>>,
-        supervised: bool,
-        drafters: Drafters,
-    ) -> Core {
+    pub fn new(config: EngineConfig, vocab: Arc<dyn Vocab>, supervised: bool, drafters: Drafters) -> Core {
         Core {
             drafters,
             policy: DraftPolicy::default(),
             slots: (0..config.n_slots).map(|_| Slot::empty()).collect(),
             config,
             vocab,
-            counters,
-            health,
+            outputs: Vec::new(),
             connected: false,
             ends: EndCounters::default(),
             gen: 0,
@@ -126,9 +121,14 @@ impl Core {
         }
     }
 
-    /// What to do now, in order (taken: the next call starts empty).
+    /// What to do with the ring now, in order (taken: the next call starts empty).
     pub fn actions(&mut self) -> Vec<Action> {
         std::mem::take(&mut self.outbox)
+    }
+
+    /// What to deliver beside the ring, in order (taken: the next call starts empty).
+    pub fn outputs(&mut self) -> Vec<Output> {
+        std::mem::take(&mut self.outputs)
     }
 
     /// The current ring's number.
@@ -146,8 +146,16 @@ impl Core {
         self.stopping
     }
 
-    fn set_health(&self, health: Health) {
-        *self.health.lock().unwrap_or_else(|p| p.into_inner()) = health;
+    fn set_health(&mut self, health: Health) {
+        self.outputs.push(Output::Health(health));
+    }
+
+    fn count(&mut self, figure: Figure, by: i64) {
+        self.outputs.push(Output::Count(figure, by));
+    }
+
+    fn tell(&mut self, client: UnboundedSender<Event>, event: Event) {
+        self.outputs.push(Output::Tell(client, event));
     }
 
     /// A request to queue.
@@ -158,7 +166,8 @@ impl Core {
     /// Someone asks every stage for its figures.
     pub fn stats(&mut self, reply: oneshot::Sender<Result<StageStats, String>>, now: Instant) {
         if !self.connected {
-            let _ = reply.send(Err("the cluster is forming a new ring".into()));
+            self.outputs
+                .push(Output::Stats(reply, Err("the cluster is forming a new ring".into())));
             return;
         }
         let msg = Message::Stats {
@@ -186,7 +195,7 @@ impl Core {
         }
         let rebuilding = self.recovery.is_some();
         if let Some(recovery) = self.recovery.take() {
-            self.counters.rings_formed.fetch_add(1, Ordering::Relaxed);
+            self.count(Figure::RingsFormed, 1);
             tracing::info!(
                 secs = recovery.since.elapsed().as_secs_f32(),
                 "formed a new ring after: {}",
@@ -207,9 +216,7 @@ impl Core {
             slot.forget();
             let Some(active) = slot.active.as_mut() else { continue };
             let repeated = active.restart();
-            self.counters
-                .tokens_replayed
-                .fetch_add(repeated as u64, Ordering::Relaxed);
+            self.outputs.push(Output::Count(Figure::Replayed, repeated as i64));
             let start = StartSeq::new(seq as u32, active.job.params.clone(), active.tokens.clone())
                 .with_logprobs(active.job.logprobs, active.job.top_logprobs)
                 .with_drawn(active.generated as u32)
@@ -255,7 +262,7 @@ impl Core {
                 if let Some(last) = link_rtt_us.last_mut().filter(|rtt| **rtt == 0) {
                     *last = self.ends.from_last.round_trip_us();
                 }
-                let _ = answer.send(Ok(StageStats {
+                let stats = StageStats {
                     resident,
                     kv_used,
                     busy_us,
@@ -263,7 +270,8 @@ impl Core {
                     link_sent,
                     link_rtt_us,
                     head_link_rtt_us: self.ends.into_first.round_trip_us(),
-                }));
+                };
+                self.outputs.push(Output::Stats(answer, Ok(stats)));
             }
             (
                 Pending::Stats(answer),
@@ -271,13 +279,12 @@ impl Core {
                     first_layer, message, ..
                 },
             ) => {
-                let _ = answer.send(Err(format!("the stage from layer {first_layer}: {message}")));
+                let why = format!("the stage from layer {first_layer}: {message}");
+                self.outputs.push(Output::Stats(answer, Err(why)));
             }
             (Pending::Step { members, decode_rows }, Message::Sampled { tokens, .. }) => {
                 self.steps_in_flight -= 1;
-                self.counters
-                    .round_trip_us
-                    .fetch_add(now.duration_since(sent).as_micros() as u64, Ordering::Relaxed);
+                self.count(Figure::RoundTripUs, now.duration_since(sent).as_micros() as i64);
                 if let Some(rows) = decode_rows {
                     self.policy.record_step(rows, now.duration_since(sent).as_secs_f64());
                 }
@@ -307,9 +314,7 @@ impl Core {
             }
             (Pending::Step { members, .. }, Message::Pooled { seq, values, .. }) => {
                 self.steps_in_flight -= 1;
-                self.counters
-                    .round_trip_us
-                    .fetch_add(now.duration_since(sent).as_micros() as u64, Ordering::Relaxed);
+                self.count(Figure::RoundTripUs, now.duration_since(sent).as_micros() as i64);
                 self.on_pooled(members, seq, values, now);
             }
             (
@@ -333,7 +338,7 @@ impl Core {
     /// Ring `gen` broke (a link failed, a node stopped answering).
     pub fn lost(&mut self, gen: u64, reason: &str, now: Instant) {
         if gen == self.gen && !self.stopping {
-            self.counters.workers_lost.fetch_add(1, Ordering::Relaxed);
+            self.count(Figure::WorkersLost, 1);
             self.lose_ring(reason, now);
         }
     }
@@ -350,7 +355,7 @@ impl Core {
         self.gen += 1;
         for (_, pending) in self.pending.drain(..) {
             if let Pending::Stats(reply) = pending {
-                let _ = reply.send(Err(reason.to_string()));
+                self.outputs.push(Output::Stats(reply, Err(reason.to_string())));
             }
         }
         self.steps_in_flight = 0;
@@ -421,12 +426,12 @@ impl Core {
         }
         match better {
             Some(Better::Returned) if self.idle() => {
-                self.counters.workers_returned.fetch_add(1, Ordering::Relaxed);
+                self.count(Figure::WorkersReturned, 1);
                 self.lose_ring("a lost worker is back: moving to the better plan", now);
                 return;
             }
             Some(Better::Joined) => {
-                self.counters.workers_joined.fetch_add(1, Ordering::Relaxed);
+                self.count(Figure::WorkersJoined, 1);
                 self.lose_ring("a worker joined: forming a ring with it", now);
                 return;
             }
@@ -470,7 +475,8 @@ impl Core {
     fn send(&mut self, msg: Message, pending: Pending, now: Instant) {
         if !self.connected {
             if let Pending::Stats(reply) = pending {
-                let _ = reply.send(Err("the cluster is forming a new ring".into()));
+                self.outputs
+                    .push(Output::Stats(reply, Err("the cluster is forming a new ring".into())));
             }
             return;
         }
@@ -486,19 +492,22 @@ impl Core {
     /// Every running and waiting request fails with `reason`; slots forget their cache.
     fn fail_requests(&mut self, reason: &str) {
         tracing::error!("{reason}");
+        let mut failed = Vec::new();
         for slot in &mut self.slots {
             if let Some(active) = slot.active.take() {
-                let _ = active.job.events.send(Event::Failed(Failure::server(reason)));
-                self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
+                failed.push(active.job.events.clone());
             }
             slot.forget();
         }
-        for job in self.queue.drain(..) {
-            let _ = job.events.send(Event::Failed(Failure::server(reason)));
-            self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
+        let running = failed.len() as i64;
+        failed.extend(self.queue.drain(..).map(|job| job.events.clone()));
+        let waiting = failed.len() as i64 - running;
+        for client in failed {
+            self.tell(client, Event::Failed(Failure::server(reason)));
+            self.count(Figure::Failed, 1);
         }
-        self.counters.active.store(0, Ordering::Relaxed);
-        self.counters.queued.store(0, Ordering::Relaxed);
+        self.count(Figure::Active, -running);
+        self.count(Figure::Queued, -waiting);
     }
 
     /// The ring is gone for good: every request fails, and so will every new one.
@@ -506,7 +515,7 @@ impl Core {
         self.fail_requests(reason);
         for (_, pending) in self.pending.drain(..) {
             if let Pending::Stats(reply) = pending {
-                let _ = reply.send(Err(reason.to_string()));
+                self.outputs.push(Output::Stats(reply, Err(reason.to_string())));
             }
         }
     }
@@ -518,10 +527,8 @@ impl Core {
         self.queue.retain(|job| !job.events.is_closed());
         let dropped = before - self.queue.len();
         if dropped > 0 {
-            self.counters.queued.fetch_sub(dropped, Ordering::Relaxed);
-            self.counters
-                .requests_cancelled
-                .fetch_add(dropped as u64, Ordering::Relaxed);
+            self.count(Figure::Queued, -(dropped as i64));
+            self.count(Figure::Cancelled, dropped as i64);
         }
         for seq in 0..self.slots.len() {
             if self.slots[seq]
@@ -538,8 +545,8 @@ impl Core {
         let slot = &mut self.slots[seq];
         let Some(active) = slot.active.take() else { return };
         slot.forget();
-        self.counters.active.fetch_sub(1, Ordering::Relaxed);
-        self.counters.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+        self.count(Figure::Active, -1);
+        self.count(Figure::Cancelled, 1);
         active
             .span
             .in_scope(|| tracing::debug!("the client went away: ending the sequence on every stage"));
@@ -561,20 +568,19 @@ impl Core {
                 break;
             };
             let job = self.queue.pop_front().expect("the queue is not empty");
-            self.counters.queued.fetch_sub(1, Ordering::Relaxed);
-            self.counters.active.fetch_add(1, Ordering::Relaxed);
+            self.count(Figure::Queued, -1);
+            self.count(Figure::Active, 1);
             let slot = &mut self.slots[seq];
             // A pooled prompt needs every row's output: nothing cached is reused.
             let n_reused = match job.pooling {
                 Some(_) => 0,
                 None => slot.reusable(&job.prompt, chunk, self.config.prefix_reuse),
             };
-            self.counters
-                .prompt_tokens_reused
-                .fetch_add(n_reused as u64, Ordering::Relaxed);
-            self.counters
-                .prompt_tokens_computed
-                .fetch_add((job.prompt.len() - n_reused) as u64, Ordering::Relaxed);
+            self.outputs.push(Output::Count(Figure::PromptReused, n_reused as i64));
+            self.outputs.push(Output::Count(
+                Figure::PromptComputed,
+                (job.prompt.len() - n_reused) as i64,
+            ));
             let start = StartSeq::new(seq as u32, job.params.clone(), job.prompt.clone())
                 .keeping(n_reused as u32)
                 .with_logprobs(job.logprobs, job.top_logprobs)
@@ -630,9 +636,9 @@ impl Core {
             };
             self.next_step += 1;
             self.steps_in_flight += 1;
-            self.counters.steps.fetch_add(1, Ordering::Relaxed);
+            self.count(Figure::Steps, 1);
             let drafted: usize = members.iter().map(|m| m.drafted).sum();
-            self.counters.draft_tokens.fetch_add(drafted as u64, Ordering::Relaxed);
+            self.count(Figure::DraftTokens, drafted as i64);
             let rows = forward.positions.len();
             let decode_rows = (forward.sample_rows.len() == rows).then_some(rows);
             // Models with recurrent layers: the sequences whose whole prompt chunk this is.
@@ -680,12 +686,13 @@ impl Core {
         active
             .span
             .in_scope(|| tracing::debug!(cause = ?failure.cause, "failed: {}", failure.reason));
-        let _ = active.job.events.send(Event::Failed(failure));
+        let client = active.job.events.clone();
+        self.tell(client, Event::Failed(failure));
         self.slots[seq].active = None;
         self.slots[seq].forget();
         self.drafters.forget(seq as u32);
-        self.counters.active.fetch_sub(1, Ordering::Relaxed);
-        self.counters.requests_failed.fetch_add(1, Ordering::Relaxed);
+        self.count(Figure::Active, -1);
+        self.count(Figure::Failed, 1);
         self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
     }
 
@@ -709,10 +716,10 @@ impl Core {
         let slot = &mut self.slots[member.seq];
         let Some(active) = slot.active.take() else { return };
         slot.forget();
-        self.counters.active.fetch_sub(1, Ordering::Relaxed);
-        self.counters.requests_finished.fetch_add(1, Ordering::Relaxed);
+        self.count(Figure::Active, -1);
+        self.count(Figure::Finished, 1);
         active.span.in_scope(|| tracing::debug!("pooled"));
-        let _ = active.job.events.send(Event::Finished(Finish {
+        let finish = Finish {
             reason: FinishReason::Stop,
             tail: String::new(),
             prompt_tokens: active.n_prompt,
@@ -720,7 +727,8 @@ impl Core {
             completion_tokens: 0,
             stop_string: None,
             embedding: Some(values),
-        }));
+        };
+        self.tell(active.job.events, Event::Finished(finish));
         self.send(Message::EndSeq { seq }, Pending::Control, now);
     }
 
@@ -740,9 +748,7 @@ impl Core {
             active.draft.record(member.drafted, accepted);
             let mode = active.draft.draft.mode;
             self.policy.record_draft(mode, member.drafted, accepted);
-            self.counters
-                .draft_accepted
-                .fetch_add(accepted as u64, Ordering::Relaxed);
+            self.count(Figure::DraftAccepted, accepted as i64);
         }
         if rejected > 0 {
             // FIFO: every stage drops the rejected rows' cells before this sequence's
@@ -757,14 +763,14 @@ impl Core {
             );
         }
         for sampled in got {
-            if !self.on_token(seq, epoch, sampled, now) {
+            if !self.on_token(seq, epoch, sampled) {
                 break;
             }
         }
     }
 
     /// One generated token; false when the request ended with it.
-    fn on_token(&mut self, seq: usize, epoch: u64, sampled: &SampledToken, now: Instant) -> bool {
+    fn on_token(&mut self, seq: usize, epoch: u64, sampled: &SampledToken) -> bool {
         let vocab = self.vocab.clone();
         let Some(active) = self.current(seq, epoch) else {
             return false;
@@ -795,11 +801,7 @@ impl Core {
                 logprob: sampled.logprob,
                 top: sampled.top.clone(),
             };
-            if active.job.events.send(Event::Token(out)).is_err() {
-                self.cancel(seq, now);
-                return false;
-            }
-            if stopped {
+            let end = if stopped {
                 Some((FinishReason::Stop, String::new()))
             } else if complete {
                 Some((FinishReason::Stop, active.text.finish()))
@@ -807,7 +809,10 @@ impl Core {
                 Some((FinishReason::Length, active.text.finish()))
             } else {
                 None
-            }
+            };
+            let client = active.job.events.clone();
+            self.tell(client, Event::Token(out));
+            end
         };
         match end {
             Some((reason, tail)) => {
@@ -827,15 +832,13 @@ impl Core {
         slot.cached_runs = runs_prefix(&active.runs, active.tokens.len());
         slot.checkpoints = std::mem::take(&mut active.checkpoints);
         slot.cached = active.tokens;
-        self.counters.active.fetch_sub(1, Ordering::Relaxed);
-        self.counters.requests_finished.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .completion_tokens
-            .fetch_add(active.generated as u64, Ordering::Relaxed);
+        self.count(Figure::Active, -1);
+        self.count(Figure::Finished, 1);
+        self.count(Figure::Completion, active.generated as i64);
         active
             .span
             .in_scope(|| tracing::debug!(generated = active.generated, ?reason, "finished"));
-        let _ = active.job.events.send(Event::Finished(Finish {
+        let finish = Finish {
             reason,
             tail,
             prompt_tokens: active.n_prompt,
@@ -843,7 +846,8 @@ impl Core {
             completion_tokens: active.generated,
             stop_string: active.text.matched().map(str::to_string),
             embedding: None,
-        }));
+        };
+        self.tell(active.job.events, Event::Finished(finish));
     }
 }
 

@@ -140,13 +140,12 @@ impl Engine {
         let core = Core::new(
             config.clone(),
             vocab,
-            counters.clone(),
-            health.clone(),
             source.is_some(),
             draft::Drafters { model: draft_model },
         );
         let workers = Arc::new(Mutex::new(Vec::new()));
-        let mut shell = Shell::new(core, inbox.clone(), source, workers.clone());
+        let outputs = (counters.clone(), health.clone());
+        let mut shell = Shell::new(core, inbox.clone(), source, workers.clone(), outputs);
         shell.install(formed);
         let thread = std::thread::Builder::new()
             .name("engine".into())

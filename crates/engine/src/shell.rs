@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 
 use super::core::{Action, Core, EndCounters, POLL_INTERVAL};
 use super::recovery::start_forming;
-use super::types::{FormError, Formed, Health, Job, RingSource, StageStats, WorkerLink};
+use super::types::{Counters, FormError, Formed, Health, Job, RingSource, StageStats, WorkerLink};
 
 /// What reaches the engine thread.
 pub(crate) enum Inbox {
@@ -41,6 +41,9 @@ pub(crate) struct Shell {
     stop_recovery: Arc<AtomicBool>,
     /// The current ring's workers, shared with the [`Engine`](super::Engine).
     workers: Arc<Mutex<Vec<WorkerLink>>>,
+    /// Where the core's outputs go: the counters and health the engine's users read.
+    counters: Arc<Counters>,
+    health: Arc<Mutex<Health>>,
 }
 
 impl Shell {
@@ -49,6 +52,7 @@ impl Shell {
         inbox: mpsc::Sender<Inbox>,
         source: Option<Box<dyn RingSource>>,
         workers: Arc<Mutex<Vec<WorkerLink>>>,
+        (counters, health): (Arc<Counters>, Arc<Mutex<Health>>),
     ) -> Shell {
         Shell {
             core,
@@ -57,6 +61,8 @@ impl Shell {
             source,
             stop_recovery: Arc::default(),
             workers,
+            counters,
+            health,
         }
     }
 
@@ -129,11 +135,13 @@ impl Shell {
         }
     }
 
-    /// Does what the core asked, feeding failures back to it until nothing is left.
+    /// Does what the core asked, feeding failures back to it until nothing is left,
+    /// and delivers what it told (tokens to clients, counters, health).
     fn carry_out(&mut self) {
         loop {
             let actions = self.core.actions();
             if actions.is_empty() {
+                self.deliver();
                 return;
             }
             for action in actions {
@@ -155,6 +163,14 @@ impl Shell {
                     }
                 }
             }
+            self.deliver();
+        }
+    }
+
+    /// Delivers the core's outputs, in the order it gave them.
+    fn deliver(&mut self) {
+        for output in self.core.outputs() {
+            output.deliver(&self.counters, &self.health);
         }
     }
 }

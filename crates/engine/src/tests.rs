@@ -71,14 +71,7 @@ impl Harness {
             stages: vec![],
             lost: vec![],
         }));
-        let mut core = Core::new(
-            config,
-            Arc::new(Tokens),
-            counters.clone(),
-            health.clone(),
-            supervised,
-            Drafters { model: None },
-        );
+        let mut core = Core::new(config, Arc::new(Tokens), supervised, Drafters { model: None });
         let now = Instant::now();
         core.installed(1, serving(), EndCounters::default(), now);
         Harness {
@@ -156,8 +149,27 @@ impl Harness {
         }
     }
 
-    fn health(&self) -> Health {
+    /// Delivers what the core told, as the shell does.
+    fn deliver(&mut self) {
+        for output in self.core.outputs() {
+            output.deliver(&self.counters, &self.health);
+        }
+    }
+
+    fn health(&mut self) -> Health {
+        self.deliver();
         self.health.lock().unwrap().clone()
+    }
+
+    fn counters(&mut self) -> &Counters {
+        self.deliver();
+        &self.counters
+    }
+
+    /// The events the core told `receiver`'s client so far.
+    fn events(&mut self, receiver: &mut UnboundedReceiver<Event>) -> Vec<Event> {
+        self.deliver();
+        std::iter::from_fn(|| receiver.try_recv().ok()).collect()
     }
 }
 
@@ -238,10 +250,6 @@ fn tokens(forward: &Forward) -> &[u32] {
     }
 }
 
-fn events(receiver: &mut UnboundedReceiver<Event>) -> Vec<Event> {
-    std::iter::from_fn(|| receiver.try_recv().ok()).collect()
-}
-
 fn texts(events: &[Event]) -> Vec<String> {
     events
         .iter()
@@ -273,7 +281,7 @@ fn a_request_runs_from_its_prompt_chunks_to_its_length() {
         h.answer(&sent[0], &[next]);
         generated.push(next);
     }
-    let events = events(&mut rx);
+    let events = h.events(&mut rx);
     assert_eq!(texts(&events), vec!["<7>", "<8>", "<9>"]);
     match events.last() {
         Some(Event::Finished(f)) => {
@@ -300,7 +308,7 @@ fn control_tokens_a_job_shows_are_text_and_others_nothing() {
         let sent = h.poll();
         h.answer(&sent[0], &[next]);
     }
-    assert_eq!(texts(&events(&mut rx)), vec!["[901]", "", "<7>"]);
+    assert_eq!(texts(&h.events(&mut rx)), vec!["[901]", "", "<7>"]);
 }
 
 #[test]
@@ -309,7 +317,7 @@ fn the_end_token_stops_and_the_next_request_reuses_whole_chunks() {
     let prompt: Vec<u32> = (1..=10).collect();
     let mut rx = h.job(&prompt, 10);
     let first_seq = start_seq(&h.poll_answering(&[0]));
-    match events(&mut rx).last() {
+    match h.events(&mut rx).last() {
         Some(Event::Finished(f)) => assert_eq!(f.reason, FinishReason::Stop),
         other => panic!("{other:?}"),
     }
@@ -322,7 +330,7 @@ fn the_end_token_stops_and_the_next_request_reuses_whole_chunks() {
     assert_eq!(tokens(forward(&sent[1])), &[9, 10]);
     assert_eq!(forward(&sent[1]).positions, vec![8, 9]);
     assert_eq!(
-        h.counters
+        h.counters()
             .prompt_tokens_reused
             .load(std::sync::atomic::Ordering::Relaxed),
         8
@@ -388,7 +396,9 @@ fn a_client_that_goes_away_is_ended_on_every_stage() {
     let sent = h.poll();
     assert_eq!(sent, vec![Message::EndSeq { seq }]);
     assert_eq!(
-        h.counters.requests_cancelled.load(std::sync::atomic::Ordering::Relaxed),
+        h.counters()
+            .requests_cancelled
+            .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
     // A queued request whose client left never starts.
@@ -458,11 +468,14 @@ fn a_lost_ring_rebuilds_running_requests_batch_for_batch() {
         h.answer(msg, &[9]);
     }
     assert_eq!(
-        texts(&events(&mut rx)),
+        texts(&h.events(&mut rx)),
         vec!["<7>", "<8>", "<9>"],
         "no token repeated or missing"
     );
-    assert_eq!(h.counters.tokens_replayed.load(std::sync::atomic::Ordering::Relaxed), 8);
+    assert_eq!(
+        h.counters().tokens_replayed.load(std::sync::atomic::Ordering::Relaxed),
+        8
+    );
 }
 
 #[test]
@@ -474,7 +487,7 @@ fn without_a_ring_source_a_loss_fails_every_request() {
     h.core.lost(gen, "the ring broke: link to stage 1 is closed", h.now);
     assert!(h.core.actions().is_empty(), "nothing forms a new ring");
     assert!(matches!(h.health(), Health::Failed { .. }));
-    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("link to stage 1")));
+    assert!(matches!(h.events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("link to stage 1")));
 }
 
 #[test]
@@ -500,7 +513,7 @@ fn deadlines_come_from_the_clock_given() {
     h.core.form_failed(FormError::Retry("w:2 refused".into()));
     h.now += Duration::from_secs(31);
     h.core.poll(h.now, None);
-    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("within 30 s")));
+    assert!(matches!(h.events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("within 30 s")));
     assert!(matches!(h.health(), Health::Waiting { .. }));
 }
 
@@ -513,7 +526,7 @@ fn without_capacity_requests_fail_at_once_and_new_ones_wait_for_a_ring() {
     h.core.lost(gen, "worker w:1 was lost", h.now);
     h.core
         .form_failed(FormError::Capacity("the workers left cannot hold the model".into()));
-    assert!(matches!(events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("cannot hold")));
+    assert!(matches!(h.events(&mut rx).last(), Some(Event::Failed(e)) if e.reason.contains("cannot hold")));
     assert!(matches!(h.health(), Health::Waiting { .. }));
     let _later = h.job(&[3], 1);
     assert!(h.poll().is_empty(), "nothing is sent without a ring");
@@ -543,7 +556,7 @@ fn when_a_node_joins_a_busy_engine_forms_a_ring_with_it_at_once_and_keeps_its_re
     assert!(matches!(h.core.actions()[..], [Action::FormRing { .. }]));
     assert!(matches!(h.health(), Health::Recovering { .. }));
     assert!(
-        !events(&mut rx).iter().any(|e| matches!(e, Event::Failed(_))),
+        !h.events(&mut rx).iter().any(|e| matches!(e, Event::Failed(_))),
         "the running request waits for the new ring"
     );
 }
@@ -571,9 +584,10 @@ fn a_stage_error_fails_only_the_sequences_of_its_step() {
         h.now,
     );
     // The stage's fault says whose failure it is: the request's here (an HTTP 400).
+    h.deliver();
     let failed = |rx: &mut UnboundedReceiver<Event>| {
-        events(rx).iter().any(|e| {
-            matches!(e, Event::Failed(f) if f.cause == crate::Cause::Request
+        std::iter::from_fn(|| rx.try_recv().ok()).any(|e| {
+            matches!(&e, Event::Failed(f) if f.cause == crate::Cause::Request
                 && f.reason == "the stage from layer 12: the grammar allows no token here")
         })
     };
@@ -598,8 +612,8 @@ fn a_token_outside_the_vocabulary_fails_its_request_not_the_head() {
     let mut good = h.job(&[3, 4], 4);
     let sent = h.poll_answering_with(|seq| if seq == 0 { 1_000_000 } else { 7 });
     assert!(!sent.is_empty());
-    let bad_events = events(&mut bad);
-    let good_events = events(&mut good);
+    let bad_events = h.events(&mut bad);
+    let good_events = h.events(&mut good);
     let (failed, spared) = if bad_events.iter().any(|e| matches!(e, Event::Failed(_))) {
         (bad_events, good_events)
     } else {
@@ -635,6 +649,7 @@ fn the_last_links_round_trip_is_the_heads_own_where_the_stage_measured_none() {
         };
         let gen = h.core.gen();
         h.core.reply(gen, stats, h.now);
+        h.deliver();
         answer.try_recv().unwrap().unwrap()
     };
     // The last stage was dialed by the head: it reports 0, and the head fills in what it
@@ -667,7 +682,7 @@ fn a_jobs_end_check_ends_it_at_the_token_that_completes_it() {
     }));
     // The ring would go on with 4, 5, ...: nothing after 3 is sent or reported.
     let sent = h.poll_answering(&[2, 3, 4, 5]);
-    let events = events(&mut rx);
+    let events = h.events(&mut rx);
     assert_eq!(texts(&events), ["<2>", "<3>"]);
     match events.last() {
         Some(Event::Finished(f)) => {
@@ -747,7 +762,7 @@ fn an_embedding_pools_its_prompt_and_keeps_nothing_cached() {
         values: values.clone(),
     };
     h.core.reply(gen, pooled, h.now);
-    let events = events(&mut rx);
+    let events = h.events(&mut rx);
     match events.as_slice() {
         [Event::Finished(f)] => {
             assert_eq!(f.embedding.as_deref(), Some(&values[..]));
@@ -792,7 +807,7 @@ fn a_pooled_vector_of_the_wrong_width_fails_the_request() {
             },
             h.now,
         );
-        match events(&mut rx).as_slice() {
+        match h.events(&mut rx).as_slice() {
             [Event::Failed(f)] => assert_eq!(f.cause, crate::types::Cause::Server, "{f:?}"),
             other => panic!("{other:?}"),
         }
@@ -813,7 +828,7 @@ fn a_pooled_vector_of_the_wrong_width_fails_the_request() {
         },
         h.now,
     );
-    assert!(matches!(events(&mut rx).as_slice(), [Event::Failed(_)]));
+    assert!(matches!(h.events(&mut rx).as_slice(), [Event::Failed(_)]));
 }
 
 /// An embedding whose ring is lost mid-way is started again on the new one, pooled, and
@@ -886,6 +901,6 @@ fn a_lost_ring_rebuilds_an_embedding_chunk_for_chunk() {
         }
     }
     assert_eq!(pooled_batches, [vec![1, 2, 3, 4], vec![5]]);
-    assert!(matches!(events(&mut rx).as_slice(), [Event::Finished(f)] if f.embedding.is_some()));
+    assert!(matches!(h.events(&mut rx).as_slice(), [Event::Finished(f)] if f.embedding.is_some()));
     drop(decoding);
 }

@@ -370,6 +370,106 @@ pub struct Counters {
     pub round_trip_us: AtomicU64,
 }
 
+/// One of the engine's [`Counters`], as the core names it in [`Output::Count`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Figure {
+    PromptComputed,
+    PromptReused,
+    Completion,
+    Finished,
+    Cancelled,
+    Failed,
+    Steps,
+    Active,
+    Queued,
+    RingsFormed,
+    Replayed,
+    DraftTokens,
+    DraftAccepted,
+    WorkersLost,
+    WorkersReturned,
+    WorkersJoined,
+    RoundTripUs,
+}
+
+impl Counters {
+    /// Adds `by` to `figure` (a negative `by` takes away).
+    pub(crate) fn add(&self, figure: Figure, by: i64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let counter = match figure {
+            Figure::Active | Figure::Queued => {
+                let value = if figure == Figure::Active {
+                    &self.active
+                } else {
+                    &self.queued
+                };
+                let magnitude = by.unsigned_abs() as usize;
+                // Never below zero, whatever a caller miscounts.
+                let _ = value.fetch_update(Relaxed, Relaxed, |v| {
+                    Some(if by >= 0 {
+                        v.saturating_add(magnitude)
+                    } else {
+                        v.saturating_sub(magnitude)
+                    })
+                });
+                return;
+            }
+            Figure::PromptComputed => &self.prompt_tokens_computed,
+            Figure::PromptReused => &self.prompt_tokens_reused,
+            Figure::Completion => &self.completion_tokens,
+            Figure::Finished => &self.requests_finished,
+            Figure::Cancelled => &self.requests_cancelled,
+            Figure::Failed => &self.requests_failed,
+            Figure::Steps => &self.steps,
+            Figure::RingsFormed => &self.rings_formed,
+            Figure::Replayed => &self.tokens_replayed,
+            Figure::DraftTokens => &self.draft_tokens,
+            Figure::DraftAccepted => &self.draft_accepted,
+            Figure::WorkersLost => &self.workers_lost,
+            Figure::WorkersReturned => &self.workers_returned,
+            Figure::WorkersJoined => &self.workers_joined,
+            Figure::RoundTripUs => &self.round_trip_us,
+        };
+        let _ = counter.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_add_signed(by)));
+    }
+}
+
+/// What the core tells the world beside the ring, for the shell to deliver: a
+/// request's event to its client, a change to the counters, the health, an answer to
+/// a question for the stages' figures. The core itself touches nothing shared.
+#[derive(Debug)]
+pub(crate) enum Output {
+    /// A request's event, for its client.
+    Tell(tokio::sync::mpsc::UnboundedSender<Event>, Event),
+    /// A counter changed by this much.
+    Count(Figure, i64),
+    /// The engine's health is now this.
+    Health(Health),
+    /// The stages' figures, or why there are none.
+    Stats(
+        tokio::sync::oneshot::Sender<Result<StageStats, String>>,
+        Result<StageStats, String>,
+    ),
+}
+
+impl Output {
+    /// Delivers the output to the counters, the health and the clients it names (a
+    /// client gone away is not told: the core notices it was dropped on its next
+    /// poll).
+    pub(crate) fn deliver(self, counters: &Counters, health: &std::sync::Mutex<Health>) {
+        match self {
+            Output::Tell(client, event) => {
+                let _ = client.send(event);
+            }
+            Output::Count(figure, by) => counters.add(figure, by),
+            Output::Health(now) => *health.lock().unwrap_or_else(|p| p.into_inner()) = now,
+            Output::Stats(asker, answer) => {
+                let _ = asker.send(answer);
+            }
+        }
+    }
+}
+
 /// Per-stage figures, in ring order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StageStats {
