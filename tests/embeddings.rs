@@ -155,7 +155,7 @@ fn check_identical(label: &str, ours: &[Vec<f32>], reference: &[Vec<f32>]) {
 }
 
 #[test]
-fn pooled_vectors_are_libllamas_on_one_and_two_stages_and_on_workers() {
+fn pooled_vectors_are_libllamas_on_one_and_two_stages_on_workers_and_in_tensor_parallel_groups() {
     let _serial = lock();
     let path = model(QWEN2);
     let texts = texts();
@@ -177,12 +177,16 @@ fn pooled_vectors_are_libllamas_on_one_and_two_stages_and_on_workers() {
         "--split",
         "12,12",
     ];
-    let setups: [(&[&str], &str, LlamaPooling); 5] = [
+    // The same two workers as one tensor-parallel group: member 0 pools.
+    let group_over_tcp = ["--workers", &addrs, "--token", TOKEN, "--tp", "2"];
+    let setups: [(&[&str], &str, LlamaPooling); 7] = [
         (&["--stages", "1"], "mean", LlamaPooling::Mean),
         (&["--stages", "2"], "mean", LlamaPooling::Mean),
         (&over_tcp, "mean", LlamaPooling::Mean),
         (&over_tcp, "last", LlamaPooling::Last),
         (&["--local-workers", "2"], "cls", LlamaPooling::Cls),
+        (&["--stages", "1", "--tp", "2"], "mean", LlamaPooling::Mean),
+        (&group_over_tcp, "last", LlamaPooling::Last),
     ];
     for (cluster, pooling, oracle_pooling) in setups {
         let label = format!("{} {} {pooling}", cluster[0], cluster[1]);

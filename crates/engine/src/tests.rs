@@ -478,6 +478,33 @@ fn a_lost_ring_rebuilds_running_requests_batch_for_batch() {
     );
 }
 
+/// The core tells and counts, and the shell delivers: a loss without a ring source
+/// tells every running and waiting client, and takes away from the counters only what
+/// the core counted. A request the engine queued that has not reached the core yet
+/// stays counted (the counters used to be zeroed, and its admission later took the
+/// queue below zero).
+#[test]
+fn failing_every_request_takes_away_only_what_the_core_counted() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut h = Harness::new(false);
+    // Four submitted to the engine (which counts them), three of them in the core.
+    h.counters.queued.store(4, Relaxed);
+    let mut running: Vec<_> = (0..2).map(|i| h.job(&[1, 2 + i], 4)).collect();
+    let mut waiting = h.job(&[7, 8], 4);
+    h.poll();
+    assert_eq!(h.counters().active.load(Relaxed), 2);
+    assert_eq!(h.counters().queued.load(Relaxed), 2);
+    let gen = h.core.gen();
+    h.core.lost(gen, "the ring broke", h.now);
+    for rx in running.iter_mut().chain([&mut waiting]) {
+        assert!(matches!(h.events(rx).last(), Some(Event::Failed(_))));
+    }
+    let counters = h.counters();
+    assert_eq!(counters.active.load(Relaxed), 0);
+    assert_eq!(counters.queued.load(Relaxed), 1, "the one on its way to the core");
+    assert_eq!(counters.requests_failed.load(Relaxed), 3);
+}
+
 #[test]
 fn without_a_ring_source_a_loss_fails_every_request() {
     let mut h = Harness::new(false);

@@ -115,15 +115,9 @@ impl StageGroup {
         if self.others.is_empty() {
             return self.stage.forward(batch, reply);
         }
-        if reply == LogitReply::Normed {
-            // The members would each compute their share of the logits for nothing.
-            return Err(ModelError::Unsupported(
-                "embeddings on a tensor-parallel last stage".into(),
-            ));
-        }
         let n_vocab = self.stage.weights().file().hparams().n_vocab;
         let asked = match reply {
-            LogitReply::Best if n_vocab <= BEST_MAX_VOCAB => LogitReply::Best,
+            LogitReply::Best | LogitReply::Normed if n_vocab <= BEST_MAX_VOCAB => LogitReply::Best,
             _ => LogitReply::Logits,
         };
         let sent: Vec<_> = self.others.iter_mut().map(|m| m.send_forward(batch, asked)).collect();
@@ -131,10 +125,20 @@ impl StageGroup {
             self.stage.abort_group(&e.to_string());
             return Err(e);
         }
-        let mine = self.stage.forward(batch, asked);
+        // Embeddings: every member holds the whole hidden state after the last layer's
+        // exchange, so member 0 alone applies the output norm; the others, which compute
+        // their layers' shares with it, answer with their share of the logits (the least
+        // they can say), which is dropped.
+        let mine = match reply {
+            LogitReply::Normed => self.stage.forward(batch, LogitReply::Normed),
+            _ => self.stage.forward(batch, asked),
+        };
         let theirs: Vec<_> = self.others.iter_mut().map(|m| m.recv()).collect();
         let mine = mine?;
         let theirs = theirs.into_iter().collect::<Result<Vec<_>, _>>()?;
+        if let StageOutput::Normed(normed) = mine {
+            return Ok(StageOutput::Normed(normed));
+        }
         let n_rows = batch.logit_rows.len();
         let joined = match mine {
             StageOutput::Logits(logits) if n_rows > 0 => {

@@ -211,7 +211,8 @@ impl GroupMember for RemoteMember {
         let msg = match reply {
             LogitReply::Best => Message::ForwardBest(forward),
             LogitReply::Logits => Message::Forward(forward),
-            // `StageGroup::forward` refuses embeddings before asking the members.
+            // For embeddings `StageGroup::forward` asks the members for their share of
+            // the logits: member 0 alone pools.
             LogitReply::Normed => {
                 return Err(ModelError::Unsupported(
                     "embeddings on a tensor-parallel last stage".into(),
