@@ -84,7 +84,7 @@ fn bench_drafting(
         max_draft: baton_engine::max_draft(&hp),
         n_embd: hp.n_embd,
     };
-    let engine = ring.engine(vocab.clone(), config, drafter)?;
+    let engine = ring.engine(vocab.clone(), config, |_| Ok(drafter))?;
     let generate = |draft: Draft| -> anyhow::Result<(f64, Vec<u32>)> {
         let (events, mut receiver) = tokio::sync::mpsc::unbounded_channel();
         engine.submit(Job {

@@ -53,6 +53,11 @@ impl DraftArgs {
         })
     }
 
+    /// Whether a draft model is given (--draft-model).
+    pub fn has_model(&self) -> bool {
+        self.draft_model.is_some()
+    }
+
     /// Loads the draft model, if one is given, for `n_slots` sequences of `slot_ctx`
     /// tokens whose prompts are cut in chunks of `chunk`.
     pub fn load_model(

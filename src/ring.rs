@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::Context as _;
 use baton_cluster::{connect_cluster, ClusterOptions, ContextFit, Members, RemoteRing, Supervisor, CONTEXT_STEP};
-use baton_engine::{Engine, EngineConfig, FormError};
+use baton_engine::{Engine, EngineConfig};
 use baton_engine::{Head, LocalRing};
 use baton_model::{ModelFile, StageConfig};
 use baton_net::discovery::Browser;
@@ -218,27 +218,31 @@ impl Ring {
         }
     }
 
-    /// Hands the ring to an engine (a supervised ring is formed now).
+    /// Hands the ring to an engine (a supervised ring is formed now). `draft_model`
+    /// makes the draft model, if any, for the tokens each slot holds: a supervised
+    /// ring's are known only once it has formed.
     pub fn engine(
         &mut self,
         vocab: std::sync::Arc<baton_ggml::LlamaModel>,
         config: EngineConfig,
-        draft_model: Option<Box<dyn baton_engine::Drafter>>,
+        draft_model: impl FnOnce(usize) -> anyhow::Result<Option<Box<dyn baton_engine::Drafter>>> + 'static,
     ) -> anyhow::Result<Engine> {
         match self {
             Ring::Supervised { supervisor, .. } => {
                 let supervisor = supervisor.take().context("a supervised ring goes to one engine")?;
-                Engine::start_supervised(supervisor, vocab, config, draft_model).map_err(|e| match e {
-                    FormError::Capacity(why) | FormError::Retry(why) => anyhow::anyhow!(why),
-                })
+                let draft: baton_engine::DraftFor =
+                    Box::new(move |slot_ctx| draft_model(slot_ctx).map_err(|e| format!("{e:#}")));
+                Ok(Engine::start_supervised(supervisor, vocab, config, draft)?)
             }
             Ring::Local { ring, .. } => {
                 let ends = ring.take_ends().context("the ring is driven by an engine already")?;
-                Ok(Engine::start(ends, vocab, config, draft_model))
+                let draft = draft_model(config.slot_ctx)?;
+                Ok(Engine::start(ends, vocab, config, draft))
             }
             Ring::Remote { ring, .. } => {
                 let ends = ring.take_ends().context("the ring is driven by an engine already")?;
-                Ok(Engine::start(ends, vocab, config, draft_model))
+                let draft = draft_model(config.slot_ctx)?;
+                Ok(Engine::start(ends, vocab, config, draft))
             }
         }
     }

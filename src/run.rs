@@ -222,9 +222,8 @@ fn generate_drafting(
         max_draft: baton_engine::max_draft(&hp),
         n_embd: hp.n_embd,
     };
-    let drafter = args
-        .draft
-        .load_model(vocab.n_vocab(), 1, slot_ctx, chunk, args.stages.threads(), repack)?;
+    let (draft_args, n_vocab, threads) = (args.draft.clone(), vocab.n_vocab(), args.stages.threads());
+    let drafter = move |slot_ctx| draft_args.load_model(n_vocab, 1, slot_ctx, chunk, threads, repack);
     let engine = ring.engine(vocab.clone(), config, drafter)?;
     let (events, mut receiver) = tokio::sync::mpsc::unbounded_channel();
     let started = Instant::now();

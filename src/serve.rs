@@ -295,18 +295,15 @@ fn serve_model(
         n_embd: hp.n_embd,
     };
     let draft = args.draft.settings()?;
-    let draft_model = match with_draft {
-        true => args.draft.load_model(
-            vocab.n_vocab(),
-            config.n_slots,
-            config.slot_ctx,
-            config.chunk,
-            stages.threads(),
-            !stages.no_repack,
-        )?,
-        false => None,
+    // Made once the ring's context is known (a supervised ring's is chosen as it forms).
+    let has_draft_model = with_draft && args.draft.has_model();
+    let (draft_args, n_vocab, threads, repack) =
+        (args.draft.clone(), vocab.n_vocab(), stages.threads(), !stages.no_repack);
+    let (n_slots, chunk) = (config.n_slots, config.chunk);
+    let draft_model = move |slot_ctx| match with_draft {
+        true => draft_args.load_model(n_vocab, n_slots, slot_ctx, chunk, threads, repack),
+        false => Ok(None),
     };
-    let has_draft_model = draft_model.is_some();
     let engine = ring.engine(vocab.clone(), config, draft_model)?;
     let on = match engine.health() {
         Health::Serving { stages, .. } if !stages.is_empty() => stages,

@@ -69,6 +69,21 @@ pub use types::{
 use self::core::Core;
 use shell::{Inbox, Shell};
 
+/// Makes a draft model for slots of the given number of tokens (`None`: no draft model),
+/// or says why it cannot.
+pub type DraftFor = Box<dyn FnOnce(usize) -> Result<Option<Box<dyn Drafter>>, String>>;
+
+/// Why a supervised engine did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// No first ring could be formed.
+    #[error("{}", match .0 { FormError::Capacity(why) | FormError::Retry(why) => why })]
+    Form(FormError),
+    /// The draft model could not be made.
+    #[error("{0}")]
+    Draft(String),
+}
+
 /// The running engine; dropping it stops the ring.
 pub struct Engine {
     inbox: mpsc::Sender<Inbox>,
@@ -99,15 +114,21 @@ impl Engine {
     }
 
     /// Has `source` form the first ring and takes it over; when a node is lost,
-    /// `source` forms the next one and running requests are rebuilt on it.
+    /// `source` forms the next one and running requests are rebuilt on it. The ring's
+    /// context is chosen as it forms: `draft_model` makes the draft model (if any) for
+    /// the tokens each slot then holds.
     pub fn start_supervised(
         mut source: Box<dyn RingSource>,
         vocab: Arc<dyn Vocab>,
         config: EngineConfig,
-        draft_model: Option<Box<dyn Drafter>>,
-    ) -> Result<Engine, FormError> {
+        draft_model: DraftFor,
+    ) -> Result<Engine, StartError> {
         let (inbox, receiver) = mpsc::channel();
-        let formed = source.form(recovery::lost_reporter(&inbox, 0))?;
+        let formed = source
+            .form(recovery::lost_reporter(&inbox, 0))
+            .map_err(StartError::Form)?;
+        let slot_ctx = formed.n_ctx.map_or(config.slot_ctx, |n| n / config.n_slots.max(1));
+        let draft_model = draft_model(slot_ctx).map_err(StartError::Draft)?;
         Ok(Engine::launch(
             inbox,
             receiver,
