@@ -1,6 +1,8 @@
-//! `baton worker`: answers one head at a time. It describes itself, loads the layer
-//! range it is told to from its own copy of the model (or receives just those tensors
-//! once), links into the ring, and runs its stage until the head goes away.
+//! `baton worker`: answers one head per model at once (a server of several models plans
+//! each of them over the same workers). For each head it describes itself, loads the
+//! layer range it is told to from its own copy of the model (or receives just those
+//! tensors once), links into that head's ring, and runs the stage until the head goes
+//! away.
 //!
 //! Every connection runs on its own thread. Anything malformed, unauthenticated or
 //! out of place ends that connection with one log line; the listener keeps serving.
@@ -9,7 +11,8 @@
 //! `Pong`), answered here on a thread apart from the stage, so a busy stage still
 //! answers. The watch goes both ways: when the head's pings stop (it died, hung, or gave
 //! up on this ring after losing another node), the worker shuts its session's sockets,
-//! which ends the session wherever it was blocked, and is free for the next head.
+//! which ends the session wherever it was blocked, and the model is free for the next
+//! head.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
