@@ -151,6 +151,36 @@ fn hybrid_models_of_other_shapes_match_llama_cpp() {
     }
 }
 
+/// Kimi Linear: Kimi Delta Attention in layers 0 and 2, MLA without RoPE in 1 and 3
+/// (so every split of 2 or 3 stages has a boundary between the two kinds), experts
+/// after the dense layer 0; then 5 layers (the last one KDA) of 8 heads, and 3 layers
+/// with heads of 32. Logits bit for bit, greedy tokens equal.
+#[test]
+fn kimi_linear_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("kimi-linear", FileType::Q4KM);
+    let worst = check_stages(&path, "kimi-linear");
+    assert_eq!(worst, 0.0, "kimi-linear: the logits are llama.cpp's bit for bit");
+    for (label, n_layer, n_head, head_dim) in [("5 layers, 8 heads", 5, 8, 64), ("3 layers, heads of 32", 3, 4, 32)] {
+        let path = synthetic_with("kimi-linear", FileType::Q4KM, |spec| {
+            spec.shape.n_layer = n_layer;
+            spec.shape.n_head = n_head;
+            spec.shape.head_dim = head_dim;
+        });
+        let worst = check_stages(&path, &format!("kimi-linear {label}"));
+        assert_eq!(
+            worst, 0.0,
+            "kimi-linear {label}: the logits are llama.cpp's bit for bit"
+        );
+    }
+}
+
+#[test]
+fn kimi_linear_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("kimi-linear", FileType::Q4KM);
+}
+
 /// What a hybrid stage holds for a 32k context is what the planner counts
 /// (`HParams::layer_cache_bytes`): keys and values of every cell for its attention
 /// layers, each sequence's kept states for its recurrent ones.
