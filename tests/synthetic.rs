@@ -340,7 +340,8 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 /// sequence's greedy tokens are the same alone and beside others. Every MoE family:
 /// routers with selection biases and groups, shared experts, MLA, sinks and windows,
 /// experts weighted before their FFN (llama4), recurrent layers (qwen35moe's DeltaNet,
-/// nemotron_h_moe's Mamba2), experts routed by another input than theirs (gemma4).
+/// nemotron_h_moe's Mamba2, kimi-linear's KDA), experts routed by another input than
+/// theirs (gemma4).
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
     let _serial = serial();
@@ -356,6 +357,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         "qwen3next",
         "nemotron_h_moe",
         "gemma4-moe",
+        "kimi-linear",
     ] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
