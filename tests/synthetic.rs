@@ -182,12 +182,18 @@ fn kimi_linear_on_two_workers_matches_llama_cpp() {
 }
 
 /// What a hybrid stage holds for a 32k context is what the planner counts
-/// (`HParams::layer_cache_bytes`): keys and values of every cell for its attention
-/// layers, each sequence's kept states for its recurrent ones.
+/// (`HParams::layer_cache_bytes`): keys and values (kimi-linear: latent rows) of every
+/// cell for its attention layers, each sequence's kept states for its recurrent ones.
 #[test]
 fn hybrid_memory_per_stage_is_what_the_planner_counts() {
     let _serial = serial();
-    let path = synthetic("qwen35moe", FileType::Q4KM);
+    for arch in ["qwen35moe", "kimi-linear"] {
+        hybrid_memory_is_counted(arch);
+    }
+}
+
+fn hybrid_memory_is_counted(arch: &str) {
+    let path = synthetic(arch, FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
     let hp = file.hparams().clone();
     for n_seq in [1, 4] {
@@ -212,7 +218,7 @@ fn hybrid_memory_per_stage_is_what_the_planner_counts() {
                 .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, Default::default()))
                 .sum();
             println!(
-                "layers {layers:?}, {n_seq} sequences, {n_ctx} cells: KV {} bytes, states {} bytes, planner {counted}",
+                "{arch} layers {layers:?}, {n_seq} sequences, {n_ctx} cells: KV {} bytes, states {} bytes, planner {counted}",
                 stage.kv().bytes(),
                 stage.recurrent().bytes()
             );
