@@ -43,13 +43,17 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     let head_dim_k = keys.u32("attention.key_length_mla")?;
     let head_dim_v = keys.u32("attention.value_length_mla")?;
     let n_rot = hp.rope.n_dims as usize;
-    if hp.n_head_kv != 1 || hp.head_dim_k != n_lora_kv + n_rot || hp.head_dim_v != n_lora_kv || head_dim_k <= n_rot {
+    if hp.n_head_kv != 1 || hp.head_dim_k != n_lora_kv + n_rot || head_dim_k <= n_rot {
         return Err(ModelError::BadHParams(format!(
-            "kimi-linear MLA sizes do not fit: {} key heads of {} and values of {} for a latent of \
-             {n_lora_kv} plus {n_rot} RoPE dims; heads of {head_dim_k}",
-            hp.n_head_kv, hp.head_dim_k, hp.head_dim_v
+            "kimi-linear MLA sizes do not fit: {} key heads of {} for a latent of {n_lora_kv} plus \
+             {n_rot} RoPE dims; heads of {head_dim_k}",
+            hp.n_head_kv, hp.head_dim_k
         )));
     }
+    // The cache's values are its latent rows. Converters do not write
+    // `attention.value_length` for Kimi Linear (llama.cpp then takes `n_embd / n_head`,
+    // and never reads it: its MLA cache holds keys only).
+    hp.head_dim_v = n_lora_kv;
     // Queries are projected directly (llama.cpp's graph reads `attn_q` only).
     hp.mla = Some(Mla {
         n_lora_q: 0,
@@ -141,7 +145,9 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
 /// KDA in the even layers and MLA in the odd ones (Kimi-Linear-48B-A3B has three KDA
 /// layers to one MLA), so every split of 2 or 3 stages has a boundary between the two
 /// kinds. KDA heads as wide as the attention heads; MLA as deepseek2's example (a
-/// latent as wide as the model, a RoPE part of half a head) without query compression.
+/// latent as wide as the model, a RoPE part of half a head) without query compression,
+/// and, as converted files, no value length of its own (`attention.value_length` is the
+/// head size every example writes).
 fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
     let n_lora = shape.n_embd as u32;
     let n_rot = (shape.head_dim / 2) as u32;
@@ -150,7 +156,6 @@ fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
     vec![
         ("attention.head_count_kv", Value::Array(kv_heads)),
         ("attention.key_length", Value::U32(n_lora + n_rot)),
-        ("attention.value_length", Value::U32(n_lora)),
         ("attention.key_length_mla", Value::U32(head + n_rot)),
         ("attention.value_length_mla", Value::U32(head)),
         ("attention.kv_lora_rank", Value::U32(n_lora)),
