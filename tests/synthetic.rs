@@ -235,10 +235,15 @@ fn hybrid_memory_is_counted(arch: &str) {
 #[test]
 fn hybrid_models_refuse_tensor_parallelism_with_the_reason() {
     let _serial = serial();
-    let path = synthetic("qwen35moe", FileType::Q4KM);
-    let file = ModelFile::open(&path).unwrap();
-    let err = baton_model::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
-    assert!(err.contains("recurrent") && err.contains("pipeline stages"), "{err}");
+    for arch in ["qwen35moe", "kimi-linear"] {
+        let path = synthetic(arch, FileType::Q4KM);
+        let file = ModelFile::open(&path).unwrap();
+        let err = baton_model::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
+        assert!(
+            err.contains("recurrent") && err.contains("pipeline stages"),
+            "{arch}: {err}"
+        );
+    }
 }
 
 #[test]
