@@ -342,6 +342,16 @@ fn a_hybrid_models_stream_goes_on_after_a_killed_worker() {
     assert!(streamed.cached > 0, "the prompt's whole chunks came from a checkpoint");
 }
 
+/// Kimi Linear (synthetic kimi-linear: KDA states in half its layers, MLA latent rows
+/// in the others) loses a worker mid-stream: the new ring replays the sequence from
+/// position 0, rebuilding the states and the latent rows, and the text goes on
+/// unchanged. The disturbed request started from the first one's checkpoint.
+#[test]
+fn a_kimi_linear_stream_goes_on_after_a_killed_worker() {
+    let streamed = synthetic_stream_survives_a_killed_worker("kimi-linear");
+    assert!(streamed.cached > 0, "the prompt's whole chunks came from a checkpoint");
+}
+
 /// DeepSeek V3.2's sparse attention (synthetic deepseek32) loses a worker mid-stream:
 /// the new ring replays the sequence, which fills each layer's indexer keys again with
 /// its latent rows, and the text goes on unchanged.

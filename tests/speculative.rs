@@ -252,6 +252,56 @@ fn a_hybrid_models_drafts_and_repeated_prompts_give_the_undrafted_text() {
     }
 }
 
+/// Kimi Linear (synthetic kimi-linear: KDA states in half its layers, MLA rows in the
+/// others): a rejected draft rolls each KDA state back to a kept position and truncates
+/// the latent rows, so the drafted text equals the undrafted one, greedy and seeded,
+/// with prompt lookup and with the model itself as the draft model (the head computes it
+/// in other batch shapes, so some of its drafts are kept and others rejected: rollbacks
+/// land at several depths; its own states are rolled back too); a
+/// repeated prompt starts from the stages' checkpoint of the states after its last
+/// whole chunk (of 8) and gives the same text. (This random model's text does not
+/// repeat itself within 64 tokens, so prompt lookup finds nothing to draft.)
+#[test]
+fn kimi_linear_drafts_and_repeated_prompts_give_the_undrafted_text() {
+    let _serial = lock();
+    let path = common::synth::synthetic("kimi-linear", baton_ggml::FileType::Q4KM);
+    for draft in [
+        vec!["--draft", "ngram", "--draft-max", "8", "--draft-fixed"],
+        vec![
+            "--draft-model",
+            path.to_str().unwrap(),
+            "--draft-max",
+            "6",
+            "--draft-fixed",
+        ],
+    ] {
+        let mut args = draft.clone();
+        args.extend(["--chunk", "8"]);
+        let server = Server::start_path(&path, &args);
+        for sampling in [
+            json!({"temperature": 0}),
+            json!({"temperature": 1.0, "seed": 7, "top_k": 40}),
+        ] {
+            let mut off = sampling.clone();
+            off["draft"] = json!("off");
+            let plain = complete(&server, CODE, off);
+            let drafted = complete(&server, CODE, sampling.clone());
+            assert_eq!(drafted, plain, "{draft:?} {sampling}: text with drafts vs without");
+            let again = complete(&server, CODE, sampling.clone());
+            assert_eq!(again, plain, "{draft:?} {sampling}: the prompt again");
+        }
+        let (sent, kept) = drafts(&server);
+        println!("kimi-linear {draft:?}: {sent} tokens drafted, {kept} kept");
+        if draft[0] == "--draft-model" {
+            assert!(
+                kept > 0 && sent > kept,
+                "the drafts are kept at times and rejected at others: {sent}/{kept}"
+            );
+        }
+        assert_reuses_whole_chunks_of_8(&server);
+    }
+}
+
 /// DeepSeek V3.2's sparse attention (synthetic deepseek32, each query attending to the
 /// 8 tokens its indexer chooses): the indexer's keys live in the KV cache's cells, so a
 /// rejected draft's go with its latent rows and a repeated prompt reuses them. Drafted

@@ -151,13 +151,49 @@ fn hybrid_models_of_other_shapes_match_llama_cpp() {
     }
 }
 
+/// Kimi Linear: Kimi Delta Attention in layers 0 and 2, MLA without RoPE in 1 and 3
+/// (so every split of 2 or 3 stages has a boundary between the two kinds), experts
+/// after the dense layer 0; then 5 layers (the last one KDA) of 8 heads, and 3 layers
+/// with heads of 32. Logits bit for bit, greedy tokens equal.
+#[test]
+fn kimi_linear_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("kimi-linear", FileType::Q4KM);
+    let worst = check_stages(&path, "kimi-linear");
+    assert_eq!(worst, 0.0, "kimi-linear: the logits are llama.cpp's bit for bit");
+    for (label, n_layer, n_head, head_dim) in [("5 layers, 8 heads", 5, 8, 64), ("3 layers, heads of 32", 3, 4, 32)] {
+        let path = synthetic_with("kimi-linear", FileType::Q4KM, |spec| {
+            spec.shape.n_layer = n_layer;
+            spec.shape.n_head = n_head;
+            spec.shape.head_dim = head_dim;
+        });
+        let worst = check_stages(&path, &format!("kimi-linear {label}"));
+        assert_eq!(
+            worst, 0.0,
+            "kimi-linear {label}: the logits are llama.cpp's bit for bit"
+        );
+    }
+}
+
+#[test]
+fn kimi_linear_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("kimi-linear", FileType::Q4KM);
+}
+
 /// What a hybrid stage holds for a 32k context is what the planner counts
-/// (`HParams::layer_cache_bytes`): keys and values of every cell for its attention
-/// layers, each sequence's kept states for its recurrent ones.
+/// (`HParams::layer_cache_bytes`): keys and values (kimi-linear: latent rows) of every
+/// cell for its attention layers, each sequence's kept states for its recurrent ones.
 #[test]
 fn hybrid_memory_per_stage_is_what_the_planner_counts() {
     let _serial = serial();
-    let path = synthetic("qwen35moe", FileType::Q4KM);
+    for arch in ["qwen35moe", "kimi-linear"] {
+        hybrid_memory_is_counted(arch);
+    }
+}
+
+fn hybrid_memory_is_counted(arch: &str) {
+    let path = synthetic(arch, FileType::Q4KM);
     let file = ModelFile::open(&path).unwrap();
     let hp = file.hparams().clone();
     for n_seq in [1, 4] {
@@ -182,7 +218,7 @@ fn hybrid_memory_per_stage_is_what_the_planner_counts() {
                 .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, Default::default()))
                 .sum();
             println!(
-                "layers {layers:?}, {n_seq} sequences, {n_ctx} cells: KV {} bytes, states {} bytes, planner {counted}",
+                "{arch} layers {layers:?}, {n_seq} sequences, {n_ctx} cells: KV {} bytes, states {} bytes, planner {counted}",
                 stage.kv().bytes(),
                 stage.recurrent().bytes()
             );
@@ -199,10 +235,15 @@ fn hybrid_memory_per_stage_is_what_the_planner_counts() {
 #[test]
 fn hybrid_models_refuse_tensor_parallelism_with_the_reason() {
     let _serial = serial();
-    let path = synthetic("qwen35moe", FileType::Q4KM);
-    let file = ModelFile::open(&path).unwrap();
-    let err = baton_model::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
-    assert!(err.contains("recurrent") && err.contains("pipeline stages"), "{err}");
+    for arch in ["qwen35moe", "kimi-linear"] {
+        let path = synthetic(arch, FileType::Q4KM);
+        let file = ModelFile::open(&path).unwrap();
+        let err = baton_model::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
+        assert!(
+            err.contains("recurrent") && err.contains("pipeline stages"),
+            "{arch}: {err}"
+        );
+    }
 }
 
 #[test]
@@ -310,7 +351,8 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
 /// sequence's greedy tokens are the same alone and beside others. Every MoE family:
 /// routers with selection biases and groups, shared experts, MLA, sinks and windows,
 /// experts weighted before their FFN (llama4), recurrent layers (qwen35moe's DeltaNet,
-/// nemotron_h_moe's Mamba2), experts routed by another input than theirs (gemma4).
+/// nemotron_h_moe's Mamba2, kimi-linear's KDA), experts routed by another input than
+/// theirs (gemma4).
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
     let _serial = serial();
@@ -326,6 +368,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         "qwen3next",
         "nemotron_h_moe",
         "gemma4-moe",
+        "kimi-linear",
     ] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe

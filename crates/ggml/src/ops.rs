@@ -233,7 +233,9 @@ impl Context {
 
     /// The gated delta rule over a batch, token by token (ggml's fused kernel):
     /// `q`, `k` `[S, H_k, n_tokens, n_seqs]`, `v` `[S, H, n_tokens, n_seqs]`, the decay
-    /// `g` and `beta` `[1, H, n_tokens, n_seqs]`, the initial state `[S, S, H, n_seqs]`.
+    /// `g` `[1, H, n_tokens, n_seqs]` (one per head, gated DeltaNet) or `[S, H, n_tokens,
+    /// n_seqs]` (one per key dimension, Kimi Delta Attention), `beta` `[1, H, n_tokens,
+    /// n_seqs]`, the initial state `[S, S, H, n_seqs]`.
     /// Returns one tensor holding the outputs `[S, H, n_tokens, n_seqs]` followed by
     /// `keep` states, the newest first (slot `j` is the state `j` tokens before the
     /// end; only the first `min(n_tokens, keep)` are written).

@@ -274,3 +274,104 @@ fn rows_cut_as_rows_alone_says_compute_as_alone() {
         }
     }
 }
+
+/// The delta rule as ggml's CPU kernel computes it, for one sequence: `q`, `k`, `v`
+/// `[s, h, t]`, the decay `g` `[g_width, h, t]` (1: one per head; `s`: one per key
+/// dimension, Kimi Delta Attention's), `beta` `[h, t]`. Returns the outputs
+/// `[s, h, t]` and the state after each token, `[t][h][s × s]` (column-major: element
+/// `j × s + i` is row `i`, column `j`).
+fn delta_rule_reference(
+    (s, h, t): (usize, usize, usize),
+    [q, k, v]: [&[f32]; 3],
+    g: &[f32],
+    g_width: usize,
+    beta: &[f32],
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let mut state = vec![0f32; h * s * s];
+    let mut out = vec![0f32; s * h * t];
+    let mut states = Vec::new();
+    let scale = 1.0 / (s as f32).sqrt();
+    for token in 0..t {
+        for head in 0..h {
+            let at = |x: &[f32], i: usize| x[(token * h + head) * s + i];
+            let m = &mut state[head * s * s..(head + 1) * s * s];
+            for j in 0..s {
+                for i in 0..s {
+                    let decay = g[(token * h + head) * g_width + if g_width == 1 { 0 } else { i }];
+                    m[j * s + i] *= decay.exp();
+                }
+            }
+            let b = beta[token * h + head];
+            let delta: Vec<f32> = (0..s)
+                .map(|j| (at(v, j) - (0..s).map(|i| m[j * s + i] * at(k, i)).sum::<f32>()) * b)
+                .collect();
+            for j in 0..s {
+                for i in 0..s {
+                    m[j * s + i] += at(k, i) * delta[j];
+                }
+            }
+            for j in 0..s {
+                out[(token * h + head) * s + j] = (0..s).map(|i| m[j * s + i] * at(q, i)).sum::<f32>() * scale;
+            }
+        }
+        states.push(state.clone());
+    }
+    (out, states)
+}
+
+/// ggml's fused delta rule (`Context::gated_delta_net`) with a decay per key dimension
+/// (`g` `[s, h, t, 1]`, Kimi Delta Attention) computes the delta rule of the reference
+/// above, outputs and kept states (newest first), and not what one decay per head
+/// (each head's first) would give.
+#[test]
+fn gated_delta_net_decays_each_key_dimension_by_its_own_gate() {
+    let (s, h, t, keep) = (8usize, 2usize, 5usize, 3usize);
+    let n = s * h * t;
+    let unit = |x: Vec<f32>| -> Vec<f32> {
+        // Queries and keys L2-normalised per head, as the layers feed them.
+        x.chunks(s)
+            .flat_map(|head| {
+                let norm = head.iter().map(|a| a * a).sum::<f32>().sqrt();
+                head.iter().map(move |a| a / norm).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let (q, k, v) = (unit(noise(n, 1)), unit(noise(n, 2)), noise(n, 3));
+    let g: Vec<f32> = noise(n, 4).iter().map(|x| -x.abs() * 2.0).collect();
+    let beta: Vec<f32> = noise(h * t, 5).iter().map(|x| x + 0.5).collect();
+
+    let ctx = Context::new(8, 8);
+    let shape = [s as i64, h as i64, t as i64, 1];
+    let qt = ctx.new_tensor(DType::F32, &shape).set_input();
+    let kt = ctx.new_tensor(DType::F32, &shape).set_input();
+    let vt = ctx.new_tensor(DType::F32, &shape).set_input();
+    let gt = ctx.new_tensor(DType::F32, &shape).set_input();
+    let bt = ctx.new_tensor(DType::F32, &[1, h as i64, t as i64, 1]).set_input();
+    let st = ctx
+        .new_tensor(DType::F32, &[s as i64, s as i64, h as i64, 1])
+        .set_input();
+    let y = ctx.gated_delta_net(qt, kt, vt, gt, bt, st, keep).set_output();
+    let mut graph = ctx.new_graph();
+    graph.expand(y);
+    let mut alloc = Allocator::new_cpu();
+    alloc.alloc(&graph).unwrap();
+    for (tensor, values) in [(qt, &q), (kt, &k), (vt, &v), (gt, &g)] {
+        tensor.write(values).unwrap();
+    }
+    bt.write(&beta).unwrap();
+    st.write(&vec![0f32; s * s * h]).unwrap();
+    CpuBackend::new(2).compute(&graph).unwrap();
+    let mut packed = vec![0f32; n + keep * s * s * h];
+    y.read(&mut packed).unwrap();
+
+    let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + y.abs()));
+    let (out, states) = delta_rule_reference((s, h, t), [&q, &k, &v], &g, s, &beta);
+    assert!(close(&packed[..n], &out), "outputs {:?} vs {out:?}", &packed[..n]);
+    for slot in 0..keep {
+        let got = &packed[n + slot * s * s * h..n + (slot + 1) * s * s * h];
+        assert!(close(got, &states[t - 1 - slot]), "kept state {slot}");
+    }
+    let per_head: Vec<f32> = g.chunks(s).map(|head| head[0]).collect();
+    let (other, _) = delta_rule_reference((s, h, t), [&q, &k, &v], &per_head, 1, &beta);
+    assert!(!close(&packed[..n], &other), "one decay per head gives other outputs");
+}

@@ -117,6 +117,10 @@ pub enum SsmKind {
     /// Mamba2 (Nemotron-H): a selective scan with one `d_state × head_dim` state per
     /// head, `head_dim = d_inner / n_heads`; `B` and `C` in `n_groups` groups.
     Mamba2,
+    /// Kimi Delta Attention (Kimi Linear): the delta rule with a decay per key dimension
+    /// rather than per head; as many query and key heads as value heads
+    /// (`n_groups == n_heads`), each `d_state` wide.
+    Kda,
 }
 
 /// The sizes of a recurrent layer (llama.cpp's `ssm_*` keys): a causal convolution over
@@ -187,6 +191,10 @@ impl Ssm {
                 fits && ssm.d_inner.is_multiple_of(ssm.n_heads),
                 "inner_size a multiple of time_step_rank",
             ),
+            SsmKind::Kda => (
+                fits && ssm.d_inner == ssm.d_state * ssm.n_heads && ssm.n_groups == ssm.n_heads,
+                "inner_size time_step_rank x state_size and group_count time_step_rank",
+            ),
         };
         if !fits {
             return Err(ModelError::BadHParams(format!(
@@ -195,6 +203,31 @@ impl Ssm {
             )));
         }
         Ok(ssm)
+    }
+
+    /// The sizes of a Kimi Delta Attention layer, as llama.cpp's `kimi-linear` reads
+    /// them: `n_head` heads of `kda.head_dim` for queries, keys and values alike, and a
+    /// convolution of `ssm.conv_kernel` over all three.
+    pub fn kda(keys: &Keys<'_>, n_head: usize) -> Result<Ssm, ModelError> {
+        let head_dim = keys.u32("kda.head_dim")?;
+        let d_conv = keys.u32("ssm.conv_kernel")?;
+        const MAX: usize = 1 << 16;
+        if !(1..=MAX).contains(&head_dim) || !(2..=MAX).contains(&d_conv) || head_dim * n_head > MAX {
+            return Err(ModelError::BadHParams(format!(
+                "{} {head_dim} and {} {d_conv}: the head must be between 1 and {MAX} wide ({MAX} for \
+                 all {n_head} heads together), the kernel between 2 and {MAX}",
+                keys.name("kda.head_dim"),
+                keys.name("ssm.conv_kernel")
+            )));
+        }
+        Ok(Ssm {
+            kind: SsmKind::Kda,
+            d_conv,
+            d_inner: head_dim * n_head,
+            d_state: head_dim,
+            n_heads: n_head,
+            n_groups: n_head,
+        })
     }
 }
 

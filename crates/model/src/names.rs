@@ -126,6 +126,16 @@ tensor_names! {
         SsmIn = "ssm_in.weight",
         SsmConv1dBias = "ssm_conv1d.bias",
         SsmD = "ssm_d",
+        // Kimi Delta Attention layers (kimi-linear): a convolution each for queries, keys
+        // and values, the low-rank projections of the per-dimension decay (f) and of the
+        // output gate (g).
+        SsmConv1dQ = "ssm_conv1d_q.weight",
+        SsmConv1dK = "ssm_conv1d_k.weight",
+        SsmConv1dV = "ssm_conv1d_v.weight",
+        SsmFA = "ssm_f_a.weight",
+        SsmFB = "ssm_f_b.weight",
+        SsmGA = "ssm_g_a.weight",
+        SsmGB = "ssm_g_b.weight",
     }
 }
 

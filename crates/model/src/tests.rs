@@ -308,7 +308,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear)"
     );
 
     // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
@@ -685,4 +685,118 @@ fn glm_dsa_without_indexer_types_takes_llama_cpps_default() {
     let (t, s) = (true, false);
     assert_eq!(full_layers(1 << 20), [t, t, t, s, s, s, t, s, s, s, t]);
     assert_eq!(full_layers((1 << 20) - 1), [t; 11]);
+}
+
+/// Kimi Linear's tiny model: KDA in layers 0 and 2, MLA in layer 1. Each KDA layer keeps
+/// states (the convolution's last 3 inputs of its queries', keys' and values' 3 × 32
+/// channels, and 4 heads of 8 × 8), the MLA layer one latent row of 32 plus 4 RoPE
+/// dims (f16) per cell; a tensor-parallel group is refused with the reason.
+#[test]
+fn kimi_linear_caches_states_and_latent_rows_by_layer_kind() {
+    let n_ctx = 64;
+    let file = open("kv-kimi-linear.gguf", &tiny_model("kimi-linear", |w| w)).unwrap();
+    let hp = file.hparams().clone();
+    let ssm = hp.ssm.clone().unwrap();
+    assert_eq!((ssm.conv_state_len(), ssm.state_len()), (3 * 3 * 32, 4 * 8 * 8));
+    let states = (crate::recurrent::state_rows(1) * (ssm.conv_state_len() + ssm.state_len()) * 4) as u64;
+    let row_bytes = (32 + 4) * 2;
+    let per_layer: Vec<u64> = (0..N_LAYER)
+        .map(|l| hp.layer_cache_bytes(l, n_ctx, 1, KvTypes::default()))
+        .collect();
+    assert_eq!(per_layer, [states, (n_ctx * row_bytes) as u64, states]);
+    let span = StageSpan {
+        layers: 0..N_LAYER,
+        first: true,
+        last: true,
+    };
+    let stage = Stage::load(file.clone(), span, &StageConfig::new(n_ctx, 1)).unwrap();
+    assert_eq!(stage.kv().bytes(), n_ctx * row_bytes);
+    assert!(stage.recurrent().bytes() as u64 >= 2 * states);
+
+    let err = crate::TpSplit::new(&hp, 0, 2).unwrap_err().to_string();
+    assert!(
+        err.contains("kimi-linear has recurrent (Kimi Delta Attention) layers") && err.contains("pipeline stages"),
+        "{err}"
+    );
+}
+
+/// Convolution weights with the trailing dimension a converter may write
+/// (`[d_conv, 1, channels, 1]`) and `ssm_a` as `[1, n_head, 1, 1]`, which llama.cpp
+/// takes too: the same values, the same logits.
+#[test]
+fn kimi_linear_takes_convolutions_with_trailing_dimensions_of_1() {
+    let tokens = [1, 5, 9, 2, 7, 3];
+    let plain = tiny_model("kimi-linear", |w| w);
+    let header = baton_gguf::Gguf::parse(&plain).unwrap();
+    let four_d = tiny_model("kimi-linear", |mut w| {
+        for info in header
+            .tensors
+            .iter()
+            .filter(|t| t.name.contains("ssm_conv1d") || t.name.ends_with(".ssm_a"))
+        {
+            let values: Vec<f32> = header
+                .tensor_data(&plain, &info.name)
+                .unwrap()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let mut dims = info.dims.clone();
+            dims.resize(4, 1);
+            w = w
+                .without_tensor(&info.name)
+                .tensor_f32(info.name.clone(), &dims, &values);
+        }
+        w
+    });
+    let four_d_file = open("kimi-linear-4d.gguf", &four_d).unwrap();
+    let conv = four_d_file.gguf().tensor("blk.0.ssm_conv1d_q.weight").unwrap();
+    assert_eq!(conv.dims, [4, 1, 32, 1]);
+    let plain_file = open("kimi-linear-3d.gguf", &plain).unwrap();
+    assert_eq!(
+        chain_logits(&four_d_file, &[N_LAYER], &tokens),
+        chain_logits(&plain_file, &[N_LAYER], &tokens)
+    );
+
+    // Another shape is still refused, the tensor named.
+    let wrong = tiny_model("kimi-linear", |w| {
+        w.without_tensor("blk.2.ssm_conv1d_v.weight")
+            .tensor_f32("blk.2.ssm_conv1d_v.weight", &[4, 2, 16], &[0.0; 128])
+    });
+    assert_eq!(
+        err_text("kimi-linear-wrong.gguf", &wrong),
+        "tensor 'blk.2.ssm_conv1d_v.weight' has shape [4, 2, 16], expected [4, 1, 32]"
+    );
+}
+
+/// Kimi Linear files llama.cpp cannot compute are refused before loading, the key or
+/// tensor named: no gating function or none (llama.cpp requires one), no KDA head size,
+/// compressed queries (llama.cpp's graph reads `attn_q` only), the MLA projections of
+/// files converted before MLA (one `attn_kv_b`).
+#[test]
+fn kimi_linear_variants_are_refused_with_the_key_or_tensor_named() {
+    let text = |name: &str, edit: &dyn Fn(GgufWriter) -> GgufWriter| {
+        err_text(&format!("kimi-{name}.gguf"), &tiny_model("kimi-linear", edit))
+    };
+    assert_eq!(
+        text("gating", &|w| w.without_kv("kimi-linear.expert_gating_func")),
+        "GGUF metadata key 'kimi-linear.expert_gating_func' is missing"
+    );
+    assert_eq!(
+        text("gating-0", &|w| w
+            .without_kv("kimi-linear.expert_gating_func")
+            .kv("kimi-linear.expert_gating_func", Value::U32(0))),
+        "bad hyper-parameters: kimi-linear.expert_gating_func is 0 (none): the router has no gating function"
+    );
+    assert_eq!(
+        text("head", &|w| w.without_kv("kimi-linear.kda.head_dim")),
+        "GGUF metadata key 'kimi-linear.kda.head_dim' is missing"
+    );
+    assert_eq!(
+        text("q-a", &|w| w.tensor_f32("blk.1.attn_q_a.weight", &[N_EMBD, 8], &[0.0; 256])),
+        "tensor 'blk.1.attn_q_a.weight' is not part of baton's kimi-linear architecture; refusing to compute without it"
+    );
+    assert_eq!(
+        text("kv-b", &|w| w.without_tensor("blk.1.attn_k_b.weight")),
+        "tensor 'blk.1.attn_k_b.weight' is missing from the model file"
+    );
 }

@@ -100,6 +100,7 @@ impl TpSplit {
             let kind = match ssm.kind {
                 SsmKind::GatedDeltaNet => "gated DeltaNet",
                 SsmKind::Mamba2 => "Mamba2",
+                SsmKind::Kda => "Kimi Delta Attention",
             };
             return Err(ModelError::BadConfig(format!(
                 "{} has recurrent ({kind}) layers, which baton does not split between \

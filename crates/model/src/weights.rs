@@ -495,14 +495,18 @@ fn file_tensor<'f>(gguf: &'f Gguf, spec: &TensorSpec) -> Result<(&'f TensorInfo,
     let info = gguf
         .tensor(&spec.source)
         .ok_or_else(|| ModelError::MissingTensor(spec.source.clone()))?;
-    let dims: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
-    if dims != spec.shape {
+    let found: Vec<i64> = info.dims.iter().map(|&d| d as i64).collect();
+    // Trailing dimensions of 1 hold no values: converters may write them (Kimi Linear's
+    // `[d_conv, 1, channels, 1]` convolutions) where llama.cpp's quantizer drops them.
+    let trimmed = |dims: &[i64]| -> usize { dims.len() - dims.iter().skip(1).rev().take_while(|&&d| d == 1).count() };
+    if found[..trimmed(&found)] != spec.shape[..trimmed(&spec.shape)] {
         return Err(ModelError::WrongShape {
             tensor: spec.source.clone(),
             expected: spec.shape.clone(),
-            found: dims,
+            found,
         });
     }
+    let dims = spec.shape.clone();
     // Norms, biases and other element-wise weights are f32 in every llama.cpp GGUF;
     // matrices must be types ggml can multiply by.
     let dtype = DType(info.ggml_type.id());

@@ -159,7 +159,7 @@ pub(super) fn layer_with<'g>(
     down_input: DownInput,
 ) -> Tensor<'g> {
     let cur = b.norm(hidden, w.get(T::AttnNorm));
-    let cur = mla_attention(b, w, layer, cur);
+    let cur = mla_attention(b, w, layer, cur, MlaRope::Rotated);
     let (cur, residual) = b.select_outputs(layer, cur, hidden);
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
@@ -181,10 +181,27 @@ pub(super) fn layer_with<'g>(
     b.ctx.add(cur, ffn_in)
 }
 
+/// What an MLA layer does with the RoPE part of its queries and keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum MlaRope {
+    /// Rotated by position; scores scaled by YaRN's mscale² / √head (DeepSeek).
+    Rotated,
+    /// Left as projected, scores scaled by 1 / √head (Kimi Linear's MLA layers, which
+    /// have no positional encoding).
+    Unrotated,
+}
+
 /// MLA with absorption, as llama.cpp's deepseek2 graph builds it: queries are mapped
 /// into the latent space (`attn_k_b`), so every head attends over the cached latent rows
 /// as one shared key head; the attended latent is decompressed per head (`attn_v_b`).
-fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
+/// The RoPE part of each head is rotated or not as `rope` says.
+pub(super) fn mla_attention<'g>(
+    b: &mut Builder<'g>,
+    w: &LayerTensors<'g>,
+    layer: usize,
+    x: Tensor<'g>,
+    rope: MlaRope,
+) -> Tensor<'g> {
     let ctx = b.ctx;
     let hp = b.hp;
     let mla = hp.mla.as_ref().expect("MLA hyper-parameters are always read");
@@ -217,7 +234,11 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     let row = kv_pe.nb()[1];
     let kv = ctx.view_2d(kv_pe, n_lora_kv, n_tokens, row, 0);
     let k_pe = ctx.view_3d(kv_pe, [n_rot, 1, n_tokens], row, row, elt * n_lora_kv as usize);
-    let k_pe = ctx.rope(k_pe, b.inputs.positions, None, &hp.rope);
+    let rotate = |t: Tensor<'g>| match rope {
+        MlaRope::Rotated => ctx.rope(t, b.inputs.positions, None, &hp.rope),
+        MlaRope::Unrotated => t,
+    };
+    let k_pe = rotate(k_pe);
     let kv = b.norm(kv, w.get(T::AttnKvANorm));
 
     let q_elt = q.nb()[0];
@@ -229,7 +250,7 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
         q.nb()[2],
         q_elt * n_nope as usize,
     );
-    let q_pe = ctx.rope(q_pe, b.inputs.positions, None, &hp.rope);
+    let q_pe = rotate(q_pe);
     let q_nope = ctx.permute(q_nope, [0, 2, 1, 3]); // [n_nope, n_tokens, n_head]
     let q_absorbed = b.mm(w.get(T::AttnKB), q_nope); // [n_lora_kv, n_tokens, n_head]
     let q_absorbed = ctx.permute(q_absorbed, [0, 2, 1, 3]); // [n_lora_kv, n_head, n_tokens]
@@ -246,7 +267,10 @@ fn mla_attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x:
     let freq_scale = hp.rope.freq_scale;
     let attn_factor = hp.rope.attn_factor * (1.0 + 0.1 * (1.0 / freq_scale).ln());
     let mscale = attn_factor * (1.0 + 0.1 * hp.yarn.log_mul * (1.0 / freq_scale).ln());
-    let scale = mscale * mscale / (head_k as f32).sqrt();
+    let scale = match rope {
+        MlaRope::Rotated => mscale * mscale / (head_k as f32).sqrt(),
+        MlaRope::Unrotated => 1.0 / (head_k as f32).sqrt(),
+    };
 
     let keys = KeyValues {
         k,

@@ -332,7 +332,7 @@ impl<'g> Builder<'g> {
 
     /// `x / max(‖x‖, ε)` over dim 0, as llama.cpp's `build_gdn_l2_norm` computes it: an
     /// RMS norm with `ε / n`, scaled by `1 / √n`.
-    fn l2_norm(&self, x: Tensor<'g>) -> Tensor<'g> {
+    pub(super) fn l2_norm(&self, x: Tensor<'g>) -> Tensor<'g> {
         let n = x.ne()[0] as f32;
         self.ctx
             .scale(self.ctx.rms_norm(x, self.hp.rms_eps / n), 1.0 / n.sqrt())

@@ -11,6 +11,7 @@ pub mod attention;
 pub mod builder;
 pub mod deltanet;
 pub mod ends;
+pub mod kda;
 pub mod mamba2;
 pub mod moe;
 
@@ -23,6 +24,7 @@ mod gemma4;
 mod glm4moe;
 mod glm_dsa;
 mod gpt_oss;
+mod kimi_linear;
 mod llama;
 mod llama4;
 mod minimax_m2;
@@ -73,6 +75,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &gemma4::ARCH,
     &deepseek32::ARCH,
     &glm_dsa::ARCH,
+    &kimi_linear::ARCH,
 ];
 
 /// How RoPE rotates a head.
