@@ -282,10 +282,14 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvType
             .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, kv_types))
             .collect(),
         // A layer that reuses an earlier layer's choice of tokens stays on its stage.
-        no_stage_start: hp
-            .indexer()
-            .map(|ix| (0..hp.n_layer).filter(|&l| !ix.full_layers[l]).collect())
-            .unwrap_or_default(),
+        // Kimi K3's residual attention reads earlier layers' inputs, which do not travel.
+        no_stage_start: if hp.kimi_k3.is_some_and(|k3| k3.res_block > 0) {
+            (1..hp.n_layer).collect()
+        } else {
+            hp.indexer()
+                .map(|ix| (0..hp.n_layer).filter(|&l| !ix.full_layers[l]).collect())
+                .unwrap_or_default()
+        },
     }
 }
 

@@ -40,6 +40,13 @@ impl Context {
         unsafe { self.wrap(sys::ggml_sigmoid(self.raw(), a.raw())) }
     }
 
+    /// `x [n, k, n_tokens]`, `weights [k, n_tokens]` → `[n, n_tokens]`: each token's `k`
+    /// rows summed with its weights, in order, in f32 (ggml's `dsv4_hc_pre`).
+    pub fn weighted_rows_sum<'t>(&'t self, x: Tensor<'t>, weights: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_dsv4_hc_pre(self.raw(), x.raw(), weights.raw())) }
+    }
+
     /// Sums over dim 0: `[n, ...]` to `[1, ...]`.
     pub fn sum_rows<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
         // SAFETY: records a node (see module docs).

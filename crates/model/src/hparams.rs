@@ -95,6 +95,29 @@ pub struct HParams {
     /// (Gemma 4); `None`: every attention layer has `n_head_kv` heads of `head_dim_k`
     /// and `head_dim_v` (see [`HParams::layer_heads`]).
     pub swa_heads: Option<LayerHeads>,
+    /// What Kimi K3 adds to Kimi Linear (`None` for every other architecture).
+    pub kimi_k3: Option<KimiK3>,
+}
+
+/// Kimi K3's sizes beyond Kimi Linear's, as llama.cpp's `kimi-k3` reads them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KimiK3 {
+    /// Cross-layer residual attention (`attn_res.block_size`; 0: none): every layer
+    /// `l` with `l % block == 0` banks its raw input, and each layer's attention and
+    /// FFN (and the output) read a softmax-weighted mix of the banked inputs and the
+    /// running residual.
+    pub res_block: usize,
+    /// situ's gate scale (`activation.situ_beta`).
+    pub situ_beta: f32,
+    /// situ's up scale (`activation.situ_linear_beta`; 0 or less: the up branch as it is).
+    pub situ_linear_beta: f32,
+    /// Width the routed experts run at (`expert_latent_length`; 0: `n_embd`, no
+    /// projections around them).
+    pub n_expert_latent: usize,
+    /// The KDA decay's lower bound (`kda.gate_lower_bound`): when set, the decay is
+    /// `bound · sigmoid(exp(A_log) · (f_b(f_a(x)) + dt))` instead of Kimi Linear's
+    /// softplus form.
+    pub kda_gate_lower_bound: Option<f32>,
 }
 
 /// The key/value heads of one layer.
@@ -644,6 +667,7 @@ impl HParams {
             layer_ff,
             rope_sections: None,
             swa_heads: None,
+            kimi_k3: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         if hp.rms_eps.is_nan() {

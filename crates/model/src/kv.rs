@@ -441,6 +441,7 @@ mod tests {
             recurrent_layers: vec![false; 2],
             layer_kv_heads: vec![1; 2],
             swa_heads: None,
+            kimi_k3: None,
             layer_ff: vec![16; 2],
             rope_sections: None,
             yarn: crate::Yarn {

@@ -136,6 +136,14 @@ tensor_names! {
         SsmFB = "ssm_f_b.weight",
         SsmGA = "ssm_g_a.weight",
         SsmGB = "ssm_g_b.weight",
+        // Kimi K3: the KDA output gate at full rank, the cross-layer residual
+        // attention's scores, the routed experts' latent projections and norm.
+        SsmG = "ssm_g.weight",
+        AttnResScore = "attn_res_score.weight",
+        FfnResScore = "ffn_res_score.weight",
+        FfnRoutedDown = "ffn_routed_down.weight",
+        FfnRoutedUp = "ffn_routed_up.weight",
+        FfnRoutedNorm = "ffn_routed_norm.weight",
     }
 }
 
@@ -147,6 +155,8 @@ tensor_names! {
         OutputNorm = "output_norm.weight",
         Output = "output.weight",
         RopeFreqs = "rope_freqs.weight",
+        // Kimi K3: the cross-layer residual attention's scores before the output norm.
+        OutputResScore = "output_res_score.weight",
     }
 }
 

@@ -288,6 +288,18 @@ impl Stage {
                 )));
             }
         }
+        // Kimi K3's cross-layer residual attention mixes the raw inputs of layers 0, b,
+        // 2b, … into every later layer and the output; only the hidden state travels.
+        if let Some(block) = full.kimi_k3.map(|k3| k3.res_block).filter(|&b| b > 0) {
+            if span.layers.start > 0 {
+                return Err(ModelError::BadConfig(format!(
+                    "a stage cannot start at layer {}: kimi-k3's cross-layer residual attention \
+                     (attn_res.block_size {block}) reads the inputs of layers 0, {block}, … before \
+                     it, which do not travel between stages; run the model on one stage",
+                    span.layers.start
+                )));
+            }
+        }
         // The exchanges are host ops reading and writing the member's activations in
         // host memory, which only the CPU backend gives them.
         if member.is_some() && !device.is_cpu() {
@@ -593,6 +605,7 @@ impl Stage {
             inputs,
             outputs_selected: false,
             selection: None,
+            banked: None,
             tp: self.tp.as_ref().map(|m| m.ops.clone()),
         };
         let mut hidden = match input {

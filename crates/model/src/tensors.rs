@@ -367,6 +367,14 @@ pub fn ends(hp: &HParams, first: bool, last: bool, in_file: &dyn Fn(&str) -> boo
         };
         specs.push(spec(EndTensor::Output, source, vec![embd, vocab], Use::MulMat));
     }
+    if last && hp.kimi_k3.is_some_and(|k3| k3.res_block > 0) {
+        specs.push(spec(
+            EndTensor::OutputResScore,
+            EndTensor::OutputResScore,
+            vec![embd],
+            Use::Elementwise,
+        ));
+    }
     let rope_freqs = match hp.arch.rope_freqs {
         Some(Presence::Required) => true,
         Some(_) => in_file(EndTensor::RopeFreqs.name()),

@@ -308,7 +308,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear, kimi-k3)"
     );
 
     // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
@@ -794,6 +794,86 @@ fn kimi_linear_variants_are_refused_with_the_key_or_tensor_named() {
     assert_eq!(
         text("q-a", &|w| w.tensor_f32("blk.1.attn_q_a.weight", &[N_EMBD, 8], &[0.0; 256])),
         "tensor 'blk.1.attn_q_a.weight' is not part of baton's kimi-linear architecture; refusing to compute without it"
+    );
+    assert_eq!(
+        text("kv-b", &|w| w.without_tensor("blk.1.attn_k_b.weight")),
+        "tensor 'blk.1.attn_k_b.weight' is missing from the model file"
+    );
+}
+
+/// Kimi K3's tiny model (KDA, MLA, KDA; residual attention banking layers 0 and 2's
+/// inputs): its banked inputs do not travel, so a stage starting at layer 1 or 2 is
+/// refused with the reason and the whole model runs; without residual attention
+/// (`attn_res.block_size` 0) it splits anywhere and gives the same logits whole and
+/// split. A tensor-parallel group is refused with the reason; files llama.cpp cannot
+/// read or baton cannot compute are refused with the key or tensor named.
+#[test]
+fn kimi_k3_refuses_splits_its_residual_attention_needs_and_variants_it_cannot_compute() {
+    let file = open("kimi-k3.gguf", &tiny_model("kimi-k3", |w| w)).unwrap();
+    let span = |layers| StageSpan {
+        layers,
+        first: false,
+        last: true,
+    };
+    for start in [1, 2] {
+        let err = Stage::load(file.clone(), span(start..N_LAYER), &config())
+            .err()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "bad stage configuration: a stage cannot start at layer {start}: kimi-k3's cross-layer \
+                 residual attention (attn_res.block_size 2) reads the inputs of layers 0, 2, … before it, \
+                 which do not travel between stages; run the model on one stage"
+            )
+        );
+    }
+    let tokens = [1, 5, 9, 2, 7, 3];
+    let whole = chain_logits(&file, &[N_LAYER], &tokens);
+    assert!(whole.iter().all(|x| x.is_finite()));
+
+    let plain = tiny_model("kimi-k3", |w| {
+        let w = w
+            .without_kv("kimi-k3.attn_res.block_size")
+            .kv("kimi-k3.attn_res.block_size", Value::U32(0))
+            .without_tensor("output_res_score.weight");
+        (0..N_LAYER).fold(w, |w, l| {
+            w.without_tensor(&format!("blk.{l}.attn_res_score.weight"))
+                .without_tensor(&format!("blk.{l}.ffn_res_score.weight"))
+        })
+    });
+    let plain = open("kimi-k3-plain.gguf", &plain).unwrap();
+    let whole = chain_logits(&plain, &[N_LAYER], &tokens);
+    assert_eq!(chain_logits(&plain, &[1, 2], &tokens), whole);
+    assert_eq!(chain_logits(&plain, &[1, 1, 1], &tokens), whole);
+
+    let err = crate::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
+    assert!(
+        err.contains("kimi-k3 has recurrent (Kimi Delta Attention) layers") && err.contains("pipeline stages"),
+        "{err}"
+    );
+
+    let text = |name: &str, edit: &dyn Fn(GgufWriter) -> GgufWriter| {
+        err_text(&format!("kimi-k3-{name}.gguf"), &tiny_model("kimi-k3", edit))
+    };
+    assert_eq!(
+        text("res", &|w| w.without_kv("kimi-k3.attn_res.block_size")),
+        "GGUF metadata key 'kimi-k3.attn_res.block_size' is missing"
+    );
+    assert_eq!(
+        text("situ", &|w| w.without_kv("kimi-k3.activation.situ_linear_beta")),
+        "GGUF metadata key 'kimi-k3.activation.situ_linear_beta' is missing"
+    );
+    assert_eq!(
+        text("situ-0", &|w| w
+            .without_kv("kimi-k3.activation.situ_beta")
+            .kv("kimi-k3.activation.situ_beta", Value::F32(0.0))),
+        "bad hyper-parameters: kimi-k3.activation.situ_beta 0 and kimi-k3.activation.situ_linear_beta 2: situ divides by both (the first must be positive, both finite)"
+    );
+    assert_eq!(
+        text("low-rank-gate", &|w| w.tensor_f32("blk.0.ssm_g_a.weight", &[N_EMBD, 8], &[0.0; 256])),
+        "tensor 'blk.0.ssm_g_a.weight' is not part of baton's kimi-k3 architecture; refusing to compute without it"
     );
     assert_eq!(
         text("kv-b", &|w| w.without_tensor("blk.1.attn_k_b.weight")),

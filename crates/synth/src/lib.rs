@@ -44,6 +44,9 @@ pub struct SynthSpec {
     /// Whether to write the tensors the architecture takes when present but real files
     /// usually lack (to test those paths).
     pub optional_tensors: bool,
+    /// Metadata that replaces the example's or adds to it (full key names, e.g.
+    /// `kimi-k3.attn_res.block_size`), for variants the shape does not decide.
+    pub keys: Vec<(String, Value)>,
 }
 
 /// What can go wrong making a synthetic model.
@@ -83,6 +86,7 @@ impl SynthSpec {
             seed: 1,
             tied_output: true,
             optional_tensors: false,
+            keys: Vec::new(),
         }
     }
 
@@ -101,8 +105,14 @@ impl SynthSpec {
         text += &format!(" tokenizer {:?} {}", self.tokenizer.file_name(), meta.len());
         let metadata = example_metadata(self.arch, &self.shape);
         text += &format!(" {metadata:?}");
+        if !self.keys.is_empty() {
+            text += &format!(" keys {:?}", self.keys);
+        }
         let header = baton_gguf::GgufWriter::new();
-        let header = metadata.into_iter().fold(header, |w, (k, v)| w.kv(k, v));
+        let header = metadata
+            .into_iter()
+            .chain(self.keys.iter().cloned())
+            .fold(header, |w, (k, v)| w.without_kv(&k).kv(k, v));
         let gguf = Gguf::parse(&header.to_bytes()).map_err(ModelError::from)?;
         let hp = HParams::from_metadata(&gguf, 1)?;
         for spec in example_tensors(&hp, self.tied_output, self.optional_tensors) {
@@ -128,6 +138,7 @@ pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: usize) -> Result<usiz
     // Not the architecture's name: llama.cpp tunes some tokenizers by the model's name
     // (e.g. "phi3"), and this tokenizer is another model's.
     extra.push(("general.name".into(), Value::Str("baton synthetic model".into())));
+    extra.extend(spec.keys.iter().cloned());
     let options = ExampleOptions {
         n_vocab,
         seed: spec.seed,

@@ -71,6 +71,9 @@ pub struct Builder<'g> {
     /// DeepSeek sparse attention: the last layer's choice of tokens (one mask per
     /// span), for the layers after it that reuse it (GLM-5.2's shared indexer layers).
     pub selection: Option<Vec<SparseMask<'g>>>,
+    /// Kimi K3's cross-layer residual attention: the raw inputs its stage's layers
+    /// banked so far, `[n_embd, n_banked, n_tokens]`.
+    pub banked: Option<Tensor<'g>>,
     /// The group's sums, when this stage is one member of a tensor-parallel group.
     pub tp: Option<TpOps>,
 }
@@ -118,12 +121,27 @@ pub enum Shard {
 }
 
 /// The activation of a gated feed-forward block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Act {
     /// `silu(gate) * up` (SwiGLU).
     Silu,
     /// `gelu(gate) * up` (GeGLU).
     Gelu,
+    /// Kimi K3's situ (see [`situ`]).
+    Situ { beta: f32, linear_beta: f32 },
+}
+
+/// situ, as llama.cpp computes it: `β tanh(gate / β) · sigmoid(gate) · λ tanh(up / λ)`
+/// (the up branch as it is when `λ ≤ 0`).
+pub fn situ<'g>(ctx: &'g Context, gate: Tensor<'g>, up: Tensor<'g>, beta: f32, linear_beta: f32) -> Tensor<'g> {
+    let act = ctx.scale(ctx.tanh(ctx.scale(gate, 1.0 / beta)), beta);
+    let act = ctx.mul(act, ctx.sigmoid(gate));
+    let up = if linear_beta > 0.0 {
+        ctx.scale(ctx.tanh(ctx.scale(up, 1.0 / linear_beta)), linear_beta)
+    } else {
+        up
+    };
+    ctx.mul(act, up)
 }
 
 impl<'g> Builder<'g> {
@@ -241,6 +259,7 @@ impl<'g> Builder<'g> {
         let hidden = match act {
             Act::Silu => self.ctx.swiglu_split(gate, up),
             Act::Gelu => self.ctx.geglu_split(gate, up),
+            Act::Situ { beta, linear_beta } => situ(self.ctx, gate, up, beta, linear_beta),
         };
         let shard = if ffn.shared_experts { Shard::FfShexp } else { Shard::Ff };
         let hidden = self.gather(hidden, shard);

@@ -11,6 +11,10 @@
 //! strength `beta = sigmoid(b(x))`. Its outputs are RMS-normed per head, gated by
 //! `sigmoid(g_b(g_a(x)))` and projected back.
 //!
+//! Kimi K3 (`kimi-k3`) gates at full rank (`sigmoid(g(x))`), keeps `a` as a plain
+//! `[n_head]` vector, and, when its file sets `kda.gate_lower_bound`, decays by
+//! `g = bound · sigmoid(-a · (f_b(f_a(x)) + dt))` (`-a = exp(A_log)`).
+//!
 //! The three convolutions run as one over the queries', keys' and values' channels
 //! side by side (each channel is convolved alone, so this computes the same values), and
 //! their state is one row per sequence in [`crate::RecurrentCache`], as for the other
@@ -29,7 +33,8 @@ use crate::weights::LayerTensors;
 /// `kimi-linear` lists them: separate q, k and v projections, their convolutions
 /// (`[d_conv, 1, channels]`, as quantized files hold them), the decay's and the output
 /// gate's low-rank projections, the write strength, `a` (`-exp(A_log)`, `[1, n_head]`),
-/// the decay's bias, the output norm and projection. Tensor parallelism does not split
+/// the decay's bias, the output norm and projection (Kimi K3: `a` `[n_head]` and one
+/// full-rank gate). Tensor parallelism does not split
 /// recurrent layers (see [`crate::TpSplit::new`]), so every tensor is whole.
 pub fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
@@ -44,10 +49,19 @@ pub fn tensors(t: &mut LayerPlan<'_>) {
     t.mat(T::SsmFA, &[embd, d], Split::Whole);
     t.mat(T::SsmFB, &[d, inner], Split::Whole);
     t.mat(T::SsmBeta, &[embd, heads], Split::Whole);
-    t.vec(T::SsmA, &[1, heads], Split::Whole);
+    let k3 = hp.kimi_k3.is_some();
+    if k3 {
+        t.vec(T::SsmA, &[heads], Split::Whole);
+    } else {
+        t.vec(T::SsmA, &[1, heads], Split::Whole);
+    }
     t.vec(T::SsmDt, &[inner], Split::Whole);
-    t.mat(T::SsmGA, &[embd, d], Split::Whole);
-    t.mat(T::SsmGB, &[d, inner], Split::Whole);
+    if k3 {
+        t.mat(T::SsmG, &[embd, inner], Split::Whole);
+    } else {
+        t.mat(T::SsmGA, &[embd, d], Split::Whole);
+        t.mat(T::SsmGB, &[d, inner], Split::Whole);
+    }
     t.norm(T::SsmNorm, d);
     t.mat(T::AttnOutput, &[inner, embd], Split::Whole);
 }
@@ -70,11 +84,18 @@ impl<'g> Builder<'g> {
         let kernels = [T::SsmConv1dQ, T::SsmConv1dK, T::SsmConv1dV].map(|c| ctx.reshape_2d(w.get(c), d_conv, inner));
         let kernel = concat_all(ctx, kernels.to_vec(), 1); // [d_conv, 3 inner]
 
-        // The decay of each key dimension: softplus(f_b(f_a(x)) + dt) · a.
+        // The decay of each key dimension: softplus(f_b(f_a(x)) + dt) · a, or with a
+        // lower bound (Kimi K3), bound · sigmoid(-(f_b(f_a(x)) + dt) · a).
         let f = self.mm(w.get(T::SsmFB), self.mm(w.get(T::SsmFA), x)); // [inner, n_tokens]
-        let f = ctx.softplus(ctx.add(f, w.get(T::SsmDt)));
+        let f = ctx.add(f, w.get(T::SsmDt));
         let a = ctx.reshape_3d(w.get(T::SsmA), 1, h, 1);
-        let g = ctx.mul(ctx.reshape_3d(f, s, h, n_tokens), a);
+        let g = match self.hp.kimi_k3.and_then(|k3| k3.kda_gate_lower_bound) {
+            Some(bound) => {
+                let g = ctx.mul(ctx.reshape_3d(f, s, h, n_tokens), a);
+                ctx.scale(ctx.sigmoid(ctx.scale(g, -1.0)), bound)
+            }
+            None => ctx.mul(ctx.reshape_3d(ctx.softplus(f), s, h, n_tokens), a),
+        };
         let g = named(ctx.reshape_2d(g, inner, n_tokens), "kda_g"); // [inner, n_tokens]
         let beta = ctx.sigmoid(self.mm(w.get(T::SsmBeta), x)); // [h, n_tokens]
 
@@ -112,8 +133,11 @@ impl<'g> Builder<'g> {
         );
         let out = concat_all(ctx, outs, 2); // [s, h, n_tokens, 1]
 
-        // RMS-normed per head, gated by sigmoid(g_b(g_a(x))).
-        let gate = self.mm(w.get(T::SsmGB), self.mm(w.get(T::SsmGA), x)); // [inner, n_tokens]
+        // RMS-normed per head, gated by sigmoid(g_b(g_a(x))) (Kimi K3: sigmoid(g(x))).
+        let gate = match w.opt(T::SsmG) {
+            Some(g) => self.mm(g, x),
+            None => self.mm(w.get(T::SsmGB), self.mm(w.get(T::SsmGA), x)),
+        }; // [inner, n_tokens]
         let gate = ctx.sigmoid(ctx.reshape_4d(gate, [s, h, n_tokens, 1]));
         let gated = ctx.mul(self.norm(out, w.get(T::SsmNorm)), gate);
         let flat = ctx.cont_2d(gated, inner, n_tokens);

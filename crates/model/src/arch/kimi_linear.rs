@@ -34,8 +34,9 @@ pub static ARCH: Architecture = Architecture {
     example,
 };
 
-/// As `llama_model_kimi_linear::load_arch_hparams` reads them.
-fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
+/// As `llama_model_kimi_linear::load_arch_hparams` reads them (and
+/// `llama_model_kimi_k3`'s, which [`super::kimi_k3`] reads after these).
+pub(super) fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     let n_layer_all = keys.u32("block_count")?;
     hp.ssm = Some(Ssm::kda(keys, hp.n_head)?);
     hp.recurrent_layers = hp.layer_kv_heads.iter().map(|&n| n == 0).collect();
@@ -45,9 +46,9 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     let n_rot = hp.rope.n_dims as usize;
     if hp.n_head_kv != 1 || hp.head_dim_k != n_lora_kv + n_rot || head_dim_k <= n_rot {
         return Err(ModelError::BadHParams(format!(
-            "kimi-linear MLA sizes do not fit: {} key heads of {} for a latent of {n_lora_kv} plus \
+            "{} MLA sizes do not fit: {} key heads of {} for a latent of {n_lora_kv} plus \
              {n_rot} RoPE dims; heads of {head_dim_k}",
-            hp.n_head_kv, hp.head_dim_k
+            hp.arch.name, hp.n_head_kv, hp.head_dim_k
         )));
     }
     // The cache's values are its latent rows. Converters do not write
@@ -76,7 +77,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         })?,
     };
     hp.moe.weights_norm = true;
-    hp.moe.require_experts("kimi-linear")
+    hp.moe.require_experts(hp.arch.name)
 }
 
 /// As `llama_model_kimi_linear::load_arch_tensors` lists them (split `attn_k_b` and
@@ -148,7 +149,7 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
 /// latent as wide as the model, a RoPE part of half a head) without query compression,
 /// and, as converted files, no value length of its own (`attention.value_length` is the
 /// head size every example writes).
-fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
+pub(super) fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
     let n_lora = shape.n_embd as u32;
     let n_rot = (shape.head_dim / 2) as u32;
     let head = shape.head_dim as u32;

@@ -24,6 +24,7 @@ mod gemma4;
 mod glm4moe;
 mod glm_dsa;
 mod gpt_oss;
+mod kimi_k3;
 mod kimi_linear;
 mod llama;
 mod llama4;
@@ -76,6 +77,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &deepseek32::ARCH,
     &glm_dsa::ARCH,
     &kimi_linear::ARCH,
+    &kimi_k3::ARCH,
 ];
 
 /// How RoPE rotates a head.

@@ -174,7 +174,7 @@ fn keys_missing(keys: &Keys<'_>, key: &str) -> ModelError {
 }
 
 /// The activation of each expert.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ExpertAct {
     /// `silu(gate) * up`.
     Silu,
@@ -184,6 +184,8 @@ pub enum ExpertAct {
     ReluSqr,
     /// `gelu(gate) * up` (Gemma 4).
     Gelu,
+    /// Kimi K3's situ (see [`super::builder::situ`]).
+    Situ { beta: f32, linear_beta: f32 },
 }
 
 /// What a device backend may convert the experts' down-projection input (the activated
@@ -348,6 +350,9 @@ impl<'g> Builder<'g> {
             ExpertAct::SwigluOai => gated(&|gate, up| ctx.swiglu_oai(gate, up, 1.702, 7.0)),
             ExpertAct::ReluSqr => ctx.sqr(ctx.relu(experts(T::FfnUpExps, T::FfnUpExpsBias, x3))),
             ExpertAct::Gelu => gated(&|gate, up| ctx.geglu_split(gate, up)),
+            ExpertAct::Situ { beta, linear_beta } => {
+                gated(&|gate, up| super::builder::situ(ctx, gate, up, beta, linear_beta))
+            }
         }; // [n_ff, n_used, n_tokens]; a tensor-parallel member's share of n_ff
         let hidden = if self.tp.is_some() {
             let [n_ff, _, _, _] = hidden.ne();
