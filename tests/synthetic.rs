@@ -6,6 +6,7 @@ mod common;
 
 use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::{FileType, LlamaContext, LlamaModel};
+use baton_gguf::Value;
 use baton_model::{Batch, CacheType, KvTypes, LogitReply, ModelFile, StageConfig, StageInput, StageOutput};
 use common::fidelity::{check_prompts, check_stages, check_stages_with, Setup, SHORT, THREADS};
 use common::synth::{llama4_prompts, synth_dir, synthetic, synthetic_with, LLAMA4_SETUP};
@@ -173,6 +174,27 @@ fn kimi_linear_matches_llama_cpp_with_1_2_3_stages() {
             "kimi-linear {label}: the logits are llama.cpp's bit for bit"
         );
     }
+}
+
+/// Kimi K3: Kimi Linear's layers (KDA in 0 and 2, MLA in 1 and 3) with residual
+/// attention banking layers 0 and 2's inputs, experts at half the model's width, situ,
+/// MLA output gates and full-rank KDA gates, on one stage (the banked inputs do not
+/// travel: splits are refused, see `baton-model`'s tests); without residual attention
+/// (`attn_res.block_size` 0), on 1, 2 and 3 stages. Logits bit for bit.
+#[test]
+fn kimi_k3_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("kimi-k3", FileType::Q4KM);
+    let worst = check_stages_with(&path, "kimi-k3", &[1]);
+    assert_eq!(worst, 0.0, "kimi-k3: the logits are llama.cpp's bit for bit");
+    let path = synthetic_with("kimi-k3", FileType::Q4KM, |spec| {
+        spec.keys.push(("kimi-k3.attn_res.block_size".into(), Value::U32(0)));
+    });
+    let worst = check_stages(&path, "kimi-k3 without residual attention");
+    assert_eq!(
+        worst, 0.0,
+        "kimi-k3 without residual attention: the logits are llama.cpp's bit for bit"
+    );
 }
 
 #[test]
