@@ -39,11 +39,12 @@ pub enum PlanError {
         offered: u64,
     },
     /// A `--split` that starts a stage at a layer that reuses an earlier layer's work.
-    #[error(
-        "--split starts {node}'s stage at layer {layer}, which reuses an earlier layer's choice of \
-         tokens (a shared indexer layer) and must stay on that layer's stage"
-    )]
-    SplitStartsInside { node: String, layer: usize },
+    #[error("--split starts {node}'s stage at layer {layer}, which reuses {what} and must stay on that layer's stage")]
+    SplitStartsInside {
+        node: String,
+        layer: usize,
+        what: &'static str,
+    },
     /// The nodes together cannot hold the model.
     #[error(
         "the nodes cannot hold the model: it needs {needed} bytes (layers, ends and KV cache); \
@@ -109,6 +110,8 @@ pub struct ModelCost {
     /// stays on that layer's stage (GLM-5.2's shared indexer layers reuse the previous
     /// full layer's choice of tokens). Empty for most models.
     pub no_stage_start: Vec<usize>,
+    /// What those layers reuse, for the error that refuses a split there.
+    pub reused: &'static str,
 }
 
 impl ModelCost {
@@ -516,6 +519,7 @@ pub fn plan_with_split(cost: &ModelCost, nodes: &[NodeOffer], sizes: &[usize]) -
             return Err(PlanError::SplitStartsInside {
                 node: node.name.clone(),
                 layer: layers.start,
+                what: cost.reused,
             });
         }
         let own: Vec<Unit> = units.iter().filter(|u| u.node == i).cloned().collect();
@@ -646,6 +650,7 @@ mod tests {
             last_bytes: 20 * MB,
             kv_bytes: vec![kv * MB; n],
             no_stage_start: Vec::new(),
+            reused: "",
         }
     }
 
@@ -825,6 +830,7 @@ mod tests {
         let cut = free.stages[1].layers.start;
         let tied = ModelCost {
             no_stage_start: vec![cut],
+            reused: "an earlier layer's choice of tokens (a shared indexer layer)",
             ..dense(8, 0)
         };
         let plan = partition(&tied, &nodes).unwrap();

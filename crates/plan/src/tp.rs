@@ -300,6 +300,7 @@ mod tests {
             last_bytes: 130 * MB,
             kv_bytes: vec![MB; 24],
             no_stage_start: Vec::new(),
+            reused: "",
         }
     }
 
