@@ -287,7 +287,9 @@ pub(super) fn mla_attention<'g>(
     let out = b.gather(out, Shard::Heads);
     // Kimi K3 gates the heads' outputs by its normed input before the projection.
     let out = match w.opt(T::AttnGate) {
-        Some(gate) => ctx.mul(out, ctx.sigmoid(b.mm(gate, x))).named(&format!("mla_gated-{layer}")),
+        Some(gate) => ctx
+            .mul(out, ctx.sigmoid(b.mm(gate, x)))
+            .named(&format!("mla_gated-{layer}")),
         None => out,
     };
     b.gather(b.mm(w.get(T::AttnOutput), out), Shard::Embd)

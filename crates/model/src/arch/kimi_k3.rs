@@ -23,7 +23,7 @@ use super::builder::Act;
 use super::deepseek2::{mla_attention, MlaRope};
 use super::moe::{DownInput, ExpertAct, Routing};
 use super::{kda, kimi_linear, Architecture, Builder, LayerSizes, Rope, Shape};
-use crate::hparams::{HParams, KimiK3, Keys};
+use crate::hparams::{HParams, Keys, KimiK3};
 use crate::names::{EndTensor, LayerTensor as T, FFN, FFN_SHEXP};
 use crate::tensors::{self, LayerPlan, Split};
 use crate::weights::LayerTensors;
@@ -52,7 +52,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     hp.moe.weights_norm = keys.opt_bool("expert_weights_norm")?.unwrap_or(false);
     let situ_beta = keys.f32("activation.situ_beta")?;
     let situ_linear_beta = keys.f32("activation.situ_linear_beta")?;
-    if !(situ_beta > 0.0 && situ_beta.is_finite()) || !situ_linear_beta.is_finite() {
+    if !(situ_beta > 0.0 && situ_beta.is_finite() && situ_linear_beta.is_finite()) {
         return Err(ModelError::BadHParams(format!(
             "{} {situ_beta} and {} {situ_linear_beta}: situ divides by both (the first must be \
              positive, both finite)",
@@ -104,13 +104,18 @@ fn tensors(t: &mut LayerPlan<'_>) {
             Split::Whole,
         );
         t.mat(T::AttnVB, &[mla.n_lora_kv, mla.head_dim_v, n_head], Split::Whole);
-        t.mat(T::AttnGate, &[embd, n_head * mla.head_dim_v], Split::Whole).usual();
+        t.mat(T::AttnGate, &[embd, n_head * mla.head_dim_v], Split::Whole)
+            .usual();
         t.mat(T::AttnOutput, &[n_head * mla.head_dim_v, embd], Split::Whole);
     }
     t.norm(T::FfnNorm, embd);
     if hp.is_moe(t.layer) {
         let moe = &hp.moe;
-        let latent = if k3.n_expert_latent > 0 { k3.n_expert_latent } else { embd };
+        let latent = if k3.n_expert_latent > 0 {
+            k3.n_expert_latent
+        } else {
+            embd
+        };
         t.mat(T::FfnGateInp, &[embd, moe.n_expert], Split::Whole);
         t.vec(T::ExpProbsBias, &[moe.n_expert], Split::Whole);
         for gate_up in [T::FfnGateExps, T::FfnUpExps] {
@@ -142,8 +147,12 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
     let ctx = b.ctx;
     let k3 = b.hp.kimi_k3.expect("read with the hyper-parameters");
     let mixing = k3.res_block > 0;
-    let cur = if mixing { res_mix(b, hidden, w.get(T::AttnResScore), layer) } else { hidden };
-    let banks = mixing && layer % k3.res_block == 0;
+    let cur = if mixing {
+        res_mix(b, hidden, w.get(T::AttnResScore), layer)
+    } else {
+        hidden
+    };
+    let banks = mixing && layer.is_multiple_of(k3.res_block);
     if banks {
         bank(b, hidden);
     }
@@ -156,7 +165,11 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
     };
     let sum = if banks { cur } else { ctx.add(hidden, cur) }; // [n_embd, n_tokens]
 
-    let cur = if mixing { res_mix(b, sum, w.get(T::FfnResScore), layer) } else { sum };
+    let cur = if mixing {
+        res_mix(b, sum, w.get(T::FfnResScore), layer)
+    } else {
+        sum
+    };
     let cur = b.norm(cur, w.get(T::FfnNorm));
     let situ = Act::Situ {
         beta: k3.situ_beta,
