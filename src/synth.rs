@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use baton_ggml::FileType;
 use baton_model::Shape;
-use baton_synth::{synthesize, SynthSpec};
+use baton_synth::{synthesize, SynthSpec, Value};
 use clap::Args;
 
 /// Arguments of `baton synth`.
@@ -77,6 +77,28 @@ pub struct SynthArgs {
     /// usually lack (llama's biases, glm4moe's q/k norms, ...).
     #[arg(long)]
     optional_tensors: bool,
+    /// A metadata key of the architecture set to a value (`attn_res.block_size=0`:
+    /// integers as u32, decimals as f32, `true`/`false` as booleans), over the
+    /// example's; repeatable.
+    #[arg(long = "key", value_name = "NAME=VALUE")]
+    keys: Vec<String>,
+}
+
+/// `NAME=VALUE` → the full key (`{arch}.NAME`) and its typed value.
+fn parse_key(arch: &str, text: &str) -> anyhow::Result<(String, Value)> {
+    let (name, value) = text
+        .split_once('=')
+        .with_context(|| format!("--key {text}: expected NAME=VALUE"))?;
+    let value = if let Ok(n) = value.parse::<u32>() {
+        Value::U32(n)
+    } else if let Ok(x) = value.parse::<f32>() {
+        Value::F32(x)
+    } else if let Ok(b) = value.parse::<bool>() {
+        Value::Bool(b)
+    } else {
+        anyhow::bail!("--key {text}: the value is not an integer, a number or true/false");
+    };
+    Ok((format!("{arch}.{name}"), value))
 }
 
 /// Writes the model.
@@ -106,6 +128,11 @@ pub fn synth(args: SynthArgs) -> anyhow::Result<()> {
         seed: args.seed,
         tied_output: !args.untied,
         optional_tensors: args.optional_tensors,
+        keys: args
+            .keys
+            .iter()
+            .map(|k| parse_key(arch.name, k))
+            .collect::<anyhow::Result<_>>()?,
         ..SynthSpec::new(arch, shape, file_type, args.tokenizer)
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -14,10 +14,11 @@ mod tokenizer;
 use std::path::{Path, PathBuf};
 
 use baton_ggml::{FileType, MappedFile};
-use baton_gguf::{Gguf, GgufError, Value};
+use baton_gguf::{Gguf, GgufError};
 use baton_model::example::{example_gguf, example_metadata, example_tensors, ExampleOptions};
 use baton_model::{Architecture, HParams, ModelError, Shape};
 
+pub use baton_gguf::Value;
 pub use tokenizer::copy_tokenizer;
 
 /// Bumped whenever the same spec would produce other bytes (cached files are rebuilt).
