@@ -180,7 +180,8 @@ fn kimi_linear_matches_llama_cpp_with_1_2_3_stages() {
 /// attention banking layers 0 and 2's inputs, experts at half the model's width, situ,
 /// MLA output gates and full-rank KDA gates, on one stage (the banked inputs do not
 /// travel: splits are refused, see `baton-model`'s tests); without residual attention
-/// (`attn_res.block_size` 0), on 1, 2 and 3 stages. Logits bit for bit.
+/// (`attn_res.block_size` 0), on 1, 2 and 3 stages, also with experts at the model's
+/// width, situ's up branch untouched and the decay's softplus form. Logits bit for bit.
 #[test]
 fn kimi_k3_matches_llama_cpp_with_1_2_3_stages() {
     let _serial = serial();
@@ -194,6 +195,23 @@ fn kimi_k3_matches_llama_cpp_with_1_2_3_stages() {
     assert_eq!(
         worst, 0.0,
         "kimi-k3 without residual attention: the logits are llama.cpp's bit for bit"
+    );
+    // The other forms: experts at the model's width (no latent projections), situ's up
+    // branch as it is, the decay's softplus form (llama.cpp's unset bound is -inf).
+    let path = synthetic_with("kimi-k3", FileType::Q4KM, |spec| {
+        for (key, value) in [
+            ("attn_res.block_size", Value::U32(0)),
+            ("expert_latent_length", Value::U32(0)),
+            ("activation.situ_linear_beta", Value::F32(0.0)),
+            ("kda.gate_lower_bound", Value::F32(f32::NEG_INFINITY)),
+        ] {
+            spec.keys.push((format!("kimi-k3.{key}"), value));
+        }
+    });
+    let worst = check_stages(&path, "kimi-k3 without latent experts or a decay bound");
+    assert_eq!(
+        worst, 0.0,
+        "kimi-k3 without latent experts or a decay bound: the logits are llama.cpp's bit for bit"
     );
 }
 
