@@ -215,6 +215,36 @@ fn kimi_k3_matches_llama_cpp_with_1_2_3_stages() {
     );
 }
 
+/// Kimi K3 with residual attention plans one stage: its cost starts no stage after
+/// layer 0 (the banked inputs stay where they were computed), so two nodes that could
+/// each hold half get one stage, and a `--split` between them is refused with the
+/// reason; without residual attention the model splits.
+#[test]
+fn kimi_k3_with_residual_attention_plans_one_stage() {
+    use baton_plan::{partition, plan_with_split, NodeOffer};
+    let nodes = [
+        NodeOffer::single("a", 1 << 40, 1.0),
+        NodeOffer::single("b", 1 << 40, 1.0),
+    ];
+    let cost =
+        |path: &std::path::Path| baton_cluster::model_cost(&ModelFile::open(path).unwrap(), 256, 1, KvTypes::default());
+    let banked = cost(&synthetic("kimi-k3", FileType::Q4KM));
+    assert_eq!(banked.no_stage_start, [1, 2, 3]);
+    let plan = partition(&banked, &nodes).unwrap();
+    assert_eq!(plan.stages.len(), 1, "{plan:?}");
+    assert_eq!(plan.stages[0].layers, 0..4);
+    assert_eq!(
+        plan_with_split(&banked, &nodes, &[2, 2]).unwrap_err().to_string(),
+        "--split starts b's stage at layer 2, which reuses the inputs of earlier layers (kimi-k3's \
+         cross-layer residual attention) and must stay on that layer's stage"
+    );
+    let plain = cost(&synthetic_with("kimi-k3", FileType::Q4KM, |spec| {
+        spec.keys.push(("kimi-k3.attn_res.block_size".into(), Value::U32(0)));
+    }));
+    assert!(plain.no_stage_start.is_empty());
+    assert_eq!(plan_with_split(&plain, &nodes, &[2, 2]).unwrap().stages.len(), 2);
+}
+
 #[test]
 fn kimi_linear_on_two_workers_matches_llama_cpp() {
     let _serial = serial();
