@@ -889,4 +889,12 @@ fn kimi_k3_refuses_splits_its_residual_attention_needs_and_variants_it_cannot_co
         text("kv-b", &|w| w.without_tensor("blk.1.attn_k_b.weight")),
         "tensor 'blk.1.attn_k_b.weight' is missing from the model file"
     );
+    // Residual scores in a file without residual attention (llama.cpp counts them as
+    // tensors it did not create).
+    assert_eq!(
+        text("scores", &|w| w
+            .without_kv("kimi-k3.attn_res.block_size")
+            .kv("kimi-k3.attn_res.block_size", Value::U32(0))),
+        "tensor 'output_res_score.weight' is not part of baton's kimi-k3 architecture; refusing to compute without it"
+    );
 }
