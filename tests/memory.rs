@@ -50,6 +50,7 @@ fn check_middle_third(repack: bool) {
         repack,
         n_seq: 0,
         kv_types: Default::default(),
+        n_ubatch: baton_model::DEFAULT_UBATCH,
     };
     let mut stage = Stage::load(file.clone(), span, &config).unwrap();
     if !repack {
@@ -179,6 +180,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
             repack,
             n_seq: 0,
             kv_types: Default::default(),
+            n_ubatch: baton_model::DEFAULT_UBATCH,
         };
         // Pages are mapped whole: a tensor's first and last page may hold its neighbours.
         let page_slack = 2 * 4096 * baton_model::stage_tensor_sources(&own_file, &span).len() as u64;
