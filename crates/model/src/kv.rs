@@ -857,7 +857,10 @@ mod tests {
         assert_eq!(cells, expected);
         assert_eq!(kv.seq_len(1), 300, "the full layers keep every token");
         let spans = kv.attention_spans(&[1]);
-        assert_eq!((spans[0].cells.clone(), spans[0].window_cells.clone()), (1024..1536, 256..512));
+        assert_eq!(
+            (spans[0].cells.clone(), spans[0].window_cells.clone()),
+            (1024..1536, 256..512)
+        );
         // Position 299 sees 296..=299, in cells 40..=43 of its region.
         let mask = kv.window_mask(&[1], &[299], 256..512);
         let seen: Vec<usize> = (0..256).filter(|&c| mask[c] == MASK_KEEP).collect();
