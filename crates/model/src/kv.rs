@@ -294,10 +294,9 @@ impl Cells {
                 self.n_used -= 1;
             }
         }
-        if len == 0 && self.region > 0 {
-            if let Some(overwritten) = self.overwritten.get_mut(seq as usize) {
-                *overwritten = -1;
-            }
+        // Positions from `len` on are computed again: only those before it stay lost.
+        if let Some(overwritten) = self.overwritten.get_mut(seq as usize) {
+            *overwritten = (*overwritten).min(len as i32 - 1);
         }
     }
 }
@@ -896,7 +895,7 @@ mod tests {
         kv.truncate_seq(0, 340);
         let err = kv.claim(&[0], &[340]).unwrap_err().to_string();
         assert!(
-            err.contains("cannot continue at position 340") && err.contains("positions 337..=343"),
+            err.contains("cannot continue at position 340") && err.contains("positions 337..=339"),
             "{err}"
         );
         kv.clear_seq(0);
@@ -912,5 +911,30 @@ mod tests {
         assert_eq!(kv.window_capacity(), None);
         assert_eq!(kv.bytes(), 2 * 8 * 2 * 512);
         assert_eq!(kv.claim(&[0], &[0]).unwrap().window, None);
+    }
+
+    /// Llama 4's chunks in a window cache: a row at the start of a chunk sees nothing
+    /// before it, so a sequence may be cut back to a chunk start whatever was
+    /// overwritten; inside a chunk, only while the chunk's earlier positions remain.
+    #[test]
+    fn chunked_window_cells_continue_from_chunk_starts() {
+        let hp = HParams {
+            n_swa: 200,
+            swa_type: crate::hparams::SwaType::Chunked,
+            ..tiny_swa()
+        };
+        let mut kv = KvCache::new_in(&hp, 0..2, 4096, 1, 56, KvTypes::default(), None).unwrap();
+        assert_eq!(kv.window_capacity(), Some(256), "200 + 56 cells");
+        let cells = run(&mut kv, 0, 0..900, 8);
+        assert!(cells.iter().enumerate().all(|(p, &c)| c == (p % 256) as i64));
+        // Positions 644..=899 remain; 610 would see 600..=609, overwritten.
+        kv.truncate_seq(0, 610);
+        let err = kv.claim(&[0], &[610]).unwrap_err().to_string();
+        assert!(err.contains("positions 600..=609"), "{err}");
+        kv.truncate_seq(0, 600);
+        assert_eq!(run(&mut kv, 0, 600..610, 5), (88..98).collect::<Vec<i64>>());
+        let mask = kv.window_mask(&[0], &[609], 0..256);
+        let seen: Vec<usize> = (0..256).filter(|&c| mask[c] == MASK_KEEP).collect();
+        assert_eq!(seen, (88..98).collect::<Vec<usize>>(), "its own chunk only");
     }
 }
