@@ -840,7 +840,7 @@ impl HParams {
             return None;
         }
         let per_seq = (n_ctx / n_seq).min(self.n_swa.saturating_add(n_ubatch));
-        Some(per_seq.div_ceil(256).max(1).saturating_mul(256))
+        Some(per_seq.div_ceil(256).saturating_mul(256))
     }
 
     /// What a token of a sliding-window layer sees (its window or chunk).
