@@ -313,6 +313,7 @@ impl Ring {
                     repack: !stages.no_repack,
                     n_seq,
                     kv_types: stages.kv_types(),
+                    n_ubatch: baton_model::DEFAULT_UBATCH,
                 };
                 let ranges = stages.ranges(n_layer)?;
                 if stages.tp_size() > 1 {
@@ -470,6 +471,7 @@ fn tp_over_links(
         repack: !stages.no_repack,
         n_seq,
         kv_types: stages.kv_types(),
+        n_ubatch: baton_model::DEFAULT_UBATCH,
     };
     let members: Vec<Box<dyn GroupMember>> = peers
         .into_iter()

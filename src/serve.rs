@@ -271,10 +271,17 @@ fn serve_model(
         tracing::warn!("{} has no chat template: using ChatML", model_path.display());
     }
 
+    let hp = crate::model_hparams(model_path)?;
+    // Sliding-window layers keep a window and one batch of rows per sequence.
+    anyhow::ensure!(
+        args.chunk <= baton_model::DEFAULT_UBATCH || !(0..hp.n_layer).any(|l| hp.is_swa(l)),
+        "--chunk {} is more than the {} rows per sequence the stages' sliding-window caches take in one batch",
+        args.chunk,
+        baton_model::DEFAULT_UBATCH
+    );
     let mut ring = Ring::start_supervised(model_path, stages, cluster, args.parallel)?;
     // A supervised ring is formed by the engine; it tells its own number of stages.
     let ranges = ring.ranges();
-    let hp = crate::model_hparams(model_path)?;
     // A supervised ring's context is chosen when it forms: the engine takes it then
     // (the draft model is sized for the most it can be).
     let n_ctx = ring

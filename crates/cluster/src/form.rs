@@ -728,6 +728,7 @@ fn load_head_stage(
                 repack: opts.repack,
                 n_seq: opts.n_seq,
                 kv_types: opts.kv_types,
+                n_ubatch: baton_model::DEFAULT_UBATCH,
             };
             let devices = baton_stage::or_cpu(&opts.head_devices);
             let parts = stage

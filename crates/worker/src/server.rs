@@ -764,6 +764,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
         repack: plan.repack,
         n_seq: plan.n_seq as usize,
         kv_types,
+        n_ubatch: baton_model::DEFAULT_UBATCH,
     };
     let devices = baton_stage::or_cpu(&shared.config.devices);
     let offered = shared
