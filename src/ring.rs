@@ -221,7 +221,7 @@ impl Ring {
     /// Hands the ring to an engine (a supervised ring is formed now).
     pub fn engine(
         &mut self,
-        vocab: std::sync::Arc<baton_ggml::LlamaModel>,
+        vocab: std::sync::Arc<dyn baton_engine::Vocab>,
         config: EngineConfig,
         draft_model: Option<Box<dyn baton_engine::Drafter>>,
     ) -> anyhow::Result<Engine> {

@@ -623,12 +623,13 @@ enum Loaded {
 /// after linking with the group's other members (before any tensor is received: the
 /// head sends every member its plan before it streams to any).
 fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Result<Loaded, NodeError> {
-    let kv_types = plan_kv_types(plan)?;
+    // Refused before anything is received.
+    plan_kv_types(plan)?;
     let mesh = plan.tp.as_ref().map(|place| form_mesh(shared, id, place)).transpose()?;
-    let (path, received, verified) = if plan.stream {
+    let (file, received, verified, recording) = if plan.stream {
         let dial = |peer: &str| shared.dial(peer, Role::Fetch);
         let got = receive_stage_tensors(&shared.models, &plan.model, link, &dial)?;
-        (got.path, got.bytes, Some(got.verified))
+        (got.model?, got.bytes, Some(got.verified), Some(got.recording))
     } else {
         let path = shared
             .models
@@ -640,15 +641,34 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
                     shared.config.models.display()
                 ))
             })?;
-        (path, 0, None)
+        (ModelFile::open(&path)?, 0, None, None)
     };
-    let file = ModelFile::open(&path)?;
+    let loaded = build(shared, plan, file, verified.as_ref(), mesh, received);
+    // The record of what was received is written while the stage builds; the head
+    // hears `Loaded` only once it is.
+    if let Some(mut recording) = recording {
+        recording.wait()?;
+    }
+    loaded
+}
+
+/// Builds the stage (or the member's slice) from `file`, once `verified` (the tensors
+/// received and verified, when they were streamed) holds every tensor it reads.
+fn build(
+    shared: &Shared,
+    plan: &LoadPlan,
+    file: Arc<ModelFile>,
+    verified: Option<&std::collections::BTreeSet<String>>,
+    mesh: Option<Mesh>,
+    received: u64,
+) -> Result<Loaded, NodeError> {
+    let kv_types = plan_kv_types(plan)?;
     let span = StageSpan {
         layers: plan.layer_start as usize..plan.layer_end as usize,
         first: plan.first,
         last: plan.last,
     };
-    if let Some(verified) = &verified {
+    if let Some(verified) = verified {
         check_stage_complete(&file, &span, verified)?;
     }
     let config = StageConfig {
