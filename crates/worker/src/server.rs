@@ -24,7 +24,7 @@ use baton_net::{
 use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, RefusalCode, Role};
 
 use crate::group::{form_mesh, Arrived, Mesh};
-use crate::receive::{check_stage_complete, receive_stage_tensors, serve_fetch};
+use crate::receive::{check_stage_complete, receive_stage_tensors, serve_fetch, Recording};
 pub(crate) use baton_stage::gate::ConnSlot;
 use baton_stage::gate::{refuse, Admitted, Gate, GateConfig};
 use baton_stage::models::ModelDir;
@@ -464,6 +464,7 @@ fn session(
             return Err(e);
         }
     };
+    let (loaded, recording) = loaded;
     let (stage, received, _member_links) = match loaded {
         Loaded::Ring { stage, received, mesh } => (stage, received, mesh),
         Loaded::Member {
@@ -477,6 +478,7 @@ fn session(
                 resident: stage.resident_bytes(),
                 received,
             })?;
+            finish_recording(recording);
             // Member 0 drives this one until it shuts the group down or goes; the head's
             // control link stays open (the head watches this worker by heartbeat).
             let result = serve_member(*stage, leader);
@@ -516,6 +518,7 @@ fn session(
         resident: stage.resident_bytes(),
         received,
     })?;
+    finish_recording(recording);
 
     let worker = StageWorker::new(stage).with_wire_f16(plan.wire_f16);
     let (control_tx, control_rx) = link.split()?;
@@ -622,7 +625,13 @@ enum Loaded {
 /// member's slice of it when the plan places this worker in a tensor-parallel group,
 /// after linking with the group's other members (before any tensor is received: the
 /// head sends every member its plan before it streams to any).
-fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Result<Loaded, NodeError> {
+/// Also returns, when tensors were received, the thread still recording them.
+fn load(
+    shared: &Shared,
+    plan: &LoadPlan,
+    link: &mut dyn Link,
+    id: u64,
+) -> Result<(Loaded, Option<Recording>), NodeError> {
     // Refused before anything is received.
     plan_kv_types(plan)?;
     let mesh = plan.tp.as_ref().map(|place| form_mesh(shared, id, place)).transpose()?;
@@ -643,13 +652,16 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
             })?;
         (ModelFile::open(&path)?, 0, None, None)
     };
-    let loaded = build(shared, plan, file, verified.as_ref(), mesh, received);
-    // The record of what was received is written while the stage builds; the head
-    // hears `Loaded` only once it is.
-    if let Some(mut recording) = recording {
-        recording.wait()?;
+    Ok((build(shared, plan, file, verified.as_ref(), mesh, received)?, recording))
+}
+
+/// Waits for the record of received tensors (written while the stage was built and
+/// linked: the stage runs from the verified bytes either way). One that could not be
+/// written costs only the next start, which receives those tensors again.
+fn finish_recording(recording: Option<Recording>) {
+    if let Some(Err(e)) = recording.map(|mut recording| recording.wait()) {
+        tracing::warn!("received tensors not recorded, the next start receives them again: {e}");
     }
-    loaded
 }
 
 /// Builds the stage (or the member's slice) from `file`, once `verified` (the tensors
