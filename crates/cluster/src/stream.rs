@@ -105,11 +105,14 @@ pub fn send_stage_tensors(
         let data = &bytes[entry.offset as usize..(entry.offset + entry.len) as usize];
         for (i, chunk) in data.chunks(CHUNK).enumerate() {
             let offset = (i * CHUNK) as u64;
-            link.send(Message::TensorChunk {
+            let result = link.send(Message::TensorChunk {
                 index: index as u32,
                 offset,
                 data: chunk.to_vec(),
-            })?;
+            });
+            if let Err(e) = result {
+                return Err(refusal(link, worker).unwrap_or(e.into()));
+            }
             sent += chunk.len() as u64;
             bar.set_position(sent);
         }
@@ -120,6 +123,20 @@ pub fn send_stage_tensors(
         tracing::info!(%worker, "sent {:.1} MiB of weights in {secs:.1} s", sent as f64 / 1048576.0);
     }
     Ok(sent)
+}
+
+/// Why the worker refused, when a send failed because it did: a worker that finds a
+/// fault in what it receives (a tensor that fails its hash, a header that is not the
+/// model's) answers `Refused` and closes, while the head may still be sending.
+fn refusal(link: &mut dyn Link, worker: &str) -> Option<NodeError> {
+    match link.recv() {
+        Ok(Message::Refused { code, reason }) => Some(NodeError::Refused {
+            worker: worker.to_string(),
+            code,
+            reason,
+        }),
+        _ => None,
+    }
 }
 
 /// `items` shared among `n` sources so that each sends about as many bytes (`len`):

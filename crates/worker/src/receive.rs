@@ -127,14 +127,6 @@ pub fn receive_stage_tensors(
             )))
         }
     };
-    if identity_hash(&header) != model.identity {
-        return Err(NodeError::Protocol(
-            "the streamed header does not match the model's identity".into(),
-        ));
-    }
-    let index = read_index(&header, model.size)?;
-    check_entries(&index, &entries)?;
-
     // One worker at a time receives into a copy (workers may share the directory).
     let lock = models.lock_partial(&model.identity)?;
     let path = models.partial_path(&model.identity);
@@ -145,17 +137,28 @@ pub fn receive_stage_tensors(
             tensors: missing.to_vec(),
         })
     };
-    let (file, have, verified, missing) = if recorded.is_empty() {
-        // Nothing recorded, nothing to reuse: the head hears so at once, and the copy is
-        // made while the first chunks are on their way.
+    // Nothing recorded, nothing to reuse: the head hears so at once, and the header is
+    // checked and the copy made while the first chunks are on their way (none is
+    // written before).
+    let early = recorded.is_empty();
+    if early {
         answer(link, &entries)?;
-        let file = models.open_partial(&model.identity, model.size, &header)?;
-        (file, BTreeMap::new(), BTreeSet::new(), entries.clone())
-    } else {
-        let file = models.open_partial(&model.identity, model.size, &header)?;
-        let (have, verified, missing) = reusable(models, &model.identity, &path, &file, &entries, recorded)?;
-        answer(link, &missing)?;
-        (file, have, verified, missing)
+    }
+    if identity_hash(&header) != model.identity {
+        return Err(NodeError::Protocol(
+            "the streamed header does not match the model's identity".into(),
+        ));
+    }
+    let index = read_index(&header, model.size)?;
+    check_entries(&index, &entries)?;
+    let file = models.open_partial(&model.identity, model.size, &header)?;
+    let (have, verified, missing) = match early {
+        true => (BTreeMap::new(), BTreeSet::new(), entries.clone()),
+        false => {
+            let reused = reusable(models, &model.identity, &path, &file, &entries, recorded)?;
+            answer(link, &reused.2)?;
+            reused
+        }
     };
     // Before its first chunk the head may name peers that hold the file, each with the
     // tensors to fetch from it; the head sends the rest (when nothing is left for it,
