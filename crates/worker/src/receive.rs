@@ -829,6 +829,42 @@ mod tests {
         assert!(other.contains("no complete copy"), "{other}");
     }
 
+    /// A byte changed on the way fails its tensor's hash, wherever in the stream it
+    /// comes: the worker stops with the tensor's name (the session refuses the head
+    /// with it), and the tensor is never recorded. The record is written on a thread
+    /// of its own; the copy's lock is free once that thread is done.
+    #[test]
+    fn a_tensor_that_fails_its_hash_is_refused_and_never_recorded() {
+        let f = fixture("corrupt", None);
+        let (a, b) = (f.entry("a"), f.entry("b"));
+        let mut bytes = f.bytes.clone();
+        bytes[b.offset as usize + 1] ^= 0x01;
+        let (mut head, mut worker): (LocalLink, LocalLink) = local_pair("worker", "head");
+        let (header, offered) = (f.header(), vec![a.clone(), b.clone()]);
+        let head_side = std::thread::spawn(move || {
+            let wanted = offer(&mut head, header, &offered).unwrap();
+            for (index, entry) in offered.iter().enumerate() {
+                if wanted.iter().any(|w| w.name == entry.name) {
+                    let _ = head.send(Message::TensorChunk {
+                        index: index as u32,
+                        offset: 0,
+                        data: bytes[entry.offset as usize..(entry.offset + entry.len) as usize].to_vec(),
+                    });
+                }
+            }
+        });
+        let no_peers = |peer: &str| -> Result<Box<dyn Link>, NodeError> { panic!("dialed {peer}") };
+        let err = receive_stage_tensors(&f.models, &f.model, &mut worker, &no_peers)
+            .err()
+            .expect("a changed byte is refused")
+            .to_string();
+        worker.closer().unwrap().close();
+        head_side.join().unwrap();
+        assert!(err.contains("tensor b failed verification"), "{err}");
+        let _lock = f.models.lock_partial(&f.model.identity).unwrap();
+        assert!(!f.models.partial_tensors(&f.model.identity).contains_key("b"));
+    }
+
     #[test]
     fn names_with_control_characters_are_refused() {
         let f = fixture("names", None);
