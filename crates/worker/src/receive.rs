@@ -405,9 +405,14 @@ fn receive_chunks(
                     )))
                 }
             };
-            if Some(index as usize) != index_of(entry) || offset != done || done + data.len() as u64 > entry.len {
+            // An empty chunk would let a sender keep a worker busy for ever.
+            if Some(index as usize) != index_of(entry)
+                || offset != done
+                || data.is_empty()
+                || done + data.len() as u64 > entry.len
+            {
                 return Err(NodeError::Protocol(format!(
-                    "out-of-order or oversized chunk for tensor {}",
+                    "out-of-order, empty or oversized chunk for tensor {}",
                     entry.name
                 )));
             }
