@@ -134,11 +134,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     let model_path = args.stages.model.clone();
-    // One reading of the model's header for what the head needs of it itself.
-    let file = baton_model::ModelFile::open(&model_path)?;
+    // One reading of the model's header, for the head and for forming the first ring.
+    let file =
+        baton_model::ModelFile::open(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
     let hp = file.hparams().clone();
     let pooling = embedding_pooling(&file, args.pooling.as_deref())?;
-    drop(file);
     // libllama reads the whole vocabulary (0.3 to 0.5 s for 150k to 260k tokens): it
     // loads on a thread of its own while the ring forms. The engine looks tokens up only
     // for requests, and none comes before the join below.
@@ -151,7 +151,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .context("starting the tokenizer's thread")?
     };
 
-    let mut ring = Ring::start_supervised(&model_path, &args.stages, &args.cluster, args.parallel)?;
+    let mut ring = Ring::start_supervised(&model_path, file, &args.stages, &args.cluster, args.parallel)?;
     // A supervised ring is formed by the engine; it tells its own number of stages.
     let ranges = ring.ranges();
     // A supervised ring's context is chosen when it forms: the engine takes it then
