@@ -958,7 +958,7 @@ mod tests {
         };
         let (result, asked) = f.stream(&model, vec![a, b]);
         assert_eq!(asked, ["a", "b"], "the replaced copy's record went with it");
-        let received = result.unwrap();
+        result.unwrap();
         assert_eq!(
             std::fs::metadata(f.models.partial_path(&f.model.identity))
                 .unwrap()
