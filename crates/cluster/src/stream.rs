@@ -129,6 +129,8 @@ pub fn send_stage_tensors(
 /// fault in what it receives (a tensor that fails its hash, a header that is not the
 /// model's) answers `Refused` and closes, while the head may still be sending.
 fn refusal(link: &mut dyn Link, worker: &str) -> Option<NodeError> {
+    // A send that failed on this side (the link still up) gets no answer: wait briefly.
+    link.set_read_timeout(Some(std::time::Duration::from_secs(1))).ok()?;
     match link.recv() {
         Ok(Message::Refused { code, reason }) => Some(NodeError::Refused {
             worker: worker.to_string(),
