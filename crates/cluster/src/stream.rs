@@ -163,7 +163,35 @@ fn share_out(items: &[usize], len: impl Fn(usize) -> u64, n: usize) -> Vec<Vec<u
 
 #[cfg(test)]
 mod tests {
-    use super::share_out;
+    use super::{refusal, share_out};
+    use baton_net::{local_pair, Link};
+    use baton_proto::{Message, RefusalCode};
+
+    /// A worker that finds a fault mid-stream refuses and closes while the head still
+    /// sends: the head reports the worker's reason, not only the broken link; and a
+    /// send that failed with the link up waits only a moment for an answer.
+    #[test]
+    fn a_worker_refusing_mid_stream_is_reported_with_its_reason() {
+        let (mut head, mut worker) = local_pair("worker", "head");
+        worker
+            .send(Message::Refused {
+                code: RefusalCode::LoadFailed,
+                reason: "tensor b failed verification (SHA-256 mismatch)".into(),
+            })
+            .unwrap();
+        drop(worker);
+        assert!(head.send(Message::Shutdown).is_err(), "the worker is gone");
+        let err = refusal(&mut head, "w:1").expect("the refusal is read").to_string();
+        assert!(
+            err.contains("w:1") && err.contains("tensor b failed verification"),
+            "{err}"
+        );
+
+        let (mut head, _worker) = local_pair("worker", "head");
+        let started = std::time::Instant::now();
+        assert!(refusal(&mut head, "w:1").is_none());
+        assert!(started.elapsed() < std::time::Duration::from_secs(3));
+    }
 
     #[test]
     fn shares_are_balanced_by_bytes_and_keep_the_order() {
