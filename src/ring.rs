@@ -2,6 +2,7 @@
 //! processes started for the occasion.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use baton_cluster::{connect_cluster, ClusterOptions, ContextFit, Members, RemoteRing, Supervisor, CONTEXT_STEP};
@@ -174,7 +175,8 @@ impl Ring {
     /// `n_seq > 0` gives each of that many sequences its own region of every stage's
     /// KV cache (see `baton_model::KvCache::new`).
     pub fn start(model: &Path, stages: &StageArgs, cluster: &ClusterArgs, n_seq: usize) -> anyhow::Result<Ring> {
-        match Ring::setup(model, stages, cluster, n_seq)? {
+        let file = ModelFile::open(model).with_context(|| format!("loading {}", model.display()))?;
+        match Ring::setup(model, file, stages, cluster, n_seq)? {
             Setup::Local { ring, n_ctx } => Ok(Ring::Local { ring, n_ctx }),
             Setup::Remote {
                 members, opts, local, ..
@@ -189,14 +191,16 @@ impl Ring {
     }
 
     /// Like [`start`](Self::start), but a remote ring is formed by a [`Supervisor`],
-    /// for an engine that forms it again when a worker is lost.
+    /// for an engine that forms it again when a worker is lost; `file` is the model at
+    /// `model`, opened by the caller (the first ring is formed from it).
     pub fn start_supervised(
         model: &Path,
+        file: Arc<ModelFile>,
         stages: &StageArgs,
         cluster: &ClusterArgs,
         n_seq: usize,
     ) -> anyhow::Result<Ring> {
-        match Ring::setup(model, stages, cluster, n_seq)? {
+        match Ring::setup(model, file, stages, cluster, n_seq)? {
             Setup::Local { ring, n_ctx } => Ok(Ring::Local { ring, n_ctx }),
             Setup::Remote {
                 members,
@@ -223,7 +227,7 @@ impl Ring {
     /// ring's are known only once it has formed.
     pub fn engine(
         &mut self,
-        vocab: std::sync::Arc<baton_ggml::LlamaModel>,
+        vocab: Arc<dyn baton_engine::Vocab>,
         config: EngineConfig,
         draft_model: impl FnOnce(usize) -> anyhow::Result<Option<Box<dyn baton_engine::Drafter>>> + 'static,
     ) -> anyhow::Result<Engine> {
@@ -247,8 +251,13 @@ impl Ring {
         }
     }
 
-    fn setup(model: &Path, stages: &StageArgs, cluster: &ClusterArgs, n_seq: usize) -> anyhow::Result<Setup> {
-        let file = ModelFile::open(model).with_context(|| format!("loading {}", model.display()))?;
+    fn setup(
+        model: &Path,
+        file: Arc<ModelFile>,
+        stages: &StageArgs,
+        cluster: &ClusterArgs,
+        n_seq: usize,
+    ) -> anyhow::Result<Setup> {
         let n_layer = file.hparams().n_layer;
         // Refused here, before any worker is started or reached.
         stages.kv_types().check(file.hparams())?;
@@ -313,6 +322,7 @@ impl Ring {
                     repack: !stages.no_repack,
                     n_seq,
                     kv_types: stages.kv_types(),
+                    n_ubatch: baton_model::DEFAULT_UBATCH,
                 };
                 let ranges = stages.ranges(n_layer)?;
                 if stages.tp_size() > 1 {
@@ -356,6 +366,7 @@ impl Ring {
             handshake_timeout: Some(std::time::Duration::from_secs_f64(cluster.handshake_timeout)),
             on_reached: None,
             tp: stages.tp,
+            opened: Some(file),
         };
         Ok(Setup::Remote {
             members,
@@ -430,7 +441,7 @@ impl Ring {
 /// `baton tp-member` processes at `--tp-members`: one stage (the whole model), in a ring
 /// of this process.
 fn tp_over_links(
-    file: std::sync::Arc<ModelFile>,
+    file: Arc<ModelFile>,
     stages: &StageArgs,
     cluster: &ClusterArgs,
     n_seq: usize,
@@ -470,6 +481,7 @@ fn tp_over_links(
         repack: !stages.no_repack,
         n_seq,
         kv_types: stages.kv_types(),
+        n_ubatch: baton_model::DEFAULT_UBATCH,
     };
     let members: Vec<Box<dyn GroupMember>> = peers
         .into_iter()

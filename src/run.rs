@@ -78,7 +78,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let prompt = vocab.tokenize(&args.prompt, true, true)?;
     let draft = args.draft.settings()?;
     let started = std::time::Instant::now();
-    let mut ring = Ring::start(model_path, &args.stages, &args.cluster, 0)?;
+    // One sequence with a region of its own: sliding-window layers then keep a window
+    // and one batch of rows (`baton_model::HParams::window_cells`), which takes
+    // batches of at most `DEFAULT_UBATCH` rows; a larger -b keeps a cell per token.
+    let n_seq = usize::from(args.batch_size <= baton_model::DEFAULT_UBATCH);
+    let mut ring = Ring::start(model_path, &args.stages, &args.cluster, n_seq)?;
     let ready = started.elapsed();
     let ranges = ring.ranges();
     let mut stdout = std::io::stdout().lock();

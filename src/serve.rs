@@ -253,28 +253,32 @@ fn serve_model(
     with_draft: bool,
 ) -> anyhow::Result<(AppState, Ring, String)> {
     let model_path = stages.one_model()?;
-    let vocab = Arc::new(crate::load_tokenizer(model_path)?);
-    let pooling = embedding_pooling(model_path, args.pooling.as_deref())?;
-    let eos = vocab
-        .eos_token()
-        .map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
-    let bos = vocab
-        .bos_token()
-        .map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned());
-    let template = ChatTemplate::new(
-        vocab.chat_template().as_deref(),
-        bos.as_deref().unwrap_or_default(),
-        eos.as_deref().unwrap_or_default(),
-    )
-    .with_context(|| format!("the chat template of {}", model_path.display()))?;
-    if template.is_default() {
-        tracing::warn!("{} has no chat template: using ChatML", model_path.display());
-    }
+    // One reading of the model's header, for the head and for forming the first ring.
+    let file = baton_model::ModelFile::open(model_path).with_context(|| format!("loading {}", model_path.display()))?;
+    let hp = file.hparams().clone();
+    let pooling = embedding_pooling(&file, args.pooling.as_deref())?;
+    // libllama reads the whole vocabulary (0.3 to 0.5 s for 150k to 260k tokens): it
+    // loads on a thread of its own while the ring forms. The engine looks tokens up only
+    // for requests, and none comes before the join below.
+    let late = Arc::new(LateVocab::default());
+    let tokenizer = {
+        let (path, late) = (model_path.to_path_buf(), late.clone());
+        std::thread::Builder::new()
+            .name("tokenizer".into())
+            .spawn(move || load_vocab_and_template(&path, &late))
+            .context("starting the tokenizer's thread")?
+    };
 
-    let mut ring = Ring::start_supervised(model_path, stages, cluster, args.parallel)?;
+    // Sliding-window layers keep a window and one batch of rows per sequence.
+    anyhow::ensure!(
+        args.chunk <= baton_model::DEFAULT_UBATCH || !(0..hp.n_layer).any(|l| hp.is_swa(l)),
+        "--chunk {} is more than the {} rows per sequence the stages' sliding-window caches take in one batch",
+        args.chunk,
+        baton_model::DEFAULT_UBATCH
+    );
+    let mut ring = Ring::start_supervised(model_path, file, stages, cluster, args.parallel)?;
     // A supervised ring is formed by the engine; it tells its own number of stages.
     let ranges = ring.ranges();
-    let hp = crate::model_hparams(model_path)?;
     // A supervised ring's context is chosen when it forms: the engine takes it then
     // (the draft model is sized for the most it can be).
     let n_ctx = ring
@@ -297,14 +301,16 @@ fn serve_model(
     let draft = args.draft.settings()?;
     // Made once the ring's context is known (a supervised ring's is chosen as it forms).
     let has_draft_model = with_draft && args.draft.has_model();
-    let (draft_args, n_vocab, threads, repack) =
-        (args.draft.clone(), vocab.n_vocab(), stages.threads(), !stages.no_repack);
+    let (draft_args, n_vocab, threads, repack) = (args.draft.clone(), hp.n_vocab, stages.threads(), !stages.no_repack);
     let (n_slots, chunk) = (config.n_slots, config.chunk);
     let draft_model = move |slot_ctx| match with_draft {
         true => draft_args.load_model(n_vocab, n_slots, slot_ctx, chunk, threads, repack),
         false => Ok(None),
     };
-    let engine = ring.engine(vocab.clone(), config, draft_model)?;
+    let engine = ring.engine(late, config, draft_model)?;
+    let (vocab, template) = tokenizer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the tokenizer's thread panicked"))??;
     let on = match engine.health() {
         Health::Serving { stages, .. } if !stages.is_empty() => stages,
         _ => ranges
@@ -335,6 +341,55 @@ fn serve_model(
         },
     );
     Ok((state, ring, on))
+}
+
+/// Loads the tokenizer and the chat template of the model at `path`, and hands the
+/// tokenizer to `late` (the engine's view of it).
+fn load_vocab_and_template(
+    path: &std::path::Path,
+    late: &LateVocab,
+) -> anyhow::Result<(Arc<baton_ggml::LlamaModel>, ChatTemplate)> {
+    let vocab = Arc::new(crate::load_tokenizer(path)?);
+    let token_text = |token: Option<u32>| {
+        token
+            .map(|t| String::from_utf8_lossy(&vocab.token_bytes(t, true)).into_owned())
+            .unwrap_or_default()
+    };
+    let template = ChatTemplate::new(
+        vocab.chat_template().as_deref(),
+        &token_text(vocab.bos_token()),
+        &token_text(vocab.eos_token()),
+    )
+    .with_context(|| format!("the chat template of {}", path.display()))?;
+    if template.is_default() {
+        tracing::warn!("{} has no chat template: using ChatML", path.display());
+    }
+    let _ = late.0.set(vocab.clone());
+    Ok((vocab, template))
+}
+
+/// The tokenizer as the engine sees it, while it still loads: the engine forms the ring
+/// meanwhile and looks tokens up only for requests, which come once it is set (a lookup
+/// before would wait for it).
+#[derive(Default)]
+struct LateVocab(std::sync::OnceLock<Arc<baton_ggml::LlamaModel>>);
+
+impl baton_engine::Vocab for LateVocab {
+    fn is_end_of_generation(&self, token: u32) -> bool {
+        self.0.wait().is_end_of_generation(token)
+    }
+
+    fn token_bytes(&self, token: u32) -> Vec<u8> {
+        self.0.wait().token_bytes(token, false)
+    }
+
+    fn special_bytes(&self, token: u32) -> Vec<u8> {
+        self.0.wait().token_bytes(token, true)
+    }
+
+    fn n_vocab(&self) -> usize {
+        self.0.wait().n_vocab()
+    }
 }
 
 /// Invites for the cluster of `token`: a worker that joins is added to every model's
@@ -369,7 +424,7 @@ async fn stop_signal() {
 /// How /v1/embeddings pools: `--pooling` (refused at start when it names a pooling
 /// the endpoint cannot serve), else the GGUF's `<arch>.pooling_type` as llama.cpp numbers
 /// it (1 mean, 2 cls, 3 last); `Err` holds why every embeddings request is refused.
-fn embedding_pooling(model: &std::path::Path, flag: Option<&str>) -> anyhow::Result<Result<Pooling, String>> {
+fn embedding_pooling(file: &baton_model::ModelFile, flag: Option<&str>) -> anyhow::Result<Result<Pooling, String>> {
     let named = |name: &str| Pooling::ALL.into_iter().find(|p| p.name() == name);
     if let Some(flag) = flag {
         return match named(flag) {
@@ -380,7 +435,6 @@ fn embedding_pooling(model: &std::path::Path, flag: Option<&str>) -> anyhow::Res
             ),
         };
     }
-    let file = baton_model::ModelFile::open(model)?;
     let arch = file.gguf().architecture()?.to_string();
     let key = format!("{arch}.pooling_type");
     let why = |what: String| {

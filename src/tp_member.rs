@@ -124,6 +124,7 @@ pub fn tp_member(args: TpMemberArgs) -> anyhow::Result<()> {
             k: args.cache_type_k,
             v: args.cache_type_v,
         },
+        n_ubatch: baton_model::DEFAULT_UBATCH,
     };
     let collective = Arc::new(MeshCollective::new(args.rank, peers));
     let stage = Stage::load_member(file, span, &config, Some((split, collective)))?;

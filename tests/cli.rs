@@ -160,9 +160,10 @@ fn unknown_kv_cache_types_are_refused_with_the_types_there_are() {
 }
 
 /// A --ctx-size that the memory cannot hold is refused before anything loads, with
-/// what it needs and what is offered: on this machine (gemma3: 18 KiB of f16 cache a
-/// token, 1M tokens against --head-memory of 10^9 bytes), and on workers (the nodes'
-/// offers, each named).
+/// what it needs and what is offered: on this machine (gemma3, one sequence: 3 KiB of
+/// f16 cache a token in its 3 global layers plus 15 MiB of window caches, 1M tokens
+/// against --head-memory of 10^9 bytes), and on workers (the nodes' offers, each named;
+/// 10^8 cells, 293 GiB: two workers on one machine each offer its free memory).
 #[test]
 fn a_context_that_does_not_fit_is_refused_with_the_numbers() {
     let model = model(GEMMA3);
@@ -180,7 +181,7 @@ fn a_context_that_does_not_fit_is_refused_with_the_numbers() {
         "1",
     ]);
     assert!(
-        here.contains("a context of 1000000 tokens needs 17578 MiB of KV cache (f16/f16)")
+        here.contains("a context of 1000000 tokens needs 2945 MiB of KV cache (f16/f16)")
             && here.contains("but this machine offers 954 MiB (--head-memory)"),
         "{here}"
     );
@@ -193,13 +194,13 @@ fn a_context_that_does_not_fit_is_refused_with_the_numbers() {
         "--threads",
         "1",
         "--ctx-size",
-        "10000000",
+        "100000000",
         "-n",
         "1",
     ]);
     assert!(
         workers.contains("the nodes cannot hold the model")
-            && workers.contains("a KV cache of 10000000 cells (f16/f16) is part of that; offered by node: unix:")
+            && workers.contains("a KV cache of 100000000 cells (f16/f16) is part of that; offered by node: unix:")
             && workers.matches(" MiB").count() == 2,
         "{workers}"
     );

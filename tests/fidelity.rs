@@ -111,6 +111,7 @@ fn without_repacking_matches_llama_cpp_without_repacking() {
         repack: false,
         n_seq: 0,
         kv_types: Default::default(),
+        n_ubatch: baton_model::DEFAULT_UBATCH,
     };
     let mut chain = Chain::load_with(&file, &ranges, &config);
     let err = nmse(&chain.logits(0, &prompt, 0), &ref_logits);
@@ -228,6 +229,7 @@ fn a_decode_batch_of_many_sequences_gives_each_row_its_bits_alone() {
             repack,
             n_seq: SEQS,
             kv_types: Default::default(),
+            n_ubatch: baton_model::DEFAULT_UBATCH,
         };
         let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
         let mut chain = Chain::load_with(&file, &ranges, &config);
@@ -282,6 +284,7 @@ fn a_token_and_its_drafts_in_one_batch_give_the_bits_of_one_token_steps() {
             repack,
             n_seq: 1,
             kv_types: Default::default(),
+            n_ubatch: baton_model::DEFAULT_UBATCH,
         };
         let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
         let mut chain = Chain::load_with(&file, &ranges, &config);
@@ -359,6 +362,7 @@ fn batching_with_other_sequences_changes_nothing_up_to_the_decode_row_cap() {
             repack,
             n_seq,
             kv_types: Default::default(),
+            n_ubatch: baton_model::DEFAULT_UBATCH,
         };
         let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
         let mut chain = Chain::load_with(&file, &ranges, &config);

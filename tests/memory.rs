@@ -50,6 +50,7 @@ fn check_middle_third(repack: bool) {
         repack,
         n_seq: 0,
         kv_types: Default::default(),
+        n_ubatch: baton_model::DEFAULT_UBATCH,
     };
     let mut stage = Stage::load(file.clone(), span, &config).unwrap();
     if !repack {
@@ -179,6 +180,7 @@ fn a_planned_moe_stage_stays_within_its_plan() {
             repack,
             n_seq: 0,
             kv_types: Default::default(),
+            n_ubatch: baton_model::DEFAULT_UBATCH,
         };
         // Pages are mapped whole: a tensor's first and last page may hold its neighbours.
         let page_slack = 2 * 4096 * baton_model::stage_tensor_sources(&own_file, &span).len() as u64;
@@ -277,5 +279,52 @@ fn quantized_kv_caches_shrink_what_the_planner_counts() {
         let counted: u64 = model_cost(&file, 256, 0, KvTypes::both(t)).kv_bytes[0..4].iter().sum();
         let rotations = if t.is_quantized() { 2 * 64 * 64 * 4 } else { 0 };
         assert_eq!(stage.kv().bytes() as u64, counted + rotations, "{t}");
+    }
+}
+
+/// gemma3 (270m) at 32k context, one sequence: its 15 sliding-window layers keep a
+/// window of 512 and one batch of 512 rows (1024 cells) and its 3 global layers every
+/// token, the 111 MiB llama.cpp's KV cache takes (llama-server -c 32768 -np 1: 96 MiB
+/// in 32768 cells of 3 layers, 15 MiB in 1024 cells of 15 layers), where a cell per
+/// token in every layer takes 576 MiB; on each of 1, 2 and 3 stages the planner counts
+/// what the stage holds.
+#[test]
+fn gemma3_at_32k_keeps_the_kv_cache_llama_cpp_keeps() {
+    const N_CTX: usize = 32768;
+    const MIB: u64 = 1 << 20;
+    let file = ModelFile::open(&model(common::GEMMA3)).unwrap();
+    let hp = file.hparams().clone();
+    for (n_seq, expected) in [(1, 111 * MIB), (0, 576 * MIB)] {
+        for n_stages in [1, 2, 3] {
+            let ranges = baton_plan::even_split(hp.n_layer, n_stages).unwrap();
+            let mut total = 0;
+            for (i, layers) in ranges.iter().enumerate() {
+                let span = StageSpan {
+                    layers: layers.clone(),
+                    first: i == 0,
+                    last: i + 1 == ranges.len(),
+                };
+                let config = StageConfig {
+                    n_seq,
+                    ..StageConfig::new(N_CTX, 1)
+                };
+                let stage = Stage::load(file.clone(), span, &config).unwrap();
+                let kv = stage.kv().bytes() as u64;
+                let counted: u64 = layers
+                    .clone()
+                    .map(|l| hp.layer_cache_bytes(l, N_CTX, n_seq, Default::default()))
+                    .sum();
+                assert_eq!(
+                    kv, counted,
+                    "{n_stages} stages, layers {layers:?}: the planner counts the cache"
+                );
+                println!(
+                    "n_seq {n_seq}, {n_stages} stage(s), layers {layers:?}: KV {:.1} MiB",
+                    kv as f64 / MIB as f64
+                );
+                total += kv;
+            }
+            assert_eq!(total, expected, "n_seq {n_seq}, {n_stages} stages");
+        }
     }
 }

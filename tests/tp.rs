@@ -350,6 +350,49 @@ fn gemma2_mistral3_and_phi3_tp_2_and_3_match_llama_cpp() {
     }
 }
 
+/// Window-sized caches in a tensor-parallel group: each member keeps its heads of the
+/// sliding-window layers in a window cache of its own (256 cells per sequence here), and
+/// gemma2's group of 2 and 3 gives libllama's logits bit for bit (`swa_full` off, the same
+/// `n_ubatch`) for a 500-token prompt in batches of 64 and 32 greedy steps, past the
+/// window and around the cells twice.
+#[test]
+fn window_caches_in_tp_groups_match_llama_cpp() {
+    let _serial = serial();
+    const N_CTX: usize = 1024;
+    const N_BATCH: usize = 64;
+    let path = common::synth::synthetic("gemma2", baton_ggml::FileType::Q4KM);
+    let file = ModelFile::open(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let text = PROMPTS.join("\n").repeat(40);
+    let prompt = oracle.tokenize(&text, true, true).unwrap()[..500].to_vec();
+    // One thread on both sides: a decode step over 512 cells splits them among threads.
+    let mut ctx = LlamaContext::with_window_cache(&oracle, N_CTX as u32, N_BATCH as u32, 1).unwrap();
+    let mut expected: Vec<Vec<f32>> = prompt.chunks(N_BATCH).map(|c| ctx.decode(c).unwrap()).collect();
+    let mut tokens = Vec::new();
+    for _ in 0..32 {
+        tokens.push(argmax(expected.last().unwrap()).unwrap());
+        expected.push(ctx.decode(&tokens[tokens.len() - 1..]).unwrap());
+    }
+    for n in [2, 3] {
+        let config = baton_model::StageConfig {
+            n_seq: 1,
+            n_ubatch: N_BATCH,
+            ..StageConfig::new(N_CTX, 1)
+        };
+        let mut group = StageGroup::load_tp(file.clone(), whole_model(&file), &config, n).unwrap();
+        let mut got = Vec::new();
+        for (i, chunk) in prompt.chunks(N_BATCH).enumerate() {
+            got.push(last_logits(&mut group, chunk, i * N_BATCH));
+        }
+        for (i, &token) in tokens.iter().enumerate() {
+            got.push(last_logits(&mut group, &[token], prompt.len() + i));
+        }
+        for (step, (ours, theirs)) in got.iter().zip(&expected).enumerate() {
+            assert!(ours == theirs, "tp {n}, step {step}: NMSE {:e}", nmse(ours, theirs));
+        }
+    }
+}
+
 /// A group a model cannot be split into says so instead of computing something else.
 #[test]
 fn tp_refuses_groups_a_model_cannot_be_split_into() {

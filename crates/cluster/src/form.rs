@@ -90,6 +90,9 @@ pub struct ClusterOptions {
     /// one pipeline stage (`Auto`: the size the planner models fastest). With groups
     /// the head runs no stage of its own.
     pub tp: TpDegree,
+    /// The model, already opened by the caller (reading its header again costs tens
+    /// of ms); used when its path is the one given to [`connect_cluster`].
+    pub opened: Option<Arc<ModelFile>>,
 }
 
 /// A worker as the head sees it.
@@ -308,7 +311,10 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     if workers.is_empty() {
         return Err(NodeError::Request("no workers given".into()));
     }
-    let file = ModelFile::open(model)?;
+    let file = match &opts.opened {
+        Some(file) if file.path() == model => file.clone(),
+        _ => ModelFile::open(model)?,
+    };
     let model_ref = model_ref(&file);
     let mut reached = reach_all(workers, model, &model_ref, opts)?;
     let (planned, n_ctx) = plan(&file, model, &reached.workers, &reached.unreachable, opts)?;
@@ -741,6 +747,7 @@ fn load_head_stage(
                 repack: opts.repack,
                 n_seq: opts.n_seq,
                 kv_types: opts.kv_types,
+                n_ubatch: baton_model::DEFAULT_UBATCH,
             };
             let devices = baton_stage::or_cpu(&opts.head_devices);
             let parts = stage

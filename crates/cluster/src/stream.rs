@@ -105,11 +105,14 @@ pub fn send_stage_tensors(
         let data = &bytes[entry.offset as usize..(entry.offset + entry.len) as usize];
         for (i, chunk) in data.chunks(CHUNK).enumerate() {
             let offset = (i * CHUNK) as u64;
-            link.send(Message::TensorChunk {
+            let result = link.send(Message::TensorChunk {
                 index: index as u32,
                 offset,
                 data: chunk.to_vec(),
-            })?;
+            });
+            if let Err(e) = result {
+                return Err(refusal(link, worker).unwrap_or(e.into()));
+            }
             sent += chunk.len() as u64;
             bar.set_position(sent);
         }
@@ -120,6 +123,22 @@ pub fn send_stage_tensors(
         tracing::info!(%worker, "sent {:.1} MiB of weights in {secs:.1} s", sent as f64 / 1048576.0);
     }
     Ok(sent)
+}
+
+/// Why the worker refused, when a send failed because it did: a worker that finds a
+/// fault in what it receives (a tensor that fails its hash, a header that is not the
+/// model's) answers `Refused` and closes, while the head may still be sending.
+fn refusal(link: &mut dyn Link, worker: &str) -> Option<NodeError> {
+    // A send that failed on this side (the link still up) gets no answer: wait briefly.
+    link.set_read_timeout(Some(std::time::Duration::from_secs(1))).ok()?;
+    match link.recv() {
+        Ok(Message::Refused { code, reason }) => Some(NodeError::Refused {
+            worker: worker.to_string(),
+            code,
+            reason,
+        }),
+        _ => None,
+    }
 }
 
 /// `items` shared among `n` sources so that each sends about as many bytes (`len`):
@@ -144,7 +163,35 @@ fn share_out(items: &[usize], len: impl Fn(usize) -> u64, n: usize) -> Vec<Vec<u
 
 #[cfg(test)]
 mod tests {
-    use super::share_out;
+    use super::{refusal, share_out};
+    use baton_net::{local_pair, Link};
+    use baton_proto::{Message, RefusalCode};
+
+    /// A worker that finds a fault mid-stream refuses and closes while the head still
+    /// sends: the head reports the worker's reason, not only the broken link; and a
+    /// send that failed with the link up waits only a moment for an answer.
+    #[test]
+    fn a_worker_refusing_mid_stream_is_reported_with_its_reason() {
+        let (mut head, mut worker) = local_pair("worker", "head");
+        worker
+            .send(Message::Refused {
+                code: RefusalCode::LoadFailed,
+                reason: "tensor b failed verification (SHA-256 mismatch)".into(),
+            })
+            .unwrap();
+        drop(worker);
+        assert!(head.send(Message::Shutdown).is_err(), "the worker is gone");
+        let err = refusal(&mut head, "w:1").expect("the refusal is read").to_string();
+        assert!(
+            err.contains("w:1") && err.contains("tensor b failed verification"),
+            "{err}"
+        );
+
+        let (mut head, _worker) = local_pair("worker", "head");
+        let started = std::time::Instant::now();
+        assert!(refusal(&mut head, "w:1").is_none());
+        assert!(started.elapsed() < std::time::Duration::from_secs(3));
+    }
 
     #[test]
     fn shares_are_balanced_by_bytes_and_keep_the_order() {

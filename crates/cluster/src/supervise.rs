@@ -260,6 +260,8 @@ impl RingSource for Supervisor {
         // The first ring needs every worker (a wrong address or token is a mistake to
         // report); later ones are formed over whoever answers.
         self.opts.skip_unreachable = true;
+        // Later rings read the file again: it may have been replaced since.
+        self.opts.opened = None;
 
         // Keep watching the workers of the plan; the others were sent away.
         let planned: Vec<&str> = ring

@@ -644,7 +644,7 @@ impl Core {
             // Models with recurrent layers: the sequences whose whole prompt chunk this is.
             let checkpointed: Vec<usize> = match self.config.prefix_reuse {
                 PrefixReuse::Checkpoints => members.iter().map(|m| m.seq).collect(),
-                PrefixReuse::Anywhere => Vec::new(),
+                PrefixReuse::Anywhere | PrefixReuse::Recent(_) => Vec::new(),
             };
             self.send(Message::Forward(forward), Pending::Step { members, decode_rows }, now);
             for seq in checkpointed {

@@ -58,6 +58,7 @@ impl ModelDrafter {
             repack,
             n_seq: n_slots,
             kv_types: Default::default(),
+            n_ubatch: baton_model::DEFAULT_UBATCH.max(chunk),
         };
         Ok(ModelDrafter {
             stage: Stage::load(file, span, &config)?,

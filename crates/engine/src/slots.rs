@@ -45,6 +45,8 @@ impl Slot {
         let anywhere = reusable_prefix(&self.cached, &self.cached_runs, prompt, chunk);
         match reuse {
             PrefixReuse::Anywhere => anywhere,
+            PrefixReuse::Recent(slack) if self.cached.len() - anywhere.min(self.cached.len()) <= slack => anywhere,
+            PrefixReuse::Recent(_) => 0,
             PrefixReuse::Checkpoints => self
                 .checkpoints
                 .iter()
@@ -310,5 +312,26 @@ mod tests {
             Some(2),
             "least recently used"
         );
+    }
+
+    /// With window-sized caches a slot's prefix is reused only when the cut is within
+    /// the caches' slack; cut back further, the prompt is computed from the start.
+    #[test]
+    fn window_caches_reuse_only_prefixes_near_the_end_of_the_slot() {
+        let prompt: Vec<u32> = (0..40).collect();
+        let mut slot = Slot::empty();
+        slot.cached = (0..30).collect();
+        slot.cached.push(99);
+        slot.cached_runs = vec![4; 7];
+        slot.cached_runs.extend([2, 1]);
+        // 31 cached, 28 reusable (7 whole chunks): a cut of 3.
+        assert_eq!(slot.reusable(&prompt, 4, PrefixReuse::Anywhere), 28);
+        assert_eq!(slot.reusable(&prompt, 4, PrefixReuse::Recent(3)), 28);
+        assert_eq!(slot.reusable(&prompt, 4, PrefixReuse::Recent(2)), 0);
+        // Only the first chunk in common: a cut of 27.
+        let other: Vec<u32> = (0..4).chain(100..140).collect();
+        assert_eq!(slot.reusable(&other, 4, PrefixReuse::Anywhere), 4);
+        assert_eq!(slot.reusable(&other, 4, PrefixReuse::Recent(26)), 0);
+        assert_eq!(slot.reusable(&other, 4, PrefixReuse::Recent(27)), 4);
     }
 }

@@ -48,7 +48,7 @@ pub struct EngineConfig {
 /// [`KEPT_STATES`](baton_model::KEPT_STATES) positions).
 pub fn max_draft(hp: &baton_model::HParams) -> usize {
     match prefix_reuse(hp) {
-        PrefixReuse::Anywhere => crate::draft::MAX_DRAFT,
+        PrefixReuse::Anywhere | PrefixReuse::Recent(_) => crate::draft::MAX_DRAFT,
         PrefixReuse::Checkpoints => crate::draft::MAX_DRAFT.min(baton_model::KEPT_STATES - 1),
     }
 }
@@ -64,13 +64,25 @@ pub enum PrefixReuse {
     /// newest [`CHECKPOINTS`](baton_model::CHECKPOINTS) per sequence are kept) and
     /// reuses a prefix up to the last of those within what could be reused anywhere.
     Checkpoints,
+    /// At a chunk boundary at most this many tokens before the end of what the slot
+    /// holds, else nowhere: a model with sliding-window layers, whose window-sized
+    /// caches keep a sequence's window and one batch (see
+    /// [`HParams::window_cells`](baton_model::HParams::window_cells)), so a sequence
+    /// cut back further than that has lost tokens it would see. Such a prompt is
+    /// computed from the start.
+    Recent(usize),
 }
 
-/// Where a model's cached prefixes may be reused: anywhere, or at checkpoints of its
-/// recurrent states.
+/// Where a model's cached prefixes may be reused: anywhere, at checkpoints of its
+/// recurrent states, or near the end of what a slot holds when sliding-window layers
+/// keep window-sized caches (the stages' default batch of
+/// [`DEFAULT_UBATCH`](baton_model::DEFAULT_UBATCH) rows is the least slack those
+/// caches have).
 pub fn prefix_reuse(hp: &baton_model::HParams) -> PrefixReuse {
     if hp.recurrent_layers.iter().any(|&r| r) {
         PrefixReuse::Checkpoints
+    } else if (0..hp.n_layer).any(|l| hp.is_swa(l)) {
+        PrefixReuse::Recent(baton_model::DEFAULT_UBATCH)
     } else {
         PrefixReuse::Anywhere
     }

@@ -228,6 +228,21 @@ impl<'m> LlamaContext<'m> {
         Self::with_params(model, params)
     }
 
+    /// [`LlamaContext::new`] with llama.cpp's window-sized cache for sliding-window
+    /// layers (`swa_full` off, as llama-server and llama-cli run by default; the
+    /// library's default keeps a cell per token): `n_swa + n_batch` cells, padded to
+    /// 256, placed as a ring.
+    pub fn with_window_cache(
+        model: &'m LlamaModel,
+        n_ctx: u32,
+        n_batch: u32,
+        n_threads: usize,
+    ) -> Result<Self, GgmlError> {
+        let mut params = Self::params(n_ctx, n_batch, n_threads);
+        params.swa_full = false;
+        Self::with_params(model, params)
+    }
+
     /// libllama's context defaults with baton's: `n_ctx` cells, `n_batch` tokens per
     /// decode call (and micro-batch), `n_threads` threads, one sequence, flash attention.
     fn params(n_ctx: u32, n_batch: u32, n_threads: usize) -> sys::llama_context_params {

@@ -285,6 +285,14 @@ impl Window {
             }
         }
     }
+
+    /// The first position a token at `pos` sees (its own when it sees no earlier one).
+    pub fn first_visible(self, pos: i32) -> i32 {
+        match self {
+            Window::Sliding(n) => (pos as i64 - n as i64 + 1).max(0) as i32,
+            Window::Chunked(n) => ((pos as i64 / n as i64) * n as i64) as i32,
+        }
+    }
 }
 
 /// A tensor-parallel member's heads among the whole model's: a layer that normalises
@@ -855,19 +863,41 @@ impl HParams {
     }
 
     /// Bytes layer `layer`'s cache takes on a stage of `n_ctx` cells for `n_seq`
-    /// sequences: keys and values (of `types`) of every cell for an attention layer;
-    /// for a recurrent layer, each sequence's kept states (f32, see
-    /// [`crate::RecurrentCache`]), whatever the context; nothing for a layer that does
-    /// neither.
+    /// sequences: keys and values (of `types`) of every cell for an attention layer
+    /// (a sliding-window layer's window cells, see [`HParams::window_cells`], with
+    /// [`crate::DEFAULT_UBATCH`] rows per batch); for a recurrent layer, each
+    /// sequence's kept states (f32, see [`crate::RecurrentCache`]), whatever the
+    /// context; nothing for a layer that does neither.
     pub fn layer_cache_bytes(&self, layer: usize, n_ctx: usize, n_seq: usize, types: KvTypes) -> u64 {
         match &self.ssm {
             Some(ssm) if self.is_recurrent(layer) => {
                 let rows = crate::recurrent::state_rows(n_seq) as u64;
                 rows * ((ssm.conv_state_len() + ssm.state_len()) * std::mem::size_of::<f32>()) as u64
             }
-            _ if self.has_kv(layer) => (self.layer_kv_cell_bytes(layer, types) as u64).saturating_mul(n_ctx as u64),
+            _ if self.has_kv(layer) => {
+                let cells = match self.window_cells(n_ctx, n_seq, crate::DEFAULT_UBATCH) {
+                    Some(per_seq) if self.is_swa(layer) => per_seq.saturating_mul(n_seq),
+                    _ => n_ctx,
+                };
+                (self.layer_kv_cell_bytes(layer, types) as u64).saturating_mul(cells as u64)
+            }
             _ => 0,
         }
+    }
+
+    /// Cells each sequence has in the cache of the sliding-window layers when a stage
+    /// of `n_ctx` cells gives each of `n_seq` sequences a region and computes at most
+    /// `n_ubatch` rows of a sequence in one batch: its window plus one batch, padded to
+    /// 256, at most its share of the context (padded too), as llama.cpp sizes its
+    /// sliding-window cache (`llama_kv_cache_iswa` without `swa_full`, one stream per
+    /// sequence). `None` when those layers keep a cell for every token: a model without
+    /// windows, or sequences sharing all cells (`n_seq` 0).
+    pub fn window_cells(&self, n_ctx: usize, n_seq: usize, n_ubatch: usize) -> Option<usize> {
+        if self.n_swa == 0 || n_seq == 0 || !self.swa_layers.iter().any(|&swa| swa) {
+            return None;
+        }
+        let per_seq = (n_ctx / n_seq).min(self.n_swa.saturating_add(n_ubatch));
+        Some(per_seq.div_ceil(256).saturating_mul(256))
     }
 
     /// What a token of a sliding-window layer sees (its window or chunk).

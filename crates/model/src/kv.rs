@@ -10,6 +10,11 @@ use crate::cache_type::{hadamard, KvTypes};
 use crate::hparams::{HParams, Window};
 use crate::ModelError;
 
+/// Rows of one sequence a stage computes in one batch unless configured otherwise
+/// (llama.cpp's default `n_ubatch`): with a sliding-window cache of
+/// [`HParams::window_cells`], a batch of more rows of one sequence is refused.
+pub const DEFAULT_UBATCH: usize = 512;
+
 /// f16 bit patterns of the two mask values: keep (0.0) and drop (-inf).
 const MASK_KEEP: u16 = 0x0000;
 const MASK_DROP: u16 = 0xFC00;
@@ -28,8 +33,21 @@ fn pad_cells(used: usize, max: usize) -> usize {
 pub struct AttnSpan {
     /// Consecutive rows of the batch.
     pub rows: Range<usize>,
-    /// Consecutive cells of the cache.
+    /// Consecutive cells of the cache of the full-attention layers.
     pub cells: Range<usize>,
+    /// Consecutive cells of the cache of the sliding-window layers (`cells` when those
+    /// layers keep a cell for every token).
+    pub window_cells: Range<usize>,
+}
+
+/// The cells a batch's keys and values go to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Slots {
+    /// A cell of the full-attention layers' cache per row.
+    pub full: Vec<i64>,
+    /// A cell of the sliding-window layers' cache per row, when they have their own
+    /// window-sized cache.
+    pub window: Option<Vec<i64>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,7 +59,251 @@ struct Cell {
 
 const FREE: Cell = Cell { pos: -1, seq: 0 };
 
-/// Keys and values for a stage's layers plus the cell bookkeeping.
+/// The bookkeeping of one set of cells: which token each holds.
+struct Cells {
+    cells: Vec<Cell>,
+    n_used: usize,
+    /// Cells per sequence when each sequence has a region of its own; 0: any sequence
+    /// takes any free cell.
+    region: usize,
+    /// A window cache's: position `p` of a sequence goes to cell `p mod region` of its
+    /// region, over the token `region` positions before it, which the window no
+    /// longer shows.
+    window: Option<Window>,
+    /// A window cache's: for each region, the highest position overwritten since the
+    /// sequence started (-1: none). A sequence cut back below it cannot continue: the
+    /// tokens its next rows would see are gone.
+    overwritten: Vec<i32>,
+}
+
+impl Cells {
+    fn new(n_cells: usize, n_seq: usize, window: Option<Window>) -> Cells {
+        Cells {
+            cells: vec![FREE; n_cells],
+            n_used: 0,
+            region: n_cells.checked_div(n_seq).unwrap_or(0),
+            window,
+            overwritten: vec![-1; if window.is_some() { n_seq } else { 0 }],
+        }
+    }
+
+    /// Claims one cell per token (see [`KvCache::claim`]).
+    fn claim(&mut self, seq_ids: &[u32], positions: &[i32]) -> Result<Vec<i64>, ModelError> {
+        if self.window.is_some() {
+            return self.claim_in_window(seq_ids, positions);
+        }
+        let free = self.cells.len() - self.n_used;
+        if seq_ids.len() > free {
+            return Err(ModelError::CacheFull {
+                need: seq_ids.len(),
+                free,
+                capacity: self.cells.len(),
+            });
+        }
+        for (&seq, &pos) in seq_ids.iter().zip(positions) {
+            if pos < 0 {
+                return Err(ModelError::BadBatch(format!("negative position {pos}")));
+            }
+            if self.cells.iter().any(|c| c.pos == pos && c.seq == seq) {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} already holds position {pos}; truncate it before recomputing"
+                )));
+            }
+        }
+        if self.region > 0 {
+            return self.claim_in_regions(seq_ids, positions);
+        }
+        let mut slots = Vec::with_capacity(seq_ids.len());
+        let mut next = 0;
+        for (&seq, &pos) in seq_ids.iter().zip(positions) {
+            while self.cells[next].pos >= 0 {
+                next += 1;
+            }
+            self.cells[next] = Cell { pos, seq };
+            slots.push(next as i64);
+        }
+        self.n_used += seq_ids.len();
+        Ok(slots)
+    }
+
+    /// The region of `seq`, or why it has none.
+    fn region_of(&self, seq: u32) -> Result<usize, ModelError> {
+        let n_seq = self.cells.len() / self.region;
+        if seq as usize >= n_seq {
+            return Err(ModelError::BadBatch(format!(
+                "sequence id {seq} is out of range: the cache holds {n_seq}"
+            )));
+        }
+        Ok(seq as usize * self.region)
+    }
+
+    fn claim_in_regions(&mut self, seq_ids: &[u32], positions: &[i32]) -> Result<Vec<i64>, ModelError> {
+        let mut slots = Vec::with_capacity(seq_ids.len());
+        for (&seq, &pos) in seq_ids.iter().zip(positions) {
+            let start = self.region_of(seq)?;
+            if pos as usize >= self.region {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} is full: position {pos} is beyond its {} cells",
+                    self.region
+                )));
+            }
+            let cell = start + pos as usize;
+            if slots.contains(&(cell as i64)) {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} has position {pos} twice in the batch"
+                )));
+            }
+            slots.push(cell as i64);
+        }
+        for ((&seq, &pos), &cell) in seq_ids.iter().zip(positions).zip(&slots) {
+            self.cells[cell as usize] = Cell { pos, seq };
+        }
+        self.n_used += slots.len();
+        Ok(slots)
+    }
+
+    /// A window cache's claim: position `p` of a sequence takes cell `p mod region` of
+    /// its region, as llama.cpp's sliding-window cache places a sequence's tokens from
+    /// position 0 on. The token it replaces must be hidden from every row of the batch
+    /// (the region holds the window and one batch), and what the batch's first row sees
+    /// must not have been overwritten (a sequence cut back further than its region
+    /// allows). Checks everything before changing anything.
+    fn claim_in_window(&mut self, seq_ids: &[u32], positions: &[i32]) -> Result<Vec<i64>, ModelError> {
+        let window = self.window.expect("a window cache has a window");
+        let mut slots = Vec::with_capacity(seq_ids.len());
+        // The first position of each sequence in the batch: what its rows see from.
+        let first = |seq: u32| {
+            seq_ids
+                .iter()
+                .zip(positions)
+                .filter(|(&s, _)| s == seq)
+                .map(|(_, &p)| p)
+                .min()
+                .unwrap_or(0)
+        };
+        for (&seq, &pos) in seq_ids.iter().zip(positions) {
+            if pos < 0 {
+                return Err(ModelError::BadBatch(format!("negative position {pos}")));
+            }
+            let start = self.region_of(seq)?;
+            let cell = start + pos as usize % self.region;
+            if slots.contains(&(cell as i64)) {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} has position {pos} twice in the batch, or more rows than \
+                     its sliding-window cache of {} cells holds",
+                    self.region
+                )));
+            }
+            let first = first(seq);
+            let held = self.cells[cell];
+            if held.pos == pos {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} already holds position {pos}; truncate it before recomputing"
+                )));
+            }
+            if held.pos >= 0 && !(held.pos < first && window.hides(first, held.pos)) {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq}: rows {first}..={pos} in one batch are more than its \
+                     sliding-window cache of {} cells holds besides its window of {:?}; send \
+                     fewer rows of a sequence per batch",
+                    self.region, window
+                )));
+            }
+            let seen_from = window.first_visible(first);
+            let overwritten = self.overwritten[start / self.region];
+            if seen_from < first && seen_from <= overwritten {
+                return Err(ModelError::BadBatch(format!(
+                    "sequence {seq} cannot continue at position {first}: its sliding-window \
+                     cache no longer holds positions {seen_from}..={overwritten}, which it \
+                     sees; it was cut back further than its {} cells allow, recompute it \
+                     from the start",
+                    self.region
+                )));
+            }
+            slots.push(cell as i64);
+        }
+        for ((&seq, &pos), &cell) in seq_ids.iter().zip(positions).zip(&slots) {
+            let held = &mut self.cells[cell as usize];
+            if held.pos >= 0 {
+                let overwritten = &mut self.overwritten[cell as usize / self.region];
+                *overwritten = (*overwritten).max(held.pos);
+            } else {
+                self.n_used += 1;
+            }
+            *held = Cell { pos, seq };
+        }
+        Ok(slots)
+    }
+
+    /// Frees the cells just claimed (used when a computation fails). A window cache's
+    /// cells that replaced tokens are freed too: those tokens stay gone.
+    fn release(&mut self, slots: &[i64]) {
+        for &slot in slots {
+            if let Some(cell) = self.cells.get_mut(slot as usize) {
+                if cell.pos >= 0 {
+                    *cell = FREE;
+                    self.n_used -= 1;
+                }
+            }
+        }
+    }
+
+    /// Cells attention looks at: past the last used cell, padded. A window region's
+    /// is what a fresh run of the sequence to its highest position uses (its
+    /// positions from 0 on, placed as [`Cells::claim_in_window`] places them), so
+    /// that it does not depend on where the sequence was cut back before.
+    fn span(&self, seq: Option<u32>) -> Range<usize> {
+        let Some(seq) = seq.filter(|_| self.region > 0) else {
+            let last = self.cells.iter().rposition(|c| c.pos >= 0).map_or(0, |i| i + 1);
+            return 0..pad_cells(last, self.cells.len());
+        };
+        let start = seq as usize * self.region;
+        let region = &self.cells[start..(start + self.region).min(self.cells.len())];
+        let used = match self.window {
+            Some(_) => region
+                .iter()
+                .map(|c| c.pos + 1)
+                .max()
+                .map_or(0, |end| (end.max(0) as usize).min(self.region)),
+            None => region.iter().rposition(|c| c.pos >= 0).map_or(0, |i| i + 1),
+        };
+        start..start + pad_cells(used, self.region)
+    }
+
+    fn mask(&self, seq_ids: &[u32], positions: &[i32], cells: Range<usize>, window: Option<Window>) -> Vec<u16> {
+        let n_kv = cells.len();
+        let mut mask = vec![MASK_DROP; n_kv * seq_ids.len()];
+        for (row, (&seq, &pos)) in mask.chunks_exact_mut(n_kv).zip(seq_ids.iter().zip(positions)) {
+            for (value, cell) in row.iter_mut().zip(&self.cells[cells.clone()]) {
+                let visible = cell.pos >= 0
+                    && cell.seq == seq
+                    && cell.pos <= pos
+                    && window.is_none_or(|w| !w.hides(pos, cell.pos));
+                if visible {
+                    *value = MASK_KEEP;
+                }
+            }
+        }
+        mask
+    }
+
+    fn truncate_seq(&mut self, seq: u32, len: usize) {
+        for cell in &mut self.cells {
+            if cell.pos >= 0 && cell.seq == seq && cell.pos as usize >= len {
+                *cell = FREE;
+                self.n_used -= 1;
+            }
+        }
+        // Positions from `len` on are computed again: only those before it stay lost.
+        if let Some(overwritten) = self.overwritten.get_mut(seq as usize) {
+            *overwritten = (*overwritten).min(len as i32 - 1);
+        }
+    }
+}
+
+/// Keys and values for a stage's layers plus the cell bookkeeping: one set of cells
+/// for the full-attention layers and, when sequences have regions, a smaller one for
+/// the sliding-window layers (see [`HParams::window_cells`]).
 pub struct KvCache {
     // Tensors `cache_k_l{layer}` / `cache_v_l{layer}` (and the rotations `cache_k_rot`
     // / `cache_v_rot` of quantized types) live in `ctx`, their data in `buffer`; none
@@ -50,11 +312,11 @@ pub struct KvCache {
     types: KvTypes,
     buffer: Option<Buffer>,
     layers: Range<usize>,
-    cells: Vec<Cell>,
-    n_used: usize,
-    /// Cells per sequence when each sequence has a region of its own; 0: any sequence
-    /// takes any free cell.
-    region: usize,
+    full: Cells,
+    /// The sliding-window layers' own cells, when they have them.
+    window_cells: Option<Cells>,
+    /// What the sliding-window layers see, for models that have them.
+    window: Option<Window>,
 }
 
 impl KvCache {
@@ -63,17 +325,23 @@ impl KvCache {
     /// attention then visits a sequence's cells in position order whatever else runs,
     /// so a sequence computes the same in any batch (ggml accumulates attention in f16,
     /// where order shows). With `n_seq = 0` any free cell is taken.
+    ///
+    /// With `n_seq > 0`, sliding-window layers keep [`HParams::window_cells`] cells per
+    /// sequence instead (batches of at most [`DEFAULT_UBATCH`] rows of a sequence), in
+    /// the order llama.cpp's sliding-window cache keeps them.
     pub fn new(hp: &HParams, layers: Range<usize>, n_ctx: usize, n_seq: usize) -> Result<KvCache, ModelError> {
-        KvCache::new_in(hp, layers, n_ctx, n_seq, KvTypes::default(), None)
+        KvCache::new_in(hp, layers, n_ctx, n_seq, DEFAULT_UBATCH, KvTypes::default(), None)
     }
 
-    /// [`KvCache::new`] with keys and values of `types`, in memory of `buft` (a
-    /// device's own memory) instead of the CPU's.
+    /// [`KvCache::new`] for batches of at most `n_ubatch` rows of a sequence, with
+    /// keys and values of `types`, in memory of `buft` (a device's own memory) instead
+    /// of the CPU's.
     pub fn new_in(
         hp: &HParams,
         layers: Range<usize>,
         n_ctx: usize,
         n_seq: usize,
+        n_ubatch: usize,
         types: KvTypes,
         buft: Option<BufferType>,
     ) -> Result<KvCache, ModelError> {
@@ -85,30 +353,35 @@ impl KvCache {
                 "{n_seq} sequences cannot share {n_ctx} cells"
             )));
         }
+        if n_ubatch == 0 {
+            return Err(ModelError::BadConfig("a batch must hold at least one row".into()));
+        }
         types.check(hp)?;
+        let window = layers.clone().any(|l| hp.is_swa(l)).then(|| hp.window());
+        let window_cells = window
+            .and_then(|w| Some((w, hp.window_cells(n_ctx, n_seq, n_ubatch)?)))
+            .map(|(w, per_seq)| Cells::new(per_seq * n_seq, n_seq, Some(w)));
         let ctx = Context::new(3 * layers.len() + 5, 0);
         // Recurrent layers keep states instead (see `RecurrentCache`); layers that do not
         // attend keep nothing.
         let has_heads = hp.n_embd_k_gqa() > 0 && layers.clone().any(|l| hp.has_kv(l));
         for layer in layers.clone().filter(|&l| has_heads && hp.has_kv(l)) {
+            let n_cells = match &window_cells {
+                Some(cells) if hp.is_swa(layer) => cells.cells.len(),
+                _ => n_ctx,
+            } as i64;
             // Sliding-window layers may have heads of their own (Gemma 4).
             let heads = hp.layer_heads(layer);
-            ctx.new_tensor(
-                types.k.dtype(),
-                &[(heads.n_head_kv * heads.head_dim_k) as i64, n_ctx as i64],
-            )
-            .named(&format!("cache_k_l{layer}"));
+            ctx.new_tensor(types.k.dtype(), &[(heads.n_head_kv * heads.head_dim_k) as i64, n_cells])
+                .named(&format!("cache_k_l{layer}"));
             // MLA caches only the compressed keys; values are a view of them.
             if hp.mla.is_none() {
-                ctx.new_tensor(
-                    types.v.dtype(),
-                    &[(heads.n_head_kv * heads.head_dim_v) as i64, n_ctx as i64],
-                )
-                .named(&format!("cache_v_l{layer}"));
+                ctx.new_tensor(types.v.dtype(), &[(heads.n_head_kv * heads.head_dim_v) as i64, n_cells])
+                    .named(&format!("cache_v_l{layer}"));
             }
             // DeepSeek sparse attention: the indexer's key of each token, in the same cells.
             if let Some(ix) = hp.indexer().filter(|ix| ix.full_layers[layer]) {
-                ctx.new_tensor(types.k.dtype(), &[ix.head_dim as i64, n_ctx as i64])
+                ctx.new_tensor(types.k.dtype(), &[ix.head_dim as i64, n_cells])
                     .named(&format!("cache_ik_l{layer}"));
             }
         }
@@ -146,18 +419,18 @@ impl KvCache {
             types,
             buffer,
             layers,
-            cells: vec![FREE; n_ctx],
-            n_used: 0,
-            region: n_ctx.checked_div(n_seq).unwrap_or(0),
+            full: Cells::new(n_ctx, n_seq, None),
+            window_cells,
+            window,
         })
     }
 
-    /// Key cache of global layer `layer` (`[n_embd_k_gqa, n_ctx]`).
+    /// Key cache of global layer `layer` (`[n_embd_k_gqa, cells]`).
     pub fn k(&self, layer: usize) -> Tensor<'_> {
         self.tensor("k", layer)
     }
 
-    /// Value cache of global layer `layer` (`[n_embd_v_gqa, n_ctx]`); models with MLA
+    /// Value cache of global layer `layer` (`[n_embd_v_gqa, cells]`); models with MLA
     /// have none (their values are the first `head_dim_v` entries of each key row).
     pub fn v(&self, layer: usize) -> Tensor<'_> {
         self.tensor("v", layer)
@@ -207,14 +480,19 @@ impl KvCache {
             .expect("cache tensors are created for every layer")
     }
 
-    /// Number of cells.
+    /// Number of cells (of the full-attention layers: one per token of the context).
     pub fn capacity(&self) -> usize {
-        self.cells.len()
+        self.full.cells.len()
     }
 
-    /// Cells in use.
+    /// Cells of the sliding-window layers' own cache, when they have one.
+    pub fn window_capacity(&self) -> Option<usize> {
+        self.window_cells.as_ref().map(|c| c.cells.len())
+    }
+
+    /// Cells in use (of the full-attention layers).
     pub fn n_used(&self) -> usize {
-        self.n_used
+        self.full.n_used
     }
 
     /// Bytes of key and value memory (with a quantized type, also the two rotation
@@ -225,92 +503,36 @@ impl KvCache {
 
     /// Number of tokens `seq` holds.
     pub fn seq_len(&self, seq: u32) -> usize {
-        self.cells.iter().filter(|c| c.pos >= 0 && c.seq == seq).count()
+        self.full.cells.iter().filter(|c| c.pos >= 0 && c.seq == seq).count()
     }
 
-    /// Claims one free cell per token; returns the cell indices. Fails without changing
-    /// anything when the cache is full or a position is already taken.
-    pub fn claim(&mut self, seq_ids: &[u32], positions: &[i32]) -> Result<Vec<i64>, ModelError> {
-        let free = self.cells.len() - self.n_used;
-        if seq_ids.len() > free {
-            return Err(ModelError::CacheFull {
-                need: seq_ids.len(),
-                free,
-                capacity: self.cells.len(),
-            });
-        }
-        for (&seq, &pos) in seq_ids.iter().zip(positions) {
-            if pos < 0 {
-                return Err(ModelError::BadBatch(format!("negative position {pos}")));
+    /// Claims a cell per token in each set of cells; returns the cell indices. Fails
+    /// without changing anything when the cache is full, a position is already taken,
+    /// or the sliding-window cells cannot take the batch (see [`Slots`]).
+    pub fn claim(&mut self, seq_ids: &[u32], positions: &[i32]) -> Result<Slots, ModelError> {
+        let full = self.full.claim(seq_ids, positions)?;
+        let window = match self.window_cells.as_mut().map(|cells| cells.claim(seq_ids, positions)) {
+            Some(Ok(slots)) => Some(slots),
+            Some(Err(e)) => {
+                self.full.release(&full);
+                return Err(e);
             }
-            if self.cells.iter().any(|c| c.pos == pos && c.seq == seq) {
-                return Err(ModelError::BadBatch(format!(
-                    "sequence {seq} already holds position {pos}; truncate it before recomputing"
-                )));
-            }
-        }
-        if self.region > 0 {
-            return self.claim_in_regions(seq_ids, positions);
-        }
-        let mut slots = Vec::with_capacity(seq_ids.len());
-        let mut next = 0;
-        for (&seq, &pos) in seq_ids.iter().zip(positions) {
-            while self.cells[next].pos >= 0 {
-                next += 1;
-            }
-            self.cells[next] = Cell { pos, seq };
-            slots.push(next as i64);
-        }
-        self.n_used += seq_ids.len();
-        Ok(slots)
-    }
-
-    fn claim_in_regions(&mut self, seq_ids: &[u32], positions: &[i32]) -> Result<Vec<i64>, ModelError> {
-        let n_seq = self.cells.len() / self.region;
-        let mut slots = Vec::with_capacity(seq_ids.len());
-        for (&seq, &pos) in seq_ids.iter().zip(positions) {
-            if seq as usize >= n_seq {
-                return Err(ModelError::BadBatch(format!(
-                    "sequence id {seq} is out of range: the cache holds {n_seq}"
-                )));
-            }
-            if pos as usize >= self.region {
-                return Err(ModelError::BadBatch(format!(
-                    "sequence {seq} is full: position {pos} is beyond its {} cells",
-                    self.region
-                )));
-            }
-            let cell = seq as usize * self.region + pos as usize;
-            if slots.contains(&(cell as i64)) {
-                return Err(ModelError::BadBatch(format!(
-                    "sequence {seq} has position {pos} twice in the batch"
-                )));
-            }
-            slots.push(cell as i64);
-        }
-        for ((&seq, &pos), &cell) in seq_ids.iter().zip(positions).zip(&slots) {
-            self.cells[cell as usize] = Cell { pos, seq };
-        }
-        self.n_used += slots.len();
-        Ok(slots)
+            None => None,
+        };
+        Ok(Slots { full, window })
     }
 
     /// Frees the cells just claimed (used when a computation fails).
-    pub fn release(&mut self, slots: &[i64]) {
-        for &slot in slots {
-            if let Some(cell) = self.cells.get_mut(slot as usize) {
-                if cell.pos >= 0 {
-                    *cell = FREE;
-                    self.n_used -= 1;
-                }
-            }
+    pub fn release(&mut self, slots: &Slots) {
+        self.full.release(&slots.full);
+        if let (Some(cells), Some(window)) = (self.window_cells.as_mut(), &slots.window) {
+            cells.release(window);
         }
     }
 
     /// How many cells attention must look at: past the last used cell, padded.
     pub fn n_kv(&self) -> usize {
-        let last = self.cells.iter().rposition(|c| c.pos >= 0).map_or(0, |i| i + 1);
-        pad_cells(last, self.cells.len())
+        self.full.span(None).end
     }
 
     /// How the rows of a batch attend: one span per run of consecutive rows of the
@@ -322,49 +544,42 @@ impl KvCache {
     /// 1024-cell regions: 38-43 tok/s over all cells, 40-50 over its own, qwen2 0.5B),
     /// and a sequence attends over the same cells alone or in any batch.
     pub fn attention_spans(&self, seq_ids: &[u32]) -> Vec<AttnSpan> {
-        if self.region == 0 {
-            return vec![AttnSpan {
-                rows: 0..seq_ids.len(),
-                cells: 0..self.n_kv(),
-            }];
+        let span = |rows: Range<usize>, seq: Option<u32>| {
+            let cells = self.full.span(seq);
+            let window_cells = self.window_cells.as_ref().map_or(cells.clone(), |w| w.span(seq));
+            AttnSpan {
+                rows,
+                cells,
+                window_cells,
+            }
+        };
+        if self.full.region == 0 {
+            return vec![span(0..seq_ids.len(), None)];
         }
         let mut spans: Vec<AttnSpan> = Vec::new();
         for (row, &seq) in seq_ids.iter().enumerate() {
             match spans.last_mut() {
-                Some(span) if seq_ids[span.rows.start] == seq => span.rows.end = row + 1,
-                _ => {
-                    let start = seq as usize * self.region;
-                    let region = &self.cells[start..start + self.region];
-                    let last = region.iter().rposition(|c| c.pos >= 0).map_or(0, |i| i + 1);
-                    spans.push(AttnSpan {
-                        rows: row..row + 1,
-                        cells: start..start + pad_cells(last, self.region),
-                    });
-                }
+                Some(last) if seq_ids[last.rows.start] == seq => last.rows.end = row + 1,
+                _ => spans.push(span(row..row + 1, Some(seq))),
             }
         }
         spans
     }
 
     /// The attention mask `[cells.len(), n_tokens]` (f16 bits) of the tokens of
-    /// `seq_ids` at `positions` over `cells`: a token sees the cells of its own
-    /// sequence at positions not after its own, and, with a `window`, only those the
-    /// window shows it (the last `n` positions, or those of its own chunk).
+    /// `seq_ids` at `positions` over `cells` of the full-attention layers' cache: a
+    /// token sees the cells of its own sequence at positions not after its own, and,
+    /// with a `window`, only those the window shows it (the last `n` positions, or
+    /// those of its own chunk).
     pub fn mask(&self, seq_ids: &[u32], positions: &[i32], cells: Range<usize>, window: Option<Window>) -> Vec<u16> {
-        let n_kv = cells.len();
-        let mut mask = vec![MASK_DROP; n_kv * seq_ids.len()];
-        for (row, (&seq, &pos)) in mask.chunks_exact_mut(n_kv).zip(seq_ids.iter().zip(positions)) {
-            for (value, cell) in row.iter_mut().zip(&self.cells[cells.clone()]) {
-                let visible = cell.pos >= 0
-                    && cell.seq == seq
-                    && cell.pos <= pos
-                    && window.is_none_or(|w| !w.hides(pos, cell.pos));
-                if visible {
-                    *value = MASK_KEEP;
-                }
-            }
-        }
-        mask
+        self.full.mask(seq_ids, positions, cells, window)
+    }
+
+    /// The sliding-window layers' mask (as [`KvCache::mask`] with the model's window)
+    /// over `cells` of their cache (an [`AttnSpan::window_cells`]).
+    pub fn window_mask(&self, seq_ids: &[u32], positions: &[i32], cells: Range<usize>) -> Vec<u16> {
+        let set = self.window_cells.as_ref().unwrap_or(&self.full);
+        set.mask(seq_ids, positions, cells, self.window)
     }
 
     /// Forgets every token of `seq`.
@@ -372,14 +587,26 @@ impl KvCache {
         self.truncate_seq(seq, 0);
     }
 
-    /// Keeps only the tokens of `seq` at positions below `len`.
+    /// Keeps only the tokens of `seq` at positions below `len`. A sequence whose
+    /// sliding-window cells overwrote what position `len` sees cannot continue from
+    /// there (its next claim says so); it continues after any cut of at most
+    /// [`KvCache::window_slack`] positions.
     pub fn truncate_seq(&mut self, seq: u32, len: usize) {
-        for cell in &mut self.cells {
-            if cell.pos >= 0 && cell.seq == seq && cell.pos as usize >= len {
-                *cell = FREE;
-                self.n_used -= 1;
-            }
+        self.full.truncate_seq(seq, len);
+        if let Some(cells) = self.window_cells.as_mut() {
+            cells.truncate_seq(seq, len);
         }
+    }
+
+    /// How many positions a sequence may always be cut back by and continue: a batch
+    /// of up to `n_ubatch` rows past its window, the slack of its sliding-window
+    /// cells (`None`: any cut, the cache keeps every token).
+    pub fn window_slack(&self) -> Option<usize> {
+        let (cells, window) = (self.window_cells.as_ref()?, self.window?);
+        let n = match window {
+            Window::Sliding(n) | Window::Chunked(n) => n,
+        };
+        Some(cells.region.saturating_sub(n) + 1)
     }
 }
 
@@ -456,7 +683,7 @@ mod tests {
     fn claims_masks_and_truncates() {
         let mut kv = KvCache::new(&tiny(), 0..2, 8, 0).unwrap();
         let slots = kv.claim(&[0, 0, 1], &[0, 1, 0]).unwrap();
-        assert_eq!(slots, vec![0, 1, 2]);
+        assert_eq!(slots.full, vec![0, 1, 2]);
         assert_eq!(kv.n_kv(), 8);
         let mask = kv.mask(&[0, 1], &[1, 0], 0..4, None);
         assert_eq!(&mask[..4], &[MASK_KEEP, MASK_KEEP, MASK_DROP, MASK_DROP]);
@@ -465,7 +692,7 @@ mod tests {
         assert_eq!(&swa, &[MASK_DROP, MASK_KEEP, MASK_DROP, MASK_DROP]);
         kv.truncate_seq(0, 1);
         assert_eq!(kv.seq_len(0), 1);
-        assert_eq!(kv.claim(&[0], &[1]).unwrap(), vec![1]);
+        assert_eq!(kv.claim(&[0], &[1]).unwrap().full, vec![1]);
         kv.clear_seq(0);
         kv.clear_seq(1);
         assert_eq!(kv.n_used(), 0);
@@ -508,7 +735,7 @@ mod tests {
             k: CacheType::F32,
             v: CacheType::Q8_0,
         };
-        let err = KvCache::new_in(&tiny(), 0..2, 8, 0, types, None)
+        let err = KvCache::new_in(&tiny(), 0..2, 8, 0, 8, types, None)
             .err()
             .unwrap()
             .to_string();
@@ -517,7 +744,7 @@ mod tests {
             "bad stage configuration: --cache-type-v q8_0 stores blocks of 32 values, which do not divide this \
              model's head size 4"
         );
-        let kv = KvCache::new_in(&tiny(), 0..2, 8, 0, KvTypes::both(CacheType::Bf16), None).unwrap();
+        let kv = KvCache::new_in(&tiny(), 0..2, 8, 0, 8, KvTypes::both(CacheType::Bf16), None).unwrap();
         assert_eq!(
             kv.bytes(),
             2 * 2 * 8 * 4 * 2,
@@ -563,7 +790,11 @@ mod tests {
         let positions: Vec<i32> = (0..300).collect();
         kv.claim(&[1; 300], &positions).unwrap();
         kv.claim(&[0, 0], &[0, 1]).unwrap();
-        let span = |rows, cells| AttnSpan { rows, cells };
+        let span = |rows, cells: Range<usize>| AttnSpan {
+            rows,
+            window_cells: cells.clone(),
+            cells,
+        };
         assert_eq!(
             kv.attention_spans(&[0, 0, 1, 1, 0]),
             vec![span(0..2, 0..256), span(2..4, 1024..1536), span(4..5, 0..256)]
@@ -575,11 +806,11 @@ mod tests {
     #[test]
     fn sequences_with_regions_keep_their_cells_in_position_order() {
         let mut kv = KvCache::new(&tiny(), 0..1, 8, 2).unwrap();
-        assert_eq!(kv.claim(&[1, 0, 1], &[0, 0, 1]).unwrap(), vec![4, 0, 5]);
-        assert_eq!(kv.claim(&[0], &[1]).unwrap(), vec![1]);
+        assert_eq!(kv.claim(&[1, 0, 1], &[0, 0, 1]).unwrap().full, vec![4, 0, 5]);
+        assert_eq!(kv.claim(&[0], &[1]).unwrap().full, vec![1]);
         kv.truncate_seq(1, 1);
         assert_eq!(kv.n_used(), 3);
-        assert_eq!(kv.claim(&[1], &[1]).unwrap(), vec![5]);
+        assert_eq!(kv.claim(&[1], &[1]).unwrap().full, vec![5]);
         let err = kv.claim(&[2], &[0]).unwrap_err().to_string();
         assert!(err.contains("out of range"), "{err}");
         let err = kv.claim(&[0], &[4]).unwrap_err().to_string();
@@ -587,5 +818,124 @@ mod tests {
         let err = kv.claim(&[0], &[1]).unwrap_err().to_string();
         assert!(err.contains("already holds position 1"), "{err}");
         assert_eq!(kv.n_used(), 4, "failed claims change nothing");
+    }
+
+    /// `tiny` with a window of 4 on layer 0; layer 1 attends to everything.
+    fn tiny_swa() -> HParams {
+        HParams {
+            n_swa: 4,
+            swa_layers: vec![true, false],
+            ..tiny()
+        }
+    }
+
+    /// Claims `positions` of `seq` in batches of `n_rows`; returns the window cells.
+    fn run(kv: &mut KvCache, seq: u32, positions: Range<i32>, n_rows: usize) -> Vec<i64> {
+        let positions: Vec<i32> = positions.collect();
+        let mut cells = Vec::new();
+        for batch in positions.chunks(n_rows) {
+            let slots = kv.claim(&vec![seq; batch.len()], batch).unwrap();
+            cells.extend(slots.window.unwrap());
+        }
+        cells
+    }
+
+    /// Sliding-window layers keep the window and one batch per sequence (padded to
+    /// 256), position `p` in cell `p mod 256` of the sequence's region, as llama.cpp's
+    /// sliding-window cache places a sequence's tokens; full layers keep every token.
+    #[test]
+    fn window_layers_keep_a_window_sized_region_per_sequence() {
+        let mut kv = KvCache::new_in(&tiny_swa(), 0..2, 2048, 2, 8, KvTypes::default(), None).unwrap();
+        assert_eq!(kv.window_capacity(), Some(2 * 256));
+        assert_eq!(
+            kv.bytes(),
+            2 * 8 * (2 * 256 + 2048),
+            "keys and values of 4 f16: layer 0's 512 cells, layer 1's 2048"
+        );
+        let cells = run(&mut kv, 1, 0..300, 8);
+        let expected: Vec<i64> = (0..300).map(|p| 256 + p % 256).collect();
+        assert_eq!(cells, expected);
+        assert_eq!(kv.seq_len(1), 300, "the full layers keep every token");
+        let spans = kv.attention_spans(&[1]);
+        assert_eq!(
+            (spans[0].cells.clone(), spans[0].window_cells.clone()),
+            (1024..1536, 256..512)
+        );
+        // Position 299 sees 296..=299, in cells 40..=43 of its region.
+        let mask = kv.window_mask(&[1], &[299], 256..512);
+        let seen: Vec<usize> = (0..256).filter(|&c| mask[c] == MASK_KEEP).collect();
+        assert_eq!(seen, vec![40, 41, 42, 43]);
+        // Sequence 0 is untouched by sequence 1.
+        assert_eq!(kv.attention_spans(&[0])[0].window_cells, 0..256);
+    }
+
+    /// A batch may carry the region's cells less the window's, plus one: the rows
+    /// after that would overwrite what the batch's first row still sees.
+    #[test]
+    fn window_cells_refuse_a_batch_that_would_overwrite_what_it_sees() {
+        let mut kv = KvCache::new_in(&tiny_swa(), 0..2, 2048, 2, 8, KvTypes::default(), None).unwrap();
+        run(&mut kv, 0, 0..256, 64);
+        let too_many: Vec<i32> = (256..256 + 254).collect();
+        let err = kv.claim(&[0; 254], &too_many).unwrap_err().to_string();
+        assert!(err.contains("rows 256..=509 in one batch are more than"), "{err}");
+        assert_eq!(kv.n_used(), 256, "a refused claim changes nothing");
+        assert_eq!(kv.window_slack(), Some(253));
+        kv.claim(&[0; 253], &too_many[..253]).unwrap();
+    }
+
+    /// A sequence cut back within the slack continues in the cells a fresh run uses;
+    /// cut back further, its next claim says to recompute it, and it can from 0.
+    #[test]
+    fn window_cells_continue_after_short_cuts_and_refuse_long_ones() {
+        let mut kv = KvCache::new_in(&tiny_swa(), 0..2, 2048, 2, 8, KvTypes::default(), None).unwrap();
+        run(&mut kv, 0, 0..600, 8);
+        // Positions 344..=599 remain; 400 sees 397..=399.
+        kv.truncate_seq(0, 400);
+        assert_eq!(run(&mut kv, 0, 400..402, 2), vec![400 % 256, 401 % 256]);
+        assert_eq!(kv.attention_spans(&[0])[0].window_cells, 0..256);
+        kv.truncate_seq(0, 340);
+        let err = kv.claim(&[0], &[340]).unwrap_err().to_string();
+        assert!(
+            err.contains("cannot continue at position 340") && err.contains("positions 337..=339"),
+            "{err}"
+        );
+        kv.clear_seq(0);
+        assert_eq!(run(&mut kv, 0, 0..3, 3), vec![0, 1, 2]);
+        assert_eq!(kv.attention_spans(&[0])[0].window_cells, 0..256);
+    }
+
+    /// Without regions (sequences sharing every cell), window layers keep a cell for
+    /// every token, as before.
+    #[test]
+    fn window_layers_without_regions_keep_every_token() {
+        let mut kv = KvCache::new_in(&tiny_swa(), 0..2, 512, 0, 8, KvTypes::default(), None).unwrap();
+        assert_eq!(kv.window_capacity(), None);
+        assert_eq!(kv.bytes(), 2 * 8 * 2 * 512);
+        assert_eq!(kv.claim(&[0], &[0]).unwrap().window, None);
+    }
+
+    /// Llama 4's chunks in a window cache: a row at the start of a chunk sees nothing
+    /// before it, so a sequence may be cut back to a chunk start whatever was
+    /// overwritten; inside a chunk, only while the chunk's earlier positions remain.
+    #[test]
+    fn chunked_window_cells_continue_from_chunk_starts() {
+        let hp = HParams {
+            n_swa: 200,
+            swa_type: crate::hparams::SwaType::Chunked,
+            ..tiny_swa()
+        };
+        let mut kv = KvCache::new_in(&hp, 0..2, 4096, 1, 56, KvTypes::default(), None).unwrap();
+        assert_eq!(kv.window_capacity(), Some(256), "200 + 56 cells");
+        let cells = run(&mut kv, 0, 0..900, 8);
+        assert!(cells.iter().enumerate().all(|(p, &c)| c == (p % 256) as i64));
+        // Positions 644..=899 remain; 610 would see 600..=609, overwritten.
+        kv.truncate_seq(0, 610);
+        let err = kv.claim(&[0], &[610]).unwrap_err().to_string();
+        assert!(err.contains("positions 600..=609"), "{err}");
+        kv.truncate_seq(0, 600);
+        assert_eq!(run(&mut kv, 0, 600..610, 5), (88..98).collect::<Vec<i64>>());
+        let mask = kv.window_mask(&[0], &[609], 0..256);
+        let seen: Vec<usize> = (0..256).filter(|&c| mask[c] == MASK_KEEP).collect();
+        assert_eq!(seen, (88..98).collect::<Vec<usize>>(), "its own chunk only");
     }
 }

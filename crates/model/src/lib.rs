@@ -31,7 +31,7 @@ pub use cache_type::{CacheType, KvTypes, UnknownCacheType};
 pub use chain::StageChain;
 pub use group::StageGroup;
 pub use hparams::{AttnTemp, HParams, Indexer, Keys, KimiK3, Mla, Ssm, SsmKind, SwaType, TpHeads, Window, Yarn};
-pub use kv::{AttnSpan, KvCache};
+pub use kv::{AttnSpan, KvCache, Slots, DEFAULT_UBATCH};
 pub use names::{EndTensor, LayerTensor};
 pub use pool::mean_rows;
 pub use recurrent::{RecurrentCache, StateRun, CHECKPOINTS, KEPT_STATES};

@@ -8,7 +8,7 @@ use baton_ggml::{Context, DType, Device, GraphId, HostOp, Tensor, TensorId};
 use crate::arch::{Builder, Gather, SpanInputs, StateRunInputs, StepInputs, TpOps};
 use crate::cache_type::KvTypes;
 use crate::hparams::HParams;
-use crate::kv::{AttnSpan, KvCache};
+use crate::kv::{AttnSpan, KvCache, Slots};
 use crate::recurrent::{RecurrentCache, StateRun};
 use crate::runner::Runner;
 use crate::tp::{Collective, CollectiveError, TpSplit};
@@ -30,6 +30,10 @@ pub struct StageConfig {
     pub n_seq: usize,
     /// Element types of the cached keys and values (recurrent states stay f32).
     pub kv_types: KvTypes,
+    /// Most rows of one sequence in one batch; with `n_seq > 0` it sizes the
+    /// sliding-window layers' caches (see [`HParams::window_cells`]), which refuse
+    /// batches of more.
+    pub n_ubatch: usize,
 }
 
 impl StageConfig {
@@ -41,6 +45,7 @@ impl StageConfig {
             repack: true,
             n_seq: 0,
             kv_types: KvTypes::default(),
+            n_ubatch: crate::kv::DEFAULT_UBATCH,
         }
     }
 }
@@ -317,6 +322,7 @@ impl Stage {
             span.layers.clone(),
             config.n_ctx,
             config.n_seq,
+            config.n_ubatch,
             config.kv_types,
             own,
         )?;
@@ -505,7 +511,7 @@ impl Stage {
     fn compute(
         &mut self,
         batch: &Batch<'_>,
-        slots: &[i64],
+        slots: &Slots,
         runs: &[StateRun],
         normed: bool,
     ) -> Result<StageOutput, ModelError> {
@@ -516,7 +522,10 @@ impl Stage {
             tokens: matches!(batch.input, StageInput::Tokens(_)),
             n_tokens,
             decode_rows,
-            spans: spans.iter().map(|s| (s.rows.clone(), s.cells.clone())).collect(),
+            spans: spans
+                .iter()
+                .map(|s| (s.rows.clone(), s.cells.clone(), s.window_cells.clone()))
+                .collect(),
             logit_rows: batch.logit_rows.len(),
             normed: normed && self.span.last && !batch.logit_rows.is_empty(),
             state_runs: runs.iter().map(|r| r.rows.clone()).collect(),
@@ -592,9 +601,15 @@ impl Stage {
         let ctx: &Context = ctx;
 
         let want_logits = self.span.last && key.logit_rows > 0;
-        let (inputs, input) = new_inputs(ctx, hp, &self.span, &key, spans);
-        let (positions, kv_slots, out_rows, attn_temp) =
-            (inputs.positions, inputs.kv_slots, inputs.out_rows, inputs.attn_temp);
+        let window_cache = self.kv.window_capacity().is_some();
+        let (inputs, input) = new_inputs(ctx, hp, &self.span, &key, spans, window_cache);
+        let (positions, kv_slots, kv_slots_swa, out_rows, attn_temp) = (
+            inputs.positions,
+            inputs.kv_slots,
+            inputs.kv_slots_swa,
+            inputs.out_rows,
+            inputs.attn_temp,
+        );
         let mut b = Builder {
             ctx,
             graph: ctx.new_graph(),
@@ -646,6 +661,7 @@ impl Stage {
             graph: ctx.graph_id(&graph),
             positions: ctx.id_of(positions),
             kv_slots: ctx.id_of(kv_slots),
+            kv_slots_swa: kv_slots_swa.map(|t| ctx.id_of(t)),
             masks: spans
                 .iter()
                 .map(|s| (s.mask.map(|m| ctx.id_of(m)), s.mask_swa.map(|m| ctx.id_of(m))))
@@ -665,7 +681,7 @@ impl Stage {
 
     /// Writes `batch` (and the cache cells `slots` it goes to) into the inputs of the
     /// step graph built for its shape.
-    fn write_inputs(&self, batch: &Batch<'_>, slots: &[i64], runs: &[StateRun]) -> Result<(), ModelError> {
+    fn write_inputs(&self, batch: &Batch<'_>, slots: &Slots, runs: &[StateRun]) -> Result<(), ModelError> {
         let hp = &self.hp;
         let ctx = self.step_ctx.as_ref().expect("built before its inputs are written");
         let step = self.step.as_ref().expect("built before its inputs are written");
@@ -687,15 +703,18 @@ impl Stage {
             tensor(targets).write(&run.targets)?;
         }
         if kv_slots.has_data() {
-            kv_slots.write(slots)?;
+            kv_slots.write(&slots.full)?;
         }
-        for ((rows, cells), (mask, mask_swa)) in step.key.spans.iter().zip(&step.masks) {
+        if let (Some(t), Some(window)) = (step.kv_slots_swa.map(tensor).filter(Tensor::has_data), &slots.window) {
+            t.write(window)?;
+        }
+        for ((rows, cells, window_cells), (mask, mask_swa)) in step.key.spans.iter().zip(&step.masks) {
             let (seq_ids, positions) = (&batch.seq_ids[rows.clone()], &batch.positions[rows.clone()]);
             if let Some(m) = mask.map(tensor).filter(Tensor::has_data) {
                 m.write(&self.kv.mask(seq_ids, positions, cells.clone(), None))?;
             }
             if let Some(m) = mask_swa.map(tensor).filter(Tensor::has_data) {
-                m.write(&self.kv.mask(seq_ids, positions, cells.clone(), Some(hp.window())))?;
+                m.write(&self.kv.window_mask(seq_ids, positions, window_cells.clone()))?;
             }
         }
         if let (Some(t), Some(temp)) = (step.attn_temp.map(tensor).filter(Tensor::has_data), &hp.attn_temp) {
@@ -734,6 +753,7 @@ fn new_inputs<'g>(
     span: &StageSpan,
     key: &StepKey,
     spans: Vec<AttnSpan>,
+    window_cache: bool,
 ) -> (StepInputs<'g>, StepInput<'g>) {
     let n_tokens = key.n_tokens as i64;
     let input = |dtype: DType, shape: &[i64], name: &str| ctx.new_tensor(dtype, shape).named(name).set_input();
@@ -743,15 +763,16 @@ fn new_inputs<'g>(
     // in the graph gets no memory).
     let has_swa = span.layers.clone().any(|l| hp.is_swa(l));
     let has_full = span.layers.clone().any(|l| !hp.is_swa(l));
-    let new_mask = |span: &AttnSpan, name: &str| {
-        let shape = [span.cells.len() as i64, span.rows.len() as i64];
-        input(DType::F16, &shape, &format!("{name}-{}", span.rows.start))
+    let kv_slots_swa = (has_swa && window_cache).then(|| input(DType::I64, &[n_tokens], "kv_slots_swa"));
+    let new_mask = |rows: &std::ops::Range<usize>, cells: &std::ops::Range<usize>, name: &str| {
+        let shape = [cells.len() as i64, rows.len() as i64];
+        input(DType::F16, &shape, &format!("{name}-{}", rows.start))
     };
     let spans: Vec<SpanInputs> = spans
         .into_iter()
         .map(|span| SpanInputs {
-            mask: has_full.then(|| new_mask(&span, "kq_mask")),
-            mask_swa: has_swa.then(|| new_mask(&span, "kq_mask_swa")),
+            mask: has_full.then(|| new_mask(&span.rows, &span.cells, "kq_mask")),
+            mask_swa: has_swa.then(|| new_mask(&span.rows, &span.window_cells, "kq_mask_swa")),
             span,
         })
         .collect();
@@ -783,6 +804,7 @@ fn new_inputs<'g>(
         positions,
         state_runs,
         kv_slots,
+        kv_slots_swa,
         spans,
         out_rows,
         attn_temp,
@@ -799,8 +821,8 @@ struct StepKey {
     tokens: bool,
     n_tokens: usize,
     decode_rows: bool,
-    /// Rows and cells of each attention span.
-    spans: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>,
+    /// Rows, cells and sliding-window cells of each attention span.
+    spans: Vec<(std::ops::Range<usize>, std::ops::Range<usize>, std::ops::Range<usize>)>,
     /// Rows that need logits (or normed rows).
     logit_rows: usize,
     /// The output rows are the output norm's, not logits ([`LogitReply::Normed`]).
@@ -815,6 +837,7 @@ struct StepGraph {
     graph: GraphId,
     positions: TensorId,
     kv_slots: TensorId,
+    kv_slots_swa: Option<TensorId>,
     /// `(mask, sliding-window mask)` of each span of `key.spans`.
     masks: Vec<(Option<TensorId>, Option<TensorId>)>,
     out_rows: Option<TensorId>,

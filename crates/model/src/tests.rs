@@ -554,8 +554,9 @@ fn gemma4_layers_of_each_kind_have_their_own_heads() {
     let file = open("kv-gemma4.gguf", &tiny_model("gemma4", |w| w)).unwrap();
     let hp = file.hparams().clone();
     let (swa, global) = ((2 * (2 * 8) * 2 * n_ctx) as u64, (2 * 32 * 2 * n_ctx) as u64);
+    // Sequences sharing every cell (as the stage below): a cell per token everywhere.
     let per_layer: Vec<u64> = (0..N_LAYER)
-        .map(|l| hp.layer_cache_bytes(l, n_ctx, 1, Default::default()))
+        .map(|l| hp.layer_cache_bytes(l, n_ctx, 0, Default::default()))
         .collect();
     assert_eq!(per_layer, [swa, global, swa]);
     let span = StageSpan {

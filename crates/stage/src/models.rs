@@ -262,6 +262,7 @@ pub fn check_tensor_name(name: &str) -> Result<(), NodeError> {
 }
 
 /// A worker's view of its models directory.
+#[derive(Clone)]
 pub struct ModelDir {
     root: PathBuf,
 }
@@ -435,10 +436,11 @@ impl ModelDir {
             );
         }
         let temp = path.with_extension(format!("gguf.{}.tmp", std::process::id()));
+        // Not synced here: the first sync of received data (before any record names it)
+        // takes the header with it, and a header lost in a crash is written again above.
         let made = create_state(&temp).and_then(|file| {
             file.set_len(size)?;
             file.write_all_at(header, 0)?;
-            file.sync_all()?;
             Ok(file)
         });
         let file = match made {

@@ -23,8 +23,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 use baton_gguf::Gguf;
@@ -47,13 +46,65 @@ const RECORD_EVERY: u64 = 64 << 20;
 /// What a worker received: the sparse file, the tensor bytes that crossed the wire,
 /// and every tensor of the head's list now in the file and verified.
 pub struct Received {
-    /// The sparse copy.
-    pub path: PathBuf,
+    /// The sparse copy, opened (its index read while the tensors arrived).
+    pub model: Result<Arc<ModelFile>, NodeError>,
     /// Tensor bytes received now.
     pub bytes: u64,
     /// Names of the tensors verified in the file (received now, or recorded before and
     /// hashed again).
     pub verified: BTreeSet<String>,
+    /// The last record of what was received, still being written.
+    pub recording: Recording,
+}
+
+/// Syncs the copy's data and then writes the record of verified tensors, on a thread of
+/// its own: the links are read on while the disk catches up, and a record never names
+/// data that is not synced. Each map sent is a record to write (only the latest of those
+/// waiting is written); closing the sender ends the thread after the last. It holds the
+/// copy's lock until then.
+fn start_recorder(
+    models: &ModelDir,
+    identity: [u8; 32],
+    path: &std::path::Path,
+    file: &std::fs::File,
+    lock: std::fs::File,
+) -> Result<(mpsc::Sender<BTreeMap<String, CachedTensor>>, Recording), NodeError> {
+    let (tx, rx) = mpsc::channel::<BTreeMap<String, CachedTensor>>();
+    let (models, path) = (models.clone(), path.to_path_buf());
+    let file = file.try_clone().map_err(|e| file_error(&path, "open", e))?;
+    let thread = std::thread::Builder::new()
+        .name("record".into())
+        .spawn(move || {
+            let _lock = lock;
+            while let Ok(mut have) = rx.recv() {
+                while let Ok(newer) = rx.try_recv() {
+                    have = newer;
+                }
+                file.sync_data().map_err(|e| file_error(&path, "sync", e))?;
+                models.record_partial(&identity, &have)?;
+            }
+            Ok(())
+        })
+        .map_err(|e| NodeError::Protocol(format!("cannot start the thread recording received tensors: {e}")))?;
+    Ok((tx, Recording(Some(thread))))
+}
+
+/// The thread writing the last record of received tensors.
+pub struct Recording(Option<std::thread::JoinHandle<Result<(), NodeError>>>);
+
+impl Recording {
+    /// Waits until the received data is synced and recorded (at once when it was
+    /// waited for before).
+    pub fn wait(&mut self) -> Result<(), NodeError> {
+        match self.0.take() {
+            Some(thread) => thread.join().unwrap_or_else(|_| {
+                Err(NodeError::Protocol(
+                    "the thread recording received tensors panicked".into(),
+                ))
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Dials a worker that holds the model, for a fetch ([`Role::Fetch`](baton_proto::Role)).
@@ -76,6 +127,23 @@ pub fn receive_stage_tensors(
             )))
         }
     };
+    // One worker at a time receives into a copy (workers may share the directory).
+    let lock = models.lock_partial(&model.identity)?;
+    let path = models.partial_path(&model.identity);
+    let recorded = models.partial_tensors(&model.identity);
+    let answer = |link: &mut dyn Link, missing: &[TensorEntry]| {
+        link.send(Message::StreamStart {
+            header: Vec::new(),
+            tensors: missing.to_vec(),
+        })
+    };
+    // Nothing recorded, nothing to reuse: the head hears so at once, and the header is
+    // checked and the copy made while the first chunks are on their way (none is
+    // written before).
+    let early = recorded.is_empty();
+    if early {
+        answer(link, &entries)?;
+    }
     if identity_hash(&header) != model.identity {
         return Err(NodeError::Protocol(
             "the streamed header does not match the model's identity".into(),
@@ -83,41 +151,15 @@ pub fn receive_stage_tensors(
     }
     let index = read_index(&header, model.size)?;
     check_entries(&index, &entries)?;
-
-    // One worker at a time receives into a copy (workers may share the directory).
-    let _lock = models.lock_partial(&model.identity)?;
-    let path = models.partial_path(&model.identity);
     let file = models.open_partial(&model.identity, model.size, &header)?;
-
-    // What the record says was received, checked against the head's list and hashed
-    // again: a tensor damaged on disk, or recorded with another hash, is sent again.
-    let recorded = models.partial_tensors(&model.identity);
-    let mut have: BTreeMap<String, CachedTensor> = BTreeMap::new();
-    let mut verified = BTreeSet::new();
-    let mut missing = Vec::new();
-    for entry in &entries {
-        let reusable = recorded.get(&entry.name) == Some(&cached(entry))
-            && hash_range(&file, entry.offset, entry.len).map_err(|e| file_error(&path, "read", e))? == entry.sha256;
-        if reusable {
-            have.insert(entry.name.clone(), cached(entry));
-            verified.insert(entry.name.clone());
-        } else {
-            missing.push(entry.clone());
+    let (have, verified, missing) = match early {
+        true => (BTreeMap::new(), BTreeSet::new(), entries.clone()),
+        false => {
+            let reused = reusable(models, &model.identity, &path, &file, &entries, recorded)?;
+            answer(link, &reused.2)?;
+            reused
         }
-    }
-    // Tensors of other stages keep their records (each is checked when reused).
-    for (name, tensor) in recorded {
-        have.entry(name).or_insert(tensor);
-    }
-    for entry in &missing {
-        have.remove(&entry.name);
-    }
-    models.record_partial(&model.identity, &have)?;
-    link.send(Message::StreamStart {
-        header: Vec::new(),
-        tensors: missing.clone(),
-    })?;
-
+    };
     // Before its first chunk the head may name peers that hold the file, each with the
     // tensors to fetch from it; the head sends the rest (when nothing is left for it,
     // nothing more comes from it).
@@ -157,9 +199,9 @@ pub fn receive_stage_tensors(
         .filter(|e| !fetches.iter().flat_map(|(_, w)| w).any(|w| w.name == e.name))
         .collect();
 
+    let (recorder, recording) = start_recorder(models, model.identity, &path, &file, lock)?;
     let sink = Sink {
-        models,
-        identity: model.identity,
+        recorder: Mutex::new(recorder),
         path: &path,
         file: &file,
         progress: Mutex::new(Progress {
@@ -172,7 +214,9 @@ pub fn receive_stage_tensors(
         have: Mutex::new(have),
         verified: Mutex::new(verified),
     };
-    std::thread::scope(|scope| {
+    let (opened, received) = std::thread::scope(|scope| {
+        // The copy's header is on disk: its index is read while the tensors arrive.
+        let opened = scope.spawn(|| ModelFile::open(&path));
         let peers: Vec<_> = fetches
             .iter()
             .map(|(peer, wanted)| {
@@ -189,28 +233,77 @@ pub fn receive_stage_tensors(
         };
         let position = |entry: &TensorEntry| entries.iter().position(|e| e.name == entry.name);
         let from_head = receive_chunks(&mut next, &from_head, position, &sink);
-        peers
+        let received = peers
             .into_iter()
             .map(|thread| {
                 thread
                     .join()
                     .unwrap_or_else(|_| Err(NodeError::Protocol("a fetch thread panicked".into())))
             })
-            .fold(from_head, |all, one| all.and(one))
-    })?;
-    file.sync_data().map_err(|e| file_error(&path, "sync", e))?;
+            .fold(from_head, |all, one| all.and(one));
+        (opened.join(), received)
+    });
+    received?;
+    let model_file = opened
+        .map_err(|_| NodeError::Protocol("reading the copy's index panicked".into()))
+        .and_then(|opened| opened.map_err(NodeError::from));
+    // The last record: written while the stage loads (`Recording::wait`).
     let have = sink.have.into_inner().unwrap_or_else(|p| p.into_inner());
-    models.record_partial(&model.identity, &have)?;
+    let recorder = sink.recorder.into_inner().unwrap_or_else(|p| p.into_inner());
+    let _ = recorder.send(have);
+    drop(recorder);
     let progress = sink.progress.into_inner().unwrap_or_else(|p| p.into_inner());
     let verified = sink.verified.into_inner().unwrap_or_else(|p| p.into_inner());
     if progress.total > 0 {
         log_progress(progress.received, progress.total, progress.started);
     }
     Ok(Received {
-        path,
+        model: model_file,
         bytes: progress.received,
         verified,
+        recording,
     })
+}
+
+/// The tensors to keep recorded, those verified, and those missing.
+type Reusable = (BTreeMap<String, CachedTensor>, BTreeSet<String>, Vec<TensorEntry>);
+
+/// What of the recorded tensors can be reused: each listed by the head, recorded with
+/// the head's hash, and hashing to it again (a tensor damaged on disk, or recorded with
+/// another hash, is sent again). The record loses the missing ones now.
+fn reusable(
+    models: &ModelDir,
+    identity: &[u8; 32],
+    path: &std::path::Path,
+    file: &std::fs::File,
+    entries: &[TensorEntry],
+    recorded: BTreeMap<String, CachedTensor>,
+) -> Result<Reusable, NodeError> {
+    let mut have: BTreeMap<String, CachedTensor> = BTreeMap::new();
+    let mut verified = BTreeSet::new();
+    let mut missing = Vec::new();
+    for entry in entries {
+        let reusable = recorded.get(&entry.name) == Some(&cached(entry))
+            && hash_range(file, entry.offset, entry.len).map_err(|e| file_error(path, "read", e))? == entry.sha256;
+        if reusable {
+            have.insert(entry.name.clone(), cached(entry));
+            verified.insert(entry.name.clone());
+        } else {
+            missing.push(entry.clone());
+        }
+    }
+    // Tensors of other stages keep their records (each is checked when reused).
+    for (name, tensor) in recorded {
+        have.entry(name).or_insert(tensor);
+    }
+    let mut changed = false;
+    for entry in &missing {
+        changed |= have.remove(&entry.name).is_some();
+    }
+    if changed {
+        models.record_partial(identity, &have)?;
+    }
+    Ok((have, verified, missing))
 }
 
 fn cached(entry: &TensorEntry) -> CachedTensor {
@@ -230,10 +323,9 @@ fn file_error(path: &std::path::Path, action: &'static str, source: std::io::Err
 }
 
 /// Where received tensors go, from any source: the sparse copy, the record of verified
-/// tensors (written every [`RECORD_EVERY`] bytes, after the data is synced), progress.
+/// tensors (handed to the recorder thread every [`RECORD_EVERY`] bytes), progress.
 struct Sink<'a> {
-    models: &'a ModelDir,
-    identity: [u8; 32],
+    recorder: Mutex<mpsc::Sender<BTreeMap<String, CachedTensor>>>,
     path: &'a std::path::Path,
     file: &'a std::fs::File,
     progress: Mutex<Progress>,
@@ -280,8 +372,12 @@ impl Sink<'_> {
             .insert(entry.name.clone());
         let mut progress = self.progress.lock().unwrap_or_else(|p| p.into_inner());
         if progress.unrecorded >= RECORD_EVERY {
-            self.file.sync_data().map_err(|e| file_error(self.path, "sync", e))?;
-            self.models.record_partial(&self.identity, &have)?;
+            // A recorder that stopped has its error waiting in `Recording::wait`.
+            let _ = self
+                .recorder
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .send(have.clone());
             progress.unrecorded = 0;
         }
         Ok(())
@@ -309,9 +405,14 @@ fn receive_chunks(
                     )))
                 }
             };
-            if Some(index as usize) != index_of(entry) || offset != done || done + data.len() as u64 > entry.len {
+            // An empty chunk would let a sender keep a worker busy for ever.
+            if Some(index as usize) != index_of(entry)
+                || offset != done
+                || data.is_empty()
+                || done + data.len() as u64 > entry.len
+            {
                 return Err(NodeError::Protocol(format!(
-                    "out-of-order or oversized chunk for tensor {}",
+                    "out-of-order, empty or oversized chunk for tensor {}",
                     entry.name
                 )));
             }
@@ -484,6 +585,8 @@ mod tests {
     use baton_net::{local_pair, Link, LocalLink};
     use baton_proto::auth::hex;
 
+    use std::path::PathBuf;
+
     use super::*;
 
     /// A small GGUF (two f32 tensors), its identity, and a fresh models directory.
@@ -566,7 +669,10 @@ mod tests {
                 wanted.into_iter().map(|e| e.name).collect()
             });
             let no_peers = |peer: &str| -> Result<Box<dyn Link>, NodeError> { panic!("dialed {peer}") };
-            let result = receive_stage_tensors(&self.models, model, &mut worker, &no_peers);
+            // The record is written before the next stream reads it, as the worker
+            // waits for it before it reports the stage loaded.
+            let result = receive_stage_tensors(&self.models, model, &mut worker, &no_peers)
+                .and_then(|mut got| got.recording.wait().map(|()| got));
             // Wakes the head if the worker gave up before answering.
             worker.closer().unwrap().close();
             (result, head_side.join().unwrap())
@@ -635,7 +741,7 @@ mod tests {
         let received = result.unwrap();
         assert_eq!(asked, ["a", "b"]);
         assert_eq!(received.verified.len(), 2);
-        let copy = std::fs::read(&received.path).unwrap();
+        let copy = std::fs::read(f.models.partial_path(&f.model.identity)).unwrap();
         assert_eq!(copy, f.bytes);
     }
 
@@ -673,7 +779,8 @@ mod tests {
             std::thread::spawn(move || serve_fetch(&ModelDir::new(&dir).unwrap(), &mut theirs));
             Ok(Box::new(mine))
         };
-        let result = receive_stage_tensors(&f.models, &f.model, &mut worker, &dial);
+        let result = receive_stage_tensors(&f.models, &f.model, &mut worker, &dial)
+            .and_then(|mut got| got.recording.wait().map(|()| got));
         worker.closer().unwrap().close();
         head_side.join().unwrap();
         result
@@ -684,7 +791,10 @@ mod tests {
         let f = fixture("fetch", None);
         let received = stream_with_peer(&f, vec![1]).unwrap();
         assert_eq!(received.verified.len(), 2);
-        assert_eq!(std::fs::read(&received.path).unwrap(), f.bytes);
+        assert_eq!(
+            std::fs::read(f.models.partial_path(&f.model.identity)).unwrap(),
+            f.bytes
+        );
         assert_eq!(received.bytes, f.entry("a").len + f.entry("b").len);
 
         // A tensor the worker does not miss, or one out of the list, is refused.
@@ -724,6 +834,42 @@ mod tests {
         assert!(other.contains("no complete copy"), "{other}");
     }
 
+    /// A byte changed on the way fails its tensor's hash, wherever in the stream it
+    /// comes: the worker stops with the tensor's name (the session refuses the head
+    /// with it), and the tensor is never recorded. The record is written on a thread
+    /// of its own; the copy's lock is free once that thread is done.
+    #[test]
+    fn a_tensor_that_fails_its_hash_is_refused_and_never_recorded() {
+        let f = fixture("corrupt", None);
+        let (a, b) = (f.entry("a"), f.entry("b"));
+        let mut bytes = f.bytes.clone();
+        bytes[b.offset as usize + 1] ^= 0x01;
+        let (mut head, mut worker): (LocalLink, LocalLink) = local_pair("worker", "head");
+        let (header, offered) = (f.header(), vec![a.clone(), b.clone()]);
+        let head_side = std::thread::spawn(move || {
+            let wanted = offer(&mut head, header, &offered).unwrap();
+            for (index, entry) in offered.iter().enumerate() {
+                if wanted.iter().any(|w| w.name == entry.name) {
+                    let _ = head.send(Message::TensorChunk {
+                        index: index as u32,
+                        offset: 0,
+                        data: bytes[entry.offset as usize..(entry.offset + entry.len) as usize].to_vec(),
+                    });
+                }
+            }
+        });
+        let no_peers = |peer: &str| -> Result<Box<dyn Link>, NodeError> { panic!("dialed {peer}") };
+        let err = receive_stage_tensors(&f.models, &f.model, &mut worker, &no_peers)
+            .err()
+            .expect("a changed byte is refused")
+            .to_string();
+        worker.closer().unwrap().close();
+        head_side.join().unwrap();
+        assert!(err.contains("tensor b failed verification"), "{err}");
+        let _lock = f.models.lock_partial(&f.model.identity).unwrap();
+        assert!(!f.models.partial_tensors(&f.model.identity).contains_key("b"));
+    }
+
     #[test]
     fn names_with_control_characters_are_refused() {
         let f = fixture("names", None);
@@ -749,7 +895,8 @@ mod tests {
         let f = fixture("reuse", None);
         let (a, b) = (f.entry("a"), f.entry("b"));
         let (result, asked) = f.stream(&f.model, vec![a.clone(), b.clone()]);
-        let path = result.unwrap().path;
+        result.unwrap();
+        let path = f.models.partial_path(&f.model.identity);
         assert_eq!(asked, ["a", "b"]);
         let (result, asked) = f.stream(&f.model, vec![a.clone(), b.clone()]);
         assert!(asked.is_empty(), "nothing is sent twice: {asked:?}");
@@ -797,7 +944,8 @@ mod tests {
         let f = fixture("mapped", Some(8192));
         let (a, b) = (f.entry("a"), f.entry("b"));
         let (result, _) = f.stream(&f.model, vec![a.clone(), b.clone()]);
-        let path = result.unwrap().path;
+        result.unwrap();
+        let path = f.models.partial_path(&f.model.identity);
         let mapped = baton_ggml::MappedFile::open(&path).unwrap();
         assert_eq!(mapped.bytes().len() as u64, f.model.size);
 
@@ -810,8 +958,13 @@ mod tests {
         };
         let (result, asked) = f.stream(&model, vec![a, b]);
         assert_eq!(asked, ["a", "b"], "the replaced copy's record went with it");
-        let received = result.unwrap();
-        assert_eq!(std::fs::metadata(&received.path).unwrap().len(), end);
+        result.unwrap();
+        assert_eq!(
+            std::fs::metadata(f.models.partial_path(&f.model.identity))
+                .unwrap()
+                .len(),
+            end
+        );
         // The old mapping still reads to its end (a cut file would raise SIGBUS here).
         let last = mapped.bytes()[mapped.bytes().len() - 1];
         assert_eq!(last, f.bytes[f.bytes.len() - 1]);

@@ -27,7 +27,7 @@ use baton_net::{
 use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, RefusalCode, Role};
 
 use crate::group::{form_mesh, Arrived, Mesh};
-use crate::receive::{check_stage_complete, receive_stage_tensors, serve_fetch};
+use crate::receive::{check_stage_complete, receive_stage_tensors, serve_fetch, Recording};
 pub(crate) use baton_stage::gate::ConnSlot;
 use baton_stage::gate::{refuse, Admitted, Gate, GateConfig};
 use baton_stage::models::ModelDir;
@@ -561,6 +561,7 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, head: HeadSlot<'_>, local: 
             return Err(e);
         }
     };
+    let (loaded, recording) = loaded;
     let resident = match &loaded {
         Loaded::Ring { stage, .. } => stage.resident_bytes(),
         Loaded::Member { stage, .. } => stage.resident_bytes(),
@@ -579,6 +580,7 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, head: HeadSlot<'_>, local: 
                 resident: stage.resident_bytes(),
                 received,
             })?;
+            finish_recording(recording);
             // Member 0 drives this one until it shuts the group down or goes; the head's
             // control link stays open (the head watches this worker by heartbeat).
             let result = serve_member(*stage, leader);
@@ -621,6 +623,7 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, head: HeadSlot<'_>, local: 
         resident: stage.resident_bytes(),
         received,
     })?;
+    finish_recording(recording);
 
     let worker = StageWorker::new(stage).with_wire_f16(plan.wire_f16);
     let (control_tx, control_rx) = link.split()?;
@@ -729,13 +732,20 @@ enum Loaded {
 /// member's slice of it when the plan places this worker in a tensor-parallel group,
 /// after linking with the group's other members (before any tensor is received: the
 /// head sends every member its plan before it streams to any).
-fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Result<Loaded, NodeError> {
-    let kv_types = plan_kv_types(plan)?;
+/// Also returns, when tensors were received, the thread still recording them.
+fn load(
+    shared: &Shared,
+    plan: &LoadPlan,
+    link: &mut dyn Link,
+    id: u64,
+) -> Result<(Loaded, Option<Recording>), NodeError> {
+    // Refused before anything is received.
+    plan_kv_types(plan)?;
     let mesh = plan.tp.as_ref().map(|place| form_mesh(shared, id, place)).transpose()?;
-    let (path, received, verified) = if plan.stream {
+    let (file, received, verified, recording) = if plan.stream {
         let dial = |peer: &str| shared.dial(peer, Role::Fetch);
         let got = receive_stage_tensors(&shared.models, &plan.model, link, &dial)?;
-        (got.path, got.bytes, Some(got.verified))
+        (got.model?, got.bytes, Some(got.verified), Some(got.recording))
     } else {
         let path = shared
             .models
@@ -747,15 +757,42 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
                     shared.config.models.display()
                 ))
             })?;
-        (path, 0, None)
+        (ModelFile::open(&path)?, 0, None, None)
     };
-    let file = ModelFile::open(&path)?;
+    Ok((
+        build(shared, plan, file, verified.as_ref(), mesh, received, id)?,
+        recording,
+    ))
+}
+
+/// Waits for the record of received tensors (written while the stage was built and
+/// linked: the stage runs from the verified bytes either way). One that could not be
+/// written costs only the next start, which receives those tensors again.
+fn finish_recording(recording: Option<Recording>) {
+    if let Some(Err(e)) = recording.map(|mut recording| recording.wait()) {
+        tracing::warn!("received tensors not recorded, the next start receives them again: {e}");
+    }
+}
+
+/// Builds session `id`'s stage (or the member's slice) from `file`, once `verified`
+/// (the tensors received and verified, when they were streamed) holds every tensor it
+/// reads.
+fn build(
+    shared: &Shared,
+    plan: &LoadPlan,
+    file: Arc<ModelFile>,
+    verified: Option<&std::collections::BTreeSet<String>>,
+    mesh: Option<Mesh>,
+    received: u64,
+    id: u64,
+) -> Result<Loaded, NodeError> {
+    let kv_types = plan_kv_types(plan)?;
     let span = StageSpan {
         layers: plan.layer_start as usize..plan.layer_end as usize,
         first: plan.first,
         last: plan.last,
     };
-    if let Some(verified) = &verified {
+    if let Some(verified) = verified {
         check_stage_complete(&file, &span, verified)?;
     }
     let config = StageConfig {
@@ -764,6 +801,7 @@ fn load(shared: &Shared, plan: &LoadPlan, link: &mut dyn Link, id: u64) -> Resul
         repack: plan.repack,
         n_seq: plan.n_seq as usize,
         kv_types,
+        n_ubatch: baton_model::DEFAULT_UBATCH,
     };
     let devices = baton_stage::or_cpu(&shared.config.devices);
     let offered = shared

@@ -233,17 +233,23 @@ impl<'g> Builder<'g> {
             kv.v = Some(ctx.mul_mat_hadamard(rot, v));
         }
 
-        // Store this batch's keys and values in their cells; expanding the writes now
-        // orders them before the attention that reads the cache.
+        // Store this batch's keys and values in their cells (a sliding-window layer's
+        // in its own cache, when it has one); expanding the writes now orders them
+        // before the attention that reads the cache.
+        let swa = hp.is_swa(layer);
+        let slots = match self.inputs.kv_slots_swa {
+            Some(slots) if swa => slots,
+            _ => self.inputs.kv_slots,
+        };
         let k_cache = self.kv.k(layer);
         let k_rows = ctx.view_2d(kv.k, d_k * n_head_kv, n_tokens, kv.k.nb()[2], 0);
-        let k_store = ctx.set_rows(k_cache, k_rows, self.inputs.kv_slots);
+        let k_store = ctx.set_rows(k_cache, k_rows, slots);
         self.graph.expand(k_store);
         let v_cache = match kv.v {
             Some(v) => {
                 let v_cache = self.kv.v(layer);
                 let v_rows = ctx.view_2d(v, d_v * n_head_kv, n_tokens, v.nb()[2], 0);
-                self.graph.expand(ctx.set_rows(v_cache, v_rows, self.inputs.kv_slots));
+                self.graph.expand(ctx.set_rows(v_cache, v_rows, slots));
                 Some(v_cache)
             }
             None => None,
@@ -251,12 +257,12 @@ impl<'g> Builder<'g> {
 
         // Each span attends on its own (see `KvCache::attention_spans`); the outputs
         // `[d_v, n_head, rows]` join back in row order.
-        let swa = hp.is_swa(layer);
         let k_head = k_cache.dtype().row_bytes(d_k as usize);
         let row_bytes = q.nb()[2];
         let mut parts = Vec::with_capacity(self.inputs.spans.len());
         for (index, span) in self.inputs.spans.iter().enumerate() {
-            let (rows, cells) = (&span.span.rows, &span.span.cells);
+            let rows = &span.span.rows;
+            let cells = if swa { &span.span.window_cells } else { &span.span.cells };
             let n_kv = cells.len() as i64;
             // `[d, n_kv, n_head_kv]` over the span's cells, heads `head_stride` apart.
             let cache_view = |cache: Tensor<'g>, d: i64, head_stride: usize| {

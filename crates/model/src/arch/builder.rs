@@ -18,6 +18,9 @@ pub struct StepInputs<'g> {
     pub positions: Tensor<'g>,
     /// Cells the new keys/values go to, i64 `[n_tokens]`.
     pub kv_slots: Tensor<'g>,
+    /// Cells of the sliding-window layers' own cache the new keys/values go to, i64
+    /// `[n_tokens]`, when the stage has those layers and they have their own cache.
+    pub kv_slots_swa: Option<Tensor<'g>>,
     /// Rows that attend together, in row order, with their masks.
     pub spans: Vec<SpanInputs<'g>>,
     /// Rows that need logits, i32 `[n_out]`, on the stage that owns the model's last layer.
@@ -41,7 +44,8 @@ pub struct SpanInputs<'g> {
     pub span: AttnSpan,
     /// Causal mask, f16 `[cells, rows]`, when the stage has full-attention layers.
     pub mask: Option<Tensor<'g>>,
-    /// Sliding-window mask (same shape), when the stage has sliding-window layers.
+    /// Sliding-window mask, f16 `[window cells, rows]`, when the stage has
+    /// sliding-window layers.
     pub mask_swa: Option<Tensor<'g>>,
 }
 
