@@ -200,6 +200,28 @@ fn a_small_unrelated_draft_model_changes_nothing_but_speed() {
     assert_eq!(drafted, plain);
 }
 
+/// A server of the model at `path` in chunks of 8 with `draft`: greedy and seeded, the
+/// drafted text equals the undrafted one, and so does the same prompt again (from the
+/// stages' checkpoint after its last whole chunk).
+fn drafts_change_no_text(path: &std::path::Path, draft: &[&str]) -> Server {
+    let mut args = draft.to_vec();
+    args.extend(["--chunk", "8"]);
+    let server = Server::start_path(path, &args);
+    for sampling in [
+        json!({"temperature": 0}),
+        json!({"temperature": 1.0, "seed": 7, "top_k": 40}),
+    ] {
+        let mut off = sampling.clone();
+        off["draft"] = json!("off");
+        let plain = complete(&server, CODE, off);
+        let drafted = complete(&server, CODE, sampling.clone());
+        assert_eq!(drafted, plain, "{draft:?} {sampling}: text with drafts vs without");
+        let again = complete(&server, CODE, sampling.clone());
+        assert_eq!(again, plain, "{draft:?} {sampling}: the prompt again");
+    }
+    server
+}
+
 /// A hybrid model (synthetic qwen35: recurrent states in half its layers): a rejected
 /// draft rolls each state back to a kept position, so the drafted text equals the
 /// undrafted one, greedy and seeded, with prompt lookup and with another random qwen35
@@ -224,21 +246,7 @@ fn a_hybrid_models_drafts_and_repeated_prompts_give_the_undrafted_text() {
             "--draft-fixed",
         ],
     ] {
-        let mut args = draft.clone();
-        args.extend(["--chunk", "8"]);
-        let server = Server::start_path(&path, &args);
-        for sampling in [
-            json!({"temperature": 0}),
-            json!({"temperature": 1.0, "seed": 7, "top_k": 40}),
-        ] {
-            let mut off = sampling.clone();
-            off["draft"] = json!("off");
-            let plain = complete(&server, CODE, off);
-            let drafted = complete(&server, CODE, sampling.clone());
-            assert_eq!(drafted, plain, "{draft:?} {sampling}: text with drafts vs without");
-            let again = complete(&server, CODE, sampling.clone());
-            assert_eq!(again, plain, "{draft:?} {sampling}: the prompt again");
-        }
+        let server = drafts_change_no_text(&path, &draft);
         let (sent, kept) = drafts(&server);
         println!("{draft:?}: {sent} tokens drafted, {kept} kept");
         assert!(sent > 0, "{draft:?} drafted");
@@ -275,21 +283,7 @@ fn kimi_linear_drafts_and_repeated_prompts_give_the_undrafted_text() {
             "--draft-fixed",
         ],
     ] {
-        let mut args = draft.clone();
-        args.extend(["--chunk", "8"]);
-        let server = Server::start_path(&path, &args);
-        for sampling in [
-            json!({"temperature": 0}),
-            json!({"temperature": 1.0, "seed": 7, "top_k": 40}),
-        ] {
-            let mut off = sampling.clone();
-            off["draft"] = json!("off");
-            let plain = complete(&server, CODE, off);
-            let drafted = complete(&server, CODE, sampling.clone());
-            assert_eq!(drafted, plain, "{draft:?} {sampling}: text with drafts vs without");
-            let again = complete(&server, CODE, sampling.clone());
-            assert_eq!(again, plain, "{draft:?} {sampling}: the prompt again");
-        }
+        let server = drafts_change_no_text(&path, &draft);
         let (sent, kept) = drafts(&server);
         println!("kimi-linear {draft:?}: {sent} tokens drafted, {kept} kept");
         if draft[0] == "--draft-model" {
