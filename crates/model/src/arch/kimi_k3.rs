@@ -93,20 +93,7 @@ fn tensors(t: &mut LayerPlan<'_>) {
     if hp.is_recurrent(t.layer) {
         kda::tensors(t);
     } else {
-        let mla = hp.mla.as_ref().expect("MLA hyper-parameters are always read");
-        let (n_head, n_rot) = (hp.n_head, hp.rope.n_dims as usize);
-        t.mat(T::AttnQ, &[embd, n_head * mla.head_dim_k], Split::Whole);
-        t.vec(T::AttnKvANorm, &[mla.n_lora_kv], Split::Whole);
-        t.mat(T::AttnKvAMqa, &[embd, mla.n_lora_kv + n_rot], Split::Whole);
-        t.mat(
-            T::AttnKB,
-            &[mla.head_dim_k - n_rot, mla.n_lora_kv, n_head],
-            Split::Whole,
-        );
-        t.mat(T::AttnVB, &[mla.n_lora_kv, mla.head_dim_v, n_head], Split::Whole);
-        t.mat(T::AttnGate, &[embd, n_head * mla.head_dim_v], Split::Whole)
-            .usual();
-        t.mat(T::AttnOutput, &[n_head * mla.head_dim_v, embd], Split::Whole);
+        kimi_linear::mla_tensors(t, true);
     }
     t.norm(T::FfnNorm, embd);
     if hp.is_moe(t.layer) {

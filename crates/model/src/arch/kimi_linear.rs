@@ -89,18 +89,7 @@ fn tensors(t: &mut LayerPlan<'_>) {
     if hp.is_recurrent(t.layer) {
         kda::tensors(t);
     } else {
-        let mla = hp.mla.as_ref().expect("MLA hyper-parameters are always read");
-        let (n_head, n_rot) = (hp.n_head, hp.rope.n_dims as usize);
-        t.mat(T::AttnQ, &[embd, n_head * mla.head_dim_k], Split::Whole);
-        t.vec(T::AttnKvANorm, &[mla.n_lora_kv], Split::Whole);
-        t.mat(T::AttnKvAMqa, &[embd, mla.n_lora_kv + n_rot], Split::Whole);
-        t.mat(
-            T::AttnKB,
-            &[mla.head_dim_k - n_rot, mla.n_lora_kv, n_head],
-            Split::Whole,
-        );
-        t.mat(T::AttnVB, &[mla.n_lora_kv, mla.head_dim_v, n_head], Split::Whole);
-        t.mat(T::AttnOutput, &[n_head * mla.head_dim_v, embd], Split::Whole);
+        mla_tensors(t, false);
     }
     t.norm(T::FfnNorm, embd);
     if hp.is_moe(t.layer) {
@@ -111,6 +100,29 @@ fn tensors(t: &mut LayerPlan<'_>) {
     } else {
         tensors::ffn(t, &FFN, hp.n_ff, false);
     }
+}
+
+/// An MLA layer's attention tensors (no query compression, `attn_k_b` and `attn_v_b`
+/// split), with Kimi K3's output gate when `gated`.
+pub(super) fn mla_tensors(t: &mut LayerPlan<'_>, gated: bool) {
+    let hp = t.hp;
+    let embd = hp.n_embd;
+    let mla = hp.mla.as_ref().expect("MLA hyper-parameters are always read");
+    let (n_head, n_rot) = (hp.n_head, hp.rope.n_dims as usize);
+    t.mat(T::AttnQ, &[embd, n_head * mla.head_dim_k], Split::Whole);
+    t.vec(T::AttnKvANorm, &[mla.n_lora_kv], Split::Whole);
+    t.mat(T::AttnKvAMqa, &[embd, mla.n_lora_kv + n_rot], Split::Whole);
+    t.mat(
+        T::AttnKB,
+        &[mla.head_dim_k - n_rot, mla.n_lora_kv, n_head],
+        Split::Whole,
+    );
+    t.mat(T::AttnVB, &[mla.n_lora_kv, mla.head_dim_v, n_head], Split::Whole);
+    if gated {
+        t.mat(T::AttnGate, &[embd, n_head * mla.head_dim_v], Split::Whole)
+            .usual();
+    }
+    t.mat(T::AttnOutput, &[n_head * mla.head_dim_v, embd], Split::Whole);
 }
 
 /// norm → KDA or MLA → residual → norm → experts and the shared expert (a dense FFN in
