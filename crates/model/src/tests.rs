@@ -67,11 +67,14 @@ fn cases() -> Vec<&'static str> {
     cases
 }
 
-/// Writes `bytes` to a fresh temporary file.
+/// Writes `bytes` to a fresh temporary file. Each call gets a path of its own: tests run in
+/// parallel, and rewriting a file another test has mapped kills the process with SIGBUS.
 fn write_temp(name: &str, bytes: &[u8]) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("baton-model-tests-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+    let path = dir.join(format!("{n}-{name}"));
     std::fs::write(&path, bytes).unwrap();
     path
 }
