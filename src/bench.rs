@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use baton_engine::Head;
 use baton_engine::{Draft, DraftMode, EngineConfig, Event, Job};
-use baton_ggml::{LlamaContext, LlamaModel};
+use baton_ggml::{Device, LlamaContext, LlamaModel};
 use baton_model::ModelFile;
 use baton_proto::{Message, Payload, StartSeq};
 use baton_sample::{argmax, SamplingParams};
@@ -243,6 +243,82 @@ fn llama_tg(ctx: &mut LlamaContext<'_>, first: u32, n: usize) -> anyhow::Result<
     Ok(start.elapsed())
 }
 
+/// How the stages run (`", each a tensor-parallel group…"` or nothing) and where
+/// (in process, or worker processes over Unix sockets or TCP), for the table's heading.
+fn where_stages_run(
+    ring: &Ring,
+    args: &BenchArgs,
+    stage_args: &StageArgs,
+    local_devices: &[Device],
+) -> (String, String) {
+    let place = match ring {
+        Ring::Local { .. } => format!("in-process stages on {local_devices:?}"),
+        Ring::Remote { .. } | Ring::Supervised { .. } => {
+            let unix = |w: &String| matches!(baton_net::Addr::parse(w), Ok(baton_net::Addr::Unix(_)));
+            if args.cluster.local_workers.is_some() || args.cluster.workers.iter().all(unix) {
+                "worker processes over Unix sockets".to_string()
+            } else {
+                "worker processes over TCP".to_string()
+            }
+        }
+    };
+    let tp = match (ring, stage_args.tp_size(), args.cluster.tp_members.is_empty()) {
+        (Ring::Remote { .. } | Ring::Supervised { .. }, _, _) => String::new(),
+        (_, 0 | 1, _) => String::new(),
+        (_, n, true) => format!(", each a tensor-parallel group of {n} threads"),
+        (_, n, false) => format!(", one tensor-parallel group of {n} processes over links"),
+    };
+    (tp, place)
+}
+
+/// The table of rates: baton's, libllama's and llama-bench's tokens per second per test.
+fn rate_table(rows: &[(String, f64, f64, Option<f64>)]) -> String {
+    let mut table = String::from(
+        "| test | baton tok/s | libllama tok/s | llama-bench tok/s | baton / libllama | baton / llama-bench |\n\
+         |---|---:|---:|---:|---:|---:|\n",
+    );
+    for (test, baton, llama, peer) in rows {
+        let (peer, ratio) = match peer {
+            Some(p) => (format!("{p:.2}"), format!("{:.3}", baton / p)),
+            None => ("-".to_string(), "-".to_string()),
+        };
+        table.push_str(&format!(
+            "| {test} | {baton:.2} | {llama:.2} | {peer} | {:.3} | {ratio} |\n",
+            baton / llama
+        ));
+    }
+    table
+}
+
+/// The drafting rows: greedy generation of a code-editing chat through the engine, without
+/// and with the draft `draft` (median of the repetitions).
+#[allow(clippy::too_many_arguments)]
+fn draft_table(
+    ring: &mut Ring,
+    args: &BenchArgs,
+    path: &Path,
+    n_vocab: usize,
+    n_ctx: usize,
+    threads: usize,
+    draft: Draft,
+) -> anyhow::Result<String> {
+    let reps = args.reps.max(1);
+    let repack = !args.stages.no_repack;
+    let drafter = args.draft.load_model(n_vocab, 1, n_ctx, n_ctx, threads, repack)?;
+    let (plain, drafted, sent, kept) = bench_drafting(ring, path, n_ctx, args.tg, reps, draft, drafter)?;
+    Ok(format!(
+        "\ncode-editing chat prompt, greedy, through the engine (median of {reps}):\n\n\
+         | test | tok/s | vs no draft | drafted | kept |\n|---|---:|---:|---:|---:|\n\
+         | tg{tg} no draft | {plain:.2} | 1.000 | | |\n\
+         | tg{tg} draft {mode}, up to {max}{fixed} | {drafted:.2} | {:.3} | {sent} | {kept} |\n",
+        drafted / plain,
+        tg = args.tg,
+        mode = draft.mode,
+        max = draft.max,
+        fixed = if draft.fixed { " (fixed)" } else { "" },
+    ))
+}
+
 /// Runs both systems and prints the table.
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let path = args.stages.one_model()?;
@@ -340,23 +416,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .file_name()
         .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
     let split: Vec<String> = ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
-    let place = match &ring {
-        Ring::Local { .. } => format!("in-process stages on {local_devices:?}"),
-        Ring::Remote { .. } | Ring::Supervised { .. } => {
-            let unix = |w: &String| matches!(baton_net::Addr::parse(w), Ok(baton_net::Addr::Unix(_)));
-            if args.cluster.local_workers.is_some() || args.cluster.workers.iter().all(unix) {
-                "worker processes over Unix sockets".to_string()
-            } else {
-                "worker processes over TCP".to_string()
-            }
-        }
-    };
-    let tp = match (&ring, stage_args.tp_size(), args.cluster.tp_members.is_empty()) {
-        (Ring::Remote { .. } | Ring::Supervised { .. }, _, _) => String::new(),
-        (_, 0 | 1, _) => String::new(),
-        (_, n, true) => format!(", each a tensor-parallel group of {n} threads"),
-        (_, n, false) => format!(", one tensor-parallel group of {n} processes over links"),
-    };
+    let (tp, place) = where_stages_run(&ring, &args, &stage_args, &local_devices);
     let mut table = format!(
         "model: {model_name}\nstages: {} ({}){tp}, {place}, {threads} thread(s) per stage (member), ready in {:.2} s; \
          libllama: 1 process, {threads} thread(s), on {}, built as {}; llama-bench: {}; median of {reps}\n\n",
@@ -375,35 +435,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(why) = ring.plan_why() {
         table.push_str(&format!("plan: {why}\n\n"));
     }
-    table.push_str(
-        "| test | baton tok/s | libllama tok/s | llama-bench tok/s | baton / libllama | baton / llama-bench |\n\
-         |---|---:|---:|---:|---:|---:|\n",
-    );
-    for (test, baton, llama, peer) in rows {
-        let (peer, ratio) = match peer {
-            Some(p) => (format!("{p:.2}"), format!("{:.3}", baton / p)),
-            None => ("-".to_string(), "-".to_string()),
-        };
-        table.push_str(&format!(
-            "| {test} | {baton:.2} | {llama:.2} | {peer} | {:.3} | {ratio} |\n",
-            baton / llama
-        ));
-    }
+    table.push_str(&rate_table(&rows));
     if draft.mode != DraftMode::Off {
-        let repack = !args.stages.no_repack;
-        let drafter = args.draft.load_model(n_vocab, 1, n_ctx, n_ctx, threads, repack)?;
-        let (plain, drafted, sent, kept) = bench_drafting(&mut ring, path, n_ctx, args.tg, reps, draft, drafter)?;
-        table.push_str(&format!(
-            "\ncode-editing chat prompt, greedy, through the engine (median of {reps}):\n\n\
-             | test | tok/s | vs no draft | drafted | kept |\n|---|---:|---:|---:|---:|\n\
-             | tg{tg} no draft | {plain:.2} | 1.000 | | |\n\
-             | tg{tg} draft {mode}, up to {max}{fixed} | {drafted:.2} | {:.3} | {sent} | {kept} |\n",
-            drafted / plain,
-            tg = args.tg,
-            mode = draft.mode,
-            max = draft.max,
-            fixed = if draft.fixed { " (fixed)" } else { "" },
-        ));
+        table.push_str(&draft_table(&mut ring, &args, path, n_vocab, n_ctx, threads, draft)?);
     }
     print!("{table}");
     if let Some(out) = &args.out {

@@ -615,48 +615,13 @@ fn load(
                 .models
                 .iter()
                 .any(|m| m.identity == model_ref.identity && m.complete);
-            let load = LoadPlan {
-                model: model_ref.clone(),
-                layer_start: stage.layers.start as u32,
-                layer_end: stage.layers.end as u32,
-                first: span.first,
-                last: span.last,
-                n_ctx: opts.n_ctx as u32,
-                n_seq: opts.n_seq as u32,
-                // Only member 0 sits in the ring.
-                next: if rank == 0 {
-                    nexts[i].as_ref().map(|(addr, _)| addr.clone())
-                } else {
-                    None
-                },
-                next_session: match rank {
-                    0 => nexts[i].as_ref().map_or(0, |&(_, session)| session),
-                    _ => 0,
-                },
-                stream: !holds,
-                wire_f16: opts.wire_f16,
-                repack: opts.repack,
-                // A group's members compute on the CPU; a lone worker's devices take
-                // the ranges the plan gave them.
-                devices: match group {
-                    Some(_) => Vec::new(),
-                    None => stage
-                        .parts
-                        .iter()
-                        .map(|part| DeviceRange {
-                            device: worker.caps.devices[part.device].name.clone(),
-                            layer_end: part.layers.end as u32,
-                        })
-                        .collect(),
-                },
-                tp: group.map(|group| TpPlace {
-                    group,
-                    rank: rank as u32,
-                    members: addrs.clone(),
-                }),
-                cache_type_k: opts.kv_types.k.name().into(),
-                cache_type_v: opts.kv_types.v.name().into(),
+            let place = Place {
+                span: &span,
+                rank,
+                next: nexts[i].as_ref(),
+                group: group.map(|group| (group, &addrs)),
             };
+            let load = load_plan(model_ref, stage, worker, &place, holds, opts);
             reached.links[w].send(Message::LoadPlan(Box::new(load)))?;
             if !holds {
                 streams.push((w, span.clone()));
@@ -704,7 +669,71 @@ fn load(
     }
     let head_stage = head_stage?;
 
-    for &w in stages.iter().flat_map(|stage| planned.members(stage.node)) {
+    await_loaded(reached, planned)?;
+    Ok(head_stage)
+}
+
+/// Where one worker sits in the plan: its stage's span, its rank in the stage's group,
+/// the stage after it (address and session), and its group (number and members).
+struct Place<'a> {
+    span: &'a StageSpan,
+    rank: usize,
+    next: Option<&'a (String, u64)>,
+    group: Option<(u64, &'a Vec<String>)>,
+}
+
+/// The `LoadPlan` of the worker at `place`, holding the file (`holds`) or to be streamed.
+fn load_plan(
+    model_ref: &ModelRef,
+    stage: &baton_plan::PlannedStage,
+    worker: &RemoteWorker,
+    place: &Place<'_>,
+    holds: bool,
+    opts: &ClusterOptions,
+) -> LoadPlan {
+    LoadPlan {
+        model: model_ref.clone(),
+        layer_start: stage.layers.start as u32,
+        layer_end: stage.layers.end as u32,
+        first: place.span.first,
+        last: place.span.last,
+        n_ctx: opts.n_ctx as u32,
+        n_seq: opts.n_seq as u32,
+        // Only member 0 sits in the ring.
+        next: place.next.filter(|_| place.rank == 0).map(|(addr, _)| addr.clone()),
+        next_session: place
+            .next
+            .filter(|_| place.rank == 0)
+            .map_or(0, |&(_, session)| session),
+        stream: !holds,
+        wire_f16: opts.wire_f16,
+        repack: opts.repack,
+        // A group's members compute on the CPU; a lone worker's devices take the ranges
+        // the plan gave them.
+        devices: match place.group {
+            Some(_) => Vec::new(),
+            None => stage
+                .parts
+                .iter()
+                .map(|part| DeviceRange {
+                    device: worker.caps.devices[part.device].name.clone(),
+                    layer_end: part.layers.end as u32,
+                })
+                .collect(),
+        },
+        tp: place.group.map(|(group, members)| TpPlace {
+            group,
+            rank: place.rank as u32,
+            members: members.clone(),
+        }),
+        cache_type_k: opts.kv_types.k.name().into(),
+        cache_type_v: opts.kv_types.v.name().into(),
+    }
+}
+
+/// Waits for every worker of the plan to say its stage is loaded and linked.
+fn await_loaded(reached: &mut Reached, planned: &Planned) -> Result<(), NodeError> {
+    for &w in planned.plan.stages.iter().flat_map(|stage| planned.members(stage.node)) {
         let link = &mut reached.links[w];
         match link.recv()? {
             Message::Loaded { resident, received } => {
@@ -721,7 +750,7 @@ fn load(
             other => return Err(NodeError::Protocol(format!("expected Loaded, got {}", other.kind()))),
         }
     }
-    Ok(head_stage)
+    Ok(())
 }
 
 /// Loads the head's own stage when the plan gives it one (always the first), and links

@@ -166,6 +166,71 @@ impl Supervisor {
     }
 }
 
+impl Supervisor {
+    /// What to do with each worker that answers while a ring forms: watch it from then
+    /// on, and when it is lost, record why, close its control link and, while the ring
+    /// still forms, every reached worker's (`closers`), then tell `on_lost`.
+    fn watch_each(
+        &self,
+        on_lost: OnLost,
+        reached: &Arc<Mutex<Vec<(String, Watch)>>>,
+        forming: &Arc<AtomicBool>,
+        closers: &Arc<Mutex<Vec<Arc<LinkCloser>>>>,
+    ) -> impl Fn(&str, u64, LinkCloser, Arc<Counters>) + Send + Sync + 'static {
+        let reached = reached.clone();
+        let lost = self.lost.clone();
+        let link = self.opts.link.clone();
+        let token = self.opts.token.clone();
+        let heartbeat = self.heartbeat;
+        let (forming, closers) = (forming.clone(), closers.clone());
+        move |addr: &str, session: u64, closer: LinkCloser, counters: Arc<Counters>| {
+            let lost = lost.clone();
+            let notify = on_lost.clone();
+            let closer = Arc::new(closer);
+            closers.lock().unwrap_or_else(|p| p.into_inner()).push(closer.clone());
+            let (forming, closers) = (forming.clone(), closers.clone());
+            let callback: OnLost = Arc::new(move |addr: &str, why: &str| {
+                lost.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(addr.to_string(), why.to_string());
+                closer.close();
+                if forming.load(Ordering::SeqCst) {
+                    closers
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .iter()
+                        .for_each(|c| c.close());
+                }
+                notify(addr, why);
+            });
+            let token = token.as_deref().map(str::as_bytes);
+            match Watch::start(addr, &link, token, session, heartbeat, counters, callback) {
+                Ok(watch) => reached
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((addr.to_string(), watch)),
+                Err(e) => tracing::warn!(worker = %addr, "cannot watch it: {e}"),
+            }
+        }
+    }
+
+    /// The error of a formation that failed with `e`: a lack of memory is a capacity
+    /// problem, anything else is retried; both say which workers are awaited.
+    fn not_formed(&mut self, candidates: &[String], e: NodeError) -> FormError {
+        self.mark_unreachable(candidates);
+        self.start_prober();
+        let lost = self.lost();
+        let why = describe_lost(&lost);
+        match e {
+            NodeError::Plan(PlanError::NotEnoughMemory { .. }) => FormError::Capacity(format!(
+                "the workers that answer cannot hold the model ({e}); waiting for {why}"
+            )),
+            other if lost.is_empty() => FormError::Retry(other.to_string()),
+            other => FormError::Retry(format!("{other}; waiting for {why}")),
+        }
+    }
+}
+
 impl RingSource for Supervisor {
     fn form(&mut self, on_lost: OnLost) -> Result<Formed, FormError> {
         // Stop watching the old ring first: its workers end their sessions when the
@@ -192,60 +257,12 @@ impl RingSource for Supervisor {
         // and the head waiting on them, not on the lost one.)
         let forming = Arc::new(AtomicBool::new(true));
         let closers: Arc<Mutex<Vec<Arc<LinkCloser>>>> = Arc::default();
-        let on_reached = {
-            let reached = reached.clone();
-            let lost = self.lost.clone();
-            let link = self.opts.link.clone();
-            let token = self.opts.token.clone();
-            let heartbeat = self.heartbeat;
-            let (forming, closers) = (forming.clone(), closers.clone());
-            move |addr: &str, session: u64, closer: LinkCloser, counters: Arc<Counters>| {
-                let lost = lost.clone();
-                let notify = on_lost.clone();
-                let closer = Arc::new(closer);
-                closers.lock().unwrap_or_else(|p| p.into_inner()).push(closer.clone());
-                let (forming, closers) = (forming.clone(), closers.clone());
-                let callback: OnLost = Arc::new(move |addr: &str, why: &str| {
-                    lost.lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(addr.to_string(), why.to_string());
-                    closer.close();
-                    if forming.load(Ordering::SeqCst) {
-                        closers
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .iter()
-                            .for_each(|c| c.close());
-                    }
-                    notify(addr, why);
-                });
-                let token = token.as_deref().map(str::as_bytes);
-                match Watch::start(addr, &link, token, session, heartbeat, counters, callback) {
-                    Ok(watch) => reached
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push((addr.to_string(), watch)),
-                    Err(e) => tracing::warn!(worker = %addr, "cannot watch it: {e}"),
-                }
-            }
-        };
+        let on_reached = self.watch_each(on_lost, &reached, &forming, &closers);
         let result = self.connect(&candidates, &reached, Arc::new(on_reached));
         forming.store(false, Ordering::SeqCst);
         let ring = match result {
             Ok(ring) => ring,
-            Err(e) => {
-                self.mark_unreachable(&candidates);
-                self.start_prober();
-                let lost = self.lost();
-                let why = describe_lost(&lost);
-                return Err(match e {
-                    NodeError::Plan(PlanError::NotEnoughMemory { .. }) => FormError::Capacity(format!(
-                        "the workers that answer cannot hold the model ({e}); waiting for {why}"
-                    )),
-                    other if lost.is_empty() => FormError::Retry(other.to_string()),
-                    other => FormError::Retry(format!("{other}; waiting for {why}")),
-                });
-            }
+            Err(e) => return Err(self.not_formed(&candidates, e)),
         };
         {
             let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());

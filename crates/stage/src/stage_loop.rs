@@ -80,66 +80,11 @@ impl StageWorker {
     pub fn handle(&mut self, msg: Message) -> Message {
         let last = self.stage.span().last;
         let reply = match msg {
-            Message::StartSeq {
-                seq,
-                keep,
-                params,
-                history,
-                top_logprobs,
-                logprobs,
-                drawn,
-                grammar,
-                pooling,
-            } => {
-                self.stage.truncate_seq(seq, keep as usize);
-                self.pools.remove(&seq);
-                if let (true, Some(pooling)) = (last, pooling) {
-                    self.samplers.remove(&seq);
-                    if keep > 0 {
-                        let why = format!("pooled sequence {seq} must start from an empty cache, not {keep} tokens");
-                        return self.error(StageError::Protocol(why));
-                    }
-                    self.pools.insert(seq, SeqPool::new(pooling));
-                } else if last {
-                    let generated = &history[history.len().saturating_sub(drawn as usize)..];
-                    let matcher = match grammar.as_deref().map(|g| self.matcher(g, generated)).transpose() {
-                        Ok(matcher) => matcher,
-                        Err(e) => {
-                            self.samplers.remove(&seq);
-                            return self.error(e);
-                        }
-                    };
-                    match Sampler::new(params.clone()) {
-                        Ok(mut sampler) => {
-                            history.iter().for_each(|&t| sampler.accept(t));
-                            sampler.skip_draws(drawn);
-                            let n_top = if logprobs { top_logprobs as usize } else { 0 };
-                            self.samplers.insert(
-                                seq,
-                                SeqSampler {
-                                    sampler,
-                                    logprobs,
-                                    n_top,
-                                    grammar: matcher,
-                                    allowed: Vec::new(),
-                                    masked: Vec::new(),
-                                },
-                            );
-                        }
-                        Err(e) => return self.error(StageError::Sampling(e)),
-                    }
+            start @ Message::StartSeq { .. } => {
+                if let Err(e) = self.start_seq(&start) {
+                    return self.error(e);
                 }
-                Message::StartSeq {
-                    seq,
-                    keep,
-                    params,
-                    history,
-                    top_logprobs,
-                    logprobs,
-                    drawn,
-                    grammar,
-                    pooling,
-                }
+                start
             }
             Message::TruncateSeq { seq, len } => {
                 self.stage.truncate_seq(seq, len as usize);
@@ -210,6 +155,65 @@ impl StageWorker {
         } else {
             reply
         }
+    }
+
+    /// Starts (or restarts) a sequence: keeps `keep` cached tokens and, on the last stage,
+    /// makes its pool or its sampler (seeded with its history, past the draws it made,
+    /// with its grammar).
+    fn start_seq(&mut self, start: &Message) -> Result<(), StageError> {
+        let Message::StartSeq {
+            seq,
+            keep,
+            params,
+            history,
+            top_logprobs,
+            logprobs,
+            drawn,
+            grammar,
+            pooling,
+        } = start
+        else {
+            return Ok(());
+        };
+        let (seq, keep) = (*seq, *keep);
+        self.stage.truncate_seq(seq, keep as usize);
+        self.pools.remove(&seq);
+        if !self.stage.span().last {
+            return Ok(());
+        }
+        if let Some(pooling) = pooling {
+            self.samplers.remove(&seq);
+            if keep > 0 {
+                let why = format!("pooled sequence {seq} must start from an empty cache, not {keep} tokens");
+                return Err(StageError::Protocol(why));
+            }
+            self.pools.insert(seq, SeqPool::new(*pooling));
+            return Ok(());
+        }
+        let generated = &history[history.len().saturating_sub(*drawn as usize)..];
+        let matcher = match grammar.as_deref().map(|g| self.matcher(g, generated)).transpose() {
+            Ok(matcher) => matcher,
+            Err(e) => {
+                self.samplers.remove(&seq);
+                return Err(e);
+            }
+        };
+        let mut sampler = Sampler::new(params.clone()).map_err(StageError::Sampling)?;
+        history.iter().for_each(|&t| sampler.accept(t));
+        sampler.skip_draws(*drawn);
+        let n_top = if *logprobs { *top_logprobs as usize } else { 0 };
+        self.samplers.insert(
+            seq,
+            SeqSampler {
+                sampler,
+                logprobs: *logprobs,
+                n_top,
+                grammar: matcher,
+                allowed: Vec::new(),
+                masked: Vec::new(),
+            },
+        );
+        Ok(())
     }
 
     /// A matcher for `gbnf`, advanced past the tokens the sequence already generated.

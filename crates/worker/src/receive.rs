@@ -163,37 +163,7 @@ pub fn receive_stage_tensors(
     // Before its first chunk the head may name peers that hold the file, each with the
     // tensors to fetch from it; the head sends the rest (when nothing is left for it,
     // nothing more comes from it).
-    let mut first = None;
-    let mut fetches: Vec<(String, Vec<&TensorEntry>)> = Vec::new();
-    while fetches.iter().map(|(_, w)| w.len()).sum::<usize>() < missing.len() {
-        let (peer, tensors) = match link.recv()? {
-            Message::FetchFrom { peer, tensors } => (peer, tensors),
-            chunk => {
-                first = Some(chunk);
-                break;
-            }
-        };
-        if fetches.len() >= MAX_FETCH_PEERS || fetches.iter().any(|(p, _)| *p == peer) {
-            return Err(NodeError::Protocol(format!(
-                "the head names peer {peer} twice, or more than {MAX_FETCH_PEERS} peers"
-            )));
-        }
-        let mut wanted = Vec::new();
-        for i in tensors {
-            let entry = entries
-                .get(i as usize)
-                .filter(|e| missing.iter().any(|m| m.name == e.name))
-                .filter(|e| !fetches.iter().flat_map(|(_, w)| w).any(|w| w.name == e.name))
-                .filter(|e| !wanted.iter().any(|w: &&TensorEntry| w.name == e.name))
-                .ok_or_else(|| {
-                    NodeError::Protocol(format!(
-                        "FetchFrom {peer}: tensor {i} is not one still missing, or twice"
-                    ))
-                })?;
-            wanted.push(entry);
-        }
-        fetches.push((peer, wanted));
-    }
+    let (fetches, mut first) = read_fetches(link, &entries, &missing)?;
     let from_head: Vec<&TensorEntry> = missing
         .iter()
         .filter(|e| !fetches.iter().flat_map(|(_, w)| w).any(|w| w.name == e.name))
@@ -263,6 +233,45 @@ pub fn receive_stage_tensors(
         verified,
         recording,
     })
+}
+
+/// The `FetchFrom`s the head sends before its first chunk: the peers to fetch from, each
+/// with the tensors (of `entries`, still `missing`, each named once) it holds; and the
+/// first message after them, when one was read.
+#[allow(clippy::type_complexity)]
+fn read_fetches<'a>(
+    link: &mut dyn Link,
+    entries: &'a [TensorEntry],
+    missing: &[TensorEntry],
+) -> Result<(Vec<(String, Vec<&'a TensorEntry>)>, Option<Message>), NodeError> {
+    let mut fetches: Vec<(String, Vec<&TensorEntry>)> = Vec::new();
+    while fetches.iter().map(|(_, w)| w.len()).sum::<usize>() < missing.len() {
+        let (peer, tensors) = match link.recv()? {
+            Message::FetchFrom { peer, tensors } => (peer, tensors),
+            chunk => return Ok((fetches, Some(chunk))),
+        };
+        if fetches.len() >= MAX_FETCH_PEERS || fetches.iter().any(|(p, _)| *p == peer) {
+            return Err(NodeError::Protocol(format!(
+                "the head names peer {peer} twice, or more than {MAX_FETCH_PEERS} peers"
+            )));
+        }
+        let mut wanted = Vec::new();
+        for i in tensors {
+            let entry = entries
+                .get(i as usize)
+                .filter(|e| missing.iter().any(|m| m.name == e.name))
+                .filter(|e| !fetches.iter().flat_map(|(_, w)| w).any(|w| w.name == e.name))
+                .filter(|e| !wanted.iter().any(|w: &&TensorEntry| w.name == e.name))
+                .ok_or_else(|| {
+                    NodeError::Protocol(format!(
+                        "FetchFrom {peer}: tensor {i} is not one still missing, or twice"
+                    ))
+                })?;
+            wanted.push(entry);
+        }
+        fetches.push((peer, wanted));
+    }
+    Ok((fetches, None))
 }
 
 /// The tensors to keep recorded, those verified, and those missing.

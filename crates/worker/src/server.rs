@@ -591,6 +591,24 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, head: HeadSlot<'_>, local: 
             };
         }
     };
+    run_ring_stage(shared, link, head, &plan, stage, received, recording, started)
+}
+
+/// Runs a loaded stage of session `head.id`'s ring: links it to the next stage, waits for
+/// the previous stage's link, tells the head it is loaded, then computes until the ring
+/// closes. `head` comes after `link` for the reason [`session`] gives.
+#[allow(clippy::too_many_arguments)]
+fn run_ring_stage(
+    shared: &Shared,
+    mut link: Box<dyn Link>,
+    head: HeadSlot<'_>,
+    plan: &LoadPlan,
+    stage: StageChain,
+    received: u64,
+    recording: Option<Recording>,
+    started: Instant,
+) -> Result<(), NodeError> {
+    let id = head.id;
     let on: Vec<String> = stage
         .stages()
         .map(|s| format!("{} {:?}", s.device().name(), s.span().layers))

@@ -12,6 +12,9 @@ use crate::{
 
 /// Decodes the payload of one frame of message `kind` (as returned by
 /// [`parse_header`](super::parse_header)).
+///
+/// One arm per message kind, in the order of the kind table: the whole wire layout reads
+/// top to bottom here, beside `encode_payload`'s, which is why it is one long match.
 pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
     let name = kind_name(kind).ok_or(ProtoError::UnknownKind(kind))?;
     let mut r = Reader {

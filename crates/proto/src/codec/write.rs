@@ -34,6 +34,9 @@ pub fn header(kind: u16, len: usize) -> [u8; HEADER_LEN] {
 
 /// Appends the payload of `msg` to `payload` and returns its kind number, for callers that
 /// write header and payload separately (one vectored write, no copy of the payload).
+///
+/// One arm per message kind, in the order of the kind table: the whole wire layout reads
+/// top to bottom here, beside `decode`'s, which is why it is one long match.
 pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
     let mut w = Writer(payload);
     match msg {
