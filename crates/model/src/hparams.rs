@@ -7,6 +7,7 @@ use std::ops::Range;
 use baton_ggml::RopeParams;
 use baton_gguf::Gguf;
 
+use crate::arch::hyper::Hyper;
 use crate::arch::moe::MoeParams;
 use crate::arch::{self, Architecture, LayerSizes};
 use crate::cache_type::KvTypes;
@@ -97,6 +98,9 @@ pub struct HParams {
     pub swa_heads: Option<LayerHeads>,
     /// What Kimi K3 adds to Kimi Linear (`None` for every other architecture).
     pub kimi_k3: Option<KimiK3>,
+    /// Hyper-connections (DeepSeek V4, GLM-5 Next): the residual stream is several
+    /// copies of the hidden state (see [`crate::arch::hyper`]); `None`: one.
+    pub hyper: Option<Hyper>,
 }
 
 /// Kimi K3's sizes beyond Kimi Linear's, as llama.cpp's `kimi-k3` reads them.
@@ -676,6 +680,7 @@ impl HParams {
             rope_sections: None,
             swa_heads: None,
             kimi_k3: None,
+            hyper: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         if hp.rms_eps.is_nan() {
@@ -798,6 +803,12 @@ impl HParams {
         let base = swa_freq_base.unwrap_or(self.rope.freq_base);
         self.rope_swa.freq_base = keys.opt_f32("rope.freq_base_swa")?.unwrap_or(base);
         Ok(())
+    }
+
+    /// Values per token of the hidden state between layers and between stages:
+    /// `n_embd`, times the streams with hyper-connections (llama.cpp's `n_embd_out`).
+    pub fn hidden_width(&self) -> usize {
+        self.n_embd * self.hyper.map_or(1, |h| h.n_stream)
     }
 
     /// Width of the key rows of one layer's cache (`head_dim_k * n_head_kv`).

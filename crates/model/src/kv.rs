@@ -669,6 +669,7 @@ mod tests {
             layer_kv_heads: vec![1; 2],
             swa_heads: None,
             kimi_k3: None,
+            hyper: None,
             layer_ff: vec![16; 2],
             rope_sections: None,
             yarn: crate::Yarn {
