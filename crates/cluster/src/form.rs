@@ -276,22 +276,12 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvType
     } else {
         "token_embd.weight"
     };
-    // A layer that reuses an earlier layer's choice of tokens stays on its stage; so do
-    // Kimi K3's layers after the first, whose residual attention mixes in the inputs of
-    // earlier layers, which do not travel with the hidden state.
-    let (no_stage_start, reused) = if hp.kimi_k3.is_some_and(|k3| k3.res_block > 0) {
-        (
-            (1..hp.n_layer).collect(),
-            "the inputs of earlier layers (kimi-k3's cross-layer residual attention)",
-        )
-    } else {
-        (
-            hp.indexer()
-                .map(|ix| (0..hp.n_layer).filter(|&l| !ix.full_layers[l]).collect())
-                .unwrap_or_default(),
-            "an earlier layer's choice of tokens (a shared indexer layer)",
-        )
-    };
+    // A layer that reuses an earlier layer's choice of tokens stays on its stage.
+    let no_stage_start = hp
+        .indexer()
+        .map(|ix| (0..hp.n_layer).filter(|&l| !ix.full_layers[l]).collect())
+        .unwrap_or_default();
+    let reused = "an earlier layer's choice of tokens (a shared indexer layer)";
     ModelCost {
         layer_bytes: (0..hp.n_layer).map(|l| file.layer_bytes(l)).collect(),
         layer_work_bytes: (0..hp.n_layer).map(|l| file.layer_work_bytes(l)).collect(),

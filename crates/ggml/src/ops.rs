@@ -402,6 +402,12 @@ impl Context {
         // SAFETY: records a node (see module docs).
         unsafe { self.wrap(sys::ggml_cont_2d(self.raw(), a.raw(), ne0, ne1)) }
     }
+
+    /// A contiguous copy of `a` with the 3-d shape `ne`.
+    pub fn cont_3d<'t>(&'t self, a: Tensor<'t>, ne: [i64; 3]) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_cont_3d(self.raw(), a.raw(), ne[0], ne[1], ne[2])) }
+    }
 }
 
 impl<'a> Tensor<'a> {

@@ -811,6 +811,23 @@ impl HParams {
         self.n_embd * self.hyper.map_or(1, |h| h.n_stream)
     }
 
+    /// Inputs banked by the layers before `layer` (Kimi K3's cross-layer residual
+    /// attention: layers 0, b, 2b, … bank their raw input), which later layers and the
+    /// output still read; 0 for every other architecture.
+    pub fn banked_before(&self, layer: usize) -> usize {
+        match self.kimi_k3 {
+            Some(k3) if k3.res_block > 0 => layer.min(self.n_layer).div_ceil(k3.res_block),
+            _ => 0,
+        }
+    }
+
+    /// Values per token that travel to a stage starting at `layer`: the hidden state
+    /// ([`hidden_width`](Self::hidden_width)) and, after it, each input banked before
+    /// `layer` (`n_embd` each, oldest first).
+    pub fn carried_width(&self, layer: usize) -> usize {
+        self.hidden_width() + self.n_embd * self.banked_before(layer)
+    }
+
     /// Width of the key rows of one layer's cache (`head_dim_k * n_head_kv`).
     pub fn n_embd_k_gqa(&self) -> usize {
         self.head_dim_k * self.n_head_kv

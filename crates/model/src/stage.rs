@@ -295,18 +295,6 @@ impl Stage {
                 )));
             }
         }
-        // Kimi K3's cross-layer residual attention mixes the raw inputs of layers 0, b,
-        // 2b, … into every later layer and the output; only the hidden state travels.
-        if let Some(block) = full.kimi_k3.map(|k3| k3.res_block).filter(|&b| b > 0) {
-            if span.layers.start > 0 {
-                return Err(ModelError::BadConfig(format!(
-                    "a stage cannot start at layer {}: kimi-k3's cross-layer residual attention \
-                     (attn_res.block_size {block}) reads the inputs of layers 0, {block}, … before \
-                     it, which do not travel between stages; run the model on one stage",
-                    span.layers.start
-                )));
-            }
-        }
         // The exchanges are host ops reading and writing the member's activations in
         // host memory, which only the CPU backend gives them.
         if member.is_some() && !device.is_cpu() {
@@ -484,11 +472,11 @@ impl Stage {
                 if self.span.first {
                     return bad("the first stage takes tokens, not hidden states".into());
                 }
-                if hidden.len() != n * hp.hidden_width() {
+                let width = hp.carried_width(self.span.layers.start);
+                if hidden.len() != n * width {
                     return bad(format!(
-                        "hidden state of {} floats, expected {n} x {}",
-                        hidden.len(),
-                        hp.hidden_width()
+                        "hidden state of {} floats, expected {n} x {width}",
+                        hidden.len()
                     ));
                 }
             }
@@ -566,7 +554,7 @@ impl Stage {
         } else if self.span.last {
             Ok(StageOutput::Logits(Vec::new()))
         } else {
-            let mut hidden = vec![0f32; self.hp.hidden_width() * n_tokens];
+            let mut hidden = vec![0f32; self.hp.carried_width(self.span.layers.end) * n_tokens];
             out.read(&mut hidden)?;
             Ok(StageOutput::Hidden(hidden))
         }
@@ -627,7 +615,7 @@ impl Stage {
         };
         let mut hidden = match input {
             StepInput::Tokens(tokens) => (hp.arch.embed)(&b, tokens), // [n_embd, n_tokens]
-            StepInput::Hidden(hidden) => hidden,
+            StepInput::Hidden(carried) => unpack_carried(&mut b, carried, self.span.layers.start),
         };
         for layer in self.span.layers.clone() {
             let w = self.weights.layer(layer);
@@ -644,8 +632,10 @@ impl Stage {
             crate::arch::ends::normed(&b, hidden) // [n_embd, n_out]
         } else if want_logits {
             (hp.arch.logits)(&b, hidden) // [n_vocab, n_out]
-        } else {
+        } else if self.span.last {
             hidden
+        } else {
+            pack_carried(&b, hidden)
         };
         let out = out.named("stage_out").set_output();
         let mut graph = b.graph;
@@ -739,6 +729,52 @@ impl Stage {
     }
 }
 
+/// What travels into a stage, `[carried_width, n_tokens]`: the hidden state, and the
+/// inputs banked before the stage's first layer (see [`HParams::carried_width`]), which
+/// become the builder's banked inputs again.
+fn unpack_carried<'g>(b: &mut Builder<'g>, carried: Tensor<'g>, start: usize) -> Tensor<'g> {
+    let n_banked = b.hp.banked_before(start);
+    if n_banked == 0 {
+        return carried;
+    }
+    let ctx = b.ctx;
+    let [_, n_tokens, _, _] = carried.ne();
+    let (width, n_embd) = (b.hp.hidden_width(), b.hp.n_embd);
+    let row = carried.nb()[1];
+    let hidden = ctx.cont_2d(
+        ctx.view_2d(carried, width as i64, n_tokens, row, 0),
+        width as i64,
+        n_tokens,
+    );
+    let f32_size = std::mem::size_of::<f32>();
+    let banked = ctx.view_3d(
+        carried,
+        [n_embd as i64, n_banked as i64, n_tokens],
+        n_embd * f32_size,
+        row,
+        width * f32_size,
+    );
+    b.banked = Some(ctx.cont_3d(banked, [n_embd as i64, n_banked as i64, n_tokens]));
+    hidden
+}
+
+/// What leaves a stage that is not the last, `[carried_width, n_tokens]`: the hidden
+/// state and, after it, the inputs banked so far (see [`unpack_carried`]).
+fn pack_carried<'g>(b: &Builder<'g>, hidden: Tensor<'g>) -> Tensor<'g> {
+    let Some(banked) = b.banked else {
+        return hidden;
+    };
+    let ctx = b.ctx;
+    let [width, n_tokens, _, _] = hidden.ne();
+    let [n_embd, n_banked, _, _] = banked.ne();
+    let rows = ctx.concat(
+        ctx.reshape_3d(hidden, width, 1, n_tokens),
+        ctx.reshape_3d(banked, n_embd, n_banked, n_tokens),
+        1,
+    );
+    ctx.reshape_2d(rows, width + n_embd * n_banked, n_tokens)
+}
+
 /// What enters a step graph: token ids i32 `[n_tokens]` (first stage) or hidden states
 /// f32 `[n_embd, n_tokens]`.
 #[derive(Clone, Copy)]
@@ -787,7 +823,8 @@ fn new_inputs<'g>(
     let step_input = if key.tokens {
         StepInput::Tokens(input(DType::I32, &[n_tokens], "inp_tokens"))
     } else {
-        StepInput::Hidden(input(DType::F32, &[hp.hidden_width() as i64, n_tokens], "inp_hidden"))
+        let width = hp.carried_width(span.layers.start);
+        StepInput::Hidden(input(DType::F32, &[width as i64, n_tokens], "inp_hidden"))
     };
     let state_runs = key
         .state_runs

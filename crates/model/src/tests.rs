@@ -138,13 +138,7 @@ fn every_architecture_runs_and_a_split_chain_equals_one_stage() {
         assert_eq!(whole.len(), N_VOCAB as usize);
         assert!(whole.iter().all(|x| x.is_finite()), "{arch}: non-finite logits");
         assert!(whole.iter().any(|&x| x != whole[0]), "{arch}: constant logits");
-        // kimi-k3's residual attention runs on one stage (its own test splits it without).
-        let splits: &[&[usize]] = if arch == "kimi-k3" {
-            &[]
-        } else {
-            &[&[1, 2], &[2, 1], &[1, 1, 1]]
-        };
-        for &sizes in splits {
+        for sizes in [&[1, 2][..], &[2, 1], &[1, 1, 1]] {
             let split = chain_logits(&file, sizes, &tokens);
             let diff = whole
                 .iter()
@@ -812,36 +806,24 @@ fn kimi_linear_variants_are_refused_with_the_key_or_tensor_named() {
 }
 
 /// Kimi K3's tiny model (KDA, MLA, KDA; residual attention banking layers 0 and 2's
-/// inputs): its banked inputs do not travel, so a stage starting at layer 1 or 2 is
-/// refused with the reason and the whole model runs; without residual attention
-/// (`attn_res.block_size` 0) it splits anywhere and gives the same logits whole and
-/// split. A tensor-parallel group is refused with the reason; files llama.cpp cannot
-/// read or baton cannot compute are refused with the key or tensor named.
+/// inputs): the banked inputs travel with the hidden state, so a stage starting at layer
+/// 1 or 2 takes one more row of `n_embd` per token than the hidden state, and every split
+/// gives the logits of the whole model; without residual attention (`attn_res.block_size`
+/// 0) nothing but the hidden state travels. A tensor-parallel group is refused with the
+/// reason; files llama.cpp cannot read or baton cannot compute are refused with the key
+/// or tensor named.
 #[test]
-fn kimi_k3_refuses_splits_its_residual_attention_needs_and_variants_it_cannot_compute() {
+fn kimi_k3_carries_its_banked_inputs_between_stages_and_refuses_variants_it_cannot_compute() {
     let file = open("kimi-k3.gguf", &tiny_model("kimi-k3", |w| w)).unwrap();
-    let span = |layers| StageSpan {
-        layers,
-        first: false,
-        last: true,
-    };
-    for start in [1, 2] {
-        let err = Stage::load(file.clone(), span(start..N_LAYER), &config())
-            .err()
-            .unwrap()
-            .to_string();
-        assert_eq!(
-            err,
-            format!(
-                "bad stage configuration: a stage cannot start at layer {start}: kimi-k3's cross-layer \
-                 residual attention (attn_res.block_size 2) reads the inputs of layers 0, 2, … before it, \
-                 which do not travel between stages; run the model on one stage"
-            )
-        );
-    }
+    let hp = file.hparams();
+    let carried: Vec<usize> = (0..=N_LAYER).map(|l| hp.carried_width(l) / hp.n_embd).collect();
+    assert_eq!(carried, [1, 2, 2, 3]);
     let tokens = [1, 5, 9, 2, 7, 3];
     let whole = chain_logits(&file, &[N_LAYER], &tokens);
     assert!(whole.iter().all(|x| x.is_finite()));
+    for sizes in [&[1, 2][..], &[2, 1], &[1, 1, 1]] {
+        assert_eq!(chain_logits(&file, sizes, &tokens), whole, "stages of {sizes:?}");
+    }
 
     let plain = tiny_model("kimi-k3", |w| {
         let w = w
@@ -854,6 +836,8 @@ fn kimi_k3_refuses_splits_its_residual_attention_needs_and_variants_it_cannot_co
         })
     });
     let plain = open("kimi-k3-plain.gguf", &plain).unwrap();
+    let hp = plain.hparams();
+    assert!((0..=N_LAYER).all(|l| hp.carried_width(l) == hp.n_embd));
     let whole = chain_logits(&plain, &[N_LAYER], &tokens);
     assert_eq!(chain_logits(&plain, &[1, 2], &tokens), whole);
     assert_eq!(chain_logits(&plain, &[1, 1, 1], &tokens), whole);

@@ -11,8 +11,8 @@ use crate::NodeError;
 /// Times single-token steps through one middle layer of the model at `path`, on `device`.
 pub fn measure(path: &Path, threads: usize, device: Device) -> Result<f32, NodeError> {
     let file = ModelFile::open(path)?;
-    let width = file.hparams().hidden_width();
     let layer = file.hparams().n_layer / 2;
+    let width = file.hparams().carried_width(layer);
     let span = StageSpan {
         layers: layer..layer + 1,
         first: false,
