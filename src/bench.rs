@@ -96,6 +96,7 @@ fn bench_drafting(
             stop: Vec::new(),
             draft,
             grammar: None,
+            budget: None,
             show: Vec::new(),
             end: None,
             pooling: None,

@@ -240,6 +240,7 @@ fn generate_drafting(
         stop: Vec::new(),
         draft,
         grammar: None,
+        budget: None,
         show: Vec::new(),
         end: None,
         pooling: None,

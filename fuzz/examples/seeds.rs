@@ -161,6 +161,13 @@ fn messages() -> Vec<(String, Message)> {
             drawn: 0,
             grammar: Some("root ::= [a-z]+".into()),
             pooling: None,
+            budget: Some(Box::new(baton_sample::ReasoningBudget {
+                tokens: 256,
+                start: vec![151667],
+                ends: vec![vec![151668]],
+                forced: vec![151668],
+                prefill: vec![151667, 198],
+            })),
         },
         Message::StartSeq {
             seq: 2,
@@ -172,6 +179,7 @@ fn messages() -> Vec<(String, Message)> {
             drawn: 0,
             grammar: None,
             pooling: Some(baton_proto::Pooling::Mean),
+            budget: None,
         },
         Message::TruncateSeq { seq: 1, len: 12 },
         Message::Checkpoint { seq: 1, len: 8 },

@@ -152,6 +152,7 @@ mod tests {
             stop: Vec::new(),
             draft: crate::draft::Draft::OFF,
             grammar: None,
+            budget: None,
             show: Vec::new(),
             end: None,
             pooling: None,

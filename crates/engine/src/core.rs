@@ -221,7 +221,8 @@ impl Core {
                 .with_logprobs(active.job.logprobs, active.job.top_logprobs)
                 .with_drawn(active.generated as u32)
                 .with_grammar(active.job.grammar.clone())
-                .with_pooling(active.job.pooling);
+                .with_pooling(active.job.pooling)
+                .with_budget(active.job.budget.clone());
             self.send(start.into(), Pending::Control, now);
         }
     }
@@ -585,7 +586,8 @@ impl Core {
                 .keeping(n_reused as u32)
                 .with_logprobs(job.logprobs, job.top_logprobs)
                 .with_grammar(job.grammar.clone())
-                .with_pooling(job.pooling);
+                .with_pooling(job.pooling)
+                .with_budget(job.budget.clone());
             let epoch = self.next_epoch;
             self.next_epoch += 1;
             slot.last_used = epoch;

@@ -184,6 +184,7 @@ fn greedy_job(prompt: &[u32], max_tokens: usize, events: UnboundedSender<Event>)
         stop: Vec::new(),
         draft: Draft::OFF,
         grammar: None,
+        budget: None,
         show: Vec::new(),
         end: None,
         pooling: None,
@@ -258,6 +259,29 @@ fn texts(events: &[Event]) -> Vec<String> {
             _ => None,
         })
         .collect()
+}
+
+/// A request's thinking budget reaches the last stage in its `StartSeq`.
+#[test]
+fn a_thinking_budget_travels_in_the_start_of_its_sequence() {
+    let mut h = Harness::new(false);
+    let (events, _rx) = unbounded_channel();
+    let budget = baton_sample::ReasoningBudget {
+        tokens: 3,
+        start: vec![7],
+        ends: vec![vec![8]],
+        forced: vec![8],
+        prefill: vec![7],
+    };
+    h.core.submit(Box::new(Job {
+        budget: Some(budget.clone()),
+        ..greedy_job(&[1, 2, 3], 4, events)
+    }));
+    let sent = h.poll();
+    match &sent[0] {
+        Message::StartSeq { budget: Some(sent), .. } => assert_eq!(**sent, budget),
+        other => panic!("expected a StartSeq with the budget, got {other:?}"),
+    }
 }
 
 #[test]

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::Duration;
 
-use baton_sample::SamplingParams;
+use baton_sample::{ReasoningBudget, SamplingParams};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::head::RingEnds;
@@ -194,6 +194,9 @@ pub struct Job {
     /// GBNF grammar the generated text must follow, enforced by the last stage's
     /// sampling (structured output, forced tool calls).
     pub grammar: Option<String>,
+    /// A budget of thinking tokens, enforced by the last stage's sampling (it forces
+    /// the end tag when the budget is spent).
+    pub budget: Option<ReasoningBudget>,
     /// Control tokens whose text is part of the output (the tool-call markers a parser
     /// reads, such as Mistral's `[TOOL_CALLS]`); other control tokens render as nothing.
     pub show: Vec<u32>,

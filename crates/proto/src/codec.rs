@@ -55,7 +55,8 @@
 //! | 8    | TensorChunk  | index u32, offset u64, data bytes                                        |
 //! | 9    | Loaded       | resident u64, received u64                                               |
 //! | 10   | StartSeq     | seq u32, keep u32, params: SamplingParams, history [u32],                |
-//! |      |              | top_logprobs u8, logprobs bool, drawn u32, grammar opt<str>, pooling u8  |
+//! |      |              | top_logprobs u8, logprobs bool, drawn u32, grammar opt<str>, pooling u8, |
+//! |      |              | budget opt<ReasoningBudget>                                              |
 //! | 11   | TruncateSeq  | seq u32, len u32                                                         |
 //! | 12   | EndSeq       | seq u32                                                                  |
 //! | 13   | Forward      | step u64, payload: Payload, positions [i32], seq_ids [u32],              |
@@ -88,6 +89,7 @@
 //! | TensorEntry    | name str, offset u64, len u64, sha256 [32]                                  |
 //! | SamplingParams | temperature f32, top_k i32, top_p f32, min_p f32, repeat_penalty f32,       |
 //! |                | repeat_last_n u64, frequency_penalty f32, presence_penalty f32, seed u64    |
+//! | ReasoningBudget | tokens u32, start [u32], ends [[u32]], forced [u32], prefill [u32]          |
 //! | Payload        | tag u8, then 0: Tokens (tokens [u32]), 1: Hidden (hidden [f32]),            |
 //! |                | 2: HiddenF16 (values [u16], row_exps [u8])                                  |
 //! | SampledToken   | seq u32, token u32, logprob f32, top [TopLogprob]                           |

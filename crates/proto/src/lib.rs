@@ -16,7 +16,7 @@ pub mod invite;
 
 pub use codec::{decode, encode, encode_payload, header, parse_header, ProtoError, DEFAULT_MAX_FRAME, HEADER_LEN};
 
-use baton_sample::SamplingParams;
+use baton_sample::{ReasoningBudget, SamplingParams};
 
 /// Version of the wire protocol; peers with another version are refused.
 /// 4: `Refused` carries a [`RefusalCode`]; a version refusal follows the server's `Hello`.
@@ -48,7 +48,9 @@ use baton_sample::SamplingParams;
 /// Version 16: a worker serves one head per model at once (a server of several models
 /// plans each over the same workers). A ring link's first frame is `JoinRing` (kind 29)
 /// naming the session it joins, told the dialing stage in `LoadPlan::next_session`.
-pub const PROTOCOL_VERSION: u32 = 16;
+/// 17: `StartSeq` ends with the sequence's thinking budget
+/// ([`ReasoningBudget`](baton_sample::ReasoningBudget)), which the last stage enforces.
+pub const PROTOCOL_VERSION: u32 = 17;
 
 /// Most workers one `StreamStart` may send a worker to with `FetchFrom` (the head
 /// shares a stage among at most this many holders; a worker refuses more).
@@ -532,6 +534,10 @@ pub enum Message {
         grammar: Option<String>,
         /// Pool the sequence's rows into one vector instead of sampling.
         pooling: Option<Pooling>,
+        /// A budget of thinking tokens the last stage enforces (it forces the end tag
+        /// when the budget is spent, as llama.cpp's server does); replayed over the
+        /// last `drawn` tokens of `history` (boxed: most sequences have none).
+        budget: Option<Box<ReasoningBudget>>,
     },
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
@@ -629,6 +635,7 @@ pub struct StartSeq {
     drawn: u32,
     grammar: Option<String>,
     pooling: Option<Pooling>,
+    budget: Option<ReasoningBudget>,
 }
 
 impl StartSeq {
@@ -645,6 +652,7 @@ impl StartSeq {
             drawn: 0,
             grammar: None,
             pooling: None,
+            budget: None,
         }
     }
 
@@ -678,6 +686,12 @@ impl StartSeq {
         self.pooling = pooling;
         self
     }
+
+    /// Limits the sequence's thinking to a budget of tokens.
+    pub fn with_budget(mut self, budget: Option<ReasoningBudget>) -> StartSeq {
+        self.budget = budget;
+        self
+    }
 }
 
 impl From<StartSeq> for Message {
@@ -692,6 +706,7 @@ impl From<StartSeq> for Message {
             drawn: s.drawn,
             grammar: s.grammar,
             pooling: s.pooling,
+            budget: s.budget.map(Box::new),
         }
     }
 }

@@ -21,12 +21,14 @@
 //! ```
 #![deny(unsafe_code)]
 
+mod budget;
 mod math;
 mod params;
 mod row;
 mod sampler;
 mod select;
 
+pub use budget::{utf8_complete, BudgetState, BudgetTracker, ReasoningBudget, MAX_BUDGET_ENDS, MAX_BUDGET_SEQ};
 pub use params::SamplingParams;
 pub use row::{argmax, argmax_value};
 pub use sampler::{Sampled, Sampler};

@@ -9,7 +9,8 @@
 //! with an `input_schema`), `tool_choice` (`auto`, `any`, `tool`, `none`,
 //! `disable_parallel_tool_use`), `thinking` (`enabled` or `adaptive`: the template's
 //! `enable_thinking` on and the model's thinking sent as `thinking` blocks, as it is
-//! without the field; `budget_tokens` is accepted but not enforced; `disabled`:
+//! without the field; with `enabled`, `budget_tokens` (10000 when absent, as llama.cpp's
+//! server takes it) limits the thinking: `</think>` is forced when it is spent; `disabled`:
 //! `enable_thinking` off and any thinking the model writes anyway left out), and
 //! `thinking` blocks in assistant messages (dropped: templates show a model only its
 //! answers of earlier turns). Refused with a 400 that names the field: images and
@@ -41,6 +42,12 @@ pub fn to_chat(body: &Value) -> Result<Value, ApiError> {
     }
     if let Some(thinks) = thinking(object.get("thinking"))? {
         chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": thinks}));
+    }
+    // llama.cpp's server limits only `enabled` thinking, to `budget_tokens` or 10000.
+    let thinking = object.get("thinking");
+    if thinking.and_then(|t| t.get("type")).and_then(Value::as_str) == Some("enabled") {
+        let budget = thinking.and_then(|t| t.get("budget_tokens")).and_then(Value::as_u64);
+        chat.insert("thinking_budget_tokens".into(), json!(budget.unwrap_or(10_000)));
     }
     let mut messages = Vec::new();
     if let Some(system) = object.get("system") {

@@ -17,12 +17,13 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use baton_engine::{Cause, Draft, DraftMode, Engine, Event, Failure, FinishReason, Health, Job, SubmitError, TokenOut};
 use baton_ggml::LlamaModel;
+use baton_sample::ReasoningBudget;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::metrics::{Outcome, Timing};
 use crate::openai::{ErrorBody, ErrorDetail, PromptTokensDetails, Usage};
-use crate::reasoning::{FirstCallEnds, OutputSplitter, Start};
+use crate::reasoning::{self, FirstCallEnds, OutputSplitter, Start};
 use crate::request::{self, CompletionPrompt, Generation};
 use crate::template::{ChatMessage, ChatTemplate};
 use crate::tools::{self, Out, ToolChoice, ToolFormat, ToolParser};
@@ -266,6 +267,29 @@ impl AppState {
             tokens.extend(piece);
         }
         Ok((tokens, Start::after(&rendered)))
+    }
+
+    /// A thinking budget of `tokens` for a chat whose prompt is `prompt`, as llama.cpp's
+    /// server sets one: counted from `<think>`, ended by `</think>`, which is what is
+    /// forced. The prompt's tail from its last `<think>` (the template's generation
+    /// prompt opening the thinking) is read first, so that the count starts there.
+    fn reasoning_budget(&self, tokens: u32, prompt: &[u32]) -> Result<ReasoningBudget, ApiError> {
+        let start = self.tokenize_plain(reasoning::OPEN, false, true)?;
+        let end = self.tokenize_plain(reasoning::CLOSE, false, true)?;
+        let opened = (!start.is_empty())
+            .then(|| prompt.windows(start.len()).rposition(|w| w == start))
+            .flatten();
+        let prefill = match opened {
+            Some(at) if prompt.len() - at <= baton_sample::MAX_BUDGET_SEQ => prompt[at..].to_vec(),
+            _ => Vec::new(),
+        };
+        Ok(ReasoningBudget {
+            tokens,
+            start,
+            ends: vec![end.clone()],
+            forced: end,
+            prefill,
+        })
     }
 
     fn tokenize_plain(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>, ApiError> {
@@ -635,6 +659,7 @@ fn prepare(state: &AppState, generation: Generation, prompt: Vec<u32>) -> Result
         stop: generation.stop,
         draft,
         grammar: generation.grammar,
+        budget: None,
         show: Vec::new(),
         end: None,
         pooling: None,
@@ -762,7 +787,13 @@ async fn chat_job(
         .off_runtime(move |state| state.chat_prompt(&messages, tools.as_deref(), &kwargs))
         .await?;
     let splitter = OutputSplitter::new(format, parser, reasoning, start);
+    // gpt-oss thinks in its analysis channel, which has no `<think>` to count from.
+    let budget = match (req.reasoning_budget, format) {
+        (Some(tokens), format) if format != ToolFormat::Harmony => Some(state.reasoning_budget(tokens, &prompt)?),
+        _ => None,
+    };
     let mut prepared = prepare(state, req.generation, prompt)?;
+    prepared.job.budget = budget;
     if offer_tools && format == ToolFormat::Mistral {
         prepared.job.show = state.tool_markers.clone();
     }

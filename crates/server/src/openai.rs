@@ -135,6 +135,11 @@ pub struct ChatRequest {
     /// `none`, `minimal`, `low`, `medium`, `high`: given to the template as
     /// `reasoning_effort` (gpt-oss reads it); `none` and `minimal` turn thinking off.
     pub reasoning_effort: Option<String>,
+    /// Extension (llama.cpp's): most tokens the thinking may take (-1: no limit); when
+    /// spent, `</think>` is forced. `thinking_budget_tokens` is the same (Anthropic's
+    /// `thinking.budget_tokens` arrives as it).
+    #[serde(alias = "thinking_budget_tokens")]
+    pub reasoning_budget_tokens: Option<i64>,
     /// Shared fields.
     #[serde(flatten)]
     pub sampling: Sampling,

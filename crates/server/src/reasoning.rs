@@ -43,8 +43,10 @@ impl ReasoningFormat {
     }
 }
 
-const OPEN: &str = "<think>";
-const CLOSE: &str = "</think>";
+/// The tags of a model's thinking.
+pub const OPEN: &str = "<think>";
+/// The end of it.
+pub const CLOSE: &str = "</think>";
 
 /// Where generated text starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

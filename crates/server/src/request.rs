@@ -67,6 +67,8 @@ pub struct Chat {
     /// `enable_thinking` (true unless the request turned thinking off), as llama.cpp
     /// passes it.
     pub template_kwargs: Map<String, Value>,
+    /// Most tokens the thinking may take (`reasoning_budget_tokens`), if limited.
+    pub reasoning_budget: Option<u32>,
     /// The rest of the request.
     pub generation: Generation,
 }
@@ -156,6 +158,15 @@ pub fn chat(body: &[u8], model_id: &str) -> Result<Chat, ApiError> {
         })?,
     };
     let template_kwargs = template_kwargs(req.chat_template_kwargs, req.reasoning_effort.as_deref())?;
+    let reasoning_budget = match req.reasoning_budget_tokens {
+        None | Some(-1) => None,
+        Some(n) => Some(u32::try_from(n).map_err(|_| {
+            ApiError::invalid(format!(
+                "reasoning_budget_tokens {n} is not -1 (no limit) or a count of tokens"
+            ))
+            .param("reasoning_budget_tokens")
+        })?),
+    };
     Ok(Chat {
         messages,
         tools,
@@ -164,6 +175,7 @@ pub fn chat(body: &[u8], model_id: &str) -> Result<Chat, ApiError> {
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         reasoning,
         template_kwargs,
+        reasoning_budget,
         generation,
     })
 }

@@ -9,7 +9,7 @@ use baton_grammar::{Grammar, GrammarError, Matcher, TokenTable};
 use baton_model::{one_row_per_sequence, Batch, LogitReply, ModelError, RowBest, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
 use baton_proto::{Fault, Forward, Message, Payload, Pooling, SampledToken};
-use baton_sample::{Sampler, SamplingError};
+use baton_sample::{utf8_complete, BudgetTracker, Sampler, SamplingError};
 
 use crate::max_decode_rows;
 use crate::NodeError;
@@ -45,6 +45,8 @@ struct SeqSampler {
     /// Scratch for grammar masks.
     allowed: Vec<bool>,
     masked: Vec<f32>,
+    /// The sequence's thinking budget, if it has one.
+    budget: Option<BudgetTracker>,
 }
 
 impl StageWorker {
@@ -171,6 +173,7 @@ impl StageWorker {
             drawn,
             grammar,
             pooling,
+            budget,
         } = start
         else {
             return Ok(());
@@ -201,6 +204,17 @@ impl StageWorker {
         let mut sampler = Sampler::new(params.clone()).map_err(StageError::Sampling)?;
         history.iter().for_each(|&t| sampler.accept(t));
         sampler.skip_draws(*drawn);
+        let budget = match budget {
+            Some(budget) => {
+                let tokens = self.tokens()?;
+                let mut tracker = BudgetTracker::new((**budget).clone());
+                for &token in generated {
+                    tracker.accept(token, complete(&tokens, token));
+                }
+                Some(tracker)
+            }
+            None => None,
+        };
         let n_top = if *logprobs { *top_logprobs as usize } else { 0 };
         self.samplers.insert(
             seq,
@@ -211,6 +225,7 @@ impl StageWorker {
                 grammar: matcher,
                 allowed: Vec::new(),
                 masked: Vec::new(),
+                budget,
             },
         );
         Ok(())
@@ -390,7 +405,9 @@ impl StageWorker {
             && !sample_rows.is_empty()
             && sample_rows.iter().all(|&row| {
                 let sampler = seq_ids.get(row as usize).and_then(|seq| self.samplers.get(seq));
-                sampler.is_some_and(|s| s.sampler.params().is_plain_argmax() && !s.logprobs && s.grammar.is_none())
+                sampler.is_some_and(|s| {
+                    s.sampler.params().is_plain_argmax() && !s.logprobs && s.grammar.is_none() && s.budget.is_none()
+                })
             })
     }
 
@@ -529,6 +546,9 @@ impl StageWorker {
                 Rows::Best(best) => (best[i], f32::NAN, Vec::new()),
             };
             seq_sampler.sampler.accept(token);
+            if let (Some(budget), Some(table)) = (seq_sampler.budget.as_mut(), self.tokens.as_deref()) {
+                budget.accept(token, complete(table, token));
+            }
             tokens.push(SampledToken {
                 seq,
                 token,
@@ -667,12 +687,28 @@ impl Rows<'_> {
     }
 }
 
+/// Whether `token`'s text ends on a whole character (a thinking budget waits for one).
+fn complete(tokens: &TokenTable, token: u32) -> bool {
+    tokens.bytes(token).is_none_or(utf8_complete)
+}
+
 impl SeqSampler {
     /// The next token from one row of logits: within the grammar, if the sequence has
     /// one. Greedy without log-probabilities first tries the unconstrained choice (the
     /// arg-max of the masked row whenever the grammar allows it, as it usually does), so
     /// the mask over the whole vocabulary is computed only when that fails.
     fn sample(&mut self, logits: &[f32], tokens: Option<&TokenTable>) -> Result<Drawn, StageError> {
+        // The thinking budget masks first, as llama.cpp applies it before the chain.
+        let forced_row;
+        let logits = match &self.budget {
+            Some(budget) if budget.forced().is_some() => {
+                let mut row = logits.to_vec();
+                budget.mask(&mut row);
+                forced_row = row;
+                &forced_row[..]
+            }
+            _ => logits,
+        };
         let Some(matcher) = self.grammar.as_mut() else {
             return Ok(draw(&mut self.sampler, logits, self.logprobs, self.n_top)?);
         };

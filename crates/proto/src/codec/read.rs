@@ -2,7 +2,7 @@
 //! is compared with the bytes that remain before anything is allocated, and nothing here
 //! may panic.
 
-use baton_sample::SamplingParams;
+use baton_sample::{ReasoningBudget, SamplingParams, MAX_BUDGET_ENDS, MAX_BUDGET_SEQ};
 
 use super::{kind, kind_name, role_from_byte, ProtoError, MAX_STRING};
 use crate::{
@@ -69,6 +69,10 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
                 true => Some(r.str("grammar")?),
             },
             pooling: r.pooling()?,
+            budget: match r.present("budget")? {
+                false => None,
+                true => Some(Box::new(r.budget()?)),
+            },
         },
         kind::TRUNCATE_SEQ => Message::TruncateSeq {
             seq: r.u32("seq")?,
@@ -484,6 +488,36 @@ impl<'a> Reader<'a> {
             return Err(self.invalid("tensor entry", reason));
         }
         Ok(entry)
+    }
+
+    /// A thinking budget: its token count, start sequence, end sequences, forced
+    /// sequence and prefill, each sequence at most `MAX_BUDGET_SEQ` tokens and at most
+    /// `MAX_BUDGET_ENDS` end sequences (the last stage matches each against every token).
+    fn budget(&mut self) -> Result<ReasoningBudget, ProtoError> {
+        let tokens = self.u32("budget tokens")?;
+        let seq = |r: &mut Self, what: &'static str| {
+            let seq = r.array(what, u32::from_le_bytes)?;
+            match seq.len() <= MAX_BUDGET_SEQ {
+                true => Ok(seq),
+                false => Err(r.invalid(what, format!("{} tokens, more than {MAX_BUDGET_SEQ}", seq.len()))),
+            }
+        };
+        let start = seq(self, "budget start")?;
+        let n_ends = self.count("budget ends", 4)?;
+        if n_ends > MAX_BUDGET_ENDS {
+            return Err(self.invalid(
+                "budget ends",
+                format!("{n_ends} sequences, more than {MAX_BUDGET_ENDS}"),
+            ));
+        }
+        let ends = (0..n_ends).map(|_| seq(self, "budget end")).collect::<Result<_, _>>()?;
+        Ok(ReasoningBudget {
+            tokens,
+            start,
+            ends,
+            forced: seq(self, "budget forced")?,
+            prefill: seq(self, "budget prefill")?,
+        })
     }
 
     fn sampling(&mut self) -> Result<SamplingParams, ProtoError> {

@@ -74,6 +74,17 @@ const TENSOR_ENTRY: Layout = Layout {
         Field("sha256", Ty::Raw32),
     ],
 };
+const REASONING_BUDGET: Layout = Layout {
+    name: "ReasoningBudget",
+    fields: &[
+        Field("tokens", Ty::U32),
+        Field("start", Ty::List(&Ty::U32)),
+        Field("ends", Ty::List(&Ty::List(&Ty::U32))),
+        Field("forced", Ty::List(&Ty::U32)),
+        Field("prefill", Ty::List(&Ty::U32)),
+    ],
+};
+
 const SAMPLING_PARAMS: Layout = Layout {
     name: "SamplingParams",
     fields: &[
@@ -129,13 +140,14 @@ const TOP_LOGPROB: Layout = Layout {
 };
 
 /// Structures, in the order the second table lists them.
-const STRUCTURES: [&Layout; 10] = [
+const STRUCTURES: [&Layout; 11] = [
     &MODEL_REF,
     &HELD_MODEL,
     &DEVICE_CAPS,
     &DEVICE_RANGE,
     &TENSOR_ENTRY,
     &SAMPLING_PARAMS,
+    &REASONING_BUDGET,
     &PAYLOAD,
     &SAMPLED_TOKEN,
     &TOP_LOGPROB,
@@ -226,6 +238,7 @@ const MESSAGES: [Layout; 29] = [
             Field("drawn", Ty::U32),
             Field("grammar", Ty::Opt(&Ty::Str)),
             Field("pooling", Ty::U8),
+            Field("budget", Ty::Opt(&Ty::Struct(&REASONING_BUDGET))),
         ],
     },
     Layout {

@@ -196,6 +196,13 @@ pub(super) fn samples() -> Vec<Message> {
             drawn: 17,
             grammar: Some("root ::= \"a\"".into()),
             pooling: None,
+            budget: Some(Box::new(baton_sample::ReasoningBudget {
+                tokens: 1024,
+                start: vec![151_667],
+                ends: vec![vec![151_668], vec![522, 26865, 29]],
+                forced: vec![198, 151_668],
+                prefill: vec![151_667, 198],
+            })),
         },
         Message::StartSeq {
             seq: 0,
@@ -207,6 +214,7 @@ pub(super) fn samples() -> Vec<Message> {
             drawn: 0,
             grammar: None,
             pooling: Some(crate::Pooling::Last),
+            budget: None,
         },
         Message::TruncateSeq { seq: 9, len: 100 },
         Message::EndSeq { seq: u32::MAX },
@@ -539,19 +547,47 @@ fn unknown_role_and_tags_are_refused() {
         drawn: 0,
         grammar: None,
         pooling: None,
+        budget: None,
     });
-    // The logprobs byte, before the 4-byte `drawn`, the 1-byte absent `grammar` and the
-    // 1-byte `pooling`.
-    let at = payload.len() - 7;
+    // The logprobs byte, before the 4-byte `drawn`, the 1-byte absent `grammar`, the
+    // 1-byte `pooling` and the 1-byte absent `budget`.
+    let at = payload.len() - 8;
     payload[at] = 2;
     assert_eq!(
         invalid_reason(decode(kind, &payload)),
         "boolean byte 2 is neither 0 nor 1"
     );
     payload[at] = 1;
-    let last = payload.len() - 1;
-    payload[last] = 4;
+    let pooling = payload.len() - 2;
+    payload[pooling] = 4;
     assert_eq!(invalid_reason(decode(kind, &payload)), "unknown pooling 4");
+    payload[pooling] = 0;
+
+    // A budget whose sequences are longer, or more, than a stage matches.
+    let with_budget = |budget: baton_sample::ReasoningBudget| {
+        payload_of(&Message::StartSeq {
+            seq: 1,
+            keep: 0,
+            top_logprobs: 0,
+            params: params(),
+            history: vec![],
+            logprobs: false,
+            drawn: 0,
+            grammar: None,
+            pooling: None,
+            budget: Some(Box::new(budget)),
+        })
+    };
+    let (kind, long) = with_budget(baton_sample::ReasoningBudget {
+        forced: vec![7; baton_sample::MAX_BUDGET_SEQ + 1],
+        ..Default::default()
+    });
+    assert_eq!(invalid_reason(decode(kind, &long)), "65 tokens, more than 64");
+    let (kind, many) = with_budget(baton_sample::ReasoningBudget {
+        ends: vec![vec![1]; baton_sample::MAX_BUDGET_ENDS + 1],
+        ..Default::default()
+    });
+    assert_eq!(invalid_reason(decode(kind, &many)), "9 sequences, more than 8");
 
     // A pooled vector: empty, wider than any model, or with NaN.
     let pooled = |values: &[f32]| {
@@ -726,6 +762,7 @@ fn invalid_values_are_refused() {
         drawn: 0,
         grammar: None,
         pooling: None,
+        budget: None,
     };
     let (kind, payload) = payload_of(&msg);
     let err = decode(kind, &payload).unwrap_err();
@@ -752,6 +789,7 @@ fn invalid_values_are_refused() {
         drawn: 0,
         grammar: None,
         pooling: None,
+        budget: None,
     };
     assert!(invalid_reason(decode(kind, &payload_of(&top_p).1)).contains("top_p"));
 

@@ -2,7 +2,7 @@
 //! (a string over 64 KiB, an inconsistent `Forward`) are still written, so the refusal
 //! and its reason come from the peer's decoder in one place.
 
-use baton_sample::SamplingParams;
+use baton_sample::{ReasoningBudget, SamplingParams};
 
 use super::{kind_of, role_byte, HEADER_LEN};
 use crate::{
@@ -90,6 +90,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             drawn,
             grammar,
             pooling,
+            budget,
         } => {
             w.u32(*seq);
             w.u32(*keep);
@@ -100,6 +101,13 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u32(*drawn);
             w.opt_str(grammar.as_deref());
             w.u8(pooling.map_or(0, Pooling::number));
+            match budget {
+                None => w.u8(0),
+                Some(budget) => {
+                    w.u8(1);
+                    w.budget(budget);
+                }
+            }
         }
         Message::TruncateSeq { seq, len } | Message::Checkpoint { seq, len } => {
             w.u32(*seq);
@@ -312,6 +320,17 @@ impl Writer<'_> {
         self.u64(entry.offset);
         self.u64(entry.len);
         self.raw(&entry.sha256);
+    }
+
+    fn budget(&mut self, budget: &ReasoningBudget) {
+        self.u32(budget.tokens);
+        self.array(&budget.start, u32::to_le_bytes);
+        self.count(budget.ends.len());
+        for end in &budget.ends {
+            self.array(end, u32::to_le_bytes);
+        }
+        self.array(&budget.forced, u32::to_le_bytes);
+        self.array(&budget.prefill, u32::to_le_bytes);
     }
 
     fn sampling(&mut self, params: &SamplingParams) {

@@ -123,7 +123,24 @@ fn thinking_turns_the_templates_switch() {
     let chat = to_chat(&enabled).unwrap();
     assert_eq!(chat["chat_template_kwargs"], json!({"enable_thinking": true}));
     assert_eq!(chat["messages"][1], json!({"role": "assistant", "content": "Hello."}));
+    assert_eq!(
+        chat["thinking_budget_tokens"],
+        json!(1024),
+        "enabled thinking is limited"
+    );
     assert!(!thinking_disabled(&enabled));
+    let unbudgeted = to_chat(&body(json!({"type": "enabled"}))).unwrap();
+    assert_eq!(
+        unbudgeted["thinking_budget_tokens"],
+        json!(10_000),
+        "llama.cpp's default"
+    );
+    let adaptive = to_chat(&body(json!({"type": "adaptive", "budget_tokens": 64}))).unwrap();
+    assert_eq!(
+        adaptive.get("thinking_budget_tokens"),
+        None,
+        "only enabled thinking is limited"
+    );
     let disabled = body(json!({"type": "disabled"}));
     assert_eq!(
         to_chat(&disabled).unwrap()["chat_template_kwargs"],

@@ -139,6 +139,7 @@ fn submit(
         stop: Vec::new(),
         draft: baton_engine::Draft::OFF,
         grammar: None,
+        budget: None,
         show: Vec::new(),
         end: None,
         pooling: Some(pooling),

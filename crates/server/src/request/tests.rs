@@ -298,6 +298,17 @@ fn thinking_switches_are_read_and_checked() {
         "true or false",
     );
     refused(json!({"reasoning_effort": "max"}), "reasoning_effort", "'max'");
+    // The thinking budget: llama.cpp's two names, -1 for no limit.
+    assert_eq!(plain.reasoning_budget, None);
+    let budget = |extra| chat_of(extra).unwrap().reasoning_budget;
+    assert_eq!(budget(json!({"reasoning_budget_tokens": 256})), Some(256));
+    assert_eq!(budget(json!({"thinking_budget_tokens": 0})), Some(0));
+    assert_eq!(budget(json!({"reasoning_budget_tokens": -1})), None);
+    refused(
+        json!({"reasoning_budget_tokens": -5}),
+        "reasoning_budget_tokens",
+        "-5 is not -1",
+    );
 }
 
 /// llama.cpp's `grammar` extension: checked like a response format's, not both at once.

@@ -7,7 +7,7 @@ use std::path::Path;
 use baton_ggml::LlamaModel;
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
 use baton_proto::{Forward, Message, Payload, StartSeq};
-use baton_sample::SamplingParams;
+use baton_sample::{ReasoningBudget, SamplingParams};
 
 use super::StageWorker;
 
@@ -128,6 +128,69 @@ fn grammar_keeps_greedy_text_inside_it_with_drafts_and_after_a_rebuild() {
         Message::Error { message, .. } => assert!(message.contains("'nothing'"), "{message}"),
         other => panic!("expected an error, got {other:?}"),
     }
+}
+
+/// A thinking budget, as llama.cpp's server enforces one: the generation prompt opens
+/// `<think>` (its tail read first, so the newline after the tag counts), the budget's
+/// tokens are greedy as without it, then `</think>` is forced token by token and
+/// generation goes on after it; a sequence rebuilt in the middle of the forced tag
+/// replays the budget and forces the rest.
+#[test]
+fn a_thinking_budget_forces_the_end_tag_once_spent() {
+    let vocab = LlamaModel::load_vocab(Path::new(QWEN)).unwrap();
+    let mut worker = worker();
+    // Qwen2.5 has no thinking tokens: its `<think>` is a few text tokens, which the
+    // prompt ends with as a thinking model's generation prompt does.
+    let open = vocab.tokenize("<think>", false, true).unwrap();
+    let close = vocab.tokenize("</think>", false, true).unwrap();
+    let mut prompt = prompt(&vocab);
+    let at = prompt.len();
+    prompt.extend(&open);
+    prompt.extend(vocab.tokenize("\n", false, true).unwrap());
+    let budget = ReasoningBudget {
+        tokens: 4,
+        start: open,
+        ends: vec![close.clone()],
+        forced: close.clone(),
+        prefill: prompt[at..].to_vec(),
+    };
+    let with_budget = |seq, history: Vec<u32>, drawn| {
+        StartSeq::new(seq, SamplingParams::greedy(), history)
+            .with_drawn(drawn)
+            .with_budget(Some(budget.clone()))
+    };
+
+    assert_eq!(start(&mut worker, 0, prompt.clone(), 0, None), Message::Done);
+    let free = generate(&mut worker, &vocab, 0, &prompt, 6);
+    assert_eq!(worker.handle(with_budget(1, prompt.clone(), 0).into()), Message::Done);
+    let n = 3 + close.len() + 4;
+    let limited = generate(&mut worker, &vocab, 1, &prompt, n);
+    // 4 tokens of budget, the prompt's newline after `<think>` one of them.
+    assert_eq!(limited[..3], free[..3], "the budget's tokens are the model's own");
+    assert_ne!(
+        free[3..3 + close.len()],
+        close[..],
+        "the test needs a model that does not close by itself"
+    );
+    assert_eq!(limited[3..3 + close.len()], close[..], "then the end tag, forced");
+
+    // The same tokens fed one by one without a budget give the same continuation.
+    assert_eq!(start(&mut worker, 2, prompt.clone(), 0, None), Message::Done);
+    let mut fed = step(&mut worker, 2, &prompt, 0, false);
+    for (i, &token) in limited[..3 + close.len()].iter().enumerate() {
+        fed = step(&mut worker, 2, &[token], (prompt.len() + i) as i32, false);
+    }
+    assert_eq!(fed[0], limited[3 + close.len()]);
+
+    // Rebuilt after the first token of the tag: the rest of it is forced.
+    let kept = 4;
+    let mut history = prompt.clone();
+    history.extend_from_slice(&limited[..kept]);
+    assert_eq!(
+        worker.handle(with_budget(3, history.clone(), kept as u32).into()),
+        Message::Done
+    );
+    assert_eq!(step(&mut worker, 3, &history, 0, false), limited[kept..kept + 1]);
 }
 
 /// Issue 16: a panic in a session's thread left the worker wedged. The stage loop
