@@ -584,6 +584,24 @@ fn deepseek32_on_two_workers_matches_llama_cpp() {
     two_workers("deepseek32", FileType::Q4KM);
 }
 
+/// DeepSeek V4 with every layer on its raw window (16 tokens; the prompts and their
+/// continuations run past it): four hyper-connection streams between layers and
+/// stages, one key-and-value head with sinks, the grouped low-rank output,
+/// sqrt-softplus experts, the first layer routed by token id, SwiGLU clamps.
+#[test]
+fn deepseek4_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("deepseek4", FileType::Q4KM);
+    let worst = check_stages(&path, "deepseek4");
+    assert_eq!(worst, 0.0, "deepseek4: the logits are llama.cpp's bit for bit");
+}
+
+#[test]
+fn deepseek4_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("deepseek4", FileType::Q4KM);
+}
+
 /// GLM-5's sparse attention: deepseek32's with consecutive-pair RoPE in the indexer,
 /// no epsilon in its key norm, sigmoid gating by default, and a shared indexer in
 /// layer 1 (it attends to the tokens layer 0 chose).

@@ -317,7 +317,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear, kimi-k3)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear, kimi-k3, deepseek4)"
     );
 
     // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
@@ -400,12 +400,12 @@ fn loader_errors_are_clear() {
         err_text("mm-none.gguf", &none),
         "bad hyper-parameters: minimax-m2.expert_gating_func is 0 (none): the router has no gating function"
     );
-    let softplus = tiny_model("minimax-m2", |w| {
+    let unknown_gating = tiny_model("minimax-m2", |w| {
         w.without_kv("minimax-m2.expert_gating_func")
-            .kv_u32("minimax-m2.expert_gating_func", 4)
+            .kv_u32("minimax-m2.expert_gating_func", 5)
     });
-    let text = err_text("mm-softplus.gguf", &softplus);
-    assert!(text.contains("expert_gating_func 4 is not supported"), "{text}");
+    let text = err_text("mm-gating.gguf", &unknown_gating);
+    assert!(text.contains("expert_gating_func 5 is not supported"), "{text}");
     let fused = tiny_model("minimax-m2", |w| {
         w.tensor_f32("blk.0.attn_qkv.weight", &[N_EMBD, 64], &[0.0; 32 * 64])
     });
@@ -635,8 +635,8 @@ fn sparse_attention_variants_are_refused_with_the_key_named() {
         "bad hyper-parameters: deepseek32.expert_gating_func is 0 (none): deepseek32's experts need softmax or sigmoid gating"
     );
     assert_eq!(
-        text("deepseek32", &set("deepseek32.expert_gating_func", Value::U32(4))),
-        "bad hyper-parameters: expert_gating_func 4 is not supported (1 softmax, 2 sigmoid, 3 softmax of the chosen)"
+        text("deepseek32", &set("deepseek32.expert_gating_func", Value::U32(5))),
+        "bad hyper-parameters: expert_gating_func 5 is not supported (1 softmax, 2 sigmoid, 3 softmax of the chosen, 4 square root of softplus)"
     );
     assert_eq!(
         text("deepseek32", &set("deepseek32.attention.indexer.key_length", Value::U32(96))),
