@@ -470,6 +470,16 @@ fn sparse_attention_batching_other_sequences_changes_nothing() {
     }
 }
 
+/// DeepSeek V4 in batches of decode steps of up to 7 sequences: each sequence's own
+/// window of 16 raw keys (prompts of 11 to 26 tokens, 12 decoded), hash routing by
+/// each row's own token, the streams of each row on their own: the same bits and greedy
+/// tokens as alone, and after truncating back to the prompts (prefix reuse).
+#[test]
+fn deepseek4_batching_other_sequences_changes_nothing() {
+    let _serial = serial();
+    batching_changes_nothing("deepseek4", FileType::Q4KM);
+}
+
 /// A decode step of one sequence alone and beside the steps of up to 6 others, on 2
 /// stages of the synthetic `arch`: the same bits; and sequence 0's greedy tokens alone
 /// and beside the others: the same tokens.
