@@ -47,29 +47,6 @@ impl Context {
         unsafe { self.wrap(sys::ggml_dsv4_hc_pre(self.raw(), x.raw(), weights.raw())) }
     }
 
-    /// The inverse rotation of [`Context::rope`] (ggml's `rope_ext_back`: the rotation by
-    /// the negated angles), with the same parameters.
-    pub fn rope_back<'t>(&'t self, a: Tensor<'t>, positions: Tensor<'t>, rope: &crate::RopeParams) -> Tensor<'t> {
-        // SAFETY: records a node; the frequency factors are optional in ggml (null).
-        unsafe {
-            self.wrap(sys::ggml_rope_ext_back(
-                self.raw(),
-                a.raw(),
-                positions.raw(),
-                std::ptr::null_mut(),
-                rope.n_dims,
-                rope.mode,
-                rope.n_ctx_orig,
-                rope.freq_base,
-                rope.freq_scale,
-                rope.ext_factor,
-                rope.attn_factor,
-                rope.beta_fast,
-                rope.beta_slow,
-            ))
-        }
-    }
-
     /// Square root element-wise.
     pub fn sqrt<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
         // SAFETY: records a node (see module docs).

@@ -87,6 +87,16 @@ fn config() -> StageConfig {
     StageConfig::new(64, 1)
 }
 
+/// Layers `layers` of `file` loaded as a last stage that is not the first.
+fn load_tail(file: &Arc<ModelFile>, layers: std::ops::Range<usize>) -> Result<Stage, ModelError> {
+    let span = StageSpan {
+        layers,
+        first: false,
+        last: true,
+    };
+    Stage::load(file.clone(), span, &config())
+}
+
 /// Logits of the last token of `tokens` through stages of the given sizes.
 fn chain_logits(file: &Arc<ModelFile>, sizes: &[usize], tokens: &[u32]) -> Vec<f32> {
     let mut start = 0;
@@ -656,17 +666,9 @@ fn sparse_attention_variants_are_refused_with_the_key_named() {
     // model runs.
     let shared = tiny_model("glm-dsa", set("glm-dsa.attention.indexer.types", types([1, 0, 1])));
     let file = open("dsa-shared.gguf", &shared).unwrap();
-    let span = |layers| StageSpan {
-        layers,
-        first: false,
-        last: true,
-    };
-    let err = Stage::load(file.clone(), span(1..N_LAYER), &config())
-        .err()
-        .unwrap()
-        .to_string();
+    let err = load_tail(&file, 1..N_LAYER).err().unwrap().to_string();
     assert_eq!(err, "bad stage configuration: a stage cannot start at layer 1: it reuses layer 0's choice of tokens (a shared indexer layer); start stages at layers that have their own indexer (e.g. with --split)");
-    assert!(Stage::load(file.clone(), span(2..N_LAYER), &config()).is_ok());
+    assert!(load_tail(&file, 2..N_LAYER).is_ok());
     let logits = chain_logits(&file, &[N_LAYER], &[1, 5, 9, 2, 7, 3]);
     assert!(logits.iter().all(|x| x.is_finite()));
 }
@@ -820,16 +822,8 @@ fn kimi_linear_variants_are_refused_with_the_key_or_tensor_named() {
 #[test]
 fn kimi_k3_refuses_splits_its_residual_attention_needs_and_variants_it_cannot_compute() {
     let file = open("kimi-k3.gguf", &tiny_model("kimi-k3", |w| w)).unwrap();
-    let span = |layers| StageSpan {
-        layers,
-        first: false,
-        last: true,
-    };
     for start in [1, 2] {
-        let err = Stage::load(file.clone(), span(start..N_LAYER), &config())
-            .err()
-            .unwrap()
-            .to_string();
+        let err = load_tail(&file, start..N_LAYER).err().unwrap().to_string();
         assert_eq!(
             err,
             format!(
@@ -1030,21 +1024,13 @@ fn deepseek4_variants_are_refused_with_the_key_or_tensor_named() {
         w.tensor_raw("blk.1.ffn_gate_tid2eid.weight", &[2, N_VOCAB], GgmlType::I32, ids)
     });
     let file = open("deepseek4-hashed.gguf", &hashed).unwrap();
-    let span = |layers| StageSpan {
-        layers,
-        first: false,
-        last: true,
-    };
-    let err = Stage::load(file.clone(), span(1..N_LAYER), &config())
-        .err()
-        .unwrap()
-        .to_string();
+    let err = load_tail(&file, 1..N_LAYER).err().unwrap().to_string();
     assert_eq!(
         err,
         "bad stage configuration: a stage cannot start at layer 1: deepseek4's first 2 layers (hash_layer_count) \
          choose experts by the token ids, which only the first stage has; start stages at layer 0 or from layer 2"
     );
-    assert!(Stage::load(file.clone(), span(2..N_LAYER), &config()).is_ok());
+    assert!(load_tail(&file, 2..N_LAYER).is_ok());
     let tokens = [1, 5, 9, 2, 7, 3];
     assert_eq!(
         chain_logits(&file, &[2, 1], &tokens),

@@ -338,7 +338,7 @@ fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Ten
     let out = b.attend(layer, q, keys, Some(w.get(T::AttnSinks)), hp.attn_scale); // [d, n_head, n_tokens]
     let out = ctx.reshape_3d(out, d, n_head, n_tokens);
     let out = ctx
-        .rope_back(out, positions, rope)
+        .rope_back(out, positions, None, rope)
         .rope_offset(n_nope)
         .named(&format!("attn_derope-{layer}"));
 
