@@ -245,6 +245,30 @@ fn kimi_k3_with_residual_attention_plans_one_stage() {
     assert_eq!(plan_with_split(&plain, &nodes, &[2, 2]).unwrap().stages.len(), 2);
 }
 
+/// DeepSeek V4's hash-routed layers choose experts by the batch's token ids, which only
+/// the first stage has: with 3 of them, no stage starts at layer 1 or 2, a `--split`
+/// there is refused with the reason, one after them is planned.
+#[test]
+fn deepseek4_plans_no_stage_inside_its_hash_routed_layers() {
+    use baton_plan::{plan_with_split, NodeOffer};
+    let nodes = [
+        NodeOffer::single("a", 1 << 40, 1.0),
+        NodeOffer::single("b", 1 << 40, 1.0),
+    ];
+    let path = synthetic_with("deepseek4", FileType::Q4KM, |spec| {
+        spec.keys.push(("deepseek4.hash_layer_count".into(), Value::U32(3)));
+    });
+    let cost = baton_cluster::model_cost(&ModelFile::open(&path).unwrap(), 256, 1, KvTypes::default());
+    assert_eq!(cost.no_stage_start, [1, 2]);
+    assert_eq!(
+        plan_with_split(&cost, &nodes, &[2, 2]).unwrap_err().to_string(),
+        "--split starts b's stage at layer 2, which reuses the batch's token ids (deepseek4's hash-routed \
+         experts choose by them; only the first stage has them) and must stay on that layer's stage"
+    );
+    let plan = plan_with_split(&cost, &nodes, &[3, 1]).unwrap();
+    assert_eq!(plan.stages[1].layers, 3..4);
+}
+
 #[test]
 fn kimi_linear_on_two_workers_matches_llama_cpp() {
     let _serial = serial();

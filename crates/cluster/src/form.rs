@@ -289,7 +289,7 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvType
     } else if hash_layers > 1 {
         (
             (1..hash_layers).collect(),
-            "the batch's token ids (deepseek4's hash-routed experts), which only the first stage has",
+            "the batch's token ids (deepseek4's hash-routed experts choose by them; only the first stage has them)",
         )
     } else {
         (
