@@ -158,6 +158,8 @@ tensor_names! {
         AttnOutputA = "attn_output_a.weight",
         AttnOutputB = "attn_output_b.weight",
         FfnGateTid2eid = "ffn_gate_tid2eid.weight",
+        // DeepSeek V4's vision variant: the selection bias of image tokens' routing.
+        ExpProbsBiasVl = "exp_probs_b_vl.bias",
         // DeepSeek V4's key compressors (attention's and the lightning indexer's) and
         // multi-token-prediction block, which only its example files hold (baton
         // refuses compressed layers and skips the prediction layers).

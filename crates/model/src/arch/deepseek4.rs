@@ -239,6 +239,9 @@ fn tensors(t: &mut LayerPlan<'_>) {
     } else {
         t.vec(T::ExpProbsBias, &[n_expert], Split::Whole);
     }
+    // Used for image tokens only, which baton does not take: text runs without it, as
+    // in llama.cpp.
+    t.vec(T::ExpProbsBiasVl, &[n_expert], Split::Whole).optional();
     t.norm(T::FfnNorm, embd);
     tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
 }
