@@ -227,6 +227,30 @@ fn kimi_k3_on_two_workers_matches_llama_cpp() {
     two_workers("kimi-k3", FileType::Q4KM);
 }
 
+/// DeepSeek V4's hash-routed layers choose experts by the batch's token ids, which only
+/// the first stage has: with 3 of them, no stage starts at layer 1 or 2, a `--split`
+/// there is refused with the reason, one after them is planned.
+#[test]
+fn deepseek4_plans_no_stage_inside_its_hash_routed_layers() {
+    use baton_plan::{plan_with_split, NodeOffer};
+    let nodes = [
+        NodeOffer::single("a", 1 << 40, 1.0),
+        NodeOffer::single("b", 1 << 40, 1.0),
+    ];
+    let path = synthetic_with("deepseek4", FileType::Q4KM, |spec| {
+        spec.keys.push(("deepseek4.hash_layer_count".into(), Value::U32(3)));
+    });
+    let cost = baton_cluster::model_cost(&ModelFile::open(&path).unwrap(), 256, 1, KvTypes::default());
+    assert_eq!(cost.no_stage_start, [1, 2]);
+    assert_eq!(
+        plan_with_split(&cost, &nodes, &[2, 2]).unwrap_err().to_string(),
+        "--split starts b's stage at layer 2, which reuses the batch's token ids (deepseek4's hash-routed \
+         experts choose by them; only the first stage has them) and must stay on that layer's stage"
+    );
+    let plan = plan_with_split(&cost, &nodes, &[3, 1]).unwrap();
+    assert_eq!(plan.stages[1].layers, 3..4);
+}
+
 #[test]
 fn kimi_linear_on_two_workers_matches_llama_cpp() {
     let _serial = serial();
@@ -452,6 +476,16 @@ fn sparse_attention_batching_other_sequences_changes_nothing() {
     }
 }
 
+/// DeepSeek V4 in batches of decode steps of up to 7 sequences: each sequence's own
+/// window of 16 raw keys (prompts of 11 to 26 tokens, 12 decoded), hash routing by
+/// each row's own token, the streams of each row on their own: the same bits and greedy
+/// tokens as alone, and after truncating back to the prompts (prefix reuse).
+#[test]
+fn deepseek4_batching_other_sequences_changes_nothing() {
+    let _serial = serial();
+    batching_changes_nothing("deepseek4", FileType::Q4KM);
+}
+
 /// A decode step of one sequence alone and beside the steps of up to 6 others, on 2
 /// stages of the synthetic `arch`: the same bits; and sequence 0's greedy tokens alone
 /// and beside the others: the same tokens.
@@ -564,6 +598,24 @@ fn deepseek32_matches_llama_cpp_with_1_2_3_stages() {
 fn deepseek32_on_two_workers_matches_llama_cpp() {
     let _serial = serial();
     two_workers("deepseek32", FileType::Q4KM);
+}
+
+/// DeepSeek V4 with every layer on its raw window (16 tokens; the prompts and their
+/// continuations run past it): four hyper-connection streams between layers and
+/// stages, one key-and-value head with sinks, the grouped low-rank output,
+/// sqrt-softplus experts, the first layer routed by token id, SwiGLU clamps.
+#[test]
+fn deepseek4_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("deepseek4", FileType::Q4KM);
+    let worst = check_stages(&path, "deepseek4");
+    assert_eq!(worst, 0.0, "deepseek4: the logits are llama.cpp's bit for bit");
+}
+
+#[test]
+fn deepseek4_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("deepseek4", FileType::Q4KM);
 }
 
 /// GLM-5's sparse attention: deepseek32's with consecutive-pair RoPE in the indexer,

@@ -276,17 +276,33 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvType
     } else {
         "token_embd.weight"
     };
-    // A layer that reuses an earlier layer's choice of tokens stays on its stage.
-    let no_stage_start = hp
-        .indexer()
-        .map(|ix| (0..hp.n_layer).filter(|&l| !ix.full_layers[l]).collect())
-        .unwrap_or_default();
-    let reused = "an earlier layer's choice of tokens (a shared indexer layer)";
+    // A layer that reuses an earlier layer's choice of tokens stays on its stage; so do
+    // DeepSeek V4's hash-routed layers after the first, which read the token ids only the
+    // first stage has.
+    let hash_layers = hp.dsv4.as_ref().map_or(0, |v4| v4.hash_layers.min(hp.n_layer));
+    let (no_stage_start, reused) = if hash_layers > 1 {
+        (
+            (1..hash_layers).collect(),
+            "the batch's token ids (deepseek4's hash-routed experts choose by them; only the first stage has them)",
+        )
+    } else {
+        (
+            hp.indexer()
+                .map(|ix| (0..hp.n_layer).filter(|&l| !ix.full_layers[l]).collect())
+                .unwrap_or_default(),
+            "an earlier layer's choice of tokens (a shared indexer layer)",
+        )
+    };
     ModelCost {
         layer_bytes: (0..hp.n_layer).map(|l| file.layer_bytes(l)).collect(),
         layer_work_bytes: (0..hp.n_layer).map(|l| file.layer_work_bytes(l)).collect(),
         first_bytes: tensor_bytes("token_embd.weight"),
-        last_bytes: tensor_bytes("output_norm.weight") + tensor_bytes(output),
+        last_bytes: tensor_bytes("output_norm.weight")
+            + tensor_bytes(output)
+            + baton_model::hyper::end_tensors(hp)
+                .iter()
+                .map(|(t, _, _)| tensor_bytes(t.name()))
+                .sum::<u64>(),
         kv_bytes: (0..hp.n_layer)
             .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, kv_types))
             .collect(),
