@@ -299,6 +299,19 @@ impl Cells {
             *overwritten = (*overwritten).min(len as i32 - 1);
         }
     }
+
+    /// How many tokens of `seq` `cells` holds when they are its positions 0, 1, … in
+    /// consecutive cells from the first, and no other of its tokens follows; `None`
+    /// when they are not.
+    fn positions_in_order(&self, seq: u32, cells: Range<usize>) -> Option<usize> {
+        let cells = &self.cells[cells];
+        let n = cells
+            .iter()
+            .enumerate()
+            .take_while(|&(i, c)| c.seq == seq && c.pos == i as i32)
+            .count();
+        cells[n..].iter().all(|c| c.pos < 0 || c.seq != seq).then_some(n)
+    }
 }
 
 /// Keys and values for a stage's layers plus the cell bookkeeping: one set of cells
@@ -381,7 +394,7 @@ impl KvCache {
             }
             // DeepSeek sparse attention: the indexer's key of each token, in the same cells.
             if let Some(ix) = hp.indexer().filter(|ix| ix.full_layers[layer]) {
-                ctx.new_tensor(types.k.dtype(), &[ix.head_dim as i64, n_cells])
+                ctx.new_tensor(types.k.dtype(), &[ix.cache_width() as i64, n_cells])
                     .named(&format!("cache_ik_l{layer}"));
             }
         }
@@ -437,7 +450,8 @@ impl KvCache {
     }
 
     /// Indexer key cache of global layer `layer` (`[head_dim, n_ctx]`, DeepSeek sparse
-    /// attention): one key per cell, written and dropped with the cell's latent row, so
+    /// attention; `[2 head_dim, n_ctx]` with a k-pool, each key followed by its gate
+    /// scores): one key per cell, written and dropped with the cell's latent row, so
     /// truncating a sequence (prefix reuse, rejected drafts) and replaying it (recovery)
     /// keep it with them. `None` on layers that reuse an earlier layer's selection.
     pub fn indexer_k(&self, layer: usize) -> Option<Tensor<'_>> {
@@ -528,6 +542,14 @@ impl KvCache {
         if let (Some(cells), Some(window)) = (self.window_cells.as_mut(), &slots.window) {
             cells.release(window);
         }
+    }
+
+    /// How many tokens of `seq` the full-attention cells `cells` (a span's) hold, when
+    /// they hold its positions 0, 1, … in order from the first cell (a sequence's
+    /// region, or the cache of a lone sequence): what GLM-5 next's k-pool indexer cuts
+    /// into blocks. `None` when they do not.
+    pub fn positions_in_order(&self, seq: u32, cells: Range<usize>) -> Option<usize> {
+        self.full.positions_in_order(seq, cells)
     }
 
     /// How many cells attention must look at: past the last used cell, padded.
@@ -669,6 +691,8 @@ mod tests {
             layer_kv_heads: vec![1; 2],
             swa_heads: None,
             kimi_k3: None,
+            kda_gate_lower_bound: None,
+            unrotated: false,
             layer_ff: vec![16; 2],
             rope_sections: None,
             yarn: crate::Yarn {

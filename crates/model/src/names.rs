@@ -75,6 +75,10 @@ tensor_names! {
         IndexerKNorm = "indexer.k_norm.weight",
         IndexerKNormBias = "indexer.k_norm.bias",
         IndexerProj = "indexer.proj.weight",
+        // GLM-5 next's k-pool indexer: the projection of the gate scores its blocks
+        // pool keys by, and the bias of each slot of a block.
+        IndexerKpoolGate = "indexer_compressor_gate.weight",
+        IndexerKpoolApe = "indexer_compressor_ape.weight",
         PostAttentionNorm = "post_attention_norm.weight",
         FfnNorm = "ffn_norm.weight",
         PostFfwNorm = "post_ffw_norm.weight",

@@ -19,7 +19,7 @@ use baton_ggml::{DType, RopeParams, Tensor};
 
 use super::attention::SparseMask;
 use super::Builder;
-use crate::hparams::{HParams, Indexer, Keys};
+use crate::hparams::{HParams, Indexer, Keys, Kpool};
 use crate::names::LayerTensor as T;
 use crate::tensors::{LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
@@ -28,7 +28,8 @@ use crate::ModelError;
 /// The indexer's keys (`attention.indexer.*`), as llama.cpp reads them, onto the MLA
 /// hyper-parameters `hp` already holds; `rope_mode` is how its RoPE rotates,
 /// `key_norm_eps` its key norm's epsilon and `full_layers` which layers compute their
-/// own selection. Refuses what llama.cpp
+/// own selection, `kpool` GLM-5 next's blocks (its indexer neither rotates nor
+/// multiplies by a Walsh-Hadamard matrix). Refuses what llama.cpp
 /// cannot compute: no heads or no tokens to keep, heads narrower than the RoPE part
 /// (llama.cpp asserts), or heads whose Walsh-Hadamard matrix would not span them (its
 /// product then fails).
@@ -38,6 +39,7 @@ pub(super) fn read_indexer(
     rope_mode: i32,
     key_norm_eps: f32,
     full_layers: Vec<bool>,
+    kpool: Option<Kpool>,
 ) -> Result<(), ModelError> {
     if full_layers.first() == Some(&false) {
         // llama.cpp asserts: the first layer has no earlier choice to reuse.
@@ -72,8 +74,9 @@ pub(super) fn read_indexer(
         rope_mode,
         key_norm_eps,
         full_layers,
+        kpool,
     };
-    if indexer.rotation() != head_dim {
+    if kpool.is_none() && indexer.rotation() != head_dim {
         return Err(ModelError::BadHParams(format!(
             "{} is {head_dim}: llama.cpp rotates indexer heads by a Walsh-Hadamard matrix \
              of {}, which must be the whole head (64 times a power of two)",
@@ -125,6 +128,13 @@ pub(super) fn tensors(t: &mut LayerPlan<'_>) {
         .presence(presence);
     t.mat(T::IndexerAttnQB, &[mla.n_lora_q, n_head * head], Split::WithHeads)
         .presence(presence);
+    // GLM-5 next's blocks: the gate scores' projection and each slot's bias.
+    if let Some(kpool) = ix.kpool {
+        t.mat(T::IndexerKpoolGate, &[embd, head], Split::WithHeads)
+            .presence(presence);
+        t.vec(T::IndexerKpoolApe, &[head, kpool.size], Split::WithHeads)
+            .presence(presence);
+    }
 }
 
 /// The masks of layer `layer`'s sparse attention, one per span: on a full indexer
@@ -148,6 +158,11 @@ pub(super) fn select<'g>(
             .selection
             .clone()
             .expect("a shared indexer layer follows a full one on its stage");
+    }
+    if ix.kpool.is_some() {
+        let masks = super::kpool::select(b, w, layer, x, q_compressed);
+        b.selection = Some(masks.clone());
+        return masks;
     }
     let n_tokens = b.inputs.n_tokens as i64;
     let (head, n_head) = (ix.head_dim as i64, ix.n_head as i64);

@@ -26,6 +26,7 @@ mod glm_dsa;
 mod gpt_oss;
 mod kimi_k3;
 mod kimi_linear;
+mod kpool;
 mod llama;
 mod llama4;
 mod minimax_m2;
