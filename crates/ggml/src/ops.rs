@@ -47,6 +47,68 @@ impl Context {
         unsafe { self.wrap(sys::ggml_dsv4_hc_pre(self.raw(), x.raw(), weights.raw())) }
     }
 
+    /// `a * s + b` element-wise.
+    pub fn scale_bias<'t>(&'t self, a: Tensor<'t>, s: f32, b: f32) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_scale_bias(self.raw(), a.raw(), s, b)) }
+    }
+
+    /// A 1-d view of `ne0` elements of `a` from byte `offset`.
+    pub fn view_1d<'t>(&'t self, a: Tensor<'t>, ne0: i64, offset: usize) -> Tensor<'t> {
+        // SAFETY: records a view node; ggml asserts the view stays inside `a`.
+        unsafe { self.wrap(sys::ggml_view_1d(self.raw(), a.raw(), ne0, offset)) }
+    }
+
+    /// Hyper-connections' stream mixing matrix (ggml's `dsv4_hc_comb`, 4 streams): from
+    /// `mixes [24, n_tokens]`, `scale [3]` and `base [24]` (f32), per token the
+    /// `[dst, src]` matrix `mixes[8 + dst + 4 src] · scale[2] + base[8 + dst + 4 src]`,
+    /// softmaxed over `dst`, `eps` added, then normalised over `src` and `n_iter - 1`
+    /// more times over `dst` and `src` (Sinkhorn): `[4, 4, n_tokens]`.
+    pub fn hc_comb<'t>(
+        &'t self,
+        mixes: Tensor<'t>,
+        scale: Tensor<'t>,
+        base: Tensor<'t>,
+        eps: f32,
+        n_iter: i32,
+    ) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs); ggml asserts the shapes, types and
+        // `n_iter > 0` (callers read them from checked hyper-parameters).
+        unsafe {
+            self.wrap(sys::ggml_dsv4_hc_comb(
+                self.raw(),
+                mixes.raw(),
+                scale.raw(),
+                base.raw(),
+                eps,
+                n_iter,
+            ))
+        }
+    }
+
+    /// Hyper-connections' write back (ggml's `dsv4_hc_post`): `x [n, n_tokens]`,
+    /// `residual [n, hc, n_tokens]`, `post [hc, n_tokens]`, `comb [hc, hc, n_tokens]` →
+    /// `[n, hc, n_tokens]` with `out[i, d, t] = x[i, t] post[d, t] + Σ_s residual[i, s, t]
+    /// comb[d, s, t]`.
+    pub fn hc_post<'t>(
+        &'t self,
+        x: Tensor<'t>,
+        residual: Tensor<'t>,
+        post: Tensor<'t>,
+        comb: Tensor<'t>,
+    ) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs); ggml asserts the shapes and types.
+        unsafe {
+            self.wrap(sys::ggml_dsv4_hc_post(
+                self.raw(),
+                x.raw(),
+                residual.raw(),
+                post.raw(),
+                comb.raw(),
+            ))
+        }
+    }
+
     /// Sums over dim 0: `[n, ...]` to `[1, ...]`.
     pub fn sum_rows<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
         // SAFETY: records a node (see module docs).

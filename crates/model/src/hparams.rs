@@ -7,6 +7,7 @@ use std::ops::Range;
 use baton_ggml::RopeParams;
 use baton_gguf::Gguf;
 
+use crate::arch::hyper::Hyper;
 use crate::arch::moe::MoeParams;
 use crate::arch::{self, Architecture, LayerSizes};
 use crate::cache_type::KvTypes;
@@ -104,6 +105,9 @@ pub struct HParams {
     /// No layer applies RoPE and the file says so with `rope.dimension_count` 0
     /// (GLM-5 next, whose MLA keys have no RoPE part).
     pub unrotated: bool,
+    /// Hyper-connections (DeepSeek V4, GLM-5 Next): the residual stream is several
+    /// copies of the hidden state (see [`crate::arch::hyper`]); `None`: one.
+    pub hyper: Option<Hyper>,
 }
 
 /// Kimi K3's sizes beyond Kimi Linear's, as llama.cpp's `kimi-k3` reads them.
@@ -713,6 +717,7 @@ impl HParams {
             kimi_k3: None,
             kda_gate_lower_bound: None,
             unrotated: false,
+            hyper: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         if hp.rms_eps.is_nan() {
@@ -838,6 +843,12 @@ impl HParams {
         let base = swa_freq_base.unwrap_or(self.rope.freq_base);
         self.rope_swa.freq_base = keys.opt_f32("rope.freq_base_swa")?.unwrap_or(base);
         Ok(())
+    }
+
+    /// Values per token of the hidden state between layers and between stages:
+    /// `n_embd`, times the streams with hyper-connections (llama.cpp's `n_embd_out`).
+    pub fn hidden_width(&self) -> usize {
+        self.n_embd * self.hyper.map_or(1, |h| h.n_stream)
     }
 
     /// Width of the key rows of one layer's cache (`head_dim_k * n_head_kv`).

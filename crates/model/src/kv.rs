@@ -693,6 +693,7 @@ mod tests {
             kimi_k3: None,
             kda_gate_lower_bound: None,
             unrotated: false,
+            hyper: None,
             layer_ff: vec![16; 2],
             rope_sections: None,
             yarn: crate::Yarn {

@@ -25,6 +25,7 @@ mod tests;
 
 use std::path::PathBuf;
 
+pub use arch::hyper::{self, Head as HyperHead, Hyper};
 pub use arch::moe::{Gating, MoeParams};
 pub use arch::{find as find_architecture, supported_names, Architecture, Shape, ARCHITECTURES};
 pub use cache_type::{CacheType, KvTypes, UnknownCacheType};

@@ -148,6 +148,14 @@ tensor_names! {
         FfnRoutedDown = "ffn_routed_down.weight",
         FfnRoutedUp = "ffn_routed_up.weight",
         FfnRoutedNorm = "ffn_routed_norm.weight",
+        // Hyper-connections (deepseek4, glm5-next): each block's stream scores, their
+        // bias and scales.
+        HcAttnFn = "hc_attn_fn.weight",
+        HcAttnBase = "hc_attn_base.weight",
+        HcAttnScale = "hc_attn_scale.weight",
+        HcFfnFn = "hc_ffn_fn.weight",
+        HcFfnBase = "hc_ffn_base.weight",
+        HcFfnScale = "hc_ffn_scale.weight",
     }
 }
 
@@ -161,6 +169,10 @@ tensor_names! {
         RopeFreqs = "rope_freqs.weight",
         // Kimi K3: the cross-layer residual attention's scores before the output norm.
         OutputResScore = "output_res_score.weight",
+        // DeepSeek V4's hyper-connections: the output's stream scores, bias and scale.
+        OutputHcFn = "output_hc_fn.weight",
+        OutputHcBase = "output_hc_base.weight",
+        OutputHcScale = "output_hc_scale.weight",
     }
 }
 

@@ -55,7 +55,8 @@ impl StageConfig {
 pub enum StageInput<'a> {
     /// Token ids (first stage only).
     Tokens(&'a [u32]),
-    /// Hidden states `[n_embd, n_tokens]`, row-major by token.
+    /// Hidden states `[hidden_width, n_tokens]` (see [`HParams::hidden_width`]),
+    /// row-major by token.
     Hidden(&'a [f32]),
 }
 
@@ -99,7 +100,8 @@ pub enum LogitReply {
 /// What leaves a stage.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StageOutput {
-    /// Hidden states `[n_embd, n_tokens]` for the next stage.
+    /// Hidden states `[hidden_width, n_tokens]` for the next stage (see
+    /// [`HParams::hidden_width`]).
     Hidden(Vec<f32>),
     /// Logits, `n_vocab` per requested row, in the order of `logit_rows`; a
     /// tensor-parallel member's share of the vocabulary per row.
@@ -482,11 +484,11 @@ impl Stage {
                 if self.span.first {
                     return bad("the first stage takes tokens, not hidden states".into());
                 }
-                if hidden.len() != n * hp.n_embd {
+                if hidden.len() != n * hp.hidden_width() {
                     return bad(format!(
                         "hidden state of {} floats, expected {n} x {}",
                         hidden.len(),
-                        hp.n_embd
+                        hp.hidden_width()
                     ));
                 }
             }
@@ -589,7 +591,7 @@ impl Stage {
         } else if self.span.last {
             Ok(StageOutput::Logits(Vec::new()))
         } else {
-            let mut hidden = vec![0f32; self.hp.n_embd * n_tokens];
+            let mut hidden = vec![0f32; self.hp.hidden_width() * n_tokens];
             out.read(&mut hidden)?;
             Ok(StageOutput::Hidden(hidden))
         }
@@ -815,7 +817,7 @@ fn new_inputs<'g>(
     let step_input = if key.tokens {
         StepInput::Tokens(input(DType::I32, &[n_tokens], "inp_tokens"))
     } else {
-        StepInput::Hidden(input(DType::F32, &[hp.n_embd as i64, n_tokens], "inp_hidden"))
+        StepInput::Hidden(input(DType::F32, &[hp.hidden_width() as i64, n_tokens], "inp_hidden"))
     };
     let state_runs = key
         .state_runs

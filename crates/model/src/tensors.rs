@@ -375,6 +375,11 @@ pub fn ends(hp: &HParams, first: bool, last: bool, in_file: &dyn Fn(&str) -> boo
             Use::Elementwise,
         ));
     }
+    if last {
+        for (tensor, shape, usage) in crate::arch::hyper::end_tensors(hp) {
+            specs.push(spec(tensor, tensor, shape, usage));
+        }
+    }
     let rope_freqs = match hp.arch.rope_freqs {
         Some(Presence::Required) => true,
         Some(_) => in_file(EndTensor::RopeFreqs.name()),

@@ -109,6 +109,14 @@ impl TpSplit {
                 hp.arch.name
             )));
         }
+        if hp.hyper.is_some() {
+            return Err(ModelError::BadConfig(format!(
+                "{}'s residual stream is {} copies of the hidden state (hyper-connections), which \
+                 baton does not split between tensor-parallel members yet; run it as pipeline stages",
+                hp.arch.name,
+                hp.hidden_width() / hp.n_embd
+            )));
+        }
         if let Some(swa) = &hp.swa_heads {
             return Err(ModelError::BadConfig(format!(
                 "{}'s sliding-window layers have heads of their own ({} key/value heads of {}, the \

@@ -73,7 +73,9 @@ pub type StepId = u64;
 pub enum Payload {
     /// Token ids, one per batch row.
     Tokens(Vec<u32>),
-    /// Hidden states `[n_embd, n_tokens]`, f32, row-major by token.
+    /// Hidden states `[width, n_tokens]`, f32, row-major by token: the model's
+    /// hidden width between stages (`n_embd`, times the streams of a model with
+    /// hyper-connections).
     Hidden(Vec<f32>),
     /// Hidden states as f16 (`--wire-dtype f16`: half the bytes). Row `r` holds
     /// `x / 2^row_exps[r]` so that rows beyond f16's range (gemma3's residual stream

@@ -11,7 +11,7 @@ use crate::NodeError;
 /// Times single-token steps through one middle layer of the model at `path`, on `device`.
 pub fn measure(path: &Path, threads: usize, device: Device) -> Result<f32, NodeError> {
     let file = ModelFile::open(path)?;
-    let n_embd = file.hparams().n_embd;
+    let width = file.hparams().hidden_width();
     let layer = file.hparams().n_layer / 2;
     let span = StageSpan {
         layers: layer..layer + 1,
@@ -19,7 +19,7 @@ pub fn measure(path: &Path, threads: usize, device: Device) -> Result<f32, NodeE
         last: false,
     };
     let mut stage = Stage::load_on(file, span, &StageConfig::new(64, threads), device)?;
-    let hidden = vec![0.01f32; n_embd];
+    let hidden = vec![0.01f32; width];
     let mut step = |pos: i32| {
         let batch = Batch {
             input: StageInput::Hidden(&hidden),

@@ -5,12 +5,17 @@
 
 use baton_ggml::Tensor;
 
-use super::Builder;
+use super::{hyper, Builder};
 use crate::names::EndTensor;
 
-/// Token ids i32 `[n_tokens]` → their rows of the token embedding `[n_embd, n_tokens]`.
+/// Token ids i32 `[n_tokens]` → their rows of the token embedding `[n_embd, n_tokens]`
+/// (with hyper-connections, copied into every stream: `[n_embd n, n_tokens]`).
 pub fn embed<'g>(b: &Builder<'g>, tokens: Tensor<'g>) -> Tensor<'g> {
-    b.ctx.get_rows(b.weights.end_required(EndTensor::TokenEmbd), tokens)
+    let embd = b.ctx.get_rows(b.weights.end_required(EndTensor::TokenEmbd), tokens);
+    match b.hp.hyper {
+        Some(_) => hyper::expand(b, embd),
+        None => embd,
+    }
 }
 
 /// Hidden states `[n_embd, n_out]` of the rows that need logits → logits
@@ -22,7 +27,12 @@ pub fn logits<'g>(b: &Builder<'g>, hidden: Tensor<'g>) -> Tensor<'g> {
 
 /// Hidden states `[n_embd, n_out]` → the output norm's rows `[n_embd, n_out]`, what
 /// the output projection reads and what embeddings pool (llama.cpp's `result_norm`).
+/// With hyper-connections the streams `[n_embd n, n_out]` are collapsed first.
 pub fn normed<'g>(b: &Builder<'g>, hidden: Tensor<'g>) -> Tensor<'g> {
+    let hidden = match b.hp.hyper {
+        Some(_) => hyper::collapse(b, hidden),
+        None => hidden,
+    };
     b.norm(hidden, b.weights.end_required(EndTensor::OutputNorm))
         .named("result_norm")
 }

@@ -11,6 +11,7 @@ pub mod attention;
 pub mod builder;
 pub mod deltanet;
 pub mod ends;
+pub mod hyper;
 pub mod kda;
 pub mod mamba2;
 pub mod moe;
@@ -119,16 +120,18 @@ pub enum LayerSizes {
     KvHeadsPerLayer,
 }
 
-/// One layer's graph: hidden `[n_embd, n_tokens]` in, hidden out (fewer rows after the
-/// model's last layer when it keeps only the rows that need logits).
+/// One layer's graph: hidden `[hidden_width, n_tokens]` in, hidden out (fewer rows after
+/// the model's last layer when it keeps only the rows that need logits). The width is
+/// `n_embd`, or with hyper-connections the streams flattened (see
+/// [`HParams::hidden_width`]).
 pub type LayerFn = for<'g> fn(&mut Builder<'g>, &LayerTensors<'g>, usize, Tensor<'g>) -> Tensor<'g>;
 
 /// The first stage's input end: token ids i32 `[n_tokens]` in, hidden
-/// `[n_embd, n_tokens]` out (see [`ends::embed`]).
+/// `[hidden_width, n_tokens]` out (see [`ends::embed`]).
 pub type EmbedFn = for<'g> fn(&Builder<'g>, Tensor<'g>) -> Tensor<'g>;
 
-/// The last stage's output end: hidden `[n_embd, n_out]` of the rows that need logits
-/// in, logits `[n_vocab, n_out]` out (see [`ends::logits`]).
+/// The last stage's output end: hidden `[hidden_width, n_out]` of the rows that need
+/// logits in, logits `[n_vocab, n_out]` out (see [`ends::logits`]).
 pub type LogitsFn = for<'g> fn(&Builder<'g>, Tensor<'g>) -> Tensor<'g>;
 
 /// Everything baton knows about one architecture.
