@@ -532,6 +532,25 @@ fn batching_changes_nothing(arch: &str, file_type: FileType) {
     assert_eq!(alone, beside, "{arch}: sequence 0's greedy tokens");
 }
 
+/// GLM-5 next: Kimi Delta Attention in layers 0 and 2, MLA without RoPE in 1 and 3
+/// whose k-pool indexer chooses 2 blocks of 4 tokens and the row's own incomplete
+/// block (prompts of 6 to 21 tokens, 32 more decoded), four hyper-connected streams
+/// between layers and stages, experts after the dense layer 0. Logits bit for bit,
+/// greedy tokens equal.
+#[test]
+fn glm5_next_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("glm5-next", FileType::Q4KM);
+    let worst = check_stages(&path, "glm5-next");
+    assert_eq!(worst, 0.0, "glm5-next: the logits are llama.cpp's bit for bit");
+}
+
+#[test]
+fn glm5_next_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("glm5-next", FileType::Q4KM);
+}
+
 #[test]
 fn glm4moe_matches_llama_cpp_with_1_2_3_stages() {
     let _serial = serial();

@@ -23,6 +23,7 @@ mod gemma2;
 mod gemma3;
 mod gemma4;
 mod glm4moe;
+mod glm5_next;
 mod glm_dsa;
 mod gpt_oss;
 mod kimi_k3;
@@ -80,6 +81,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &glm_dsa::ARCH,
     &kimi_linear::ARCH,
     &kimi_k3::ARCH,
+    &glm5_next::ARCH,
 ];
 
 /// How RoPE rotates a head.
