@@ -458,14 +458,15 @@ fn gemma4_batching_other_sequences_changes_nothing() {
     batching_changes_nothing("gemma4", FileType::Q4KM);
 }
 
-/// DeepSeek sparse attention (deepseek32; glm-dsa with a shared indexer layer) in
-/// batches of decode steps of up to 7 sequences: each row's indexer scores, choice and
+/// DeepSeek sparse attention (deepseek32; glm-dsa with a shared indexer layer;
+/// glm5-next's blocks of tokens beside its KDA layers) in batches of decode steps of
+/// up to 7 sequences: each row's indexer scores, choice and
 /// attention cover its own sequence's cells only (prompts of 11 to 26 tokens, 8
 /// chosen), so the same bits and greedy tokens as alone.
 #[test]
 fn sparse_attention_batching_other_sequences_changes_nothing() {
     let _serial = serial();
-    for arch in ["deepseek32", "glm-dsa"] {
+    for arch in ["deepseek32", "glm-dsa", "glm5-next"] {
         batching_changes_nothing(arch, FileType::Q4KM);
     }
 }
@@ -543,6 +544,21 @@ fn glm5_next_matches_llama_cpp_with_1_2_3_stages() {
     let path = synthetic("glm5-next", FileType::Q4KM);
     let worst = check_stages(&path, "glm5-next");
     assert_eq!(worst, 0.0, "glm5-next: the logits are llama.cpp's bit for bit");
+    // Layer 3 reusing layer 1's choice (so on one stage), the decay bounded, no
+    // incomplete block attended.
+    let path = synthetic_with("glm5-next", FileType::Q4KM, |spec| {
+        let types = Value::Array([1, 1, 1, 0].map(Value::U32).to_vec());
+        for (key, value) in [
+            ("attention.indexer.types", types),
+            ("attention.indexer.kpool_select_tail", Value::Bool(false)),
+            ("kda.gate_lower_bound", Value::F32(-5.0)),
+        ] {
+            spec.keys.push((format!("glm5-next.{key}"), value));
+        }
+    });
+    let label = "glm5-next with a shared indexer, a decay bound, no tail";
+    let worst = check_stages_with(&path, label, &[1]);
+    assert_eq!(worst, 0.0, "{label}: the logits are llama.cpp's bit for bit");
 }
 
 #[test]

@@ -96,6 +96,14 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     let n = hp.n_layer;
     let types = keys.opt_per_layer_u32("attention.indexer.types", n)?;
     let mla_full = |l: usize| types.as_ref().is_none_or(|t| t[l] != 0);
+    if let Some(first) = (0..n).find(|&l| !hp.recurrent_layers[l]).filter(|&l| !mla_full(l)) {
+        // llama.cpp asserts: the first MLA layer has no earlier choice to reuse.
+        return Err(ModelError::BadHParams(format!(
+            "{}: layer {first}, the first MLA layer, must have its own indexer (type 1), as it \
+             has no earlier layer's choice to reuse",
+            keys.name("attention.indexer.types")
+        )));
+    }
     // A recurrent layer counts as sharing when the next MLA layer does: a stage that
     // starts there would reach that layer without the choice it reuses.
     let full_layers = (0..n)
