@@ -120,10 +120,18 @@ pub(super) fn tensors(t: &mut LayerPlan<'_>) {
     t.norm(T::AttnNorm, embd);
     mla_tensors(t);
     t.norm(T::FfnNorm, embd);
+    ffn_tensors(t, true, Presence::Usual);
+}
+
+/// The tensors of [`ffn`]: routed experts (gate and up fused when `fused_gate_up` and
+/// the file has them so), the selection bias (`probs_bias`), the shared experts; or a
+/// dense FFN.
+pub(super) fn ffn_tensors(t: &mut LayerPlan<'_>, fused_gate_up: bool, probs_bias: Presence) {
+    let hp = t.hp;
     if hp.is_moe(t.layer) {
-        tensors::experts(t, hp.moe.n_ff_exp, true);
+        tensors::experts(t, hp.moe.n_ff_exp, fused_gate_up);
         t.vec(T::ExpProbsBias, &[hp.moe.n_expert], Split::Whole)
-            .presence(Presence::Usual);
+            .presence(probs_bias);
         tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
     } else {
         tensors::ffn(t, &FFN, hp.n_ff, false);
@@ -171,21 +179,33 @@ pub(super) fn layer_with<'g>(
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
     let cur = b.norm(ffn_in, w.get(T::FfnNorm));
-    let cur = if b.hp.is_moe(layer) {
-        let routing = Routing {
-            gating: b.hp.moe.gating,
-            norm_weights: b.hp.moe.weights_norm,
-            scale: b.hp.moe.weights_scale,
-            act: ExpertAct::Silu,
-            down_input,
-        };
-        let routed = b.moe(w, layer, cur, routing);
-        let shared = b.ffn(w, &FFN_SHEXP, Act::Silu, cur);
-        b.ctx.add(routed, shared)
-    } else {
-        b.ffn(w, &FFN, Act::Silu, cur)
-    };
+    let cur = ffn(b, w, layer, cur, down_input);
     b.ctx.add(cur, ffn_in)
+}
+
+/// DeepSeek's FFN of layer `layer` over `x` `[n_embd, n_tokens]`: the routed experts
+/// (the file's gating, weight normalisation and scale; their down projection reading
+/// `down_input`) plus the shared experts, or a dense FFN in the leading layers.
+pub(super) fn ffn<'g>(
+    b: &mut Builder<'g>,
+    w: &LayerTensors<'g>,
+    layer: usize,
+    x: Tensor<'g>,
+    down_input: DownInput,
+) -> Tensor<'g> {
+    if !b.hp.is_moe(layer) {
+        return b.ffn(w, &FFN, Act::Silu, x);
+    }
+    let routing = Routing {
+        gating: b.hp.moe.gating,
+        norm_weights: b.hp.moe.weights_norm,
+        scale: b.hp.moe.weights_scale,
+        act: ExpertAct::Silu,
+        down_input,
+    };
+    let routed = b.moe(w, layer, x, routing);
+    let shared = b.ffn(w, &FFN_SHEXP, Act::Silu, x);
+    b.ctx.add(routed, shared)
 }
 
 /// What an MLA layer does with the RoPE part of its queries and keys.

@@ -176,10 +176,7 @@ pub(super) fn select<'g>(
     let q = ctx.reshape_3d(q, head, n_head, n_tokens);
     let q = ctx.rope(q, positions, None, &rope).named(&format!("indexer_q-{layer}"));
 
-    let k = b.mm(w.get(T::IndexerAttnK), x); // [head, n_tokens]
-    let k = ctx.layer_norm(k, ix.key_norm_eps);
-    let k = ctx.add(ctx.mul(k, w.get(T::IndexerKNorm)), w.get(T::IndexerKNormBias));
-    let k = ctx.reshape_3d(k, head, 1, n_tokens);
+    let k = ctx.reshape_3d(keys(b, w, x), head, 1, n_tokens);
     let k = ctx.rope(k, positions, None, &rope).named(&format!("indexer_k-{layer}"));
 
     // A plain product with the matrix (no fast-transform hint), as llama.cpp's graph
@@ -194,8 +191,7 @@ pub(super) fn select<'g>(
     let k_rows = ctx.view_2d(k, head, n_tokens, k.nb()[2], 0);
     b.graph.expand(ctx.set_rows(cache, k_rows, b.inputs.kv_slots));
 
-    let weights = b.mm(w.get(T::IndexerProj), x); // [n_head, n_tokens]
-    let weights = ctx.scale(weights, 1.0 / ((head * n_head) as f32).sqrt());
+    let weights = head_weights(b, w, x);
 
     let cell = cache.nb()[1];
     let mut masks = Vec::with_capacity(b.inputs.spans.len());
@@ -218,6 +214,24 @@ pub(super) fn select<'g>(
     }
     b.selection = Some(masks.clone());
     masks
+}
+
+/// The indexer key of each token of the layer input `x` `[n_embd, n_tokens]`:
+/// `indexer.attn_k`, then a layer norm with weight and bias. `[head_dim, n_tokens]`.
+pub(super) fn keys<'g>(b: &Builder<'g>, w: &LayerTensors<'g>, x: Tensor<'g>) -> Tensor<'g> {
+    let ctx = b.ctx;
+    let ix = b.hp.indexer().expect("sparse attention has an indexer");
+    let k = b.mm(w.get(T::IndexerAttnK), x);
+    let k = ctx.layer_norm(k, ix.key_norm_eps);
+    ctx.add(ctx.mul(k, w.get(T::IndexerKNorm)), w.get(T::IndexerKNormBias))
+}
+
+/// Each token's weights of the indexer heads' scores, from the layer input `x`:
+/// `indexer.proj`, pre-scaled by `1/sqrt(head_dim × n_head)`. `[n_head, n_tokens]`.
+pub(super) fn head_weights<'g>(b: &Builder<'g>, w: &LayerTensors<'g>, x: Tensor<'g>) -> Tensor<'g> {
+    let ix = b.hp.indexer().expect("sparse attention has an indexer");
+    let weights = b.mm(w.get(T::IndexerProj), x);
+    b.ctx.scale(weights, 1.0 / ((ix.head_dim * ix.n_head) as f32).sqrt())
 }
 
 /// `causal` (f16 `[n_kv, rows]`) with every cell -inf except the `n_top` cells of each

@@ -13,14 +13,13 @@
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-use super::builder::Act;
-use super::deepseek2::{mla_attention, mla_tensors, MlaRope};
+use super::deepseek2::{self, mla_attention, mla_tensors, MlaRope};
 use super::hyper::{self, Head, Hyper, Site};
-use super::moe::{DownInput, ExpertAct, Gating, Routing};
+use super::moe::{DownInput, Gating};
 use super::{dsa, kda, Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys, Kpool, Mla, Ssm};
-use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
-use crate::tensors::{self, LayerPlan, Split};
+use crate::names::LayerTensor as T;
+use crate::tensors::{LayerPlan, Presence};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -172,13 +171,7 @@ fn tensors(t: &mut LayerPlan<'_>) {
         dsa::tensors(t);
     }
     t.norm(T::FfnNorm, embd);
-    if hp.is_moe(t.layer) {
-        tensors::experts(t, hp.moe.n_ff_exp, false);
-        t.vec(T::ExpProbsBias, &[hp.moe.n_expert], Split::Whole);
-        tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
-    } else {
-        tensors::ffn(t, &FFN, hp.n_ff, false);
-    }
+    deepseek2::ffn_tensors(t, false, Presence::Required);
 }
 
 /// Streams in: collapsed → norm → KDA or sparse MLA → written back into the streams;
@@ -196,20 +189,7 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, streams: T
 
     let mix = hyper::pre(b, w, Site::Ffn, layer, streams);
     let cur = b.norm(mix.input, w.get(T::FfnNorm));
-    let cur = if b.hp.is_moe(layer) {
-        let routing = Routing {
-            gating: b.hp.moe.gating,
-            norm_weights: b.hp.moe.weights_norm,
-            scale: b.hp.moe.weights_scale,
-            act: ExpertAct::Silu,
-            down_input: DownInput::Backend,
-        };
-        let routed = b.moe(w, layer, cur, routing);
-        let shared = b.ffn(w, &FFN_SHEXP, Act::Silu, cur);
-        b.ctx.add(routed, shared)
-    } else {
-        b.ffn(w, &FFN, Act::Silu, cur)
-    };
+    let cur = deepseek2::ffn(b, w, layer, cur, DownInput::Backend);
     hyper::post(b, &mix, cur)
 }
 

@@ -57,19 +57,13 @@ pub(super) fn select<'g>(
 
     let q = b.mm(w.get(T::IndexerAttnQB), q_compressed); // [head × n_head, n_tokens]
     let q = named(ctx.reshape_3d(q, head, n_head, n_tokens), "indexer_q");
-    let k = b.mm(w.get(T::IndexerAttnK), x); // [head, n_tokens]
-    let k = ctx.layer_norm(k, ix.key_norm_eps);
-    let k = named(
-        ctx.add(ctx.mul(k, w.get(T::IndexerKNorm)), w.get(T::IndexerKNormBias)),
-        "indexer_k",
-    );
+    let k = named(super::dsa::keys(b, w, x), "indexer_k"); // [head, n_tokens]
     let gate = named(b.mm(w.get(T::IndexerKpoolGate), x), "indexer_gate"); // [head, n_tokens]
     let cache = b.kv.indexer_k(layer).expect("a full indexer layer has its key cache");
     b.graph
         .expand(ctx.set_rows(cache, ctx.concat(k, gate, 0), b.inputs.kv_slots));
 
-    let weights = b.mm(w.get(T::IndexerProj), x); // [n_head, n_tokens]
-    let weights = ctx.scale(weights, 1.0 / ((head * n_head) as f32).sqrt());
+    let weights = super::dsa::head_weights(b, w, x); // [n_head, n_tokens]
 
     let ape = w.get(T::IndexerKpoolApe);
     let mut masks = Vec::with_capacity(b.inputs.spans.len());
