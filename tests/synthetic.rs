@@ -471,6 +471,16 @@ fn sparse_attention_batching_other_sequences_changes_nothing() {
     }
 }
 
+/// DeepSeek V4 in batches of decode steps of up to 7 sequences: each sequence's own
+/// window of 16 raw keys (prompts of 11 to 26 tokens, 12 decoded), hash routing by
+/// each row's own token, the streams of each row on their own: the same bits and greedy
+/// tokens as alone, and after truncating back to the prompts (prefix reuse).
+#[test]
+fn deepseek4_batching_other_sequences_changes_nothing() {
+    let _serial = serial();
+    batching_changes_nothing("deepseek4", FileType::Q4KM);
+}
+
 /// A decode step of one sequence alone and beside the steps of up to 6 others, on 2
 /// stages of the synthetic `arch`: the same bits; and sequence 0's greedy tokens alone
 /// and beside the others: the same tokens.
@@ -617,6 +627,24 @@ fn deepseek32_matches_llama_cpp_with_1_2_3_stages() {
 fn deepseek32_on_two_workers_matches_llama_cpp() {
     let _serial = serial();
     two_workers("deepseek32", FileType::Q4KM);
+}
+
+/// DeepSeek V4 with every layer on its raw window (16 tokens; the prompts and their
+/// continuations run past it): four hyper-connection streams between layers and
+/// stages, one key-and-value head with sinks, the grouped low-rank output,
+/// sqrt-softplus experts, the first layer routed by token id, SwiGLU clamps.
+#[test]
+fn deepseek4_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("deepseek4", FileType::Q4KM);
+    let worst = check_stages(&path, "deepseek4");
+    assert_eq!(worst, 0.0, "deepseek4: the logits are llama.cpp's bit for bit");
+}
+
+#[test]
+fn deepseek4_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("deepseek4", FileType::Q4KM);
 }
 
 /// GLM-5's sparse attention: deepseek32's with consecutive-pair RoPE in the indexer,

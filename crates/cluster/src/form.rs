@@ -278,11 +278,18 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvType
     };
     // A layer that reuses an earlier layer's choice of tokens stays on its stage; so do
     // Kimi K3's layers after the first, whose residual attention mixes in the inputs of
-    // earlier layers, which do not travel with the hidden state.
+    // earlier layers, which do not travel with the hidden state, and DeepSeek V4's
+    // hash-routed layers after the first, which read the token ids only the first stage has.
+    let hash_layers = hp.dsv4.as_ref().map_or(0, |v4| v4.hash_layers.min(hp.n_layer));
     let (no_stage_start, reused) = if hp.kimi_k3.is_some_and(|k3| k3.res_block > 0) {
         (
             (1..hp.n_layer).collect(),
             "the inputs of earlier layers (kimi-k3's cross-layer residual attention)",
+        )
+    } else if hash_layers > 1 {
+        (
+            (1..hash_layers).collect(),
+            "the batch's token ids (deepseek4's hash-routed experts), which only the first stage has",
         )
     } else {
         (
@@ -296,7 +303,12 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvType
         layer_bytes: (0..hp.n_layer).map(|l| file.layer_bytes(l)).collect(),
         layer_work_bytes: (0..hp.n_layer).map(|l| file.layer_work_bytes(l)).collect(),
         first_bytes: tensor_bytes("token_embd.weight"),
-        last_bytes: tensor_bytes("output_norm.weight") + tensor_bytes(output),
+        last_bytes: tensor_bytes("output_norm.weight")
+            + tensor_bytes(output)
+            + baton_model::hyper::end_tensors(hp)
+                .iter()
+                .map(|(t, _, _)| tensor_bytes(t.name()))
+                .sum::<u64>(),
         kv_bytes: (0..hp.n_layer)
             .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, kv_types))
             .collect(),

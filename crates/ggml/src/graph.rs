@@ -428,6 +428,23 @@ macro_rules! unary_ops {
     )*};
 }
 
+/// ggml's `rope_ext` and `rope_ext_back`, which take the same arguments.
+type RopeFn = unsafe extern "C" fn(
+    *mut sys::ggml_context,
+    *mut sys::ggml_tensor,
+    *mut sys::ggml_tensor,
+    *mut sys::ggml_tensor,
+    std::os::raw::c_int,
+    std::os::raw::c_int,
+    std::os::raw::c_int,
+    f32,
+    f32,
+    f32,
+    f32,
+    f32,
+    f32,
+) -> *mut sys::ggml_tensor;
+
 /// Ops. Shapes follow ggml: `mul_mat(w [k, n], x [k, m]) -> [n, m]`.
 impl Context {
     binary_ops! {
@@ -477,10 +494,33 @@ impl Context {
         freq_factors: Option<Tensor<'t>>,
         rope: &RopeParams,
     ) -> Tensor<'t> {
+        self.rope_op(sys::ggml_rope_ext, a, positions, freq_factors, rope)
+    }
+
+    /// The inverse rotation of [`Context::rope`] (ggml's `rope_ext_back`: by the negated
+    /// angles), with the same parameters.
+    pub fn rope_back<'t>(
+        &'t self,
+        a: Tensor<'t>,
+        positions: Tensor<'t>,
+        freq_factors: Option<Tensor<'t>>,
+        rope: &RopeParams,
+    ) -> Tensor<'t> {
+        self.rope_op(sys::ggml_rope_ext_back, a, positions, freq_factors, rope)
+    }
+
+    fn rope_op<'t>(
+        &'t self,
+        op: RopeFn,
+        a: Tensor<'t>,
+        positions: Tensor<'t>,
+        freq_factors: Option<Tensor<'t>>,
+        rope: &RopeParams,
+    ) -> Tensor<'t> {
         let factors = freq_factors.map_or(std::ptr::null_mut(), |t| t.raw());
         // SAFETY: records a node; `factors` is a valid tensor or null (optional in ggml).
         unsafe {
-            self.wrap(sys::ggml_rope_ext(
+            self.wrap(op(
                 self.raw(),
                 a.raw(),
                 positions.raw(),

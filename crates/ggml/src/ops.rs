@@ -47,6 +47,19 @@ impl Context {
         unsafe { self.wrap(sys::ggml_dsv4_hc_pre(self.raw(), x.raw(), weights.raw())) }
     }
 
+    /// Square root element-wise.
+    pub fn sqrt<'t>(&'t self, a: Tensor<'t>) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_sqrt(self.raw(), a.raw())) }
+    }
+
+    /// DeepSeek V4's clamped SwiGLU on separate gate and up halves (ggml's
+    /// `swiglu_clamp`): `silu(min(gate, limit)) · clamp(up, -limit, limit)`.
+    pub fn swiglu_clamp<'t>(&'t self, gate: Tensor<'t>, up: Tensor<'t>, limit: f32) -> Tensor<'t> {
+        // SAFETY: records a node (see module docs).
+        unsafe { self.wrap(sys::ggml_swiglu_clamp(self.raw(), gate.raw(), up.raw(), limit)) }
+    }
+
     /// `a * s + b` element-wise.
     pub fn scale_bias<'t>(&'t self, a: Tensor<'t>, s: f32, b: f32) -> Tensor<'t> {
         // SAFETY: records a node (see module docs).
@@ -405,6 +418,17 @@ impl Context {
 }
 
 impl<'a> Tensor<'a> {
+    /// Makes this RoPE node (from [`Context::rope`] or [`Context::rope_back`]) rotate the
+    /// `n_dims` dimensions from `offset` instead of the first ones (ggml's
+    /// `rope_set_offset`; DeepSeek V4 rotates the tail of each head).
+    pub fn rope_offset(self, offset: usize) -> Self {
+        assert!(offset.is_multiple_of(2), "a RoPE offset must be even, not {offset}");
+        // SAFETY: sets an op parameter of a valid node; ggml asserts it is a RoPE node of
+        // a mode that takes an offset (the callers' normal mode does).
+        unsafe { sys::ggml_rope_set_offset(self.raw(), offset as i32) };
+        self
+    }
+
     /// Asks backends to accumulate this matmul in f32 (llama.cpp does for some layers of
     /// some models; the CPU backend always does, so it changes nothing there).
     pub fn prec_f32(self) -> Self {

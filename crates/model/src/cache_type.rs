@@ -148,9 +148,10 @@ impl KvTypes {
         if *self == KvTypes::default() || !(0..hp.n_layer).any(|l| hp.has_kv(l)) {
             return Ok(());
         }
-        if hp.mla.is_some() {
+        if hp.keys_only() {
             return Err(ModelError::BadConfig(format!(
-                "a KV cache of {}/{}: this model's attention (MLA) keeps its compressed cache in f16 only",
+                "a KV cache of {}/{}: this model's attention (MLA, or DeepSeek V4's) keeps its \
+                 keys-only cache in f16 only",
                 self.k, self.v
             )));
         }
@@ -187,7 +188,7 @@ impl KvTypes {
     /// Size of the rotation of values before a quantized value cache, undone on the
     /// attention's output (0: none): 64 when the head size is a multiple of 64.
     pub fn v_rotation(&self, hp: &HParams) -> usize {
-        let quantized = self.v.is_quantized() && hp.mla.is_none();
+        let quantized = self.v.is_quantized() && !hp.keys_only();
         if quantized && hp.head_dim_v > 0 && hp.head_dim_v.is_multiple_of(64) {
             64
         } else {

@@ -77,11 +77,26 @@ pub fn example_gguf(
     let header = Gguf::parse(&writer.to_bytes())?;
     let hp = HParams::from_metadata(&header, options.n_vocab)?;
     for spec in example_tensors(&hp, options.tied_output, options.optional_tensors) {
-        let data = random_weights(&spec, options.seed);
         let dims: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
-        writer = writer.tensor_f32(&spec.name, &dims, &data);
+        writer = match spec.usage {
+            Use::ExpertIds => {
+                let ids = expert_ids(&spec, hp.moe.n_expert);
+                let bytes = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+                writer.tensor_raw(&spec.name, &dims, baton_gguf::GgmlType::I32, bytes)
+            }
+            _ => writer.tensor_f32(&spec.name, &dims, &random_weights(&spec, options.seed)),
+        };
     }
     Ok(writer)
+}
+
+/// A hash-routing table `[n_used, n_vocab]`: each token's experts distinct, spread over
+/// all `n_expert` by the token id.
+fn expert_ids(spec: &TensorSpec, n_expert: usize) -> Vec<i32> {
+    let (n_used, n_vocab) = (spec.shape[0] as usize, spec.shape[1] as usize);
+    (0..n_vocab)
+        .flat_map(|token| (0..n_used).map(move |e| ((token * 5 + e) % n_expert.max(1)) as i32))
+        .collect()
 }
 
 /// Weights that keep activations near unit scale: matrices uniform with variance
@@ -116,9 +131,11 @@ fn random_weights(spec: &TensorSpec, seed: u64) -> Vec<f32> {
         Use::Elementwise if spec.name.contains("ssm_conv1d") => (0.5, 0.0),
         // RoPE frequency factors between 0.5 and 1.5 (a real model's are positive).
         Use::Elementwise if spec.name == crate::EndTensor::RopeFreqs.name() => (0.5, 1.0),
+        // Hyper-connections' scales near 1, so the streams' scores matter.
+        Use::Elementwise if spec.name.contains("hc_") && spec.name.contains("_scale") => (0.5, 1.0),
         Use::Elementwise => (0.1, 0.0),
         Use::Embedding => (1.0, 0.0),
-        Use::MulMat | Use::Experts => ((3.0 / spec.shape[0] as f32).sqrt(), 0.0),
+        Use::MulMat | Use::Experts | Use::ExpertIds => ((3.0 / spec.shape[0] as f32).sqrt(), 0.0),
     };
     (0..n).map(|_| offset + scale * uniform()).collect()
 }

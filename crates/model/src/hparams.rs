@@ -28,6 +28,9 @@ pub struct HParams {
     /// Number of transformer layers the model computes (multi-token-prediction blocks
     /// stored after them are not counted).
     pub n_layer: usize,
+    /// Multi-token-prediction layers stored after the trunk (`nextn_predict_layers`),
+    /// which generation skips.
+    pub n_layer_nextn: usize,
     /// Hidden size.
     pub n_embd: usize,
     /// Query heads.
@@ -108,6 +111,30 @@ pub struct HParams {
     /// Hyper-connections (DeepSeek V4, GLM-5 Next): the residual stream is several
     /// copies of the hidden state (see [`crate::arch::hyper`]); `None`: one.
     pub hyper: Option<Hyper>,
+    /// DeepSeek V4's sizes (`None` for every other architecture).
+    pub dsv4: Option<Dsv4>,
+}
+
+/// DeepSeek V4's sizes beyond the common ones, as llama.cpp's `deepseek4` reads them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dsv4 {
+    /// Rank of the query compression (`attention.q_lora_rank`).
+    pub n_lora_q: usize,
+    /// Groups of heads the output projection compresses separately
+    /// (`attention.output_group_count`).
+    pub o_groups: usize,
+    /// Rank of each group's compression (`attention.output_lora_rank`).
+    pub o_lora_rank: usize,
+    /// Leading layers whose experts are chosen by token id (`hash_layer_count`).
+    pub hash_layers: usize,
+    /// Per layer: the routed experts' SwiGLU clamp (`swiglu_clamp_exp`; 1e-6 or less:
+    /// none).
+    pub clamp_exp: Vec<f32>,
+    /// Per layer: the shared experts' (`swiglu_clamp_shexp`, else the routed experts').
+    pub clamp_shexp: Vec<f32>,
+    /// The lightning indexer's heads and their width (`attention.indexer.*`; only
+    /// compressed layers, which baton refuses, use them).
+    pub indexer_heads: (usize, usize),
 }
 
 /// Kimi K3's sizes beyond Kimi Linear's, as llama.cpp's `kimi-k3` reads them.
@@ -683,6 +710,7 @@ impl HParams {
         let mut hp = HParams {
             arch,
             n_layer,
+            n_layer_nextn: n_layer_all - n_layer,
             n_embd,
             n_head,
             n_head_kv,
@@ -718,6 +746,7 @@ impl HParams {
             kda_gate_lower_bound: None,
             unrotated: false,
             hyper: None,
+            dsv4: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         if hp.rms_eps.is_nan() {
@@ -865,7 +894,7 @@ impl HParams {
     /// (ggml's row size of each), or with MLA only the compressed row (see
     /// [`crate::KvCache`]).
     pub fn kv_cell_bytes(&self, types: KvTypes) -> usize {
-        let values = if self.mla.is_some() {
+        let values = if self.keys_only() {
             0
         } else {
             types.v.row_bytes(self.n_embd_v_gqa())
@@ -893,6 +922,12 @@ impl HParams {
             Some(ix) if ix.full_layers.get(layer) == Some(&true) => types.k.row_bytes(ix.cache_width()),
             _ => 0,
         }
+    }
+
+    /// Whether the cache keeps keys only, the values being a view of them (MLA's latent
+    /// rows, DeepSeek V4's single key-and-value head).
+    pub fn keys_only(&self) -> bool {
+        self.mla.is_some() || self.dsv4.is_some()
     }
 
     /// The lightning indexer of DeepSeek sparse attention, for models that have it.

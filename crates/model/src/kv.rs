@@ -388,7 +388,7 @@ impl KvCache {
             ctx.new_tensor(types.k.dtype(), &[(heads.n_head_kv * heads.head_dim_k) as i64, n_cells])
                 .named(&format!("cache_k_l{layer}"));
             // MLA caches only the compressed keys; values are a view of them.
-            if hp.mla.is_none() {
+            if !hp.keys_only() {
                 ctx.new_tensor(types.v.dtype(), &[(heads.n_head_kv * heads.head_dim_v) as i64, n_cells])
                     .named(&format!("cache_v_l{layer}"));
             }
@@ -651,6 +651,7 @@ mod tests {
         HParams {
             arch: crate::arch::find("llama").unwrap(),
             n_layer: 2,
+            n_layer_nextn: 0,
             n_embd: 8,
             n_head: 2,
             n_head_kv: 1,
@@ -694,6 +695,7 @@ mod tests {
             kda_gate_lower_bound: None,
             unrotated: false,
             hyper: None,
+            dsv4: None,
             layer_ff: vec![16; 2],
             rope_sections: None,
             yarn: crate::Yarn {

@@ -31,7 +31,7 @@ pub use arch::{find as find_architecture, supported_names, Architecture, Shape, 
 pub use cache_type::{CacheType, KvTypes, UnknownCacheType};
 pub use chain::StageChain;
 pub use group::StageGroup;
-pub use hparams::{AttnTemp, HParams, Indexer, Keys, KimiK3, Mla, Ssm, SsmKind, SwaType, TpHeads, Window, Yarn};
+pub use hparams::{AttnTemp, Dsv4, HParams, Indexer, Keys, KimiK3, Mla, Ssm, SsmKind, SwaType, TpHeads, Window, Yarn};
 pub use kv::{AttnSpan, KvCache, Slots, DEFAULT_UBATCH};
 pub use names::{EndTensor, LayerTensor};
 pub use pool::mean_rows;
@@ -55,6 +55,7 @@ pub fn model_tensors(hp: &HParams, in_file: &dyn Fn(&str) -> bool) -> Vec<Tensor
         let has = |name: &str| in_file(&format!("blk.{layer}.{name}"));
         specs.extend(tensors::layer(hp, layer, &has));
     }
+    specs.extend(arch::prediction_layer_tensors(hp));
     specs
 }
 

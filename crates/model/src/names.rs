@@ -156,6 +156,26 @@ tensor_names! {
         HcFfnFn = "hc_ffn_fn.weight",
         HcFfnBase = "hc_ffn_base.weight",
         HcFfnScale = "hc_ffn_scale.weight",
+        // DeepSeek V4: the one key-and-value projection, the grouped low-rank output
+        // projection, the hash-routed layers' expert ids by token.
+        AttnKv = "attn_kv.weight",
+        AttnOutputA = "attn_output_a.weight",
+        AttnOutputB = "attn_output_b.weight",
+        FfnGateTid2eid = "ffn_gate_tid2eid.weight",
+        // DeepSeek V4's key compressors (attention's and the lightning indexer's) and
+        // multi-token-prediction block, which only its example files hold (baton
+        // refuses compressed layers and skips the prediction layers).
+        AttnCompressorKv = "attn_compressor_kv.weight",
+        AttnCompressorGate = "attn_compressor_gate.weight",
+        AttnCompressorApe = "attn_compressor_ape.weight",
+        AttnCompressorNorm = "attn_compressor_norm.weight",
+        IndexerCompressorKv = "indexer_compressor_kv.weight",
+        IndexerCompressorGate = "indexer_compressor_gate.weight",
+        IndexerCompressorApe = "indexer_compressor_ape.weight",
+        IndexerCompressorNorm = "indexer_compressor_norm.weight",
+        NextnEhProj = "nextn.eh_proj.weight",
+        NextnEnorm = "nextn.enorm.weight",
+        NextnHnorm = "nextn.hnorm.weight",
     }
 }
 

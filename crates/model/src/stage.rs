@@ -307,6 +307,18 @@ impl Stage {
                 )));
             }
         }
+        // DeepSeek V4's hash-routed layers choose experts by the batch's token ids, which
+        // only the first stage has.
+        if let Some(hash) = full.dsv4.as_ref().map(|d| d.hash_layers).filter(|&n| n > 0) {
+            let first = span.layers.start;
+            if first > 0 && first < hash {
+                return Err(ModelError::BadConfig(format!(
+                    "a stage cannot start at layer {first}: deepseek4's first {hash} layers \
+                     (hash_layer_count) choose experts by the token ids, which only the first \
+                     stage has; start stages at layer 0 or from layer {hash}"
+                )));
+            }
+        }
         // The exchanges are host ops reading and writing the member's activations in
         // host memory, which only the CPU backend gives them.
         if member.is_some() && !device.is_cpu() {
@@ -840,6 +852,10 @@ fn new_inputs<'g>(
         spans,
         out_rows,
         attn_temp,
+        tokens: match step_input {
+            StepInput::Tokens(tokens) => Some(tokens),
+            StepInput::Hidden(_) => None,
+        },
         n_tokens: key.n_tokens,
         decode_rows: key.decode_rows,
     };

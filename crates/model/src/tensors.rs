@@ -16,6 +16,8 @@ pub enum Use {
     Elementwise,
     /// Rows looked up by token id (`get_rows`): any type, never repacked.
     Embedding,
+    /// Expert ids (i32) looked up by token id (DeepSeek V4's hash routing).
+    ExpertIds,
 }
 
 /// Whether a tensor must be in the file.

@@ -87,6 +87,16 @@ fn config() -> StageConfig {
     StageConfig::new(64, 1)
 }
 
+/// Layers `layers` of `file` loaded as a last stage that is not the first.
+fn load_tail(file: &Arc<ModelFile>, layers: std::ops::Range<usize>) -> Result<Stage, ModelError> {
+    let span = StageSpan {
+        layers,
+        first: false,
+        last: true,
+    };
+    Stage::load(file.clone(), span, &config())
+}
+
 /// Logits of the last token of `tokens` through stages of the given sizes.
 fn chain_logits(file: &Arc<ModelFile>, sizes: &[usize], tokens: &[u32]) -> Vec<f32> {
     let mut start = 0;
@@ -317,7 +327,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear, kimi-k3, glm5-next)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear, kimi-k3, deepseek4, glm5-next)"
     );
 
     // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
@@ -400,12 +410,12 @@ fn loader_errors_are_clear() {
         err_text("mm-none.gguf", &none),
         "bad hyper-parameters: minimax-m2.expert_gating_func is 0 (none): the router has no gating function"
     );
-    let softplus = tiny_model("minimax-m2", |w| {
+    let unknown_gating = tiny_model("minimax-m2", |w| {
         w.without_kv("minimax-m2.expert_gating_func")
-            .kv_u32("minimax-m2.expert_gating_func", 4)
+            .kv_u32("minimax-m2.expert_gating_func", 5)
     });
-    let text = err_text("mm-softplus.gguf", &softplus);
-    assert!(text.contains("expert_gating_func 4 is not supported"), "{text}");
+    let text = err_text("mm-gating.gguf", &unknown_gating);
+    assert!(text.contains("expert_gating_func 5 is not supported"), "{text}");
     let fused = tiny_model("minimax-m2", |w| {
         w.tensor_f32("blk.0.attn_qkv.weight", &[N_EMBD, 64], &[0.0; 32 * 64])
     });
@@ -635,8 +645,8 @@ fn sparse_attention_variants_are_refused_with_the_key_named() {
         "bad hyper-parameters: deepseek32.expert_gating_func is 0 (none): deepseek32's experts need softmax or sigmoid gating"
     );
     assert_eq!(
-        text("deepseek32", &set("deepseek32.expert_gating_func", Value::U32(4))),
-        "bad hyper-parameters: expert_gating_func 4 is not supported (1 softmax, 2 sigmoid, 3 softmax of the chosen)"
+        text("deepseek32", &set("deepseek32.expert_gating_func", Value::U32(5))),
+        "bad hyper-parameters: expert_gating_func 5 is not supported (1 softmax, 2 sigmoid, 3 softmax of the chosen, 4 square root of softplus)"
     );
     assert_eq!(
         text("deepseek32", &set("deepseek32.attention.indexer.key_length", Value::U32(96))),
@@ -656,17 +666,9 @@ fn sparse_attention_variants_are_refused_with_the_key_named() {
     // model runs.
     let shared = tiny_model("glm-dsa", set("glm-dsa.attention.indexer.types", types([1, 0, 1])));
     let file = open("dsa-shared.gguf", &shared).unwrap();
-    let span = |layers| StageSpan {
-        layers,
-        first: false,
-        last: true,
-    };
-    let err = Stage::load(file.clone(), span(1..N_LAYER), &config())
-        .err()
-        .unwrap()
-        .to_string();
+    let err = load_tail(&file, 1..N_LAYER).err().unwrap().to_string();
     assert_eq!(err, "bad stage configuration: a stage cannot start at layer 1: it reuses layer 0's choice of tokens (a shared indexer layer); start stages at layers that have their own indexer (e.g. with --split)");
-    assert!(Stage::load(file.clone(), span(2..N_LAYER), &config()).is_ok());
+    assert!(load_tail(&file, 2..N_LAYER).is_ok());
     let logits = chain_logits(&file, &[N_LAYER], &[1, 5, 9, 2, 7, 3]);
     assert!(logits.iter().all(|x| x.is_finite()));
 }
@@ -820,16 +822,8 @@ fn kimi_linear_variants_are_refused_with_the_key_or_tensor_named() {
 #[test]
 fn kimi_k3_refuses_splits_its_residual_attention_needs_and_variants_it_cannot_compute() {
     let file = open("kimi-k3.gguf", &tiny_model("kimi-k3", |w| w)).unwrap();
-    let span = |layers| StageSpan {
-        layers,
-        first: false,
-        last: true,
-    };
     for start in [1, 2] {
-        let err = Stage::load(file.clone(), span(start..N_LAYER), &config())
-            .err()
-            .unwrap()
-            .to_string();
+        let err = load_tail(&file, start..N_LAYER).err().unwrap().to_string();
         assert_eq!(
             err,
             format!(
@@ -1004,4 +998,150 @@ fn glm5_next_shared_indexer_layers_keep_their_choice_on_their_stage() {
     assert!(Stage::load(file.clone(), span(4..5), &config()).is_ok());
     let logits = chain_logits(&file, &[5], &[1, 5, 9, 2, 7, 3, 4, 8, 6]);
     assert!(logits.iter().all(|x| x.is_finite()));
+
+/// DeepSeek V4's residual stream is four copies of the hidden state (hyper-connections):
+/// that is what a stage sends and takes, and a stage refuses one copy's width.
+#[test]
+fn deepseek4_stages_pass_all_four_streams() {
+    let file = open("deepseek4-streams.gguf", &tiny_model("deepseek4", |w| w)).unwrap();
+    assert_eq!(file.hparams().hidden_width(), 4 * N_EMBD as usize);
+    let tokens = [1u32, 5, 9];
+    let positions = [0, 1, 2];
+    let first = StageSpan {
+        layers: 0..1,
+        first: true,
+        last: false,
+    };
+    let mut stage = Stage::load(file.clone(), first, &config()).unwrap();
+    let batch = |input| Batch {
+        input,
+        positions: &positions,
+        seq_ids: &[0; 3],
+        logit_rows: &[],
+        decode: false,
+    };
+    let StageOutput::Hidden(hidden) = stage
+        .forward(&batch(StageInput::Tokens(&tokens)), LogitReply::Logits)
+        .unwrap()
+    else {
+        panic!("a first stage sends hidden states")
+    };
+    assert_eq!(hidden.len(), 3 * 4 * N_EMBD as usize);
+    let rest = StageSpan {
+        layers: 1..N_LAYER,
+        first: false,
+        last: false,
+    };
+    let mut stage = Stage::load(file, rest, &config()).unwrap();
+    let one_stream = &hidden[..3 * N_EMBD as usize];
+    let err = stage
+        .forward(&batch(StageInput::Hidden(one_stream)), LogitReply::Logits)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("hidden state of 96 floats, expected 3 x 128"), "{err}");
+    assert!(stage
+        .forward(&batch(StageInput::Hidden(&hidden)), LogitReply::Logits)
+        .is_ok());
+}
+
+/// What baton cannot compute of DeepSeek V4 (compressed attention) and what llama.cpp
+/// refuses too is refused before loading, with the key, layer or tensor named; a stage
+/// cannot start inside the hash-routed layers; tensor parallelism refuses the streams.
+#[test]
+fn deepseek4_variants_are_refused_with_the_key_or_tensor_named() {
+    let text = |name: &str, edit: &dyn Fn(GgufWriter) -> GgufWriter| {
+        err_text(&format!("deepseek4-{name}.gguf"), &tiny_model("deepseek4", edit))
+    };
+    let set = |key: &'static str, value: Value| move |w: GgufWriter| w.without_kv(key).kv(key, value.clone());
+    // 3 trunk layers and the prediction layer (ratio 4 in the example).
+    let ratios = |r: [u32; 4]| Value::Array(r.map(Value::U32).to_vec());
+    let ratios_key = "deepseek4.attention.compress_ratios";
+    assert_eq!(
+        text("csa", &set(ratios_key, ratios([0, 4, 0, 4]))),
+        "bad hyper-parameters: deepseek4.attention.compress_ratios[1] is 4: compressed sparse attention \
+         (ratio 4, with its lightning indexer), which baton does not compute yet; it runs deepseek4 models \
+         whose layers all attend over the raw window (ratio 0)"
+    );
+    assert!(text("hca", &set(ratios_key, ratios([128, 0, 0, 4]))).starts_with(
+        "bad hyper-parameters: deepseek4.attention.compress_ratios[0] is 128: heavily compressed attention (ratio 128)"
+    ));
+    assert!(text("ratio", &set(ratios_key, ratios([0, 0, 7, 4])))
+        .contains("compress_ratios[2] is 7: a compression ratio llama.cpp does not know either"));
+    assert_eq!(
+        text("short", &set(ratios_key, Value::Array(vec![Value::U32(0); 3]))),
+        "bad hyper-parameters: deepseek4.attention.compress_ratios has 3 entries for 4 layers"
+    );
+    assert_eq!(
+        text("gating", &set("deepseek4.expert_gating_func", Value::U32(2))),
+        "bad hyper-parameters: deepseek4.expert_gating_func is 2: llama.cpp's deepseek4 scores experts by sqrt(softplus) (4) only"
+    );
+    assert!(
+        text("kv-heads", &set("deepseek4.attention.head_count_kv", Value::U32(2)))
+            .contains("attention.head_count_kv 2 must be 1")
+    );
+    assert_eq!(
+        text(
+            "rotation",
+            &set("deepseek4.attention.indexer.key_length", Value::U32(8))
+        ),
+        "bad hyper-parameters: deepseek4.attention.indexer.key_length equals deepseek4.attention.key_length (8): \
+         llama.cpp then rotates the raw window's keys by a Hadamard matrix, which baton does not"
+    );
+    assert_eq!(
+        text("clamp", &|w| w.without_kv("deepseek4.swiglu_clamp_exp")),
+        "GGUF metadata key 'deepseek4.swiglu_clamp_exp' is missing"
+    );
+    assert_eq!(
+        text("streams", &set("deepseek4.hyper_connection.count", Value::U32(2))),
+        "bad hyper-parameters: deepseek4.hyper_connection.count is 2: llama.cpp's hyper-connections (and ggml's fused ops) have 4 streams"
+    );
+    assert_eq!(
+        text("hash", &|w| w.without_tensor("blk.0.ffn_gate_tid2eid.weight")),
+        "tensor 'blk.0.ffn_gate_tid2eid.weight' is missing from the model file"
+    );
+    let table = text("hash-f32", &|w| {
+        w.without_tensor("blk.0.ffn_gate_tid2eid.weight").tensor_f32(
+            "blk.0.ffn_gate_tid2eid.weight",
+            &[2, N_VOCAB],
+            &[0.0; 2 * N_VOCAB as usize],
+        )
+    });
+    assert!(
+        table.contains("blk.0.ffn_gate_tid2eid.weight") && table.contains("i32"),
+        "{table}"
+    );
+    assert_eq!(
+        text("out-a", &|w| w.without_tensor("blk.2.attn_output_a.weight")),
+        "tensor 'blk.2.attn_output_a.weight' is missing from the model file"
+    );
+    assert_eq!(
+        text("compressor", &|w| w.tensor_f32("blk.1.attn_compressor_kv.weight", &[N_EMBD, 16], &[0.0; 32 * 16])),
+        "tensor 'blk.1.attn_compressor_kv.weight' is not part of baton's deepseek4 architecture; refusing to compute without it"
+    );
+
+    // Two hash-routed layers: a stage starting at layer 1 would lack the token ids.
+    let hashed = tiny_model("deepseek4", |w| {
+        let w = set("deepseek4.hash_layer_count", Value::U32(2))(w).without_tensor("blk.1.exp_probs_b.bias");
+        let ids: Vec<u8> = (0..2 * N_VOCAB as i32).flat_map(|i| (i % 4).to_le_bytes()).collect();
+        w.tensor_raw("blk.1.ffn_gate_tid2eid.weight", &[2, N_VOCAB], GgmlType::I32, ids)
+    });
+    let file = open("deepseek4-hashed.gguf", &hashed).unwrap();
+    let err = load_tail(&file, 1..N_LAYER).err().unwrap().to_string();
+    assert_eq!(
+        err,
+        "bad stage configuration: a stage cannot start at layer 1: deepseek4's first 2 layers (hash_layer_count) \
+         choose experts by the token ids, which only the first stage has; start stages at layer 0 or from layer 2"
+    );
+    assert!(load_tail(&file, 2..N_LAYER).is_ok());
+    let tokens = [1, 5, 9, 2, 7, 3];
+    assert_eq!(
+        chain_logits(&file, &[2, 1], &tokens),
+        chain_logits(&file, &[N_LAYER], &tokens)
+    );
+
+    let err = crate::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
+    assert!(
+        err.contains("4 copies of the hidden state (hyper-connections)"),
+        "{err}"
+    );
 }

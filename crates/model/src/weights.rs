@@ -247,7 +247,7 @@ impl StageWeights {
                 Use::MulMat => Some(WeightOp::MulMat),
                 Use::Experts => Some(WeightOp::MulMatId { n_used }),
                 Use::Elementwise => Some(WeightOp::Elementwise),
-                Use::Embedding => None,
+                Use::Embedding | Use::ExpertIds => None,
             };
             let mut group = op.and_then(|op| {
                 groups[..copied]
@@ -512,6 +512,7 @@ fn file_tensor<'f>(gguf: &'f Gguf, spec: &TensorSpec) -> Result<(&'f TensorInfo,
     let dtype = DType(info.ggml_type.id());
     let (ok, expected) = match spec.usage {
         Use::Elementwise => (dtype == DType::F32, "f32"),
+        Use::ExpertIds => (dtype == DType::I32, "i32"),
         _ => (dtype.can_mul_mat(), "a float or quantized matrix type"),
     };
     if !ok {

@@ -27,6 +27,9 @@ pub struct StepInputs<'g> {
     pub out_rows: Option<Tensor<'g>>,
     /// Attention temperature of each row, f32 `[1, 1, n_tokens]`, for models that have it.
     pub attn_temp: Option<Tensor<'g>>,
+    /// The batch's token ids, i32 `[n_tokens]`, on a first stage (DeepSeek V4's
+    /// hash-routed layers choose experts by them).
+    pub tokens: Option<Tensor<'g>>,
     /// Tokens in the batch.
     pub n_tokens: usize,
     /// Rows that continue one sequence's recurrent state each, in row order (stages
@@ -136,6 +139,19 @@ pub enum Act {
     Gelu,
     /// Kimi K3's situ (see [`situ`]).
     Situ { beta: f32, linear_beta: f32 },
+    /// SwiGLU clamped at `limit` (see [`swiglu_clamped`]).
+    SiluClamp { limit: f32 },
+}
+
+/// DeepSeek V4's SwiGLU as llama.cpp builds it for `swiglu_clamp_*`: clamped
+/// (`silu(min(gate, limit)) · clamp(up, ±limit)`) when `limit` is over 1e-6, plain
+/// otherwise.
+pub fn swiglu_clamped<'g>(ctx: &'g Context, gate: Tensor<'g>, up: Tensor<'g>, limit: f32) -> Tensor<'g> {
+    if limit > 1e-6 {
+        ctx.swiglu_clamp(gate, up, limit)
+    } else {
+        ctx.swiglu_split(gate, up)
+    }
 }
 
 /// situ, as llama.cpp computes it: `β tanh(gate / β) · sigmoid(gate) · λ tanh(up / λ)`
@@ -267,6 +283,7 @@ impl<'g> Builder<'g> {
             Act::Silu => self.ctx.swiglu_split(gate, up),
             Act::Gelu => self.ctx.geglu_split(gate, up),
             Act::Situ { beta, linear_beta } => situ(self.ctx, gate, up, beta, linear_beta),
+            Act::SiluClamp { limit } => swiglu_clamped(self.ctx, gate, up, limit),
         };
         let shard = if ffn.shared_experts { Shard::FfShexp } else { Shard::Ff };
         let hidden = self.gather(hidden, shard);

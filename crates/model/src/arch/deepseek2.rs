@@ -208,6 +208,12 @@ pub(super) fn ffn<'g>(
     b.ctx.add(routed, shared)
 }
 
+/// DeepSeek's compressed query (V3 on): `rms_norm(attn_q_a x) · attn_q_a_norm`,
+/// `[n_lora_q, n_tokens]`, which `attn_q_b` expands into the heads.
+pub(super) fn q_compressed<'g>(b: &Builder<'g>, w: &LayerTensors<'g>, x: Tensor<'g>) -> Tensor<'g> {
+    b.norm(b.mm(w.get(T::AttnQA), x), w.get(T::AttnQANorm))
+}
+
 /// What an MLA layer does with the RoPE part of its queries and keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum MlaRope {
@@ -246,9 +252,8 @@ pub(super) fn mla_attention<'g>(
 
     // DeepSeek sparse attention chooses each query's tokens from the compressed query.
     let (q, sparse) = match w.opt(T::AttnQA) {
-        Some(q_a) => {
-            let q = b.mm(q_a, x);
-            let q = b.norm(q, w.get(T::AttnQANorm));
+        Some(_) => {
+            let q = q_compressed(b, w, x);
             let sparse = hp.indexer().map(|_| super::dsa::select(b, w, layer, x, q));
             (b.mm(w.get(T::AttnQB), q), sparse)
         }

@@ -18,6 +18,7 @@ pub mod moe;
 
 mod deepseek2;
 mod deepseek32;
+mod deepseek4;
 mod dsa;
 mod gemma2;
 mod gemma3;
@@ -81,6 +82,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &glm_dsa::ARCH,
     &kimi_linear::ARCH,
     &kimi_k3::ARCH,
+    &deepseek4::ARCH,
     &glm5_next::ARCH,
 ];
 
@@ -176,6 +178,16 @@ impl std::fmt::Debug for Architecture {
 impl PartialEq for Architecture {
     fn eq(&self, other: &Self) -> bool {
         self.name == other.name
+    }
+}
+
+/// The tensors of the multi-token-prediction layers after the trunk, for the
+/// architectures whose files libllama loads only with them (deepseek4); baton never
+/// reads them. Empty for the others.
+pub fn prediction_layer_tensors(hp: &HParams) -> Vec<crate::tensors::TensorSpec> {
+    match hp.dsv4 {
+        Some(_) => deepseek4::prediction_layer_tensors(hp),
+        None => Vec::new(),
     }
 }
 

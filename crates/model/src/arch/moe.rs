@@ -26,6 +26,8 @@ pub enum Gating {
     Sigmoid,
     /// Top-k on the raw logits, then softmax over the chosen ones (gpt-oss).
     SoftmaxWeight,
+    /// `sqrt(softplus(logit))` of each logit (DeepSeek V4).
+    SqrtSoftplus,
 }
 
 impl Gating {
@@ -36,8 +38,10 @@ impl Gating {
             1 => Ok(Some(Gating::Softmax)),
             2 => Ok(Some(Gating::Sigmoid)),
             3 => Ok(Some(Gating::SoftmaxWeight)),
+            4 => Ok(Some(Gating::SqrtSoftplus)),
             other => Err(ModelError::BadHParams(format!(
-                "expert_gating_func {other} is not supported (1 softmax, 2 sigmoid, 3 softmax of the chosen)"
+                "expert_gating_func {other} is not supported (1 softmax, 2 sigmoid, 3 softmax of the \
+                 chosen, 4 square root of softplus)"
             ))),
         }
     }
@@ -186,6 +190,9 @@ pub enum ExpertAct {
     Gelu,
     /// Kimi K3's situ (see [`super::builder::situ`]).
     Situ { beta: f32, linear_beta: f32 },
+    /// `silu(min(gate, limit)) · clamp(up, ±limit)` when `limit` is over 1e-6, else
+    /// plain SwiGLU (DeepSeek V4's `swiglu_clamp_exp`).
+    SiluClamp { limit: f32 },
 }
 
 /// What a device backend may convert the experts' down-projection input (the activated
@@ -227,7 +234,22 @@ impl<'g> Builder<'g> {
     /// weighted sum of each token's experts, `[n_embd, n_tokens]`.
     pub fn moe(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>, routing: Routing) -> Tensor<'g> {
         let logits = self.router_logits(w, x);
-        self.routed_experts(w, layer, x, logits, routing, Weighing::Outputs)
+        self.routed_experts(w, layer, x, logits, routing, Weighing::Outputs, None)
+    }
+
+    /// [`moe`](Self::moe) with each token's experts chosen already, `chosen` i32
+    /// `[n_used, n_tokens]` (DeepSeek V4's hash-routed layers): the router only weighs
+    /// them.
+    pub fn moe_chosen(
+        &mut self,
+        w: &LayerTensors<'g>,
+        layer: usize,
+        x: Tensor<'g>,
+        chosen: Tensor<'g>,
+        routing: Routing,
+    ) -> Tensor<'g> {
+        let logits = self.router_logits(w, x);
+        self.routed_experts(w, layer, x, logits, routing, Weighing::Outputs, Some(chosen))
     }
 
     /// [`moe`](Self::moe) with router logits `[n_expert, n_tokens]` the architecture
@@ -240,7 +262,7 @@ impl<'g> Builder<'g> {
         logits: Tensor<'g>,
         routing: Routing,
     ) -> Tensor<'g> {
-        self.routed_experts(w, layer, x, logits, routing, Weighing::Outputs)
+        self.routed_experts(w, layer, x, logits, routing, Weighing::Outputs, None)
     }
 
     /// The router's logits of `x [n_embd, n_tokens]`: `[n_expert, n_tokens]`.
@@ -262,9 +284,10 @@ impl<'g> Builder<'g> {
             down_input: DownInput::Backend,
         };
         let logits = self.router_logits(w, x);
-        self.routed_experts(w, layer, x, logits, routing, Weighing::Inputs)
+        self.routed_experts(w, layer, x, logits, routing, Weighing::Inputs, None)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn routed_experts(
         &mut self,
         w: &LayerTensors<'g>,
@@ -273,6 +296,7 @@ impl<'g> Builder<'g> {
         mut logits: Tensor<'g>,
         routing: Routing,
         weighing: Weighing,
+        chosen: Option<Tensor<'g>>,
     ) -> Tensor<'g> {
         let ctx = self.ctx;
         let moe = &self.hp.moe;
@@ -287,6 +311,7 @@ impl<'g> Builder<'g> {
             Gating::Softmax => ctx.soft_max(logits),
             Gating::Sigmoid => ctx.sigmoid(logits),
             Gating::SoftmaxWeight => logits,
+            Gating::SqrtSoftplus => ctx.sqrt(ctx.softplus(logits.prec_f32())),
         };
         let probs = named(probs, "ffn_moe_probs"); // [n_expert, n_tokens]
 
@@ -300,7 +325,11 @@ impl<'g> Builder<'g> {
         if moe.n_group > 1 && n_tokens > 0 {
             selection = self.best_groups(selection, n_expert, n_tokens);
         }
-        let selected = named(ctx.argsort_top_k(selection, moe.n_expert_used), "ffn_moe_topk"); // [n_used, n_tokens]
+        let selected = match chosen {
+            Some(chosen) => chosen,
+            None => ctx.argsort_top_k(selection, moe.n_expert_used),
+        };
+        let selected = named(selected, "ffn_moe_topk"); // [n_used, n_tokens]
 
         let probs3 = ctx.reshape_3d(probs, 1, n_expert, n_tokens);
         let mut weights = ctx.get_rows(probs3, selected); // [1, n_used, n_tokens]
@@ -353,6 +382,7 @@ impl<'g> Builder<'g> {
             ExpertAct::Situ { beta, linear_beta } => {
                 gated(&|gate, up| super::builder::situ(ctx, gate, up, beta, linear_beta))
             }
+            ExpertAct::SiluClamp { limit } => gated(&|gate, up| super::builder::swiglu_clamped(ctx, gate, up, limit)),
         }; // [n_ff, n_used, n_tokens]; a tensor-parallel member's share of n_ff
         let hidden = if self.tp.is_some() {
             let [n_ff, _, _, _] = hidden.ne();
