@@ -75,10 +75,6 @@ tensor_names! {
         IndexerKNorm = "indexer.k_norm.weight",
         IndexerKNormBias = "indexer.k_norm.bias",
         IndexerProj = "indexer.proj.weight",
-        // GLM-5 next's k-pool indexer: the projection of the gate scores its blocks
-        // pool keys by, and the bias of each slot of a block.
-        IndexerKpoolGate = "indexer_compressor_gate.weight",
-        IndexerKpoolApe = "indexer_compressor_ape.weight",
         PostAttentionNorm = "post_attention_norm.weight",
         FfnNorm = "ffn_norm.weight",
         PostFfwNorm = "post_ffw_norm.weight",
@@ -164,7 +160,9 @@ tensor_names! {
         FfnGateTid2eid = "ffn_gate_tid2eid.weight",
         // DeepSeek V4's key compressors (attention's and the lightning indexer's) and
         // multi-token-prediction block, which only its example files hold (baton
-        // refuses compressed layers and skips the prediction layers).
+        // refuses compressed layers and skips the prediction layers). GLM-5 next's
+        // k-pool indexer has the indexer's gate and bias: the projection of the gate
+        // scores its blocks pool keys by, and the bias of each slot of a block.
         AttnCompressorKv = "attn_compressor_kv.weight",
         AttnCompressorGate = "attn_compressor_gate.weight",
         AttnCompressorApe = "attn_compressor_ape.weight",

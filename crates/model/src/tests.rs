@@ -983,21 +983,14 @@ fn glm5_next_shared_indexer_layers_keep_their_choice_on_their_stage() {
     let types = KvTypes::default();
     assert_eq!(hp.indexer_cell_bytes(1, types), types.k.row_bytes(2 * ix.head_dim));
     assert_eq!(hp.indexer_cell_bytes(3, types), 0);
-    let span = |layers| StageSpan {
-        layers,
-        first: false,
-        last: true,
-    };
     for start in [2, 3] {
-        let err = Stage::load(file.clone(), span(start..5), &config())
-            .err()
-            .unwrap()
-            .to_string();
+        let err = load_tail(&file, start..5).err().unwrap().to_string();
         assert!(err.contains(&format!("a stage cannot start at layer {start}")), "{err}");
     }
-    assert!(Stage::load(file.clone(), span(4..5), &config()).is_ok());
+    assert!(load_tail(&file, 4..5).is_ok());
     let logits = chain_logits(&file, &[5], &[1, 5, 9, 2, 7, 3, 4, 8, 6]);
     assert!(logits.iter().all(|x| x.is_finite()));
+}
 
 /// DeepSeek V4's residual stream is four copies of the hidden state (hyper-connections):
 /// that is what a stage sends and takes, and a stage refuses one copy's width.

@@ -130,9 +130,9 @@ pub(super) fn tensors(t: &mut LayerPlan<'_>) {
         .presence(presence);
     // GLM-5 next's blocks: the gate scores' projection and each slot's bias.
     if let Some(kpool) = ix.kpool {
-        t.mat(T::IndexerKpoolGate, &[embd, head], Split::WithHeads)
+        t.mat(T::IndexerCompressorGate, &[embd, head], Split::WithHeads)
             .presence(presence);
-        t.vec(T::IndexerKpoolApe, &[head, kpool.size], Split::WithHeads)
+        t.vec(T::IndexerCompressorApe, &[head, kpool.size], Split::WithHeads)
             .presence(presence);
     }
 }

@@ -58,14 +58,14 @@ pub(super) fn select<'g>(
     let q = b.mm(w.get(T::IndexerAttnQB), q_compressed); // [head × n_head, n_tokens]
     let q = named(ctx.reshape_3d(q, head, n_head, n_tokens), "indexer_q");
     let k = named(super::dsa::keys(b, w, x), "indexer_k"); // [head, n_tokens]
-    let gate = named(b.mm(w.get(T::IndexerKpoolGate), x), "indexer_gate"); // [head, n_tokens]
+    let gate = named(b.mm(w.get(T::IndexerCompressorGate), x), "indexer_gate"); // [head, n_tokens]
     let cache = b.kv.indexer_k(layer).expect("a full indexer layer has its key cache");
     b.graph
         .expand(ctx.set_rows(cache, ctx.concat(k, gate, 0), b.inputs.kv_slots));
 
     let weights = super::dsa::head_weights(b, w, x); // [n_head, n_tokens]
 
-    let ape = w.get(T::IndexerKpoolApe);
+    let ape = w.get(T::IndexerCompressorApe);
     let mut masks = Vec::with_capacity(b.inputs.spans.len());
     for span in &b.inputs.spans {
         let rows = &span.span.rows;
