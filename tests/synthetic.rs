@@ -555,18 +555,22 @@ fn glm5_next_matches_llama_cpp_with_1_2_3_stages() {
     let worst = check_stages(&path, "glm5-next");
     assert_eq!(worst, 0.0, "glm5-next: the logits are llama.cpp's bit for bit");
     // Layer 3 reusing layer 1's choice (so on one stage), the decay bounded, no
-    // incomplete block attended.
+    // incomplete block attended, SwiGLU clamped at 0.8: the routed experts' in every
+    // layer, the dense FFN's and the shared experts' in layers 0 and 2.
     let path = synthetic_with("glm5-next", FileType::Q4KM, |spec| {
         let types = Value::Array([1, 1, 1, 0].map(Value::U32).to_vec());
+        let shexp = Value::Array([0.8, 0.0, 0.8, 0.0].map(Value::F32).to_vec());
         for (key, value) in [
             ("attention.indexer.types", types),
             ("attention.indexer.kpool_select_tail", Value::Bool(false)),
             ("kda.gate_lower_bound", Value::F32(-5.0)),
+            ("swiglu_clamp_exp", Value::F32(0.8)),
+            ("swiglu_clamp_shexp", shexp),
         ] {
             spec.keys.push((format!("glm5-next.{key}"), value));
         }
     });
-    let label = "glm5-next with a shared indexer, a decay bound, no tail";
+    let label = "glm5-next with a shared indexer, a decay bound, no tail, clamps";
     let worst = check_stages_with(&path, label, &[1]);
     assert_eq!(worst, 0.0, "{label}: the logits are llama.cpp's bit for bit");
 }

@@ -683,6 +683,7 @@ mod tests {
                 weights_norm: false,
                 weights_scale: 0.0,
                 gating: crate::Gating::Softmax,
+                swiglu_clamps: None,
             },
             mla: None,
             attn_temp: None,

@@ -899,9 +899,9 @@ fn kimi_k3_refuses_splits_its_residual_attention_needs_and_variants_it_cannot_co
 
 /// GLM-5 next variants baton (or llama.cpp) cannot compute are refused before loading,
 /// the key or tensor named: RoPE in its MLA heads (llama.cpp asserts none), blocks that
-/// do not divide the tokens chosen or of fewer than 2 tokens, no block size, a clamped
-/// SwiGLU, no shared expert, a missing k-pool tensor, a first MLA layer that reuses a
-/// choice.
+/// do not divide the tokens chosen or of fewer than 2 tokens, no block size, no shared
+/// expert, a missing k-pool tensor, a first MLA layer that reuses a choice. Its SwiGLU
+/// clamps are read as llama.cpp reads them.
 #[test]
 fn glm5_next_variants_are_refused_with_the_key_or_tensor_named() {
     let text = |name: &str, edit: &dyn Fn(GgufWriter) -> GgufWriter| {
@@ -925,15 +925,6 @@ fn glm5_next_variants_are_refused_with_the_key_or_tensor_named() {
         "GGUF metadata key 'glm5-next.attention.indexer.kpool' is missing"
     );
     assert_eq!(
-        text("clamp", &set("glm5-next.swiglu_clamp_exp", Value::F32(7.0))),
-        "bad hyper-parameters: glm5-next.swiglu_clamp_exp is set: baton does not compute GLM-5 next's clamped SwiGLU"
-    );
-    let per_layer = Value::Array(vec![Value::F32(0.0), Value::F32(0.0), Value::F32(10.0)]);
-    assert_eq!(
-        text("clamp-layers", &set("glm5-next.swiglu_clamp_shexp", per_layer)),
-        "bad hyper-parameters: glm5-next.swiglu_clamp_shexp is set: baton does not compute GLM-5 next's clamped SwiGLU"
-    );
-    assert_eq!(
         text("shexp", &set("glm5-next.expert_shared_count", Value::U32(0))),
         "bad hyper-parameters: glm5-next.expert_shared_count is 0: glm5-next's layers always add a shared expert"
     );
@@ -946,13 +937,20 @@ fn glm5_next_variants_are_refused_with_the_key_or_tensor_named() {
         text("types", &set("glm5-next.attention.indexer.types", types)),
         "bad hyper-parameters: glm5-next.attention.indexer.types: layer 1, the first MLA layer, must have its own indexer (type 1), as it has no earlier layer's choice to reuse"
     );
-    // Its clamp may be present and off, as converters write it.
-    let off = Value::Array(vec![Value::F32(0.0); N_LAYER]);
-    assert!(open(
-        "glm5-next-clamp-off.gguf",
-        &tiny_model("glm5-next", set("glm5-next.swiglu_clamp_exp", off))
-    )
-    .is_ok());
+    // SwiGLU clamps: one value for every layer, the shared experts' (and dense FFNs')
+    // the routed experts' unless given, per layer.
+    let clamps = |edit: &dyn Fn(GgufWriter) -> GgufWriter| {
+        let file = open("glm5-next-clamps.gguf", &tiny_model("glm5-next", edit)).unwrap();
+        file.hparams().moe.swiglu_clamps.clone()
+    };
+    assert_eq!(clamps(&|w| w), None);
+    let exp = set("glm5-next.swiglu_clamp_exp", Value::F32(7.0));
+    let both = clamps(&exp).unwrap();
+    assert_eq!((both.exp, both.shexp), (vec![7.0; N_LAYER], vec![7.0; N_LAYER]));
+    let shexp = Value::Array(vec![Value::F32(0.0), Value::F32(0.0), Value::F32(10.0)]);
+    let shexp = set("glm5-next.swiglu_clamp_shexp", shexp);
+    let own = clamps(&|w| shexp(exp(w))).unwrap();
+    assert_eq!((own.exp, own.shexp), (vec![7.0; N_LAYER], vec![0.0, 0.0, 10.0]));
 }
 
 /// GLM-5 next with 5 layers (KDA, MLA, KDA, MLA, KDA), layer 3 reusing layer 1's choice

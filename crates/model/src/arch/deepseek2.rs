@@ -185,7 +185,8 @@ pub(super) fn layer_with<'g>(
 
 /// DeepSeek's FFN of layer `layer` over `x` `[n_embd, n_tokens]`: the routed experts
 /// (the file's gating, weight normalisation and scale; their down projection reading
-/// `down_input`) plus the shared experts, or a dense FFN in the leading layers.
+/// `down_input`) plus the shared experts, or a dense FFN in the leading layers; SwiGLU
+/// clamped where the model has clamps (GLM-5 next).
 pub(super) fn ffn<'g>(
     b: &mut Builder<'g>,
     w: &LayerTensors<'g>,
@@ -193,18 +194,29 @@ pub(super) fn ffn<'g>(
     x: Tensor<'g>,
     down_input: DownInput,
 ) -> Tensor<'g> {
+    let (expert_act, act) = match &b.hp.moe.swiglu_clamps {
+        Some(clamps) => (
+            ExpertAct::SiluClamp {
+                limit: clamps.exp[layer],
+            },
+            Act::SiluClamp {
+                limit: clamps.shexp[layer],
+            },
+        ),
+        None => (ExpertAct::Silu, Act::Silu),
+    };
     if !b.hp.is_moe(layer) {
-        return b.ffn(w, &FFN, Act::Silu, x);
+        return b.ffn(w, &FFN, act, x);
     }
     let routing = Routing {
         gating: b.hp.moe.gating,
         norm_weights: b.hp.moe.weights_norm,
         scale: b.hp.moe.weights_scale,
-        act: ExpertAct::Silu,
+        act: expert_act,
         down_input,
     };
     let routed = b.moe(w, layer, x, routing);
-    let shared = b.ffn(w, &FFN_SHEXP, Act::Silu, x);
+    let shared = b.ffn(w, &FFN_SHEXP, act, x);
     b.ctx.add(routed, shared)
 }
 

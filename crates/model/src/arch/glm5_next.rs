@@ -14,8 +14,9 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::deepseek2::{self, mla_attention, mla_tensors, MlaRope};
+use super::deepseek4;
 use super::hyper::{self, Head, Hyper, Site};
-use super::moe::{DownInput, Gating};
+use super::moe::{DownInput, Gating, SwigluClamps};
 use super::{dsa, kda, Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{HParams, Keys, Kpool, Mla, Ssm};
 use crate::names::LayerTensor as T;
@@ -87,8 +88,15 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
             keys.name("expert_shared_count")
         )));
     }
-    for key in ["swiglu_clamp_exp", "swiglu_clamp_shexp"] {
-        refuse_clamp(keys, key)?;
+    // Plain SwiGLU unless set; the shared experts' clamps default to the routed ones'.
+    let clamp_exp = deepseek4::per_layer_f32(keys, "swiglu_clamp_exp", n_layer_all)?;
+    let clamp_shexp = deepseek4::per_layer_f32(keys, "swiglu_clamp_shexp", n_layer_all)?.or(clamp_exp.clone());
+    if clamp_exp.is_some() || clamp_shexp.is_some() {
+        let plain = || vec![0.0; n_layer_all];
+        hp.moe.swiglu_clamps = Some(SwigluClamps {
+            exp: clamp_exp.unwrap_or_else(plain),
+            shexp: clamp_shexp.unwrap_or_else(plain),
+        });
     }
 
     let kpool = read_kpool(keys)?;
@@ -129,33 +137,6 @@ fn read_kpool(keys: &Keys<'_>) -> Result<Kpool, ModelError> {
     }
     let select_tail = keys.opt_bool("attention.indexer.kpool_select_tail")?.unwrap_or(false);
     Ok(Kpool { size, select_tail })
-}
-
-/// Refuses a SwiGLU clamp (`key`, one value or one per layer) above llama.cpp's
-/// threshold: baton does not compute the clamped SwiGLU.
-fn refuse_clamp(keys: &Keys<'_>, key: &str) -> Result<(), ModelError> {
-    let values = match keys.get(key) {
-        None => return Ok(()),
-        Some(Value::F32(v)) => vec![*v],
-        Some(Value::Array(values)) => values
-            .iter()
-            .map(|v| match v {
-                Value::F32(v) => Ok(*v),
-                _ => Err(ModelError::BadHParams(format!(
-                    "{} holds a value that is not f32",
-                    keys.name(key)
-                ))),
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => return Err(ModelError::BadHParams(format!("{} is not f32", keys.name(key)))),
-    };
-    if values.iter().any(|&v| v > 1e-6) {
-        return Err(ModelError::BadHParams(format!(
-            "{} is set: baton does not compute GLM-5 next's clamped SwiGLU",
-            keys.name(key)
-        )));
-    }
-    Ok(())
 }
 
 /// As `llama_model_glm5_next::load_arch_tensors` lists them.
