@@ -848,6 +848,27 @@ mod tests {
         assert_eq!(kv.n_used(), 4, "failed claims change nothing");
     }
 
+    /// What GLM-5 next's k-pool indexer cuts into blocks: a sequence's tokens in
+    /// position order from its span's first cell, none after a gap; a shared cache
+    /// whose sequences interleave has no such order.
+    #[test]
+    fn positions_in_order_count_a_sequence_held_from_its_first_cell() {
+        let mut kv = KvCache::new(&tiny(), 0..1, 16, 2).unwrap();
+        kv.claim(&[0, 0, 0, 1, 1], &[0, 1, 2, 0, 1]).unwrap();
+        assert_eq!(kv.positions_in_order(0, 0..8), Some(3));
+        assert_eq!(kv.positions_in_order(1, 8..16), Some(2));
+        assert_eq!(kv.positions_in_order(0, 8..16), Some(0), "another sequence's region");
+        kv.claim(&[0], &[5]).unwrap();
+        assert_eq!(kv.positions_in_order(0, 0..8), None, "a gap at positions 3 and 4");
+        let mut shared = KvCache::new(&tiny(), 0..1, 16, 0).unwrap();
+        shared.claim(&[0, 1, 0], &[0, 0, 1]).unwrap();
+        assert_eq!(shared.positions_in_order(0, 0..16), None);
+        let mut alone = KvCache::new(&tiny(), 0..1, 16, 0).unwrap();
+        alone.claim(&[0, 0, 0, 0], &[0, 1, 2, 3]).unwrap();
+        alone.truncate_seq(0, 2);
+        assert_eq!(alone.positions_in_order(0, 0..16), Some(2));
+    }
+
     /// `tiny` with a window of 4 on layer 0; layer 1 attends to everything.
     fn tiny_swa() -> HParams {
         HParams {
