@@ -464,14 +464,15 @@ fn gemma4_batching_other_sequences_changes_nothing() {
     batching_changes_nothing("gemma4", FileType::Q4KM);
 }
 
-/// DeepSeek sparse attention (deepseek32; glm-dsa with a shared indexer layer) in
-/// batches of decode steps of up to 7 sequences: each row's indexer scores, choice and
+/// DeepSeek sparse attention (deepseek32; glm-dsa with a shared indexer layer;
+/// glm5-next's blocks of tokens beside its KDA layers) in batches of decode steps of
+/// up to 7 sequences: each row's indexer scores, choice and
 /// attention cover its own sequence's cells only (prompts of 11 to 26 tokens, 8
 /// chosen), so the same bits and greedy tokens as alone.
 #[test]
 fn sparse_attention_batching_other_sequences_changes_nothing() {
     let _serial = serial();
-    for arch in ["deepseek32", "glm-dsa"] {
+    for arch in ["deepseek32", "glm-dsa", "glm5-next"] {
         batching_changes_nothing(arch, FileType::Q4KM);
     }
 }
@@ -546,6 +547,44 @@ fn batching_changes_nothing(arch: &str, file_type: FileType) {
     reset(&mut chain);
     let beside = decode(&mut chain, &[0, 1, 2, 3, 4, 5, 6]);
     assert_eq!(alone, beside, "{arch}: sequence 0's greedy tokens");
+}
+
+/// GLM-5 next: Kimi Delta Attention in layers 0 and 2, MLA without RoPE in 1 and 3
+/// whose k-pool indexer chooses 2 blocks of 4 tokens and the row's own incomplete
+/// block (prompts of 6 to 21 tokens, 32 more decoded), four hyper-connected streams
+/// between layers and stages, experts after the dense layer 0. Logits bit for bit,
+/// greedy tokens equal.
+#[test]
+fn glm5_next_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("glm5-next", FileType::Q4KM);
+    let worst = check_stages(&path, "glm5-next");
+    assert_eq!(worst, 0.0, "glm5-next: the logits are llama.cpp's bit for bit");
+    // Layer 3 reusing layer 1's choice (so on one stage), the decay bounded, no
+    // incomplete block attended, SwiGLU clamped at 0.8: the routed experts' in every
+    // layer, the dense FFN's and the shared experts' in layers 0 and 2.
+    let path = synthetic_with("glm5-next", FileType::Q4KM, |spec| {
+        let types = Value::Array([1, 1, 1, 0].map(Value::U32).to_vec());
+        let shexp = Value::Array([0.8, 0.0, 0.8, 0.0].map(Value::F32).to_vec());
+        for (key, value) in [
+            ("attention.indexer.types", types),
+            ("attention.indexer.kpool_select_tail", Value::Bool(false)),
+            ("kda.gate_lower_bound", Value::F32(-5.0)),
+            ("swiglu_clamp_exp", Value::F32(0.8)),
+            ("swiglu_clamp_shexp", shexp),
+        ] {
+            spec.keys.push((format!("glm5-next.{key}"), value));
+        }
+    });
+    let label = "glm5-next with a shared indexer, a decay bound, no tail, clamps";
+    let worst = check_stages_with(&path, label, &[1]);
+    assert_eq!(worst, 0.0, "{label}: the logits are llama.cpp's bit for bit");
+}
+
+#[test]
+fn glm5_next_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("glm5-next", FileType::Q4KM);
 }
 
 #[test]

@@ -469,6 +469,8 @@ impl Context {
         tanh => ggml_tanh;
         /// A view with dims 0 and 1 swapped.
         transpose => ggml_transpose;
+        /// `e^a` element-wise.
+        exp => ggml_exp;
     }
 
     /// `a * s`.

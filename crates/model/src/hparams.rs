@@ -101,6 +101,13 @@ pub struct HParams {
     pub swa_heads: Option<LayerHeads>,
     /// What Kimi K3 adds to Kimi Linear (`None` for every other architecture).
     pub kimi_k3: Option<KimiK3>,
+    /// The KDA decay's lower bound (`kda.gate_lower_bound`, Kimi K3 and GLM-5 next):
+    /// when set, the decay is `bound · sigmoid(exp(A_log) · (f_b(f_a(x)) + dt))`
+    /// instead of Kimi Linear's softplus form.
+    pub kda_gate_lower_bound: Option<f32>,
+    /// No layer applies RoPE and the file says so with `rope.dimension_count` 0
+    /// (GLM-5 next, whose MLA keys have no RoPE part).
+    pub unrotated: bool,
     /// Hyper-connections (DeepSeek V4, GLM-5 Next): the residual stream is several
     /// copies of the hidden state (see [`crate::arch::hyper`]); `None`: one.
     pub hyper: Option<Hyper>,
@@ -145,10 +152,6 @@ pub struct KimiK3 {
     /// Width the routed experts run at (`expert_latent_length`; 0: `n_embd`, no
     /// projections around them).
     pub n_expert_latent: usize,
-    /// The KDA decay's lower bound (`kda.gate_lower_bound`): when set, the decay is
-    /// `bound · sigmoid(exp(A_log) · (f_b(f_a(x)) + dt))` instead of Kimi Linear's
-    /// softplus form.
-    pub kda_gate_lower_bound: Option<f32>,
 }
 
 /// The key/value heads of one layer.
@@ -404,17 +407,49 @@ pub struct Indexer {
     /// Per layer: whether it computes its own selection (`false`: it reuses the
     /// previous full layer's, GLM-5.2's shared indexer layers).
     pub full_layers: Vec<bool>,
+    /// GLM-5 next's k-pool indexer: keys pooled over blocks of consecutive tokens,
+    /// scored and chosen as whole blocks, without RoPE or a Walsh-Hadamard rotation;
+    /// `None`: one key per token (DeepSeek V3.2, GLM-5).
+    pub kpool: Option<Kpool>,
+}
+
+/// GLM-5 next's k-pool indexer (`attention.indexer.kpool*`): each block of `size`
+/// consecutive positions of a sequence (from its first) pools its tokens' indexer keys
+/// into one, weighted per dimension by a softmax over the block of the tokens' gate
+/// scores plus a learnt bias per slot; a query scores the complete blocks it sees and
+/// attends to the tokens of the `top_k / size` best, and, with `select_tail`, to those
+/// of its own incomplete block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kpool {
+    /// Tokens per block (`attention.indexer.kpool`, at least 2, dividing `top_k`).
+    pub size: usize,
+    /// Whether a query also attends to its own incomplete block
+    /// (`attention.indexer.kpool_select_tail`).
+    pub select_tail: bool,
 }
 
 impl Indexer {
     /// Size of the Walsh-Hadamard matrix llama.cpp rotates indexer queries and keys by:
-    /// 64, doubled while it divides the head (the whole head for the sizes accepted).
+    /// 64, doubled while it divides the head (the whole head for the sizes accepted);
+    /// 0 for a k-pool indexer, which is not rotated.
     pub fn rotation(&self) -> usize {
+        if self.kpool.is_some() {
+            return 0;
+        }
         let mut n = 64;
         while self.head_dim.is_multiple_of(2 * n) {
             n *= 2;
         }
         n
+    }
+
+    /// Width of a cached indexer row: the token's key, and with a k-pool its gate
+    /// scores after it.
+    pub fn cache_width(&self) -> usize {
+        match self.kpool {
+            Some(_) => 2 * self.head_dim,
+            None => self.head_dim,
+        }
     }
 }
 
@@ -708,6 +743,8 @@ impl HParams {
             rope_sections: None,
             swa_heads: None,
             kimi_k3: None,
+            kda_gate_lower_bound: None,
+            unrotated: false,
             hyper: None,
             dsv4: None,
         };
@@ -745,6 +782,9 @@ impl HParams {
             ("sliding-window rope", &self.rope_swa, swa_head_dim),
         ] {
             let n_dims = rope.n_dims;
+            if n_dims == 0 && self.unrotated {
+                continue;
+            }
             if n_dims <= 0 || n_dims % 2 != 0 || n_dims as usize > head_dim {
                 return bad(format!(
                     "{name} dimension count {n_dims} must be even, positive and at most the head size {head_dim}"
@@ -896,7 +936,7 @@ impl HParams {
     /// attention; 0 for other models and for layers that reuse an earlier selection).
     pub fn indexer_cell_bytes(&self, layer: usize, types: KvTypes) -> usize {
         match self.indexer() {
-            Some(ix) if ix.full_layers.get(layer) == Some(&true) => types.k.row_bytes(ix.head_dim),
+            Some(ix) if ix.full_layers.get(layer) == Some(&true) => types.k.row_bytes(ix.cache_width()),
             _ => 0,
         }
     }

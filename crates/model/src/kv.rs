@@ -299,6 +299,19 @@ impl Cells {
             *overwritten = (*overwritten).min(len as i32 - 1);
         }
     }
+
+    /// How many tokens of `seq` `cells` holds when they are its positions 0, 1, … in
+    /// consecutive cells from the first, and no other of its tokens follows; `None`
+    /// when they are not.
+    fn positions_in_order(&self, seq: u32, cells: Range<usize>) -> Option<usize> {
+        let cells = &self.cells[cells];
+        let n = cells
+            .iter()
+            .enumerate()
+            .take_while(|&(i, c)| c.seq == seq && c.pos == i as i32)
+            .count();
+        cells[n..].iter().all(|c| c.pos < 0 || c.seq != seq).then_some(n)
+    }
 }
 
 /// Keys and values for a stage's layers plus the cell bookkeeping: one set of cells
@@ -381,7 +394,7 @@ impl KvCache {
             }
             // DeepSeek sparse attention: the indexer's key of each token, in the same cells.
             if let Some(ix) = hp.indexer().filter(|ix| ix.full_layers[layer]) {
-                ctx.new_tensor(types.k.dtype(), &[ix.head_dim as i64, n_cells])
+                ctx.new_tensor(types.k.dtype(), &[ix.cache_width() as i64, n_cells])
                     .named(&format!("cache_ik_l{layer}"));
             }
         }
@@ -437,7 +450,8 @@ impl KvCache {
     }
 
     /// Indexer key cache of global layer `layer` (`[head_dim, n_ctx]`, DeepSeek sparse
-    /// attention): one key per cell, written and dropped with the cell's latent row, so
+    /// attention; `[2 head_dim, n_ctx]` with a k-pool, each key followed by its gate
+    /// scores): one key per cell, written and dropped with the cell's latent row, so
     /// truncating a sequence (prefix reuse, rejected drafts) and replaying it (recovery)
     /// keep it with them. `None` on layers that reuse an earlier layer's selection.
     pub fn indexer_k(&self, layer: usize) -> Option<Tensor<'_>> {
@@ -528,6 +542,14 @@ impl KvCache {
         if let (Some(cells), Some(window)) = (self.window_cells.as_mut(), &slots.window) {
             cells.release(window);
         }
+    }
+
+    /// How many tokens of `seq` the full-attention cells `cells` (a span's) hold, when
+    /// they hold its positions 0, 1, … in order from the first cell (a sequence's
+    /// region, or the cache of a lone sequence): what GLM-5 next's k-pool indexer cuts
+    /// into blocks. `None` when they do not.
+    pub fn positions_in_order(&self, seq: u32, cells: Range<usize>) -> Option<usize> {
+        self.full.positions_in_order(seq, cells)
     }
 
     /// How many cells attention must look at: past the last used cell, padded.
@@ -661,6 +683,7 @@ mod tests {
                 weights_norm: false,
                 weights_scale: 0.0,
                 gating: crate::Gating::Softmax,
+                swiglu_clamps: None,
             },
             mla: None,
             attn_temp: None,
@@ -670,6 +693,8 @@ mod tests {
             layer_kv_heads: vec![1; 2],
             swa_heads: None,
             kimi_k3: None,
+            kda_gate_lower_bound: None,
+            unrotated: false,
             hyper: None,
             dsv4: None,
             layer_ff: vec![16; 2],
@@ -821,6 +846,27 @@ mod tests {
         let err = kv.claim(&[0], &[1]).unwrap_err().to_string();
         assert!(err.contains("already holds position 1"), "{err}");
         assert_eq!(kv.n_used(), 4, "failed claims change nothing");
+    }
+
+    /// What GLM-5 next's k-pool indexer cuts into blocks: a sequence's tokens in
+    /// position order from its span's first cell, none after a gap; a shared cache
+    /// whose sequences interleave has no such order.
+    #[test]
+    fn positions_in_order_count_a_sequence_held_from_its_first_cell() {
+        let mut kv = KvCache::new(&tiny(), 0..1, 16, 2).unwrap();
+        kv.claim(&[0, 0, 0, 1, 1], &[0, 1, 2, 0, 1]).unwrap();
+        assert_eq!(kv.positions_in_order(0, 0..8), Some(3));
+        assert_eq!(kv.positions_in_order(1, 8..16), Some(2));
+        assert_eq!(kv.positions_in_order(0, 8..16), Some(0), "another sequence's region");
+        kv.claim(&[0], &[5]).unwrap();
+        assert_eq!(kv.positions_in_order(0, 0..8), None, "a gap at positions 3 and 4");
+        let mut shared = KvCache::new(&tiny(), 0..1, 16, 0).unwrap();
+        shared.claim(&[0, 1, 0], &[0, 0, 1]).unwrap();
+        assert_eq!(shared.positions_in_order(0, 0..16), None);
+        let mut alone = KvCache::new(&tiny(), 0..1, 16, 0).unwrap();
+        alone.claim(&[0, 0, 0, 0], &[0, 1, 2, 3]).unwrap();
+        alone.truncate_seq(0, 2);
+        assert_eq!(alone.positions_in_order(0, 0..16), Some(2));
     }
 
     /// `tiny` with a window of 4 on layer 0; layer 1 attends to everything.

@@ -162,7 +162,9 @@ tensor_names! {
         ExpProbsBiasVl = "exp_probs_b_vl.bias",
         // DeepSeek V4's key compressors (attention's and the lightning indexer's) and
         // multi-token-prediction block, which only its example files hold (baton
-        // refuses compressed layers and skips the prediction layers).
+        // refuses compressed layers and skips the prediction layers). GLM-5 next's
+        // k-pool indexer has the indexer's gate and bias: the projection of the gate
+        // scores its blocks pool keys by, and the bias of each slot of a block.
         AttnCompressorKv = "attn_compressor_kv.weight",
         AttnCompressorGate = "attn_compressor_gate.weight",
         AttnCompressorApe = "attn_compressor_ape.weight",

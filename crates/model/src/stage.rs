@@ -510,6 +510,29 @@ impl Stage {
         self.device.is_cpu()
     }
 
+    /// GLM-5 next's k-pool indexer: the complete blocks of each span's sequence (empty
+    /// for other models). A block is a run of positions, so each span's cells must hold
+    /// its sequence in position order from its first cell.
+    fn kpool_blocks(&self, seq_ids: &[u32], spans: &[AttnSpan]) -> Result<Vec<usize>, ModelError> {
+        let Some(kpool) = self.hp.indexer().and_then(|ix| ix.kpool) else {
+            return Ok(Vec::new());
+        };
+        spans
+            .iter()
+            .map(|span| {
+                let seq = seq_ids[span.rows.start];
+                let n = self.kv.positions_in_order(seq, span.cells.clone()).ok_or_else(|| {
+                    ModelError::BadBatch(format!(
+                        "sequence {seq} does not hold its positions in order from the first cell \
+                         of its span; the k-pool indexer cuts a sequence into blocks of \
+                         positions (run it with a region per sequence)"
+                    ))
+                })?;
+                Ok(n / kpool.size)
+            })
+            .collect()
+    }
+
     fn compute(
         &mut self,
         batch: &Batch<'_>,
@@ -520,6 +543,7 @@ impl Stage {
         let n_tokens = batch.n_tokens();
         let spans = self.kv.attention_spans(batch.seq_ids);
         let decode_rows = batch.decode || one_row_per_sequence(batch.seq_ids);
+        let kpool_blocks = self.kpool_blocks(batch.seq_ids, &spans)?;
         let key = StepKey {
             tokens: matches!(batch.input, StageInput::Tokens(_)),
             n_tokens,
@@ -531,6 +555,7 @@ impl Stage {
             logit_rows: batch.logit_rows.len(),
             normed: normed && self.span.last && !batch.logit_rows.is_empty(),
             state_runs: runs.iter().map(|r| r.rows.clone()).collect(),
+            kpool_blocks,
         };
         // A step shaped like the last one computes the last one's graph again: only its
         // inputs change. Building about a thousand nodes and splitting them between
@@ -582,7 +607,10 @@ impl Stage {
         // runs short.
         // DeepSeek sparse attention: the indexer's 3 products, about 20 nodes per layer
         // and 12 per span (its scores, choice and mask).
+        // A k-pool indexer (GLM-5 next) pools its blocks and builds its masks per span:
+        // about 40 more.
         let (per_span, piece_nodes) = match hp.indexer() {
+            Some(ix) if ix.kpool.is_some() => (72, PIECE_NODES + 12),
             Some(_) => (32, PIECE_NODES + 12),
             None => (16, PIECE_NODES),
         };
@@ -820,9 +848,11 @@ fn new_inputs<'g>(
     };
     let spans: Vec<SpanInputs> = spans
         .into_iter()
-        .map(|span| SpanInputs {
+        .enumerate()
+        .map(|(index, span)| SpanInputs {
             mask: has_full.then(|| new_mask(&span.rows, &span.cells, "kq_mask")),
             mask_swa: has_swa.then(|| new_mask(&span.rows, &span.window_cells, "kq_mask_swa")),
+            kpool_blocks: key.kpool_blocks.get(index).copied().unwrap_or(0),
             span,
         })
         .collect();
@@ -884,6 +914,8 @@ struct StepKey {
     normed: bool,
     /// Rows of each run that continues a recurrent state.
     state_runs: Vec<std::ops::Range<usize>>,
+    /// GLM-5 next's k-pool indexer: the complete blocks of each span's sequence.
+    kpool_blocks: Vec<usize>,
 }
 
 /// A built and allocated step graph and its inputs and output, by id.

@@ -321,7 +321,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear, kimi-k3, deepseek4)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear, kimi-k3, deepseek4, glm5-next)"
     );
 
     // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
@@ -887,6 +887,99 @@ fn kimi_k3_carries_its_banked_inputs_between_stages_and_refuses_variants_it_cann
             .kv("kimi-k3.attn_res.block_size", Value::U32(0))),
         "tensor 'output_res_score.weight' is not part of baton's kimi-k3 architecture; refusing to compute without it"
     );
+}
+
+/// GLM-5 next variants baton (or llama.cpp) cannot compute are refused before loading,
+/// the key or tensor named: RoPE in its MLA heads (llama.cpp asserts none), blocks that
+/// do not divide the tokens chosen or of fewer than 2 tokens, no block size, no shared
+/// expert, a missing k-pool tensor, a first MLA layer that reuses a choice. Its SwiGLU
+/// clamps are read as llama.cpp reads them.
+#[test]
+fn glm5_next_variants_are_refused_with_the_key_or_tensor_named() {
+    let text = |name: &str, edit: &dyn Fn(GgufWriter) -> GgufWriter| {
+        err_text(&format!("glm5-next-{name}.gguf"), &tiny_model("glm5-next", edit))
+    };
+    let set = |key: &'static str, value: Value| move |w: GgufWriter| w.without_kv(key).kv(key, value.clone());
+    assert_eq!(
+        text("rope", &set("glm5-next.rope.dimension_count", Value::U32(8))),
+        "bad hyper-parameters: glm5-next.rope.dimension_count is 8 (or missing): GLM-5 next's MLA heads have no RoPE part and llama.cpp asserts 0"
+    );
+    assert_eq!(
+        text("kpool-3", &set("glm5-next.attention.indexer.kpool", Value::U32(3))),
+        "bad hyper-parameters: glm5-next.attention.indexer.kpool is 3: blocks of at least 2 tokens that divide glm5-next.attention.indexer.top_k (8)"
+    );
+    assert_eq!(
+        text("kpool-1", &set("glm5-next.attention.indexer.kpool", Value::U32(1))),
+        "bad hyper-parameters: glm5-next.attention.indexer.kpool is 1: blocks of at least 2 tokens that divide glm5-next.attention.indexer.top_k (8)"
+    );
+    assert_eq!(
+        text("kpool-none", &|w| w.without_kv("glm5-next.attention.indexer.kpool")),
+        "GGUF metadata key 'glm5-next.attention.indexer.kpool' is missing"
+    );
+    assert_eq!(
+        text("shexp", &set("glm5-next.expert_shared_count", Value::U32(0))),
+        "bad hyper-parameters: glm5-next.expert_shared_count is 0: glm5-next's layers always add a shared expert"
+    );
+    assert_eq!(
+        text("gate", &|w| w.without_tensor("blk.1.indexer_compressor_gate.weight")),
+        "tensor 'blk.1.indexer_compressor_gate.weight' is missing from the model file"
+    );
+    let types = Value::Array([1, 0, 1].map(Value::U32).to_vec());
+    assert_eq!(
+        text("types", &set("glm5-next.attention.indexer.types", types)),
+        "bad hyper-parameters: glm5-next.attention.indexer.types: layer 1, the first MLA layer, must have its own indexer (type 1), as it has no earlier layer's choice to reuse"
+    );
+    // SwiGLU clamps: one value for every layer, the shared experts' (and dense FFNs')
+    // the routed experts' unless given, per layer.
+    let clamps = |edit: &dyn Fn(GgufWriter) -> GgufWriter| {
+        let file = open("glm5-next-clamps.gguf", &tiny_model("glm5-next", edit)).unwrap();
+        file.hparams().moe.swiglu_clamps.clone()
+    };
+    assert_eq!(clamps(&|w| w), None);
+    let exp = set("glm5-next.swiglu_clamp_exp", Value::F32(7.0));
+    let both = clamps(&exp).unwrap();
+    assert_eq!((both.exp, both.shexp), (vec![7.0; N_LAYER], vec![7.0; N_LAYER]));
+    let shexp = Value::Array(vec![Value::F32(0.0), Value::F32(0.0), Value::F32(10.0)]);
+    let shexp = set("glm5-next.swiglu_clamp_shexp", shexp);
+    let own = clamps(&|w| shexp(exp(w))).unwrap();
+    assert_eq!((own.exp, own.shexp), (vec![7.0; N_LAYER], vec![0.0, 0.0, 10.0]));
+}
+
+/// GLM-5 next with 5 layers (KDA, MLA, KDA, MLA, KDA), layer 3 reusing layer 1's choice
+/// of tokens: a stage may not start at layer 2 or 3 (it would reach layer 3 without
+/// the choice), it may at 4; the whole model runs. Each MLA layer with its own indexer
+/// caches a key and its gate scores per token.
+#[test]
+fn glm5_next_shared_indexer_layers_keep_their_choice_on_their_stage() {
+    let arch = crate::arch::find("glm5-next").unwrap();
+    let shape = Shape { n_layer: 5, ..shape() };
+    let options = ExampleOptions {
+        n_vocab: N_VOCAB as usize,
+        seed: 7,
+        tied_output: true,
+        optional_tensors: true,
+    };
+    let key = "glm5-next.attention.indexer.types";
+    let types = Value::Array([1, 1, 1, 0, 1].map(Value::U32).to_vec());
+    let bytes = example_gguf(arch, &shape, &options, Vec::new())
+        .unwrap()
+        .without_kv(key)
+        .kv(key, types)
+        .to_bytes();
+    let file = open("glm5-next-shared.gguf", &bytes).unwrap();
+    let hp = file.hparams();
+    let ix = hp.indexer().unwrap();
+    assert_eq!(ix.full_layers, [true, true, false, false, true]);
+    let types = KvTypes::default();
+    assert_eq!(hp.indexer_cell_bytes(1, types), types.k.row_bytes(2 * ix.head_dim));
+    assert_eq!(hp.indexer_cell_bytes(3, types), 0);
+    for start in [2, 3] {
+        let err = load_tail(&file, start..5).err().unwrap().to_string();
+        assert!(err.contains(&format!("a stage cannot start at layer {start}")), "{err}");
+    }
+    assert!(load_tail(&file, 4..5).is_ok());
+    let logits = chain_logits(&file, &[5], &[1, 5, 9, 2, 7, 3, 4, 8, 6]);
+    assert!(logits.iter().all(|x| x.is_finite()));
 }
 
 /// DeepSeek V4's residual stream is four copies of the hidden state (hyper-connections):

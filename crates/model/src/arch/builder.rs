@@ -50,6 +50,9 @@ pub struct SpanInputs<'g> {
     /// Sliding-window mask, f16 `[window cells, rows]`, when the stage has
     /// sliding-window layers.
     pub mask_swa: Option<Tensor<'g>>,
+    /// GLM-5 next's k-pool indexer: the complete blocks of the span's sequence, its
+    /// first `kpool_blocks × kpool` cells (0 for other models).
+    pub kpool_blocks: usize,
 }
 
 /// Rows of the batch that continue one sequence's recurrent state.

@@ -116,13 +116,37 @@ fn positive(keys: &Keys<'_>, key: &str) -> Result<usize, ModelError> {
 /// As `llama_model_deepseek2::load_arch_tensors` lists them (MLA files).
 pub(super) fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
+    let embd = hp.n_embd;
+    t.norm(T::AttnNorm, embd);
+    mla_tensors(t);
+    t.norm(T::FfnNorm, embd);
+    ffn_tensors(t, true, Presence::Usual);
+}
+
+/// The tensors of [`ffn`]: routed experts (gate and up fused when `fused_gate_up` and
+/// the file has them so), the selection bias (`probs_bias`), the shared experts; or a
+/// dense FFN.
+pub(super) fn ffn_tensors(t: &mut LayerPlan<'_>, fused_gate_up: bool, probs_bias: Presence) {
+    let hp = t.hp;
+    if hp.is_moe(t.layer) {
+        tensors::experts(t, hp.moe.n_ff_exp, fused_gate_up);
+        t.vec(T::ExpProbsBias, &[hp.moe.n_expert], Split::Whole)
+            .presence(probs_bias);
+        tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
+    } else {
+        tensors::ffn(t, &FFN, hp.n_ff, false);
+    }
+}
+
+/// An MLA layer's attention tensors (with query compression when the model has it).
+pub(super) fn mla_tensors(t: &mut LayerPlan<'_>) {
+    let hp = t.hp;
     let mla = hp.mla.as_ref().expect("MLA hyper-parameters are always read");
     let (embd, n_head, n_rot) = (hp.n_embd, hp.n_head, hp.rope.n_dims as usize);
     let n_nope = mla.head_dim_k - n_rot;
     // Tensor parallelism: every member with heads computes the compressed rows whole
     // (each head reads all of them); the query heads, with their matrices, are shared out.
     let q_heads = Split::Rows(Dim::QHeads(mla.head_dim_k));
-    t.norm(T::AttnNorm, embd);
     if mla.n_lora_q > 0 {
         t.vec(T::AttnQANorm, &[mla.n_lora_q], Split::WithHeads);
         t.mat(T::AttnQA, &[embd, mla.n_lora_q], Split::WithHeads);
@@ -135,15 +159,6 @@ pub(super) fn tensors(t: &mut LayerPlan<'_>) {
     t.mat(T::AttnKB, &[n_nope, mla.n_lora_kv, n_head], Split::HeadMatrices);
     t.mat(T::AttnVB, &[mla.n_lora_kv, mla.head_dim_v, n_head], Split::HeadMatrices);
     t.mat(T::AttnOutput, &[n_head * mla.head_dim_v, embd], Split::Rows(Dim::Embd));
-    t.norm(T::FfnNorm, embd);
-    if hp.is_moe(t.layer) {
-        tensors::experts(t, hp.moe.n_ff_exp, true);
-        t.vec(T::ExpProbsBias, &[hp.moe.n_expert], Split::Whole)
-            .presence(Presence::Usual);
-        tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
-    } else {
-        tensors::ffn(t, &FFN, hp.n_ff, false);
-    }
 }
 
 fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Tensor<'g>) -> Tensor<'g> {
@@ -164,21 +179,45 @@ pub(super) fn layer_with<'g>(
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
     let cur = b.norm(ffn_in, w.get(T::FfnNorm));
-    let cur = if b.hp.is_moe(layer) {
-        let routing = Routing {
-            gating: b.hp.moe.gating,
-            norm_weights: b.hp.moe.weights_norm,
-            scale: b.hp.moe.weights_scale,
-            act: ExpertAct::Silu,
-            down_input,
-        };
-        let routed = b.moe(w, layer, cur, routing);
-        let shared = b.ffn(w, &FFN_SHEXP, Act::Silu, cur);
-        b.ctx.add(routed, shared)
-    } else {
-        b.ffn(w, &FFN, Act::Silu, cur)
-    };
+    let cur = ffn(b, w, layer, cur, down_input);
     b.ctx.add(cur, ffn_in)
+}
+
+/// DeepSeek's FFN of layer `layer` over `x` `[n_embd, n_tokens]`: the routed experts
+/// (the file's gating, weight normalisation and scale; their down projection reading
+/// `down_input`) plus the shared experts, or a dense FFN in the leading layers; SwiGLU
+/// clamped where the model has clamps (GLM-5 next).
+pub(super) fn ffn<'g>(
+    b: &mut Builder<'g>,
+    w: &LayerTensors<'g>,
+    layer: usize,
+    x: Tensor<'g>,
+    down_input: DownInput,
+) -> Tensor<'g> {
+    let (expert_act, act) = match &b.hp.moe.swiglu_clamps {
+        Some(clamps) => (
+            ExpertAct::SiluClamp {
+                limit: clamps.exp[layer],
+            },
+            Act::SiluClamp {
+                limit: clamps.shexp[layer],
+            },
+        ),
+        None => (ExpertAct::Silu, Act::Silu),
+    };
+    if !b.hp.is_moe(layer) {
+        return b.ffn(w, &FFN, act, x);
+    }
+    let routing = Routing {
+        gating: b.hp.moe.gating,
+        norm_weights: b.hp.moe.weights_norm,
+        scale: b.hp.moe.weights_scale,
+        act: expert_act,
+        down_input,
+    };
+    let routed = b.moe(w, layer, x, routing);
+    let shared = b.ffn(w, &FFN_SHEXP, act, x);
+    b.ctx.add(routed, shared)
 }
 
 /// DeepSeek's compressed query (V3 on): `rms_norm(attn_q_a x) · attn_q_a_norm`,
@@ -260,13 +299,17 @@ pub(super) fn mla_attention<'g>(
     let q_absorbed = b.mm(w.get(T::AttnKB), q_nope); // [n_lora_kv, n_tokens, n_head]
     let q_absorbed = ctx.permute(q_absorbed, [0, 2, 1, 3]); // [n_lora_kv, n_head, n_tokens]
 
-    // RoPE part last, so a cache row is [latent, rope].
-    let mut q = ctx.concat(q_absorbed, q_pe, 0).named(&format!("Qcur-{layer}")); // [n_lora_kv + n_rot, n_head, n_tokens]
+    // RoPE part last, so a cache row is [latent, rope] (GLM-5 next's heads have none).
+    let kv = ctx.reshape_3d(kv, n_lora_kv, 1, n_tokens);
+    let (q, k) = match n_rot {
+        0 => (ctx.cont(q_absorbed), kv),
+        _ => (ctx.concat(q_absorbed, q_pe, 0), ctx.concat(kv, k_pe, 0)),
+    };
+    let mut q = q.named(&format!("Qcur-{layer}")); // [n_lora_kv + n_rot, n_head, n_tokens]
     if let Some(temp) = b.inputs.attn_temp {
         q = ctx.mul(q, temp);
     }
-    let kv = ctx.reshape_3d(kv, n_lora_kv, 1, n_tokens);
-    let k = ctx.concat(kv, k_pe, 0).named(&format!("Kcur-{layer}")); // [n_lora_kv + n_rot, 1, n_tokens]
+    let k = k.named(&format!("Kcur-{layer}")); // [n_lora_kv + n_rot, 1, n_tokens]
 
     // llama.cpp pre-scales the score scale for YaRN (its attention factor, undone).
     let freq_scale = hp.rope.freq_scale;

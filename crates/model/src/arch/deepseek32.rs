@@ -45,7 +45,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         )));
     }
     let full_layers = vec![true; hp.n_layer];
-    dsa::read_indexer(hp, keys, Rope::Neox.mode(), 1e-6, full_layers)
+    dsa::read_indexer(hp, keys, Rope::Neox.mode(), 1e-6, full_layers, None)
 }
 
 /// deepseek2's tensors and the indexer's.

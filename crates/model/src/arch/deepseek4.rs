@@ -183,7 +183,7 @@ fn missing(keys: &Keys<'_>, key: &str) -> ModelError {
 
 /// A per-layer float as llama.cpp's `get_key_or_arr` reads it: one value for every
 /// layer, or an array of at least `n`.
-fn per_layer_f32(keys: &Keys<'_>, key: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
+pub(super) fn per_layer_f32(keys: &Keys<'_>, key: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
     match keys.get(key) {
         None => Ok(None),
         Some(Value::Array(values)) => {

@@ -19,7 +19,7 @@ use baton_ggml::{DType, RopeParams, Tensor};
 
 use super::attention::SparseMask;
 use super::Builder;
-use crate::hparams::{HParams, Indexer, Keys};
+use crate::hparams::{HParams, Indexer, Keys, Kpool};
 use crate::names::LayerTensor as T;
 use crate::tensors::{LayerPlan, Presence, Split};
 use crate::weights::LayerTensors;
@@ -28,7 +28,8 @@ use crate::ModelError;
 /// The indexer's keys (`attention.indexer.*`), as llama.cpp reads them, onto the MLA
 /// hyper-parameters `hp` already holds; `rope_mode` is how its RoPE rotates,
 /// `key_norm_eps` its key norm's epsilon and `full_layers` which layers compute their
-/// own selection. Refuses what llama.cpp
+/// own selection, `kpool` GLM-5 next's blocks (its indexer neither rotates nor
+/// multiplies by a Walsh-Hadamard matrix). Refuses what llama.cpp
 /// cannot compute: no heads or no tokens to keep, heads narrower than the RoPE part
 /// (llama.cpp asserts), or heads whose Walsh-Hadamard matrix would not span them (its
 /// product then fails).
@@ -38,6 +39,7 @@ pub(super) fn read_indexer(
     rope_mode: i32,
     key_norm_eps: f32,
     full_layers: Vec<bool>,
+    kpool: Option<Kpool>,
 ) -> Result<(), ModelError> {
     if full_layers.first() == Some(&false) {
         // llama.cpp asserts: the first layer has no earlier choice to reuse.
@@ -72,8 +74,9 @@ pub(super) fn read_indexer(
         rope_mode,
         key_norm_eps,
         full_layers,
+        kpool,
     };
-    if indexer.rotation() != head_dim {
+    if kpool.is_none() && indexer.rotation() != head_dim {
         return Err(ModelError::BadHParams(format!(
             "{} is {head_dim}: llama.cpp rotates indexer heads by a Walsh-Hadamard matrix \
              of {}, which must be the whole head (64 times a power of two)",
@@ -125,6 +128,13 @@ pub(super) fn tensors(t: &mut LayerPlan<'_>) {
         .presence(presence);
     t.mat(T::IndexerAttnQB, &[mla.n_lora_q, n_head * head], Split::WithHeads)
         .presence(presence);
+    // GLM-5 next's blocks: the gate scores' projection and each slot's bias.
+    if let Some(kpool) = ix.kpool {
+        t.mat(T::IndexerCompressorGate, &[embd, head], Split::WithHeads)
+            .presence(presence);
+        t.vec(T::IndexerCompressorApe, &[head, kpool.size], Split::WithHeads)
+            .presence(presence);
+    }
 }
 
 /// The masks of layer `layer`'s sparse attention, one per span: on a full indexer
@@ -149,6 +159,11 @@ pub(super) fn select<'g>(
             .clone()
             .expect("a shared indexer layer follows a full one on its stage");
     }
+    if ix.kpool.is_some() {
+        let masks = super::kpool::select(b, w, layer, x, q_compressed);
+        b.selection = Some(masks.clone());
+        return masks;
+    }
     let n_tokens = b.inputs.n_tokens as i64;
     let (head, n_head) = (ix.head_dim as i64, ix.n_head as i64);
     let rope = RopeParams {
@@ -161,10 +176,7 @@ pub(super) fn select<'g>(
     let q = ctx.reshape_3d(q, head, n_head, n_tokens);
     let q = ctx.rope(q, positions, None, &rope).named(&format!("indexer_q-{layer}"));
 
-    let k = b.mm(w.get(T::IndexerAttnK), x); // [head, n_tokens]
-    let k = ctx.layer_norm(k, ix.key_norm_eps);
-    let k = ctx.add(ctx.mul(k, w.get(T::IndexerKNorm)), w.get(T::IndexerKNormBias));
-    let k = ctx.reshape_3d(k, head, 1, n_tokens);
+    let k = ctx.reshape_3d(keys(b, w, x), head, 1, n_tokens);
     let k = ctx.rope(k, positions, None, &rope).named(&format!("indexer_k-{layer}"));
 
     // A plain product with the matrix (no fast-transform hint), as llama.cpp's graph
@@ -179,8 +191,7 @@ pub(super) fn select<'g>(
     let k_rows = ctx.view_2d(k, head, n_tokens, k.nb()[2], 0);
     b.graph.expand(ctx.set_rows(cache, k_rows, b.inputs.kv_slots));
 
-    let weights = b.mm(w.get(T::IndexerProj), x); // [n_head, n_tokens]
-    let weights = ctx.scale(weights, 1.0 / ((head * n_head) as f32).sqrt());
+    let weights = head_weights(b, w, x);
 
     let cell = cache.nb()[1];
     let mut masks = Vec::with_capacity(b.inputs.spans.len());
@@ -203,6 +214,24 @@ pub(super) fn select<'g>(
     }
     b.selection = Some(masks.clone());
     masks
+}
+
+/// The indexer key of each token of the layer input `x` `[n_embd, n_tokens]`:
+/// `indexer.attn_k`, then a layer norm with weight and bias. `[head_dim, n_tokens]`.
+pub(super) fn keys<'g>(b: &Builder<'g>, w: &LayerTensors<'g>, x: Tensor<'g>) -> Tensor<'g> {
+    let ctx = b.ctx;
+    let ix = b.hp.indexer().expect("sparse attention has an indexer");
+    let k = b.mm(w.get(T::IndexerAttnK), x);
+    let k = ctx.layer_norm(k, ix.key_norm_eps);
+    ctx.add(ctx.mul(k, w.get(T::IndexerKNorm)), w.get(T::IndexerKNormBias))
+}
+
+/// Each token's weights of the indexer heads' scores, from the layer input `x`:
+/// `indexer.proj`, pre-scaled by `1/sqrt(head_dim × n_head)`. `[n_head, n_tokens]`.
+pub(super) fn head_weights<'g>(b: &Builder<'g>, w: &LayerTensors<'g>, x: Tensor<'g>) -> Tensor<'g> {
+    let ix = b.hp.indexer().expect("sparse attention has an indexer");
+    let weights = b.mm(w.get(T::IndexerProj), x);
+    b.ctx.scale(weights, 1.0 / ((ix.head_dim * ix.n_head) as f32).sqrt())
 }
 
 /// `causal` (f16 `[n_kv, rows]`) with every cell -inf except the `n_top` cells of each

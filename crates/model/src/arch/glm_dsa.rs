@@ -49,7 +49,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         // indexer (for its 78 layers; none after).
         None => (0..n).map(|l| l < 78 && (l < 2 || (l - 2) % 4 == 0)).collect(),
     };
-    dsa::read_indexer(hp, keys, Rope::Norm.mode(), 0.0, full_layers)
+    dsa::read_indexer(hp, keys, Rope::Norm.mode(), 0.0, full_layers, None)
 }
 
 /// deepseek32's example without a gating function (sigmoid by default) and, with 4

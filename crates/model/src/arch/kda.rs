@@ -24,10 +24,12 @@ use baton_ggml::Tensor;
 
 use super::builder::concat_all;
 use super::Builder;
+use crate::hparams::Keys;
 use crate::names::LayerTensor as T;
 use crate::recurrent::KEPT_STATES;
 use crate::tensors::{LayerPlan, Split};
 use crate::weights::LayerTensors;
+use crate::ModelError;
 
 /// The tensors of a KDA layer (after the layer's input norm), as llama.cpp's
 /// `kimi-linear` lists them: separate q, k and v projections, their convolutions
@@ -50,10 +52,11 @@ pub fn tensors(t: &mut LayerPlan<'_>) {
     t.mat(T::SsmFB, &[d, inner], Split::Whole);
     t.mat(T::SsmBeta, &[embd, heads], Split::Whole);
     let k3 = hp.kimi_k3.is_some();
-    if k3 {
-        t.vec(T::SsmA, &[heads], Split::Whole);
-    } else {
+    // Kimi Linear's converter keeps `a` as `[1, n_head]`; the later models' as `[n_head]`.
+    if hp.arch.name == super::kimi_linear::ARCH.name {
         t.vec(T::SsmA, &[1, heads], Split::Whole);
+    } else {
+        t.vec(T::SsmA, &[heads], Split::Whole);
     }
     t.vec(T::SsmDt, &[inner], Split::Whole);
     if k3 {
@@ -64,6 +67,12 @@ pub fn tensors(t: &mut LayerPlan<'_>) {
     }
     t.norm(T::SsmNorm, d);
     t.mat(T::AttnOutput, &[inner, embd], Split::Whole);
+}
+
+/// The KDA decay's lower bound (`kda.gate_lower_bound`), as Kimi K3 and GLM-5 next
+/// read it: llama.cpp's default, -inf, means none.
+pub fn read_gate_lower_bound(keys: &Keys<'_>) -> Result<Option<f32>, ModelError> {
+    Ok(keys.opt_f32("kda.gate_lower_bound")?.filter(|&b| b > f32::NEG_INFINITY))
 }
 
 impl<'g> Builder<'g> {
@@ -89,7 +98,7 @@ impl<'g> Builder<'g> {
         let f = self.mm(w.get(T::SsmFB), self.mm(w.get(T::SsmFA), x)); // [inner, n_tokens]
         let f = ctx.add(f, w.get(T::SsmDt));
         let a = ctx.reshape_3d(w.get(T::SsmA), 1, h, 1);
-        let g = match self.hp.kimi_k3.and_then(|k3| k3.kda_gate_lower_bound) {
+        let g = match self.hp.kda_gate_lower_bound {
             Some(bound) => {
                 let g = ctx.mul(ctx.reshape_3d(f, s, h, n_tokens), a);
                 ctx.scale(ctx.sigmoid(ctx.scale(g, -1.0)), bound)

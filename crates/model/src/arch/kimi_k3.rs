@@ -73,9 +73,8 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         situ_beta,
         situ_linear_beta,
         n_expert_latent,
-        // llama.cpp's default, -inf, means "not set".
-        kda_gate_lower_bound: keys.opt_f32("kda.gate_lower_bound")?.filter(|&b| b > f32::NEG_INFINITY),
     });
+    hp.kda_gate_lower_bound = kda::read_gate_lower_bound(keys)?;
     Ok(())
 }
 

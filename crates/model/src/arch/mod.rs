@@ -24,10 +24,12 @@ mod gemma2;
 mod gemma3;
 mod gemma4;
 mod glm4moe;
+mod glm5_next;
 mod glm_dsa;
 mod gpt_oss;
 mod kimi_k3;
 mod kimi_linear;
+mod kpool;
 mod llama;
 mod llama4;
 mod minimax_m2;
@@ -81,6 +83,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &kimi_linear::ARCH,
     &kimi_k3::ARCH,
     &deepseek4::ARCH,
+    &glm5_next::ARCH,
 ];
 
 /// How RoPE rotates a head.

@@ -76,6 +76,20 @@ pub struct MoeParams {
     pub weights_scale: f32,
     /// How the router scores experts.
     pub gating: Gating,
+    /// SwiGLU clamps per layer, where an architecture reads them into its shared
+    /// FFN (GLM-5 next; DeepSeek V4 keeps its own); `None`: plain SwiGLU.
+    pub swiglu_clamps: Option<SwigluClamps>,
+}
+
+/// llama.cpp's `swiglu_clamp_exp` and `swiglu_clamp_shexp`: per layer, the limit of the
+/// routed experts' SwiGLU and of the other FFNs' (shared experts, dense layers); 1e-6
+/// or less: plain SwiGLU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SwigluClamps {
+    /// The routed experts' limit of each layer.
+    pub exp: Vec<f32>,
+    /// The shared experts' and dense FFNs' limit of each layer.
+    pub shexp: Vec<f32>,
 }
 
 impl MoeParams {
@@ -125,6 +139,7 @@ impl MoeParams {
             weights_norm: false,
             weights_scale: 0.0,
             gating: Gating::Softmax,
+            swiglu_clamps: None,
         })
     }
 
