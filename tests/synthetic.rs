@@ -688,6 +688,24 @@ fn minimax_m2_on_two_workers_matches_llama_cpp() {
     two_workers("minimax-m2", FileType::Q4KM);
 }
 
+/// MiniMax M3's sparse attention (blocks of 4 positions, 2 chosen, the query's own
+/// forced): prompts of 5 to 20 tokens take the masked path, each decode step the
+/// gathered one over the blocks of up to 52 positions; the logits are libllama's bit
+/// for bit.
+#[test]
+fn minimax_m3_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("minimax-m3", FileType::Q4KM);
+    let worst = check_stages(&path, "minimax-m3");
+    assert_eq!(worst, 0.0, "minimax-m3: the logits are llama.cpp's bit for bit");
+}
+
+#[test]
+fn minimax_m3_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("minimax-m3", FileType::Q4KM);
+}
+
 /// The paths real files rarely take, against libllama too: every optional tensor an
 /// architecture takes (llama's q/k/v/o and FFN biases, the others' q/k/v biases
 /// (minimax-m2's and llama4's too), glm4moe's q/k norms, gemma4's values on its global

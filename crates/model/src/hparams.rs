@@ -97,6 +97,28 @@ pub struct HParams {
     pub swa_heads: Option<LayerHeads>,
     /// What Kimi K3 adds to Kimi Linear (`None` for every other architecture).
     pub kimi_k3: Option<KimiK3>,
+    /// MiniMax sparse attention (`minimax-m3`; `None` for every other architecture).
+    pub msa: Option<Msa>,
+}
+
+/// MiniMax sparse attention (MSA), as llama.cpp's `minimax-m3` reads it: on every layer
+/// after the dense lead, an indexer (one head per key/value head, one key per token,
+/// kept in the KV cache beside the token's keys and values) scores the sequence's
+/// positions in blocks of `block_size`; each query attends to the positions of its
+/// head group's `top_k` best blocks, the `local_blocks` blocks ending at its own always
+/// among them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Msa {
+    /// Indexer query heads (one per key/value head).
+    pub n_head: usize,
+    /// Width of each indexer head (its first `n_rot` values rotate).
+    pub head_dim: usize,
+    /// Blocks each query attends to.
+    pub top_k: usize,
+    /// Positions per block.
+    pub block_size: usize,
+    /// Blocks ending at the query's own that are always chosen.
+    pub local_blocks: usize,
 }
 
 /// Kimi K3's sizes beyond Kimi Linear's, as llama.cpp's `kimi-k3` reads them.
@@ -676,6 +698,7 @@ impl HParams {
             rope_sections: None,
             swa_heads: None,
             kimi_k3: None,
+            msa: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         if hp.rms_eps.is_nan() {
@@ -838,10 +861,23 @@ impl HParams {
     /// Bytes one token takes in layer `layer`'s indexer key cache (DeepSeek sparse
     /// attention; 0 for other models and for layers that reuse an earlier selection).
     pub fn indexer_cell_bytes(&self, layer: usize, types: KvTypes) -> usize {
-        match self.indexer() {
-            Some(ix) if ix.full_layers.get(layer) == Some(&true) => types.k.row_bytes(ix.head_dim),
-            _ => 0,
+        self.indexer_key_dim(layer).map_or(0, |dim| types.k.row_bytes(dim))
+    }
+
+    /// Width of the indexer key layer `layer` caches per token: DeepSeek sparse
+    /// attention's on layers with their own indexer, MiniMax sparse attention's on its
+    /// sparse layers; `None` elsewhere.
+    pub fn indexer_key_dim(&self, layer: usize) -> Option<usize> {
+        if let Some(ix) = self.indexer() {
+            return (ix.full_layers.get(layer) == Some(&true)).then_some(ix.head_dim);
         }
+        self.msa.filter(|_| self.is_msa(layer)).map(|msa| msa.head_dim)
+    }
+
+    /// Whether layer `layer` attends through MiniMax sparse attention (every layer
+    /// after the dense lead of a model that has it).
+    pub fn is_msa(&self, layer: usize) -> bool {
+        self.msa.is_some() && layer >= self.moe.n_layer_dense_lead && layer < self.n_layer
     }
 
     /// The lightning indexer of DeepSeek sparse attention, for models that have it.

@@ -14,6 +14,7 @@ pub mod ends;
 pub mod kda;
 pub mod mamba2;
 pub mod moe;
+pub mod msa;
 
 mod deepseek2;
 mod deepseek32;
@@ -29,6 +30,7 @@ mod kimi_linear;
 mod llama;
 mod llama4;
 mod minimax_m2;
+mod minimax_m3;
 mod mistral3;
 mod mistral4;
 mod nemotron_h;
@@ -44,7 +46,7 @@ mod qwen3next;
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-pub use builder::{Builder, Gather, SpanInputs, StateRunInputs, StepInputs, TpOps};
+pub use builder::{Builder, Gather, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
 
 use crate::hparams::{HParams, Keys};
 use crate::tensors::{LayerPlan, Presence};
@@ -78,6 +80,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &glm_dsa::ARCH,
     &kimi_linear::ARCH,
     &kimi_k3::ARCH,
+    &minimax_m3::ARCH,
 ];
 
 /// How RoPE rotates a head.

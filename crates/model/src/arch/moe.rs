@@ -173,6 +173,11 @@ fn keys_missing(keys: &Keys<'_>, key: &str) -> ModelError {
     ModelError::Gguf(baton_gguf::GgufError::MissingKey(keys.name(key)))
 }
 
+/// gpt-oss's clamped SwiGLU: its sigmoid's slope and the bound of its inputs (as
+/// llama.cpp fixes them).
+pub(super) const OAI_ALPHA: f32 = 1.702;
+pub(super) const OAI_LIMIT: f32 = 7.0;
+
 /// The activation of each expert.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ExpertAct {
@@ -347,7 +352,7 @@ impl<'g> Builder<'g> {
         };
         let hidden = match routing.act {
             ExpertAct::Silu => gated(&|gate, up| ctx.swiglu_split(gate, up)),
-            ExpertAct::SwigluOai => gated(&|gate, up| ctx.swiglu_oai(gate, up, 1.702, 7.0)),
+            ExpertAct::SwigluOai => gated(&|gate, up| ctx.swiglu_oai(gate, up, OAI_ALPHA, OAI_LIMIT)),
             ExpertAct::ReluSqr => ctx.sqr(ctx.relu(experts(T::FfnUpExps, T::FfnUpExpsBias, x3))),
             ExpertAct::Gelu => gated(&|gate, up| ctx.geglu_split(gate, up)),
             ExpertAct::Situ { beta, linear_beta } => {
