@@ -700,10 +700,11 @@ fn minimax_m3_matches_llama_cpp_with_1_2_3_stages() {
     assert_eq!(worst, 0.0, "minimax-m3: the logits are llama.cpp's bit for bit");
 }
 
-/// MiniMax M3 step by step on 2 stages against libllama: a prompt in two chunks (the
-/// second's masked choice over cells the first filled), then 24 decode steps (each
-/// gathering its chosen blocks, up to 48 positions): every step's logits are libllama's
-/// bit for bit.
+/// MiniMax M3 step by step on 2 stages against libllama, with f16 keys and values and
+/// with quantized and f32/bf16 ones (`-ctk`/`-ctv` on both sides): a prompt in two
+/// chunks (the second's masked choice over cells the first filled), then 16 decode steps
+/// (each gathering its chosen blocks' keys and values): every step's logits are
+/// libllama's bit for bit.
 #[test]
 fn minimax_m3_decode_steps_match_llama_cpp_bit_for_bit() {
     let _serial = serial();
@@ -711,23 +712,35 @@ fn minimax_m3_decode_steps_match_llama_cpp_bit_for_bit() {
     let file = ModelFile::open(&path).unwrap();
     let oracle = LlamaModel::load_full(&path, true).unwrap();
     let prompt = oracle.tokenize(common::PROMPTS[2], true, true).unwrap();
-    let mut ctx = LlamaContext::new(&oracle, 512, 512, THREADS).unwrap();
     let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
-    let mut chain = Chain::load_with(&file, &ranges, &StageConfig::new(512, THREADS));
-    let (first, rest) = prompt.split_at(9);
-    let mut expected = ctx.decode(first).unwrap();
-    let mut ours = chain.logits(0, first, 0);
-    assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3: the prompt's first chunk");
-    expected = ctx.decode(rest).unwrap();
-    ours = chain.logits(0, rest, first.len() as i32);
-    assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3: the prompt's second chunk");
-    let mut pos = prompt.len() as i32;
-    for step in 0..24 {
-        let next = baton_sample::argmax(&expected).unwrap();
-        expected = ctx.decode(&[next]).unwrap();
-        ours = chain.logits(0, &[next], pos);
-        assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3: decode step {step} at position {pos}");
-        pos += 1;
+    for (k, v) in [
+        (CacheType::F16, CacheType::F16),
+        (CacheType::Q8_0, CacheType::Q4_0),
+        (CacheType::F32, CacheType::Bf16),
+    ] {
+        let kv_types = KvTypes { k, v };
+        // One thread each: under 512 cells the count changes no bit (see `THREADS`).
+        let mut ctx = LlamaContext::with_cache_types(&oracle, 512, 512, 1, [k.dtype(), v.dtype()]).unwrap();
+        let config = StageConfig {
+            kv_types,
+            ..StageConfig::new(512, 1)
+        };
+        let mut chain = Chain::load_with(&file, &ranges, &config);
+        let (first, rest) = prompt.split_at(9);
+        let mut expected = ctx.decode(first).unwrap();
+        let mut ours = chain.logits(0, first, 0);
+        assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3 {k}/{v}: the prompt's first chunk");
+        expected = ctx.decode(rest).unwrap();
+        ours = chain.logits(0, rest, first.len() as i32);
+        assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3 {k}/{v}: the prompt's second chunk");
+        let mut pos = prompt.len() as i32;
+        for step in 0..16 {
+            let next = baton_sample::argmax(&expected).unwrap();
+            expected = ctx.decode(&[next]).unwrap();
+            ours = chain.logits(0, &[next], pos);
+            assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3 {k}/{v}: decode step {step} at position {pos}");
+            pos += 1;
+        }
     }
 }
 
