@@ -458,14 +458,15 @@ fn gemma4_batching_other_sequences_changes_nothing() {
     batching_changes_nothing("gemma4", FileType::Q4KM);
 }
 
-/// DeepSeek sparse attention (deepseek32; glm-dsa with a shared indexer layer) in
-/// batches of decode steps of up to 7 sequences: each row's indexer scores, choice and
-/// attention cover its own sequence's cells only (prompts of 11 to 26 tokens, 8
-/// chosen), so the same bits and greedy tokens as alone.
+/// Sparse attention (DeepSeek's: deepseek32, glm-dsa with a shared indexer layer;
+/// MiniMax's: minimax-m3) in batches of decode steps of up to 7 sequences: each row's
+/// indexer scores, choice and attention cover its own sequence's cells only (prompts
+/// of 11 to 26 tokens; 8 tokens chosen, or 2 blocks of 4 positions), so the same bits
+/// and greedy tokens as alone.
 #[test]
 fn sparse_attention_batching_other_sequences_changes_nothing() {
     let _serial = serial();
-    for arch in ["deepseek32", "glm-dsa"] {
+    for arch in ["deepseek32", "glm-dsa", "minimax-m3"] {
         batching_changes_nothing(arch, FileType::Q4KM);
     }
 }
