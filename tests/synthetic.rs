@@ -390,6 +390,19 @@ fn mixtral_on_two_workers_matches_llama_cpp() {
 
 /// Runs one batch through every stage of `chain`; returns the logits of `rows`.
 fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
+    forward_rows_in(chain, tokens, positions, seq_ids, rows, false)
+}
+
+/// [`forward_rows`] with the batch marked as decode rows (`decode`: a token and its
+/// drafts) or not.
+fn forward_rows_in(
+    chain: &mut Chain,
+    tokens: &[u32],
+    positions: &[i32],
+    seq_ids: &[u32],
+    rows: &[u32],
+    decode: bool,
+) -> Vec<f32> {
     let mut hidden = Vec::new();
     let n = chain.stages.len();
     for (i, stage) in chain.stages.iter_mut().enumerate() {
@@ -404,7 +417,7 @@ fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &
             positions,
             seq_ids,
             logit_rows,
-            decode: false,
+            decode,
         };
         match stage.forward(&batch, LogitReply::Logits).unwrap() {
             StageOutput::Hidden(h) => hidden = h,
@@ -735,12 +748,24 @@ fn minimax_m3_decode_steps_match_llama_cpp_bit_for_bit() {
         ours = chain.logits(0, rest, first.len() as i32);
         assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3 {k}/{v}: the prompt's second chunk");
         let mut pos = prompt.len() as i32;
+        let mut steps = Vec::new();
         for step in 0..16 {
             let next = baton_sample::argmax(&expected).unwrap();
             expected = ctx.decode(&[next]).unwrap();
             ours = chain.logits(0, &[next], pos);
             assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3 {k}/{v}: decode step {step} at position {pos}");
+            steps.push((next, expected.clone()));
             pos += 1;
+        }
+        // The last 4 steps again as one decode batch (a token and its drafts): each
+        // row's logits are its step's.
+        let first = pos - 4;
+        chain.truncate_all(&[first]);
+        let tokens: Vec<u32> = steps[12..].iter().map(|(t, _)| *t).collect();
+        let positions: Vec<i32> = (first..pos).collect();
+        let rows = forward_rows_in(&mut chain, &tokens, &positions, &[0; 4], &[0, 1, 2, 3], true);
+        for (i, row) in rows.chunks_exact(steps[0].1.len()).enumerate() {
+            assert_eq!(nmse(row, &steps[12 + i].1), 0.0, "minimax-m3 {k}/{v}: drafted row {i}");
         }
     }
 }

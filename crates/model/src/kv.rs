@@ -588,18 +588,6 @@ impl KvCache {
         set.mask(seq_ids, positions, cells, self.window)
     }
 
-    /// One past the highest position `seq` holds (0: none), the current batch's
-    /// included once claimed.
-    pub fn seq_pos_end(&self, seq: u32) -> usize {
-        self.full
-            .cells
-            .iter()
-            .filter(|c| c.pos >= 0 && c.seq == seq)
-            .map(|c| c.pos as usize + 1)
-            .max()
-            .unwrap_or(0)
-    }
-
     /// For positions `0..n_pos` of `seq`, the cell (counted from `cells.start`) that
     /// holds each, 0 where none does (MiniMax sparse attention's position-to-cell map,
     /// as llama.cpp's `set_input_pos_slot` writes it).

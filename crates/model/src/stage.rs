@@ -516,16 +516,19 @@ impl Stage {
         normed: bool,
     ) -> Result<StageOutput, ModelError> {
         let n_tokens = batch.n_tokens();
-        let spans = self.kv.attention_spans(batch.seq_ids);
+        let mut spans = self.kv.attention_spans(batch.seq_ids);
         let decode_rows = batch.decode || one_row_per_sequence(batch.seq_ids);
-        // MiniMax sparse attention: the positions each span's blocks cover, from its
-        // sequence's highest (this batch's claimed).
-        let msa_positions = match self.hp.msa {
-            Some(msa) if self.span.layers.clone().any(|l| self.hp.is_msa(l)) => spans
+        let msa = self.hp.msa.filter(|_| self.span.layers.clone().any(|l| self.hp.is_msa(l)));
+        if let (Some(_), true) = (msa, decode_rows) {
+            spans = crate::arch::msa::one_row_spans(spans);
+        }
+        // MiniMax sparse attention: the positions each span's blocks cover.
+        let msa_positions = match msa {
+            Some(msa) => spans
                 .iter()
-                .map(|s| crate::arch::msa::n_pos(self.kv.seq_pos_end(batch.seq_ids[s.rows.start]), msa.block_size))
+                .map(|s| crate::arch::msa::span_positions(&batch.positions[s.rows.clone()], msa.block_size))
                 .collect(),
-            _ => Vec::new(),
+            None => Vec::new(),
         };
         let key = StepKey {
             msa_positions,

@@ -16,11 +16,12 @@
 //!   decode step) gathers the keys and values of its chosen blocks' positions (in the
 //!   order `top_k` returns them) and attends over those only.
 //!
-//! Both follow llama.cpp op for op, so the bits are its own; each span is one
-//! sequence's rows (one llama.cpp stream), so a sequence's choice never depends on
-//! what else is in the batch. llama.cpp sizes the positions by the highest of any
-//! sequence in the cache; baton by the span's own sequence, which is the same for one
-//! sequence (the oracle's setting) and keeps batching from changing a sequence's bits.
+//! Both follow llama.cpp op for op, so the bits are its own. Each span is one
+//! sequence's rows (one llama.cpp stream), so a sequence's choice never depends on what
+//! else is in the batch, and in a decode batch each row is a span of its own, computed
+//! as in a step of its own (see [`one_row_spans`]). llama.cpp counts the positions up to
+//! the highest of any sequence in the cache; baton up to the span's highest row, the
+//! same for one sequence (the oracle's setting) whose batches come in order.
 
 use baton_ggml::{DType, Tensor};
 use baton_gguf::Value;
@@ -28,6 +29,7 @@ use baton_gguf::Value;
 use super::builder::concat_all;
 use super::Builder;
 use crate::hparams::{HParams, Keys, Msa};
+use crate::kv::AttnSpan;
 use crate::names::LayerTensor as T;
 use crate::tensors::{LayerPlan, Split};
 use crate::weights::LayerTensors;
@@ -109,11 +111,29 @@ pub(super) fn tensors(t: &mut LayerPlan<'_>) {
     t.vec(T::IndexerKNorm, &[head], Split::WithHeads);
 }
 
-/// Positions the blocks of a sequence whose highest position is `pos_end - 1` cover:
-/// `pos_end` padded to [`POS_PAD`] (at least one pad), then to whole blocks.
-pub fn n_pos(pos_end: usize, block: usize) -> usize {
-    let padded = pos_end.div_ceil(POS_PAD).max(1) * POS_PAD;
+/// Positions the blocks of a span whose rows are at `positions` cover: one past the
+/// highest, padded to [`POS_PAD`], then to whole blocks. The span's rows are its
+/// sequence's last (a prompt's chunk, a decode step), so this is what llama.cpp counts
+/// from the cache for one sequence.
+pub fn span_positions(positions: &[i32], block: usize) -> usize {
+    let end = positions.iter().max().map_or(0, |&p| p.max(-1) + 1) as usize;
+    let padded = end.div_ceil(POS_PAD).max(1) * POS_PAD;
     padded.div_ceil(block) * block
+}
+
+/// The spans of a decode batch (a sequence's next token and its drafts), one row each:
+/// a row then chooses and gathers exactly as in a step of its own, where llama.cpp's
+/// one-token graph gathers (a span of several rows would mask instead, another sum).
+pub fn one_row_spans(spans: Vec<AttnSpan>) -> Vec<AttnSpan> {
+    spans
+        .into_iter()
+        .flat_map(|span| {
+            span.rows.clone().map(move |row| AttnSpan {
+                rows: row..row + 1,
+                ..span.clone()
+            })
+        })
+        .collect()
 }
 
 /// f32 `[n_blocks, rows]`: [`FORCED`] on the `local` blocks ending at each row's own
