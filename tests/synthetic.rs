@@ -743,17 +743,29 @@ fn minimax_m3_decode_steps_match_llama_cpp_bit_for_bit() {
         let (first, rest) = prompt.split_at(9);
         let mut expected = ctx.decode(first).unwrap();
         let mut ours = chain.logits(0, first, 0);
-        assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3 {k}/{v}: the prompt's first chunk");
+        assert_eq!(
+            nmse(&ours, &expected),
+            0.0,
+            "minimax-m3 {k}/{v}: the prompt's first chunk"
+        );
         expected = ctx.decode(rest).unwrap();
         ours = chain.logits(0, rest, first.len() as i32);
-        assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3 {k}/{v}: the prompt's second chunk");
+        assert_eq!(
+            nmse(&ours, &expected),
+            0.0,
+            "minimax-m3 {k}/{v}: the prompt's second chunk"
+        );
         let mut pos = prompt.len() as i32;
         let mut steps = Vec::new();
         for step in 0..16 {
             let next = baton_sample::argmax(&expected).unwrap();
             expected = ctx.decode(&[next]).unwrap();
             ours = chain.logits(0, &[next], pos);
-            assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3 {k}/{v}: decode step {step} at position {pos}");
+            assert_eq!(
+                nmse(&ours, &expected),
+                0.0,
+                "minimax-m3 {k}/{v}: decode step {step} at position {pos}"
+            );
             steps.push((next, expected.clone()));
             pos += 1;
         }

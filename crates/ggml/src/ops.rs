@@ -70,7 +70,19 @@ impl Context {
     pub fn max_pool_rows<'t>(&'t self, a: Tensor<'t>, k: usize) -> Tensor<'t> {
         let k = k as i32;
         // SAFETY: records a node (see module docs); ggml sizes the output from `a`.
-        unsafe { self.wrap(sys::ggml_pool_2d(self.raw(), a.raw(), sys::GGML_OP_POOL_MAX, k, 1, k, 1, 0.0, 0.0)) }
+        unsafe {
+            self.wrap(sys::ggml_pool_2d(
+                self.raw(),
+                a.raw(),
+                sys::GGML_OP_POOL_MAX,
+                k,
+                1,
+                k,
+                1,
+                0.0,
+                0.0,
+            ))
+        }
     }
 
     /// f32 `[start, start + step, …]` below `stop`.

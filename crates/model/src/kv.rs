@@ -606,7 +606,13 @@ impl KvCache {
     pub fn cell_blocks(&self, seq: u32, cells: Range<usize>, block: usize) -> Vec<i32> {
         self.full.cells[cells]
             .iter()
-            .map(|c| if c.pos >= 0 && c.seq == seq { c.pos / block as i32 } else { 0 })
+            .map(|c| {
+                if c.pos >= 0 && c.seq == seq {
+                    c.pos / block as i32
+                } else {
+                    0
+                }
+            })
             .collect()
     }
 

@@ -518,7 +518,10 @@ impl Stage {
         let n_tokens = batch.n_tokens();
         let mut spans = self.kv.attention_spans(batch.seq_ids);
         let decode_rows = batch.decode || one_row_per_sequence(batch.seq_ids);
-        let msa = self.hp.msa.filter(|_| self.span.layers.clone().any(|l| self.hp.is_msa(l)));
+        let msa = self
+            .hp
+            .msa
+            .filter(|_| self.span.layers.clone().any(|l| self.hp.is_msa(l)));
         if let (Some(_), true) = (msa, decode_rows) {
             spans = crate::arch::msa::one_row_spans(spans);
         }
@@ -754,7 +757,12 @@ impl Stage {
                 let (seq_ids, positions) = (&batch.seq_ids[rows.clone()], &batch.positions[rows.clone()]);
                 let seq = seq_ids[0];
                 let block = msa.block_size;
-                tensor(ids.local).write(&crate::arch::msa::local_blocks(positions, n_pos / block, block, msa.local_blocks))?;
+                tensor(ids.local).write(&crate::arch::msa::local_blocks(
+                    positions,
+                    n_pos / block,
+                    block,
+                    msa.local_blocks,
+                ))?;
                 tensor(ids.pos_mask).write(&self.kv.pos_mask(seq_ids, positions, n_pos))?;
                 let pos_cells = self.kv.pos_cells(seq, cells.clone(), n_pos);
                 if let Some(t) = ids.pos_cells_f32.map(tensor) {
@@ -824,12 +832,21 @@ fn new_inputs<'g>(
         let one_row = n_rows == 1;
         MsaInputs {
             n_pos,
-            local: input(DType::F32, &[n_pos_i / block as i64, n_rows], &format!("msa_local-{first}")),
+            local: input(
+                DType::F32,
+                &[n_pos_i / block as i64, n_rows],
+                &format!("msa_local-{first}"),
+            ),
             pos_mask: input(DType::F32, &[n_pos_i, n_rows], &format!("msa_pos_mask-{first}")),
             pos_cells: input(DType::I32, &[n_pos_i, 1], &format!("msa_pos_cells-{first}")),
             pos_cells_f32: one_row.then(|| input(DType::F32, &[n_pos_i, 1], &format!("msa_pos_cells_f32-{first}"))),
-            cell_blocks: (!one_row)
-                .then(|| input(DType::I32, &[span.cells.len() as i64, 1], &format!("msa_cell_blocks-{first}"))),
+            cell_blocks: (!one_row).then(|| {
+                input(
+                    DType::I32,
+                    &[span.cells.len() as i64, 1],
+                    &format!("msa_cell_blocks-{first}"),
+                )
+            }),
         }
     };
     let spans: Vec<SpanInputs> = spans

@@ -722,8 +722,14 @@ fn minimax_m3_variants_are_refused_with_the_key_named() {
 fn minimax_m3_spans_and_maps_follow_each_sequence() {
     use crate::arch::msa::{local_blocks, span_positions};
     let n_pos = |end: i32, block| span_positions(&[end - 1], block);
-    assert_eq!((n_pos(1, 4), n_pos(256, 64), n_pos(257, 4), n_pos(10, 96)), (256, 256, 512, 288));
-    assert_eq!(local_blocks(&[0, 9], 4, 4, 2), [1e30, 0.0, 0.0, 0.0, 0.0, 1e30, 1e30, 0.0]);
+    assert_eq!(
+        (n_pos(1, 4), n_pos(256, 64), n_pos(257, 4), n_pos(10, 96)),
+        (256, 256, 512, 288)
+    );
+    assert_eq!(
+        local_blocks(&[0, 9], 4, 4, 2),
+        [1e30, 0.0, 0.0, 0.0, 0.0, 1e30, 1e30, 0.0]
+    );
 
     let file = open("msa-spans.gguf", &tiny_model("minimax-m3", |w| w)).unwrap();
     let mut kv = crate::KvCache::new(file.hparams(), 0..N_LAYER, 64, 0).unwrap();

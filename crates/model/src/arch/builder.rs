@@ -291,7 +291,9 @@ impl<'g> Builder<'g> {
             Act::Silu => self.ctx.swiglu_split(gate, up),
             Act::Gelu => self.ctx.geglu_split(gate, up),
             Act::Situ { beta, linear_beta } => situ(self.ctx, gate, up, beta, linear_beta),
-            Act::SwigluOai => self.ctx.swiglu_oai(gate, up, super::moe::OAI_ALPHA, super::moe::OAI_LIMIT),
+            Act::SwigluOai => self
+                .ctx
+                .swiglu_oai(gate, up, super::moe::OAI_ALPHA, super::moe::OAI_LIMIT),
         };
         let shard = if ffn.shared_experts { Shard::FfShexp } else { Shard::Ff };
         let hidden = self.gather(hidden, shard);

@@ -174,8 +174,12 @@ pub(super) fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: us
     let ik = ctx.reshape_3d(b.mm(w.get(T::IndexerKProj), x), head, 1, n_tokens);
     let iq = b.norm(iq, w.get(T::IndexerQNorm));
     let ik = b.norm(ik, w.get(T::IndexerKNorm));
-    let iq = ctx.rope(iq, positions, None, &hp.rope).named(&format!("indexer_q-{layer}"));
-    let ik = ctx.rope(ik, positions, None, &hp.rope).named(&format!("indexer_k-{layer}"));
+    let iq = ctx
+        .rope(iq, positions, None, &hp.rope)
+        .named(&format!("indexer_q-{layer}"));
+    let ik = ctx
+        .rope(ik, positions, None, &hp.rope)
+        .named(&format!("indexer_k-{layer}"));
     let ik_cache = b.kv.indexer_k(layer).expect("a sparse layer has its indexer key cache");
     let slots = b.inputs.kv_slots;
     b.graph
@@ -315,7 +319,9 @@ fn prompt_span<'g>(
     let by_cell = ctx.get_rows(by_block, cell_blocks); // [rows × n_idx, n_kv] f32
     let n_kv = span.span.cells.len() as i64;
     let by_cell = ctx.reshape_3d(ctx.cont(ctx.transpose(by_cell)), n_kv, n_rows, n_idx);
-    let causal = span.mask.expect("the stage creates the causal mask of attention layers");
+    let causal = span
+        .mask
+        .expect("the stage creates the causal mask of attention layers");
     let causal = ctx.reshape_3d(ctx.cast(causal, DType::F32), n_kv, n_rows, 1);
     let mask = ctx.add(by_cell, causal);
     let mask = ctx.cast(ctx.reshape_4d(mask, [n_kv, n_rows, 1, n_idx]), DType::F16);
@@ -362,7 +368,9 @@ fn decode_span<'g>(
     let positions = ctx.cast(ctx.reshape_2d(positions, n_keys * n_idx, 1), DType::I32);
 
     // Cells, then the rows of each head group's key/value head.
-    let pos_cells = inputs.pos_cells_f32.expect("a span of one row gathers through positions");
+    let pos_cells = inputs
+        .pos_cells_f32
+        .expect("a span of one row gathers through positions");
     let cells = ctx.get_rows(ctx.reshape_3d(pos_cells, 1, n_pos, 1), positions);
     let cells = ctx.reshape_4d(cells, [block, n_top, n_idx, 1]);
     let heads = ctx.reshape_3d(ctx.arange(0.0, n_idx as f32, 1.0), 1, 1, n_idx);
