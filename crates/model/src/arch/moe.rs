@@ -6,10 +6,10 @@
 
 use baton_ggml::Tensor;
 
-use super::builder::Shard;
+use super::builder::{Act, Shard};
 use super::Builder;
 use crate::hparams::Keys;
-use crate::names::LayerTensor as T;
+use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -228,6 +228,25 @@ pub struct Routing {
 }
 
 impl<'g> Builder<'g> {
+    /// The FFN of a DeepSeek-style layer, `x` `[n_embd, n_tokens]` in and out: on a
+    /// layer with experts, the routed experts (chosen as `routing` says) plus the shared
+    /// experts, with activation `act`; on a dense leading layer the dense FFN.
+    pub fn routed_and_shared(
+        &mut self,
+        w: &LayerTensors<'g>,
+        layer: usize,
+        x: Tensor<'g>,
+        routing: Routing,
+        act: Act,
+    ) -> Tensor<'g> {
+        if !self.hp.is_moe(layer) {
+            return self.ffn(w, &FFN, act, x);
+        }
+        let routed = self.moe(w, layer, x, routing);
+        let shared = self.ffn(w, &FFN_SHEXP, act, x);
+        self.ctx.add(routed, shared)
+    }
+
     /// The routed experts of layer `layer` for `x [n_embd, n_tokens]`; returns the
     /// weighted sum of each token's experts, `[n_embd, n_tokens]`.
     pub fn moe(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>, routing: Routing) -> Tensor<'g> {

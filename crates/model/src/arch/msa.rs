@@ -23,11 +23,13 @@
 //! the highest of any sequence in the cache; baton up to the span's highest row, the
 //! same for one sequence (the oracle's setting) whose batches come in order.
 
-use baton_ggml::{DType, Tensor};
+use std::ops::Range;
+
+use baton_ggml::{Context, DType, Tensor};
 use baton_gguf::Value;
 
 use super::builder::concat_all;
-use super::Builder;
+use super::{Builder, MsaInputs};
 use crate::hparams::{HParams, Keys, Msa};
 use crate::kv::AttnSpan;
 use crate::names::LayerTensor as T;
@@ -52,26 +54,16 @@ pub(super) fn read(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> 
     let top_k = keys.u32("attention.indexer.top_k")?;
     let block_size = keys.u32("attention.indexer.block_size")?;
     let local_blocks = keys.u32("attention.indexer.local_blocks")?;
-    for (key, value) in [("key_length", head_dim), ("top_k", top_k), ("block_size", block_size)] {
-        if value == 0 {
-            return Err(ModelError::BadHParams(format!(
-                "{} must not be 0",
-                keys.name(&format!("attention.indexer.{key}"))
-            )));
-        }
-    }
+    super::dsa::check_indexer(
+        hp,
+        keys,
+        &[("key_length", head_dim), ("top_k", top_k), ("block_size", block_size)],
+    )?;
     if n_head != hp.n_head_kv {
         return Err(ModelError::BadHParams(format!(
             "{} is {n_head}: MiniMax sparse attention has one indexer head per key/value head ({})",
             keys.name("attention.indexer.head_count"),
             hp.n_head_kv
-        )));
-    }
-    let n_rot = hp.rope.n_dims as usize;
-    if head_dim < n_rot {
-        return Err(ModelError::BadHParams(format!(
-            "{} is {head_dim}, narrower than the {n_rot} RoPE dimensions it rotates",
-            keys.name("attention.indexer.key_length")
         )));
     }
     hp.msa = Some(Msa {
@@ -201,11 +193,6 @@ pub(super) fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: us
     b.graph
         .expand(ctx.set_rows(v_cache, ctx.view_2d(v, d * n_head_kv, n_tokens, v.nb()[2], 0), slots));
 
-    let caches = Caches {
-        k: k_cache,
-        v: v_cache,
-        ik: ik_cache,
-    };
     let mut parts = Vec::with_capacity(b.inputs.spans.len());
     for span in &b.inputs.spans {
         let rows = &span.span.rows;
@@ -223,9 +210,21 @@ pub(super) fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: us
             iq.nb()[2],
             rows.start * iq.nb()[2],
         );
+        let sparse = SpanMsa {
+            ctx,
+            hp,
+            msa,
+            inputs: span.msa.expect("the stage creates MSA inputs for its spans"),
+            cells: span.span.cells.clone(),
+            causal: span.mask,
+            k: k_cache,
+            v: v_cache,
+            ik: ik_cache,
+        };
+        let chosen = sparse.choose(iq_rows); // [top k, n_idx, rows]
         let part = match rows.len() {
-            1 => decode_span(b, &caches, span, q_rows, iq_rows),
-            _ => prompt_span(b, &caches, span, q_rows, iq_rows),
+            1 => sparse.gather_chosen(q_rows, chosen),
+            _ => sparse.mask_unchosen(q_rows, chosen),
         };
         parts.push(part); // [d × n_head, rows]
     }
@@ -236,172 +235,163 @@ pub(super) fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: us
     b.attn_output(w, out)
 }
 
-/// A layer's caches: keys and values `[d × n_head_kv, cells]`, indexer keys `[head, cells]`.
-struct Caches<'g> {
+/// What one span's sparse attention reads: its inputs and cells, and the layer's caches
+/// (keys and values `[d × n_head_kv, cells]`, indexer keys `[head, cells]`).
+struct SpanMsa<'g> {
+    ctx: &'g Context,
+    hp: &'g HParams,
+    msa: Msa,
+    inputs: MsaInputs<'g>,
+    cells: Range<usize>,
+    /// The span's causal mask, f16 `[cells, rows]`.
+    causal: Option<Tensor<'g>>,
     k: Tensor<'g>,
     v: Tensor<'g>,
     ik: Tensor<'g>,
 }
 
-/// The block scores of a span's rows: queries `iq` `[head, n_idx, rows]` against the
-/// indexer keys of its sequence's positions, in f32, -inf where a row sees no
-/// position; a block's score its best position's, its forced blocks +[`FORCED`].
-/// Returns the chosen blocks, i32 `[k, n_idx, rows]`, and how many (`k`).
-fn choose<'g>(b: &Builder<'g>, caches: &Caches<'g>, span: &super::SpanInputs<'g>, iq: Tensor<'g>) -> (Tensor<'g>, i64) {
-    let ctx = b.ctx;
-    let msa = b.hp.msa.expect("MSA");
-    let inputs = span.msa.expect("the stage creates MSA inputs for its spans");
-    let [head, n_idx, n_rows, _] = iq.ne();
-    let cells = &span.span.cells;
-    let (n_pos, block) = (inputs.n_pos as i64, msa.block_size);
-    let n_blocks = n_pos / block as i64;
-    let n_top = (msa.top_k as i64).min(n_blocks);
-    let cell = caches.ik.nb()[1];
-    let keys = ctx.view_2d(caches.ik, head, cells.len() as i64, cell, cells.start * cell);
-    let keys = ctx.get_rows(keys, inputs.pos_cells); // [head, n_pos]
-    let scores = ctx.mul_mat(keys, ctx.reshape_2d(iq, head, n_idx * n_rows)).prec_f32();
-    let scores = ctx.reshape_3d(scores, n_pos, n_idx, n_rows);
-    let pos_mask = ctx.reshape_3d(inputs.pos_mask, n_pos, 1, n_rows);
-    let scores = ctx.add(scores, pos_mask);
-    let blocks = ctx.max_pool_rows(scores, block); // [n_blocks, n_idx, rows]
-    let forced = ctx.reshape_3d(inputs.local, n_blocks, 1, n_rows);
-    let blocks = ctx.add(blocks, forced);
-    (ctx.top_k(blocks, n_top as usize), n_top)
-}
+impl<'g> SpanMsa<'g> {
+    /// The block scores of a span's rows: queries `iq` `[head, n_idx, rows]` against the
+    /// indexer keys of its sequence's positions, in f32, -inf where a row sees no
+    /// position; a block's score its best position's, its forced blocks +[`FORCED`].
+    /// Returns the chosen blocks, i32 `[k, n_idx, rows]`.
+    fn choose(&self, iq: Tensor<'g>) -> Tensor<'g> {
+        let (ctx, msa, inputs) = (self.ctx, self.msa, self.inputs);
+        let [head, n_idx, n_rows, _] = iq.ne();
+        let cells = &self.cells;
+        let (n_pos, block) = (inputs.n_pos as i64, msa.block_size);
+        let n_blocks = n_pos / block as i64;
+        let n_top = (msa.top_k as i64).min(n_blocks);
+        let cell = self.ik.nb()[1];
+        let keys = ctx.view_2d(self.ik, head, cells.len() as i64, cell, cells.start * cell);
+        let keys = ctx.get_rows(keys, inputs.pos_cells); // [head, n_pos]
+        let scores = ctx.mul_mat(keys, ctx.reshape_2d(iq, head, n_idx * n_rows)).prec_f32();
+        let scores = ctx.reshape_3d(scores, n_pos, n_idx, n_rows);
+        let pos_mask = ctx.reshape_3d(inputs.pos_mask, n_pos, 1, n_rows);
+        let scores = ctx.add(scores, pos_mask);
+        let blocks = ctx.max_pool_rows(scores, block); // [n_blocks, n_idx, rows]
+        let forced = ctx.reshape_3d(inputs.local, n_blocks, 1, n_rows);
+        let blocks = ctx.add(blocks, forced);
+        ctx.top_k(blocks, n_top as usize)
+    }
 
-/// One flash attention over every head group: queries `q` `[d, n_head, rows]`, keys and
-/// values `[d, n_kv, 1, groups]`, an f16 mask `[n_kv, rows, 1, groups]` (llama.cpp's
-/// `build_attn_msa_fa`). Returns `[d × n_head, rows]`.
-fn attend_groups<'g>(b: &Builder<'g>, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>, mask: Tensor<'g>) -> Tensor<'g> {
-    let ctx = b.ctx;
-    let [d, n_head, n_rows, _] = q.ne();
-    let groups = k.ne()[3];
-    let per_group = n_head / groups;
-    let q = ctx.reshape_4d(q, [d, per_group, groups, n_rows]);
-    let q = ctx.permute(q, [0, 2, 3, 1]); // [d, rows, per_group, groups]
-    let out = ctx.flash_attn(q, k, v, mask, b.hp.attn_scale, 0.0); // [d, per_group, rows, groups]
-    let out = ctx.permute(out, [0, 1, 3, 2]);
-    let out = if out.is_contiguous() { out } else { ctx.cont(out) };
-    ctx.reshape_2d(out, d * n_head, n_rows)
-}
+    /// One flash attention over every head group: queries `q` `[d, n_head, rows]`, keys and
+    /// values `[d, n_kv, 1, groups]`, an f16 mask `[n_kv, rows, 1, groups]` (llama.cpp's
+    /// `build_attn_msa_fa`). Returns `[d × n_head, rows]`.
+    fn attend_groups(&self, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>, mask: Tensor<'g>) -> Tensor<'g> {
+        let ctx = self.ctx;
+        let [d, n_head, n_rows, _] = q.ne();
+        let groups = k.ne()[3];
+        let per_group = n_head / groups;
+        let q = ctx.reshape_4d(q, [d, per_group, groups, n_rows]);
+        let q = ctx.permute(q, [0, 2, 3, 1]); // [d, rows, per_group, groups]
+        let out = ctx.flash_attn(q, k, v, mask, self.hp.attn_scale, 0.0); // [d, per_group, rows, groups]
+        let out = ctx.permute(out, [0, 1, 3, 2]);
+        let out = if out.is_contiguous() { out } else { ctx.cont(out) };
+        ctx.reshape_2d(out, d * n_head, n_rows)
+    }
 
-/// A span of several rows: attention over all its cells, each head group's mask -inf
-/// outside its chosen blocks (through each cell's block) plus the causal mask.
-fn prompt_span<'g>(
-    b: &Builder<'g>,
-    caches: &Caches<'g>,
-    span: &super::SpanInputs<'g>,
-    q: Tensor<'g>,
-    iq: Tensor<'g>,
-) -> Tensor<'g> {
-    let ctx = b.ctx;
-    let inputs = span.msa.expect("the stage creates MSA inputs for its spans");
-    let [_, n_idx, n_rows, _] = iq.ne();
-    let (chosen, n_top) = choose(b, caches, span, iq);
-    let n_blocks = inputs.local.ne()[0];
+    /// A span of several rows: attention over all its cells, each head group's mask -inf
+    /// outside its chosen blocks (through each cell's block) plus the causal mask.
+    fn mask_unchosen(&self, q: Tensor<'g>, chosen: Tensor<'g>) -> Tensor<'g> {
+        let (ctx, inputs) = (self.ctx, self.inputs);
+        let [n_top, n_idx, n_rows, _] = chosen.ne();
+        let n_blocks = inputs.local.ne()[0];
 
-    // -inf (f16) everywhere, 0 written at each head group's chosen blocks.
-    let forced = ctx.reshape_3d(inputs.local, n_blocks, 1, n_rows);
-    let hidden = ctx.cast(ctx.scale_bias(forced, 0.0, -FORCED), DType::F16);
-    let hidden = ctx.repeat_4d(hidden, [n_blocks, n_idx, n_rows, 1]);
-    let zeros = ctx.scale(ctx.cast(chosen, DType::F32), 0.0);
-    let blocks = ctx.set_rows(
-        ctx.reshape_3d(hidden, 1, n_blocks, n_idx * n_rows),
-        ctx.reshape_3d(zeros, 1, n_top, n_idx * n_rows),
-        ctx.reshape_2d(chosen, n_top, n_idx * n_rows),
-    );
-    let blocks = ctx.reshape_3d(blocks, n_blocks, n_idx, n_rows);
-    let blocks = ctx.cont(ctx.permute(blocks, [0, 2, 1, 3])); // [n_blocks, rows, n_idx]
-
-    // Block → cell through each cell's block, then the causal mask added.
-    let by_block = ctx.cont(ctx.transpose(ctx.reshape_2d(blocks, n_blocks, n_rows * n_idx)));
-    let cell_blocks = inputs.cell_blocks.expect("a span of several rows maps cells to blocks");
-    let by_cell = ctx.get_rows(by_block, cell_blocks); // [rows × n_idx, n_kv] f32
-    let n_kv = span.span.cells.len() as i64;
-    let by_cell = ctx.reshape_3d(ctx.cont(ctx.transpose(by_cell)), n_kv, n_rows, n_idx);
-    let causal = span
-        .mask
-        .expect("the stage creates the causal mask of attention layers");
-    let causal = ctx.reshape_3d(ctx.cast(causal, DType::F32), n_kv, n_rows, 1);
-    let mask = ctx.add(by_cell, causal);
-    let mask = ctx.cast(ctx.reshape_4d(mask, [n_kv, n_rows, 1, n_idx]), DType::F16);
-
-    // The span's cells with the head groups on dim 3.
-    let cells = &span.span.cells;
-    let view = |cache: Tensor<'g>| {
-        let d = b.hp.head_dim_k as i64;
-        let (head_bytes, cell) = (cache.dtype().row_bytes(d as usize), cache.nb()[1]);
-        let view = ctx.view_4d(
-            cache,
-            [d, n_idx, n_kv, 1],
-            [head_bytes, cell, cell * n_kv as usize],
-            cells.start * cell,
+        // -inf (f16) everywhere, 0 written at each head group's chosen blocks.
+        let forced = ctx.reshape_3d(inputs.local, n_blocks, 1, n_rows);
+        let hidden = ctx.cast(ctx.scale_bias(forced, 0.0, -FORCED), DType::F16);
+        let hidden = ctx.repeat_4d(hidden, [n_blocks, n_idx, n_rows, 1]);
+        let zeros = ctx.scale(ctx.cast(chosen, DType::F32), 0.0);
+        let blocks = ctx.set_rows(
+            ctx.reshape_3d(hidden, 1, n_blocks, n_idx * n_rows),
+            ctx.reshape_3d(zeros, 1, n_top, n_idx * n_rows),
+            ctx.reshape_2d(chosen, n_top, n_idx * n_rows),
         );
-        ctx.permute(view, [0, 3, 1, 2]) // [d, n_kv, 1, n_idx]
-    };
-    attend_groups(b, q, view(caches.k), view(caches.v), mask)
-}
+        let blocks = ctx.reshape_3d(blocks, n_blocks, n_idx, n_rows);
+        let blocks = ctx.cont(ctx.permute(blocks, [0, 2, 1, 3])); // [n_blocks, rows, n_idx]
 
-/// A span of one row: its chosen blocks' positions → cells → key/value rows gathered
-/// (in the order of the choice), attended with the row's mask at those positions.
-fn decode_span<'g>(
-    b: &Builder<'g>,
-    caches: &Caches<'g>,
-    span: &super::SpanInputs<'g>,
-    q: Tensor<'g>,
-    iq: Tensor<'g>,
-) -> Tensor<'g> {
-    let ctx = b.ctx;
-    let hp = b.hp;
-    let inputs = span.msa.expect("the stage creates MSA inputs for its spans");
-    let [_, n_idx, _, _] = iq.ne();
-    let block = hp.msa.expect("MSA").block_size as i64;
-    let n_pos = inputs.n_pos as i64;
-    let (chosen, n_top) = choose(b, caches, span, iq); // [n_top, n_idx, 1]
+        // Block → cell through each cell's block, then the causal mask added.
+        let by_block = ctx.cont(ctx.transpose(ctx.reshape_2d(blocks, n_blocks, n_rows * n_idx)));
+        let cell_blocks = inputs.cell_blocks.expect("a span of several rows maps cells to blocks");
+        let by_cell = ctx.get_rows(by_block, cell_blocks); // [rows × n_idx, n_kv] f32
+        let n_kv = self.cells.len() as i64;
+        let by_cell = ctx.reshape_3d(ctx.cont(ctx.transpose(by_cell)), n_kv, n_rows, n_idx);
+        let causal = self
+            .causal
+            .expect("the stage creates the causal mask of attention layers");
+        let causal = ctx.reshape_3d(ctx.cast(causal, DType::F32), n_kv, n_rows, 1);
+        let mask = ctx.add(by_cell, causal);
+        let mask = ctx.cast(ctx.reshape_4d(mask, [n_kv, n_rows, 1, n_idx]), DType::F16);
 
-    // Positions: block × chosen + 0..block.
-    let first = ctx.scale(ctx.cast(chosen, DType::F32), block as f32);
-    let first = ctx.reshape_4d(first, [1, n_top, n_idx, 1]);
-    let offsets = ctx.reshape_3d(ctx.arange(0.0, block as f32, 1.0), block, 1, 1);
-    let positions = ctx.add(ctx.repeat_4d(first, [block, n_top, n_idx, 1]), offsets);
-    let n_keys = block * n_top;
-    let positions = ctx.cast(ctx.reshape_2d(positions, n_keys * n_idx, 1), DType::I32);
-
-    // Cells, then the rows of each head group's key/value head.
-    let pos_cells = inputs
-        .pos_cells_f32
-        .expect("a span of one row gathers through positions");
-    let cells = ctx.get_rows(ctx.reshape_3d(pos_cells, 1, n_pos, 1), positions);
-    let cells = ctx.reshape_4d(cells, [block, n_top, n_idx, 1]);
-    let heads = ctx.reshape_3d(ctx.arange(0.0, n_idx as f32, 1.0), 1, 1, n_idx);
-    let kv_rows = ctx.add(ctx.scale(cells, n_idx as f32), heads);
-    let kv_rows = ctx.cast(ctx.reshape_2d(kv_rows, n_keys * n_idx, 1), DType::I32);
-
-    let span_cells = &span.span.cells;
-    let d = hp.head_dim_k as i64;
-    let n_kv = span_cells.len() as i64;
-    let gather = |cache: Tensor<'g>| {
-        let (head_bytes, cell) = (cache.dtype().row_bytes(d as usize), cache.nb()[1]);
-        let rows = ctx.view_3d(
-            cache,
-            [d, n_idx * n_kv, 1],
-            head_bytes,
-            cell * n_kv as usize,
-            span_cells.start * cell,
-        );
-        let gathered = ctx.reshape_4d(ctx.get_rows(rows, kv_rows), [d, n_keys, 1, n_idx]);
-        // Flash attention reads the cache's type, f16 for a quantized one.
-        let dtype = match cache.dtype() {
-            t if t.is_quantized() => DType::F16,
-            t => t,
+        // The span's cells with the head groups on dim 3.
+        let cells = &self.cells;
+        let view = |cache: Tensor<'g>| {
+            let d = self.hp.head_dim_k as i64;
+            let (head_bytes, cell) = (cache.dtype().row_bytes(d as usize), cache.nb()[1]);
+            let view = ctx.view_4d(
+                cache,
+                [d, n_idx, n_kv, 1],
+                [head_bytes, cell, cell * n_kv as usize],
+                cells.start * cell,
+            );
+            ctx.permute(view, [0, 3, 1, 2]) // [d, n_kv, 1, n_idx]
         };
-        match gathered.dtype() == dtype {
-            true => gathered,
-            false => ctx.cast(gathered, dtype),
-        }
-    };
-    let (k, v) = (gather(caches.k), gather(caches.v));
-    let mask = ctx.get_rows(ctx.reshape_3d(inputs.pos_mask, 1, n_pos, 1), positions);
-    let mask = ctx.cast(ctx.reshape_4d(mask, [n_keys, 1, 1, n_idx]), DType::F16);
-    attend_groups(b, q, k, v, mask)
+        self.attend_groups(q, view(self.k), view(self.v), mask)
+    }
+
+    /// A span of one row: its chosen blocks' positions → cells → key/value rows gathered
+    /// (in the order of the choice), attended with the row's mask at those positions.
+    fn gather_chosen(&self, q: Tensor<'g>, chosen: Tensor<'g>) -> Tensor<'g> {
+        let (ctx, hp, inputs) = (self.ctx, self.hp, self.inputs);
+        let [n_top, n_idx, _, _] = chosen.ne();
+        let block = self.msa.block_size as i64;
+        let n_pos = inputs.n_pos as i64;
+
+        // Positions: block × chosen + 0..block.
+        let first = ctx.scale(ctx.cast(chosen, DType::F32), block as f32);
+        let first = ctx.reshape_4d(first, [1, n_top, n_idx, 1]);
+        let offsets = ctx.reshape_3d(ctx.arange(0.0, block as f32, 1.0), block, 1, 1);
+        let positions = ctx.add(ctx.repeat_4d(first, [block, n_top, n_idx, 1]), offsets);
+        let n_keys = block * n_top;
+        let positions = ctx.cast(ctx.reshape_2d(positions, n_keys * n_idx, 1), DType::I32);
+
+        // Cells, then the rows of each head group's key/value head.
+        let pos_cells = inputs
+            .pos_cells_f32
+            .expect("a span of one row gathers through positions");
+        let cells = ctx.get_rows(ctx.reshape_3d(pos_cells, 1, n_pos, 1), positions);
+        let cells = ctx.reshape_4d(cells, [block, n_top, n_idx, 1]);
+        let heads = ctx.reshape_3d(ctx.arange(0.0, n_idx as f32, 1.0), 1, 1, n_idx);
+        let kv_rows = ctx.add(ctx.scale(cells, n_idx as f32), heads);
+        let kv_rows = ctx.cast(ctx.reshape_2d(kv_rows, n_keys * n_idx, 1), DType::I32);
+
+        let span_cells = &self.cells;
+        let d = hp.head_dim_k as i64;
+        let n_kv = span_cells.len() as i64;
+        let gather = |cache: Tensor<'g>| {
+            let (head_bytes, cell) = (cache.dtype().row_bytes(d as usize), cache.nb()[1]);
+            let rows = ctx.view_3d(
+                cache,
+                [d, n_idx * n_kv, 1],
+                head_bytes,
+                cell * n_kv as usize,
+                span_cells.start * cell,
+            );
+            let gathered = ctx.reshape_4d(ctx.get_rows(rows, kv_rows), [d, n_keys, 1, n_idx]);
+            // Flash attention reads the cache's type, f16 for a quantized one.
+            let dtype = match cache.dtype() {
+                t if t.is_quantized() => DType::F16,
+                t => t,
+            };
+            match gathered.dtype() == dtype {
+                true => gathered,
+                false => ctx.cast(gathered, dtype),
+            }
+        };
+        let (k, v) = (gather(self.k), gather(self.v));
+        let mask = ctx.get_rows(ctx.reshape_3d(inputs.pos_mask, 1, n_pos, 1), positions);
+        let mask = ctx.cast(ctx.reshape_4d(mask, [n_keys, 1, 1, n_idx]), DType::F16);
+        self.attend_groups(q, k, v, mask)
+    }
 }
