@@ -782,6 +782,32 @@ fn minimax_m3_decode_steps_match_llama_cpp_bit_for_bit() {
     }
 }
 
+/// MiniMax M3 past 256 positions: a prompt of 300 tokens (blocks over 512 positions,
+/// its attention over 512 cells) and 8 decode steps on 2 stages, one thread each side
+/// (the same count, so split-KV flash attention rounds alike): every step's logits are
+/// libllama's bit for bit.
+#[test]
+fn minimax_m3_long_prompt_matches_llama_cpp_bit_for_bit() {
+    let _serial = serial();
+    let path = synthetic("minimax-m3", FileType::Q4KM);
+    let file = ModelFile::open(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let text = common::PROMPTS.join("\n").repeat(12);
+    let prompt = oracle.tokenize(&text, true, true).unwrap()[..300].to_vec();
+    let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+    let mut ctx = LlamaContext::new(&oracle, 1024, 512, 1).unwrap();
+    let mut chain = Chain::load_with(&file, &ranges, &StageConfig::new(1024, 1));
+    let mut expected = ctx.decode(&prompt).unwrap();
+    let ours = chain.logits(0, &prompt, 0);
+    assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3: a prompt of 300 tokens");
+    for pos in 300..308 {
+        let next = baton_sample::argmax(&expected).unwrap();
+        expected = ctx.decode(&[next]).unwrap();
+        let ours = chain.logits(0, &[next], pos);
+        assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3: decode step at position {pos}");
+    }
+}
+
 #[test]
 fn minimax_m3_on_two_workers_matches_llama_cpp() {
     let _serial = serial();
