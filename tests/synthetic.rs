@@ -7,7 +7,7 @@ mod common;
 use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::{FileType, LlamaContext, LlamaModel};
 use baton_gguf::Value;
-use baton_model::{Batch, CacheType, KvTypes, LogitReply, ModelFile, StageConfig, StageInput, StageOutput};
+use baton_model::{CacheType, KvTypes, ModelFile, StageConfig};
 use common::fidelity::{check_prompts, check_stages, check_stages_with, Setup, SHORT, THREADS};
 use common::synth::{llama4_prompts, synth_dir, synthetic, synthetic_with, LLAMA4_SETUP};
 use common::worker::{greedy_in, reference_in, WorkerProc};
@@ -388,46 +388,6 @@ fn mixtral_on_two_workers_matches_llama_cpp() {
     two_workers("mixtral", FileType::Q4KM);
 }
 
-/// Runs one batch through every stage of `chain`; returns the logits of `rows`.
-fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
-    forward_rows_in(chain, tokens, positions, seq_ids, rows, false)
-}
-
-/// [`forward_rows`] with the batch marked as decode rows (`decode`: a token and its
-/// drafts) or not.
-fn forward_rows_in(
-    chain: &mut Chain,
-    tokens: &[u32],
-    positions: &[i32],
-    seq_ids: &[u32],
-    rows: &[u32],
-    decode: bool,
-) -> Vec<f32> {
-    let mut hidden = Vec::new();
-    let n = chain.stages.len();
-    for (i, stage) in chain.stages.iter_mut().enumerate() {
-        let input = if i == 0 {
-            StageInput::Tokens(tokens)
-        } else {
-            StageInput::Hidden(&hidden)
-        };
-        let logit_rows: &[u32] = if i + 1 == n { rows } else { &[] };
-        let batch = Batch {
-            input,
-            positions,
-            seq_ids,
-            logit_rows,
-            decode,
-        };
-        match stage.forward(&batch, LogitReply::Logits).unwrap() {
-            StageOutput::Hidden(h) => hidden = h,
-            StageOutput::Logits(l) => return l,
-            StageOutput::Best(_) | StageOutput::Normed(_) => unreachable!("logits were asked for"),
-        }
-    }
-    unreachable!("the last stage returns logits")
-}
-
 /// What the server relies on, for experts too: a decode step of one sequence gives the
 /// same bits alone and batched with the steps of up to 6 other sequences (each expert
 /// then multiplies up to 7 rows; `mul_mat_id` rows are batch-invariant below 8, see
@@ -505,13 +465,13 @@ fn batching_changes_nothing(arch: &str, file_type: FileType) {
     let mut chain = Chain::load_with(&file, &ranges, &config);
     let lens = chain.prefill_all(&prompts);
     let reset = |chain: &mut Chain| chain.truncate_all(&lens);
-    let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
+    let alone = chain.forward(&[42], &[lens[0]], &[0], &[0], false);
     reset(&mut chain);
     for rows in 2..=N_SEQ {
         let seq_ids: Vec<u32> = (0..rows as u32).collect();
         let positions: Vec<i32> = lens[..rows].to_vec();
         let tokens: Vec<u32> = (0..rows as u32).map(|r| 42 + 7 * r).collect();
-        let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &[0]);
+        let batched = chain.forward(&tokens, &positions, &seq_ids, &[0], false);
         reset(&mut chain);
         assert_eq!(nmse(&batched, &alone), 0.0, "{arch}: batch of {rows}");
     }
@@ -530,7 +490,7 @@ fn batching_changes_nothing(arch: &str, file_type: FileType) {
         let mut first = Vec::new();
         for _ in 0..steps {
             let rows: Vec<u32> = (0..seqs.len() as u32).collect();
-            let logits = forward_rows(chain, &next, &pos, seqs, &rows);
+            let logits = chain.forward(&next, &pos, seqs, &rows, false);
             let n_vocab = logits.len() / seqs.len();
             for (i, row) in logits.chunks_exact(n_vocab).enumerate() {
                 next[i] = baton_sample::argmax(row).unwrap();
@@ -775,7 +735,7 @@ fn minimax_m3_decode_steps_match_llama_cpp_bit_for_bit() {
         chain.truncate_all(&[first]);
         let tokens: Vec<u32> = steps[12..].iter().map(|(t, _)| *t).collect();
         let positions: Vec<i32> = (first..pos).collect();
-        let rows = forward_rows_in(&mut chain, &tokens, &positions, &[0; 4], &[0, 1, 2, 3], true);
+        let rows = chain.forward(&tokens, &positions, &[0; 4], &[0, 1, 2, 3], true);
         for (i, row) in rows.chunks_exact(steps[0].1.len()).enumerate() {
             assert_eq!(nmse(row, &steps[12 + i].1), 0.0, "minimax-m3 {k}/{v}: drafted row {i}");
         }
