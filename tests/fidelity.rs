@@ -161,53 +161,6 @@ fn f16_wire_costs_little_fidelity() {
     }
 }
 
-/// Runs one batch through every stage of `chain`; returns the logits of `rows`.
-fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
-    forward_batch(chain, tokens, positions, seq_ids, rows, false)
-}
-
-/// [`forward_rows`], saying whether the rows are decode rows ([`baton_model::Batch::decode`]).
-fn forward_batch(
-    chain: &mut Chain,
-    tokens: &[u32],
-    positions: &[i32],
-    seq_ids: &[u32],
-    rows: &[u32],
-    decode: bool,
-) -> Vec<f32> {
-    use baton_model::{Batch, LogitReply, StageInput};
-    let mut hidden = Vec::new();
-    let n = chain.stages.len();
-    for (i, stage) in chain.stages.iter_mut().enumerate() {
-        let input = if i == 0 {
-            StageInput::Tokens(tokens)
-        } else {
-            StageInput::Hidden(&hidden)
-        };
-        let logit_rows: &[u32] = if i + 1 == n { rows } else { &[] };
-        match stage
-            .forward(
-                &Batch {
-                    input,
-                    positions,
-                    seq_ids,
-                    logit_rows,
-                    decode,
-                },
-                LogitReply::Logits,
-            )
-            .unwrap()
-        {
-            baton_model::StageOutput::Hidden(h) => hidden = h,
-            baton_model::StageOutput::Logits(l) => return l,
-            baton_model::StageOutput::Best(_) | baton_model::StageOutput::Normed(_) => {
-                unreachable!("logits were asked for")
-            }
-        }
-    }
-    unreachable!("the last stage returns logits")
-}
-
 /// A batch of decode steps, one per sequence, as `baton serve` forms them for many
 /// concurrent requests: each row's logits are the bits of that sequence's step alone,
 /// at every batch size up to [`baton_engine::MAX_DECODE_SEQS`], with weights repacked
@@ -238,7 +191,7 @@ fn a_decode_batch_of_many_sequences_gives_each_row_its_bits_alone() {
         let token = |seq: usize| 42 + 7 * seq as u32;
         let alone: Vec<Vec<f32>> = (0..SEQS)
             .map(|seq| {
-                let logits = forward_rows(&mut chain, &[token(seq)], &[lens[seq]], &[seq as u32], &[0]);
+                let logits = chain.forward(&[token(seq)], &[lens[seq]], &[seq as u32], &[0], false);
                 reset(&mut chain);
                 logits
             })
@@ -251,7 +204,7 @@ fn a_decode_batch_of_many_sequences_gives_each_row_its_bits_alone() {
             let positions: Vec<i32> = seqs.iter().map(|&s| lens[s]).collect();
             let seq_ids: Vec<u32> = seqs.iter().map(|&s| s as u32).collect();
             let all: Vec<u32> = (0..rows as u32).collect();
-            let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &all);
+            let batched = chain.forward(&tokens, &positions, &seq_ids, &all, false);
             reset(&mut chain);
             let n_vocab = batched.len() / rows;
             for (row, &seq) in seqs.iter().enumerate() {
@@ -295,12 +248,12 @@ fn a_token_and_its_drafts_in_one_batch_give_the_bits_of_one_token_steps() {
         let steps: Vec<Vec<f32>> = drafted
             .iter()
             .zip(&positions)
-            .map(|(&token, &pos)| forward_rows(&mut chain, &[token], &[pos], &[0], &[0]))
+            .map(|(&token, &pos)| chain.forward(&[token], &[pos], &[0], &[0], false))
             .collect();
         let truncate = |chain: &mut Chain| chain.stages.iter_mut().for_each(|s| s.truncate_seq(0, len as usize));
         truncate(&mut chain);
         let rows: Vec<u32> = (0..9).collect();
-        let verified = forward_batch(&mut chain, &drafted, &positions, &[0; 9], &rows, true);
+        let verified = chain.forward(&drafted, &positions, &[0; 9], &rows, true);
         truncate(&mut chain);
         let n_vocab = verified.len() / 9;
         for (row, step) in steps.iter().enumerate() {
@@ -310,7 +263,7 @@ fn a_token_and_its_drafts_in_one_batch_give_the_bits_of_one_token_steps() {
                 "{name}, repack {repack}: drafted row {row} against its one-token step"
             );
         }
-        let whole = forward_batch(&mut chain, &drafted, &positions, &[0; 9], &rows, false);
+        let whole = chain.forward(&drafted, &positions, &[0; 9], &rows, false);
         truncate(&mut chain);
         let worst = (0..9)
             .map(|row| nmse(&whole[row * n_vocab..(row + 1) * n_vocab], &steps[row]))
@@ -368,7 +321,7 @@ fn batching_with_other_sequences_changes_nothing_up_to_the_decode_row_cap() {
         let mut chain = Chain::load_with(&file, &ranges, &config);
         let lens = chain.prefill_all(&prompts);
         let reset = |chain: &mut Chain| chain.truncate_all(&lens);
-        let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
+        let alone = chain.forward(&[42], &[lens[0]], &[0], &[0], false);
         reset(&mut chain);
         for rows in [2usize, 3, 4, 7, 8] {
             // Rows round-robin over the three sequences, each continuing where it is.
@@ -382,7 +335,7 @@ fn batching_with_other_sequences_changes_nothing_up_to_the_decode_row_cap() {
                 })
                 .collect();
             let tokens: Vec<u32> = (0..rows as u32).map(|r| 42 + 7 * r).collect();
-            let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &[0]);
+            let batched = chain.forward(&tokens, &positions, &seq_ids, &[0], false);
             reset(&mut chain);
             let err = nmse(&batched, &alone);
             println!(

@@ -7,7 +7,7 @@ mod common;
 use baton_cluster::{connect_cluster, ClusterOptions};
 use baton_ggml::{FileType, LlamaContext, LlamaModel};
 use baton_gguf::Value;
-use baton_model::{Batch, CacheType, KvTypes, LogitReply, ModelFile, StageConfig, StageInput, StageOutput};
+use baton_model::{CacheType, KvTypes, ModelFile, StageConfig};
 use common::fidelity::{check_prompts, check_stages, check_stages_with, Setup, SHORT, THREADS};
 use common::synth::{llama4_prompts, synth_dir, synthetic, synthetic_with, LLAMA4_SETUP};
 use common::worker::{greedy_in, reference_in, WorkerProc};
@@ -394,33 +394,6 @@ fn mixtral_on_two_workers_matches_llama_cpp() {
     two_workers("mixtral", FileType::Q4KM);
 }
 
-/// Runs one batch through every stage of `chain`; returns the logits of `rows`.
-fn forward_rows(chain: &mut Chain, tokens: &[u32], positions: &[i32], seq_ids: &[u32], rows: &[u32]) -> Vec<f32> {
-    let mut hidden = Vec::new();
-    let n = chain.stages.len();
-    for (i, stage) in chain.stages.iter_mut().enumerate() {
-        let input = if i == 0 {
-            StageInput::Tokens(tokens)
-        } else {
-            StageInput::Hidden(&hidden)
-        };
-        let logit_rows: &[u32] = if i + 1 == n { rows } else { &[] };
-        let batch = Batch {
-            input,
-            positions,
-            seq_ids,
-            logit_rows,
-            decode: false,
-        };
-        match stage.forward(&batch, LogitReply::Logits).unwrap() {
-            StageOutput::Hidden(h) => hidden = h,
-            StageOutput::Logits(l) => return l,
-            StageOutput::Best(_) | StageOutput::Normed(_) => unreachable!("logits were asked for"),
-        }
-    }
-    unreachable!("the last stage returns logits")
-}
-
 /// What the server relies on, for experts too: a decode step of one sequence gives the
 /// same bits alone and batched with the steps of up to 6 other sequences (each expert
 /// then multiplies up to 7 rows; `mul_mat_id` rows are batch-invariant below 8, see
@@ -464,15 +437,15 @@ fn gemma4_batching_other_sequences_changes_nothing() {
     batching_changes_nothing("gemma4", FileType::Q4KM);
 }
 
-/// DeepSeek sparse attention (deepseek32; glm-dsa with a shared indexer layer;
-/// glm5-next's blocks of tokens beside its KDA layers) in batches of decode steps of
-/// up to 7 sequences: each row's indexer scores, choice and
-/// attention cover its own sequence's cells only (prompts of 11 to 26 tokens, 8
-/// chosen), so the same bits and greedy tokens as alone.
+/// Sparse attention (DeepSeek's: deepseek32, glm-dsa with a shared indexer layer,
+/// glm5-next's blocks of tokens beside its KDA layers; MiniMax's: minimax-m3) in batches
+/// of decode steps of up to 7 sequences: each row's indexer scores, choice and attention
+/// cover its own sequence's cells only (prompts of 11 to 26 tokens; 8 tokens chosen, or
+/// 2 blocks of 4 positions), so the same bits and greedy tokens as alone.
 #[test]
 fn sparse_attention_batching_other_sequences_changes_nothing() {
     let _serial = serial();
-    for arch in ["deepseek32", "glm-dsa", "glm5-next"] {
+    for arch in ["deepseek32", "glm-dsa", "glm5-next", "minimax-m3"] {
         batching_changes_nothing(arch, FileType::Q4KM);
     }
 }
@@ -508,13 +481,13 @@ fn batching_changes_nothing(arch: &str, file_type: FileType) {
     let mut chain = Chain::load_with(&file, &ranges, &config);
     let lens = chain.prefill_all(&prompts);
     let reset = |chain: &mut Chain| chain.truncate_all(&lens);
-    let alone = forward_rows(&mut chain, &[42], &[lens[0]], &[0], &[0]);
+    let alone = chain.forward(&[42], &[lens[0]], &[0], &[0], false);
     reset(&mut chain);
     for rows in 2..=N_SEQ {
         let seq_ids: Vec<u32> = (0..rows as u32).collect();
         let positions: Vec<i32> = lens[..rows].to_vec();
         let tokens: Vec<u32> = (0..rows as u32).map(|r| 42 + 7 * r).collect();
-        let batched = forward_rows(&mut chain, &tokens, &positions, &seq_ids, &[0]);
+        let batched = chain.forward(&tokens, &positions, &seq_ids, &[0], false);
         reset(&mut chain);
         assert_eq!(nmse(&batched, &alone), 0.0, "{arch}: batch of {rows}");
     }
@@ -533,7 +506,7 @@ fn batching_changes_nothing(arch: &str, file_type: FileType) {
         let mut first = Vec::new();
         for _ in 0..steps {
             let rows: Vec<u32> = (0..seqs.len() as u32).collect();
-            let logits = forward_rows(chain, &next, &pos, seqs, &rows);
+            let logits = chain.forward(&next, &pos, seqs, &rows, false);
             let n_vocab = logits.len() / seqs.len();
             for (i, row) in logits.chunks_exact(n_vocab).enumerate() {
                 next[i] = baton_sample::argmax(row).unwrap();
@@ -759,6 +732,118 @@ fn minimax_m2_matches_llama_cpp_with_1_2_3_stages() {
 fn minimax_m2_on_two_workers_matches_llama_cpp() {
     let _serial = serial();
     two_workers("minimax-m2", FileType::Q4KM);
+}
+
+/// MiniMax M3's sparse attention (blocks of 4 positions, 2 chosen, the query's own
+/// forced): prompts of 5 to 20 tokens take the masked path, each decode step the
+/// gathered one over the blocks of up to 52 positions; the logits are libllama's bit
+/// for bit.
+#[test]
+fn minimax_m3_matches_llama_cpp_with_1_2_3_stages() {
+    let _serial = serial();
+    let path = synthetic("minimax-m3", FileType::Q4KM);
+    let worst = check_stages(&path, "minimax-m3");
+    assert_eq!(worst, 0.0, "minimax-m3: the logits are llama.cpp's bit for bit");
+}
+
+/// MiniMax M3 step by step on 2 stages against libllama, with f16 keys and values and
+/// with quantized and f32/bf16 ones (`-ctk`/`-ctv` on both sides): a prompt in two
+/// chunks (the second's masked choice over cells the first filled), then 16 decode steps
+/// (each gathering its chosen blocks' keys and values): every step's logits are
+/// libllama's bit for bit.
+#[test]
+fn minimax_m3_decode_steps_match_llama_cpp_bit_for_bit() {
+    let _serial = serial();
+    let path = synthetic("minimax-m3", FileType::Q4KM);
+    let file = ModelFile::open(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let prompt = oracle.tokenize(common::PROMPTS[2], true, true).unwrap();
+    let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+    for (k, v) in [
+        (CacheType::F16, CacheType::F16),
+        (CacheType::Q8_0, CacheType::Q4_0),
+        (CacheType::F32, CacheType::Bf16),
+    ] {
+        let kv_types = KvTypes { k, v };
+        // One thread each: under 512 cells the count changes no bit (see `THREADS`).
+        let mut ctx = LlamaContext::with_cache_types(&oracle, 512, 512, 1, [k.dtype(), v.dtype()]).unwrap();
+        let config = StageConfig {
+            kv_types,
+            ..StageConfig::new(512, 1)
+        };
+        let mut chain = Chain::load_with(&file, &ranges, &config);
+        let (first, rest) = prompt.split_at(9);
+        let mut expected = ctx.decode(first).unwrap();
+        let mut ours = chain.logits(0, first, 0);
+        assert_eq!(
+            nmse(&ours, &expected),
+            0.0,
+            "minimax-m3 {k}/{v}: the prompt's first chunk"
+        );
+        expected = ctx.decode(rest).unwrap();
+        ours = chain.logits(0, rest, first.len() as i32);
+        assert_eq!(
+            nmse(&ours, &expected),
+            0.0,
+            "minimax-m3 {k}/{v}: the prompt's second chunk"
+        );
+        let mut pos = prompt.len() as i32;
+        let mut steps = Vec::new();
+        for step in 0..16 {
+            let next = baton_sample::argmax(&expected).unwrap();
+            expected = ctx.decode(&[next]).unwrap();
+            ours = chain.logits(0, &[next], pos);
+            assert_eq!(
+                nmse(&ours, &expected),
+                0.0,
+                "minimax-m3 {k}/{v}: decode step {step} at position {pos}"
+            );
+            steps.push((next, expected.clone()));
+            pos += 1;
+        }
+        // The last 4 steps again as one decode batch (a token and its drafts): each
+        // row's logits are its step's.
+        let first = pos - 4;
+        chain.truncate_all(&[first]);
+        let tokens: Vec<u32> = steps[12..].iter().map(|(t, _)| *t).collect();
+        let positions: Vec<i32> = (first..pos).collect();
+        let rows = chain.forward(&tokens, &positions, &[0; 4], &[0, 1, 2, 3], true);
+        for (i, row) in rows.chunks_exact(steps[0].1.len()).enumerate() {
+            assert_eq!(nmse(row, &steps[12 + i].1), 0.0, "minimax-m3 {k}/{v}: drafted row {i}");
+        }
+    }
+}
+
+/// MiniMax M3 past 256 positions: a prompt of 300 tokens (blocks over 512 positions,
+/// its attention over 512 cells) and 8 decode steps on 2 stages, one thread each side
+/// (the same count, so split-KV flash attention rounds alike): every step's logits are
+/// libllama's bit for bit.
+#[test]
+fn minimax_m3_long_prompt_matches_llama_cpp_bit_for_bit() {
+    let _serial = serial();
+    let path = synthetic("minimax-m3", FileType::Q4KM);
+    let file = ModelFile::open(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let text = common::PROMPTS.join("\n").repeat(12);
+    let prompt = oracle.tokenize(&text, true, true).unwrap()[..300].to_vec();
+    let ranges = baton_plan::even_split(file.hparams().n_layer, 2).unwrap();
+    let mut ctx = LlamaContext::new(&oracle, 1024, 512, 1).unwrap();
+    let mut chain = Chain::load_with(&file, &ranges, &StageConfig::new(1024, 1));
+    let mut expected = ctx.decode(&prompt).unwrap();
+    let ours = chain.logits(0, &prompt, 0);
+    assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3: a prompt of 300 tokens");
+    for pos in 300..308 {
+        let next = baton_sample::argmax(&expected).unwrap();
+        expected = ctx.decode(&[next]).unwrap();
+        let ours = chain.logits(0, &[next], pos);
+        assert_eq!(nmse(&ours, &expected), 0.0, "minimax-m3: decode step at position {pos}");
+    }
+}
+
+#[test]
+fn minimax_m3_on_two_workers_matches_llama_cpp() {
+    let _serial = serial();
+    two_workers("minimax-m3", FileType::Q4KM);
 }
 
 /// The paths real files rarely take, against libllama too: every optional tensor an

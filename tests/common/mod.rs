@@ -112,7 +112,19 @@ impl Chain {
     pub fn logits(&mut self, seq: u32, tokens: &[u32], start: i32) -> Vec<f32> {
         let positions: Vec<i32> = (start..start + tokens.len() as i32).collect();
         let seq_ids = vec![seq; tokens.len()];
-        let last_row = [tokens.len() as u32 - 1];
+        self.forward(tokens, &positions, &seq_ids, &[tokens.len() as u32 - 1], false)
+    }
+
+    /// Runs one batch through every stage; returns the logits of `rows`. `decode`: the
+    /// rows are decode rows ([`Batch::decode`]: a token and its drafts).
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        positions: &[i32],
+        seq_ids: &[u32],
+        rows: &[u32],
+        decode: bool,
+    ) -> Vec<f32> {
         let mut hidden = Vec::new();
         let n = self.stages.len();
         for (i, stage) in self.stages.iter_mut().enumerate() {
@@ -121,13 +133,13 @@ impl Chain {
             } else {
                 StageInput::Hidden(&hidden)
             };
-            let rows: &[u32] = if i + 1 == n { &last_row } else { &[] };
+            let logit_rows: &[u32] = if i + 1 == n { rows } else { &[] };
             let batch = Batch {
                 input,
-                positions: &positions,
-                seq_ids: &seq_ids,
-                logit_rows: rows,
-                decode: false,
+                positions,
+                seq_ids,
+                logit_rows,
+                decode,
             };
             match stage.forward(&batch, LogitReply::Logits).expect("forward succeeds") {
                 StageOutput::Hidden(h) if self.wire_f16 => {

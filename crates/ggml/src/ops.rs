@@ -140,6 +140,32 @@ impl Context {
         unsafe { self.wrap(sys::ggml_clamp(self.raw(), a.raw(), min, max)) }
     }
 
+    /// The largest of each `k` consecutive values along dim 0 (a 1 × `k` max pool with
+    /// stride `k`, as ggml's `pool_2d` computes it; f32 out).
+    pub fn max_pool_rows<'t>(&'t self, a: Tensor<'t>, k: usize) -> Tensor<'t> {
+        let k = k as i32;
+        // SAFETY: records a node (see module docs); ggml sizes the output from `a`.
+        unsafe {
+            self.wrap(sys::ggml_pool_2d(
+                self.raw(),
+                a.raw(),
+                sys::GGML_OP_POOL_MAX,
+                k,
+                1,
+                k,
+                1,
+                0.0,
+                0.0,
+            ))
+        }
+    }
+
+    /// f32 `[start, start + step, …]` below `stop`.
+    pub fn arange(&self, start: f32, stop: f32, step: f32) -> Tensor<'_> {
+        // SAFETY: records a node (see module docs); ggml asserts stop > start.
+        unsafe { self.wrap(sys::ggml_arange(self.raw(), start, stop, step)) }
+    }
+
     /// Indices (i32) of the `k` largest values of each row (dim 0), largest first.
     pub fn argsort_top_k<'t>(&'t self, a: Tensor<'t>, k: usize) -> Tensor<'t> {
         // SAFETY: records a node (see module docs); ggml asserts k <= ne[0].

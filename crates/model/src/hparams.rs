@@ -113,6 +113,8 @@ pub struct HParams {
     pub hyper: Option<Hyper>,
     /// DeepSeek V4's sizes (`None` for every other architecture).
     pub dsv4: Option<Dsv4>,
+    /// MiniMax sparse attention (`minimax-m3`; `None` for every other architecture).
+    pub msa: Option<Msa>,
 }
 
 /// DeepSeek V4's sizes beyond the common ones, as llama.cpp's `deepseek4` reads them.
@@ -135,6 +137,26 @@ pub struct Dsv4 {
     /// The lightning indexer's heads and their width (`attention.indexer.*`; only
     /// compressed layers, which baton refuses, use them).
     pub indexer_heads: (usize, usize),
+}
+
+/// MiniMax sparse attention (MSA), as llama.cpp's `minimax-m3` reads it: on every layer
+/// after the dense lead, an indexer (one head per key/value head, one key per token,
+/// kept in the KV cache beside the token's keys and values) scores the sequence's
+/// positions in blocks of `block_size`; each query attends to the positions of its
+/// head group's `top_k` best blocks, the `local_blocks` blocks ending at its own always
+/// among them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Msa {
+    /// Indexer query heads (one per key/value head).
+    pub n_head: usize,
+    /// Width of each indexer head (its first `n_rot` values rotate).
+    pub head_dim: usize,
+    /// Blocks each query attends to.
+    pub top_k: usize,
+    /// Positions per block.
+    pub block_size: usize,
+    /// Blocks ending at the query's own that are always chosen.
+    pub local_blocks: usize,
 }
 
 /// Kimi K3's sizes beyond Kimi Linear's, as llama.cpp's `kimi-k3` reads them.
@@ -747,6 +769,7 @@ impl HParams {
             unrotated: false,
             hyper: None,
             dsv4: None,
+            msa: None,
         };
         (arch.hparams)(&mut hp, &keys)?;
         if hp.rms_eps.is_nan() {
@@ -935,10 +958,23 @@ impl HParams {
     /// Bytes one token takes in layer `layer`'s indexer key cache (DeepSeek sparse
     /// attention; 0 for other models and for layers that reuse an earlier selection).
     pub fn indexer_cell_bytes(&self, layer: usize, types: KvTypes) -> usize {
-        match self.indexer() {
-            Some(ix) if ix.full_layers.get(layer) == Some(&true) => types.k.row_bytes(ix.cache_width()),
-            _ => 0,
+        self.indexer_key_dim(layer).map_or(0, |dim| types.k.row_bytes(dim))
+    }
+
+    /// Width of the indexer row layer `layer` caches per token: DeepSeek sparse
+    /// attention's (GLM-5 next's with its gate scores) on layers with their own indexer, MiniMax sparse attention's on its
+    /// sparse layers; `None` elsewhere.
+    pub fn indexer_key_dim(&self, layer: usize) -> Option<usize> {
+        if let Some(ix) = self.indexer() {
+            return (ix.full_layers.get(layer) == Some(&true)).then_some(ix.cache_width());
         }
+        self.msa.filter(|_| self.is_msa(layer)).map(|msa| msa.head_dim)
+    }
+
+    /// Whether layer `layer` attends through MiniMax sparse attention (every layer
+    /// after the dense lead of a model that has it).
+    pub fn is_msa(&self, layer: usize) -> bool {
+        self.msa.is_some() && layer >= self.moe.n_layer_dense_lead && layer < self.n_layer
     }
 
     /// Whether the cache keeps keys only, the values being a view of them (MLA's latent

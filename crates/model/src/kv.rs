@@ -330,6 +330,10 @@ pub struct KvCache {
     window_cells: Option<Cells>,
     /// What the sliding-window layers see, for models that have them.
     window: Option<Window>,
+    /// Whether each run of one sequence's rows attends as a span of its own even
+    /// without regions (MiniMax sparse attention chooses blocks of one sequence's
+    /// positions).
+    spans_per_sequence: bool,
 }
 
 impl KvCache {
@@ -392,9 +396,10 @@ impl KvCache {
                 ctx.new_tensor(types.v.dtype(), &[(heads.n_head_kv * heads.head_dim_v) as i64, n_cells])
                     .named(&format!("cache_v_l{layer}"));
             }
-            // DeepSeek sparse attention: the indexer's key of each token, in the same cells.
-            if let Some(ix) = hp.indexer().filter(|ix| ix.full_layers[layer]) {
-                ctx.new_tensor(types.k.dtype(), &[ix.cache_width() as i64, n_cells])
+            // Sparse attention (DeepSeek's, MiniMax's): the indexer's key of each token,
+            // in the same cells.
+            if let Some(dim) = hp.indexer_key_dim(layer) {
+                ctx.new_tensor(types.k.dtype(), &[dim as i64, n_cells])
                     .named(&format!("cache_ik_l{layer}"));
             }
         }
@@ -435,6 +440,7 @@ impl KvCache {
             full: Cells::new(n_ctx, n_seq, None),
             window_cells,
             window,
+            spans_per_sequence: hp.msa.is_some(),
         })
     }
 
@@ -575,7 +581,7 @@ impl KvCache {
                 window_cells,
             }
         };
-        if self.full.region == 0 {
+        if self.full.region == 0 && !self.spans_per_sequence {
             return vec![span(0..seq_ids.len(), None)];
         }
         let mut spans: Vec<AttnSpan> = Vec::new();
@@ -602,6 +608,49 @@ impl KvCache {
     pub fn window_mask(&self, seq_ids: &[u32], positions: &[i32], cells: Range<usize>) -> Vec<u16> {
         let set = self.window_cells.as_ref().unwrap_or(&self.full);
         set.mask(seq_ids, positions, cells, self.window)
+    }
+
+    /// For positions `0..n_pos` of `seq`, the cell (counted from `cells.start`) that
+    /// holds each, 0 where none does (MiniMax sparse attention's position-to-cell map,
+    /// as llama.cpp's `set_input_pos_slot` writes it).
+    pub fn pos_cells(&self, seq: u32, cells: Range<usize>, n_pos: usize) -> Vec<i32> {
+        let mut map = vec![0; n_pos];
+        for (j, cell) in self.full.cells[cells].iter().enumerate() {
+            if cell.pos >= 0 && cell.seq == seq && (cell.pos as usize) < n_pos {
+                map[cell.pos as usize] = j as i32;
+            }
+        }
+        map
+    }
+
+    /// For each of `cells`, the block (of `block` positions) of the position of `seq`
+    /// it holds, 0 for cells of no position of `seq` (llama.cpp's `set_input_cell_pos`).
+    pub fn cell_blocks(&self, seq: u32, cells: Range<usize>, block: usize) -> Vec<i32> {
+        self.full.cells[cells]
+            .iter()
+            .map(|c| {
+                if c.pos >= 0 && c.seq == seq {
+                    c.pos / block as i32
+                } else {
+                    0
+                }
+            })
+            .collect()
+    }
+
+    /// f32 `[n_pos, n_tokens]`: for each token of `seq_ids` at `positions`, 0 at the
+    /// positions of its sequence that the cache holds and it sees (causally), -inf
+    /// elsewhere (llama.cpp's `set_input_pos_mask`).
+    pub fn pos_mask(&self, seq_ids: &[u32], positions: &[i32], n_pos: usize) -> Vec<f32> {
+        let mut mask = vec![f32::NEG_INFINITY; n_pos * seq_ids.len()];
+        for (row, (&seq, &pos)) in mask.chunks_exact_mut(n_pos).zip(seq_ids.iter().zip(positions)) {
+            for cell in &self.full.cells {
+                if cell.pos >= 0 && cell.seq == seq && cell.pos <= pos && (cell.pos as usize) < n_pos {
+                    row[cell.pos as usize] = 0.0;
+                }
+            }
+        }
+        mask
     }
 
     /// Forgets every token of `seq`.
@@ -697,6 +746,7 @@ mod tests {
             unrotated: false,
             hyper: None,
             dsv4: None,
+            msa: None,
             layer_ff: vec![16; 2],
             rope_sections: None,
             yarn: crate::Yarn {

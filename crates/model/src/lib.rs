@@ -31,7 +31,9 @@ pub use arch::{find as find_architecture, supported_names, Architecture, Shape, 
 pub use cache_type::{CacheType, KvTypes, UnknownCacheType};
 pub use chain::StageChain;
 pub use group::StageGroup;
-pub use hparams::{AttnTemp, Dsv4, HParams, Indexer, Keys, KimiK3, Mla, Ssm, SsmKind, SwaType, TpHeads, Window, Yarn};
+pub use hparams::{
+    AttnTemp, Dsv4, HParams, Indexer, Keys, KimiK3, Mla, Msa, Ssm, SsmKind, SwaType, TpHeads, Window, Yarn,
+};
 pub use kv::{AttnSpan, KvCache, Slots, DEFAULT_UBATCH};
 pub use names::{EndTensor, LayerTensor};
 pub use pool::mean_rows;

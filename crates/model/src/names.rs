@@ -75,6 +75,11 @@ tensor_names! {
         IndexerKNorm = "indexer.k_norm.weight",
         IndexerKNormBias = "indexer.k_norm.bias",
         IndexerProj = "indexer.proj.weight",
+        // MiniMax sparse attention's indexer (minimax-m3): query and key projections and
+        // their per-head RMS norms (the key's is `IndexerKNorm`).
+        IndexerQProj = "indexer.q_proj.weight",
+        IndexerKProj = "indexer.k_proj.weight",
+        IndexerQNorm = "indexer.q_norm.weight",
         PostAttentionNorm = "post_attention_norm.weight",
         FfnNorm = "ffn_norm.weight",
         PostFfwNorm = "post_ffw_norm.weight",

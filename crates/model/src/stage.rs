@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use baton_ggml::{Context, DType, Device, GraphId, HostOp, Tensor, TensorId};
 
-use crate::arch::{Builder, Gather, SpanInputs, StateRunInputs, StepInputs, TpOps};
+use crate::arch::{Builder, Gather, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
 use crate::cache_type::KvTypes;
 use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache, Slots};
@@ -541,10 +541,26 @@ impl Stage {
         normed: bool,
     ) -> Result<StageOutput, ModelError> {
         let n_tokens = batch.n_tokens();
-        let spans = self.kv.attention_spans(batch.seq_ids);
+        let mut spans = self.kv.attention_spans(batch.seq_ids);
         let decode_rows = batch.decode || one_row_per_sequence(batch.seq_ids);
+        let msa = self
+            .hp
+            .msa
+            .filter(|_| self.span.layers.clone().any(|l| self.hp.is_msa(l)));
+        if let (Some(_), true) = (msa, decode_rows) {
+            spans = crate::arch::msa::one_row_spans(spans);
+        }
+        // MiniMax sparse attention: the positions each span's blocks cover.
+        let msa_positions = match msa {
+            Some(msa) => spans
+                .iter()
+                .map(|s| crate::arch::msa::span_positions(&batch.positions[s.rows.clone()], msa.block_size))
+                .collect(),
+            None => Vec::new(),
+        };
         let kpool_blocks = self.kpool_blocks(batch.seq_ids, &spans)?;
         let key = StepKey {
+            msa_positions,
             tokens: matches!(batch.input, StageInput::Tokens(_)),
             n_tokens,
             decode_rows,
@@ -608,11 +624,13 @@ impl Stage {
         // DeepSeek sparse attention: the indexer's 3 products, about 20 nodes per layer
         // and 12 per span (its scores, choice and mask).
         // A k-pool indexer (GLM-5 next) pools its blocks and builds its masks per span:
-        // about 40 more.
-        let (per_span, piece_nodes) = match hp.indexer() {
-            Some(ix) if ix.kpool.is_some() => (72, PIECE_NODES + 12),
-            Some(_) => (32, PIECE_NODES + 12),
-            None => (16, PIECE_NODES),
+        // about 40 more. MiniMax sparse attention: about 50 nodes per span (its scores,
+        // choice, mask or gather).
+        let (per_span, piece_nodes) = match (hp.indexer(), hp.msa) {
+            (Some(ix), _) if ix.kpool.is_some() => (72, PIECE_NODES + 12),
+            (Some(_), _) => (32, PIECE_NODES + 12),
+            (None, Some(_)) => (80, PIECE_NODES + 12),
+            (None, None) => (16, PIECE_NODES),
         };
         let per_row = if key.decode_rows { piece_nodes * key.n_tokens } else { 0 };
         // A recurrent layer: about 40 per run, 3 per state it keeps.
@@ -698,6 +716,18 @@ impl Stage {
                 .iter()
                 .map(|s| (s.mask.map(|m| ctx.id_of(m)), s.mask_swa.map(|m| ctx.id_of(m))))
                 .collect(),
+            msa: spans
+                .iter()
+                .map(|s| {
+                    s.msa.map(|m| MsaIds {
+                        local: ctx.id_of(m.local),
+                        pos_mask: ctx.id_of(m.pos_mask),
+                        pos_cells: ctx.id_of(m.pos_cells),
+                        pos_cells_f32: m.pos_cells_f32.map(|t| ctx.id_of(t)),
+                        cell_blocks: m.cell_blocks.map(|t| ctx.id_of(t)),
+                    })
+                })
+                .collect(),
             out_rows: out_rows.map(|t| ctx.id_of(t)),
             state_runs: state_runs
                 .iter()
@@ -747,6 +777,32 @@ impl Stage {
             }
             if let Some(m) = mask_swa.map(tensor).filter(Tensor::has_data) {
                 m.write(&self.kv.window_mask(seq_ids, positions, window_cells.clone()))?;
+            }
+        }
+        if let Some(msa) = hp.msa {
+            let spans = step.key.spans.iter().zip(&step.msa).zip(&step.key.msa_positions);
+            for (((rows, cells, _), ids), &n_pos) in spans {
+                let Some(ids) = ids.as_ref().filter(|ids| tensor(ids.pos_mask).has_data()) else {
+                    continue;
+                };
+                let (seq_ids, positions) = (&batch.seq_ids[rows.clone()], &batch.positions[rows.clone()]);
+                let seq = seq_ids[0];
+                let block = msa.block_size;
+                tensor(ids.local).write(&crate::arch::msa::local_blocks(
+                    positions,
+                    n_pos / block,
+                    block,
+                    msa.local_blocks,
+                ))?;
+                tensor(ids.pos_mask).write(&self.kv.pos_mask(seq_ids, positions, n_pos))?;
+                let pos_cells = self.kv.pos_cells(seq, cells.clone(), n_pos);
+                if let Some(t) = ids.pos_cells_f32.map(tensor) {
+                    t.write(&pos_cells.iter().map(|&c| c as f32).collect::<Vec<f32>>())?;
+                }
+                tensor(ids.pos_cells).write(&pos_cells)?;
+                if let Some(t) = ids.cell_blocks.map(tensor) {
+                    t.write(&self.kv.cell_blocks(seq, cells.clone(), block))?;
+                }
             }
         }
         if let (Some(t), Some(temp)) = (step.attn_temp.map(tensor).filter(Tensor::has_data), &hp.attn_temp) {
@@ -846,6 +902,30 @@ fn new_inputs<'g>(
         let shape = [cells.len() as i64, rows.len() as i64];
         input(DType::F16, &shape, &format!("{name}-{}", rows.start))
     };
+    let msa_inputs = |span: &AttnSpan, n_pos: usize| {
+        let block = hp.msa.expect("positions are counted for MSA models only").block_size;
+        let (n_rows, first) = (span.rows.len() as i64, span.rows.start);
+        let n_pos_i = n_pos as i64;
+        let one_row = n_rows == 1;
+        MsaInputs {
+            n_pos,
+            local: input(
+                DType::F32,
+                &[n_pos_i / block as i64, n_rows],
+                &format!("msa_local-{first}"),
+            ),
+            pos_mask: input(DType::F32, &[n_pos_i, n_rows], &format!("msa_pos_mask-{first}")),
+            pos_cells: input(DType::I32, &[n_pos_i, 1], &format!("msa_pos_cells-{first}")),
+            pos_cells_f32: one_row.then(|| input(DType::F32, &[n_pos_i, 1], &format!("msa_pos_cells_f32-{first}"))),
+            cell_blocks: (!one_row).then(|| {
+                input(
+                    DType::I32,
+                    &[span.cells.len() as i64, 1],
+                    &format!("msa_cell_blocks-{first}"),
+                )
+            }),
+        }
+    };
     let spans: Vec<SpanInputs> = spans
         .into_iter()
         .enumerate()
@@ -853,6 +933,7 @@ fn new_inputs<'g>(
             mask: has_full.then(|| new_mask(&span.rows, &span.cells, "kq_mask")),
             mask_swa: has_swa.then(|| new_mask(&span.rows, &span.window_cells, "kq_mask_swa")),
             kpool_blocks: key.kpool_blocks.get(index).copied().unwrap_or(0),
+            msa: key.msa_positions.get(index).map(|&n_pos| msa_inputs(&span, n_pos)),
             span,
         })
         .collect();
@@ -908,6 +989,9 @@ struct StepKey {
     decode_rows: bool,
     /// Rows, cells and sliding-window cells of each attention span.
     spans: Vec<(std::ops::Range<usize>, std::ops::Range<usize>, std::ops::Range<usize>)>,
+    /// MiniMax sparse attention: the positions each span's blocks cover (empty for
+    /// other models and stages without its layers).
+    msa_positions: Vec<usize>,
     /// Rows that need logits (or normed rows).
     logit_rows: usize,
     /// The output rows are the output norm's, not logits ([`LogitReply::Normed`]).
@@ -927,6 +1011,8 @@ struct StepGraph {
     kv_slots_swa: Option<TensorId>,
     /// `(mask, sliding-window mask)` of each span of `key.spans`.
     masks: Vec<(Option<TensorId>, Option<TensorId>)>,
+    /// MiniMax sparse attention's inputs of each span.
+    msa: Vec<Option<MsaIds>>,
     out_rows: Option<TensorId>,
     /// `(source, targets)` of each run of `key.state_runs`.
     state_runs: Vec<(TensorId, TensorId)>,
@@ -934,6 +1020,15 @@ struct StepGraph {
     tokens_in: Option<TensorId>,
     hidden_in: Option<TensorId>,
     out: TensorId,
+}
+
+/// The ids of a span's [`MsaInputs`].
+struct MsaIds {
+    local: TensorId,
+    pos_mask: TensorId,
+    pos_cells: TensorId,
+    pos_cells_f32: Option<TensorId>,
+    cell_blocks: Option<TensorId>,
 }
 
 /// Graph nodes one row of a decode batch may add per layer: up to about 16 products a

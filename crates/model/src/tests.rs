@@ -321,7 +321,7 @@ fn loader_errors_are_clear() {
     });
     assert_eq!(
         err_text("arch.gguf", &unknown),
-        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear, kimi-k3, deepseek4, glm5-next)"
+        "unsupported model architecture 'mamba9' (baton runs: llama, mistral, qwen2, qwen3, qwen3moe, gemma3, glm4moe, gpt-oss, deepseek2, mistral3, phi3, gemma2, minimax-m2, mistral4, llama4, qwen35, qwen35moe, qwen3next, nemotron_h, nemotron_h_moe, gemma4, deepseek32, glm-dsa, kimi-linear, kimi-k3, deepseek4, glm5-next, minimax-m3)"
     );
 
     // Per-layer head counts: the same in every layer, except that Nemotron-H's layers
@@ -665,6 +665,80 @@ fn sparse_attention_variants_are_refused_with_the_key_named() {
     assert!(load_tail(&file, 2..N_LAYER).is_ok());
     let logits = chain_logits(&file, &[N_LAYER], &[1, 5, 9, 2, 7, 3]);
     assert!(logits.iter().all(|x| x.is_finite()));
+}
+
+/// MiniMax sparse attention that llama.cpp cannot compute is refused before loading,
+/// the key or tensor named: indexer heads other than one per key/value head, no
+/// blocks to choose or positions per block, heads narrower than their RoPE part, a
+/// missing key or indexer tensor, no gating function; and so is splitting it between
+/// tensor-parallel members.
+#[test]
+fn minimax_m3_variants_are_refused_with_the_key_named() {
+    let text = |edit: &dyn Fn(GgufWriter) -> GgufWriter| err_text("msa-m3.gguf", &tiny_model("minimax-m3", edit));
+    let set = |key: &str, value: u32| {
+        let key = format!("minimax-m3.attention.indexer.{key}");
+        move |w: GgufWriter| w.without_kv(&key).kv(key.clone(), Value::U32(value))
+    };
+    assert_eq!(
+        text(&set("head_count", 1)),
+        "bad hyper-parameters: minimax-m3.attention.indexer.head_count is 1: MiniMax sparse attention has one indexer head per key/value head (2)"
+    );
+    for key in ["top_k", "block_size", "key_length"] {
+        assert_eq!(
+            text(&set(key, 0)),
+            format!("bad hyper-parameters: minimax-m3.attention.indexer.{key} must not be 0")
+        );
+    }
+    assert_eq!(
+        text(&set("key_length", 2)),
+        "bad hyper-parameters: minimax-m3.attention.indexer.key_length is 2, narrower than the 4 RoPE dimensions it rotates"
+    );
+    assert_eq!(
+        text(&|w| w.without_kv("minimax-m3.attention.indexer.local_blocks")),
+        "GGUF metadata key 'minimax-m3.attention.indexer.local_blocks' is missing"
+    );
+    assert_eq!(
+        text(&|w| w.without_kv("minimax-m3.expert_gating_func")),
+        "GGUF metadata key 'minimax-m3.expert_gating_func' is missing"
+    );
+    assert_eq!(
+        text(&|w| w.without_tensor("blk.2.indexer.q_proj.weight")),
+        "tensor 'blk.2.indexer.q_proj.weight' is missing from the model file"
+    );
+    let file = open("tp-minimax-m3.gguf", &tiny_model("minimax-m3", |w| w)).unwrap();
+    let err = crate::TpSplit::new(file.hparams(), 0, 2).unwrap_err().to_string();
+    assert_eq!(err, "bad stage configuration: minimax-m3's sparse attention (MSA) chooses blocks per key/value head from indexer heads that baton does not split between tensor-parallel members; run it as pipeline stages");
+}
+
+/// MiniMax sparse attention's inputs: blocks over positions padded as llama.cpp pads
+/// them, a row's own block and the `local - 1` before it forced, and without regions each
+/// run of one sequence's rows a span of its own (its blocks are its sequence's), with
+/// the maps between its positions and cells.
+#[test]
+fn minimax_m3_spans_and_maps_follow_each_sequence() {
+    use crate::arch::msa::{local_blocks, span_positions};
+    let n_pos = |end: i32, block| span_positions(&[end - 1], block);
+    assert_eq!(
+        (n_pos(1, 4), n_pos(256, 64), n_pos(257, 4), n_pos(10, 96)),
+        (256, 256, 512, 288)
+    );
+    assert_eq!(
+        local_blocks(&[0, 9], 4, 4, 2),
+        [1e30, 0.0, 0.0, 0.0, 0.0, 1e30, 1e30, 0.0]
+    );
+
+    let file = open("msa-spans.gguf", &tiny_model("minimax-m3", |w| w)).unwrap();
+    let mut kv = crate::KvCache::new(file.hparams(), 0..N_LAYER, 64, 0).unwrap();
+    // Sequence 0 at positions 0..3, sequence 1 at 0..2, interleaved in the cells.
+    kv.claim(&[0, 1, 0, 1, 0], &[0, 0, 1, 1, 2]).unwrap();
+    let spans = kv.attention_spans(&[0, 0, 1, 0]);
+    let rows: Vec<_> = spans.iter().map(|s| s.rows.clone()).collect();
+    assert_eq!(rows, [0..2, 2..3, 3..4]);
+    assert!(spans.iter().all(|s| s.cells == (0..64)));
+    assert_eq!(kv.pos_cells(1, 0..64, 4), [1, 3, 0, 0]);
+    assert_eq!(&kv.cell_blocks(0, 0..64, 2)[..5], [0, 0, 0, 0, 1]);
+    let inf = f32::NEG_INFINITY;
+    assert_eq!(kv.pos_mask(&[0, 1], &[1, 1], 3), [0.0, 0.0, inf, 0.0, 0.0, inf]);
 }
 
 /// GLM-5.2's shared indexer layers without `attention.indexer.types`: llama.cpp's

@@ -117,6 +117,14 @@ impl TpSplit {
                 hp.hidden_width() / hp.n_embd
             )));
         }
+        if hp.msa.is_some() {
+            return Err(ModelError::BadConfig(format!(
+                "{}'s sparse attention (MSA) chooses blocks per key/value head from indexer \
+                 heads that baton does not split between tensor-parallel members; run it as \
+                 pipeline stages",
+                hp.arch.name
+            )));
+        }
         if let Some(swa) = &hp.swa_heads {
             return Err(ModelError::BadConfig(format!(
                 "{}'s sliding-window layers have heads of their own ({} key/value heads of {}, the \

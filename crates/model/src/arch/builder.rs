@@ -53,6 +53,31 @@ pub struct SpanInputs<'g> {
     /// GLM-5 next's k-pool indexer: the complete blocks of the span's sequence, its
     /// first `kpool_blocks × kpool` cells (0 for other models).
     pub kpool_blocks: usize,
+    /// MiniMax sparse attention's maps between the span's positions and cells, when
+    /// the stage has its layers (the span's rows are then of one sequence).
+    pub msa: Option<MsaInputs<'g>>,
+}
+
+/// MiniMax sparse attention's inputs of one span, over positions `0..n_pos` of its
+/// sequence (as llama.cpp's `llm_graph_input_msa` holds them for one stream).
+#[derive(Clone, Copy)]
+pub struct MsaInputs<'g> {
+    /// Positions the blocks cover: one past the sequence's highest, padded to 256 and
+    /// then to whole blocks.
+    pub n_pos: usize,
+    /// f32 `[n_pos / block, rows]`: 1e30 on the blocks each row always attends to
+    /// (its own and the `local_blocks - 1` before it), 0 elsewhere.
+    pub local: Tensor<'g>,
+    /// f32 `[n_pos, rows]`: 0 at the positions each row sees, -inf elsewhere.
+    pub pos_mask: Tensor<'g>,
+    /// i32 `[n_pos]`: the cell (from the span's first) holding each position, 0 where
+    /// none does.
+    pub pos_cells: Tensor<'g>,
+    /// The same as f32, for a span of one row (which gathers its chosen blocks).
+    pub pos_cells_f32: Option<Tensor<'g>>,
+    /// i32 `[cells]`: the block of each cell's position, for a span of several rows
+    /// (which masks the cells outside its chosen blocks).
+    pub cell_blocks: Option<Tensor<'g>>,
 }
 
 /// Rows of the batch that continue one sequence's recurrent state.
@@ -139,6 +164,8 @@ pub enum Act {
     Gelu,
     /// Kimi K3's situ (see [`situ`]).
     Situ { beta: f32, linear_beta: f32 },
+    /// gpt-oss's clamped SwiGLU (MiniMax M3's dense and shared FFNs).
+    SwigluOai,
     /// SwiGLU clamped at `limit` (see [`swiglu_clamped`]).
     SiluClamp { limit: f32 },
 }
@@ -284,6 +311,9 @@ impl<'g> Builder<'g> {
             Act::Gelu => self.ctx.geglu_split(gate, up),
             Act::Situ { beta, linear_beta } => situ(self.ctx, gate, up, beta, linear_beta),
             Act::SiluClamp { limit } => swiglu_clamped(self.ctx, gate, up, limit),
+            Act::SwigluOai => self
+                .ctx
+                .swiglu_oai(gate, up, super::moe::OAI_ALPHA, super::moe::OAI_LIMIT),
         };
         let shard = if ffn.shared_experts { Shard::FfShexp } else { Shard::Ff };
         let hidden = self.gather(hidden, shard);

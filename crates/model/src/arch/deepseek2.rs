@@ -205,9 +205,6 @@ pub(super) fn ffn<'g>(
         ),
         None => (ExpertAct::Silu, Act::Silu),
     };
-    if !b.hp.is_moe(layer) {
-        return b.ffn(w, &FFN, act, x);
-    }
     let routing = Routing {
         gating: b.hp.moe.gating,
         norm_weights: b.hp.moe.weights_norm,
@@ -215,9 +212,7 @@ pub(super) fn ffn<'g>(
         act: expert_act,
         down_input,
     };
-    let routed = b.moe(w, layer, x, routing);
-    let shared = b.ffn(w, &FFN_SHEXP, act, x);
-    b.ctx.add(routed, shared)
+    b.routed_and_shared(w, layer, x, routing, act)
 }
 
 /// DeepSeek's compressed query (V3 on): `rms_norm(attn_q_a x) · attn_q_a_norm`,

@@ -52,21 +52,11 @@ pub(super) fn read_indexer(
     let n_head = keys.u32("attention.indexer.head_count")?;
     let head_dim = keys.u32("attention.indexer.key_length")?;
     let top_k = keys.u32("attention.indexer.top_k")?;
-    for (key, value) in [("head_count", n_head), ("key_length", head_dim), ("top_k", top_k)] {
-        if value == 0 {
-            return Err(ModelError::BadHParams(format!(
-                "{} must not be 0",
-                keys.name(&format!("attention.indexer.{key}"))
-            )));
-        }
-    }
-    let n_rot = hp.rope.n_dims as usize;
-    if head_dim < n_rot {
-        return Err(ModelError::BadHParams(format!(
-            "{} is {head_dim}, narrower than the {n_rot} RoPE dimensions it rotates",
-            keys.name("attention.indexer.key_length")
-        )));
-    }
+    check_indexer(
+        hp,
+        keys,
+        &[("head_count", n_head), ("key_length", head_dim), ("top_k", top_k)],
+    )?;
     let indexer = Indexer {
         n_head,
         head_dim,
@@ -90,6 +80,30 @@ pub(super) fn read_indexer(
         mla.n_lora_q = keys.u32("attention.q_lora_rank")?;
     }
     mla.indexer = Some(indexer);
+    Ok(())
+}
+
+/// Refuses indexer keys (`attention.indexer.*`) llama.cpp cannot compute with, of
+/// DeepSeek's and MiniMax's sparse attention alike: any of `nonzero` that is 0, and a
+/// `key_length` (which `nonzero` holds) narrower than the RoPE part it rotates.
+pub(super) fn check_indexer(hp: &HParams, keys: &Keys<'_>, nonzero: &[(&str, usize)]) -> Result<(), ModelError> {
+    if let Some((key, _)) = nonzero.iter().find(|(_, value)| *value == 0) {
+        return Err(ModelError::BadHParams(format!(
+            "{} must not be 0",
+            keys.name(&format!("attention.indexer.{key}"))
+        )));
+    }
+    let head_dim = nonzero
+        .iter()
+        .find(|(key, _)| *key == "key_length")
+        .map_or(0, |&(_, v)| v);
+    let n_rot = hp.rope.n_dims as usize;
+    if head_dim < n_rot {
+        return Err(ModelError::BadHParams(format!(
+            "{} is {head_dim}, narrower than the {n_rot} RoPE dimensions it rotates",
+            keys.name("attention.indexer.key_length")
+        )));
+    }
     Ok(())
 }
 

@@ -138,20 +138,14 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
     let ffn_in = b.ctx.add(cur, residual); // [n_embd, n_tokens]
 
     let cur = b.norm(ffn_in, w.get(T::FfnNorm));
-    let cur = if b.hp.is_moe(layer) {
-        let routing = Routing {
-            gating: b.hp.moe.gating,
-            norm_weights: true,
-            scale: b.hp.moe.weights_scale,
-            act: ExpertAct::Silu,
-            down_input: DownInput::Backend,
-        };
-        let routed = b.moe(w, layer, cur, routing);
-        let shared = b.ffn(w, &FFN_SHEXP, Act::Silu, cur);
-        b.ctx.add(routed, shared)
-    } else {
-        b.ffn(w, &FFN, Act::Silu, cur)
+    let routing = Routing {
+        gating: b.hp.moe.gating,
+        norm_weights: true,
+        scale: b.hp.moe.weights_scale,
+        act: ExpertAct::Silu,
+        down_input: DownInput::Backend,
     };
+    let cur = b.routed_and_shared(w, layer, cur, routing, Act::Silu);
     b.ctx.add(cur, ffn_in)
 }
 

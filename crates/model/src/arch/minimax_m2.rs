@@ -32,12 +32,7 @@ pub static ARCH: Architecture = Architecture {
 
 /// As llama.cpp's `llama_model_minimax_m2` reads them.
 fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
-    if hp.head_dim_v != hp.head_dim_k {
-        return Err(ModelError::BadHParams(format!(
-            "minimax-m2 needs equal key and value head sizes ({} and {})",
-            hp.head_dim_k, hp.head_dim_v
-        )));
-    }
+    equal_heads(hp)?;
     // llama.cpp requires `expert_feed_forward_length` but shapes the experts by
     // `feed_forward_length` (the two are equal in MiniMax's files); so does baton.
     let n_layer_all = keys.u32("block_count")?;
@@ -46,21 +41,38 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         return Err(GgufError::MissingKey(keys.name("feed_forward_length")).into());
     }
     hp.moe.n_ff_exp = hp.n_ff;
-    // Without the key llama.cpp has no gating function and aborts building the graph.
-    hp.moe.gating = match keys.opt_u32("expert_gating_func")? {
-        None => return Err(GgufError::MissingKey(keys.name("expert_gating_func")).into()),
-        Some(id) => Gating::from_id(id)?.ok_or_else(|| {
-            ModelError::BadHParams(format!(
-                "{} is 0 (none): the router has no gating function",
-                keys.name("expert_gating_func")
-            ))
-        })?,
-    };
+    hp.moe.gating = required_gating(keys)?;
     // llama.cpp reads neither `expert_weights_scale` nor `expert_weights_norm` here:
     // weights are always normalised and never scaled.
     hp.moe.weights_norm = true;
     hp.moe.weights_scale = 0.0;
     hp.moe.require_experts("minimax-m2")
+}
+
+/// MiniMax's attention (M2 and M3) has key and value heads of one size (llama.cpp
+/// asserts it).
+pub(super) fn equal_heads(hp: &HParams) -> Result<(), ModelError> {
+    if hp.head_dim_v != hp.head_dim_k {
+        return Err(ModelError::BadHParams(format!(
+            "{} needs equal key and value head sizes ({} and {})",
+            hp.arch.name, hp.head_dim_k, hp.head_dim_v
+        )));
+    }
+    Ok(())
+}
+
+/// MiniMax's routers (M2 and M3) score experts by `expert_gating_func`, which the file
+/// must have: without it llama.cpp has no gating function and aborts building the graph.
+pub(super) fn required_gating(keys: &Keys<'_>) -> Result<Gating, ModelError> {
+    match keys.opt_u32("expert_gating_func")? {
+        None => Err(GgufError::MissingKey(keys.name("expert_gating_func")).into()),
+        Some(id) => Gating::from_id(id)?.ok_or_else(|| {
+            ModelError::BadHParams(format!(
+                "{} is 0 (none): the router has no gating function",
+                keys.name("expert_gating_func")
+            ))
+        }),
+    }
 }
 
 fn tensors(t: &mut LayerPlan<'_>) {
@@ -90,7 +102,8 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
     b.ctx.add(cur, ffn_in)
 }
 
-fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
+/// Also the base of MiniMax M3's example (its routing keys and partial rotation).
+pub(super) fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
     vec![
         // Half of each head rotates, as in the real model (64 of 128).
         ("rope.dimension_count", Value::U32(shape.head_dim as u32 / 2)),

@@ -15,6 +15,7 @@ pub mod hyper;
 pub mod kda;
 pub mod mamba2;
 pub mod moe;
+pub mod msa;
 
 mod deepseek2;
 mod deepseek32;
@@ -33,6 +34,7 @@ mod kpool;
 mod llama;
 mod llama4;
 mod minimax_m2;
+mod minimax_m3;
 mod mistral3;
 mod mistral4;
 mod nemotron_h;
@@ -48,7 +50,7 @@ mod qwen3next;
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-pub use builder::{Builder, Gather, SpanInputs, StateRunInputs, StepInputs, TpOps};
+pub use builder::{Builder, Gather, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
 
 use crate::hparams::{HParams, Keys};
 use crate::tensors::{LayerPlan, Presence};
@@ -84,6 +86,7 @@ pub static ARCHITECTURES: &[&Architecture] = &[
     &kimi_k3::ARCH,
     &deepseek4::ARCH,
     &glm5_next::ARCH,
+    &minimax_m3::ARCH,
 ];
 
 /// How RoPE rotates a head.

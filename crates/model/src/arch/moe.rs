@@ -6,10 +6,10 @@
 
 use baton_ggml::Tensor;
 
-use super::builder::Shard;
+use super::builder::{Act, Shard};
 use super::Builder;
 use crate::hparams::Keys;
-use crate::names::LayerTensor as T;
+use crate::names::{LayerTensor as T, FFN, FFN_SHEXP};
 use crate::weights::LayerTensors;
 use crate::ModelError;
 
@@ -192,6 +192,11 @@ fn keys_missing(keys: &Keys<'_>, key: &str) -> ModelError {
     ModelError::Gguf(baton_gguf::GgufError::MissingKey(keys.name(key)))
 }
 
+/// gpt-oss's clamped SwiGLU: its sigmoid's slope and the bound of its inputs (as
+/// llama.cpp fixes them).
+pub(super) const OAI_ALPHA: f32 = 1.702;
+pub(super) const OAI_LIMIT: f32 = 7.0;
+
 /// The activation of each expert.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ExpertAct {
@@ -245,6 +250,25 @@ pub struct Routing {
 }
 
 impl<'g> Builder<'g> {
+    /// The FFN of a DeepSeek-style layer, `x` `[n_embd, n_tokens]` in and out: on a
+    /// layer with experts, the routed experts (chosen as `routing` says) plus the shared
+    /// experts, with activation `act`; on a dense leading layer the dense FFN.
+    pub fn routed_and_shared(
+        &mut self,
+        w: &LayerTensors<'g>,
+        layer: usize,
+        x: Tensor<'g>,
+        routing: Routing,
+        act: Act,
+    ) -> Tensor<'g> {
+        if !self.hp.is_moe(layer) {
+            return self.ffn(w, &FFN, act, x);
+        }
+        let routed = self.moe(w, layer, x, routing);
+        let shared = self.ffn(w, &FFN_SHEXP, act, x);
+        self.ctx.add(routed, shared)
+    }
+
     /// The routed experts of layer `layer` for `x [n_embd, n_tokens]`; returns the
     /// weighted sum of each token's experts, `[n_embd, n_tokens]`.
     pub fn moe(&mut self, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>, routing: Routing) -> Tensor<'g> {
@@ -391,7 +415,7 @@ impl<'g> Builder<'g> {
         };
         let hidden = match routing.act {
             ExpertAct::Silu => gated(&|gate, up| ctx.swiglu_split(gate, up)),
-            ExpertAct::SwigluOai => gated(&|gate, up| ctx.swiglu_oai(gate, up, 1.702, 7.0)),
+            ExpertAct::SwigluOai => gated(&|gate, up| ctx.swiglu_oai(gate, up, OAI_ALPHA, OAI_LIMIT)),
             ExpertAct::ReluSqr => ctx.sqr(ctx.relu(experts(T::FfnUpExps, T::FfnUpExpsBias, x3))),
             ExpertAct::Gelu => gated(&|gate, up| ctx.geglu_split(gate, up)),
             ExpertAct::Situ { beta, linear_beta } => {
