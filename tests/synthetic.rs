@@ -402,7 +402,8 @@ fn mixtral_on_two_workers_matches_llama_cpp() {
 /// routers with selection biases and groups, shared experts, MLA, sinks and windows,
 /// experts weighted before their FFN (llama4), recurrent layers (qwen35moe's DeltaNet,
 /// nemotron_h_moe's Mamba2, kimi-linear's KDA), experts routed by another input than
-/// theirs (gemma4).
+/// theirs (gemma4), latent experts and residual attention whose banked inputs cross the
+/// stage boundary (kimi-k3).
 #[test]
 fn batching_other_sequences_changes_nothing_for_experts() {
     let _serial = serial();
@@ -419,6 +420,7 @@ fn batching_other_sequences_changes_nothing_for_experts() {
         "nemotron_h_moe",
         "gemma4-moe",
         "kimi-linear",
+        "kimi-k3",
     ] {
         let file_type = if arch == "gpt-oss" {
             FileType::Mxfp4Moe
