@@ -129,11 +129,6 @@ pub struct Dsv4 {
     pub o_lora_rank: usize,
     /// Leading layers whose experts are chosen by token id (`hash_layer_count`).
     pub hash_layers: usize,
-    /// Per layer: the routed experts' SwiGLU clamp (`swiglu_clamp_exp`; 1e-6 or less:
-    /// none).
-    pub clamp_exp: Vec<f32>,
-    /// Per layer: the shared experts' (`swiglu_clamp_shexp`, else the routed experts').
-    pub clamp_shexp: Vec<f32>,
     /// The lightning indexer's heads and their width (`attention.indexer.*`; only
     /// compressed layers, which baton refuses, use them).
     pub indexer_heads: (usize, usize),
@@ -562,6 +557,37 @@ impl<'a> Keys<'a> {
             None => Ok(None),
             Some(_) => Ok(Some(self.gguf.get_bool_array(&full)?)),
         }
+    }
+
+    /// A per-layer float as llama.cpp's `get_key_or_arr` reads it: one value for every
+    /// layer, or an array of at least `n` (DeepSeek V4's also cover its prediction
+    /// layers); missing gives `None`.
+    pub fn opt_per_layer_f32(&self, key: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(baton_gguf::Value::Array(values)) => {
+                let values: Option<Vec<f32>> = values
+                    .iter()
+                    .map(|v| match v {
+                        baton_gguf::Value::F32(x) => Some(*x),
+                        _ => None,
+                    })
+                    .collect();
+                match values {
+                    Some(values) if values.len() >= n => Ok(Some(values)),
+                    _ => Err(ModelError::BadHParams(format!(
+                        "{} must be one float or an array of at least {n} floats",
+                        self.name(key)
+                    ))),
+                }
+            }
+            Some(_) => Ok(Some(vec![self.f32(key)?; n])),
+        }
+    }
+
+    /// The error of a required key the file lacks.
+    pub fn missing(&self, key: &str) -> ModelError {
+        ModelError::Gguf(baton_gguf::GgufError::MissingKey(self.name(key)))
     }
 
     /// A per-layer integer as llama.cpp's `get_key_or_arr` reads it: one value for

@@ -639,12 +639,13 @@ impl KvCache {
     }
 
     /// f32 `[n_pos, n_tokens]`: for each token of `seq_ids` at `positions`, 0 at the
-    /// positions of its sequence that the cache holds and it sees (causally), -inf
-    /// elsewhere (llama.cpp's `set_input_pos_mask`).
-    pub fn pos_mask(&self, seq_ids: &[u32], positions: &[i32], n_pos: usize) -> Vec<f32> {
+    /// positions of its sequence that `cells` (its span's, which hold every cell of its
+    /// sequence) hold and it sees (causally), -inf elsewhere (llama.cpp's
+    /// `set_input_pos_mask`).
+    pub fn pos_mask(&self, seq_ids: &[u32], positions: &[i32], cells: Range<usize>, n_pos: usize) -> Vec<f32> {
         let mut mask = vec![f32::NEG_INFINITY; n_pos * seq_ids.len()];
         for (row, (&seq, &pos)) in mask.chunks_exact_mut(n_pos).zip(seq_ids.iter().zip(positions)) {
-            for cell in &self.full.cells {
+            for cell in &self.full.cells[cells.clone()] {
                 if cell.pos >= 0 && cell.seq == seq && cell.pos <= pos && (cell.pos as usize) < n_pos {
                     row[cell.pos as usize] = 0.0;
                 }

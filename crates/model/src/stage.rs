@@ -511,10 +511,12 @@ impl Stage {
     }
 
     /// GLM-5 next's k-pool indexer: the complete blocks of each span's sequence (empty
-    /// for other models). A block is a run of positions, so each span's cells must hold
-    /// its sequence in position order from its first cell.
+    /// for other models, and for a stage of KDA layers only). A block is a run of
+    /// positions, so each span's cells must hold its sequence in position order from
+    /// its first cell.
     fn kpool_blocks(&self, seq_ids: &[u32], spans: &[AttnSpan]) -> Result<Vec<usize>, ModelError> {
-        let Some(kpool) = self.hp.indexer().and_then(|ix| ix.kpool) else {
+        let attends = self.span.layers.clone().any(|l| !self.hp.is_recurrent(l));
+        let Some(kpool) = self.hp.indexer().and_then(|ix| ix.kpool).filter(|_| attends) else {
             return Ok(Vec::new());
         };
         spans
@@ -723,7 +725,6 @@ impl Stage {
                         local: ctx.id_of(m.local),
                         pos_mask: ctx.id_of(m.pos_mask),
                         pos_cells: ctx.id_of(m.pos_cells),
-                        pos_cells_f32: m.pos_cells_f32.map(|t| ctx.id_of(t)),
                         cell_blocks: m.cell_blocks.map(|t| ctx.id_of(t)),
                     })
                 })
@@ -794,12 +795,8 @@ impl Stage {
                     block,
                     msa.local_blocks,
                 ))?;
-                tensor(ids.pos_mask).write(&self.kv.pos_mask(seq_ids, positions, n_pos))?;
-                let pos_cells = self.kv.pos_cells(seq, cells.clone(), n_pos);
-                if let Some(t) = ids.pos_cells_f32.map(tensor) {
-                    t.write(&pos_cells.iter().map(|&c| c as f32).collect::<Vec<f32>>())?;
-                }
-                tensor(ids.pos_cells).write(&pos_cells)?;
+                tensor(ids.pos_mask).write(&self.kv.pos_mask(seq_ids, positions, cells.clone(), n_pos))?;
+                tensor(ids.pos_cells).write(&self.kv.pos_cells(seq, cells.clone(), n_pos))?;
                 if let Some(t) = ids.cell_blocks.map(tensor) {
                     t.write(&self.kv.cell_blocks(seq, cells.clone(), block))?;
                 }
@@ -916,7 +913,6 @@ fn new_inputs<'g>(
             ),
             pos_mask: input(DType::F32, &[n_pos_i, n_rows], &format!("msa_pos_mask-{first}")),
             pos_cells: input(DType::I32, &[n_pos_i, 1], &format!("msa_pos_cells-{first}")),
-            pos_cells_f32: one_row.then(|| input(DType::F32, &[n_pos_i, 1], &format!("msa_pos_cells_f32-{first}"))),
             cell_blocks: (!one_row).then(|| {
                 input(
                     DType::I32,
@@ -1027,7 +1023,6 @@ struct MsaIds {
     local: TensorId,
     pos_mask: TensorId,
     pos_cells: TensorId,
-    pos_cells_f32: Option<TensorId>,
     cell_blocks: Option<TensorId>,
 }
 

@@ -738,7 +738,7 @@ fn minimax_m3_spans_and_maps_follow_each_sequence() {
     assert_eq!(kv.pos_cells(1, 0..64, 4), [1, 3, 0, 0]);
     assert_eq!(&kv.cell_blocks(0, 0..64, 2)[..5], [0, 0, 0, 0, 1]);
     let inf = f32::NEG_INFINITY;
-    assert_eq!(kv.pos_mask(&[0, 1], &[1, 1], 3), [0.0, 0.0, inf, 0.0, 0.0, inf]);
+    assert_eq!(kv.pos_mask(&[0, 1], &[1, 1], 0..64, 3), [0.0, 0.0, inf, 0.0, 0.0, inf]);
 }
 
 /// GLM-5.2's shared indexer layers without `attention.indexer.types`: llama.cpp's

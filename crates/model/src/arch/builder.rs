@@ -73,8 +73,6 @@ pub struct MsaInputs<'g> {
     /// i32 `[n_pos]`: the cell (from the span's first) holding each position, 0 where
     /// none does.
     pub pos_cells: Tensor<'g>,
-    /// The same as f32, for a span of one row (which gathers its chosen blocks).
-    pub pos_cells_f32: Option<Tensor<'g>>,
     /// i32 `[cells]`: the block of each cell's position, for a span of several rows
     /// (which masks the cells outside its chosen blocks).
     pub cell_blocks: Option<Tensor<'g>>,

@@ -26,7 +26,7 @@ use baton_gguf::Value;
 use super::attention::KeyValues;
 use super::builder::Act;
 use super::hyper::{self, Head, Hyper, Site};
-use super::moe::{DownInput, ExpertAct, Gating, Routing};
+use super::moe::{DownInput, ExpertAct, Gating, Routing, SwigluClamps};
 use super::{deepseek2, Architecture, Builder, LayerSizes, Rope, Shape};
 use crate::hparams::{Dsv4, HParams, Keys, SwaType};
 use crate::names::{LayerTensor as T, FFN_SHEXP};
@@ -85,7 +85,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     hp.moe.weights_scale = keys.f32("expert_weights_scale")?;
     hp.moe.weights_norm = keys
         .opt_bool("expert_weights_norm")?
-        .ok_or_else(|| missing(keys, "expert_weights_norm"))?;
+        .ok_or_else(|| keys.missing("expert_weights_norm"))?;
     let gating = keys.u32("expert_gating_func")?;
     if gating != SQRT_SOFTPLUS {
         return bad(format!(
@@ -96,9 +96,11 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     hp.moe.gating = Gating::SqrtSoftplus;
     hp.moe.require_experts("deepseek4")?;
 
-    let clamp_exp =
-        per_layer_f32(keys, "swiglu_clamp_exp", n_layer_all)?.ok_or_else(|| missing(keys, "swiglu_clamp_exp"))?;
-    let clamp_shexp = per_layer_f32(keys, "swiglu_clamp_shexp", n_layer_all)?.unwrap_or_else(|| clamp_exp.clone());
+    // llama.cpp requires the routed experts' clamps; the shared experts' default to them.
+    if keys.get("swiglu_clamp_exp").is_none() {
+        return Err(keys.missing("swiglu_clamp_exp"));
+    }
+    hp.moe.swiglu_clamps = SwigluClamps::read(keys, n_layer_all)?;
 
     // Read (and required) as llama.cpp reads them; only compressed layers use them.
     let indexer_n_head = keys.u32("attention.indexer.head_count")?;
@@ -124,7 +126,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     let ratios_key = "attention.compress_ratios";
     let ratios = keys
         .opt_u32_array(ratios_key)?
-        .ok_or_else(|| missing(keys, ratios_key))?;
+        .ok_or_else(|| keys.missing(ratios_key))?;
     if ratios.len() < n_layer_all {
         return bad(format!(
             "{} has {} entries for {n_layer_all} layers",
@@ -170,40 +172,9 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         o_groups,
         o_lora_rank,
         hash_layers,
-        clamp_exp,
-        clamp_shexp,
         indexer_heads: (indexer_n_head, indexer_head),
     });
     Ok(())
-}
-
-fn missing(keys: &Keys<'_>, key: &str) -> ModelError {
-    ModelError::Gguf(baton_gguf::GgufError::MissingKey(keys.name(key)))
-}
-
-/// A per-layer float as llama.cpp's `get_key_or_arr` reads it: one value for every
-/// layer, or an array of at least `n`.
-pub(super) fn per_layer_f32(keys: &Keys<'_>, key: &str, n: usize) -> Result<Option<Vec<f32>>, ModelError> {
-    match keys.get(key) {
-        None => Ok(None),
-        Some(Value::Array(values)) => {
-            let values: Option<Vec<f32>> = values
-                .iter()
-                .map(|v| match v {
-                    Value::F32(x) => Some(*x),
-                    _ => None,
-                })
-                .collect();
-            match values {
-                Some(values) if values.len() >= n => Ok(Some(values)),
-                _ => Err(ModelError::BadHParams(format!(
-                    "{} must be one float or an array of at least {n} floats",
-                    keys.name(key)
-                ))),
-            }
-        }
-        Some(_) => Ok(Some(vec![keys.f32(key)?; n])),
-    }
 }
 
 fn dsv4(hp: &HParams) -> &Dsv4 {
@@ -358,14 +329,17 @@ fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Ten
 /// The routed experts (chosen by token id in the hash-routed layers) plus the shared
 /// expert, each SwiGLU clamped as the layer says: `x [n_embd, n_tokens]` in and out.
 fn experts<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
-    let v4 = dsv4(b.hp);
+    let clamps =
+        b.hp.moe
+            .swiglu_clamps
+            .as_ref()
+            .expect("deepseek4 requires clamps (read with the hyper-parameters)");
+    let (limit_exp, limit_shexp) = (clamps.exp[layer], clamps.shexp[layer]);
     let routing = Routing {
-        gating: Gating::SqrtSoftplus,
+        gating: b.hp.moe.gating,
         norm_weights: b.hp.moe.weights_norm,
         scale: b.hp.moe.weights_scale,
-        act: ExpertAct::SiluClamp {
-            limit: v4.clamp_exp[layer],
-        },
+        act: ExpertAct::SiluClamp { limit: limit_exp },
         down_input: DownInput::Backend,
     };
     let routed = match w.opt(T::FfnGateTid2eid) {
@@ -379,14 +353,7 @@ fn experts<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Tenso
         }
         None => b.moe(w, layer, x, routing),
     };
-    let shared = b.ffn(
-        w,
-        &FFN_SHEXP,
-        Act::SiluClamp {
-            limit: v4.clamp_shexp[layer],
-        },
-        x,
-    );
+    let shared = b.ffn(w, &FFN_SHEXP, Act::SiluClamp { limit: limit_shexp }, x);
     b.ctx.add(routed, shared)
 }
 

@@ -14,7 +14,6 @@ use baton_ggml::Tensor;
 use baton_gguf::Value;
 
 use super::deepseek2::{self, mla_attention, mla_tensors, MlaRope};
-use super::deepseek4;
 use super::hyper::{self, Head, Hyper, Site};
 use super::moe::{DownInput, Gating, SwigluClamps};
 use super::{dsa, kda, Architecture, Builder, LayerSizes, Rope, Shape};
@@ -89,15 +88,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         )));
     }
     // Plain SwiGLU unless set; the shared experts' clamps default to the routed ones'.
-    let clamp_exp = deepseek4::per_layer_f32(keys, "swiglu_clamp_exp", n_layer_all)?;
-    let clamp_shexp = deepseek4::per_layer_f32(keys, "swiglu_clamp_shexp", n_layer_all)?.or(clamp_exp.clone());
-    if clamp_exp.is_some() || clamp_shexp.is_some() {
-        let plain = || vec![0.0; n_layer_all];
-        hp.moe.swiglu_clamps = Some(SwigluClamps {
-            exp: clamp_exp.unwrap_or_else(plain),
-            shexp: clamp_shexp.unwrap_or_else(plain),
-        });
-    }
+    hp.moe.swiglu_clamps = SwigluClamps::read(keys, n_layer_all)?;
 
     let kpool = read_kpool(keys)?;
     let n = hp.n_layer;

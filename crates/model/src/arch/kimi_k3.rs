@@ -12,9 +12,10 @@
 //! 4. a sigmoid gate of the normed layer input on the MLA heads' outputs before `o_proj`;
 //! 5. a full-rank KDA output gate, and the decay's lower-bound form (see [`super::kda`]).
 //!
-//! The banked inputs stay on the stage that computed them: a model with residual
-//! attention runs on one stage (stages starting after layer 0 are refused), a model
-//! without it splits as Kimi Linear does.
+//! The inputs banked before a stage travel to it after the hidden state
+//! ([`HParams::carried_width`](crate::HParams::carried_width); `stage.rs` unpacks them
+//! into the builder's banked inputs and packs them again at the stage's end), so a model
+//! with residual attention splits anywhere, as one without it does.
 
 use baton_ggml::Tensor;
 use baton_gguf::Value;

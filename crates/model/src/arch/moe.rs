@@ -77,7 +77,7 @@ pub struct MoeParams {
     /// How the router scores experts.
     pub gating: Gating,
     /// SwiGLU clamps per layer, where an architecture reads them into its shared
-    /// FFN (GLM-5 next; DeepSeek V4 keeps its own); `None`: plain SwiGLU.
+    /// FFN (GLM-5 next, DeepSeek V4); `None`: plain SwiGLU.
     pub swiglu_clamps: Option<SwigluClamps>,
 }
 
@@ -90,6 +90,24 @@ pub struct SwigluClamps {
     pub exp: Vec<f32>,
     /// The shared experts' and dense FFNs' limit of each layer.
     pub shexp: Vec<f32>,
+}
+
+impl SwigluClamps {
+    /// `swiglu_clamp_exp` and `swiglu_clamp_shexp` of `n` layers, as llama.cpp reads
+    /// them: the shared experts' default to the routed experts', a missing one is plain
+    /// SwiGLU; `None` when the file has neither.
+    pub fn read(keys: &Keys<'_>, n: usize) -> Result<Option<SwigluClamps>, ModelError> {
+        let exp = keys.opt_per_layer_f32("swiglu_clamp_exp", n)?;
+        let shexp = keys.opt_per_layer_f32("swiglu_clamp_shexp", n)?.or(exp.clone());
+        if exp.is_none() && shexp.is_none() {
+            return Ok(None);
+        }
+        let plain = || vec![0.0; n];
+        Ok(Some(SwigluClamps {
+            exp: exp.unwrap_or_else(plain),
+            shexp: shexp.unwrap_or_else(plain),
+        }))
+    }
 }
 
 impl MoeParams {
@@ -154,7 +172,7 @@ impl MoeParams {
     ) -> Result<(), ModelError> {
         self.n_ff_exp = match keys.opt_uniform_u32("expert_feed_forward_length", n_layer_all)? {
             Some(n) if n > 0 => n,
-            None if required => return Err(keys_missing(keys, "expert_feed_forward_length")),
+            None if required => return Err(keys.missing("expert_feed_forward_length")),
             _ => n_ff / self.n_expert_used.max(1),
         };
         Ok(())
@@ -165,7 +183,7 @@ impl MoeParams {
     pub fn read_routing(&mut self, keys: &Keys<'_>, shared_required: bool, default: Gating) -> Result<(), ModelError> {
         self.n_expert_shared = match keys.opt_u32("expert_shared_count")? {
             Some(n) => n,
-            None if shared_required => return Err(keys_missing(keys, "expert_shared_count")),
+            None if shared_required => return Err(keys.missing("expert_shared_count")),
             None => 0,
         };
         self.n_layer_dense_lead = keys.opt_u32("leading_dense_block_count")?.unwrap_or(0);
@@ -186,10 +204,6 @@ impl MoeParams {
         }
         Ok(())
     }
-}
-
-fn keys_missing(keys: &Keys<'_>, key: &str) -> ModelError {
-    ModelError::Gguf(baton_gguf::GgufError::MissingKey(keys.name(key)))
 }
 
 /// gpt-oss's clamped SwiGLU: its sigmoid's slope and the bound of its inputs (as

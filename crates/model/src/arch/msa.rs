@@ -357,9 +357,7 @@ impl<'g> SpanMsa<'g> {
         let positions = ctx.cast(ctx.reshape_2d(positions, n_keys * n_idx, 1), DType::I32);
 
         // Cells, then the rows of each head group's key/value head.
-        let pos_cells = inputs
-            .pos_cells_f32
-            .expect("a span of one row gathers through positions");
+        let pos_cells = ctx.cast(inputs.pos_cells, DType::F32); // small integers: exact
         let cells = ctx.get_rows(ctx.reshape_3d(pos_cells, 1, n_pos, 1), positions);
         let cells = ctx.reshape_4d(cells, [block, n_top, n_idx, 1]);
         let heads = ctx.reshape_3d(ctx.arange(0.0, n_idx as f32, 1.0), 1, 1, n_idx);
