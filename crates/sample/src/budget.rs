@@ -27,8 +27,8 @@ pub struct ReasoningBudget {
     pub prefill: Vec<u32>,
 }
 
-/// Longest start, end or forced sequence, and most end sequences, a budget may carry:
-/// tags are a few tokens; this bounds what a peer can make a stage hold and match.
+/// Longest start, end, forced or prefill sequence a budget may carry: tags are a few
+/// tokens; this bounds what a peer can make a stage hold and match.
 pub const MAX_BUDGET_SEQ: usize = 64;
 /// Most end sequences a budget may carry.
 pub const MAX_BUDGET_ENDS: usize = 8;
@@ -105,8 +105,10 @@ impl BudgetTracker {
     /// does).
     pub fn accept(&mut self, token: u32, complete: bool) {
         match self.state {
-            BudgetState::Idle => {
+            // Waiting for the start, or ended: a start counts (again).
+            BudgetState::Idle | BudgetState::Done => {
                 if matches(&mut self.start_tail, std::slice::from_ref(&self.budget.start), token) {
+                    self.end_tail.clear();
                     self.start();
                 }
             }
@@ -136,12 +138,6 @@ impl BudgetTracker {
                 } else {
                     BudgetState::Forcing { at: at + 1 }
                 };
-            }
-            BudgetState::Done => {
-                if matches(&mut self.start_tail, std::slice::from_ref(&self.budget.start), token) {
-                    self.end_tail.clear();
-                    self.start();
-                }
             }
         }
     }

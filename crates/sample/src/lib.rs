@@ -28,7 +28,7 @@ mod row;
 mod sampler;
 mod select;
 
-pub use budget::{utf8_complete, BudgetState, BudgetTracker, ReasoningBudget, MAX_BUDGET_ENDS, MAX_BUDGET_SEQ};
+pub use budget::{utf8_complete, BudgetTracker, ReasoningBudget, MAX_BUDGET_ENDS, MAX_BUDGET_SEQ};
 pub use params::SamplingParams;
 pub use row::{argmax, argmax_value};
 pub use sampler::{Sampled, Sampler};

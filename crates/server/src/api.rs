@@ -109,6 +109,9 @@ pub struct AppState {
     max_token_bytes: usize,
     /// Texts of control tokens (`<|im_start|>`), which typed content must not become.
     control_texts: Vec<String>,
+    /// The tokens of `<think>` and `</think>`, which a thinking budget counts from and
+    /// forces.
+    think_tags: (Vec<u32>, Vec<u32>),
     /// Prometheus figures the server keeps itself.
     pub(crate) metrics: crate::metrics::Metrics,
     /// Invites and joins, when the server heads a cluster of workers.
@@ -140,7 +143,10 @@ impl AppState {
                 control_texts.push(String::from_utf8_lossy(&special).into_owned());
             }
         }
+        let tags = |text: &str| vocab.tokenize(text, false, true).unwrap_or_default();
+        let think_tags = (tags(reasoning::OPEN), tags(reasoning::CLOSE));
         AppState {
+            think_tags,
             tool_format,
             tool_calls_token,
             tool_markers,
@@ -273,23 +279,21 @@ impl AppState {
     /// server sets one: counted from `<think>`, ended by `</think>`, which is what is
     /// forced. The prompt's tail from its last `<think>` (the template's generation
     /// prompt opening the thinking) is read first, so that the count starts there.
-    fn reasoning_budget(&self, tokens: u32, prompt: &[u32]) -> Result<ReasoningBudget, ApiError> {
-        let start = self.tokenize_plain(reasoning::OPEN, false, true)?;
-        let end = self.tokenize_plain(reasoning::CLOSE, false, true)?;
-        let opened = (!start.is_empty())
-            .then(|| prompt.windows(start.len()).rposition(|w| w == start))
-            .flatten();
-        let prefill = match opened {
-            Some(at) if prompt.len() - at <= baton_sample::MAX_BUDGET_SEQ => prompt[at..].to_vec(),
+    fn reasoning_budget(&self, tokens: u32, prompt: &[u32]) -> ReasoningBudget {
+        let (start, end) = self.think_tags.clone();
+        // Only a tail a budget can carry is looked at.
+        let tail = &prompt[prompt.len().saturating_sub(baton_sample::MAX_BUDGET_SEQ)..];
+        let prefill = match (!start.is_empty()).then(|| tail.windows(start.len()).rposition(|w| w == start)) {
+            Some(Some(at)) => tail[at..].to_vec(),
             _ => Vec::new(),
         };
-        Ok(ReasoningBudget {
+        ReasoningBudget {
             tokens,
             start,
             ends: vec![end.clone()],
             forced: end,
             prefill,
-        })
+        }
     }
 
     fn tokenize_plain(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>, ApiError> {
@@ -789,7 +793,7 @@ async fn chat_job(
     let splitter = OutputSplitter::new(format, parser, reasoning, start);
     // gpt-oss thinks in its analysis channel, which has no `<think>` to count from.
     let budget = match (req.reasoning_budget, format) {
-        (Some(tokens), format) if format != ToolFormat::Harmony => Some(state.reasoning_budget(tokens, &prompt)?),
+        (Some(tokens), format) if format != ToolFormat::Harmony => Some(state.reasoning_budget(tokens, &prompt)),
         _ => None,
     };
     let mut prepared = prepare(state, req.generation, prompt)?;

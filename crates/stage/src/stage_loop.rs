@@ -47,6 +47,8 @@ struct SeqSampler {
     masked: Vec<f32>,
     /// The sequence's thinking budget, if it has one.
     budget: Option<BudgetTracker>,
+    /// Scratch for the row its budget forces a token in.
+    forced: Vec<f32>,
 }
 
 impl StageWorker {
@@ -209,7 +211,7 @@ impl StageWorker {
                 let tokens = self.tokens()?;
                 let mut tracker = BudgetTracker::new((**budget).clone());
                 for &token in generated {
-                    tracker.accept(token, complete(&tokens, token));
+                    tracker.accept(token, complete(Some(&tokens), token));
                 }
                 Some(tracker)
             }
@@ -226,6 +228,7 @@ impl StageWorker {
                 allowed: Vec::new(),
                 masked: Vec::new(),
                 budget,
+                forced: Vec::new(),
             },
         );
         Ok(())
@@ -546,8 +549,8 @@ impl StageWorker {
                 Rows::Best(best) => (best[i], f32::NAN, Vec::new()),
             };
             seq_sampler.sampler.accept(token);
-            if let (Some(budget), Some(table)) = (seq_sampler.budget.as_mut(), self.tokens.as_deref()) {
-                budget.accept(token, complete(table, token));
+            if let Some(budget) = seq_sampler.budget.as_mut() {
+                budget.accept(token, complete(self.tokens.as_deref(), token));
             }
             tokens.push(SampledToken {
                 seq,
@@ -687,9 +690,10 @@ impl Rows<'_> {
     }
 }
 
-/// Whether `token`'s text ends on a whole character (a thinking budget waits for one).
-fn complete(tokens: &TokenTable, token: u32) -> bool {
-    tokens.bytes(token).is_none_or(utf8_complete)
+/// Whether `token`'s text ends on a whole character (a thinking budget waits for one;
+/// the vocabulary is read when a sequence with a budget starts).
+fn complete(tokens: Option<&TokenTable>, token: u32) -> bool {
+    tokens.and_then(|t| t.bytes(token)).is_none_or(utf8_complete)
 }
 
 impl SeqSampler {
@@ -699,13 +703,12 @@ impl SeqSampler {
     /// the mask over the whole vocabulary is computed only when that fails.
     fn sample(&mut self, logits: &[f32], tokens: Option<&TokenTable>) -> Result<Drawn, StageError> {
         // The thinking budget masks first, as llama.cpp applies it before the chain.
-        let forced_row;
         let logits = match &self.budget {
             Some(budget) if budget.forced().is_some() => {
-                let mut row = logits.to_vec();
-                budget.mask(&mut row);
-                forced_row = row;
-                &forced_row[..]
+                self.forced.clear();
+                self.forced.extend_from_slice(logits);
+                budget.mask(&mut self.forced);
+                &self.forced[..]
             }
             _ => logits,
         };
