@@ -626,6 +626,70 @@ fn deepseek4_matches_llama_cpp_with_1_2_3_stages() {
     assert_eq!(worst, 0.0, "deepseek4: the logits are llama.cpp's bit for bit");
 }
 
+/// DeepSeek V4's heavily compressed attention past its blocks of 128 positions (layers
+/// 1 to 3 compress, layer 0 does not), on 1, 2 and 3 stages against libllama: a prompt
+/// in two chunks (the second completes block 0 from rows the first cached), 8 decode
+/// steps that complete block 1 at position 255, and the last 4 steps again as one
+/// decode batch (a token and its drafts, the block completing inside it): every step's
+/// and row's logits are libllama's bit for bit.
+#[test]
+fn deepseek4_compressed_blocks_match_llama_cpp_bit_for_bit() {
+    let _serial = serial();
+    const N_PROMPT: usize = 250;
+    const N_DECODE: usize = 8;
+    let path = synthetic("deepseek4", FileType::Q4KM);
+    let file = ModelFile::open(&path).unwrap();
+    let oracle = LlamaModel::load_full(&path, true).unwrap();
+    let text = PROMPTS.join("\n").repeat(12);
+    let prompt = oracle.tokenize(&text, true, true).unwrap()[..N_PROMPT].to_vec();
+    let (first, rest) = prompt.split_at(100);
+
+    // One thread each side: under 512 cells the count changes no bit (see `THREADS`).
+    let mut ctx = LlamaContext::new(&oracle, 512, 512, 1).unwrap();
+    let mut expected = vec![ctx.decode(first).unwrap(), ctx.decode(rest).unwrap()];
+    let mut tokens = Vec::new();
+    for _ in 0..N_DECODE {
+        let next = baton_sample::argmax(expected.last().unwrap()).unwrap();
+        tokens.push(next);
+        expected.push(ctx.decode(&[next]).unwrap());
+    }
+
+    for n_stages in [1, 2, 3] {
+        let ranges = baton_plan::even_split(file.hparams().n_layer, n_stages).unwrap();
+        let mut chain = Chain::load_with(&file, &ranges, &StageConfig::new(512, 1));
+        let label = format!("deepseek4 on {n_stages} stage(s)");
+        assert_eq!(
+            nmse(&chain.logits(0, first, 0), &expected[0]),
+            0.0,
+            "{label}: the prompt's first chunk"
+        );
+        let ours = chain.logits(0, rest, first.len() as i32);
+        assert_eq!(nmse(&ours, &expected[1]), 0.0, "{label}: the prompt's second chunk");
+        for (step, &token) in tokens.iter().enumerate() {
+            let pos = (N_PROMPT + step) as i32;
+            let ours = chain.logits(0, &[token], pos);
+            assert_eq!(
+                nmse(&ours, &expected[2 + step]),
+                0.0,
+                "{label}: decode step at position {pos}"
+            );
+        }
+        let end = (N_PROMPT + N_DECODE) as i32;
+        chain.truncate_all(&[end - 4]);
+        let positions: Vec<i32> = (end - 4..end).collect();
+        let rows = chain.forward(&tokens[N_DECODE - 4..], &positions, &[0; 4], &[0, 1, 2, 3], true);
+        for (i, row) in rows.chunks_exact(expected[0].len()).enumerate() {
+            let want = &expected[2 + N_DECODE - 4 + i];
+            assert_eq!(
+                nmse(row, want),
+                0.0,
+                "{label}: drafted row {i} at position {}",
+                positions[i]
+            );
+        }
+    }
+}
+
 #[test]
 fn deepseek4_on_two_workers_matches_llama_cpp() {
     let _serial = serial();

@@ -130,8 +130,25 @@ pub struct Dsv4 {
     /// Leading layers whose experts are chosen by token id (`hash_layer_count`).
     pub hash_layers: usize,
     /// The lightning indexer's heads and their width (`attention.indexer.*`; only
-    /// compressed layers, which baton refuses, use them).
+    /// compressed sparse attention, which baton refuses, uses them).
     pub indexer_heads: (usize, usize),
+    /// Each trunk layer's key compression (`attention.compress_ratios`): 0 for the raw
+    /// window alone, [`HCA_RATIO`] for heavily compressed attention.
+    pub compress_ratios: Vec<usize>,
+    /// RoPE of the compressed layers: the model's YaRN settings over
+    /// `attention.compress_rope_freq_base` (the raw window's layers have none).
+    pub compress_rope: RopeParams,
+}
+
+/// DeepSeek V4's heavily compressed attention: each block of this many positions
+/// becomes one compressed key.
+pub const HCA_RATIO: usize = 128;
+
+impl Dsv4 {
+    /// Whether layer `layer` attends over compressed blocks beside its window.
+    pub fn is_hca(&self, layer: usize) -> bool {
+        self.compress_ratios.get(layer) == Some(&HCA_RATIO)
+    }
 }
 
 /// MiniMax sparse attention (MSA), as llama.cpp's `minimax-m3` reads it: on every layer
@@ -987,6 +1004,14 @@ impl HParams {
         self.indexer_key_dim(layer).map_or(0, |dim| types.k.row_bytes(dim))
     }
 
+    /// Width of the f32 row DeepSeek V4's compressor keeps per token of layer `layer`
+    /// (its value and its score, side by side), in a cell of every token even where
+    /// the layer's keys keep a window only; `None` on layers without a compressor.
+    pub fn compressor_dim(&self, layer: usize) -> Option<usize> {
+        let v4 = self.dsv4.as_ref()?;
+        v4.is_hca(layer).then_some(2 * self.head_dim_k)
+    }
+
     /// Width of the indexer row layer `layer` caches per token: DeepSeek sparse
     /// attention's (GLM-5 next's with its gate scores) on layers with their own indexer, MiniMax sparse attention's on its
     /// sparse layers; `None` elsewhere.
@@ -1044,7 +1069,12 @@ impl HParams {
                     Some(per_seq) if self.is_swa(layer) => per_seq.saturating_mul(n_seq),
                     _ => n_ctx,
                 };
-                (self.layer_kv_cell_bytes(layer, types) as u64).saturating_mul(cells as u64)
+                let compressor = self
+                    .compressor_dim(layer)
+                    .map_or(0, |dim| dim * std::mem::size_of::<f32>());
+                (self.layer_kv_cell_bytes(layer, types) as u64)
+                    .saturating_mul(cells as u64)
+                    .saturating_add((compressor as u64).saturating_mul(n_ctx as u64))
             }
             _ => 0,
         }

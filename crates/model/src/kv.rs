@@ -378,7 +378,7 @@ impl KvCache {
         let window_cells = window
             .and_then(|w| Some((w, hp.window_cells(n_ctx, n_seq, n_ubatch)?)))
             .map(|(w, per_seq)| Cells::new(per_seq * n_seq, n_seq, Some(w)));
-        let ctx = Context::new(3 * layers.len() + 5, 0);
+        let ctx = Context::new(4 * layers.len() + 5, 0);
         // Recurrent layers keep states instead (see `RecurrentCache`); layers that do not
         // attend keep nothing.
         let has_heads = hp.n_embd_k_gqa() > 0 && layers.clone().any(|l| hp.has_kv(l));
@@ -401,6 +401,12 @@ impl KvCache {
             if let Some(dim) = hp.indexer_key_dim(layer) {
                 ctx.new_tensor(types.k.dtype(), &[dim as i64, n_cells])
                     .named(&format!("cache_ik_l{layer}"));
+            }
+            // DeepSeek V4's compressor: each token's value and score rows in f32, in a
+            // cell of every token (see `compressor`).
+            if let Some(dim) = hp.compressor_dim(layer) {
+                ctx.new_tensor(DType::F32, &[dim as i64, n_ctx as i64])
+                    .named(&format!("cache_ck_l{layer}"));
             }
         }
         let indexer_rotation = hp.indexer().map_or(0, |ix| ix.rotation());
@@ -463,6 +469,16 @@ impl KvCache {
     pub fn indexer_k(&self, layer: usize) -> Option<Tensor<'_>> {
         assert!(self.layers.contains(&layer), "layer {layer} is not in this cache");
         self.ctx.get_tensor(&format!("cache_ik_l{layer}"))
+    }
+
+    /// DeepSeek V4's compressor rows of global layer `layer` (`[2 head_dim, n_ctx]` f32,
+    /// each token's value row then its score row) in the cells of the full cache (the
+    /// cells of [`Slots::full`], a cell for every token), so that truncating a sequence
+    /// drops them with its tokens and the compressed keys, a function of these rows
+    /// alone, are computed again from them. `None` on layers without a compressor.
+    pub fn compressor(&self, layer: usize) -> Option<Tensor<'_>> {
+        assert!(self.layers.contains(&layer), "layer {layer} is not in this cache");
+        self.ctx.get_tensor(&format!("cache_ck_l{layer}"))
     }
 
     /// The Walsh-Hadamard matrix indexer queries and keys are multiplied by before

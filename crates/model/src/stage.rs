@@ -5,9 +5,9 @@ use std::sync::{Arc, Mutex};
 
 use baton_ggml::{Context, DType, Device, GraphId, HostOp, Tensor, TensorId};
 
-use crate::arch::{Builder, Gather, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
+use crate::arch::{Builder, Gather, HcaInputs, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
 use crate::cache_type::KvTypes;
-use crate::hparams::HParams;
+use crate::hparams::{HParams, HCA_RATIO};
 use crate::kv::{AttnSpan, KvCache, Slots};
 use crate::recurrent::{RecurrentCache, StateRun};
 use crate::runner::Runner;
@@ -510,14 +510,17 @@ impl Stage {
         self.device.is_cpu()
     }
 
-    /// GLM-5 next's k-pool indexer: the complete blocks of each span's sequence (empty
-    /// for other models, and for a stage of KDA layers only). A block is a run of
-    /// positions, so each span's cells must hold its sequence in position order from
-    /// its first cell.
-    fn kpool_blocks(&self, seq_ids: &[u32], spans: &[AttnSpan]) -> Result<Vec<usize>, ModelError> {
+    /// The complete blocks of each span's sequence: GLM-5 next's k-pool indexer's, or
+    /// DeepSeek V4's heavily compressed blocks (empty for other models, and for a stage
+    /// without those layers). A block is a run of positions, so each span's cells must
+    /// hold its sequence in position order from its first cell.
+    fn blocks(&self, seq_ids: &[u32], spans: &[AttnSpan]) -> Result<Vec<usize>, ModelError> {
         let attends = self.span.layers.clone().any(|l| !self.hp.is_recurrent(l));
-        let Some(kpool) = self.hp.indexer().and_then(|ix| ix.kpool).filter(|_| attends) else {
-            return Ok(Vec::new());
+        let kpool = self.hp.indexer().and_then(|ix| ix.kpool).filter(|_| attends);
+        let (size, who) = match (kpool, self.has_hca()) {
+            (Some(kpool), _) => (kpool.size, "the k-pool indexer cuts"),
+            (None, true) => (HCA_RATIO, "DeepSeek V4's heavily compressed attention cuts"),
+            (None, false) => return Ok(Vec::new()),
         };
         spans
             .iter()
@@ -526,13 +529,21 @@ impl Stage {
                 let n = self.kv.positions_in_order(seq, span.cells.clone()).ok_or_else(|| {
                     ModelError::BadBatch(format!(
                         "sequence {seq} does not hold its positions in order from the first cell \
-                         of its span; the k-pool indexer cuts a sequence into blocks of \
-                         positions (run it with a region per sequence)"
+                         of its span; {who} a sequence into blocks of positions (run it with a \
+                         region per sequence)"
                     ))
                 })?;
-                Ok(n / kpool.size)
+                Ok(n / size)
             })
             .collect()
+    }
+
+    /// Whether a layer of this stage attends over heavily compressed blocks.
+    fn has_hca(&self) -> bool {
+        self.hp
+            .dsv4
+            .as_ref()
+            .is_some_and(|v4| self.span.layers.clone().any(|l| v4.is_hca(l)))
     }
 
     fn compute(
@@ -560,7 +571,7 @@ impl Stage {
                 .collect(),
             None => Vec::new(),
         };
-        let kpool_blocks = self.kpool_blocks(batch.seq_ids, &spans)?;
+        let blocks = self.blocks(batch.seq_ids, &spans)?;
         let key = StepKey {
             msa_positions,
             tokens: matches!(batch.input, StageInput::Tokens(_)),
@@ -573,7 +584,8 @@ impl Stage {
             logit_rows: batch.logit_rows.len(),
             normed: normed && self.span.last && !batch.logit_rows.is_empty(),
             state_runs: runs.iter().map(|r| r.rows.clone()).collect(),
-            kpool_blocks,
+            hca: self.has_hca(),
+            blocks,
         };
         // A step shaped like the last one computes the last one's graph again: only its
         // inputs change. Building about a thousand nodes and splitting them between
@@ -632,6 +644,9 @@ impl Stage {
             (Some(ix), _) if ix.kpool.is_some() => (72, PIECE_NODES + 12),
             (Some(_), _) => (32, PIECE_NODES + 12),
             (None, Some(_)) => (80, PIECE_NODES + 12),
+            // DeepSeek V4's heavily compressed layers compress their blocks and join
+            // their keys and masks per span: about 30 more.
+            (None, None) if hp.dsv4.is_some() => (48, PIECE_NODES),
             (None, None) => (16, PIECE_NODES),
         };
         let per_row = if key.decode_rows { piece_nodes * key.n_tokens } else { 0 };
@@ -653,12 +668,13 @@ impl Stage {
         let want_logits = self.span.last && key.logit_rows > 0;
         let window_cache = self.kv.window_capacity().is_some();
         let (inputs, input) = new_inputs(ctx, hp, &self.span, &key, spans, window_cache);
-        let (positions, kv_slots, kv_slots_swa, out_rows, attn_temp) = (
+        let (positions, kv_slots, kv_slots_swa, out_rows, attn_temp, block_slots) = (
             inputs.positions,
             inputs.kv_slots,
             inputs.kv_slots_swa,
             inputs.out_rows,
             inputs.attn_temp,
+            inputs.block_slots,
         );
         let mut b = Builder {
             ctx,
@@ -729,12 +745,17 @@ impl Stage {
                     })
                 })
                 .collect(),
+            hca: spans
+                .iter()
+                .map(|s| s.hca.map(|h| (ctx.id_of(h.mask), h.positions.map(|t| ctx.id_of(t)))))
+                .collect(),
             out_rows: out_rows.map(|t| ctx.id_of(t)),
             state_runs: state_runs
                 .iter()
                 .map(|r| (ctx.id_of(r.source), ctx.id_of(r.targets)))
                 .collect(),
             attn_temp: attn_temp.map(|t| ctx.id_of(t)),
+            block_slots: block_slots.map(|t| ctx.id_of(t)),
             tokens_in,
             hidden_in,
             out: ctx.id_of(out),
@@ -800,6 +821,22 @@ impl Stage {
                 if let Some(t) = ids.cell_blocks.map(tensor) {
                     t.write(&self.kv.cell_blocks(seq, cells.clone(), block))?;
                 }
+            }
+        }
+        if let Some(t) = step.block_slots.map(tensor).filter(Tensor::has_data) {
+            let slots: Vec<i32> = batch.positions.iter().map(|&p| p % HCA_RATIO as i32).collect();
+            t.write(&slots)?;
+        }
+        let spans = step.key.spans.iter().zip(&step.hca).zip(&step.key.blocks);
+        for (((rows, _, _), ids), &n_blocks) in spans {
+            let Some((mask, block_pos)) = ids else { continue };
+            let (mask, n_keys) = (tensor(*mask), crate::arch::hca::hca_keys(n_blocks));
+            if mask.has_data() {
+                mask.write(&crate::arch::hca::hca_mask(&batch.positions[rows.clone()], n_keys))?;
+            }
+            if let Some(t) = block_pos.map(tensor).filter(Tensor::has_data) {
+                let first: Vec<i32> = (0..n_blocks).map(|j| (j * HCA_RATIO) as i32).collect();
+                t.write(&first)?;
             }
         }
         if let (Some(t), Some(temp)) = (step.attn_temp.map(tensor).filter(Tensor::has_data), &hp.attn_temp) {
@@ -928,8 +965,21 @@ fn new_inputs<'g>(
         .map(|(index, span)| SpanInputs {
             mask: has_full.then(|| new_mask(&span.rows, &span.cells, "kq_mask")),
             mask_swa: has_swa.then(|| new_mask(&span.rows, &span.window_cells, "kq_mask_swa")),
-            kpool_blocks: key.kpool_blocks.get(index).copied().unwrap_or(0),
+            blocks: key.blocks.get(index).copied().unwrap_or(0),
             msa: key.msa_positions.get(index).map(|&n_pos| msa_inputs(&span, n_pos)),
+            hca: key.hca.then(|| {
+                let n_blocks = key.blocks[index];
+                let first = span.rows.start;
+                HcaInputs {
+                    mask: input(
+                        DType::F16,
+                        &[crate::arch::hca::hca_keys(n_blocks) as i64, span.rows.len() as i64],
+                        &format!("hca_kq_mask-{first}"),
+                    ),
+                    positions: (n_blocks > 0)
+                        .then(|| input(DType::I32, &[n_blocks as i64], &format!("hca_pos-{first}"))),
+                }
+            }),
             span,
         })
         .collect();
@@ -970,6 +1020,7 @@ fn new_inputs<'g>(
             StepInput::Tokens(tokens) => Some(tokens),
             StepInput::Hidden(_) => None,
         },
+        block_slots: key.hca.then(|| input(DType::I32, &[n_tokens], "hca_block_slots")),
         n_tokens: key.n_tokens,
         decode_rows: key.decode_rows,
     };
@@ -994,8 +1045,10 @@ struct StepKey {
     normed: bool,
     /// Rows of each run that continues a recurrent state.
     state_runs: Vec<std::ops::Range<usize>>,
-    /// GLM-5 next's k-pool indexer: the complete blocks of each span's sequence.
-    kpool_blocks: Vec<usize>,
+    /// The complete blocks of each span's sequence (see `Stage::blocks`).
+    blocks: Vec<usize>,
+    /// Whether the stage has DeepSeek V4's heavily compressed layers.
+    hca: bool,
 }
 
 /// A built and allocated step graph and its inputs and output, by id.
@@ -1009,10 +1062,13 @@ struct StepGraph {
     masks: Vec<(Option<TensorId>, Option<TensorId>)>,
     /// MiniMax sparse attention's inputs of each span.
     msa: Vec<Option<MsaIds>>,
+    /// DeepSeek V4's heavily compressed attention: each span's mask and block positions.
+    hca: Vec<Option<(TensorId, Option<TensorId>)>>,
     out_rows: Option<TensorId>,
     /// `(source, targets)` of each run of `key.state_runs`.
     state_runs: Vec<(TensorId, TensorId)>,
     attn_temp: Option<TensorId>,
+    block_slots: Option<TensorId>,
     tokens_in: Option<TensorId>,
     hidden_in: Option<TensorId>,
     out: TensorId,

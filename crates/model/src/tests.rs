@@ -1114,14 +1114,18 @@ fn deepseek4_variants_are_refused_with_the_key_or_tensor_named() {
     let ratios = |r: [u32; 4]| Value::Array(r.map(Value::U32).to_vec());
     let ratios_key = "deepseek4.attention.compress_ratios";
     assert_eq!(
-        text("csa", &set(ratios_key, ratios([0, 4, 0, 4]))),
-        "bad hyper-parameters: deepseek4.attention.compress_ratios[1] is 4: compressed sparse attention \
-         (ratio 4, with its lightning indexer), which baton does not compute yet; it runs deepseek4 models \
-         whose layers all attend over the raw window (ratio 0)"
+        text("csa", &set(ratios_key, ratios([0, 128, 4, 4]))),
+        "bad hyper-parameters: deepseek4.attention.compress_ratios[2] is 4: compressed sparse attention \
+         (ratio 4: overlapping blocks chosen by a lightning indexer over their own compressed keys), which \
+         baton does not compute yet; it runs layers of ratio 0 (the raw window) and 128 (heavily compressed \
+         attention)"
     );
-    assert!(text("hca", &set(ratios_key, ratios([128, 0, 0, 4]))).starts_with(
-        "bad hyper-parameters: deepseek4.attention.compress_ratios[0] is 128: heavily compressed attention (ratio 128)"
-    ));
+    // Heavily compressed attention needs its compressor: layer 0 (ratio 0 in the file)
+    // made a compressed one lacks it.
+    assert_eq!(
+        text("hca", &set(ratios_key, ratios([128, 128, 128, 4]))),
+        "tensor 'blk.0.attn_compressor_kv.weight' is missing from the model file"
+    );
     assert!(text("ratio", &set(ratios_key, ratios([0, 0, 7, 4])))
         .contains("compress_ratios[2] is 7: a compression ratio llama.cpp does not know either"));
     assert_eq!(
@@ -1172,8 +1176,8 @@ fn deepseek4_variants_are_refused_with_the_key_or_tensor_named() {
         "tensor 'blk.2.attn_output_a.weight' is missing from the model file"
     );
     assert_eq!(
-        text("compressor", &|w| w.tensor_f32("blk.1.attn_compressor_kv.weight", &[N_EMBD, 16], &[0.0; 32 * 16])),
-        "tensor 'blk.1.attn_compressor_kv.weight' is not part of baton's deepseek4 architecture; refusing to compute without it"
+        text("compressor", &|w| w.tensor_f32("blk.0.attn_compressor_kv.weight", &[N_EMBD, 16], &[0.0; 32 * 16])),
+        "tensor 'blk.0.attn_compressor_kv.weight' is not part of baton's deepseek4 architecture; refusing to compute without it"
     );
 
     // Two hash-routed layers: a stage starting at layer 1 would lack the token ids.

@@ -29,6 +29,16 @@ pub struct SparseMask<'g> {
     pub n_kv_max: usize,
 }
 
+/// Keys a span attends to after its cache cells, which are also their values
+/// (DeepSeek V4's compressed keys).
+#[derive(Clone, Copy)]
+pub struct ExtraKeys<'g> {
+    /// f16 `[d_k, n, 1]`.
+    pub keys: Tensor<'g>,
+    /// f16 `[n, rows]`: 0 on the keys each row sees, -inf elsewhere.
+    pub mask: Tensor<'g>,
+}
+
 impl<'g> Builder<'g> {
     /// The standard attention block: projections (fused or separate, with biases when
     /// the layer has them), q/k norms when the layer has them, RoPE, the cache, flash
@@ -213,11 +223,42 @@ impl<'g> Builder<'g> {
     pub fn attend_masked(
         &mut self,
         layer: usize,
+        q: Tensor<'g>,
+        kv: KeyValues<'g>,
+        sinks: Option<Tensor<'g>>,
+        scale: f32,
+        sparse: Option<&[SparseMask<'g>]>,
+    ) -> Tensor<'g> {
+        self.attend_spans(layer, q, kv, sinks, scale, sparse, None)
+    }
+
+    /// [`attend`](Self::attend) over a layer whose keys are its values (`kv.v` `None`),
+    /// each span over its cells and then its `extra` keys (one per span, in span order),
+    /// the masks joined as the keys are, as llama.cpp joins DeepSeek V4's raw window
+    /// and compressed keys.
+    pub fn attend_with_extra(
+        &mut self,
+        layer: usize,
+        q: Tensor<'g>,
+        kv: KeyValues<'g>,
+        sinks: Option<Tensor<'g>>,
+        scale: f32,
+        extra: &[ExtraKeys<'g>],
+    ) -> Tensor<'g> {
+        assert!(kv.v.is_none(), "extra keys are their own values");
+        self.attend_spans(layer, q, kv, sinks, scale, None, Some(extra))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attend_spans(
+        &mut self,
+        layer: usize,
         mut q: Tensor<'g>,
         mut kv: KeyValues<'g>,
         sinks: Option<Tensor<'g>>,
         scale: f32,
         sparse: Option<&[SparseMask<'g>]>,
+        extra: Option<&[ExtraKeys<'g>]>,
     ) -> Tensor<'g> {
         let hp = self.hp;
         let ctx = self.ctx;
@@ -294,6 +335,13 @@ impl<'g> Builder<'g> {
             let q_rows = ctx.permute(q_rows, [0, 2, 1, 3]); // [d_k, rows, n_head]
             let mask = if swa { span.mask_swa } else { span.mask };
             let mask = mask.expect("the stage creates the mask of every kind of layer it has");
+            let (keys, values, mask) = match extra {
+                Some(extra) => {
+                    let keys = ctx.concat(keys, extra[index].keys, 1);
+                    (keys, keys, ctx.concat(mask, extra[index].mask, 0))
+                }
+                None => (keys, values, mask),
+            };
             let mut part = match sparse {
                 Some(sparse) => {
                     let SparseMask { mask, n_kv_max } = sparse[index];

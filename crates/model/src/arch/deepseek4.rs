@@ -27,8 +27,8 @@ use super::attention::KeyValues;
 use super::builder::Act;
 use super::hyper::{self, Head, Hyper, Site};
 use super::moe::{DownInput, ExpertAct, Gating, Routing, SwigluClamps};
-use super::{deepseek2, Architecture, Builder, LayerSizes, Rope, Shape};
-use crate::hparams::{Dsv4, HParams, Keys, SwaType};
+use super::{deepseek2, hca, Architecture, Builder, LayerSizes, Rope, Shape};
+use crate::hparams::{Dsv4, HParams, Keys, SwaType, HCA_RATIO};
 use crate::names::{LayerTensor as T, FFN_SHEXP};
 use crate::tensors::{self, LayerPlan, Split, Use};
 use crate::weights::LayerTensors;
@@ -69,6 +69,11 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     }
     hp.swa_type = SwaType::Sliding;
     hp.swa_layers = vec![true; hp.n_layer];
+    // Compressed layers keep the model's YaRN settings over their own base.
+    let mut compress_rope = hp.rope.clone();
+    if compress_rope.ext_factor != 0.0 {
+        compress_rope.attn_factor = 1.0 / (1.0 + 0.1 * (1.0 / compress_rope.freq_scale).ln());
+    }
     // No layer of the trunk scales RoPE (llama.cpp passes none of YaRN's settings to
     // uncompressed layers).
     hp.rope.freq_scale = 1.0;
@@ -116,7 +121,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
             keys.name("attention.key_length")
         ));
     }
-    keys.f32("attention.compress_rope_freq_base")?;
+    compress_rope.freq_base = keys.f32("attention.compress_rope_freq_base")?;
 
     let o_groups = keys.u32("attention.output_group_count")?;
     let o_lora_rank = keys.u32("attention.output_lora_rank")?;
@@ -134,17 +139,21 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
             ratios.len()
         ));
     }
-    if let Some((layer, &ratio)) = ratios[..hp.n_layer].iter().enumerate().find(|(_, &r)| r != 0) {
+    let compress_ratios: Vec<usize> = ratios[..hp.n_layer].iter().map(|&r| r as usize).collect();
+    if let Some((layer, &ratio)) = compress_ratios
+        .iter()
+        .enumerate()
+        .find(|(_, &r)| r != 0 && r != HCA_RATIO)
+    {
         let what = match ratio {
-            4 => "compressed sparse attention (ratio 4, with its lightning indexer)",
-            128 => "heavily compressed attention (ratio 128)",
+            4 => {
+                "compressed sparse attention (ratio 4: overlapping blocks chosen by a lightning \
+                 indexer over their own compressed keys), which baton does not compute yet; it \
+                 runs layers of ratio 0 (the raw window) and 128 (heavily compressed attention)"
+            }
             _ => "a compression ratio llama.cpp does not know either (it takes 0, 4 and 128)",
         };
-        return bad(format!(
-            "{}[{layer}] is {ratio}: {what}, which baton does not compute yet; it runs \
-             deepseek4 models whose layers all attend over the raw window (ratio 0)",
-            keys.name(ratios_key)
-        ));
+        return bad(format!("{}[{layer}] is {ratio}: {what}", keys.name(ratios_key)));
     }
 
     let d = hp.head_dim_k;
@@ -173,6 +182,8 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         o_lora_rank,
         hash_layers,
         indexer_heads: (indexer_n_head, indexer_head),
+        compress_ratios,
+        compress_rope,
     });
     Ok(())
 }
@@ -181,8 +192,8 @@ fn dsv4(hp: &HParams) -> &Dsv4 {
     hp.dsv4.as_ref().expect("read with the hyper-parameters")
 }
 
-/// As `llama_model_deepseek4::load_arch_tensors` lists a trunk layer's (every layer
-/// attends over the raw window: no compressor or indexer tensors).
+/// As `llama_model_deepseek4::load_arch_tensors` lists a trunk layer's: a heavily
+/// compressed layer's compressor besides the window's tensors.
 fn tensors(t: &mut LayerPlan<'_>) {
     let hp = t.hp;
     let v4 = dsv4(hp);
@@ -202,6 +213,12 @@ fn tensors(t: &mut LayerPlan<'_>) {
         Split::Whole,
     );
     t.mat(T::AttnOutputB, &[v4.o_groups * v4.o_lora_rank, embd], Split::Whole);
+    if v4.is_hca(t.layer) {
+        t.mat(T::AttnCompressorKv, &[embd, d], Split::Whole);
+        t.mat(T::AttnCompressorGate, &[embd, d], Split::Whole);
+        t.mat(T::AttnCompressorApe, &[d, HCA_RATIO], Split::Whole);
+        t.norm(T::AttnCompressorNorm, d);
+    }
     hyper::tensors(t);
     tensors::experts(t, hp.moe.n_ff_exp, false);
     if t.layer < v4.hash_layers {
@@ -277,7 +294,8 @@ fn layer<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, hidden: Te
     hyper::post(b, &mix, cur)
 }
 
-/// Attention over the raw window: `x [n_embd, n_tokens]` in and out.
+/// Attention over the raw window, and in heavily compressed layers over the compressed
+/// keys after it (see [`hca`]): `x [n_embd, n_tokens]` in and out.
 fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Tensor<'g>) -> Tensor<'g> {
     let ctx = b.ctx;
     let hp = b.hp;
@@ -285,8 +303,10 @@ fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Ten
     let n_tokens = b.inputs.n_tokens as i64;
     let (n_head, d) = (hp.n_head as i64, hp.head_dim_k as i64);
     let n_nope = hp.head_dim_k - hp.rope.n_dims as usize;
-    // The model's RoPE, which `hparams` left without YaRN (uncompressed layers' RoPE).
-    let rope = &hp.rope;
+    // Uncompressed layers rotate with the model's RoPE, which `hparams` left without
+    // YaRN; compressed layers with their own.
+    let compressed = v4.is_hca(layer);
+    let rope = if compressed { &v4.compress_rope } else { &hp.rope };
     let positions = b.inputs.positions;
 
     let qr = deepseek2::q_compressed(b, w, x); // [n_lora_q, n_tokens]
@@ -309,7 +329,13 @@ fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Ten
         v: None,
         d_v: hp.head_dim_k,
     };
-    let out = b.attend(layer, q, keys, Some(w.get(T::AttnSinks)), hp.attn_scale); // [d, n_head, n_tokens]
+    let sinks = Some(w.get(T::AttnSinks));
+    let out = if compressed {
+        let extra = hca::compressed_keys(b, w, layer, x);
+        b.attend_with_extra(layer, q, keys, sinks, hp.attn_scale, &extra)
+    } else {
+        b.attend(layer, q, keys, sinks, hp.attn_scale)
+    }; // [d, n_head, n_tokens]
     let out = ctx.reshape_3d(out, d, n_head, n_tokens);
     let out = ctx
         .rope_back(out, positions, None, rope)
@@ -359,7 +385,8 @@ fn experts<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Tenso
 
 /// A small DeepSeek V4: one key-and-value head of `head_dim` (RoPE on its second half),
 /// queries through a rank of half the model, two output groups, every layer on the
-/// window, the first layer hash-routed, clamps that bite in alternate layers.
+/// window and all but the first heavily compressed too, the first layer hash-routed,
+/// clamps that bite in alternate layers.
 ///
 /// One multi-token-prediction layer follows, with compressed sparse attention: libllama
 /// sizes the indexer's cache by the layers with that attention and fails on a model
@@ -373,7 +400,10 @@ fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
                 .collect(),
         )
     };
-    let mut ratios = vec![Value::U32(0); shape.n_layer];
+    // The first layer on its window alone, the others heavily compressed too.
+    let mut ratios: Vec<Value> = (0..shape.n_layer)
+        .map(|l| Value::U32(if l == 0 { 0 } else { HCA_RATIO as u32 }))
+        .collect();
     ratios.push(Value::U32(4));
     let mut keys = vec![
         ("block_count", Value::U32(n as u32)),

@@ -73,7 +73,7 @@ pub(super) fn select<'g>(
         let causal = span
             .mask
             .expect("the stage creates the causal mask of attention layers");
-        let n_blocks = span.kpool_blocks;
+        let n_blocks = span.blocks;
         let n_pool = padded_blocks(n_blocks);
         let keys = pooled_keys(b, cache, ape, span.span.cells.start, n_blocks, n_pool);
         let visible = visible_blocks(b, causal, kpool.size, n_blocks, n_pool); // f32 [n_pool, rows]

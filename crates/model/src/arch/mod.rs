@@ -28,6 +28,7 @@ mod glm4moe;
 mod glm5_next;
 mod glm_dsa;
 mod gpt_oss;
+pub(crate) mod hca;
 mod kimi_k3;
 mod kimi_linear;
 mod kpool;
@@ -50,7 +51,7 @@ mod qwen3next;
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-pub use builder::{Builder, Gather, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
+pub use builder::{Builder, Gather, HcaInputs, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
 
 use crate::hparams::{HParams, Keys};
 use crate::tensors::{LayerPlan, Presence};
