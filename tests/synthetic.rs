@@ -690,10 +690,16 @@ fn deepseek4_compressed_blocks_match_llama_cpp_bit_for_bit() {
     }
 }
 
+/// Through 2 TCP workers (layers 0-1 and 2-3, compressed layers on both), a prompt of
+/// 200 tokens (block 0 compressed) and its greedy continuation are libllama's.
 #[test]
 fn deepseek4_on_two_workers_matches_llama_cpp() {
     let _serial = serial();
-    two_workers("deepseek4", FileType::Q4KM);
+    let path = synthetic("deepseek4", FileType::Q4KM);
+    let oracle = LlamaModel::load_vocab(&path).unwrap();
+    let text = PROMPTS.join("\n").repeat(12);
+    let prompt = oracle.tokenize(&text, true, true).unwrap()[..200].to_vec();
+    two_workers_on("deepseek4", &path, &[("200 tokens".into(), prompt)], SHORT);
 }
 
 /// GLM-5's sparse attention: deepseek32's with consecutive-pair RoPE in the indexer,
