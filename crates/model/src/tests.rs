@@ -1101,6 +1101,41 @@ fn deepseek4_stages_pass_all_four_streams() {
         .is_ok());
 }
 
+/// DeepSeek V4's heavily compressed layers (1 and 2 of the tiny model) keep each
+/// token's compressor rows, f32 in a cell of every token, beside their window's keys:
+/// a stage holds what the planner counts, with and without regions per sequence.
+#[test]
+fn deepseek4_compressor_rows_are_what_the_planner_counts() {
+    let file = open("deepseek4-counted.gguf", &tiny_model("deepseek4", |w| w)).unwrap();
+    let hp = file.hparams().clone();
+    for n_seq in [0, 2] {
+        let config = StageConfig { n_seq, ..config() };
+        let span = StageSpan {
+            layers: 0..N_LAYER,
+            first: true,
+            last: true,
+        };
+        let stage = Stage::load(file.clone(), span, &config).unwrap();
+        let kv = stage.kv();
+        let with_rows: Vec<bool> = (0..N_LAYER).map(|l| kv.compressor(l).is_some()).collect();
+        assert_eq!(with_rows, [false, true, true]);
+        let rows = 2 * hp.head_dim_k * std::mem::size_of::<f32>() * config.n_ctx;
+        let counted: u64 = (0..N_LAYER)
+            .map(|l| hp.layer_cache_bytes(l, config.n_ctx, n_seq, config.kv_types))
+            .sum();
+        let keys = (0..N_LAYER)
+            .map(|l| hp.layer_cache_bytes(l, config.n_ctx, n_seq, config.kv_types))
+            .next()
+            .unwrap();
+        assert_eq!(counted, 3 * keys + 2 * rows as u64, "{n_seq} sequences");
+        let held = kv.bytes() as u64;
+        assert!(
+            held >= counted && held <= counted + 64 * 2 * N_LAYER as u64,
+            "{n_seq} sequences: {held} held, {counted} counted"
+        );
+    }
+}
+
 /// What baton cannot compute of DeepSeek V4 (compressed attention) and what llama.cpp
 /// refuses too is refused before loading, with the key, layer or tensor named; a stage
 /// cannot start inside the hash-routed layers; tensor parallelism refuses the streams.
