@@ -14,11 +14,11 @@
 //! - multi-token-prediction layers after the trunk, which generation skips (baton never
 //!   loads them).
 //!
-//! llama.cpp also compresses the keys of some layers (`attention.compress_ratios`: 4 for
-//! compressed sparse attention with a lightning indexer over the compressed rows, 128
-//! for heavily compressed attention), caching compressor state per sequence beside the
-//! window. baton does not compute those yet: a model with any compressed layer is
-//! refused with the key and layer named.
+//! Layers may also compress their keys (`attention.compress_ratios`): 128 for heavily
+//! compressed attention, blocks of 128 positions pooled into one key each, attended
+//! after the window (see [`hca`]); 4 for compressed sparse attention, overlapping blocks
+//! of 4 chosen by a lightning indexer over compressed keys of its own, which baton does
+//! not compute yet: such a layer is refused with the key and layer named.
 
 use baton_ggml::Tensor;
 use baton_gguf::Value;
