@@ -149,6 +149,17 @@ impl Dsv4 {
     pub fn is_hca(&self, layer: usize) -> bool {
         self.compress_ratios.get(layer) == Some(&HCA_RATIO)
     }
+
+    /// The compression ratios of `layers` that compress, in increasing order.
+    pub fn ratios_in(&self, layers: Range<usize>) -> Vec<usize> {
+        let mut ratios: Vec<usize> = layers
+            .filter_map(|l| self.compress_ratios.get(l).copied())
+            .filter(|&r| r != 0)
+            .collect();
+        ratios.sort_unstable();
+        ratios.dedup();
+        ratios
+    }
 }
 
 /// MiniMax sparse attention (MSA), as llama.cpp's `minimax-m3` reads it: on every layer

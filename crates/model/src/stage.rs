@@ -5,9 +5,9 @@ use std::sync::{Arc, Mutex};
 
 use baton_ggml::{Context, DType, Device, GraphId, HostOp, Tensor, TensorId};
 
-use crate::arch::{Builder, Gather, HcaInputs, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
+use crate::arch::{Builder, CompressedInputs, Gather, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
 use crate::cache_type::KvTypes;
-use crate::hparams::{HParams, HCA_RATIO};
+use crate::hparams::HParams;
 use crate::kv::{AttnSpan, KvCache, Slots};
 use crate::recurrent::{RecurrentCache, StateRun};
 use crate::runner::Runner;
@@ -510,17 +510,17 @@ impl Stage {
         self.device.is_cpu()
     }
 
-    /// The complete blocks of each span's sequence: GLM-5 next's k-pool indexer's, or
-    /// DeepSeek V4's heavily compressed blocks (empty for other models, and for a stage
-    /// without those layers). A block is a run of positions, so each span's cells must
-    /// hold its sequence in position order from its first cell.
-    fn blocks(&self, seq_ids: &[u32], spans: &[AttnSpan]) -> Result<Vec<usize>, ModelError> {
+    /// The positions each span's sequence holds from its first cell, in order, for the
+    /// layers that cut a sequence into blocks of positions: GLM-5 next's k-pool indexer
+    /// and DeepSeek V4's compressed layers (empty for other models, and for a stage
+    /// without those layers).
+    fn held(&self, seq_ids: &[u32], spans: &[AttnSpan]) -> Result<Vec<usize>, ModelError> {
         let attends = self.span.layers.clone().any(|l| !self.hp.is_recurrent(l));
         let kpool = self.hp.indexer().and_then(|ix| ix.kpool).filter(|_| attends);
-        let (size, who) = match (kpool, self.has_hca()) {
-            (Some(kpool), _) => (kpool.size, "the k-pool indexer cuts"),
-            (None, true) => (HCA_RATIO, "DeepSeek V4's heavily compressed attention cuts"),
-            (None, false) => return Ok(Vec::new()),
+        let who = match (kpool, self.ratios().is_empty()) {
+            (Some(_), _) => "the k-pool indexer cuts",
+            (None, false) => "DeepSeek V4's compressed attention cuts",
+            (None, true) => return Ok(Vec::new()),
         };
         spans
             .iter()
@@ -533,17 +533,17 @@ impl Stage {
                          region per sequence)"
                     ))
                 })?;
-                Ok(n / size)
+                Ok(n)
             })
             .collect()
     }
 
-    /// Whether a layer of this stage attends over heavily compressed blocks.
-    fn has_hca(&self) -> bool {
+    /// The compression ratios of this stage's DeepSeek V4 layers that compress.
+    fn ratios(&self) -> Vec<usize> {
         self.hp
             .dsv4
             .as_ref()
-            .is_some_and(|v4| self.span.layers.clone().any(|l| v4.is_hca(l)))
+            .map_or(Vec::new(), |v4| v4.ratios_in(self.span.layers.clone()))
     }
 
     fn compute(
@@ -571,7 +571,7 @@ impl Stage {
                 .collect(),
             None => Vec::new(),
         };
-        let blocks = self.blocks(batch.seq_ids, &spans)?;
+        let held = self.held(batch.seq_ids, &spans)?;
         let key = StepKey {
             msa_positions,
             tokens: matches!(batch.input, StageInput::Tokens(_)),
@@ -584,8 +584,8 @@ impl Stage {
             logit_rows: batch.logit_rows.len(),
             normed: normed && self.span.last && !batch.logit_rows.is_empty(),
             state_runs: runs.iter().map(|r| r.rows.clone()).collect(),
-            hca: self.has_hca(),
-            blocks,
+            ratios: self.ratios(),
+            held,
         };
         // A step shaped like the last one computes the last one's graph again: only its
         // inputs change. Building about a thousand nodes and splitting them between
@@ -674,7 +674,7 @@ impl Stage {
             inputs.kv_slots_swa,
             inputs.out_rows,
             inputs.attn_temp,
-            inputs.block_slots,
+            inputs.block_slots.clone(),
         );
         let mut b = Builder {
             ctx,
@@ -745,9 +745,14 @@ impl Stage {
                     })
                 })
                 .collect(),
-            hca: spans
+            compressed: spans
                 .iter()
-                .map(|s| s.hca.map(|h| (ctx.id_of(h.mask), h.positions.map(|t| ctx.id_of(t)))))
+                .map(|s| {
+                    s.compressed
+                        .iter()
+                        .map(|c| (ctx.id_of(c.mask), c.positions.map(|t| ctx.id_of(t))))
+                        .collect()
+                })
                 .collect(),
             out_rows: out_rows.map(|t| ctx.id_of(t)),
             state_runs: state_runs
@@ -755,7 +760,7 @@ impl Stage {
                 .map(|r| (ctx.id_of(r.source), ctx.id_of(r.targets)))
                 .collect(),
             attn_temp: attn_temp.map(|t| ctx.id_of(t)),
-            block_slots: block_slots.map(|t| ctx.id_of(t)),
+            block_slots: block_slots.iter().map(|&(_, t)| ctx.id_of(t)).collect(),
             tokens_in,
             hidden_in,
             out: ctx.id_of(out),
@@ -823,20 +828,26 @@ impl Stage {
                 }
             }
         }
-        if let Some(t) = step.block_slots.map(tensor).filter(Tensor::has_data) {
-            let slots: Vec<i32> = batch.positions.iter().map(|&p| p % HCA_RATIO as i32).collect();
-            t.write(&slots)?;
-        }
-        let spans = step.key.spans.iter().zip(&step.hca).zip(&step.key.blocks);
-        for (((rows, _, _), ids), &n_blocks) in spans {
-            let Some((mask, block_pos)) = ids else { continue };
-            let (mask, n_keys) = (tensor(*mask), crate::arch::hca::hca_keys(n_blocks));
-            if mask.has_data() {
-                mask.write(&crate::arch::hca::hca_mask(&batch.positions[rows.clone()], n_keys))?;
+        for (&ratio, &id) in step.key.ratios.iter().zip(&step.block_slots) {
+            let t = tensor(id);
+            if t.has_data() {
+                let slots: Vec<i32> = batch.positions.iter().map(|&p| p % ratio as i32).collect();
+                t.write(&slots)?;
             }
-            if let Some(t) = block_pos.map(tensor).filter(Tensor::has_data) {
-                let first: Vec<i32> = (0..n_blocks).map(|j| (j * HCA_RATIO) as i32).collect();
-                t.write(&first)?;
+        }
+        let spans = step.key.spans.iter().zip(&step.compressed).zip(&step.key.held);
+        for (((rows, _, _), ids), &held) in spans {
+            for (&ratio, &(mask, block_pos)) in step.key.ratios.iter().zip(ids) {
+                let n_blocks = held / ratio;
+                let (mask, n_keys) = (tensor(mask), crate::arch::hca::compressed_keys_len(n_blocks));
+                if mask.has_data() {
+                    let positions = &batch.positions[rows.clone()];
+                    mask.write(&crate::arch::hca::compressed_mask(positions, ratio, n_keys))?;
+                }
+                if let Some(t) = block_pos.map(tensor).filter(Tensor::has_data) {
+                    let first: Vec<i32> = (0..n_blocks).map(|j| (j * ratio) as i32).collect();
+                    t.write(&first)?;
+                }
             }
         }
         if let (Some(t), Some(temp)) = (step.attn_temp.map(tensor).filter(Tensor::has_data), &hp.attn_temp) {
@@ -965,21 +976,33 @@ fn new_inputs<'g>(
         .map(|(index, span)| SpanInputs {
             mask: has_full.then(|| new_mask(&span.rows, &span.cells, "kq_mask")),
             mask_swa: has_swa.then(|| new_mask(&span.rows, &span.window_cells, "kq_mask_swa")),
-            blocks: key.blocks.get(index).copied().unwrap_or(0),
+            blocks: match (key.held.get(index), hp.indexer().and_then(|ix| ix.kpool)) {
+                (Some(&held), Some(kpool)) => held / kpool.size,
+                _ => 0,
+            },
             msa: key.msa_positions.get(index).map(|&n_pos| msa_inputs(&span, n_pos)),
-            hca: key.hca.then(|| {
-                let n_blocks = key.blocks[index];
-                let first = span.rows.start;
-                HcaInputs {
-                    mask: input(
-                        DType::F16,
-                        &[crate::arch::hca::hca_keys(n_blocks) as i64, span.rows.len() as i64],
-                        &format!("hca_kq_mask-{first}"),
-                    ),
-                    positions: (n_blocks > 0)
-                        .then(|| input(DType::I32, &[n_blocks as i64], &format!("hca_pos-{first}"))),
-                }
-            }),
+            compressed: key
+                .ratios
+                .iter()
+                .map(|&ratio| {
+                    let n_blocks = key.held[index] / ratio;
+                    let first = span.rows.start;
+                    CompressedInputs {
+                        ratio,
+                        blocks: n_blocks,
+                        mask: input(
+                            DType::F16,
+                            &[
+                                crate::arch::hca::compressed_keys_len(n_blocks) as i64,
+                                span.rows.len() as i64,
+                            ],
+                            &format!("comp{ratio}_kq_mask-{first}"),
+                        ),
+                        positions: (n_blocks > 0)
+                            .then(|| input(DType::I32, &[n_blocks as i64], &format!("comp{ratio}_pos-{first}"))),
+                    }
+                })
+                .collect(),
             span,
         })
         .collect();
@@ -1020,7 +1043,16 @@ fn new_inputs<'g>(
             StepInput::Tokens(tokens) => Some(tokens),
             StepInput::Hidden(_) => None,
         },
-        block_slots: key.hca.then(|| input(DType::I32, &[n_tokens], "hca_block_slots")),
+        block_slots: key
+            .ratios
+            .iter()
+            .map(|&ratio| {
+                (
+                    ratio,
+                    input(DType::I32, &[n_tokens], &format!("comp{ratio}_block_slots")),
+                )
+            })
+            .collect(),
         n_tokens: key.n_tokens,
         decode_rows: key.decode_rows,
     };
@@ -1045,10 +1077,10 @@ struct StepKey {
     normed: bool,
     /// Rows of each run that continues a recurrent state.
     state_runs: Vec<std::ops::Range<usize>>,
-    /// The complete blocks of each span's sequence (see `Stage::blocks`).
-    blocks: Vec<usize>,
-    /// Whether the stage has DeepSeek V4's heavily compressed layers.
-    hca: bool,
+    /// The positions each span's sequence holds in order (see `Stage::held`).
+    held: Vec<usize>,
+    /// The compression ratios of the stage's DeepSeek V4 layers that compress.
+    ratios: Vec<usize>,
 }
 
 /// A built and allocated step graph and its inputs and output, by id.
@@ -1062,13 +1094,15 @@ struct StepGraph {
     masks: Vec<(Option<TensorId>, Option<TensorId>)>,
     /// MiniMax sparse attention's inputs of each span.
     msa: Vec<Option<MsaIds>>,
-    /// DeepSeek V4's heavily compressed attention: each span's mask and block positions.
-    hca: Vec<Option<(TensorId, Option<TensorId>)>>,
+    /// DeepSeek V4's compressed attention: each span's mask and block positions, for
+    /// each ratio of `key.ratios`.
+    compressed: Vec<Vec<(TensorId, Option<TensorId>)>>,
     out_rows: Option<TensorId>,
     /// `(source, targets)` of each run of `key.state_runs`.
     state_runs: Vec<(TensorId, TensorId)>,
     attn_temp: Option<TensorId>,
-    block_slots: Option<TensorId>,
+    /// Each row's slot in its block, for each ratio of `key.ratios`.
+    block_slots: Vec<TensorId>,
     tokens_in: Option<TensorId>,
     hidden_in: Option<TensorId>,
     out: TensorId,

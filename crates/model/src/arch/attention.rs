@@ -37,6 +37,9 @@ pub struct ExtraKeys<'g> {
     pub keys: Tensor<'g>,
     /// f16 `[n, rows]`: 0 on the keys each row sees, -inf elsewhere.
     pub mask: Tensor<'g>,
+    /// At most this many of the extra keys and the cells' are seen by a row, when the
+    /// extra keys are a sparse choice.
+    pub n_kv_max: Option<usize>,
 }
 
 impl<'g> Builder<'g> {
@@ -335,21 +338,26 @@ impl<'g> Builder<'g> {
             let q_rows = ctx.permute(q_rows, [0, 2, 1, 3]); // [d_k, rows, n_head]
             let mask = if swa { span.mask_swa } else { span.mask };
             let mask = mask.expect("the stage creates the mask of every kind of layer it has");
-            let (keys, values, mask) = match extra {
+            let (keys, values, mask, n_kv_max) = match extra {
                 Some(extra) => {
                     let keys = ctx.concat(keys, extra[index].keys, 1);
-                    (keys, keys, ctx.concat(mask, extra[index].mask, 0))
+                    (
+                        keys,
+                        keys,
+                        ctx.concat(mask, extra[index].mask, 0),
+                        extra[index].n_kv_max,
+                    )
                 }
-                None => (keys, values, mask),
+                None => (keys, values, mask, None),
             };
-            let mut part = match sparse {
-                Some(sparse) => {
-                    let SparseMask { mask, n_kv_max } = sparse[index];
-                    ctx.flash_attn(q_rows, keys, values, mask, scale, hp.attn_logit_softcap)
-                        .with_n_kv_max(n_kv_max)
-                }
-                None => ctx.flash_attn(q_rows, keys, values, mask, scale, hp.attn_logit_softcap),
+            let (mask, n_kv_max) = match sparse {
+                Some(sparse) => (sparse[index].mask, Some(sparse[index].n_kv_max)),
+                None => (mask, n_kv_max),
             };
+            let mut part = ctx.flash_attn(q_rows, keys, values, mask, scale, hp.attn_logit_softcap);
+            if let Some(n_kv_max) = n_kv_max {
+                part = part.with_n_kv_max(n_kv_max);
+            }
             if let Some(sinks) = sinks {
                 part = part.with_sinks(sinks);
             }

@@ -30,10 +30,10 @@ pub struct StepInputs<'g> {
     /// The batch's token ids, i32 `[n_tokens]`, on a first stage (DeepSeek V4's
     /// hash-routed layers choose experts by them).
     pub tokens: Option<Tensor<'g>>,
-    /// Each row's slot in its compressed block (position mod
-    /// [`HCA_RATIO`](crate::hparams::HCA_RATIO)), i32 `[n_tokens]`, on a stage with DeepSeek
-    /// V4's heavily compressed layers.
-    pub block_slots: Option<Tensor<'g>>,
+    /// DeepSeek V4's compressed layers: for each compression ratio of the stage's
+    /// layers, each row's slot in its block (its position mod the ratio), i32
+    /// `[n_tokens]`.
+    pub block_slots: Vec<(usize, Tensor<'g>)>,
     /// Tokens in the batch.
     pub n_tokens: usize,
     /// Rows that continue one sequence's recurrent state each, in row order (stages
@@ -54,25 +54,39 @@ pub struct SpanInputs<'g> {
     /// Sliding-window mask, f16 `[window cells, rows]`, when the stage has
     /// sliding-window layers.
     pub mask_swa: Option<Tensor<'g>>,
-    /// The complete blocks of the span's sequence, its first `blocks × size` cells:
-    /// GLM-5 next's k-pool (`kpool` positions) or DeepSeek V4's heavily compressed
-    /// blocks ([`HCA_RATIO`](crate::hparams::HCA_RATIO) positions); 0 for other models.
+    /// GLM-5 next's k-pool indexer: the complete blocks of the span's sequence, its
+    /// first `blocks × kpool` cells (0 for other models).
     pub blocks: usize,
     /// MiniMax sparse attention's maps between the span's positions and cells, when
     /// the stage has its layers (the span's rows are then of one sequence).
     pub msa: Option<MsaInputs<'g>>,
-    /// DeepSeek V4's heavily compressed attention, when the stage has its layers.
-    pub hca: Option<HcaInputs<'g>>,
+    /// DeepSeek V4's compressed attention: one per compression ratio of the stage's
+    /// layers.
+    pub compressed: Vec<CompressedInputs<'g>>,
 }
 
-/// DeepSeek V4's heavily compressed attention: what a span's rows see of its
-/// sequence's compressed keys (as llama.cpp's `llm_graph_input_dsv4` holds it for one
+impl<'g> SpanInputs<'g> {
+    /// DeepSeek V4's inputs for the layers that compress `ratio` to 1.
+    pub fn compressed(&self, ratio: usize) -> &CompressedInputs<'g> {
+        self.compressed
+            .iter()
+            .find(|c| c.ratio == ratio)
+            .expect("the stage creates the inputs of its compressed layers")
+    }
+}
+
+/// DeepSeek V4's compressed attention: what a span's rows see of its sequence's
+/// compressed keys of one ratio (as llama.cpp's `llm_graph_input_dsv4` holds it for one
 /// stream).
 #[derive(Clone, Copy)]
-pub struct HcaInputs<'g> {
+pub struct CompressedInputs<'g> {
+    /// Positions each block covers.
+    pub ratio: usize,
+    /// The complete blocks of the span's sequence, its first `blocks × ratio` cells.
+    pub blocks: usize,
     /// f16 `[keys, rows]`: 0 on the complete blocks each row sees (those that end at or
     /// before it), -inf elsewhere, over the keys llama.cpp pads to (see
-    /// [`hca_keys`](super::hca::hca_keys)).
+    /// [`compressed_keys_len`](super::hca::compressed_keys_len)).
     pub mask: Tensor<'g>,
     /// i32 `[blocks]`: the first position of each complete block (the compressed key's
     /// RoPE position); `None` before the first block completes.

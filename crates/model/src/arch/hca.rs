@@ -34,22 +34,93 @@ const KEYS_PAD: usize = 256;
 
 /// The compressed keys a span with `n_blocks` complete blocks attends over: padded as
 /// llama.cpp pads them (the same count keeps flash attention on the same path).
-pub fn hca_keys(n_blocks: usize) -> usize {
+pub fn compressed_keys_len(n_blocks: usize) -> usize {
     n_blocks.div_ceil(KEYS_PAD).max(1) * KEYS_PAD
 }
 
-/// The f16 mask `[n_keys, rows]` of rows at `positions`: row `i` sees the blocks that
-/// end at or before its position.
-pub fn hca_mask(positions: &[i32], n_keys: usize) -> Vec<u16> {
+/// The f16 mask `[n_keys, rows]` of rows at `positions` over blocks of `ratio`
+/// positions: row `i` sees the blocks that end at or before its position.
+pub fn compressed_mask(positions: &[i32], ratio: usize, n_keys: usize) -> Vec<u16> {
     const KEEP: u16 = 0x0000;
     const DROP: u16 = 0xFC00;
     positions
         .iter()
         .flat_map(|&pos| {
-            let seen = (pos.max(-1) + 1) as usize / HCA_RATIO;
+            let seen = (pos.max(-1) + 1) as usize / ratio;
             (0..n_keys).map(move |key| if key < seen { KEEP } else { DROP })
         })
         .collect()
+}
+
+/// The block slot of each row (position mod `ratio`), i32 `[n_tokens]`.
+pub(super) fn block_slots<'g>(b: &Builder<'g>, ratio: usize) -> Tensor<'g> {
+    b.inputs
+        .block_slots
+        .iter()
+        .find(|(r, _)| *r == ratio)
+        .map(|&(_, t)| t)
+        .expect("the stage creates the block slots of its compressed layers")
+}
+
+/// Stores the batch's compressor rows (from `x` `[n_embd, n_tokens]`: the values
+/// `wkv · x` and the scores `wgate · x` plus the bias of each row's slot, `ape`) in the
+/// cells of `cache`.
+pub(super) fn store_rows<'g>(
+    b: &mut Builder<'g>,
+    [wkv, wgate, ape]: [Tensor<'g>; 3],
+    ratio: usize,
+    x: Tensor<'g>,
+    cache: Tensor<'g>,
+    name: &str,
+) {
+    let ctx = b.ctx;
+    let values = b.mm(wkv, x).named(&format!("{name}_state_kv")); // [width, n_tokens]
+    let ape = ctx.get_rows(ape, block_slots(b, ratio)); // [width, n_tokens]
+    let scores = ctx.add(b.mm(wgate, x), ape).named(&format!("{name}_state_score_ape"));
+    b.graph
+        .expand(ctx.set_rows(cache, ctx.concat(values, scores, 0), b.inputs.kv_slots));
+}
+
+/// Compressed keys `[d, 1, n]` from the values and scores of `n` blocks (`[slots, d,
+/// n]` each, a block's slots along the rows): per dimension a softmax of the scores
+/// weighs the values; the result RMS-normed by `norm` and rotated at `positions` by the
+/// compressed layers' RoPE over its last `n_rot` dimensions.
+pub(super) fn pool<'g>(
+    b: &Builder<'g>,
+    values: Tensor<'g>,
+    scores: Tensor<'g>,
+    norm: Tensor<'g>,
+    positions: Tensor<'g>,
+) -> Tensor<'g> {
+    let ctx = b.ctx;
+    let hp = b.hp;
+    let v4 = hp.dsv4.as_ref().expect("a compressed layer is DeepSeek V4's");
+    let d = values.ne()[1] as usize;
+    let weights = ctx.soft_max(scores);
+    let pooled = ctx.sum_rows(ctx.mul(values, weights)); // [1, d, n]
+    let pooled = ctx.cont(ctx.permute(pooled, [1, 0, 2, 3])); // [d, 1, n]
+    let pooled = b.norm(pooled, norm);
+    ctx.rope(pooled, positions, None, &v4.compress_rope)
+        .rope_offset(d - hp.rope.n_dims as usize)
+}
+
+/// Compressed keys `[d, 1, n]` (f32) as the f16 keys `[d, n_keys, 1]` attention reads,
+/// zeros after them: llama.cpp stores them in a cache of keys, f16 (as DeepSeek V4's
+/// keys are kept; see `KvTypes::check`), zeroed where nothing was written (masked).
+pub(super) fn as_keys<'g>(b: &Builder<'g>, pooled: Option<Tensor<'g>>, d: usize, n_keys: usize) -> Tensor<'g> {
+    let ctx = b.ctx;
+    let zeros = |n: usize| ctx.fill(ctx.new_tensor(DType::F16, &[d as i64, 1, n as i64]), 0.0);
+    let keys = match pooled {
+        None => zeros(n_keys),
+        Some(pooled) => {
+            let pooled = ctx.cast(pooled, DType::F16);
+            match n_keys as i64 - pooled.ne()[2] {
+                0 => pooled,
+                rest => ctx.concat(pooled, zeros(rest as usize), 2),
+            }
+        }
+    };
+    ctx.reshape_3d(keys, d as i64, n_keys as i64, 1)
 }
 
 /// Stores the batch's compressor rows of layer `layer` (from its input `x` `[n_embd,
@@ -61,69 +132,39 @@ pub(super) fn compressed_keys<'g>(
     x: Tensor<'g>,
 ) -> Vec<ExtraKeys<'g>> {
     let ctx = b.ctx;
-    let hp = b.hp;
-    let v4 = hp.dsv4.as_ref().expect("a compressed layer is DeepSeek V4's");
-    let d = hp.head_dim_k;
-    let n_nope = d - hp.rope.n_dims as usize;
-    let named = |t: Tensor<'g>, name: &str| t.named(&format!("{name}-{layer}"));
-
-    let values = named(b.mm(w.get(T::AttnCompressorKv), x), "hca_state_kv"); // [d, n_tokens]
-    let slots = b
-        .inputs
-        .block_slots
-        .expect("the stage creates the block slots of compressed layers");
-    let ape = ctx.get_rows(w.get(T::AttnCompressorApe), slots); // [d, n_tokens]
-    let scores = named(
-        ctx.add(b.mm(w.get(T::AttnCompressorGate), x), ape),
-        "hca_state_score_ape",
-    );
+    let d = b.hp.head_dim_k;
     let cache =
         b.kv.compressor(layer)
             .expect("a compressed layer has its compressor rows");
-    b.graph
-        .expand(ctx.set_rows(cache, ctx.concat(values, scores, 0), b.inputs.kv_slots));
+    let weights = [T::AttnCompressorKv, T::AttnCompressorGate, T::AttnCompressorApe].map(|t| w.get(t));
+    store_rows(b, weights, HCA_RATIO, x, cache, &format!("hca-{layer}"));
 
+    let cell = cache.nb()[1];
     let mut keys = Vec::with_capacity(b.inputs.spans.len());
     for span in &b.inputs.spans {
-        let hca = span.hca.expect("the stage creates the inputs of compressed layers");
-        let n_blocks = span.blocks;
-        let n_keys = hca_keys(n_blocks);
-        let zeros = |n: usize| ctx.fill(ctx.new_tensor(DType::F16, &[d as i64, 1, n as i64]), 0.0);
-        let compressed = match hca.positions {
-            None => zeros(n_keys),
-            Some(positions) => {
-                let n = n_blocks as i64;
-                let cell = cache.nb()[1];
-                let first = span.span.cells.start * cell;
-                let part = |offset: usize| {
-                    let rows = ctx.view_3d(
-                        cache,
-                        [d as i64, HCA_RATIO as i64, n],
-                        cell,
-                        HCA_RATIO * cell,
-                        first + offset,
-                    );
-                    ctx.cont(ctx.permute(rows, [1, 0, 2, 3])) // [HCA_RATIO, d, n]
-                };
-                let (block_values, block_scores) = (part(0), part(d * std::mem::size_of::<f32>()));
-                // Per dimension, a softmax over the block's slots weighs its values.
-                let weights = ctx.soft_max(block_scores);
-                let pooled = ctx.sum_rows(ctx.mul(block_values, weights)); // [1, d, n]
-                let pooled = ctx.cont(ctx.permute(pooled, [1, 0, 2, 3])); // [d, 1, n]
-                let pooled = b.norm(pooled, w.get(T::AttnCompressorNorm));
-                let pooled = ctx.rope(pooled, positions, None, &v4.compress_rope).rope_offset(n_nope);
-                // llama.cpp stores them in its cache of keys, f16 (as DeepSeek V4's
-                // keys are kept; see `KvTypes::check`).
-                let pooled = named(ctx.cast(pooled, DType::F16), "hca_comp_k");
-                match n_keys - n_blocks {
-                    0 => pooled,
-                    rest => ctx.concat(pooled, zeros(rest), 2),
-                }
-            }
-        };
+        let hca = span.compressed(HCA_RATIO);
+        let n_keys = compressed_keys_len(hca.blocks);
+        let pooled = hca.positions.map(|positions| {
+            let first = span.span.cells.start * cell;
+            // A block's values (or scores) `[HCA_RATIO, d, n]`.
+            let part = |offset: usize| {
+                let rows = ctx.view_3d(
+                    cache,
+                    [d as i64, HCA_RATIO as i64, hca.blocks as i64],
+                    cell,
+                    HCA_RATIO * cell,
+                    first + offset,
+                );
+                ctx.cont(ctx.permute(rows, [1, 0, 2, 3]))
+            };
+            let (values, scores) = (part(0), part(d * std::mem::size_of::<f32>()));
+            let pooled = pool(b, values, scores, w.get(T::AttnCompressorNorm), positions);
+            pooled.named(&format!("hca_comp_k-{layer}"))
+        });
         keys.push(ExtraKeys {
-            keys: ctx.reshape_3d(compressed, d as i64, n_keys as i64, 1),
+            keys: as_keys(b, pooled, d, n_keys),
             mask: hca.mask,
+            n_kv_max: None,
         });
     }
     keys

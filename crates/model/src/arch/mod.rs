@@ -51,7 +51,7 @@ mod qwen3next;
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-pub use builder::{Builder, Gather, HcaInputs, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
+pub use builder::{Builder, CompressedInputs, Gather, MsaInputs, SpanInputs, StateRunInputs, StepInputs, TpOps};
 
 use crate::hparams::{HParams, Keys};
 use crate::tensors::{LayerPlan, Presence};
