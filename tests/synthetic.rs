@@ -615,19 +615,35 @@ fn deepseek32_on_two_workers_matches_llama_cpp() {
 }
 
 /// DeepSeek V4 with every layer on its raw window (16 tokens; the prompts and their
-/// continuations run past it): four hyper-connection streams between layers and
+/// continuations run past it), layers 1 and 3 with compressed sparse attention (blocks
+/// of 4, the indexer choosing 4 of them), layer 2 heavily compressed (blocks of 128,
+/// none complete in these prompts): four hyper-connection streams between layers and
 /// stages, one key-and-value head with sinks, the grouped low-rank output,
 /// sqrt-softplus experts, the first layer routed by token id, SwiGLU clamps.
+///
+/// A decode step attends over its window's 256 cells and 256 compressed keys: from 512
+/// keys on, flash attention splits them between threads, so the ring runs as many
+/// threads as libllama.
 #[test]
 fn deepseek4_matches_llama_cpp_with_1_2_3_stages() {
     let _serial = serial();
     let path = synthetic("deepseek4", FileType::Q4KM);
-    let worst = check_stages(&path, "deepseek4");
+    let oracle = LlamaModel::load_vocab(&path).unwrap();
+    let prompts: Vec<(String, Vec<u32>)> = PROMPTS
+        .iter()
+        .map(|text| (format!("{text:?}"), oracle.tokenize(text, true, true).unwrap()))
+        .collect();
+    let setup = Setup {
+        ring_threads: THREADS,
+        ..SHORT
+    };
+    let worst = check_prompts(&path, "deepseek4", &[1, 2, 3], &prompts, setup);
     assert_eq!(worst, 0.0, "deepseek4: the logits are llama.cpp's bit for bit");
 }
 
-/// DeepSeek V4's heavily compressed attention past its blocks of 128 positions (layers
-/// 1 to 3 compress, layer 0 does not), on 1, 2 and 3 stages against libllama: a prompt
+/// DeepSeek V4's compressed attention past its blocks of 128 positions (layers 1 and 3
+/// with compressed sparse attention, 2 heavily compressed, 0 on its window alone), on
+/// 1, 2 and 3 stages against libllama: a prompt
 /// in two chunks (the second completes block 0 from rows the first cached), 8 decode
 /// steps that complete block 1 at position 255, and the last 4 steps again as one
 /// decode batch (a token and its drafts, the block completing inside it): every step's

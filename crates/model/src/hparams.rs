@@ -130,8 +130,11 @@ pub struct Dsv4 {
     /// Leading layers whose experts are chosen by token id (`hash_layer_count`).
     pub hash_layers: usize,
     /// The lightning indexer's heads and their width (`attention.indexer.*`; only
-    /// compressed sparse attention, which baton refuses, uses them).
+    /// compressed sparse attention uses them).
     pub indexer_heads: (usize, usize),
+    /// The compressed blocks the lightning indexer chooses for each query
+    /// (`attention.indexer.top_k`).
+    pub top_k: usize,
     /// Each trunk layer's key compression (`attention.compress_ratios`): 0 for the raw
     /// window alone, [`HCA_RATIO`] for heavily compressed attention.
     pub compress_ratios: Vec<usize>,
@@ -144,10 +147,21 @@ pub struct Dsv4 {
 /// becomes one compressed key.
 pub const HCA_RATIO: usize = 128;
 
+/// DeepSeek V4's compressed sparse attention: each block of this many positions (and
+/// the block before it) becomes one compressed key, and a lightning indexer chooses
+/// among them.
+pub const CSA_RATIO: usize = 4;
+
 impl Dsv4 {
     /// Whether layer `layer` attends over compressed blocks beside its window.
     pub fn is_hca(&self, layer: usize) -> bool {
         self.compress_ratios.get(layer) == Some(&HCA_RATIO)
+    }
+
+    /// Whether layer `layer` attends over indexer-chosen compressed blocks beside its
+    /// window.
+    pub fn is_csa(&self, layer: usize) -> bool {
+        self.compress_ratios.get(layer) == Some(&CSA_RATIO)
     }
 
     /// The compression ratios of `layers` that compress, in increasing order.
@@ -1016,11 +1030,24 @@ impl HParams {
     }
 
     /// Width of the f32 row DeepSeek V4's compressor keeps per token of layer `layer`
-    /// (its value and its score, side by side), in a cell of every token even where
-    /// the layer's keys keep a window only; `None` on layers without a compressor.
+    /// (its value and its score, side by side; a compressed sparse layer's twice as
+    /// wide, its blocks overlapping), in a cell of every token even where the layer's
+    /// keys keep a window only; `None` on layers without a compressor.
     pub fn compressor_dim(&self, layer: usize) -> Option<usize> {
         let v4 = self.dsv4.as_ref()?;
-        v4.is_hca(layer).then_some(2 * self.head_dim_k)
+        match v4.compress_ratios.get(layer) {
+            Some(&HCA_RATIO) => Some(2 * self.head_dim_k),
+            Some(&CSA_RATIO) => Some(4 * self.head_dim_k),
+            _ => None,
+        }
+    }
+
+    /// Width of the f32 row the compressor of DeepSeek V4's lightning indexer keeps per
+    /// token of a compressed sparse layer (as [`HParams::compressor_dim`]'s, over the
+    /// indexer's heads); `None` on other layers.
+    pub fn indexer_compressor_dim(&self, layer: usize) -> Option<usize> {
+        let v4 = self.dsv4.as_ref()?;
+        v4.is_csa(layer).then_some(4 * v4.indexer_heads.1)
     }
 
     /// Width of the indexer row layer `layer` caches per token: DeepSeek sparse
@@ -1080,9 +1107,8 @@ impl HParams {
                     Some(per_seq) if self.is_swa(layer) => per_seq.saturating_mul(n_seq),
                     _ => n_ctx,
                 };
-                let compressor = self
-                    .compressor_dim(layer)
-                    .map_or(0, |dim| dim * std::mem::size_of::<f32>());
+                let widths = self.compressor_dim(layer).unwrap_or(0) + self.indexer_compressor_dim(layer).unwrap_or(0);
+                let compressor = widths * std::mem::size_of::<f32>();
                 (self.layer_kv_cell_bytes(layer, types) as u64)
                     .saturating_mul(cells as u64)
                     .saturating_add((compressor as u64).saturating_mul(n_ctx as u64))

@@ -378,7 +378,7 @@ impl KvCache {
         let window_cells = window
             .and_then(|w| Some((w, hp.window_cells(n_ctx, n_seq, n_ubatch)?)))
             .map(|(w, per_seq)| Cells::new(per_seq * n_seq, n_seq, Some(w)));
-        let ctx = Context::new(4 * layers.len() + 5, 0);
+        let ctx = Context::new(5 * layers.len() + 6, 0);
         // Recurrent layers keep states instead (see `RecurrentCache`); layers that do not
         // attend keep nothing.
         let has_heads = hp.n_embd_k_gqa() > 0 && layers.clone().any(|l| hp.has_kv(l));
@@ -408,6 +408,21 @@ impl KvCache {
                 ctx.new_tensor(DType::F32, &[dim as i64, n_ctx as i64])
                     .named(&format!("cache_ck_l{layer}"));
             }
+            if let Some(dim) = hp.indexer_compressor_dim(layer) {
+                ctx.new_tensor(DType::F32, &[dim as i64, n_ctx as i64])
+                    .named(&format!("cache_cik_l{layer}"));
+            }
+        }
+        // DeepSeek V4's lightning indexer: llama.cpp multiplies its queries and
+        // compressed keys by a Walsh-Hadamard matrix of the whole head.
+        let compressor_rotation = hp
+            .dsv4
+            .as_ref()
+            .filter(|v4| has_heads && layers.clone().any(|l| v4.is_csa(l)))
+            .map_or(0, |v4| v4.indexer_heads.1);
+        if compressor_rotation > 0 {
+            ctx.new_tensor(DType::F32, &[compressor_rotation as i64, compressor_rotation as i64])
+                .named("cache_cik_rot");
         }
         let indexer_rotation = hp.indexer().map_or(0, |ix| ix.rotation());
         if has_heads && indexer_rotation > 0 {
@@ -433,6 +448,9 @@ impl KvCache {
             }
             if let Some(rot) = ctx.get_tensor("cache_ik_rot") {
                 rot.write(&hadamard(indexer_rotation))?;
+            }
+            if let Some(rot) = ctx.get_tensor("cache_cik_rot") {
+                rot.write(&hadamard(compressor_rotation))?;
             }
             Some(buffer)
         } else {
@@ -479,6 +497,20 @@ impl KvCache {
     pub fn compressor(&self, layer: usize) -> Option<Tensor<'_>> {
         assert!(self.layers.contains(&layer), "layer {layer} is not in this cache");
         self.ctx.get_tensor(&format!("cache_ck_l{layer}"))
+    }
+
+    /// DeepSeek V4's lightning indexer's compressor rows of global layer `layer` (`[4
+    /// indexer head, n_ctx]` f32; as [`KvCache::compressor`]'s), on compressed sparse
+    /// layers.
+    pub fn indexer_compressor(&self, layer: usize) -> Option<Tensor<'_>> {
+        assert!(self.layers.contains(&layer), "layer {layer} is not in this cache");
+        self.ctx.get_tensor(&format!("cache_cik_l{layer}"))
+    }
+
+    /// The Walsh-Hadamard matrix DeepSeek V4's lightning indexer multiplies its queries
+    /// and compressed keys by (a stage with compressed sparse layers).
+    pub fn compressor_rotation(&self) -> Option<Tensor<'_>> {
+        self.ctx.get_tensor("cache_cik_rot")
     }
 
     /// The Walsh-Hadamard matrix indexer queries and keys are multiplied by before

@@ -1101,9 +1101,10 @@ fn deepseek4_stages_pass_all_four_streams() {
         .is_ok());
 }
 
-/// DeepSeek V4's heavily compressed layers (1 and 2 of the tiny model) keep each
-/// token's compressor rows, f32 in a cell of every token, beside their window's keys:
-/// a stage holds what the planner counts, with and without regions per sequence.
+/// DeepSeek V4's compressed layers (1: compressed sparse attention, 2: heavily
+/// compressed, in the tiny model) keep each token's compressor rows (and layer 1 its
+/// indexer's), f32 in a cell of every token, beside their window's keys: a stage holds
+/// what the planner counts, with and without regions per sequence.
 #[test]
 fn deepseek4_compressor_rows_are_what_the_planner_counts() {
     let file = open("deepseek4-counted.gguf", &tiny_model("deepseek4", |w| w)).unwrap();
@@ -1119,7 +1120,10 @@ fn deepseek4_compressor_rows_are_what_the_planner_counts() {
         let kv = stage.kv();
         let with_rows: Vec<bool> = (0..N_LAYER).map(|l| kv.compressor(l).is_some()).collect();
         assert_eq!(with_rows, [false, true, true]);
-        let rows = 2 * hp.head_dim_k * std::mem::size_of::<f32>() * config.n_ctx;
+        let (d, ix) = (hp.head_dim_k, hp.dsv4.as_ref().unwrap().indexer_heads.1);
+        assert_eq!(kv.indexer_compressor(1).map(|t| t.ne()[0]), Some(4 * ix as i64));
+        assert!(kv.indexer_compressor(2).is_none() && kv.compressor_rotation().is_some());
+        let rows = (4 * d + 4 * ix + 2 * d) * std::mem::size_of::<f32>() * config.n_ctx;
         let counted: u64 = (0..N_LAYER)
             .map(|l| hp.layer_cache_bytes(l, config.n_ctx, n_seq, config.kv_types))
             .sum();
@@ -1127,10 +1131,11 @@ fn deepseek4_compressor_rows_are_what_the_planner_counts() {
             .map(|l| hp.layer_cache_bytes(l, config.n_ctx, n_seq, config.kv_types))
             .next()
             .unwrap();
-        assert_eq!(counted, 3 * keys + 2 * rows as u64, "{n_seq} sequences");
-        let held = kv.bytes() as u64;
+        assert_eq!(counted, 3 * keys + rows as u64, "{n_seq} sequences");
+        // Besides: the indexer's Walsh-Hadamard matrix, once per stage.
+        let held = kv.bytes() as u64 - (ix * ix * std::mem::size_of::<f32>()) as u64;
         assert!(
-            held >= counted && held <= counted + 64 * 2 * N_LAYER as u64,
+            held >= counted && held <= counted + 64 * 3 * N_LAYER as u64,
             "{n_seq} sequences: {held} held, {counted} counted"
         );
     }
@@ -1148,18 +1153,29 @@ fn deepseek4_variants_are_refused_with_the_key_or_tensor_named() {
     // 3 trunk layers and the prediction layer (ratio 4 in the example).
     let ratios = |r: [u32; 4]| Value::Array(r.map(Value::U32).to_vec());
     let ratios_key = "deepseek4.attention.compress_ratios";
+    // Compressed layers need their compressor (and the indexer's): layer 0 (ratio 0
+    // in the file) made a compressed one lacks it.
     assert_eq!(
-        text("csa", &set(ratios_key, ratios([0, 128, 4, 4]))),
-        "bad hyper-parameters: deepseek4.attention.compress_ratios[2] is 4: compressed sparse attention \
-         (ratio 4: overlapping blocks chosen by a lightning indexer over their own compressed keys), which \
-         baton does not compute yet; it runs layers of ratio 0 (the raw window) and 128 (heavily compressed \
-         attention)"
-    );
-    // Heavily compressed attention needs its compressor: layer 0 (ratio 0 in the file)
-    // made a compressed one lacks it.
-    assert_eq!(
-        text("hca", &set(ratios_key, ratios([128, 128, 128, 4]))),
+        text("hca", &set(ratios_key, ratios([128, 4, 128, 4]))),
         "tensor 'blk.0.attn_compressor_kv.weight' is missing from the model file"
+    );
+    assert_eq!(
+        text("csa", &set(ratios_key, ratios([4, 4, 128, 4]))),
+        "tensor 'blk.0.attn_compressor_kv.weight' is missing from the model file"
+    );
+    assert_eq!(
+        text("csa-indexer", &|w| w
+            .without_tensor("blk.1.indexer_compressor_ape.weight")),
+        "tensor 'blk.1.indexer_compressor_ape.weight' is missing from the model file"
+    );
+    assert_eq!(
+        text(
+            "csa-rotation",
+            &set("deepseek4.attention.indexer.key_length", Value::U32(96))
+        ),
+        "bad hyper-parameters: deepseek4.attention.indexer.key_length is 96: llama.cpp multiplies the \
+         lightning indexer's heads by a Walsh-Hadamard matrix, which baton takes of the whole head only \
+         (64 times a power of two)"
     );
     assert!(text("ratio", &set(ratios_key, ratios([0, 0, 7, 4])))
         .contains("compress_ratios[2] is 7: a compression ratio llama.cpp does not know either"));

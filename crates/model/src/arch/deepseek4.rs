@@ -27,8 +27,8 @@ use super::attention::KeyValues;
 use super::builder::Act;
 use super::hyper::{self, Head, Hyper, Site};
 use super::moe::{DownInput, ExpertAct, Gating, Routing, SwigluClamps};
-use super::{deepseek2, hca, Architecture, Builder, LayerSizes, Rope, Shape};
-use crate::hparams::{Dsv4, HParams, Keys, SwaType, HCA_RATIO};
+use super::{csa, deepseek2, hca, Architecture, Builder, LayerSizes, Rope, Shape};
+use crate::hparams::{Dsv4, HParams, Keys, SwaType, CSA_RATIO, HCA_RATIO};
 use crate::names::{LayerTensor as T, FFN_SHEXP};
 use crate::tensors::{self, LayerPlan, Split, Use};
 use crate::weights::LayerTensors;
@@ -109,7 +109,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
 
     // Read (and required) as llama.cpp reads them; only compressed layers use them.
     let indexer_n_head = keys.u32("attention.indexer.head_count")?;
-    keys.u32("attention.indexer.top_k")?;
+    let top_k = keys.u32("attention.indexer.top_k")?;
     let indexer_head = keys.u32("attention.indexer.key_length")?;
     if indexer_head == hp.head_dim_k {
         // llama.cpp's cache then rotates the raw keys (and queries) by a Walsh-Hadamard
@@ -143,17 +143,21 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
     if let Some((layer, &ratio)) = compress_ratios
         .iter()
         .enumerate()
-        .find(|(_, &r)| r != 0 && r != HCA_RATIO)
+        .find(|(_, &r)| ![0, CSA_RATIO, HCA_RATIO].contains(&r))
     {
-        let what = match ratio {
-            4 => {
-                "compressed sparse attention (ratio 4: overlapping blocks chosen by a lightning \
-                 indexer over their own compressed keys), which baton does not compute yet; it \
-                 runs layers of ratio 0 (the raw window) and 128 (heavily compressed attention)"
-            }
-            _ => "a compression ratio llama.cpp does not know either (it takes 0, 4 and 128)",
-        };
-        return bad(format!("{}[{layer}] is {ratio}: {what}", keys.name(ratios_key)));
+        return bad(format!(
+            "{}[{layer}] is {ratio}: a compression ratio llama.cpp does not know either (it takes 0, 4 and 128)",
+            keys.name(ratios_key)
+        ));
+    }
+    let whole_rotation = indexer_head >= 64 && (indexer_head / 64).is_power_of_two() && indexer_head % 64 == 0;
+    if compress_ratios.contains(&CSA_RATIO) && !whole_rotation {
+        return bad(format!(
+            "{} is {indexer_head}: llama.cpp multiplies the lightning indexer's heads by a \
+             Walsh-Hadamard matrix, which baton takes of the whole head only (64 times a power \
+             of two)",
+            keys.name("attention.indexer.key_length")
+        ));
     }
 
     let d = hp.head_dim_k;
@@ -182,6 +186,7 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         o_lora_rank,
         hash_layers,
         indexer_heads: (indexer_n_head, indexer_head),
+        top_k,
         compress_ratios,
         compress_rope,
     });
@@ -213,11 +218,8 @@ fn tensors(t: &mut LayerPlan<'_>) {
         Split::Whole,
     );
     t.mat(T::AttnOutputB, &[v4.o_groups * v4.o_lora_rank, embd], Split::Whole);
-    if v4.is_hca(t.layer) {
-        t.mat(T::AttnCompressorKv, &[embd, d], Split::Whole);
-        t.mat(T::AttnCompressorGate, &[embd, d], Split::Whole);
-        t.mat(T::AttnCompressorApe, &[d, HCA_RATIO], Split::Whole);
-        t.norm(T::AttnCompressorNorm, d);
+    if v4.is_hca(t.layer) || v4.is_csa(t.layer) {
+        compressor_tensors(t, v4.compress_ratios[t.layer]);
     }
     hyper::tensors(t);
     tensors::experts(t, hp.moe.n_ff_exp, false);
@@ -234,44 +236,65 @@ fn tensors(t: &mut LayerPlan<'_>) {
     tensors::ffn(t, &FFN_SHEXP, hp.moe.n_ff_exp * hp.moe.n_expert_shared, false);
 }
 
+/// A compressed layer's compressor (over `2 × key_length` with overlapping blocks, ratio
+/// 4) and, with compressed sparse attention, the lightning indexer's with its compressor,
+/// as llama.cpp lists them.
+fn compressor_tensors(t: &mut LayerPlan<'_>, ratio: usize) {
+    let hp = t.hp;
+    let v4 = dsv4(hp);
+    let (embd, d) = (hp.n_embd, hp.head_dim_k);
+    let (ix_heads, ix_d) = v4.indexer_heads;
+    let overlap = if ratio == CSA_RATIO { 2 } else { 1 };
+    let mut compressor = |[kv, gate, ape, norm]: [T; 4], width: usize| {
+        t.mat(kv, &[embd, overlap * width], Split::Whole);
+        t.mat(gate, &[embd, overlap * width], Split::Whole);
+        t.mat(ape, &[overlap * width, ratio], Split::Whole);
+        t.norm(norm, width);
+    };
+    use T::*;
+    compressor(
+        [
+            AttnCompressorKv,
+            AttnCompressorGate,
+            AttnCompressorApe,
+            AttnCompressorNorm,
+        ],
+        d,
+    );
+    if ratio == CSA_RATIO {
+        t.mat(IndexerProj, &[embd, ix_heads], Split::Whole);
+        t.mat(IndexerAttnQB, &[v4.n_lora_q, ix_heads * ix_d], Split::Whole);
+        let mut indexer = |[kv, gate, ape, norm]: [T; 4], width: usize| {
+            t.mat(kv, &[embd, 2 * width], Split::Whole);
+            t.mat(gate, &[embd, 2 * width], Split::Whole);
+            t.mat(ape, &[2 * width, ratio], Split::Whole);
+            t.norm(norm, width);
+        };
+        indexer(
+            [
+                IndexerCompressorKv,
+                IndexerCompressorGate,
+                IndexerCompressorApe,
+                IndexerCompressorNorm,
+            ],
+            ix_d,
+        );
+    }
+}
+
 /// The multi-token-prediction layers after the trunk, as llama.cpp lists them with
 /// compressed sparse attention (ratio 4; see [`example`]): a trunk layer's tensors, the
 /// compressors' and the indexer's, and the prediction block's projection and norms.
 /// libllama loads a file only with them (and skips them when generating); baton never
 /// reads them.
 pub(super) fn prediction_layer_tensors(hp: &HParams) -> Vec<crate::tensors::TensorSpec> {
-    let v4 = dsv4(hp);
-    let (embd, d, n_lora_q) = (hp.n_embd, hp.head_dim_k, v4.n_lora_q);
-    let (ix_heads, ix_d) = v4.indexer_heads;
-    const RATIO: usize = 4;
+    let embd = hp.n_embd;
     let no_file = |_: &str| false;
     (hp.n_layer..hp.n_layer + hp.n_layer_nextn)
         .flat_map(|layer| {
             let mut t = LayerPlan::new(hp, layer, &no_file);
             tensors(&mut t);
-            for (kv, gate, ape, norm, width) in [
-                (
-                    T::AttnCompressorKv,
-                    T::AttnCompressorGate,
-                    T::AttnCompressorApe,
-                    T::AttnCompressorNorm,
-                    d,
-                ),
-                (
-                    T::IndexerCompressorKv,
-                    T::IndexerCompressorGate,
-                    T::IndexerCompressorApe,
-                    T::IndexerCompressorNorm,
-                    ix_d,
-                ),
-            ] {
-                t.mat(kv, &[embd, 2 * width], Split::Whole);
-                t.mat(gate, &[embd, 2 * width], Split::Whole);
-                t.mat(ape, &[2 * width, RATIO], Split::Whole);
-                t.norm(norm, width);
-            }
-            t.mat(T::IndexerProj, &[embd, ix_heads], Split::Whole);
-            t.mat(T::IndexerAttnQB, &[n_lora_q, ix_heads * ix_d], Split::Whole);
+            compressor_tensors(&mut t, CSA_RATIO);
             t.mat(T::NextnEhProj, &[2 * embd, embd], Split::Whole);
             t.norm(T::NextnEnorm, embd);
             t.norm(T::NextnHnorm, embd);
@@ -305,8 +328,8 @@ fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Ten
     let n_nope = hp.head_dim_k - hp.rope.n_dims as usize;
     // Uncompressed layers rotate with the model's RoPE, which `hparams` left without
     // YaRN; compressed layers with their own.
-    let compressed = v4.is_hca(layer);
-    let rope = if compressed { &v4.compress_rope } else { &hp.rope };
+    let ratio = v4.compress_ratios[layer];
+    let rope = if ratio != 0 { &v4.compress_rope } else { &hp.rope };
     let positions = b.inputs.positions;
 
     let qr = deepseek2::q_compressed(b, w, x); // [n_lora_q, n_tokens]
@@ -330,11 +353,14 @@ fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Ten
         d_v: hp.head_dim_k,
     };
     let sinks = Some(w.get(T::AttnSinks));
-    let out = if compressed {
-        let extra = hca::compressed_keys(b, w, layer, x);
-        b.attend_with_extra(layer, q, keys, sinks, hp.attn_scale, &extra)
-    } else {
-        b.attend(layer, q, keys, sinks, hp.attn_scale)
+    let extra = match ratio {
+        HCA_RATIO => Some(hca::compressed_keys(b, w, layer, x)),
+        CSA_RATIO => Some(csa::sparse_keys(b, w, layer, x, qr)),
+        _ => None,
+    };
+    let out = match extra {
+        Some(extra) => b.attend_with_extra(layer, q, keys, sinks, hp.attn_scale, &extra),
+        None => b.attend(layer, q, keys, sinks, hp.attn_scale),
     }; // [d, n_head, n_tokens]
     let out = ctx.reshape_3d(out, d, n_head, n_tokens);
     let out = ctx
@@ -400,9 +426,14 @@ fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
                 .collect(),
         )
     };
-    // The first layer on its window alone, the others heavily compressed too.
+    // The first layer on its window alone, then compressed sparse and heavily
+    // compressed layers in turn.
     let mut ratios: Vec<Value> = (0..shape.n_layer)
-        .map(|l| Value::U32(if l == 0 { 0 } else { HCA_RATIO as u32 }))
+        .map(|l| match l {
+            0 => Value::U32(0),
+            l if l % 2 == 1 => Value::U32(CSA_RATIO as u32),
+            _ => Value::U32(HCA_RATIO as u32),
+        })
         .collect();
     ratios.push(Value::U32(4));
     let mut keys = vec![
@@ -422,9 +453,12 @@ fn example(shape: &Shape) -> Vec<(&'static str, Value)> {
         ("swiglu_clamp_exp", clamps(0.8)),
         ("swiglu_clamp_shexp", clamps(0.0)),
         ("attention.indexer.head_count", Value::U32(2)),
-        // Twice the head: llama.cpp rotates the raw keys by a Hadamard matrix when the
-        // two are equal, and the indexer's by one of 64 or more.
-        ("attention.indexer.key_length", Value::U32((2 * shape.head_dim) as u32)),
+        // Wider than the head: llama.cpp rotates the raw keys by a Hadamard matrix when
+        // the two are equal; 64 times a power of two, the indexer's matrix.
+        (
+            "attention.indexer.key_length",
+            Value::U32((2 * shape.head_dim).next_power_of_two().max(64) as u32),
+        ),
         ("attention.indexer.top_k", Value::U32(4)),
         ("attention.output_group_count", Value::U32(2)),
         ("attention.output_lora_rank", Value::U32((shape.n_embd / 4) as u32)),

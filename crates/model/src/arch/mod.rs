@@ -17,6 +17,7 @@ pub mod mamba2;
 pub mod moe;
 pub mod msa;
 
+mod csa;
 mod deepseek2;
 mod deepseek32;
 mod deepseek4;
