@@ -14,11 +14,10 @@
 //! - multi-token-prediction layers after the trunk, which generation skips (baton never
 //!   loads them).
 //!
-//! Layers may also compress their keys (`attention.compress_ratios`): 128 for heavily
-//! compressed attention, blocks of 128 positions pooled into one key each, attended
-//! after the window (see [`hca`]); 4 for compressed sparse attention, overlapping blocks
-//! of 4 chosen by a lightning indexer over compressed keys of its own, which baton does
-//! not compute yet: such a layer is refused with the key and layer named.
+//! Layers may also compress their keys (`attention.compress_ratios`), attended after
+//! the window: 128 for heavily compressed attention, blocks of 128 positions pooled into
+//! one key each (see [`hca`]); 4 for compressed sparse attention, overlapping blocks of 4
+//! chosen by a lightning indexer over compressed keys of its own (see [`csa`]).
 
 use baton_ggml::Tensor;
 use baton_gguf::Value;
