@@ -22,6 +22,19 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// libllama's logits after each of `chunks` (a prompt's batches), then after each of
+/// `n_decode` greedy steps, and the greedy tokens.
+fn libllama_steps(ctx: &mut LlamaContext, chunks: &[&[u32]], n_decode: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
+    let mut logits: Vec<Vec<f32>> = chunks.iter().map(|chunk| ctx.decode(chunk).unwrap()).collect();
+    let mut tokens = Vec::new();
+    for _ in 0..n_decode {
+        let next = baton_sample::argmax(logits.last().unwrap()).unwrap();
+        tokens.push(next);
+        logits.push(ctx.decode(&[next]).unwrap());
+    }
+    (logits, tokens)
+}
+
 fn stages(arch: &str, file_type: FileType) {
     let path = synthetic(arch, file_type);
     let worst = check_stages(&path, &format!("{arch} {}", file_type.name()));
@@ -662,13 +675,7 @@ fn deepseek4_compressed_blocks_match_llama_cpp_bit_for_bit() {
 
     // One thread each side: under 512 cells the count changes no bit (see `THREADS`).
     let mut ctx = LlamaContext::new(&oracle, 512, 512, 1).unwrap();
-    let mut expected = vec![ctx.decode(first).unwrap(), ctx.decode(rest).unwrap()];
-    let mut tokens = Vec::new();
-    for _ in 0..N_DECODE {
-        let next = baton_sample::argmax(expected.last().unwrap()).unwrap();
-        tokens.push(next);
-        expected.push(ctx.decode(&[next]).unwrap());
-    }
+    let (expected, tokens) = libllama_steps(&mut ctx, &[first, rest], N_DECODE);
 
     for n_stages in [1, 2, 3] {
         let ranges = baton_plan::even_split(file.hparams().n_layer, n_stages).unwrap();
@@ -1044,16 +1051,8 @@ fn window_caches_match_llama_cpp_past_the_window() {
 
         // libllama: the prompt in batches of 64, then greedy steps; every step's logits.
         let mut ctx = LlamaContext::with_window_cache(&oracle, N_CTX as u32, N_BATCH as u32, THREADS).unwrap();
-        let mut expected = Vec::new();
-        for chunk in prompt.chunks(N_BATCH) {
-            expected.push(ctx.decode(chunk).unwrap());
-        }
-        let mut tokens = Vec::new();
-        for _ in 0..N_DECODE {
-            let next = baton_sample::argmax(expected.last().unwrap()).unwrap();
-            tokens.push(next);
-            expected.push(ctx.decode(&[next]).unwrap());
-        }
+        let chunks: Vec<&[u32]> = prompt.chunks(N_BATCH).collect();
+        let (expected, tokens) = libllama_steps(&mut ctx, &chunks, N_DECODE);
 
         for n_stages in [1, 2, 3] {
             let ranges = baton_plan::even_split(hp.n_layer, n_stages).unwrap();

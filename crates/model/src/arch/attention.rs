@@ -42,6 +42,18 @@ pub struct ExtraKeys<'g> {
     pub n_kv_max: Option<usize>,
 }
 
+/// What each span of an attention layer attends with beside its cells' keys and mask
+/// (one per span, in span order).
+#[derive(Clone, Copy)]
+pub enum SpanKeys<'a, 'g> {
+    /// Its cells under its own mask.
+    Cells,
+    /// Its cells under a sparse-attention indexer's mask.
+    Sparse(&'a [SparseMask<'g>]),
+    /// Its cells, then keys that are also values (DeepSeek V4's compressed keys).
+    Extra(&'a [ExtraKeys<'g>]),
+}
+
 impl<'g> Builder<'g> {
     /// The standard attention block: projections (fused or separate, with biases when
     /// the layer has them), q/k norms when the layer has them, RoPE, the cache, flash
@@ -218,51 +230,24 @@ impl<'g> Builder<'g> {
         sinks: Option<Tensor<'g>>,
         scale: f32,
     ) -> Tensor<'g> {
-        self.attend_masked(layer, q, kv, sinks, scale, None)
+        self.attend_masked(layer, q, kv, sinks, scale, SpanKeys::Cells)
     }
 
-    /// [`attend`](Self::attend) with the masks of `sparse` (one per span, in span
-    /// order) in place of the spans' own: DeepSeek sparse attention's selection.
+    /// [`attend`](Self::attend), each span with what `with` says beside its cells:
+    /// DeepSeek sparse attention's masks in place of the spans' own, or DeepSeek V4's
+    /// compressed keys after the cells (as llama.cpp joins them to the raw window's).
     pub fn attend_masked(
-        &mut self,
-        layer: usize,
-        q: Tensor<'g>,
-        kv: KeyValues<'g>,
-        sinks: Option<Tensor<'g>>,
-        scale: f32,
-        sparse: Option<&[SparseMask<'g>]>,
-    ) -> Tensor<'g> {
-        self.attend_spans(layer, q, kv, sinks, scale, sparse, None)
-    }
-
-    /// [`attend`](Self::attend) over a layer whose keys are its values (`kv.v` `None`),
-    /// each span over its cells and then its `extra` keys (one per span, in span order),
-    /// the masks joined as the keys are, as llama.cpp joins DeepSeek V4's raw window
-    /// and compressed keys.
-    pub fn attend_with_extra(
-        &mut self,
-        layer: usize,
-        q: Tensor<'g>,
-        kv: KeyValues<'g>,
-        sinks: Option<Tensor<'g>>,
-        scale: f32,
-        extra: &[ExtraKeys<'g>],
-    ) -> Tensor<'g> {
-        assert!(kv.v.is_none(), "extra keys are their own values");
-        self.attend_spans(layer, q, kv, sinks, scale, None, Some(extra))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn attend_spans(
         &mut self,
         layer: usize,
         mut q: Tensor<'g>,
         mut kv: KeyValues<'g>,
         sinks: Option<Tensor<'g>>,
         scale: f32,
-        sparse: Option<&[SparseMask<'g>]>,
-        extra: Option<&[ExtraKeys<'g>]>,
+        with: SpanKeys<'_, 'g>,
     ) -> Tensor<'g> {
+        if let SpanKeys::Extra(_) = with {
+            assert!(kv.v.is_none(), "extra keys are their own values");
+        }
         let hp = self.hp;
         let ctx = self.ctx;
         let n_tokens = self.inputs.n_tokens as i64;
@@ -338,21 +323,14 @@ impl<'g> Builder<'g> {
             let q_rows = ctx.permute(q_rows, [0, 2, 1, 3]); // [d_k, rows, n_head]
             let mask = if swa { span.mask_swa } else { span.mask };
             let mask = mask.expect("the stage creates the mask of every kind of layer it has");
-            let (keys, values, mask, n_kv_max) = match extra {
-                Some(extra) => {
-                    let keys = ctx.concat(keys, extra[index].keys, 1);
-                    (
-                        keys,
-                        keys,
-                        ctx.concat(mask, extra[index].mask, 0),
-                        extra[index].n_kv_max,
-                    )
+            let (keys, values, mask, n_kv_max) = match with {
+                SpanKeys::Cells => (keys, values, mask, None),
+                SpanKeys::Sparse(sparse) => (keys, values, sparse[index].mask, Some(sparse[index].n_kv_max)),
+                SpanKeys::Extra(extra) => {
+                    let extra = extra[index];
+                    let keys = ctx.concat(keys, extra.keys, 1);
+                    (keys, keys, ctx.concat(mask, extra.mask, 0), extra.n_kv_max)
                 }
-                None => (keys, values, mask, None),
-            };
-            let (mask, n_kv_max) = match sparse {
-                Some(sparse) => (sparse[index].mask, Some(sparse[index].n_kv_max)),
-                None => (mask, n_kv_max),
             };
             let mut part = ctx.flash_attn(q_rows, keys, values, mask, scale, hp.attn_logit_softcap);
             if let Some(n_kv_max) = n_kv_max {

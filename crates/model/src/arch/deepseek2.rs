@@ -12,7 +12,7 @@
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-use super::attention::KeyValues;
+use super::attention::{KeyValues, SpanKeys};
 use super::builder::{Act, Shard};
 use super::moe::{DownInput, ExpertAct, Gating, Routing};
 use super::{Architecture, Builder, LayerSizes, Rope, Shape};
@@ -320,7 +320,14 @@ pub(super) fn mla_attention<'g>(
         v: None,
         d_v: mla.n_lora_kv,
     };
-    let out = b.attend_masked(layer, q, keys, None, scale, sparse.as_deref()); // [n_lora_kv, n_head, n_tokens]
+    let out = b.attend_masked(
+        layer,
+        q,
+        keys,
+        None,
+        scale,
+        sparse.as_deref().map_or(SpanKeys::Cells, SpanKeys::Sparse),
+    ); // [n_lora_kv, n_head, n_tokens]
     let out = ctx.permute(out, [0, 2, 1, 3]); // [n_lora_kv, n_tokens, n_head]
     let out = b.mm(w.get(T::AttnVB), out); // [head_dim_v, n_tokens, n_head]
     let out = ctx.cont(ctx.permute(out, [0, 2, 1, 3])); // [head_dim_v, n_head, n_tokens]

@@ -22,7 +22,7 @@
 use baton_ggml::Tensor;
 use baton_gguf::Value;
 
-use super::attention::KeyValues;
+use super::attention::{KeyValues, SpanKeys};
 use super::builder::Act;
 use super::hyper::{self, Head, Hyper, Site};
 use super::moe::{DownInput, ExpertAct, Gating, Routing, SwigluClamps};
@@ -358,7 +358,7 @@ fn attention<'g>(b: &mut Builder<'g>, w: &LayerTensors<'g>, layer: usize, x: Ten
         _ => None,
     };
     let out = match extra {
-        Some(extra) => b.attend_with_extra(layer, q, keys, sinks, hp.attn_scale, &extra),
+        Some(extra) => b.attend_masked(layer, q, keys, sinks, hp.attn_scale, SpanKeys::Extra(&extra)),
         None => b.attend(layer, q, keys, sinks, hp.attn_scale),
     }; // [d, n_head, n_tokens]
     let out = ctx.reshape_3d(out, d, n_head, n_tokens);
