@@ -78,8 +78,10 @@ pub struct SynthArgs {
     #[arg(long)]
     optional_tensors: bool,
     /// A metadata key of the architecture set to a value (`attn_res.block_size=0`:
-    /// integers as u32, decimals as f32, `true`/`false` as booleans), over the
-    /// example's; repeatable.
+    /// integers as u32, decimals as f32, `true`/`false` as booleans, integers separated
+    /// by commas as an array of u32, e.g. deepseek4's
+    /// `attention.compress_ratios=0,4,128,4,4` with a ratio per layer and one for the
+    /// prediction layer), over the example's; repeatable.
     #[arg(long = "key", value_name = "NAME=VALUE")]
     keys: Vec<String>,
 }
@@ -91,12 +93,20 @@ fn parse_key(arch: &str, text: &str) -> anyhow::Result<(String, Value)> {
         .with_context(|| format!("--key {text}: expected NAME=VALUE"))?;
     let value = if let Ok(n) = value.parse::<u32>() {
         Value::U32(n)
+    } else if let Some(list) = value
+        .contains(',')
+        .then(|| value.split(',').map(|v| v.parse::<u32>().map(Value::U32)).collect())
+        .and_then(Result::ok)
+    {
+        Value::Array(list)
     } else if let Ok(x) = value.parse::<f32>() {
         Value::F32(x)
     } else if let Ok(b) = value.parse::<bool>() {
         Value::Bool(b)
     } else {
-        anyhow::bail!("--key {text}: the value is not an integer, a number or true/false");
+        anyhow::bail!(
+            "--key {text}: the value is not an integer, a number, true/false or integers separated by commas"
+        );
     };
     Ok((format!("{arch}.{name}"), value))
 }
@@ -145,4 +155,26 @@ pub fn synth(args: SynthArgs) -> anyhow::Result<()> {
         file_type.name()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_take_scalars_and_lists_of_integers() {
+        let key = |text| parse_key("deepseek4", text).map_err(|e| e.to_string());
+        assert_eq!(
+            key("attention.compress_ratios=0,4,128").unwrap(),
+            (
+                "deepseek4.attention.compress_ratios".to_string(),
+                Value::Array(vec![Value::U32(0), Value::U32(4), Value::U32(128)])
+            )
+        );
+        assert_eq!(key("hash_layer_count=2").unwrap().1, Value::U32(2));
+        assert_eq!(key("expert_weights_norm=true").unwrap().1, Value::Bool(true));
+        assert!(key("attention.compress_ratios=0,x")
+            .unwrap_err()
+            .contains("integers separated by commas"));
+    }
 }
