@@ -1168,6 +1168,10 @@ fn deepseek4_variants_are_refused_with_the_key_or_tensor_named() {
             .without_tensor("blk.1.indexer_compressor_ape.weight")),
         "tensor 'blk.1.indexer_compressor_ape.weight' is missing from the model file"
     );
+    assert!(
+        text("csa-top-k", &set("deepseek4.attention.indexer.top_k", Value::U32(0)))
+            .contains("compressed sparse layers choose blocks with at least one indexer head, and at least one block")
+    );
     assert_eq!(
         text(
             "csa-rotation",

@@ -150,6 +150,14 @@ fn hparams(hp: &mut HParams, keys: &Keys<'_>) -> Result<(), ModelError> {
         ));
     }
     let whole_rotation = indexer_head >= 64 && (indexer_head / 64).is_power_of_two() && indexer_head % 64 == 0;
+    if compress_ratios.contains(&CSA_RATIO) && (top_k == 0 || indexer_n_head == 0) {
+        return bad(format!(
+            "{} {top_k} and {} {indexer_n_head}: compressed sparse layers choose blocks with at \
+             least one indexer head, and at least one block",
+            keys.name("attention.indexer.top_k"),
+            keys.name("attention.indexer.head_count")
+        ));
+    }
     if compress_ratios.contains(&CSA_RATIO) && !whole_rotation {
         return bad(format!(
             "{} is {indexer_head}: llama.cpp multiplies the lightning indexer's heads by a \
