@@ -136,7 +136,8 @@ pub struct Dsv4 {
     /// (`attention.indexer.top_k`).
     pub top_k: usize,
     /// Each trunk layer's key compression (`attention.compress_ratios`): 0 for the raw
-    /// window alone, [`HCA_RATIO`] for heavily compressed attention.
+    /// window alone, [`CSA_RATIO`] for compressed sparse attention, [`HCA_RATIO`] for
+    /// heavily compressed attention.
     pub compress_ratios: Vec<usize>,
     /// RoPE of the compressed layers: the model's YaRN settings over
     /// `attention.compress_rope_freq_base` (the raw window's layers have none).

@@ -490,7 +490,8 @@ impl KvCache {
     }
 
     /// DeepSeek V4's compressor rows of global layer `layer` (`[2 head_dim, n_ctx]` f32,
-    /// each token's value row then its score row) in the cells of the full cache (the
+    /// each token's value row then its score row; `[4 head_dim, n_ctx]` on a compressed
+    /// sparse layer, whose rows are twice as wide) in the cells of the full cache (the
     /// cells of [`Slots::full`], a cell for every token), so that truncating a sequence
     /// drops them with its tokens and the compressed keys, a function of these rows
     /// alone, are computed again from them. `None` on layers without a compressor.
