@@ -104,7 +104,8 @@ pub(super) fn sparse_keys<'g>(
         let scores = ctx.lightning_indexer(q_rows, ix_keys, w_rows, csa.mask); // [n_keys, rows]
         let n_top = v4.top_k.min(n_keys);
         let top = ctx.cont(ctx.top_k(scores, n_top)); // i32 [n_top, rows]
-                                                      // -inf except the chosen blocks, then the blocks each row sees.
+
+        // -inf except the chosen blocks, then the blocks each row sees.
         let hidden = ctx.fill(
             ctx.new_tensor(DType::F16, &[1, n_keys as i64, n_rows]),
             f32::NEG_INFINITY,
