@@ -221,6 +221,7 @@ fn decode_batches_compute_every_row_as_alone() {
         (sys::GGML_TYPE_Q4_0, "q4_0"),
         (sys::GGML_TYPE_Q8_0, "q8_0"),
         (sys::GGML_TYPE_IQ4_NL, "iq4_nl"),
+        (sys::GGML_TYPE_Q2_K, "q2_K"),
         (sys::GGML_TYPE_Q4_K, "q4_K"),
         (sys::GGML_TYPE_Q5_K, "q5_K"),
         (sys::GGML_TYPE_Q6_K, "q6_K"),
@@ -244,11 +245,17 @@ fn decode_batches_compute_every_row_as_alone() {
             let place = extra.map_or("CPU".into(), |e| e.name());
             println!("{name:7} {place:10} {rows} rows, whole batches: {:?}", batching.whole);
             assert!((1..=crate::MAX_ROWS).contains(&rows));
-            let k_quant = [sys::GGML_TYPE_Q4_K, sys::GGML_TYPE_Q5_K, sys::GGML_TYPE_Q6_K].contains(&w_type);
+            let k_quant = [
+                sys::GGML_TYPE_Q2_K,
+                sys::GGML_TYPE_Q4_K,
+                sys::GGML_TYPE_Q5_K,
+                sys::GGML_TYPE_Q6_K,
+            ]
+            .contains(&w_type);
             if cfg!(target_arch = "x86_64") && k_quant && rows < crate::MAX_ROWS {
                 let expected = match extra {
                     None => Some(crate::Whole::Planes),
-                    Some(_) if crate::rows::available() => Some(crate::Whole::Q4kRows),
+                    Some(_) if w_type == sys::GGML_TYPE_Q4_K && crate::rows::available() => Some(crate::Whole::Q4kRows),
                     Some(_) => None,
                 };
                 assert_eq!(batching.whole, expected, "{name} in {place}");
