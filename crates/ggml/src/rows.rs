@@ -225,22 +225,22 @@ unsafe extern "C" fn multiply_rows(dst: *mut sys::ggml_tensor, ith: i32, nth: i3
         let rows: Vec<*const BlockQ8K> = (0..n)
             .map(|r| ((*src).data as *const u8).add(r * (*src).nb[1]) as *const BlockQ8K)
             .collect();
-        let out = |r: usize| ((*dst).data as *mut u8).add(r * (*dst).nb[1]) as *mut f32;
+        let out: Vec<*mut f32> = (0..n)
+            .map(|r| ((*dst).data as *mut u8).add(r * (*dst).nb[1]) as *mut f32)
+            .collect();
         for group in share(weight.rows / COLS, ith, nth) {
             let w = (weight.data as *const BlockQ4Kx8).add(group * blocks);
-            let mut first = 0;
-            while first < n {
-                let take = (n - first).min(4);
-                let a = &rows[first..first + take];
-                let o: Vec<*mut f32> = (first..first + take).map(|r| out(r).add(group * COLS)).collect();
+            // Up to 4 rows at a time: their accumulators fill the vector registers.
+            for first in (0..n).step_by(4) {
+                let last = (first + 4).min(n);
+                let (a, o) = (&rows[first..last], &out[first..last]);
                 #[cfg(target_arch = "x86_64")]
-                match take {
-                    4 => x86::group::<4>(blocks, w, a, &o),
-                    3 => x86::group::<3>(blocks, w, a, &o),
-                    2 => x86::group::<2>(blocks, w, a, &o),
-                    _ => x86::group::<1>(blocks, w, a, &o),
+                match last - first {
+                    4 => x86::group::<4>(blocks, w, a, o, group * COLS),
+                    3 => x86::group::<3>(blocks, w, a, o, group * COLS),
+                    2 => x86::group::<2>(blocks, w, a, o, group * COLS),
+                    _ => x86::group::<1>(blocks, w, a, o, group * COLS),
                 }
-                first += take;
             }
         }
     }
@@ -283,18 +283,19 @@ mod x86 {
         (_mm256_cvtepu8_epi16(_mm_shuffle_epi8(packed, scalemask)), packed)
     }
 
-    /// One group of 8 weight rows times `R` activation rows: `out[r][0..8]` gets what
-    /// `ggml_gemv_q4_K_8x8_q8_K` writes for row `r` (same operations, same order).
+    /// One group of 8 weight rows times `R` activation rows: `out[r][col..col + 8]` gets
+    /// what `ggml_gemv_q4_K_8x8_q8_K` writes for row `r` (same operations, same order).
     ///
     /// # Safety
     /// `w` points at `blocks` repacked blocks, each `a[r]` at `blocks` q8_K blocks, each
-    /// `out[r]` at 8 writable floats; the CPU has AVX2, FMA and F16C.
+    /// `out[r] + col` at 8 writable floats; the CPU has AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group<const R: usize>(
         blocks: usize,
         w: *const BlockQ4Kx8,
         a: &[*const BlockQ8K],
         out: &[*mut f32],
+        col: usize,
     ) {
         let deltamask = _mm_set_epi8(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
         let finalpermutemask = _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0);
@@ -395,8 +396,8 @@ mod x86 {
         }
         for r in 0..R {
             let sorted = _mm256_permutevar8x32_ps(acc_row[r], finalpermutemask);
-            // SAFETY: 8 writable floats per row.
-            unsafe { _mm256_storeu_ps(out[r], _mm256_sub_ps(sorted, acc_min[r])) };
+            // SAFETY: 8 writable floats per row at `col`.
+            unsafe { _mm256_storeu_ps(out[r].add(col), _mm256_sub_ps(sorted, acc_min[r])) };
         }
     }
 }
