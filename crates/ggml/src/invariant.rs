@@ -72,8 +72,16 @@ pub struct Batching {
     pub whole: Option<Whole>,
 }
 
+impl Whole {
+    /// Whether these products take `x`: 2-d f32 rows, each contiguous.
+    pub fn takes(x: Tensor<'_>) -> bool {
+        let [_, _, ne2, ne3] = x.ne();
+        x.dtype() == DType::F32 && ne2 == 1 && ne3 == 1 && x.nb()[0] == std::mem::size_of::<f32>()
+    }
+}
+
 impl Context {
-    /// `w x` for 2-d f32 activations `x`, computed as `whole` says.
+    /// `w x` for activations `x` that [`Whole::takes`], computed as `whole` says.
     pub fn mul_mat_whole<'t>(&'t self, w: Tensor<'t>, x: Tensor<'t>, whole: Whole) -> Tensor<'t> {
         match whole {
             Whole::Planes => {

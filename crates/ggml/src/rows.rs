@@ -90,18 +90,16 @@ impl Context {
     ///
     /// # Panics
     /// When `w` is not q4_K with a multiple of 8 rows and of 256 columns, or `x` is not
-    /// 2-d f32 rows of `w`'s width (a bug in the caller).
+    /// 2-d f32 rows of `w`'s width, each contiguous (a bug in the caller).
     pub(crate) fn q4_k_rows<'t>(&'t self, w: Tensor<'t>, x: Tensor<'t>) -> Tensor<'t> {
         let [width, rows, ..] = w.ne();
-        let [xw, n, x2, x3] = x.ne();
+        let [xw, n, ..] = x.ne();
         assert!(
             w.dtype() == DType(sys::GGML_TYPE_Q4_K)
                 && rows % COLS as i64 == 0
                 && width % QK_K as i64 == 0
-                && x.dtype() == DType::F32
-                && xw == width
-                && x2 == 1
-                && x3 == 1,
+                && crate::Whole::takes(x)
+                && xw == width,
             "q4_k_rows multiplies a repacked q4_K weight by f32 rows"
         );
         // SAFETY: reads the data pointer of a weight allocated in its buffer.

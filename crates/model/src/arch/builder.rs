@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use baton_ggml::{batching, Batching, Context, DType, Graph, HostOp, Product, Tensor};
+use baton_ggml::{batching, Batching, Context, Graph, HostOp, Product, Tensor, Whole};
 
 use super::attention::SparseMask;
 use crate::hparams::HParams;
@@ -237,12 +237,9 @@ impl<'g> Builder<'g> {
     /// on a GPU) all rows at once, as llama.cpp does.
     pub fn mm(&self, w: Tensor<'g>, x: Tensor<'g>) -> Tensor<'g> {
         let ctx = self.ctx;
-        let [_, n_rows, heads, _] = x.ne();
-        match self.decode_batching(w, Product::MulMat, n_rows) {
+        match self.decode_batching(w, Product::MulMat, x.ne()[1]) {
             None => ctx.mul_mat(w, x),
-            Some(Batching { whole: Some(whole), .. }) if heads == 1 && x.dtype() == DType::F32 => {
-                ctx.mul_mat_whole(w, x, whole)
-            }
+            Some(Batching { whole: Some(whole), .. }) if Whole::takes(x) => ctx.mul_mat_whole(w, x, whole),
             Some(Batching { rows: piece, .. }) => {
                 let piece = piece as i64;
                 let [n, _, k, _] = x.ne();
