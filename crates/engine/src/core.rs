@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_net::Counters as LinkCounters;
-use baton_proto::{Message, SampledToken, StartSeq};
+use baton_proto::{Conversation, Ring, SampledToken, StartSeq};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
@@ -42,7 +42,7 @@ pub(crate) enum Pending {
 #[derive(Debug, PartialEq)]
 pub(crate) enum Action {
     /// Send this into the ring (the reply is already expected).
-    Send(Message),
+    Send(Ring),
     /// The ring is gone: close it and have the ring source form a new one, reporting
     /// losses as ring number `gen`.
     FormRing { gen: u64 },
@@ -170,7 +170,7 @@ impl Core {
                 .push(Output::Stats(reply, Err("the cluster is forming a new ring".into())));
             return;
         }
-        let msg = Message::Stats {
+        let msg = Ring::Stats {
             resident: Vec::new(),
             kv_used: Vec::new(),
             busy_us: Vec::new(),
@@ -228,7 +228,7 @@ impl Core {
     }
 
     /// A reply from ring `gen`.
-    pub fn reply(&mut self, gen: u64, reply: Message, now: Instant) {
+    pub fn reply(&mut self, gen: u64, reply: Ring, now: Instant) {
         if gen != self.gen {
             return;
         }
@@ -237,10 +237,10 @@ impl Core {
             return;
         };
         match (pending, reply) {
-            (Pending::Control, Message::Done) | (Pending::Shutdown, _) => {}
+            (Pending::Control, Ring::Done) | (Pending::Shutdown, _) => {}
             (
                 Pending::Control,
-                Message::Error {
+                Ring::Error {
                     first_layer, message, ..
                 },
             ) => {
@@ -248,7 +248,7 @@ impl Core {
             }
             (
                 Pending::Stats(answer),
-                Message::Stats {
+                Ring::Stats {
                     resident,
                     kv_used,
                     busy_us,
@@ -276,14 +276,14 @@ impl Core {
             }
             (
                 Pending::Stats(answer),
-                Message::Error {
+                Ring::Error {
                     first_layer, message, ..
                 },
             ) => {
                 let why = format!("the stage from layer {first_layer}: {message}");
                 self.outputs.push(Output::Stats(answer, Err(why)));
             }
-            (Pending::Step { members, decode_rows }, Message::Sampled { tokens, .. }) => {
+            (Pending::Step { members, decode_rows }, Ring::Sampled { tokens, .. }) => {
                 self.steps_in_flight -= 1;
                 self.count(Figure::RoundTripUs, now.duration_since(sent).as_micros() as i64);
                 if let Some(rows) = decode_rows {
@@ -313,14 +313,14 @@ impl Core {
                     self.on_tokens(member, &got, now);
                 }
             }
-            (Pending::Step { members, .. }, Message::Pooled { seq, values, .. }) => {
+            (Pending::Step { members, .. }, Ring::Pooled { seq, values, .. }) => {
                 self.steps_in_flight -= 1;
                 self.count(Figure::RoundTripUs, now.duration_since(sent).as_micros() as i64);
                 self.on_pooled(members, seq, values, now);
             }
             (
                 Pending::Step { members, .. },
-                Message::Error {
+                Ring::Error {
                     first_layer,
                     fault,
                     message,
@@ -409,7 +409,7 @@ impl Core {
     /// `Shutdown` to come back while [`connected`](Self::connected)).
     pub fn shutdown(&mut self, now: Instant) {
         self.stopping = true;
-        self.send(Message::Shutdown, Pending::Shutdown, now);
+        self.send(Ring::Shutdown, Pending::Shutdown, now);
     }
 
     /// Everything that depends on time or on what the last event changed: deadlines,
@@ -473,7 +473,7 @@ impl Core {
     }
 
     /// Remembers that `msg` goes into the ring and what its reply will answer.
-    fn send(&mut self, msg: Message, pending: Pending, now: Instant) {
+    fn send(&mut self, msg: Ring, pending: Pending, now: Instant) {
         if !self.connected {
             if let Pending::Stats(reply) = pending {
                 self.outputs
@@ -552,7 +552,7 @@ impl Core {
             .span
             .in_scope(|| tracing::debug!("the client went away: ending the sequence on every stage"));
         self.drafters.forget(seq as u32);
-        self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
+        self.send(Ring::EndSeq { seq: seq as u32 }, Pending::Control, now);
     }
 
     /// Gives free slots to waiting requests, preferring the slot whose cache the prompt
@@ -648,7 +648,7 @@ impl Core {
                 PrefixReuse::Checkpoints => members.iter().map(|m| m.seq).collect(),
                 PrefixReuse::Anywhere | PrefixReuse::Recent(_) => Vec::new(),
             };
-            self.send(Message::Forward(forward), Pending::Step { members, decode_rows }, now);
+            self.send(Ring::Forward(forward), Pending::Step { members, decode_rows }, now);
             for seq in checkpointed {
                 self.checkpoint_whole_chunk(seq, now);
             }
@@ -672,7 +672,7 @@ impl Core {
         if active.checkpoints.len() > baton_model::CHECKPOINTS {
             active.checkpoints.remove(0);
         }
-        let msg = Message::Checkpoint {
+        let msg = Ring::Checkpoint {
             seq: seq as u32,
             len: at as u32,
         };
@@ -695,7 +695,7 @@ impl Core {
         self.drafters.forget(seq as u32);
         self.count(Figure::Active, -1);
         self.count(Figure::Failed, 1);
-        self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
+        self.send(Ring::EndSeq { seq: seq as u32 }, Pending::Control, now);
     }
 
     /// The last stage's embedding for the step's pooled sequence `seq`: the request
@@ -731,7 +731,7 @@ impl Core {
             embedding: Some(values),
         };
         self.tell(active.job.events, Event::Finished(finish));
-        self.send(Message::EndSeq { seq }, Pending::Control, now);
+        self.send(Ring::EndSeq { seq }, Pending::Control, now);
     }
 
     /// The tokens the last stage sampled for a member of a step: its token's sample
@@ -756,7 +756,7 @@ impl Core {
             // FIFO: every stage drops the rejected rows' cells before this sequence's
             // next step reaches it.
             self.send(
-                Message::TruncateSeq {
+                Ring::TruncateSeq {
                     seq: seq as u32,
                     len: len as u32,
                 },

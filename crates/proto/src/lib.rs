@@ -2,19 +2,27 @@
 //! encoding into frames and the authentication arithmetic; no I/O (transports live
 //! in `baton-net`, which drives what is defined here).
 //!
-//! Two kinds of traffic share one frame format:
+//! Every link carries one conversation, a type with exactly the messages that may
+//! cross it ([`Handshake`], [`Control`], [`Fetch`], [`Heartbeat`], [`Ring`], [`Group`]);
+//! [`Message`] is the union the frames encode, and a receiver turns each frame into its
+//! link's conversation, so a frame of another is one [`WrongConversation`] error:
 //! - the **ring**: head → first stage → … → last stage → head (`StartSeq`, `Forward`,
 //!   `Sampled`, …), one frame per step per hop;
 //! - the **control** conversation between the head and each worker when a cluster
-//!   forms (`Describe`, `Capabilities`, `LoadPlan`, tensor streaming, `Loaded`).
+//!   forms (`Describe`, `Capabilities`, `LoadPlan`, tensor streaming, `Loaded`);
+//! - the **group**'s exchanges between the members of a tensor-parallel group, the
+//!   **heartbeat**, a worker's **fetch** of tensors from another, and the **handshake**
+//!   that opens every connection.
 #![deny(unsafe_code)]
 
 pub mod auth;
 mod codec;
+mod conversation;
 pub mod handshake;
 pub mod invite;
 
 pub use codec::{decode, encode, encode_payload, header, parse_header, ProtoError, DEFAULT_MAX_FRAME, HEADER_LEN};
+pub use conversation::{Control, Conversation, Fetch, Group, Handshake, Heartbeat, Ring, WrongConversation};
 
 use baton_sample::{ReasoningBudget, SamplingParams};
 
@@ -478,7 +486,9 @@ pub struct TensorEntry {
     pub sha256: [u8; 32],
 }
 
-/// Every message of the protocol.
+/// Every message of the protocol: what a frame encodes, whichever link it crosses.
+/// Receivers match on their link's conversation ([`Ring`], [`Control`], …), which
+/// holds only the messages that may arrive there.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {
     // --- handshake (first frames on every connection) ---
@@ -696,18 +706,7 @@ impl StartSeq {
 
 impl From<StartSeq> for Message {
     fn from(s: StartSeq) -> Message {
-        Message::StartSeq {
-            seq: s.seq,
-            keep: s.keep,
-            params: s.params,
-            history: s.history,
-            top_logprobs: s.top_logprobs,
-            logprobs: s.logprobs,
-            drawn: s.drawn,
-            grammar: s.grammar,
-            pooling: s.pooling,
-            budget: s.budget.map(Box::new),
-        }
+        Ring::from(s).into()
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use baton_grammar::{Grammar, GrammarError, Matcher, TokenTable};
 use baton_model::{one_row_per_sequence, Batch, LogitReply, ModelError, RowBest, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
-use baton_proto::{Fault, Forward, Message, Payload, Pooling, SampledToken};
+use baton_proto::{Conversation, Fault, Forward, Message, Payload, Pooling, Ring, SampledToken};
 use baton_sample::{utf8_complete, BudgetTracker, Sampler, SamplingError};
 
 use crate::max_decode_rows;
@@ -79,37 +79,37 @@ impl StageWorker {
     }
 
     /// Handles one message; returns what goes to the next hop (the next stage, or the
-    /// head after the last stage). Errors become `Message::Error` so the ring never
+    /// head after the last stage). Errors become a ring `Error` so the ring never
     /// stalls on a bad message.
-    pub fn handle(&mut self, msg: Message) -> Message {
+    pub fn handle(&mut self, msg: Ring) -> Ring {
         let last = self.stage.span().last;
         let reply = match msg {
-            start @ Message::StartSeq { .. } => {
+            start @ Ring::StartSeq { .. } => {
                 if let Err(e) = self.start_seq(&start) {
                     return self.error(e);
                 }
                 start
             }
-            Message::TruncateSeq { seq, len } => {
+            Ring::TruncateSeq { seq, len } => {
                 self.stage.truncate_seq(seq, len as usize);
                 if let Some(pool) = self.pools.get_mut(&seq) {
                     pool.truncate(len as usize, self.stage.file().hparams().n_embd);
                 }
-                Message::TruncateSeq { seq, len }
+                Ring::TruncateSeq { seq, len }
             }
-            Message::Checkpoint { seq, len } => {
+            Ring::Checkpoint { seq, len } => {
                 if let Err(e) = self.stage.checkpoint_seq(seq, len as usize) {
                     return self.error(StageError::Model(e));
                 }
-                Message::Checkpoint { seq, len }
+                Ring::Checkpoint { seq, len }
             }
-            Message::EndSeq { seq } => {
+            Ring::EndSeq { seq } => {
                 self.stage.clear_seq(seq);
                 self.samplers.remove(&seq);
                 self.pools.remove(&seq);
-                Message::EndSeq { seq }
+                Ring::EndSeq { seq }
             }
-            Message::Forward(forward) => {
+            Ring::Forward(forward) => {
                 let span = tracing::debug_span!("step", step = forward.step, rows = forward.positions.len());
                 let _entered = span.enter();
                 let started = std::time::Instant::now();
@@ -123,7 +123,7 @@ impl StageWorker {
                 tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "computed");
                 return reply;
             }
-            Message::Stats {
+            Ring::Stats {
                 mut resident,
                 mut kv_used,
                 mut busy_us,
@@ -136,7 +136,7 @@ impl StageWorker {
                 busy_us.push(self.busy.as_micros() as u64);
                 rows.push(self.rows);
                 // `run` appends the link's figures: only it holds the link.
-                return Message::Stats {
+                return Ring::Stats {
                     resident,
                     kv_used,
                     busy_us,
@@ -146,16 +146,13 @@ impl StageWorker {
                 };
             }
             // Replies and errors from upstream pass through untouched.
-            other @ (Message::Sampled { .. }
-            | Message::Pooled { .. }
-            | Message::Done
-            | Message::Error { .. }
-            | Message::Shutdown) => return other,
-            // Handshake and control messages never travel the ring.
-            other => return self.error(StageError::Protocol(format!("{} is not a ring message", other.kind()))),
+            other @ (Ring::Sampled { .. } | Ring::Pooled { .. } | Ring::Done | Ring::Error { .. } | Ring::Shutdown) => {
+                return other
+            }
+            Ring::JoinRing { .. } => return self.error(StageError::Protocol("JoinRing only opens a ring link".into())),
         };
         if last {
-            Message::Done
+            Ring::Done
         } else {
             reply
         }
@@ -164,8 +161,8 @@ impl StageWorker {
     /// Starts (or restarts) a sequence: keeps `keep` cached tokens and, on the last stage,
     /// makes its pool or its sampler (seeded with its history, past the draws it made,
     /// with its grammar).
-    fn start_seq(&mut self, start: &Message) -> Result<(), StageError> {
-        let Message::StartSeq {
+    fn start_seq(&mut self, start: &Ring) -> Result<(), StageError> {
+        let Ring::StartSeq {
             seq,
             keep,
             params,
@@ -265,15 +262,15 @@ impl StageWorker {
         Ok(tokens)
     }
 
-    fn error(&self, e: StageError) -> Message {
-        Message::Error {
+    fn error(&self, e: StageError) -> Ring {
+        Ring::Error {
             first_layer: self.stage.span().layers.start as u32,
             fault: e.fault(),
             message: e.to_string(),
         }
     }
 
-    fn forward(&mut self, forward: Forward) -> Result<Message, StageError> {
+    fn forward(&mut self, forward: Forward) -> Result<Ring, StageError> {
         let Forward {
             step,
             payload,
@@ -299,7 +296,7 @@ impl StageWorker {
             false => LogitReply::Logits,
         };
         match self.compute(input, &positions, &seq_ids, &sample_rows, reply)? {
-            StageOutput::Hidden(hidden) => Ok(Message::Forward(Forward {
+            StageOutput::Hidden(hidden) => Ok(Ring::Forward(Forward {
                 step,
                 payload: if self.wire_f16 {
                     Payload::f16_rows(&hidden, positions.len())
@@ -313,12 +310,12 @@ impl StageWorker {
             })),
             StageOutput::Logits(logits) => {
                 let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Logits(&logits))?;
-                Ok(Message::Sampled { step, tokens })
+                Ok(Ring::Sampled { step, tokens })
             }
             StageOutput::Best(best) => {
                 let best = RowBest::tokens(&best).map_err(|e| self.failed(e))?;
                 let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Best(&best))?;
-                Ok(Message::Sampled { step, tokens })
+                Ok(Ring::Sampled { step, tokens })
             }
             StageOutput::Normed(_) => Err(StageError::Protocol("normed rows where logits were asked for".into())),
         }
@@ -336,7 +333,7 @@ impl StageWorker {
         positions: &[i32],
         seq_ids: &[u32],
         sample_rows: &[u32],
-    ) -> Result<Message, StageError> {
+    ) -> Result<Ring, StageError> {
         let seq = seq_ids[0];
         if seq_ids.iter().any(|&s| s != seq) {
             return Err(StageError::Protocol(format!(
@@ -375,7 +372,7 @@ impl StageWorker {
         let pool = self.pools.get_mut(&seq).expect("checked above");
         pool.add(&normed, n_embd);
         if !ends {
-            return Ok(Message::Sampled {
+            return Ok(Ring::Sampled {
                 step,
                 tokens: Vec::new(),
             });
@@ -396,7 +393,7 @@ impl StageWorker {
                 "the pooled vector of sequence {seq} is not finite"
             ))));
         }
-        Ok(Message::Pooled { step, seq, values })
+        Ok(Ring::Pooled { step, seq, values })
     }
 
     /// Whether every sampled row is a plain arg-max (greedy, no penalties, no
@@ -577,7 +574,7 @@ impl StageWorker {
 }
 
 /// Why a stage could not handle a message. The head gets its [`Fault`] (what kind of
-/// failure, for programs) and its text (for people) in a `Message::Error`.
+/// failure, for programs) and its text (for people) in a ring `Error`.
 #[derive(Debug, thiserror::Error)]
 pub enum StageError {
     /// The computation failed, or the KV cache had no room for the batch.
@@ -757,7 +754,7 @@ fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> 
 /// Serves `worker` until `Shutdown` or a closed link: receive, handle, send on.
 /// `Shutdown` is forwarded so every stage of the ring stops. A panic while handling a
 /// message ends the loop with an error ([`NodeError::Stage`]) after passing a
-/// `Message::Error` on, so the head fails what was in flight instead of waiting; the
+/// ring `Error` on, so the head fails what was in flight instead of waiting; the
 /// stage's state is suspect after a panic, so it serves nothing more. A stage whose
 /// tensor-parallel group broke ends the loop with an error and sends nothing more: its
 /// links close, the ring is lost, and a supervised head forms a new one and rebuilds
@@ -776,16 +773,29 @@ pub fn run(mut worker: StageWorker, rx: impl Rx, tx: impl Tx) -> Result<(), Node
     serve(handle, first_layer, rx, tx)
 }
 
-/// The loop of [`run`] over any handler; an `Err` from the handler ends it at once.
+/// The loop of [`run`] over any handler; an `Err` from the handler ends it at once. A
+/// frame of another conversation than the ring's is answered with a protocol `Error`
+/// (the ring never stalls on a bad message).
 fn serve(
-    mut handle: impl FnMut(Message) -> Result<Message, NodeError>,
+    mut handle: impl FnMut(Ring) -> Result<Ring, NodeError>,
     first_layer: u32,
     mut rx: impl Rx,
     mut tx: impl Tx,
 ) -> Result<(), NodeError> {
     loop {
-        let msg = rx.recv()?;
-        let stop = matches!(msg, Message::Shutdown);
+        let msg = match Ring::try_from(rx.recv()?) {
+            Ok(msg) => msg,
+            Err(wrong) => {
+                let message = format!("{} is not a ring message", wrong.message.kind());
+                tx.send(Message::Error {
+                    first_layer,
+                    fault: Fault::Protocol,
+                    message,
+                })?;
+                continue;
+            }
+        };
+        let stop = matches!(msg, Ring::Shutdown);
         let kind = msg.kind();
         let mut out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg))) {
             Ok(Ok(out)) => out,
@@ -804,7 +814,7 @@ fn serve(
                 return Err(NodeError::Stage { first_layer, message });
             }
         };
-        if let Message::Stats {
+        if let Ring::Stats {
             link_sent, link_rtt_us, ..
         } = &mut out
         {
@@ -812,7 +822,7 @@ fn serve(
             link_sent.push(counters.sent());
             link_rtt_us.push(counters.round_trip_us());
         }
-        tx.send(out)?;
+        tx.send(out.into())?;
         if stop {
             return Ok(());
         }

@@ -50,7 +50,7 @@ fn forward(payload: Payload, rows: usize) -> Forward {
 
 /// At least one sample of every variant, with values that would show a swapped or
 /// truncated field (extremes, non-ASCII text, empty and non-empty collections, NaN).
-pub(super) fn samples() -> Vec<Message> {
+pub(crate) fn samples() -> Vec<Message> {
     let held = |name: &str, complete: bool| HeldModel {
         file_name: name.into(),
         identity: nonce(9),
