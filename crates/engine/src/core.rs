@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_net::Counters as LinkCounters;
-use baton_proto::{Conversation, Ring, SampledToken, StartSeq};
+use baton_proto::{Conversation, Ring, SampledToken, StartSeq, Stats};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
@@ -170,15 +170,7 @@ impl Core {
                 .push(Output::Stats(reply, Err("the cluster is forming a new ring".into())));
             return;
         }
-        let msg = Ring::Stats {
-            resident: Vec::new(),
-            kv_used: Vec::new(),
-            busy_us: Vec::new(),
-            rows: Vec::new(),
-            link_sent: Vec::new(),
-            link_rtt_us: Vec::new(),
-        };
-        self.send(msg, Pending::Stats(reply), now);
+        self.send(Ring::Stats(Stats::default()), Pending::Stats(reply), now);
     }
 
     /// A ring was formed over `n_stages` stages (0: unknown, keep the configured
@@ -246,30 +238,15 @@ impl Core {
             ) => {
                 tracing::warn!(first_layer, "a control message failed: {message}");
             }
-            (
-                Pending::Stats(answer),
-                Ring::Stats {
-                    resident,
-                    kv_used,
-                    busy_us,
-                    rows,
-                    link_sent,
-                    mut link_rtt_us,
-                },
-            ) => {
+            (Pending::Stats(answer), Ring::Stats(mut ring)) => {
                 // The last stage's link is the head's control link to that worker: the
                 // worker was dialed and measured nothing; the head measured it, and its
                 // heartbeat keeps the figure current.
-                if let Some(last) = link_rtt_us.last_mut().filter(|rtt| **rtt == 0) {
+                if let Some(last) = ring.link_rtt_us.last_mut().filter(|rtt| **rtt == 0) {
                     *last = self.ends.from_last.round_trip_us();
                 }
                 let stats = StageStats {
-                    resident,
-                    kv_used,
-                    busy_us,
-                    rows,
-                    link_sent,
-                    link_rtt_us,
+                    ring,
                     head_link_rtt_us: self.ends.into_first.round_trip_us(),
                 };
                 self.outputs.push(Output::Stats(answer, Ok(stats)));

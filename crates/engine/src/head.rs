@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use baton_net::{Rx, RxExt, Tx};
-use baton_proto::{Conversation, Forward, Payload, Ring, SampledToken, StartSeq, StepId};
+use baton_proto::{Conversation, Forward, Payload, Ring, SampledToken, StartSeq, Stats, StepId};
 use baton_sample::SamplingParams;
 
 use baton_stage::NodeError;
@@ -176,19 +176,9 @@ impl Head {
 
     /// Resident bytes and KV cache cells in use of each stage, in ring order.
     pub fn stats(&mut self) -> Result<(Vec<u64>, Vec<u32>), NodeError> {
-        self.tx.send(
-            Ring::Stats {
-                resident: Vec::new(),
-                kv_used: Vec::new(),
-                busy_us: Vec::new(),
-                rows: Vec::new(),
-                link_sent: Vec::new(),
-                link_rtt_us: Vec::new(),
-            }
-            .into(),
-        )?;
+        self.tx.send(Ring::Stats(Stats::default()).into())?;
         match self.rx.recv_as::<Ring>()? {
-            Ring::Stats { resident, kv_used, .. } => Ok((resident, kv_used)),
+            Ring::Stats(stats) => Ok((stats.resident, stats.kv_used)),
             other => Err(unexpected(other)),
         }
     }

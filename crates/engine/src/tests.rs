@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use baton_proto::{Forward, Payload, Ring, SampledToken};
+use baton_proto::{Forward, Payload, Ring, SampledToken, StartSeq, Stats};
 use baton_sample::SamplingParams;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -231,7 +231,7 @@ fn sampled(forward: &Forward, tokens: &[u32]) -> Ring {
 fn start_seq(sent: &[Ring]) -> u32 {
     sent.iter()
         .find_map(|m| match m {
-            Ring::StartSeq { seq, .. } => Some(*seq),
+            Ring::StartSeq(StartSeq { seq, .. }) => Some(*seq),
             _ => None,
         })
         .expect("a StartSeq was sent")
@@ -279,7 +279,7 @@ fn a_thinking_budget_travels_in_the_start_of_its_sequence() {
     }));
     let sent = h.poll();
     match &sent[0] {
-        Ring::StartSeq { budget: Some(sent), .. } => assert_eq!(**sent, budget),
+        Ring::StartSeq(StartSeq { budget: Some(sent), .. }) => assert_eq!(**sent, budget),
         other => panic!("expected a StartSeq with the budget, got {other:?}"),
     }
 }
@@ -290,7 +290,7 @@ fn a_request_runs_from_its_prompt_chunks_to_its_length() {
     let mut rx = h.job(&[1, 2, 3, 4, 5, 6], 3);
     let sent = h.poll();
     // StartSeq, then the prompt in chunks of 4 (up to one per stage plus one waiting).
-    assert!(matches!(sent[0], Ring::StartSeq { keep: 0, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 0, .. })), "{sent:?}");
     assert_eq!(tokens(forward(&sent[1])), &[1, 2, 3, 4]);
     assert_eq!(tokens(forward(&sent[2])), &[5, 6]);
     assert_eq!(forward(&sent[2]).sample_rows, vec![1]);
@@ -349,7 +349,7 @@ fn the_end_token_stops_and_the_next_request_reuses_whole_chunks() {
     // as the fresh run's last chunk; the slot that held it is chosen.
     let _rx = h.job(&prompt, 10);
     let sent = h.poll();
-    assert!(matches!(sent[0], Ring::StartSeq { keep: 8, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 8, .. })), "{sent:?}");
     assert_eq!(start_seq(&sent), first_seq, "the slot holding the prefix");
     assert_eq!(tokens(forward(&sent[1])), &[9, 10]);
     assert_eq!(forward(&sent[1]).positions, vec![8, 9]);
@@ -387,7 +387,7 @@ fn recurrent_models_reuse_prefixes_at_the_checkpoints_their_stages_keep() {
     // The same prompt again: its last chunk starts at 16, a checkpoint.
     let _rx = h.job(&prompt, 10);
     let sent = h.poll_answering(&[0]);
-    assert!(matches!(sent[0], Ring::StartSeq { keep: 16, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 16, .. })), "{sent:?}");
     assert!(
         !sent.iter().any(|m| matches!(m, Ring::Checkpoint { .. })),
         "nothing new to keep"
@@ -397,14 +397,14 @@ fn recurrent_models_reuse_prefixes_at_the_checkpoints_their_stages_keep() {
     other[9] = 99;
     let _rx = h.job(&other, 10);
     let sent = h.poll_answering(&[0]);
-    assert!(matches!(sent[0], Ring::StartSeq { keep: 8, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 8, .. })), "{sent:?}");
     // Differing at token 6: 4 would do, but of 4, 8, 12 and 16 the stages kept the
     // newest three.
     let mut other = prompt.clone();
     other[5] = 99;
     let _rx = h.job(&other, 10);
     let sent = h.poll();
-    assert!(matches!(sent[0], Ring::StartSeq { keep: 0, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 0, .. })), "{sent:?}");
 }
 
 #[test]
@@ -429,7 +429,7 @@ fn a_client_that_goes_away_is_ended_on_every_stage() {
     let queued = h.job(&[3], 1);
     drop(queued);
     let sent = h.poll();
-    assert!(sent.iter().all(|m| !matches!(m, Ring::StartSeq { .. })), "{sent:?}");
+    assert!(sent.iter().all(|m| !matches!(m, Ring::StartSeq(_))), "{sent:?}");
 }
 
 #[test]
@@ -456,12 +456,12 @@ fn a_lost_ring_rebuilds_running_requests_batch_for_batch() {
     h.core.installed(1, serving(), EndCounters::default(), h.now);
     let rebuilt = sends(h.core.actions());
     match &rebuilt[..] {
-        [Ring::StartSeq {
+        [Ring::StartSeq(StartSeq {
             keep: 0,
             history,
             drawn: 2,
             ..
-        }] => assert_eq!(history, &[1, 2, 3, 4, 5, 6, 7, 8]),
+        })] => assert_eq!(history, &[1, 2, 3, 4, 5, 6, 7, 8]),
         other => panic!("expected one StartSeq, got {other:?}"),
     }
     h.answer(&rebuilt[0], &[]);
@@ -689,15 +689,15 @@ fn the_last_links_round_trip_is_the_heads_own_where_the_stage_measured_none() {
     let ask = |h: &mut Harness, link_rtt_us: Vec<u64>| {
         let (reply, mut answer) = tokio::sync::oneshot::channel();
         h.core.stats(reply, h.now);
-        assert!(matches!(h.poll().as_slice(), [Ring::Stats { .. }]));
-        let stats = Ring::Stats {
+        assert!(matches!(h.poll().as_slice(), [Ring::Stats(_)]));
+        let stats = Ring::Stats(Stats {
             resident: vec![1, 2],
             kv_used: vec![0, 0],
             busy_us: vec![0, 0],
             rows: vec![0, 0],
             link_sent: vec![10, 20],
             link_rtt_us,
-        };
+        });
         let gen = h.core.gen();
         h.core.reply(gen, stats, h.now);
         h.deliver();
@@ -706,10 +706,10 @@ fn the_last_links_round_trip_is_the_heads_own_where_the_stage_measured_none() {
     // The last stage was dialed by the head: it reports 0, and the head fills in what it
     // measured on its end of that link.
     let stats = ask(&mut h, vec![1_500, 0]);
-    assert_eq!(stats.link_rtt_us, [1_500, 3_000]);
+    assert_eq!(stats.ring.link_rtt_us, [1_500, 3_000]);
     assert_eq!(stats.head_link_rtt_us, 700);
     // A figure the stage measured itself is kept.
-    assert_eq!(ask(&mut h, vec![1_500, 40]).link_rtt_us, [1_500, 40]);
+    assert_eq!(ask(&mut h, vec![1_500, 40]).ring.link_rtt_us, [1_500, 40]);
 }
 
 /// Ends generation once the text holds `<3>`.
@@ -788,11 +788,11 @@ fn an_embedding_pools_its_prompt_and_keeps_nothing_cached() {
     assert!(
         matches!(
             sent[0],
-            Ring::StartSeq {
+            Ring::StartSeq(StartSeq {
                 keep: 0,
                 pooling: Some(baton_proto::Pooling::Mean),
                 ..
-            }
+            })
         ),
         "{sent:?}"
     );
@@ -830,11 +830,11 @@ fn an_embedding_pools_its_prompt_and_keeps_nothing_cached() {
     assert!(
         matches!(
             sent[0],
-            Ring::StartSeq {
+            Ring::StartSeq(StartSeq {
                 keep: 0,
                 pooling: None,
                 ..
-            }
+            })
         ),
         "{sent:?}"
     );
@@ -915,12 +915,12 @@ fn a_lost_ring_rebuilds_an_embedding_chunk_for_chunk() {
     let pooled_seq = rebuilt
         .iter()
         .find_map(|m| match m {
-            Ring::StartSeq {
+            Ring::StartSeq(StartSeq {
                 seq,
                 keep: 0,
                 pooling: Some(baton_proto::Pooling::Cls),
                 ..
-            } => Some(*seq),
+            }) => Some(*seq),
             _ => None,
         })
         .unwrap_or_else(|| panic!("no pooled StartSeq: {rebuilt:?}"));

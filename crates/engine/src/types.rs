@@ -485,23 +485,13 @@ impl Output {
     }
 }
 
-/// Per-stage figures, in ring order.
+/// Per-stage figures, in ring order, and the head's own link.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StageStats {
-    /// Resident bytes.
-    pub resident: Vec<u64>,
-    /// KV cache cells holding a token.
-    pub kv_used: Vec<u32>,
-    /// Microseconds spent computing, since the stage loaded.
-    pub busy_us: Vec<u64>,
-    /// Token rows computed, since the stage loaded.
-    pub rows: Vec<u64>,
-    /// Bytes sent to the next hop (0 where the link counts nothing: in process).
-    pub link_sent: Vec<u64>,
-    /// Latest round trip of each stage's link to the next hop, in microseconds (0: not
-    /// measured, or in process). The stage that dialed a link measured it and keeps it
+    /// What each stage appended as the ring's `Stats` passed it (since the stage
+    /// loaded). The stage that dialed a link measured its round trip and keeps it
     /// current; the last stage's link to the head is the head's own measurement.
-    pub link_rtt_us: Vec<u64>,
+    pub ring: baton_proto::Stats,
     /// Latest round trip of the head's link into the first stage, in microseconds (0:
     /// in process, when the head runs the first stage itself).
     pub head_link_rtt_us: u64,

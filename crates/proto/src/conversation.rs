@@ -7,10 +7,8 @@
 //! member 0 drives a group with the ring's own `Forward`, `TruncateSeq`, `EndSeq`):
 //! its number and encoding are the same whichever link it crosses.
 
-use baton_sample::{ReasoningBudget, SamplingParams};
-
-use crate::{Capabilities, Fault, Forward, LoadPlan, Message, ModelRef, Pooling, RefusalCode, Role, SampledToken};
-use crate::{StepId, TensorEntry};
+use crate::{Capabilities, Fault, Forward, LoadPlan, Message, ModelRef, RefusalCode, Role, SampledToken};
+use crate::{StartSeq, Stats, StepId, TensorEntry};
 
 /// A frame of another conversation than the link carries: the peer broke the protocol.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -172,19 +170,8 @@ conversation! {
     Ring = "ring" {
         /// The first frame on a [`Role::Ring`] link: the session it joins.
         JoinRing { session: u64 },
-        /// Start (or restart) a sequence (see [`Message::StartSeq`]).
-        StartSeq {
-            seq: u32,
-            keep: u32,
-            params: SamplingParams,
-            history: Vec<u32>,
-            top_logprobs: u8,
-            logprobs: bool,
-            drawn: u32,
-            grammar: Option<String>,
-            pooling: Option<Pooling>,
-            budget: Option<Box<ReasoningBudget>>,
-        },
+        /// Start (or restart) a sequence.
+        StartSeq(start: StartSeq),
         /// Keep only the first `len` tokens of `seq` on every stage.
         TruncateSeq { seq: u32, len: u32 },
         /// Keep a copy of `seq`'s recurrent states after its first `len` tokens.
@@ -201,15 +188,8 @@ conversation! {
         Done,
         /// A stage failed to handle a message (see [`Message::Error`]).
         Error { first_layer: u32, fault: Fault, message: String },
-        /// Each stage appends its figures (see [`Message::Stats`]).
-        Stats {
-            resident: Vec<u64>,
-            kv_used: Vec<u32>,
-            busy_us: Vec<u64>,
-            rows: Vec<u64>,
-            link_sent: Vec<u64>,
-            link_rtt_us: Vec<u64>,
-        },
+        /// Each stage appends its figures.
+        Stats(stats: Stats),
         /// Stop every stage's loop.
         Shutdown,
     }
@@ -244,20 +224,9 @@ conversation! {
     }
 }
 
-impl From<crate::StartSeq> for Ring {
-    fn from(s: crate::StartSeq) -> Ring {
-        Ring::StartSeq {
-            seq: s.seq,
-            keep: s.keep,
-            params: s.params,
-            history: s.history,
-            top_logprobs: s.top_logprobs,
-            logprobs: s.logprobs,
-            drawn: s.drawn,
-            grammar: s.grammar,
-            pooling: s.pooling,
-            budget: s.budget.map(Box::new),
-        }
+impl From<StartSeq> for Ring {
+    fn from(start: StartSeq) -> Ring {
+        Ring::StartSeq(start)
     }
 }
 

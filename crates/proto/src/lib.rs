@@ -521,34 +521,8 @@ pub enum Message {
     Loaded { resident: u64, received: u64 },
 
     // --- ring ---
-    /// Start (or restart) sequence `seq`: keep only the first `keep` tokens of its cache
-    /// on every stage (0 forgets it; more reuses a prefix); the last stage creates its
-    /// sampler with `params`, seeding penalties with `history`, and computes
-    /// log-probabilities of sampled tokens (and the `top_logprobs` best alternatives)
-    /// only when `logprobs` is set (it costs a pass over the vocabulary per token).
-    /// With `pooling` the sequence is an embedding instead: the last stage keeps its
-    /// rows and answers the `Forward` that samples its last row with `Pooled`.
-    StartSeq {
-        seq: u32,
-        keep: u32,
-        params: SamplingParams,
-        history: Vec<u32>,
-        top_logprobs: u8,
-        logprobs: bool,
-        /// Random draws the sequence's sampler already made (it skips them): a
-        /// sequence rebuilt after a node was lost continues the same random stream.
-        drawn: u32,
-        /// GBNF grammar the generated text must follow (the last stage masks every
-        /// token it does not allow); the last `drawn` tokens of `history` were already
-        /// generated under it.
-        grammar: Option<String>,
-        /// Pool the sequence's rows into one vector instead of sampling.
-        pooling: Option<Pooling>,
-        /// A budget of thinking tokens the last stage enforces (it forces the end tag
-        /// when the budget is spent, as llama.cpp's server does); replayed over the
-        /// last `drawn` tokens of `history` (boxed: most sequences have none).
-        budget: Option<Box<ReasoningBudget>>,
-    },
+    /// Start (or restart) a sequence (see [`StartSeq`]).
+    StartSeq(StartSeq),
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
     /// Keep a copy of `seq`'s recurrent states after its first `len` tokens on every
@@ -576,20 +550,9 @@ pub enum Message {
         fault: Fault,
         message: String,
     },
-    /// Each stage appends its resident bytes, the KV cache cells in use, the
-    /// microseconds it has spent computing, the token rows it has computed, the bytes
-    /// it has sent to the next hop and the latest round trip measured on that link (in
-    /// microseconds; 0 where none was: in process, or the stage did not dial the link),
-    /// and passes the message on; the head gets one entry per stage in each list, in
-    /// ring order.
-    Stats {
-        resident: Vec<u64>,
-        kv_used: Vec<u32>,
-        busy_us: Vec<u64>,
-        rows: Vec<u64>,
-        link_sent: Vec<u64>,
-        link_rtt_us: Vec<u64>,
-    },
+    /// Each stage appends its figures and passes the message on; the head gets one
+    /// entry per stage in each list, in ring order.
+    Stats(Stats),
     /// Stop the stage's loop.
     Shutdown,
 
@@ -632,20 +595,63 @@ pub enum Message {
     Probe { data: Vec<u8> },
 }
 
-/// The one way to build a [`Message::StartSeq`]: a fresh sequence with its sampler
-/// settings and history, then what differs from that.
+/// Start (or restart) sequence `seq`: keep only the first `keep` tokens of its cache
+/// on every stage (0 forgets it; more reuses a prefix); the last stage creates its
+/// sampler with `params`, seeding penalties with `history`, and computes
+/// log-probabilities of sampled tokens (and the `top_logprobs` best alternatives) only
+/// when `logprobs` is set (it costs a pass over the vocabulary per token). With
+/// `pooling` the sequence is an embedding instead: the last stage keeps its rows and
+/// answers the `Forward` that samples its last row with `Pooled`.
+///
+/// Outside this crate the one way to build one is [`StartSeq::new`] and what follows
+/// it: a fresh sequence with its sampler settings and history, then what differs.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct StartSeq {
-    seq: u32,
-    keep: u32,
-    params: SamplingParams,
-    history: Vec<u32>,
-    top_logprobs: u8,
-    logprobs: bool,
-    drawn: u32,
-    grammar: Option<String>,
-    pooling: Option<Pooling>,
-    budget: Option<ReasoningBudget>,
+    /// The sequence.
+    pub seq: u32,
+    /// Cached tokens kept.
+    pub keep: u32,
+    /// The sampler's settings.
+    pub params: SamplingParams,
+    /// Tokens that seed the penalties.
+    pub history: Vec<u32>,
+    /// Alternatives returned with each sampled token's log-probability.
+    pub top_logprobs: u8,
+    /// Whether sampled tokens carry log-probabilities.
+    pub logprobs: bool,
+    /// Random draws the sequence's sampler already made (it skips them): a sequence
+    /// rebuilt after a node was lost continues the same random stream.
+    pub drawn: u32,
+    /// GBNF grammar the generated text must follow (the last stage masks every token it
+    /// does not allow); the last `drawn` tokens of `history` were already generated
+    /// under it.
+    pub grammar: Option<String>,
+    /// Pool the sequence's rows into one vector instead of sampling.
+    pub pooling: Option<Pooling>,
+    /// A budget of thinking tokens the last stage enforces (it forces the end tag when
+    /// the budget is spent, as llama.cpp's server does); replayed over the last `drawn`
+    /// tokens of `history` (boxed: most sequences have none).
+    pub budget: Option<Box<ReasoningBudget>>,
+}
+
+/// The figures each stage appends to a `Stats` message as it passes it on, one entry
+/// per stage in each list, in ring order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Resident bytes.
+    pub resident: Vec<u64>,
+    /// KV cache cells in use.
+    pub kv_used: Vec<u32>,
+    /// Microseconds spent computing.
+    pub busy_us: Vec<u64>,
+    /// Token rows computed.
+    pub rows: Vec<u64>,
+    /// Bytes sent to the next hop.
+    pub link_sent: Vec<u64>,
+    /// The latest round trip measured on the link to the next hop, in microseconds (0
+    /// where none was: in process, or the stage did not dial the link).
+    pub link_rtt_us: Vec<u64>,
 }
 
 impl StartSeq {
@@ -699,14 +705,14 @@ impl StartSeq {
 
     /// Limits the sequence's thinking to a budget of tokens.
     pub fn with_budget(mut self, budget: Option<ReasoningBudget>) -> StartSeq {
-        self.budget = budget;
+        self.budget = budget.map(Box::new);
         self
     }
 }
 
 impl From<StartSeq> for Message {
     fn from(s: StartSeq) -> Message {
-        Ring::from(s).into()
+        Message::StartSeq(s)
     }
 }
 

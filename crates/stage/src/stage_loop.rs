@@ -8,7 +8,7 @@ use std::sync::Arc;
 use baton_grammar::{Grammar, GrammarError, Matcher, TokenTable};
 use baton_model::{one_row_per_sequence, Batch, LogitReply, ModelError, RowBest, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
-use baton_proto::{Conversation, Fault, Forward, Message, Payload, Pooling, Ring, SampledToken};
+use baton_proto::{Conversation, Fault, Forward, Message, Payload, Pooling, Ring, SampledToken, StartSeq};
 use baton_sample::{utf8_complete, BudgetTracker, Sampler, SamplingError};
 
 use crate::max_decode_rows;
@@ -84,11 +84,11 @@ impl StageWorker {
     pub fn handle(&mut self, msg: Ring) -> Ring {
         let last = self.stage.span().last;
         let reply = match msg {
-            start @ Ring::StartSeq { .. } => {
+            Ring::StartSeq(start) => {
                 if let Err(e) = self.start_seq(&start) {
                     return self.error(e);
                 }
-                start
+                Ring::StartSeq(start)
             }
             Ring::TruncateSeq { seq, len } => {
                 self.stage.truncate_seq(seq, len as usize);
@@ -123,27 +123,13 @@ impl StageWorker {
                 tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "computed");
                 return reply;
             }
-            Ring::Stats {
-                mut resident,
-                mut kv_used,
-                mut busy_us,
-                mut rows,
-                link_sent,
-                link_rtt_us,
-            } => {
-                resident.push(self.stage.resident_bytes());
-                kv_used.push(self.stage.kv_used() as u32);
-                busy_us.push(self.busy.as_micros() as u64);
-                rows.push(self.rows);
+            Ring::Stats(mut stats) => {
+                stats.resident.push(self.stage.resident_bytes());
+                stats.kv_used.push(self.stage.kv_used() as u32);
+                stats.busy_us.push(self.busy.as_micros() as u64);
+                stats.rows.push(self.rows);
                 // `run` appends the link's figures: only it holds the link.
-                return Ring::Stats {
-                    resident,
-                    kv_used,
-                    busy_us,
-                    rows,
-                    link_sent,
-                    link_rtt_us,
-                };
+                return Ring::Stats(stats);
             }
             // Replies and errors from upstream pass through untouched.
             other @ (Ring::Sampled { .. } | Ring::Pooled { .. } | Ring::Done | Ring::Error { .. } | Ring::Shutdown) => {
@@ -161,8 +147,8 @@ impl StageWorker {
     /// Starts (or restarts) a sequence: keeps `keep` cached tokens and, on the last stage,
     /// makes its pool or its sampler (seeded with its history, past the draws it made,
     /// with its grammar).
-    fn start_seq(&mut self, start: &Ring) -> Result<(), StageError> {
-        let Ring::StartSeq {
+    fn start_seq(&mut self, start: &StartSeq) -> Result<(), StageError> {
+        let StartSeq {
             seq,
             keep,
             params,
@@ -173,10 +159,8 @@ impl StageWorker {
             grammar,
             pooling,
             budget,
-        } = start
-        else {
-            return Ok(());
-        };
+            ..
+        } = start;
         let (seq, keep) = (*seq, *keep);
         self.stage.truncate_seq(seq, keep as usize);
         self.pools.remove(&seq);
@@ -814,13 +798,10 @@ fn serve(
                 return Err(NodeError::Stage { first_layer, message });
             }
         };
-        if let Ring::Stats {
-            link_sent, link_rtt_us, ..
-        } = &mut out
-        {
+        if let Ring::Stats(stats) = &mut out {
             let counters = tx.counters();
-            link_sent.push(counters.sent());
-            link_rtt_us.push(counters.round_trip_us());
+            stats.link_sent.push(counters.sent());
+            stats.link_rtt_us.push(counters.round_trip_us());
         }
         tx.send(out.into())?;
         if stop {
