@@ -22,13 +22,13 @@ use super::slots::{choose_slot, choose_slot_to_pool, runs_prefix, Active, Slot};
 use super::text::Piece;
 use super::types::{
     Better, EngineConfig, Event, Failure, Figure, Finish, FinishReason, FormError, Health, Job, Output, PrefixReuse,
-    StageStats, TokenOut, Vocab,
+    StageStats, StatsError, TokenOut, Vocab,
 };
 
 /// A message in the ring, waiting for its reply.
 pub(crate) enum Pending {
     Control,
-    Stats(oneshot::Sender<Result<StageStats, String>>),
+    Stats(oneshot::Sender<Result<StageStats, StatsError>>),
     /// A micro-batch, the sequences in it, and its rows when it is a decode step (every
     /// row sampled; timed for the draft policy).
     Step {
@@ -164,10 +164,9 @@ impl Core {
     }
 
     /// Someone asks every stage for its figures.
-    pub fn stats(&mut self, reply: oneshot::Sender<Result<StageStats, String>>, now: Instant) {
+    pub fn stats(&mut self, reply: oneshot::Sender<Result<StageStats, StatsError>>, now: Instant) {
         if !self.connected {
-            self.outputs
-                .push(Output::Stats(reply, Err("the cluster is forming a new ring".into())));
+            self.outputs.push(Output::Stats(reply, Err(StatsError::Forming)));
             return;
         }
         self.send(Ring::Stats(Stats::default()), Pending::Stats(reply), now);
@@ -254,11 +253,17 @@ impl Core {
             (
                 Pending::Stats(answer),
                 Ring::Error {
-                    first_layer, message, ..
+                    first_layer,
+                    fault,
+                    message,
                 },
             ) => {
-                let why = format!("the stage from layer {first_layer}: {message}");
-                self.outputs.push(Output::Stats(answer, Err(why)));
+                let error = StatsError::Stage {
+                    first_layer,
+                    fault,
+                    message,
+                };
+                self.outputs.push(Output::Stats(answer, Err(error)));
             }
             (Pending::Step { members, decode_rows }, Ring::Sampled { tokens, .. }) => {
                 self.steps_in_flight -= 1;
@@ -333,7 +338,8 @@ impl Core {
         self.gen += 1;
         for (_, pending) in self.pending.drain(..) {
             if let Pending::Stats(reply) = pending {
-                self.outputs.push(Output::Stats(reply, Err(reason.to_string())));
+                self.outputs
+                    .push(Output::Stats(reply, Err(StatsError::Lost(reason.to_string()))));
             }
         }
         self.steps_in_flight = 0;
@@ -453,8 +459,7 @@ impl Core {
     fn send(&mut self, msg: Ring, pending: Pending, now: Instant) {
         if !self.connected {
             if let Pending::Stats(reply) = pending {
-                self.outputs
-                    .push(Output::Stats(reply, Err("the cluster is forming a new ring".into())));
+                self.outputs.push(Output::Stats(reply, Err(StatsError::Forming)));
             }
             return;
         }
@@ -493,7 +498,8 @@ impl Core {
         self.fail_requests(reason);
         for (_, pending) in self.pending.drain(..) {
             if let Pending::Stats(reply) = pending {
-                self.outputs.push(Output::Stats(reply, Err(reason.to_string())));
+                self.outputs
+                    .push(Output::Stats(reply, Err(StatsError::Lost(reason.to_string()))));
             }
         }
     }

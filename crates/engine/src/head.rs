@@ -204,8 +204,14 @@ impl Head {
 fn unexpected(msg: Ring) -> NodeError {
     match msg {
         Ring::Error {
-            first_layer, message, ..
-        } => NodeError::Stage { first_layer, message },
+            first_layer,
+            fault,
+            message,
+        } => NodeError::Stage {
+            first_layer,
+            fault,
+            message,
+        },
         other => NodeError::Protocol(format!("unexpected reply {}", other.kind())),
     }
 }

@@ -11,12 +11,12 @@ use tokio::sync::oneshot;
 
 use super::core::{Action, Core, EndCounters, POLL_INTERVAL};
 use super::recovery::start_forming;
-use super::types::{Counters, FormError, Formed, Health, Job, RingSource, StageStats, WorkerLink};
+use super::types::{Counters, FormError, Formed, Health, Job, RingSource, StageStats, StatsError, WorkerLink};
 
 /// What reaches the engine thread.
 pub(crate) enum Inbox {
     Job(Box<Job>),
-    Stats(oneshot::Sender<Result<StageStats, String>>),
+    Stats(oneshot::Sender<Result<StageStats, StatsError>>),
     /// A reply from the ring formed `gen`-th.
     Reply(u64, Result<Ring, String>),
     /// A node of ring `gen` stopped answering.

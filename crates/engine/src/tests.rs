@@ -10,7 +10,9 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::core::{Action, Core, EndCounters};
 use super::draft::{Draft, Drafters};
-use super::types::{Better, Counters, EndCheck, EngineConfig, Event, FinishReason, FormError, Health, Job, Vocab};
+use super::types::{
+    Better, Counters, EndCheck, EngineConfig, Event, FinishReason, FormError, Health, Job, StatsError, Vocab,
+};
 
 /// Token 0 ends generation; token `t` reads `<t>`.
 struct Tokens;
@@ -677,6 +679,35 @@ fn a_token_outside_the_vocabulary_fails_its_request_not_the_head() {
         "{failed:?}"
     );
     assert!(spared.iter().any(|e| matches!(e, Event::Finished(_))), "{spared:?}");
+}
+
+/// Why there are no figures is a case a caller can tell apart: a ring being formed, a
+/// stage's error with its fault, a ring lost.
+#[test]
+fn stats_that_cannot_be_had_say_why_by_case() {
+    let mut h = Harness::new(true);
+    let (reply, mut answer) = tokio::sync::oneshot::channel();
+    h.core.stats(reply, h.now);
+    assert!(matches!(h.poll().as_slice(), [Ring::Stats(_)]));
+    let error = Ring::Error {
+        first_layer: 12,
+        fault: baton_proto::Fault::CacheFull,
+        message: "the KV cache is full".into(),
+    };
+    let gen = h.core.gen();
+    h.core.reply(gen, error, h.now);
+    h.deliver();
+    let Err(StatsError::Stage { first_layer, fault, .. }) = answer.try_recv().unwrap() else {
+        panic!("a stage's error")
+    };
+    assert_eq!((first_layer, fault), (12, baton_proto::Fault::CacheFull));
+
+    // A supervised head that lost its ring forms another meanwhile.
+    h.core.lost(gen, "worker 2 is gone", h.now);
+    let (reply, mut answer) = tokio::sync::oneshot::channel();
+    h.core.stats(reply, h.now);
+    h.deliver();
+    assert_eq!(answer.try_recv().unwrap(), Err(StatsError::Forming));
 }
 
 #[test]

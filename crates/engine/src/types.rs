@@ -321,6 +321,27 @@ pub struct Finish {
     pub embedding: Option<Vec<f32>>,
 }
 
+/// Why the stages' figures could not be had.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StatsError {
+    /// The cluster is forming a new ring.
+    #[error("the cluster is forming a new ring")]
+    Forming,
+    /// A stage answered the question with an error.
+    #[error("the stage from layer {first_layer}: {message}")]
+    Stage {
+        first_layer: u32,
+        fault: baton_proto::Fault,
+        message: String,
+    },
+    /// The ring was lost, or failed for good, before it answered.
+    #[error("{0}")]
+    Lost(String),
+    /// The engine has stopped.
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
 /// Why a request is refused before it starts.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
@@ -462,8 +483,8 @@ pub(crate) enum Output {
     Health(Health),
     /// The stages' figures, or why there are none.
     Stats(
-        tokio::sync::oneshot::Sender<Result<StageStats, String>>,
-        Result<StageStats, String>,
+        tokio::sync::oneshot::Sender<Result<StageStats, StatsError>>,
+        Result<StageStats, StatsError>,
     ),
 }
 

@@ -750,7 +750,11 @@ pub fn run(mut worker: StageWorker, rx: impl Rx, tx: impl Tx) -> Result<(), Node
     let handle = |msg| {
         let out = worker.handle(msg);
         match worker.broken.take() {
-            Some(message) => Err(NodeError::Stage { first_layer, message }),
+            Some(message) => Err(NodeError::Stage {
+                first_layer,
+                fault: Fault::Compute,
+                message,
+            }),
             None => Ok(out),
         }
     };
@@ -795,7 +799,11 @@ fn serve(
                     fault: Fault::Compute,
                     message: message.clone(),
                 });
-                return Err(NodeError::Stage { first_layer, message });
+                return Err(NodeError::Stage {
+                    first_layer,
+                    fault: Fault::Compute,
+                    message,
+                });
             }
         };
         if let Ring::Stats(stats) = &mut out {

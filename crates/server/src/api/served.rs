@@ -183,7 +183,7 @@ pub(super) async fn stats(
     let stages = tokio::time::timeout(Duration::from_secs(10), state.engine.stage_stats())
         .await
         .map_err(|_| ApiError::server("the stages did not answer within 10 s"))?
-        .map_err(ApiError::server)?;
+        .map_err(|e| ApiError::server(e.to_string()))?;
     let c = state.engine.counters();
     let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
     let names = match state.engine.health() {

@@ -273,7 +273,12 @@ fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
         other => Ok(other),
     };
     let result = serve(handler, 12, stage_rx, stage_tx);
-    let Err(NodeError::Stage { first_layer, message }) = result else {
+    let Err(NodeError::Stage {
+        first_layer,
+        fault: baton_proto::Fault::Compute,
+        message,
+    }) = result
+    else {
         panic!("{result:?}")
     };
     assert_eq!(first_layer, 12);
@@ -305,6 +310,7 @@ fn a_broken_group_ends_the_loop_without_an_answer() {
     let handler = |msg: Ring| match msg {
         Ring::EndSeq { seq: 2 } => Err(NodeError::Stage {
             first_layer: 12,
+            fault: baton_proto::Fault::Compute,
             message: "tensor-parallel group aborted: member 1 left".into(),
         }),
         other => Ok(other),
