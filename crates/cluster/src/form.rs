@@ -10,11 +10,14 @@ use std::thread::JoinHandle;
 use baton_ggml::Device;
 use baton_model::{KvTypes, ModelFile, StageConfig, StageSpan};
 use baton_net::{
-    client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx,
+    client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkExt, LinkOptions, NetError, Rx,
+    Tx,
 };
 use baton_plan::{DeviceOffer, LinkOffer, ModelCost, NodeOffer, Plan, PlanError, TpDegree};
 use baton_proto::auth::identity_hash;
-use baton_proto::{Capabilities, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role, TpPlace};
+use baton_proto::{
+    Capabilities, Control, Conversation, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role, TpPlace,
+};
 
 use crate::groups::{measure_link, plan_nodes, Planned};
 use crate::stream::send_stage_tensors;
@@ -741,12 +744,12 @@ fn load_plan(
 fn await_loaded(reached: &mut Reached, planned: &Planned) -> Result<(), NodeError> {
     for &w in planned.plan.stages.iter().flat_map(|stage| planned.members(stage.node)) {
         let link = &mut reached.links[w];
-        match link.recv()? {
-            Message::Loaded { resident, received } => {
+        match link.recv_as::<Control>()? {
+            Control::Loaded { resident, received } => {
                 tracing::info!(worker = %link.peer(), resident, received, "stage ready");
                 reached.workers[w].received = received;
             }
-            Message::Refused { code, reason } => {
+            Control::Refused { code, reason } => {
                 return Err(NodeError::Refused {
                     worker: link.peer().to_string(),
                     code,
@@ -910,9 +913,9 @@ fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(Box
     link.send(Message::Describe {
         model: model_ref.clone(),
     })?;
-    let caps = match link.recv()? {
-        Message::Capabilities(caps) => caps,
-        Message::Refused { code, reason } => {
+    let caps = match link.recv_as::<Control>()? {
+        Control::Capabilities(caps) => caps,
+        Control::Refused { code, reason } => {
             return Err(NodeError::Refused {
                 worker: addr.to_string(),
                 code,

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use baton_proto::auth::new_nonce;
 use baton_proto::handshake::{stray_auth, turn_away, Client, Failure, HandshakeError, Server, Step};
-use baton_proto::{Message, Role};
+use baton_proto::{Handshake, Message, Role};
 
 use crate::{Link, NetError};
 
@@ -21,7 +21,7 @@ use crate::{Link, NetError};
 pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -> Result<Role, NetError> {
     let (mut client, hello) = Client::start(role, token, new_nonce());
     let sent = Instant::now();
-    link.send(hello)?;
+    link.send(hello.into())?;
     let mut first = true;
     loop {
         let msg = link.recv()?;
@@ -29,7 +29,7 @@ pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -
             link.counters().record_round_trip(sent.elapsed());
         }
         if let Some((send, peer)) = drive(link, client.handle(msg))? {
-            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            send_all(link, send)?;
             if let Some(keys) = client.take_frame_keys() {
                 link.authenticate_frames(keys);
             }
@@ -71,7 +71,7 @@ pub fn server_handshake_admitting<T>(
                 Err(reason) => return Err(fail(link, turn_away(reason))),
             };
             // The last handshake message goes untagged, like every one before it.
-            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            send_all(link, send)?;
             if let Some(keys) = server.take_frame_keys() {
                 link.authenticate_frames(keys);
             }
@@ -88,10 +88,10 @@ pub fn refuse_unexpected_auth(link: &mut dyn Link) -> NetError {
 
 /// Sends what a step that continues asks for; when the handshake is complete, returns
 /// what is left to send and the peer's role, for the caller to finish with.
-fn drive(link: &mut dyn Link, step: Result<Step, Failure>) -> Result<Option<(Vec<Message>, Role)>, NetError> {
+fn drive(link: &mut dyn Link, step: Result<Step, Failure>) -> Result<Option<(Vec<Handshake>, Role)>, NetError> {
     match step {
         Ok(Step::Continue(send)) => {
-            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            send_all(link, send)?;
             Ok(None)
         }
         Ok(Step::Done { send, peer }) => Ok(Some((send, peer))),
@@ -99,10 +99,15 @@ fn drive(link: &mut dyn Link, step: Result<Step, Failure>) -> Result<Option<(Vec
     }
 }
 
+/// Sends a side's messages, in order.
+fn send_all(link: &mut dyn Link, send: Vec<Handshake>) -> Result<(), NetError> {
+    send.into_iter().try_for_each(|msg| link.send(msg.into()))
+}
+
 /// Tells the peer why (as far as it still listens) and returns the error.
 fn fail(link: &mut dyn Link, failure: Failure) -> NetError {
     let refused = !failure.send.is_empty();
-    if refused && failure.send.into_iter().try_for_each(|msg| link.send(msg)).is_ok() {
+    if refused && send_all(link, failure.send).is_ok() {
         link.close_gently();
     }
     let peer = link.peer().to_string();

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, connect_by, Counters, Link, LinkOptions, NetError};
-use baton_proto::{Message, Role};
+use baton_net::{client_handshake, connect_by, Counters, Link, LinkExt, LinkOptions, NetError};
+use baton_proto::{Conversation, Heartbeat, Role};
 
 /// Time between two probes.
 const PROBE_INTERVAL: Duration = Duration::from_secs(2);
@@ -103,12 +103,12 @@ pub fn ping(conn: &mut dyn Link, session: u64, timeout: Duration) -> Result<Dura
         ms.min(baton_proto::MAX_HEARTBEAT_MS)
     });
     let sent = Instant::now();
-    if let Err(e) = conn.send(Message::Ping { timeout_ms, session }) {
+    if let Err(e) = conn.send(Heartbeat::Ping { timeout_ms, session }.into()) {
         return Err(format!("its heartbeat connection failed: {e}"));
     }
-    match conn.recv() {
-        Ok(Message::Pong) => Ok(sent.elapsed()),
-        Ok(Message::Refused { reason, .. }) => Err(reason),
+    match conn.recv_as::<Heartbeat>() {
+        Ok(Heartbeat::Pong) => Ok(sent.elapsed()),
+        Ok(Heartbeat::Refused { reason, .. }) => Err(reason),
         Ok(other) => Err(format!("it answered a heartbeat with {}", other.kind())),
         Err(NetError::Timeout { .. }) => Err(format!(
             "it did not answer a heartbeat within {} ms",

@@ -24,7 +24,7 @@ use baton_model::{CacheType, KvTypes, ModelFile, Stage, StageChain, StageConfig,
 use baton_net::{
     client_handshake, connect_by, refuse_unexpected_auth, Link, LinkCloser, LinkOptions, Listener, NetError,
 };
-use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, RefusalCode, Role};
+use baton_proto::{Capabilities, Control, DeviceCaps, DeviceRange, Heartbeat, LoadPlan, Message, RefusalCode, Role};
 
 use crate::group::{form_mesh, Arrived, Mesh};
 use crate::receive::{check_stage_complete, receive_stage_tensors, serve_fetch, Recording};
@@ -453,12 +453,13 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
     // when it hung up.
     let mut watched: Option<Option<u64>> = None;
     let why = loop {
-        match link.recv() {
-            Ok(Message::Ping { .. }) if shared.leaving.load(Ordering::SeqCst) => {
+        let msg = link.recv().map(|msg| (msg.kind(), Heartbeat::try_from(msg)));
+        match msg {
+            Ok((_, Ok(Heartbeat::Ping { .. }))) if shared.leaving.load(Ordering::SeqCst) => {
                 refuse(link.as_mut(), RefusalCode::Leaving, LEAVING.into());
                 break LEAVING.to_string();
             }
-            Ok(Message::Ping { timeout_ms, session }) => {
+            Ok((_, Ok(Heartbeat::Ping { timeout_ms, session }))) => {
                 let bound = *watched.get_or_insert_with(|| shared.is_current(session).then_some(session));
                 if bound.is_some_and(|id| id != session) {
                     let reason = format!("this heartbeat watches another session than {session}");
@@ -474,11 +475,12 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
                     break reason;
                 }
                 link.set_read_timeout(Some(Duration::from_millis(u64::from(timeout_ms.max(1)))))?;
-                link.send(Message::Pong)?;
+                link.send(Heartbeat::Pong.into())?;
             }
-            Ok(Message::Auth { .. }) => break refuse_unexpected_auth(link.as_mut()).to_string(),
-            Ok(other) => {
-                let reason = format!("{} is not a heartbeat message", other.kind());
+            Ok((_, Ok(Heartbeat::Auth { .. }))) => break refuse_unexpected_auth(link.as_mut()).to_string(),
+            // A head never sends `Pong` or `Refused`, nor another conversation's frames.
+            Ok((kind, _)) => {
+                let reason = format!("{kind} is not a heartbeat message");
                 refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
                 break reason;
             }
@@ -513,8 +515,10 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, head: HeadSlot<'_>, local: 
     // The head may take its time between messages (planning, other workers loading).
     link.set_read_timeout(None)?;
     let plan = loop {
-        match link.recv()? {
-            Message::Describe { model } => {
+        let msg = link.recv()?;
+        let kind = msg.kind();
+        match Control::try_from(msg) {
+            Ok(Control::Describe { model }) => {
                 #[cfg(test)]
                 if tests::PANIC_ON_DESCRIBE.load(Ordering::SeqCst) {
                     panic!("a test made this session panic");
@@ -524,26 +528,28 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, head: HeadSlot<'_>, local: 
                     return Err(another_head(link.as_mut(), &model.file_name));
                 }
                 let caps = describe(shared, &model.file_name, &model.identity, local, id);
-                link.send(Message::Capabilities(caps))?;
+                link.send(Control::Capabilities(caps).into())?;
             }
-            Message::LoadPlan(plan) if !shared.claim_model(id, &plan.model.identity) => {
+            Ok(Control::LoadPlan(plan)) if !shared.claim_model(id, &plan.model.identity) => {
                 drop(head);
                 return Err(another_head(link.as_mut(), &plan.model.file_name));
             }
-            Message::LoadPlan(plan) => break plan,
+            Ok(Control::LoadPlan(plan)) => break plan,
             // The head times its link to this worker (`--tp auto`).
-            Message::Probe { .. } => link.send(Message::Probe { data: Vec::new() })?,
+            Ok(Control::Probe { .. }) => link.send(Control::Probe { data: Vec::new() }.into())?,
             // The head planned without this worker.
-            Message::Shutdown => {
+            Ok(Control::Shutdown) => {
                 tracing::info!("the head's plan leaves this worker out");
                 return Ok(());
             }
-            Message::Auth { .. } => {
+            Ok(Control::Auth { .. }) => {
                 drop(head);
                 return Err(refuse_unexpected_auth(link.as_mut()).into());
             }
-            other => {
-                let reason = format!("{} is not expected before a load plan", other.kind());
+            // A head sends no worker's answers, no streaming before its plan, and no
+            // other conversation's frames.
+            _ => {
+                let reason = format!("{kind} is not expected before a load plan");
                 drop(head);
                 refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
                 return Err(NodeError::Protocol(reason));
