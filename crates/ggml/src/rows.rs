@@ -231,16 +231,31 @@ unsafe extern "C" fn multiply_rows(dst: *mut sys::ggml_tensor, ith: i32, nth: i3
             // Up to 4 rows at a time: their accumulators fill the vector registers.
             for first in (0..n).step_by(4) {
                 let last = (first + 4).min(n);
-                let (a, o) = (&rows[first..last], &out[first..last]);
-                #[cfg(target_arch = "x86_64")]
-                match last - first {
-                    4 => x86::group::<4>(blocks, w, a, o, group * COLS),
-                    3 => x86::group::<3>(blocks, w, a, o, group * COLS),
-                    2 => x86::group::<2>(blocks, w, a, o, group * COLS),
-                    _ => x86::group::<1>(blocks, w, a, o, group * COLS),
-                }
+                rows_group(blocks, w, &rows[first..last], &out[first..last], group * COLS);
             }
         }
+    }
+}
+
+/// One group of 8 weight rows times 1 to 4 activation rows (see `x86::group`).
+///
+/// # Safety
+/// As `x86::group`'s; only called where [`available`] said so.
+unsafe fn rows_group(blocks: usize, w: *const BlockQ4Kx8, a: &[*const BlockQ8K], out: &[*mut f32], col: usize) {
+    // SAFETY: the caller's contract is `x86::group`'s.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        match a.len() {
+            4 => x86::group::<4>(blocks, w, a, out, col),
+            3 => x86::group::<3>(blocks, w, a, out, col),
+            2 => x86::group::<2>(blocks, w, a, out, col),
+            _ => x86::group::<1>(blocks, w, a, out, col),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (blocks, w, a, out, col);
+        unreachable!("the q4_K kernel runs only on x86-64 CPUs with AVX2");
     }
 }
 
