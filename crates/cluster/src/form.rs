@@ -273,39 +273,12 @@ fn check_held(
 /// What each layer and each end of the model costs in memory, for the planner.
 pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvTypes) -> ModelCost {
     let hp = file.hparams();
-    let tensor_bytes = |name: &str| file.gguf().tensor(name).map_or(0, |t| t.n_bytes);
-    let output = if file.gguf().tensor("output.weight").is_some() {
-        "output.weight"
-    } else {
-        "token_embd.weight"
-    };
-    // A layer that reuses an earlier layer's choice of tokens stays on its stage; so do
-    // DeepSeek V4's hash-routed layers after the first, which read the token ids only the
-    // first stage has.
-    let hash_layers = hp.dsv4.as_ref().map_or(0, |v4| v4.hash_layers.min(hp.n_layer));
-    let (no_stage_start, reused) = if hash_layers > 1 {
-        (
-            (1..hash_layers).collect(),
-            "the batch's token ids (deepseek4's hash-routed experts choose by them; only the first stage has them)",
-        )
-    } else {
-        (
-            hp.indexer()
-                .map(|ix| (0..hp.n_layer).filter(|&l| !ix.full_layers[l]).collect())
-                .unwrap_or_default(),
-            "an earlier layer's choice of tokens (a shared indexer layer)",
-        )
-    };
+    let (no_stage_start, reused) = hp.no_stage_start();
     ModelCost {
         layer_bytes: (0..hp.n_layer).map(|l| file.layer_bytes(l)).collect(),
         layer_work_bytes: (0..hp.n_layer).map(|l| file.layer_work_bytes(l)).collect(),
-        first_bytes: tensor_bytes("token_embd.weight"),
-        last_bytes: tensor_bytes("output_norm.weight")
-            + tensor_bytes(output)
-            + baton_model::hyper::end_tensors(hp)
-                .iter()
-                .map(|(t, _, _)| tensor_bytes(t.name()))
-                .sum::<u64>(),
+        first_bytes: file.end_bytes(true, false),
+        last_bytes: file.end_bytes(false, true),
         kv_bytes: (0..hp.n_layer)
             .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, kv_types))
             .collect(),
