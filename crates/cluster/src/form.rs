@@ -19,6 +19,7 @@ use baton_proto::{
     Capabilities, Control, Conversation, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role, TpPlace,
 };
 
+use crate::error::ClusterError;
 use crate::groups::{measure_link, plan_nodes, Planned};
 use crate::stream::send_stage_tensors;
 use baton_engine::{Head, RingEnds};
@@ -289,9 +290,9 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvType
 
 /// Connects to `workers`, plans, loads, and links the ring: `reach_all`, `plan`,
 /// `load`, `link`, in that order.
-pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) -> Result<RemoteRing, NodeError> {
+pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) -> Result<RemoteRing, ClusterError> {
     if workers.is_empty() {
-        return Err(NodeError::Request("no workers given".into()));
+        return Err(ClusterError::NoWorkers);
     }
     let file = match &opts.opened {
         Some(file) if file.path() == model => file.clone(),
@@ -299,10 +300,11 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     };
     let model_ref = model_ref(&file);
     let mut reached = reach_all(workers, model, &model_ref, opts)?;
-    let (planned, n_ctx) = plan(&file, model, &reached.workers, &reached.unreachable, opts)?;
+    let (planned, n_ctx) =
+        plan(&file, model, &reached.workers, &reached.unreachable, opts).map_err(ClusterError::Plan)?;
     let opts = &ClusterOptions { n_ctx, ..opts.clone() };
-    let head_stage = load(&file, model, &model_ref, &mut reached, &planned, opts)?;
-    let ends = link(reached.links, &planned, head_stage)?;
+    let head_stage = load(&file, model, &model_ref, &mut reached, &planned, opts).map_err(ClusterError::Load)?;
+    let ends = link(reached.links, &planned, head_stage).map_err(ClusterError::Link)?;
     Ok(RemoteRing {
         head: Some(Head::new(RingEnds {
             tx: ends.tx,
@@ -338,7 +340,7 @@ fn reach_all(
     model: &Path,
     model_ref: &ModelRef,
     opts: &ClusterOptions,
-) -> Result<Reached, NodeError> {
+) -> Result<Reached, ClusterError> {
     // Known from an earlier start (or `None`, and computed in the background for the next).
     let own_content = baton_stage::models::content_hash(model, &model_ref.identity, &head_cache_dir());
     let mut reached = Reached {
@@ -354,15 +356,16 @@ fn reach_all(
                 reached.unreachable.push((addr.clone(), e));
                 continue;
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(ClusterError::Reach(e)),
         };
-        check_held(addr, model_ref, own_content, &caps.models)?;
+        check_held(addr, model_ref, own_content, &caps.models).map_err(ClusterError::Reach)?;
         tracing::info!(worker = %addr, devices = ?caps.devices, "worker described itself");
         if let Some(on_reached) = &opts.on_reached {
-            on_reached(addr, caps.session, link.closer()?, link.counters());
+            let closer = link.closer().map_err(|e| ClusterError::Reach(e.into()))?;
+            on_reached(addr, caps.session, closer, link.counters());
         }
         let measured = match opts.tp {
-            TpDegree::Auto => Some(measure_link(link.as_mut(), addr)?),
+            TpDegree::Auto => Some(measure_link(link.as_mut(), addr).map_err(ClusterError::Reach)?),
             TpDegree::Fixed(_) => None,
         };
         reached.links.push(link);
@@ -377,8 +380,7 @@ fn reach_all(
         });
     }
     if reached.workers.is_empty() && !opts.head_stage {
-        let why: Vec<String> = reached.unreachable.iter().map(|(a, e)| format!("{a}: {e}")).collect();
-        return Err(NodeError::Request(format!("no worker answered ({})", why.join("; "))));
+        return Err(ClusterError::NoneAnswered(reached.unreachable));
     }
     Ok(reached)
 }
@@ -974,5 +976,45 @@ mod tests {
         assert!(err.contains("holds a different m.gguf") && err.contains("w:1"), "{err}");
         let err = check(Some(5), held("copy.gguf", 1, Some(6))).unwrap_err();
         assert!(err.contains("damaged or altered copy.gguf"), "{err}");
+    }
+
+    #[test]
+    fn the_step_that_failed_is_its_own_variant() {
+        let gemma = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/gemma-3-270m-q4_k_m.gguf"
+        ));
+        let opts = ClusterOptions::default();
+        // Nothing listens on port 1 of loopback.
+        let closed = vec!["127.0.0.1:1".to_string()];
+        assert!(matches!(
+            connect_cluster(gemma, &[], &opts),
+            Err(ClusterError::NoWorkers)
+        ));
+        let missing = Path::new("/nonexistent/baton/model.gguf");
+        assert!(matches!(
+            connect_cluster(missing, &closed, &opts),
+            Err(ClusterError::Model(_))
+        ));
+
+        let err = connect_cluster(gemma, &closed, &opts).err().expect("unreachable");
+        assert!(
+            matches!(&err, ClusterError::Reach(NodeError::Unreachable { worker, .. }) if worker == "127.0.0.1:1"),
+            "{err:?}"
+        );
+        let skipping = ClusterOptions {
+            skip_unreachable: true,
+            ..ClusterOptions::default()
+        };
+        let err = connect_cluster(gemma, &closed, &skipping).err().expect("none answered");
+        assert!(
+            matches!(&err, ClusterError::NoneAnswered(left) if left.len() == 1),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .starts_with("no worker answered (127.0.0.1:1: worker 127.0.0.1:1 could not be reached"),
+            "{err}"
+        );
     }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use baton_net::{Rx, RxExt, Tx};
+use baton_net::{NetError, Rx, RxExt, Tx};
 use baton_proto::Ring;
 use tokio::sync::oneshot;
 
@@ -18,7 +18,7 @@ pub(crate) enum Inbox {
     Job(Box<Job>),
     Stats(oneshot::Sender<Result<StageStats, StatsError>>),
     /// A reply from the ring formed `gen`-th.
-    Reply(u64, Result<Ring, String>),
+    Reply(u64, Result<Ring, NetError>),
     /// A node of ring `gen` stopped answering.
     Lost(u64, String),
     /// The recovery thread formed a ring (and hands the source back).
@@ -182,7 +182,7 @@ fn spawn_reader(mut rx: Box<dyn Rx>, inbox: mpsc::Sender<Inbox>, gen: u64) {
         .name("ring-reader".into())
         .spawn(move || loop {
             let inbox = &reader_inbox;
-            let reply = rx.recv_as::<Ring>().map_err(|e| e.to_string());
+            let reply = rx.recv_as::<Ring>();
             let last = !matches!(reply, Ok(ref m) if !matches!(m, Ring::Shutdown));
             if inbox.send(Inbox::Reply(gen, reply)).is_err() || last {
                 return;

@@ -42,21 +42,21 @@ pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -
 /// the connection (a `Refused` has already told the client why, where it could).
 pub fn server_handshake(link: &mut dyn Link, token: Option<&[u8]>) -> Result<Role, NetError> {
     let first = link.recv()?;
-    server_handshake_admitting(link, token, first, |_| Ok(())).map(|(role, ())| role)
+    server_handshake_admitting(link, token, first, |_| Ok::<(), NetError>(())).map(|(role, ())| role)
 }
 
 /// Runs the server side from the client's `first` message (already read: a worker looks
 /// at it before it gives the connection a slot), and once the client has proved the
 /// token (or announced itself, without one) asks `admit` whether this connection may be
 /// served. `admit` returns what the caller keeps while it serves the connection (a
-/// slot, say), or the reason it cannot; the client is then told that reason in a `Busy`
-/// refusal instead of this side's last handshake message, never just cut off. With a
-/// token, the link's frames are tagged from here on.
-pub fn server_handshake_admitting<T>(
+/// slot, say), or its error saying why it cannot; the client is then told that error's
+/// text in a `Busy` refusal instead of this side's last handshake message, never just
+/// cut off. With a token, the link's frames are tagged from here on.
+pub fn server_handshake_admitting<T, E: std::fmt::Display>(
     link: &mut dyn Link,
     token: Option<&[u8]>,
     first: Message,
-    admit: impl FnOnce(Role) -> Result<T, String>,
+    admit: impl FnOnce(Role) -> Result<T, E>,
 ) -> Result<(Role, T), NetError> {
     let mut server = Server::new(token, new_nonce());
     let mut next = Some(first);
@@ -68,7 +68,7 @@ pub fn server_handshake_admitting<T>(
         if let Some((send, peer)) = drive(link, server.handle(msg))? {
             let admitted = match admit(peer) {
                 Ok(admitted) => admitted,
-                Err(reason) => return Err(fail(link, turn_away(reason))),
+                Err(why) => return Err(fail(link, turn_away(why.to_string()))),
             };
             // The last handshake message goes untagged, like every one before it.
             send_all(link, send)?;
@@ -197,7 +197,7 @@ mod tests {
                 // The reply leaves 50 ms after the Hello arrived: the round trip is at
                 // least that, whenever this thread ran.
                 std::thread::sleep(Duration::from_millis(50));
-                server_handshake_admitting(&mut server, token, first, |_| Ok(())).unwrap();
+                server_handshake_admitting(&mut server, token, first, |_| Ok::<(), NetError>(())).unwrap();
             });
             client_handshake(&mut client, Role::Ring, token).unwrap();
             serving.join().unwrap();

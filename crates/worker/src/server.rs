@@ -26,6 +26,7 @@ use baton_net::{
 };
 use baton_proto::{Capabilities, Control, DeviceCaps, DeviceRange, Heartbeat, LoadPlan, Message, RefusalCode, Role};
 
+use crate::error::{TurnedAway, WorkerError};
 use crate::group::{form_mesh, Arrived, Mesh};
 use crate::receive::{check_stage_complete, receive_stage_tensors, serve_fetch, Recording};
 pub(crate) use baton_stage::gate::ConnSlot;
@@ -151,12 +152,10 @@ impl Shared {
 
     /// Opens a session for a head whose control link `control` closes, unless the
     /// worker serves [`MAX_SESSIONS`] heads already (the reason).
-    fn begin_session(&self, control: Option<LinkCloser>) -> Result<HeadSlot<'_>, String> {
+    fn begin_session(&self, control: Option<LinkCloser>) -> Result<HeadSlot<'_>, TurnedAway> {
         let mut sessions = self.sessions();
         if sessions.len() >= MAX_SESSIONS {
-            return Err(format!(
-                "this worker serves {MAX_SESSIONS} heads already, the most it serves at once"
-            ));
+            return Err(TurnedAway::SessionsFull);
         }
         let id = loop {
             let nonce = baton_proto::auth::new_nonce();
@@ -266,9 +265,9 @@ impl Shared {
         link: Box<dyn Link>,
         closer: Option<LinkCloser>,
         slot: ConnSlot,
-    ) -> Result<(), (Box<dyn Link>, String)> {
+    ) -> Result<(), (Box<dyn Link>, TurnedAway)> {
         if self.with_session(session, |s| s.upstream = closer).is_none() {
-            return Err((link, format!("no session {session} runs on this worker")));
+            return Err((link, TurnedAway::NoSession(session)));
         }
         let mut upstreams = self.upstreams();
         upstreams.retain(|u| u.session != session);
@@ -281,18 +280,18 @@ impl Shared {
 impl Worker {
     /// Binds the listening socket and opens the models directory. An empty or short
     /// token is refused.
-    pub fn bind(config: WorkerConfig) -> Result<Worker, NodeError> {
-        let listener = Listener::bind(&config.listen)?;
+    pub fn bind(config: WorkerConfig) -> Result<Worker, WorkerError> {
+        let listener = Listener::bind(&config.listen).map_err(WorkerError::Bind)?;
         Worker::on(listener, config)
     }
 
     /// A worker serving on `listener`, bound already (a worker that joins with an
     /// invite binds first: the head is told its port before it has a token).
-    pub fn on(listener: Listener, config: WorkerConfig) -> Result<Worker, NodeError> {
+    pub fn on(listener: Listener, config: WorkerConfig) -> Result<Worker, WorkerError> {
         if let Some(token) = &config.token {
             baton_proto::auth::check_token(token.as_bytes())?;
         }
-        let models = ModelDir::new(&config.models)?;
+        let models = ModelDir::new(&config.models).map_err(WorkerError::Models)?;
         let gate = Gate::new(GateConfig {
             token: config.token.clone(),
             link: config.link.clone(),
@@ -403,10 +402,7 @@ fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError
             }
             let head = match shared.begin_session(closer) {
                 Ok(head) => head,
-                Err(reason) => {
-                    refuse(link.as_mut(), RefusalCode::Busy, reason.clone());
-                    return Err(NodeError::Request(reason));
-                }
+                Err(why) => return Err(why.refuse(link.as_mut())),
             };
             session(shared, link, head, &local)
         }
@@ -424,10 +420,7 @@ fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError
             link.set_read_timeout(None)?;
             shared
                 .arrive_upstream(session, link, closer, conn)
-                .map_err(|(mut link, reason)| {
-                    refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
-                    NodeError::Request(reason)
-                })
+                .map_err(|(mut link, why)| why.refuse(link.as_mut()))
         }
         Role::Heartbeat => heartbeat(shared, link),
         Role::Member => crate::group::accept_member(shared, link, closer, conn),
@@ -966,6 +959,7 @@ mod tests {
     use std::sync::atomic::AtomicBool;
 
     use baton_net::connect;
+    use baton_proto::auth::TokenError;
     use baton_proto::ModelRef;
 
     use super::*;
@@ -1120,12 +1114,12 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_short_token_is_refused_when_binding() {
-        let err = Worker::bind(WorkerConfig {
+    /// A worker on loopback over `models` with `token`.
+    fn bind_config(models: PathBuf, token: Option<&str>) -> WorkerConfig {
+        WorkerConfig {
             listen: "127.0.0.1:0".into(),
-            models: std::env::temp_dir(),
-            token: Some("tiny".into()),
+            models,
+            token: token.map(str::to_string),
             threads: 1,
             memory: None,
             advertise: None,
@@ -1134,9 +1128,40 @@ mod tests {
             max_connections: 4,
             max_handshakes_per_source: 8,
             devices: vec![Device::cpu()],
-        })
-        .err()
-        .unwrap();
+        }
+    }
+
+    #[test]
+    fn a_short_token_is_refused_when_binding() {
+        let err = Worker::bind(bind_config(std::env::temp_dir(), Some("tiny")))
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("4 bytes long"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_token_a_bad_models_directory_and_a_taken_address_are_told_apart() {
+        let err = Worker::bind(bind_config(std::env::temp_dir(), Some("tiny")))
+            .err()
+            .unwrap();
+        assert!(
+            matches!(err, WorkerError::Token(TokenError::Short { len: 4 })),
+            "{err:?}"
+        );
+
+        // A file where the models directory should be.
+        let file = std::env::temp_dir().join(format!("baton-worker-models-{}", std::process::id()));
+        std::fs::write(&file, b"not a directory").unwrap();
+        let err = Worker::bind(bind_config(file.clone(), None)).err().unwrap();
+        std::fs::remove_file(&file).unwrap();
+        assert!(matches!(err, WorkerError::Models(NodeError::File { .. })), "{err:?}");
+
+        let taken = Listener::bind("127.0.0.1:0").unwrap();
+        let config = WorkerConfig {
+            listen: taken.local_addr().to_string(),
+            ..bind_config(std::env::temp_dir(), None)
+        };
+        let err = Worker::bind(config).err().unwrap();
+        assert!(matches!(err, WorkerError::Bind(_)), "{err:?}");
     }
 }
