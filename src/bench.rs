@@ -9,7 +9,7 @@ use baton_engine::Head;
 use baton_engine::{Draft, DraftMode, EngineConfig, Event, Job};
 use baton_ggml::{Device, LlamaContext, LlamaModel};
 use baton_model::ModelFile;
-use baton_proto::{Message, Payload, StartSeq};
+use baton_proto::{Payload, StartSeq};
 use baton_sample::{argmax, SamplingParams};
 use clap::Args;
 
@@ -206,7 +206,7 @@ fn baton_pp(head: &mut Head, prompt: &[u32]) -> anyhow::Result<Duration> {
         vec![prompt.len() as u32 - 1],
     )?;
     let elapsed = start.elapsed();
-    head.control(Message::EndSeq { seq: 0 })?;
+    head.control(baton_proto::Ring::EndSeq { seq: 0 })?;
     Ok(elapsed)
 }
 
@@ -221,7 +221,7 @@ fn baton_tg(head: &mut Head, first: u32, n: usize) -> anyhow::Result<Duration> {
         token = sampled.first().context("no token sampled")?.token;
     }
     let elapsed = start.elapsed();
-    head.control(Message::EndSeq { seq: 0 })?;
+    head.control(baton_proto::Ring::EndSeq { seq: 0 })?;
     Ok(elapsed)
 }
 

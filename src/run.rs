@@ -274,7 +274,7 @@ fn generate_drafting(
         n_tokens,
         prompt_time: first - started,
         gen_time: done - first,
-        resident: stats.resident,
+        resident: stats.ring.resident,
         drafts: Some(drafts),
     })
 }

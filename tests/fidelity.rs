@@ -164,9 +164,10 @@ fn f16_wire_costs_little_fidelity() {
 /// A batch of decode steps, one per sequence, as `baton serve` forms them for many
 /// concurrent requests: each row's logits are the bits of that sequence's step alone,
 /// at every batch size up to [`baton_engine::MAX_DECODE_SEQS`], with weights repacked
-/// for the CPU or not. Each weight's product cuts the rows into pieces its kernels
-/// compute as alone (`Builder::mm`): most of qwen2's and gemma3's weights (q5_0, q8_0)
-/// take all rows at once, their K-quants 3 (repacked) or 7.
+/// for the CPU or not. Each weight's product takes the rows in a way that computes each
+/// as alone (`Builder::mm`): most of qwen2's and gemma3's weights (q5_0, q8_0) through
+/// ggml's product with all rows at once, their K-quants through baton's repacked q4_K
+/// kernel or as one-row planes (pieces of 3 or 7 rows where neither agrees).
 #[test]
 fn a_decode_batch_of_many_sequences_gives_each_row_its_bits_alone() {
     let _serial = serial();

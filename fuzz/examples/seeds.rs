@@ -14,7 +14,7 @@ use baton_gguf::{GgmlType, GgufWriter, Value};
 use baton_proto::auth::proof;
 use baton_proto::{
     encode, Capabilities, DeviceCaps, DeviceRange, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload,
-    RefusalCode, Role, SampledToken, TensorEntry, PROTOCOL_VERSION,
+    RefusalCode, Role, SampledToken, StartSeq, Stats, TensorEntry, PROTOCOL_VERSION,
 };
 use baton_sample::SamplingParams;
 
@@ -151,36 +151,20 @@ fn messages() -> Vec<(String, Message)> {
             resident: 250 << 20,
             received: 0,
         },
-        Message::StartSeq {
-            seq: 1,
-            keep: 0,
-            params: SamplingParams::default(),
-            history: vec![151644, 872],
-            top_logprobs: 2,
-            logprobs: true,
-            drawn: 0,
-            grammar: Some("root ::= [a-z]+".into()),
-            pooling: None,
-            budget: Some(Box::new(baton_sample::ReasoningBudget {
+        StartSeq::new(1, SamplingParams::default(), vec![151644, 872])
+            .with_logprobs(true, 2)
+            .with_grammar(Some("root ::= [a-z]+".into()))
+            .with_budget(Some(baton_sample::ReasoningBudget {
                 tokens: 256,
                 start: vec![151667],
                 ends: vec![vec![151668]],
                 forced: vec![151668],
                 prefill: vec![151667, 198],
-            })),
-        },
-        Message::StartSeq {
-            seq: 2,
-            keep: 0,
-            params: SamplingParams::greedy(),
-            history: vec![],
-            top_logprobs: 0,
-            logprobs: false,
-            drawn: 0,
-            grammar: None,
-            pooling: Some(baton_proto::Pooling::Mean),
-            budget: None,
-        },
+            }))
+            .into(),
+        StartSeq::new(2, SamplingParams::greedy(), vec![])
+            .with_pooling(Some(baton_proto::Pooling::Mean))
+            .into(),
         Message::TruncateSeq { seq: 1, len: 12 },
         Message::Checkpoint { seq: 1, len: 8 },
         Message::EndSeq { seq: 1 },
@@ -202,14 +186,14 @@ fn messages() -> Vec<(String, Message)> {
             fault: baton_proto::Fault::Protocol,
             message: "sequence 3 is not started".into(),
         },
-        Message::Stats {
+        Message::Stats(Stats {
             resident: vec![250 << 20, 260 << 20],
             kv_used: vec![17, 17],
             busy_us: vec![1000, 2000],
             rows: vec![10, 10],
             link_sent: vec![0, 4096],
             link_rtt_us: vec![0, 250],
-        },
+        }),
         Message::Shutdown,
         Message::Ping {
             timeout_ms: 2000,

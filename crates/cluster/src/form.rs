@@ -10,12 +10,16 @@ use std::thread::JoinHandle;
 use baton_ggml::Device;
 use baton_model::{KvTypes, ModelFile, StageConfig, StageSpan};
 use baton_net::{
-    client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkOptions, NetError, Rx, Tx,
+    client_handshake, connect, connect_by, local_link, Counters, Link, LinkCloser, LinkExt, LinkOptions, NetError, Rx,
+    Tx,
 };
 use baton_plan::{DeviceOffer, LinkOffer, ModelCost, NodeOffer, Plan, PlanError, TpDegree};
 use baton_proto::auth::identity_hash;
-use baton_proto::{Capabilities, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role, TpPlace};
+use baton_proto::{
+    Capabilities, Control, Conversation, DeviceRange, HeldModel, LoadPlan, Message, ModelRef, Role, TpPlace,
+};
 
+use crate::error::ClusterError;
 use crate::groups::{measure_link, plan_nodes, Planned};
 use crate::stream::send_stage_tensors;
 use baton_engine::{Head, RingEnds};
@@ -270,39 +274,12 @@ fn check_held(
 /// What each layer and each end of the model costs in memory, for the planner.
 pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvTypes) -> ModelCost {
     let hp = file.hparams();
-    let tensor_bytes = |name: &str| file.gguf().tensor(name).map_or(0, |t| t.n_bytes);
-    let output = if file.gguf().tensor("output.weight").is_some() {
-        "output.weight"
-    } else {
-        "token_embd.weight"
-    };
-    // A layer that reuses an earlier layer's choice of tokens stays on its stage; so do
-    // DeepSeek V4's hash-routed layers after the first, which read the token ids only the
-    // first stage has.
-    let hash_layers = hp.dsv4.as_ref().map_or(0, |v4| v4.hash_layers.min(hp.n_layer));
-    let (no_stage_start, reused) = if hash_layers > 1 {
-        (
-            (1..hash_layers).collect(),
-            "the batch's token ids (deepseek4's hash-routed experts choose by them; only the first stage has them)",
-        )
-    } else {
-        (
-            hp.indexer()
-                .map(|ix| (0..hp.n_layer).filter(|&l| !ix.full_layers[l]).collect())
-                .unwrap_or_default(),
-            "an earlier layer's choice of tokens (a shared indexer layer)",
-        )
-    };
+    let (no_stage_start, reused) = hp.no_stage_start();
     ModelCost {
         layer_bytes: (0..hp.n_layer).map(|l| file.layer_bytes(l)).collect(),
         layer_work_bytes: (0..hp.n_layer).map(|l| file.layer_work_bytes(l)).collect(),
-        first_bytes: tensor_bytes("token_embd.weight"),
-        last_bytes: tensor_bytes("output_norm.weight")
-            + tensor_bytes(output)
-            + baton_model::hyper::end_tensors(hp)
-                .iter()
-                .map(|(t, _, _)| tensor_bytes(t.name()))
-                .sum::<u64>(),
+        first_bytes: file.end_bytes(true, false),
+        last_bytes: file.end_bytes(false, true),
         kv_bytes: (0..hp.n_layer)
             .map(|l| hp.layer_cache_bytes(l, n_ctx, n_seq, kv_types))
             .collect(),
@@ -313,9 +290,9 @@ pub fn model_cost(file: &ModelFile, n_ctx: usize, n_seq: usize, kv_types: KvType
 
 /// Connects to `workers`, plans, loads, and links the ring: `reach_all`, `plan`,
 /// `load`, `link`, in that order.
-pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) -> Result<RemoteRing, NodeError> {
+pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) -> Result<RemoteRing, ClusterError> {
     if workers.is_empty() {
-        return Err(NodeError::Request("no workers given".into()));
+        return Err(ClusterError::NoWorkers);
     }
     let file = match &opts.opened {
         Some(file) if file.path() == model => file.clone(),
@@ -323,10 +300,11 @@ pub fn connect_cluster(model: &Path, workers: &[String], opts: &ClusterOptions) 
     };
     let model_ref = model_ref(&file);
     let mut reached = reach_all(workers, model, &model_ref, opts)?;
-    let (planned, n_ctx) = plan(&file, model, &reached.workers, &reached.unreachable, opts)?;
+    let (planned, n_ctx) =
+        plan(&file, model, &reached.workers, &reached.unreachable, opts).map_err(ClusterError::Plan)?;
     let opts = &ClusterOptions { n_ctx, ..opts.clone() };
-    let head_stage = load(&file, model, &model_ref, &mut reached, &planned, opts)?;
-    let ends = link(reached.links, &planned, head_stage)?;
+    let head_stage = load(&file, model, &model_ref, &mut reached, &planned, opts).map_err(ClusterError::Load)?;
+    let ends = link(reached.links, &planned, head_stage).map_err(ClusterError::Link)?;
     Ok(RemoteRing {
         head: Some(Head::new(RingEnds {
             tx: ends.tx,
@@ -362,7 +340,7 @@ fn reach_all(
     model: &Path,
     model_ref: &ModelRef,
     opts: &ClusterOptions,
-) -> Result<Reached, NodeError> {
+) -> Result<Reached, ClusterError> {
     // Known from an earlier start (or `None`, and computed in the background for the next).
     let own_content = baton_stage::models::content_hash(model, &model_ref.identity, &head_cache_dir());
     let mut reached = Reached {
@@ -378,15 +356,16 @@ fn reach_all(
                 reached.unreachable.push((addr.clone(), e));
                 continue;
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(ClusterError::Reach(e)),
         };
-        check_held(addr, model_ref, own_content, &caps.models)?;
+        check_held(addr, model_ref, own_content, &caps.models).map_err(ClusterError::Reach)?;
         tracing::info!(worker = %addr, devices = ?caps.devices, "worker described itself");
         if let Some(on_reached) = &opts.on_reached {
-            on_reached(addr, caps.session, link.closer()?, link.counters());
+            let closer = link.closer().map_err(|e| ClusterError::Reach(e.into()))?;
+            on_reached(addr, caps.session, closer, link.counters());
         }
         let measured = match opts.tp {
-            TpDegree::Auto => Some(measure_link(link.as_mut(), addr)?),
+            TpDegree::Auto => Some(measure_link(link.as_mut(), addr).map_err(ClusterError::Reach)?),
             TpDegree::Fixed(_) => None,
         };
         reached.links.push(link);
@@ -401,8 +380,7 @@ fn reach_all(
         });
     }
     if reached.workers.is_empty() && !opts.head_stage {
-        let why: Vec<String> = reached.unreachable.iter().map(|(a, e)| format!("{a}: {e}")).collect();
-        return Err(NodeError::Request(format!("no worker answered ({})", why.join("; "))));
+        return Err(ClusterError::NoneAnswered(reached.unreachable));
     }
     Ok(reached)
 }
@@ -741,12 +719,12 @@ fn load_plan(
 fn await_loaded(reached: &mut Reached, planned: &Planned) -> Result<(), NodeError> {
     for &w in planned.plan.stages.iter().flat_map(|stage| planned.members(stage.node)) {
         let link = &mut reached.links[w];
-        match link.recv()? {
-            Message::Loaded { resident, received } => {
+        match link.recv_as::<Control>()? {
+            Control::Loaded { resident, received } => {
                 tracing::info!(worker = %link.peer(), resident, received, "stage ready");
                 reached.workers[w].received = received;
             }
-            Message::Refused { code, reason } => {
+            Control::Refused { code, reason } => {
                 return Err(NodeError::Refused {
                     worker: link.peer().to_string(),
                     code,
@@ -910,9 +888,9 @@ fn reach(addr: &str, model_ref: &ModelRef, opts: &ClusterOptions) -> Result<(Box
     link.send(Message::Describe {
         model: model_ref.clone(),
     })?;
-    let caps = match link.recv()? {
-        Message::Capabilities(caps) => caps,
-        Message::Refused { code, reason } => {
+    let caps = match link.recv_as::<Control>()? {
+        Control::Capabilities(caps) => caps,
+        Control::Refused { code, reason } => {
             return Err(NodeError::Refused {
                 worker: addr.to_string(),
                 code,
@@ -998,5 +976,45 @@ mod tests {
         assert!(err.contains("holds a different m.gguf") && err.contains("w:1"), "{err}");
         let err = check(Some(5), held("copy.gguf", 1, Some(6))).unwrap_err();
         assert!(err.contains("damaged or altered copy.gguf"), "{err}");
+    }
+
+    #[test]
+    fn the_step_that_failed_is_its_own_variant() {
+        let gemma = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/gemma-3-270m-q4_k_m.gguf"
+        ));
+        let opts = ClusterOptions::default();
+        // Nothing listens on port 1 of loopback.
+        let closed = vec!["127.0.0.1:1".to_string()];
+        assert!(matches!(
+            connect_cluster(gemma, &[], &opts),
+            Err(ClusterError::NoWorkers)
+        ));
+        let missing = Path::new("/nonexistent/baton/model.gguf");
+        assert!(matches!(
+            connect_cluster(missing, &closed, &opts),
+            Err(ClusterError::Model(_))
+        ));
+
+        let err = connect_cluster(gemma, &closed, &opts).err().expect("unreachable");
+        assert!(
+            matches!(&err, ClusterError::Reach(NodeError::Unreachable { worker, .. }) if worker == "127.0.0.1:1"),
+            "{err:?}"
+        );
+        let skipping = ClusterOptions {
+            skip_unreachable: true,
+            ..ClusterOptions::default()
+        };
+        let err = connect_cluster(gemma, &closed, &skipping).err().expect("none answered");
+        assert!(
+            matches!(&err, ClusterError::NoneAnswered(left) if left.len() == 1),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .starts_with("no worker answered (127.0.0.1:1: worker 127.0.0.1:1 could not be reached"),
+            "{err}"
+        );
     }
 }

@@ -6,9 +6,9 @@
 use std::time::{Duration, Instant};
 
 use baton_model::{ModelFile, TpSplit};
-use baton_net::Link;
+use baton_net::{Link, LinkExt};
 use baton_plan::{Dims, LinkOffer, ModelCost, NodeOffer, Plan, TpDegree};
-use baton_proto::Message;
+use baton_proto::{Control, Conversation, Message};
 
 use crate::form::RemoteWorker;
 use baton_stage::NodeError;
@@ -170,8 +170,8 @@ pub(crate) fn measure_link(link: &mut dyn Link, addr: &str) -> Result<LinkOffer,
     let mut probe = |bytes: usize| -> Result<f64, NodeError> {
         let sent = Instant::now();
         link.send(Message::Probe { data: vec![0; bytes] })?;
-        match link.recv()? {
-            Message::Probe { .. } => Ok(sent.elapsed().as_secs_f64()),
+        match link.recv_as::<Control>()? {
+            Control::Probe { .. } => Ok(sent.elapsed().as_secs_f64()),
             other => Err(NodeError::Protocol(format!(
                 "worker {addr} answered a probe with {}",
                 other.kind()

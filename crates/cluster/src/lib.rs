@@ -4,12 +4,14 @@
 //! ring when one is lost ([`Supervisor`], the engine's [`baton_engine::RingSource`]).
 #![deny(unsafe_code)]
 
+mod error;
 mod form;
 mod groups;
 mod stream;
 mod supervise;
 mod watch;
 
+pub use error::ClusterError;
 pub use form::{
     connect_cluster, model_cost, model_ref, ClusterOptions, ContextFit, RemoteRing, RemoteWorker, CONTEXT_STEP,
 };

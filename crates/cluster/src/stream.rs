@@ -6,9 +6,9 @@ use std::collections::BTreeSet;
 use std::time::Instant;
 
 use baton_model::{ModelFile, StageSpan};
-use baton_net::Link;
+use baton_net::{Link, LinkExt};
 use baton_proto::auth::identity_hash;
-use baton_proto::{Message, TensorEntry};
+use baton_proto::{Control, Conversation, Message, TensorEntry};
 use baton_stage::NodeError;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
@@ -51,9 +51,9 @@ pub fn send_stage_tensors(
         header,
         tensors: entries.clone(),
     })?;
-    let wanted = match link.recv()? {
-        Message::StreamStart { tensors, .. } => tensors,
-        Message::Refused { code, reason } => {
+    let wanted = match link.recv_as::<Control>()? {
+        Control::StreamStart { tensors, .. } => tensors,
+        Control::Refused { code, reason } => {
             return Err(NodeError::Refused {
                 worker: worker.to_string(),
                 code,
@@ -131,8 +131,8 @@ pub fn send_stage_tensors(
 fn refusal(link: &mut dyn Link, worker: &str) -> Option<NodeError> {
     // A send that failed on this side (the link still up) gets no answer: wait briefly.
     link.set_read_timeout(Some(std::time::Duration::from_secs(1))).ok()?;
-    match link.recv() {
-        Ok(Message::Refused { code, reason }) => Some(NodeError::Refused {
+    match link.recv_as::<Control>() {
+        Ok(Control::Refused { code, reason }) => Some(NodeError::Refused {
             worker: worker.to_string(),
             code,
             reason,

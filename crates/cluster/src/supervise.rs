@@ -14,6 +14,7 @@ use baton_net::{client_handshake, connect_by, Counters, LinkCloser, LinkOptions}
 use baton_plan::PlanError;
 use baton_proto::{RefusalCode, Role};
 
+use crate::error::ClusterError;
 use crate::form::{connect_cluster, ClusterOptions, ContextFit, OnReached, RemoteRing};
 use crate::watch::{OnLost, Watch};
 use baton_engine::{Better, FormError, Formed, RingSource, WorkerLink};
@@ -133,7 +134,7 @@ impl Supervisor {
         candidates: &[String],
         reached: &Mutex<Vec<(String, Watch)>>,
         on_reached: OnReached,
-    ) -> Result<RemoteRing, NodeError> {
+    ) -> Result<RemoteRing, ClusterError> {
         let deadline = Instant::now() + Duration::from_secs(3);
         // A `--split` names the workers given; with others the planner decides.
         let mut opts = self.opts.clone();
@@ -216,13 +217,13 @@ impl Supervisor {
 
     /// The error of a formation that failed with `e`: a lack of memory is a capacity
     /// problem, anything else is retried; both say which workers are awaited.
-    fn not_formed(&mut self, candidates: &[String], e: NodeError) -> FormError {
+    fn not_formed(&mut self, candidates: &[String], e: ClusterError) -> FormError {
         self.mark_unreachable(candidates);
         self.start_prober();
         let lost = self.lost();
         let why = describe_lost(&lost);
         match e {
-            NodeError::Plan(PlanError::NotEnoughMemory { .. }) => FormError::Capacity(format!(
+            ClusterError::Plan(NodeError::Plan(PlanError::NotEnoughMemory { .. })) => FormError::Capacity(format!(
                 "the workers that answer cannot hold the model ({e}); waiting for {why}"
             )),
             other if lost.is_empty() => FormError::Retry(other.to_string()),
@@ -421,9 +422,8 @@ impl Prober {
                             client_handshake(conn.as_mut(), Role::Heartbeat, token.as_deref().map(str::as_bytes))?;
                             Ok(conn)
                         })
-                        .map_err(|e| e.to_string())
-                        .and_then(|mut conn| ping(conn.as_mut(), 0, timeout));
-                    if answered.is_ok() && !stopped.load(Ordering::SeqCst) {
+                        .is_ok_and(|mut conn| ping(conn.as_mut(), 0, timeout).is_ok());
+                    if answered && !stopped.load(Ordering::SeqCst) {
                         tracing::info!(worker = %addr, "a lost worker answers again");
                         lost.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr);
                         returned.store(true, Ordering::SeqCst);

@@ -105,7 +105,7 @@ fn beat(
         let sent = Instant::now();
         match ping(conn, session, timeout) {
             Ok(took) => round_trip.record_round_trip(took),
-            Err(why) => return Some(why),
+            Err(why) => return Some(why.to_string()),
         }
         sleep_until(sent + interval, stop);
     }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_net::Counters as LinkCounters;
-use baton_proto::{Message, SampledToken, StartSeq};
+use baton_proto::{Conversation, Ring, SampledToken, StartSeq, Stats};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
@@ -22,13 +22,13 @@ use super::slots::{choose_slot, choose_slot_to_pool, runs_prefix, Active, Slot};
 use super::text::Piece;
 use super::types::{
     Better, EngineConfig, Event, Failure, Figure, Finish, FinishReason, FormError, Health, Job, Output, PrefixReuse,
-    StageStats, TokenOut, Vocab,
+    StageStats, StatsError, TokenOut, Vocab,
 };
 
 /// A message in the ring, waiting for its reply.
 pub(crate) enum Pending {
     Control,
-    Stats(oneshot::Sender<Result<StageStats, String>>),
+    Stats(oneshot::Sender<Result<StageStats, StatsError>>),
     /// A micro-batch, the sequences in it, and its rows when it is a decode step (every
     /// row sampled; timed for the draft policy).
     Step {
@@ -42,7 +42,7 @@ pub(crate) enum Pending {
 #[derive(Debug, PartialEq)]
 pub(crate) enum Action {
     /// Send this into the ring (the reply is already expected).
-    Send(Message),
+    Send(Ring),
     /// The ring is gone: close it and have the ring source form a new one, reporting
     /// losses as ring number `gen`.
     FormRing { gen: u64 },
@@ -164,21 +164,12 @@ impl Core {
     }
 
     /// Someone asks every stage for its figures.
-    pub fn stats(&mut self, reply: oneshot::Sender<Result<StageStats, String>>, now: Instant) {
+    pub fn stats(&mut self, reply: oneshot::Sender<Result<StageStats, StatsError>>, now: Instant) {
         if !self.connected {
-            self.outputs
-                .push(Output::Stats(reply, Err("the cluster is forming a new ring".into())));
+            self.outputs.push(Output::Stats(reply, Err(StatsError::Forming)));
             return;
         }
-        let msg = Message::Stats {
-            resident: Vec::new(),
-            kv_used: Vec::new(),
-            busy_us: Vec::new(),
-            rows: Vec::new(),
-            link_sent: Vec::new(),
-            link_rtt_us: Vec::new(),
-        };
-        self.send(msg, Pending::Stats(reply), now);
+        self.send(Ring::Stats(Stats::default()), Pending::Stats(reply), now);
     }
 
     /// A ring was formed over `n_stages` stages (0: unknown, keep the configured
@@ -228,7 +219,7 @@ impl Core {
     }
 
     /// A reply from ring `gen`.
-    pub fn reply(&mut self, gen: u64, reply: Message, now: Instant) {
+    pub fn reply(&mut self, gen: u64, reply: Ring, now: Instant) {
         if gen != self.gen {
             return;
         }
@@ -237,53 +228,44 @@ impl Core {
             return;
         };
         match (pending, reply) {
-            (Pending::Control, Message::Done) | (Pending::Shutdown, _) => {}
+            (Pending::Control, Ring::Done) | (Pending::Shutdown, _) => {}
             (
                 Pending::Control,
-                Message::Error {
+                Ring::Error {
                     first_layer, message, ..
                 },
             ) => {
                 tracing::warn!(first_layer, "a control message failed: {message}");
             }
-            (
-                Pending::Stats(answer),
-                Message::Stats {
-                    resident,
-                    kv_used,
-                    busy_us,
-                    rows,
-                    link_sent,
-                    mut link_rtt_us,
-                },
-            ) => {
+            (Pending::Stats(answer), Ring::Stats(mut ring)) => {
                 // The last stage's link is the head's control link to that worker: the
                 // worker was dialed and measured nothing; the head measured it, and its
                 // heartbeat keeps the figure current.
-                if let Some(last) = link_rtt_us.last_mut().filter(|rtt| **rtt == 0) {
+                if let Some(last) = ring.link_rtt_us.last_mut().filter(|rtt| **rtt == 0) {
                     *last = self.ends.from_last.round_trip_us();
                 }
                 let stats = StageStats {
-                    resident,
-                    kv_used,
-                    busy_us,
-                    rows,
-                    link_sent,
-                    link_rtt_us,
+                    ring,
                     head_link_rtt_us: self.ends.into_first.round_trip_us(),
                 };
                 self.outputs.push(Output::Stats(answer, Ok(stats)));
             }
             (
                 Pending::Stats(answer),
-                Message::Error {
-                    first_layer, message, ..
+                Ring::Error {
+                    first_layer,
+                    fault,
+                    message,
                 },
             ) => {
-                let why = format!("the stage from layer {first_layer}: {message}");
-                self.outputs.push(Output::Stats(answer, Err(why)));
+                let error = StatsError::Stage {
+                    first_layer,
+                    fault,
+                    message,
+                };
+                self.outputs.push(Output::Stats(answer, Err(error)));
             }
-            (Pending::Step { members, decode_rows }, Message::Sampled { tokens, .. }) => {
+            (Pending::Step { members, decode_rows }, Ring::Sampled { tokens, .. }) => {
                 self.steps_in_flight -= 1;
                 self.count(Figure::RoundTripUs, now.duration_since(sent).as_micros() as i64);
                 if let Some(rows) = decode_rows {
@@ -313,14 +295,14 @@ impl Core {
                     self.on_tokens(member, &got, now);
                 }
             }
-            (Pending::Step { members, .. }, Message::Pooled { seq, values, .. }) => {
+            (Pending::Step { members, .. }, Ring::Pooled { seq, values, .. }) => {
                 self.steps_in_flight -= 1;
                 self.count(Figure::RoundTripUs, now.duration_since(sent).as_micros() as i64);
                 self.on_pooled(members, seq, values, now);
             }
             (
                 Pending::Step { members, .. },
-                Message::Error {
+                Ring::Error {
                     first_layer,
                     fault,
                     message,
@@ -356,7 +338,8 @@ impl Core {
         self.gen += 1;
         for (_, pending) in self.pending.drain(..) {
             if let Pending::Stats(reply) = pending {
-                self.outputs.push(Output::Stats(reply, Err(reason.to_string())));
+                self.outputs
+                    .push(Output::Stats(reply, Err(StatsError::Lost(reason.to_string()))));
             }
         }
         self.steps_in_flight = 0;
@@ -409,7 +392,7 @@ impl Core {
     /// `Shutdown` to come back while [`connected`](Self::connected)).
     pub fn shutdown(&mut self, now: Instant) {
         self.stopping = true;
-        self.send(Message::Shutdown, Pending::Shutdown, now);
+        self.send(Ring::Shutdown, Pending::Shutdown, now);
     }
 
     /// Everything that depends on time or on what the last event changed: deadlines,
@@ -473,11 +456,10 @@ impl Core {
     }
 
     /// Remembers that `msg` goes into the ring and what its reply will answer.
-    fn send(&mut self, msg: Message, pending: Pending, now: Instant) {
+    fn send(&mut self, msg: Ring, pending: Pending, now: Instant) {
         if !self.connected {
             if let Pending::Stats(reply) = pending {
-                self.outputs
-                    .push(Output::Stats(reply, Err("the cluster is forming a new ring".into())));
+                self.outputs.push(Output::Stats(reply, Err(StatsError::Forming)));
             }
             return;
         }
@@ -516,7 +498,8 @@ impl Core {
         self.fail_requests(reason);
         for (_, pending) in self.pending.drain(..) {
             if let Pending::Stats(reply) = pending {
-                self.outputs.push(Output::Stats(reply, Err(reason.to_string())));
+                self.outputs
+                    .push(Output::Stats(reply, Err(StatsError::Lost(reason.to_string()))));
             }
         }
     }
@@ -552,7 +535,7 @@ impl Core {
             .span
             .in_scope(|| tracing::debug!("the client went away: ending the sequence on every stage"));
         self.drafters.forget(seq as u32);
-        self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
+        self.send(Ring::EndSeq { seq: seq as u32 }, Pending::Control, now);
     }
 
     /// Gives free slots to waiting requests, preferring the slot whose cache the prompt
@@ -648,7 +631,7 @@ impl Core {
                 PrefixReuse::Checkpoints => members.iter().map(|m| m.seq).collect(),
                 PrefixReuse::Anywhere | PrefixReuse::Recent(_) => Vec::new(),
             };
-            self.send(Message::Forward(forward), Pending::Step { members, decode_rows }, now);
+            self.send(Ring::Forward(forward), Pending::Step { members, decode_rows }, now);
             for seq in checkpointed {
                 self.checkpoint_whole_chunk(seq, now);
             }
@@ -672,7 +655,7 @@ impl Core {
         if active.checkpoints.len() > baton_model::CHECKPOINTS {
             active.checkpoints.remove(0);
         }
-        let msg = Message::Checkpoint {
+        let msg = Ring::Checkpoint {
             seq: seq as u32,
             len: at as u32,
         };
@@ -695,7 +678,7 @@ impl Core {
         self.drafters.forget(seq as u32);
         self.count(Figure::Active, -1);
         self.count(Figure::Failed, 1);
-        self.send(Message::EndSeq { seq: seq as u32 }, Pending::Control, now);
+        self.send(Ring::EndSeq { seq: seq as u32 }, Pending::Control, now);
     }
 
     /// The last stage's embedding for the step's pooled sequence `seq`: the request
@@ -731,7 +714,7 @@ impl Core {
             embedding: Some(values),
         };
         self.tell(active.job.events, Event::Finished(finish));
-        self.send(Message::EndSeq { seq }, Pending::Control, now);
+        self.send(Ring::EndSeq { seq }, Pending::Control, now);
     }
 
     /// The tokens the last stage sampled for a member of a step: its token's sample
@@ -756,7 +739,7 @@ impl Core {
             // FIFO: every stage drops the rejected rows' cells before this sequence's
             // next step reaches it.
             self.send(
-                Message::TruncateSeq {
+                Ring::TruncateSeq {
                     seq: seq as u32,
                     len: len as u32,
                 },

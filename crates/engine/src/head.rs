@@ -2,8 +2,8 @@
 
 use std::time::{Duration, Instant};
 
-use baton_net::{Rx, Tx};
-use baton_proto::{Forward, Message, Payload, SampledToken, StartSeq, StepId};
+use baton_net::{Rx, RxExt, Tx};
+use baton_proto::{Conversation, Forward, Payload, Ring, SampledToken, StartSeq, Stats, StepId};
 use baton_sample::SamplingParams;
 
 use baton_stage::NodeError;
@@ -68,10 +68,10 @@ impl Head {
     }
 
     /// Sends a control message around the ring and waits for the last stage's `Done`.
-    pub fn control(&mut self, msg: Message) -> Result<(), NodeError> {
-        self.tx.send(msg)?;
-        match self.rx.recv()? {
-            Message::Done => Ok(()),
+    pub fn control(&mut self, msg: Ring) -> Result<(), NodeError> {
+        self.tx.send(msg.into())?;
+        match self.rx.recv_as::<Ring>()? {
+            Ring::Done => Ok(()),
             other => Err(unexpected(other)),
         }
     }
@@ -86,16 +86,19 @@ impl Head {
     ) -> Result<Vec<SampledToken>, NodeError> {
         let step = self.next_step;
         self.next_step += 1;
-        self.tx.send(Message::Forward(Forward {
-            step,
-            payload,
-            positions,
-            seq_ids,
-            sample_rows,
-            row_tokens: vec![],
-        }))?;
-        match self.rx.recv()? {
-            Message::Sampled { step: got, tokens } if got == step => Ok(tokens),
+        self.tx.send(
+            Ring::Forward(Forward {
+                step,
+                payload,
+                positions,
+                seq_ids,
+                sample_rows,
+                row_tokens: vec![],
+            })
+            .into(),
+        )?;
+        match self.rx.recv_as::<Ring>()? {
+            Ring::Sampled { step: got, tokens } if got == step => Ok(tokens),
             other => Err(unexpected(other)),
         }
     }
@@ -162,7 +165,7 @@ impl Head {
             pos += 1;
         }
         out.gen_time = gen_start.elapsed();
-        self.control(Message::EndSeq { seq })?;
+        self.control(Ring::EndSeq { seq })?;
         Ok(out)
     }
 
@@ -173,16 +176,9 @@ impl Head {
 
     /// Resident bytes and KV cache cells in use of each stage, in ring order.
     pub fn stats(&mut self) -> Result<(Vec<u64>, Vec<u32>), NodeError> {
-        self.tx.send(Message::Stats {
-            resident: Vec::new(),
-            kv_used: Vec::new(),
-            busy_us: Vec::new(),
-            rows: Vec::new(),
-            link_sent: Vec::new(),
-            link_rtt_us: Vec::new(),
-        })?;
-        match self.rx.recv()? {
-            Message::Stats { resident, kv_used, .. } => Ok((resident, kv_used)),
+        self.tx.send(Ring::Stats(Stats::default()).into())?;
+        match self.rx.recv_as::<Ring>()? {
+            Ring::Stats(stats) => Ok((stats.resident, stats.kv_used)),
             other => Err(unexpected(other)),
         }
     }
@@ -197,19 +193,25 @@ impl Head {
 
     /// Stops every stage of the ring.
     pub fn shutdown(&mut self) -> Result<(), NodeError> {
-        self.tx.send(Message::Shutdown)?;
-        match self.rx.recv()? {
-            Message::Shutdown => Ok(()),
+        self.tx.send(Ring::Shutdown.into())?;
+        match self.rx.recv_as::<Ring>()? {
+            Ring::Shutdown => Ok(()),
             other => Err(unexpected(other)),
         }
     }
 }
 
-fn unexpected(msg: Message) -> NodeError {
+fn unexpected(msg: Ring) -> NodeError {
     match msg {
-        Message::Error {
-            first_layer, message, ..
-        } => NodeError::Stage { first_layer, message },
+        Ring::Error {
+            first_layer,
+            fault,
+            message,
+        } => NodeError::Stage {
+            first_layer,
+            fault,
+            message,
+        },
         other => NodeError::Protocol(format!("unexpected reply {}", other.kind())),
     }
 }

@@ -63,7 +63,7 @@ pub use text::{Piece, TextStream};
 pub use types::{max_draft, prefix_reuse, PrefixReuse};
 pub use types::{
     Better, Cause, Counters, EndCheck, EngineConfig, Event, Failure, Finish, FinishReason, FormError, Formed, Health,
-    Job, OnLost, RingSource, StageStats, SubmitError, TokenOut, Vocab, WorkerLink,
+    Job, OnLost, RingSource, StageStats, StatsError, SubmitError, TokenOut, Vocab, WorkerLink,
 };
 
 use self::core::Core;
@@ -214,12 +214,10 @@ impl Engine {
     }
 
     /// Asks every stage for its resident bytes and KV cache use.
-    pub async fn stage_stats(&self) -> Result<StageStats, String> {
+    pub async fn stage_stats(&self) -> Result<StageStats, StatsError> {
         let (reply, answer) = oneshot::channel();
-        self.inbox
-            .send(Inbox::Stats(reply))
-            .map_err(|_| "the engine has stopped".to_string())?;
-        answer.await.map_err(|_| "the engine has stopped".to_string())?
+        self.inbox.send(Inbox::Stats(reply)).map_err(|_| StatsError::Stopped)?;
+        answer.await.map_err(|_| StatsError::Stopped)?
     }
 
     /// The engine's counters.

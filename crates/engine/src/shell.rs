@@ -5,20 +5,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use baton_net::{Rx, Tx};
-use baton_proto::Message;
+use baton_net::{NetError, Rx, RxExt, Tx};
+use baton_proto::Ring;
 use tokio::sync::oneshot;
 
 use super::core::{Action, Core, EndCounters, POLL_INTERVAL};
 use super::recovery::start_forming;
-use super::types::{Counters, FormError, Formed, Health, Job, RingSource, StageStats, WorkerLink};
+use super::types::{Counters, FormError, Formed, Health, Job, RingSource, StageStats, StatsError, WorkerLink};
 
 /// What reaches the engine thread.
 pub(crate) enum Inbox {
     Job(Box<Job>),
-    Stats(oneshot::Sender<Result<StageStats, String>>),
+    Stats(oneshot::Sender<Result<StageStats, StatsError>>),
     /// A reply from the ring formed `gen`-th.
-    Reply(u64, Result<Message, String>),
+    Reply(u64, Result<Ring, NetError>),
     /// A node of ring `gen` stopped answering.
     Lost(u64, String),
     /// The recovery thread formed a ring (and hands the source back).
@@ -104,7 +104,7 @@ impl Shell {
                 Some(Inbox::Job(job)) => self.core.submit(job),
                 Some(Inbox::Stats(reply)) => self.core.stats(reply, now),
                 Some(Inbox::Reply(gen, reply)) if gen == self.core.gen() => match reply {
-                    Ok(Message::Shutdown) if stopping => return,
+                    Ok(Ring::Shutdown) if stopping => return,
                     Ok(reply) => self.core.reply(gen, reply, now),
                     Err(_) if stopping => return,
                     Err(e) => self.core.lost(gen, &format!("the ring broke: {e}"), now),
@@ -148,7 +148,7 @@ impl Shell {
                 match action {
                     Action::Send(msg) => {
                         let Some(tx) = self.tx.as_mut() else { continue };
-                        if let Err(e) = tx.send(msg) {
+                        if let Err(e) = tx.send(msg.into()) {
                             self.core.send_failed(&e.to_string(), Instant::now());
                             // The core has dropped the rest; its new actions follow.
                             break;
@@ -182,8 +182,8 @@ fn spawn_reader(mut rx: Box<dyn Rx>, inbox: mpsc::Sender<Inbox>, gen: u64) {
         .name("ring-reader".into())
         .spawn(move || loop {
             let inbox = &reader_inbox;
-            let reply = rx.recv().map_err(|e| e.to_string());
-            let last = !matches!(reply, Ok(ref m) if !matches!(m, Message::Shutdown));
+            let reply = rx.recv_as::<Ring>();
+            let last = !matches!(reply, Ok(ref m) if !matches!(m, Ring::Shutdown));
             if inbox.send(Inbox::Reply(gen, reply)).is_err() || last {
                 return;
             }

@@ -4,13 +4,15 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use baton_proto::{Forward, Message, Payload, SampledToken};
+use baton_proto::{Forward, Payload, Ring, SampledToken, StartSeq, Stats};
 use baton_sample::SamplingParams;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::core::{Action, Core, EndCounters};
 use super::draft::{Draft, Drafters};
-use super::types::{Better, Counters, EndCheck, EngineConfig, Event, FinishReason, FormError, Health, Job, Vocab};
+use super::types::{
+    Better, Counters, EndCheck, EngineConfig, Event, FinishReason, FormError, Health, Job, StatsError, Vocab,
+};
 
 /// Token 0 ends generation; token `t` reads `<t>`.
 struct Tokens;
@@ -89,17 +91,17 @@ impl Harness {
     }
 
     /// Polls and returns the messages the core sends.
-    fn poll(&mut self) -> Vec<Message> {
+    fn poll(&mut self) -> Vec<Ring> {
         self.core.poll(self.now, None);
         sends(self.core.actions())
     }
 
     /// Answers `msg` as the ring would: control messages with `Done`, a forward with
     /// `tokens` for its sampled rows, in order.
-    fn answer(&mut self, msg: &Message, tokens: &[u32]) {
+    fn answer(&mut self, msg: &Ring, tokens: &[u32]) {
         let reply = match msg {
-            Message::Forward(f) => sampled(f, tokens),
-            _ => Message::Done,
+            Ring::Forward(f) => sampled(f, tokens),
+            _ => Ring::Done,
         };
         let gen = self.core.gen();
         self.core.reply(gen, reply, self.now);
@@ -107,7 +109,7 @@ impl Harness {
 
     /// Polls and answers until nothing more is sent; sampled rows get `tokens` in turn
     /// (the last one repeated). Returns everything sent.
-    fn poll_answering(&mut self, tokens: &[u32]) -> Vec<Message> {
+    fn poll_answering(&mut self, tokens: &[u32]) -> Vec<Ring> {
         let mut all = Vec::new();
         let mut next = 0;
         loop {
@@ -116,7 +118,7 @@ impl Harness {
                 return all;
             }
             for msg in &sent {
-                let sampled = matches!(msg, Message::Forward(f) if !f.sample_rows.is_empty());
+                let sampled = matches!(msg, Ring::Forward(f) if !f.sample_rows.is_empty());
                 let token = tokens[next.min(tokens.len() - 1)];
                 next += usize::from(sampled);
                 self.answer(msg, &[token]);
@@ -127,7 +129,7 @@ impl Harness {
 
     /// Like [`poll_answering`](Self::poll_answering), each sequence's sampled rows
     /// answered with `token(seq)`.
-    fn poll_answering_with(&mut self, token: impl Fn(u32) -> u32) -> Vec<Message> {
+    fn poll_answering_with(&mut self, token: impl Fn(u32) -> u32) -> Vec<Ring> {
         let mut all = Vec::new();
         loop {
             let sent = self.poll();
@@ -136,11 +138,11 @@ impl Harness {
             }
             for msg in &sent {
                 let reply = match msg {
-                    Message::Forward(f) => {
+                    Ring::Forward(f) => {
                         let tokens: Vec<u32> = f.sample_rows.iter().map(|&r| token(f.seq_ids[r as usize])).collect();
                         sampled(f, &tokens)
                     }
-                    _ => Message::Done,
+                    _ => Ring::Done,
                 };
                 let gen = self.core.gen();
                 self.core.reply(gen, reply, self.now);
@@ -199,7 +201,7 @@ fn serving() -> Health {
     }
 }
 
-fn sends(actions: Vec<Action>) -> Vec<Message> {
+fn sends(actions: Vec<Action>) -> Vec<Ring> {
     actions
         .into_iter()
         .filter_map(|a| match a {
@@ -209,7 +211,7 @@ fn sends(actions: Vec<Action>) -> Vec<Message> {
         .collect()
 }
 
-fn sampled(forward: &Forward, tokens: &[u32]) -> Message {
+fn sampled(forward: &Forward, tokens: &[u32]) -> Ring {
     let tokens = forward
         .sample_rows
         .iter()
@@ -221,25 +223,25 @@ fn sampled(forward: &Forward, tokens: &[u32]) -> Message {
             top: vec![],
         })
         .collect();
-    Message::Sampled {
+    Ring::Sampled {
         step: forward.step,
         tokens,
     }
 }
 
 /// The sequence id of the first `StartSeq` in `sent`.
-fn start_seq(sent: &[Message]) -> u32 {
+fn start_seq(sent: &[Ring]) -> u32 {
     sent.iter()
         .find_map(|m| match m {
-            Message::StartSeq { seq, .. } => Some(*seq),
+            Ring::StartSeq(StartSeq { seq, .. }) => Some(*seq),
             _ => None,
         })
         .expect("a StartSeq was sent")
 }
 
-fn forward(msg: &Message) -> &Forward {
+fn forward(msg: &Ring) -> &Forward {
     match msg {
-        Message::Forward(f) => f,
+        Ring::Forward(f) => f,
         other => panic!("expected a forward, got {other:?}"),
     }
 }
@@ -279,7 +281,7 @@ fn a_thinking_budget_travels_in_the_start_of_its_sequence() {
     }));
     let sent = h.poll();
     match &sent[0] {
-        Message::StartSeq { budget: Some(sent), .. } => assert_eq!(**sent, budget),
+        Ring::StartSeq(StartSeq { budget: Some(sent), .. }) => assert_eq!(**sent, budget),
         other => panic!("expected a StartSeq with the budget, got {other:?}"),
     }
 }
@@ -290,7 +292,7 @@ fn a_request_runs_from_its_prompt_chunks_to_its_length() {
     let mut rx = h.job(&[1, 2, 3, 4, 5, 6], 3);
     let sent = h.poll();
     // StartSeq, then the prompt in chunks of 4 (up to one per stage plus one waiting).
-    assert!(matches!(sent[0], Message::StartSeq { keep: 0, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 0, .. })), "{sent:?}");
     assert_eq!(tokens(forward(&sent[1])), &[1, 2, 3, 4]);
     assert_eq!(tokens(forward(&sent[2])), &[5, 6]);
     assert_eq!(forward(&sent[2]).sample_rows, vec![1]);
@@ -349,7 +351,7 @@ fn the_end_token_stops_and_the_next_request_reuses_whole_chunks() {
     // as the fresh run's last chunk; the slot that held it is chosen.
     let _rx = h.job(&prompt, 10);
     let sent = h.poll();
-    assert!(matches!(sent[0], Message::StartSeq { keep: 8, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 8, .. })), "{sent:?}");
     assert_eq!(start_seq(&sent), first_seq, "the slot holding the prefix");
     assert_eq!(tokens(forward(&sent[1])), &[9, 10]);
     assert_eq!(forward(&sent[1]).positions, vec![8, 9]);
@@ -377,7 +379,7 @@ fn recurrent_models_reuse_prefixes_at_the_checkpoints_their_stages_keep() {
     let sent = h.poll_answering(&[0]);
     let mut checkpoints = Vec::new();
     for (i, msg) in sent.iter().enumerate() {
-        if let Message::Checkpoint { len, .. } = msg {
+        if let Ring::Checkpoint { len, .. } = msg {
             // Right after the chunk it ends.
             assert_eq!(forward(&sent[i - 1]).positions.last(), Some(&(*len as i32 - 1)));
             checkpoints.push(*len);
@@ -387,9 +389,9 @@ fn recurrent_models_reuse_prefixes_at_the_checkpoints_their_stages_keep() {
     // The same prompt again: its last chunk starts at 16, a checkpoint.
     let _rx = h.job(&prompt, 10);
     let sent = h.poll_answering(&[0]);
-    assert!(matches!(sent[0], Message::StartSeq { keep: 16, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 16, .. })), "{sent:?}");
     assert!(
-        !sent.iter().any(|m| matches!(m, Message::Checkpoint { .. })),
+        !sent.iter().any(|m| matches!(m, Ring::Checkpoint { .. })),
         "nothing new to keep"
     );
     // Differing at token 10: a KV cache would give 8, a checkpoint too.
@@ -397,14 +399,14 @@ fn recurrent_models_reuse_prefixes_at_the_checkpoints_their_stages_keep() {
     other[9] = 99;
     let _rx = h.job(&other, 10);
     let sent = h.poll_answering(&[0]);
-    assert!(matches!(sent[0], Message::StartSeq { keep: 8, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 8, .. })), "{sent:?}");
     // Differing at token 6: 4 would do, but of 4, 8, 12 and 16 the stages kept the
     // newest three.
     let mut other = prompt.clone();
     other[5] = 99;
     let _rx = h.job(&other, 10);
     let sent = h.poll();
-    assert!(matches!(sent[0], Message::StartSeq { keep: 0, .. }), "{sent:?}");
+    assert!(matches!(sent[0], Ring::StartSeq(StartSeq { keep: 0, .. })), "{sent:?}");
 }
 
 #[test]
@@ -418,7 +420,7 @@ fn a_client_that_goes_away_is_ended_on_every_stage() {
     }
     drop(rx);
     let sent = h.poll();
-    assert_eq!(sent, vec![Message::EndSeq { seq }]);
+    assert_eq!(sent, vec![Ring::EndSeq { seq }]);
     assert_eq!(
         h.counters()
             .requests_cancelled
@@ -429,14 +431,14 @@ fn a_client_that_goes_away_is_ended_on_every_stage() {
     let queued = h.job(&[3], 1);
     drop(queued);
     let sent = h.poll();
-    assert!(sent.iter().all(|m| !matches!(m, Message::StartSeq { .. })), "{sent:?}");
+    assert!(sent.iter().all(|m| !matches!(m, Ring::StartSeq(_))), "{sent:?}");
 }
 
 #[test]
 fn a_lost_ring_rebuilds_running_requests_batch_for_batch() {
     let mut h = Harness::new(true);
     let mut rx = h.job(&[1, 2, 3, 4, 5, 6], 10);
-    let first: Vec<Message> = h.poll();
+    let first: Vec<Ring> = h.poll();
     for msg in &first {
         h.answer(msg, &[7]);
     }
@@ -451,17 +453,17 @@ fn a_lost_ring_rebuilds_running_requests_batch_for_batch() {
     assert_eq!(h.core.actions(), vec![Action::FormRing { gen: gen + 1 }]);
     assert!(matches!(h.health(), Health::Recovering { .. }));
     // A late reply from the old ring changes nothing.
-    h.core.reply(gen, Message::Done, h.now);
+    h.core.reply(gen, Ring::Done, h.now);
 
     h.core.installed(1, serving(), EndCounters::default(), h.now);
     let rebuilt = sends(h.core.actions());
     match &rebuilt[..] {
-        [Message::StartSeq {
+        [Ring::StartSeq(StartSeq {
             keep: 0,
             history,
             drawn: 2,
             ..
-        }] => assert_eq!(history, &[1, 2, 3, 4, 5, 6, 7, 8]),
+        })] => assert_eq!(history, &[1, 2, 3, 4, 5, 6, 7, 8]),
         other => panic!("expected one StartSeq, got {other:?}"),
     }
     h.answer(&rebuilt[0], &[]);
@@ -620,14 +622,14 @@ fn a_stage_error_fails_only_the_sequences_of_its_step() {
     let sent = h.poll();
     // StartSeq a, StartSeq b, prompt of a (alone), prompt of b waits its turn... answer
     // the first forward with an error.
-    let step = sent.iter().position(|m| matches!(m, Message::Forward(_))).unwrap();
+    let step = sent.iter().position(|m| matches!(m, Ring::Forward(_))).unwrap();
     for msg in &sent[..step] {
         h.answer(msg, &[]);
     }
     let gen = h.core.gen();
     h.core.reply(
         gen,
-        Message::Error {
+        Ring::Error {
             first_layer: 12,
             fault: baton_proto::Fault::Request,
             message: "the grammar allows no token here".into(),
@@ -679,6 +681,35 @@ fn a_token_outside_the_vocabulary_fails_its_request_not_the_head() {
     assert!(spared.iter().any(|e| matches!(e, Event::Finished(_))), "{spared:?}");
 }
 
+/// Why there are no figures is a case a caller can tell apart: a ring being formed, a
+/// stage's error with its fault, a ring lost.
+#[test]
+fn stats_that_cannot_be_had_say_why_by_case() {
+    let mut h = Harness::new(true);
+    let (reply, mut answer) = tokio::sync::oneshot::channel();
+    h.core.stats(reply, h.now);
+    assert!(matches!(h.poll().as_slice(), [Ring::Stats(_)]));
+    let error = Ring::Error {
+        first_layer: 12,
+        fault: baton_proto::Fault::CacheFull,
+        message: "the KV cache is full".into(),
+    };
+    let gen = h.core.gen();
+    h.core.reply(gen, error, h.now);
+    h.deliver();
+    let Err(StatsError::Stage { first_layer, fault, .. }) = answer.try_recv().unwrap() else {
+        panic!("a stage's error")
+    };
+    assert_eq!((first_layer, fault), (12, baton_proto::Fault::CacheFull));
+
+    // A supervised head that lost its ring forms another meanwhile.
+    h.core.lost(gen, "worker 2 is gone", h.now);
+    let (reply, mut answer) = tokio::sync::oneshot::channel();
+    h.core.stats(reply, h.now);
+    h.deliver();
+    assert_eq!(answer.try_recv().unwrap(), Err(StatsError::Forming));
+}
+
 #[test]
 fn the_last_links_round_trip_is_the_heads_own_where_the_stage_measured_none() {
     let mut h = Harness::new(true);
@@ -689,15 +720,15 @@ fn the_last_links_round_trip_is_the_heads_own_where_the_stage_measured_none() {
     let ask = |h: &mut Harness, link_rtt_us: Vec<u64>| {
         let (reply, mut answer) = tokio::sync::oneshot::channel();
         h.core.stats(reply, h.now);
-        assert!(matches!(h.poll().as_slice(), [Message::Stats { .. }]));
-        let stats = Message::Stats {
+        assert!(matches!(h.poll().as_slice(), [Ring::Stats(_)]));
+        let stats = Ring::Stats(Stats {
             resident: vec![1, 2],
             kv_used: vec![0, 0],
             busy_us: vec![0, 0],
             rows: vec![0, 0],
             link_sent: vec![10, 20],
             link_rtt_us,
-        };
+        });
         let gen = h.core.gen();
         h.core.reply(gen, stats, h.now);
         h.deliver();
@@ -706,10 +737,10 @@ fn the_last_links_round_trip_is_the_heads_own_where_the_stage_measured_none() {
     // The last stage was dialed by the head: it reports 0, and the head fills in what it
     // measured on its end of that link.
     let stats = ask(&mut h, vec![1_500, 0]);
-    assert_eq!(stats.link_rtt_us, [1_500, 3_000]);
+    assert_eq!(stats.ring.link_rtt_us, [1_500, 3_000]);
     assert_eq!(stats.head_link_rtt_us, 700);
     // A figure the stage measured itself is kept.
-    assert_eq!(ask(&mut h, vec![1_500, 40]).link_rtt_us, [1_500, 40]);
+    assert_eq!(ask(&mut h, vec![1_500, 40]).ring.link_rtt_us, [1_500, 40]);
 }
 
 /// Ends generation once the text holds `<3>`.
@@ -745,7 +776,7 @@ fn a_jobs_end_check_ends_it_at_the_token_that_completes_it() {
     let decoded: Vec<u32> = sent
         .iter()
         .filter_map(|m| match m {
-            Message::Forward(f) if f.positions[0] >= 2 => Some(tokens(f)[0]),
+            Ring::Forward(f) if f.positions[0] >= 2 => Some(tokens(f)[0]),
             _ => None,
         })
         .collect();
@@ -753,7 +784,7 @@ fn a_jobs_end_check_ends_it_at_the_token_that_completes_it() {
 }
 
 /// Runs an embedding of `prompt` to its last chunk: the sends, and the last forward.
-fn pooled_job(h: &mut Harness, prompt: &[u32]) -> (UnboundedReceiver<Event>, Vec<Message>, Forward) {
+fn pooled_job(h: &mut Harness, prompt: &[u32]) -> (UnboundedReceiver<Event>, Vec<Ring>, Forward) {
     let (events, receiver) = unbounded_channel();
     h.core.submit(Box::new(Job {
         pooling: Some(baton_proto::Pooling::Mean),
@@ -764,7 +795,7 @@ fn pooled_job(h: &mut Harness, prompt: &[u32]) -> (UnboundedReceiver<Event>, Vec
         let sent = h.poll();
         assert!(!sent.is_empty(), "the embedding stalled: {all:?}");
         for msg in &sent {
-            if let Message::Forward(f) = msg {
+            if let Ring::Forward(f) = msg {
                 if !f.sample_rows.is_empty() {
                     all.extend(sent.clone());
                     return (receiver, all, f.clone());
@@ -788,17 +819,17 @@ fn an_embedding_pools_its_prompt_and_keeps_nothing_cached() {
     assert!(
         matches!(
             sent[0],
-            Message::StartSeq {
+            Ring::StartSeq(StartSeq {
                 keep: 0,
                 pooling: Some(baton_proto::Pooling::Mean),
                 ..
-            }
+            })
         ),
         "{sent:?}"
     );
     let chunks: Vec<&Forward> = sent
         .iter()
-        .filter(|m| matches!(m, Message::Forward(_)))
+        .filter(|m| matches!(m, Ring::Forward(_)))
         .map(forward)
         .collect();
     assert_eq!(chunks.iter().map(|f| tokens(f).len()).collect::<Vec<_>>(), [4, 4, 2]);
@@ -807,7 +838,7 @@ fn an_embedding_pools_its_prompt_and_keeps_nothing_cached() {
     let seq = last.seq_ids[0];
     let values = vec![0.5, -0.5, 0.5, -0.5];
     let gen = h.core.gen();
-    let pooled = Message::Pooled {
+    let pooled = Ring::Pooled {
         step: last.step,
         seq,
         values: values.clone(),
@@ -822,7 +853,7 @@ fn an_embedding_pools_its_prompt_and_keeps_nothing_cached() {
         other => panic!("{other:?}"),
     }
     let sent = h.poll();
-    assert!(sent.contains(&Message::EndSeq { seq }), "{sent:?}");
+    assert!(sent.contains(&Ring::EndSeq { seq }), "{sent:?}");
     h.answer(&sent[0], &[]);
     // The same prompt to generate from: nothing is reused.
     let _rx = h.job(&prompt, 2);
@@ -830,11 +861,11 @@ fn an_embedding_pools_its_prompt_and_keeps_nothing_cached() {
     assert!(
         matches!(
             sent[0],
-            Message::StartSeq {
+            Ring::StartSeq(StartSeq {
                 keep: 0,
                 pooling: None,
                 ..
-            }
+            })
         ),
         "{sent:?}"
     );
@@ -851,7 +882,7 @@ fn a_pooled_vector_of_the_wrong_width_fails_the_request() {
         let seq = last.seq_ids[0];
         h.core.reply(
             gen,
-            Message::Pooled {
+            Ring::Pooled {
                 step: last.step,
                 seq,
                 values,
@@ -872,7 +903,7 @@ fn a_pooled_vector_of_the_wrong_width_fails_the_request() {
     let gen = h.core.gen();
     h.core.reply(
         gen,
-        Message::Pooled {
+        Ring::Pooled {
             step: f.step,
             seq: f.seq_ids[0],
             values: vec![1.0; 4],
@@ -902,7 +933,7 @@ fn a_lost_ring_rebuilds_an_embedding_chunk_for_chunk() {
     // lost then, so both of its chunks (4 tokens, then 1) are sent again.
     'sent: for _ in 0..10 {
         for msg in h.poll() {
-            if matches!(&msg, Message::Forward(f) if f.sample_rows.len() == 1 && tokens(f) == [5]) {
+            if matches!(&msg, Ring::Forward(f) if f.sample_rows.len() == 1 && tokens(f) == [5]) {
                 break 'sent;
             }
             h.answer(&msg, &[7]);
@@ -915,12 +946,12 @@ fn a_lost_ring_rebuilds_an_embedding_chunk_for_chunk() {
     let pooled_seq = rebuilt
         .iter()
         .find_map(|m| match m {
-            Message::StartSeq {
+            Ring::StartSeq(StartSeq {
                 seq,
                 keep: 0,
                 pooling: Some(baton_proto::Pooling::Cls),
                 ..
-            } => Some(*seq),
+            }) => Some(*seq),
             _ => None,
         })
         .unwrap_or_else(|| panic!("no pooled StartSeq: {rebuilt:?}"));
@@ -931,13 +962,13 @@ fn a_lost_ring_rebuilds_an_embedding_chunk_for_chunk() {
     for _ in 0..10 {
         let sent = h.poll();
         for msg in &sent {
-            if let Message::Forward(f) = msg {
+            if let Ring::Forward(f) = msg {
                 if f.seq_ids.contains(&pooled_seq) {
                     let alone = f.seq_ids.iter().all(|&s| s == pooled_seq);
                     assert!(alone, "a pooled chunk in company: {f:?}");
                     pooled_batches.push(tokens(f).to_vec());
                     if !f.sample_rows.is_empty() {
-                        let pooled = Message::Pooled {
+                        let pooled = Ring::Pooled {
                             step: f.step,
                             seq: pooled_seq,
                             values: vec![0.5; 4],

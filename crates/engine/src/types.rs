@@ -321,6 +321,27 @@ pub struct Finish {
     pub embedding: Option<Vec<f32>>,
 }
 
+/// Why the stages' figures could not be had.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StatsError {
+    /// The cluster is forming a new ring.
+    #[error("the cluster is forming a new ring")]
+    Forming,
+    /// A stage answered the question with an error.
+    #[error("the stage from layer {first_layer}: {message}")]
+    Stage {
+        first_layer: u32,
+        fault: baton_proto::Fault,
+        message: String,
+    },
+    /// The ring was lost, or failed for good, before it answered.
+    #[error("{0}")]
+    Lost(String),
+    /// The engine has stopped.
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
 /// Why a request is refused before it starts.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
@@ -462,8 +483,8 @@ pub(crate) enum Output {
     Health(Health),
     /// The stages' figures, or why there are none.
     Stats(
-        tokio::sync::oneshot::Sender<Result<StageStats, String>>,
-        Result<StageStats, String>,
+        tokio::sync::oneshot::Sender<Result<StageStats, StatsError>>,
+        Result<StageStats, StatsError>,
     ),
 }
 
@@ -485,23 +506,13 @@ impl Output {
     }
 }
 
-/// Per-stage figures, in ring order.
+/// Per-stage figures, in ring order, and the head's own link.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StageStats {
-    /// Resident bytes.
-    pub resident: Vec<u64>,
-    /// KV cache cells holding a token.
-    pub kv_used: Vec<u32>,
-    /// Microseconds spent computing, since the stage loaded.
-    pub busy_us: Vec<u64>,
-    /// Token rows computed, since the stage loaded.
-    pub rows: Vec<u64>,
-    /// Bytes sent to the next hop (0 where the link counts nothing: in process).
-    pub link_sent: Vec<u64>,
-    /// Latest round trip of each stage's link to the next hop, in microseconds (0: not
-    /// measured, or in process). The stage that dialed a link measured it and keeps it
+    /// What each stage appended as the ring's `Stats` passed it (since the stage
+    /// loaded). The stage that dialed a link measured its round trip and keeps it
     /// current; the last stage's link to the head is the head's own measurement.
-    pub link_rtt_us: Vec<u64>,
+    pub ring: baton_proto::Stats,
     /// Latest round trip of the head's link into the first stage, in microseconds (0:
     /// in process, when the head runs the first stage itself).
     pub head_link_rtt_us: u64,

@@ -188,7 +188,7 @@ pub struct Context {
     n_tensors: usize,
     /// Host ops whose nodes point at them (see [`Context::host_op`]): freed with the
     /// context (or at a reset), after its nodes.
-    kept: std::cell::RefCell<Vec<std::sync::Arc<crate::HostOp>>>,
+    kept: std::cell::RefCell<Vec<std::sync::Arc<dyn std::any::Any + Send + Sync>>>,
 }
 
 /// A lifetime-free name for a tensor of a long-lived context (model weights), turned
@@ -290,7 +290,7 @@ impl Context {
     }
 
     /// Keeps `op` alive as long as this context.
-    pub(crate) fn keep(&self, op: std::sync::Arc<crate::HostOp>) {
+    pub(crate) fn keep(&self, op: std::sync::Arc<dyn std::any::Any + Send + Sync>) {
         self.kept.borrow_mut().push(op);
     }
 

@@ -10,6 +10,13 @@
 //! count up to [`MAX_ROWS`] against each row alone. Measured on an AMD EPYC with
 //! AVX-512: q4_0, q5_0, q8_0 and mxfp4 agree at every count, K-quants up to 7 rows (3
 //! repacked), f32, f16 and a plain iq4_nl only at 1.
+//!
+//! Pieces of a few rows read the weight once per piece. Two ways avoid that for the
+//! K-quants, each taken only where the probe finds it gives every row its bits alone
+//! at every count ([`Whole`]): a plain weight multiplied by rows laid out as planes of
+//! one row each (ggml then takes its one-row dot product for every row, and its tiling
+//! still reads each block of weight rows once for all of them), and a q4_K weight
+//! repacked for AVX2 multiplied by baton's kernel (`rows.rs`).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -19,6 +26,7 @@ use llama_cpp_sys_2 as sys;
 use crate::backend::{Allocator, Buffer, CpuBackend};
 use crate::device::Device;
 use crate::graph::{Context, Tensor};
+use crate::rows;
 use crate::DType;
 
 /// The most rows a probe tries; a batch of more rows is cut into pieces of at most this.
@@ -44,11 +52,60 @@ struct Kind {
     product: Product,
 }
 
-/// The most rows, at most [`MAX_ROWS`], that a product with `weight` may hold with
-/// every row computed bit for bit as alone: each count from 1 to the answer was
-/// checked. `None` for a weight outside the CPU's memory (a GPU's kernels are not
-/// probed).
+/// A product computing a whole batch of rows, each row as alone, whatever the count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Whole {
+    /// ggml's product over rows laid out as planes of one row (`[width, 1, rows]`).
+    Planes,
+    /// baton's kernel for q4_K repacked in groups of 8 rows ([`Context::q4_k_rows`]).
+    Q4kRows,
+}
+
+/// How a product with one kind of weight takes a batch of decode rows, each row
+/// computed bit for bit as alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Batching {
+    /// The most rows, at most [`MAX_ROWS`], ggml's product takes at once: each count
+    /// from 1 to this was checked.
+    pub rows: usize,
+    /// A product taking any number of rows at once, where one agrees on this CPU.
+    pub whole: Option<Whole>,
+}
+
+impl Whole {
+    /// Whether these products take `x`: 2-d f32 rows, each contiguous.
+    pub fn takes(x: Tensor<'_>) -> bool {
+        let [_, _, ne2, ne3] = x.ne();
+        x.dtype() == DType::F32 && ne2 == 1 && ne3 == 1 && x.nb()[0] == std::mem::size_of::<f32>()
+    }
+}
+
+impl Context {
+    /// `w x` for activations `x` that [`Whole::takes`], computed as `whole` says.
+    pub fn mul_mat_whole<'t>(&'t self, w: Tensor<'t>, x: Tensor<'t>, whole: Whole) -> Tensor<'t> {
+        match whole {
+            Whole::Planes => {
+                let [k, n, _, _] = x.ne();
+                let nb1 = x.nb()[1];
+                let out = self.mul_mat(w, self.view_3d(x, [k, 1, n], nb1, nb1, 0));
+                self.reshape_2d(out, w.ne()[1], n)
+            }
+            Whole::Q4kRows => self.q4_k_rows(w, x),
+        }
+    }
+}
+
+/// The most rows, at most [`MAX_ROWS`], that ggml's product with `weight` may hold
+/// with every row computed bit for bit as alone. `None` for a weight outside the CPU's
+/// memory (a GPU's kernels are not probed).
 pub fn rows_alone(weight: Tensor<'_>, product: Product) -> Option<usize> {
+    batching(weight, product).map(|b| b.rows)
+}
+
+/// How a product with `weight` takes a batch of decode rows (see [`Batching`]),
+/// measured once per kind of weight on this CPU. `None` for a weight outside the CPU's
+/// memory.
+pub fn batching(weight: Tensor<'_>, product: Product) -> Option<Batching> {
     // SAFETY: reads the metadata of a valid tensor; a weight's buffer, when it has one,
     // is alive as long as the weight.
     let buft = unsafe {
@@ -74,14 +131,14 @@ pub fn rows_alone(weight: Tensor<'_>, product: Product) -> Option<usize> {
         buft: buft as usize,
         product,
     };
-    static KNOWN: OnceLock<Mutex<HashMap<Kind, usize>>> = OnceLock::new();
+    static KNOWN: OnceLock<Mutex<HashMap<Kind, Batching>>> = OnceLock::new();
     let known = KNOWN.get_or_init(Default::default);
-    if let Some(&rows) = known.lock().unwrap_or_else(|e| e.into_inner()).get(&kind) {
-        return Some(rows);
+    if let Some(&measured) = known.lock().unwrap_or_else(|e| e.into_inner()).get(&kind) {
+        return Some(measured);
     }
-    let rows = probe(kind, buft);
-    known.lock().unwrap_or_else(|e| e.into_inner()).insert(kind, rows);
-    Some(rows)
+    let measured = probe(kind, buft);
+    known.lock().unwrap_or_else(|e| e.into_inner()).insert(kind, measured);
+    Some(measured)
 }
 
 /// Deterministic values in [-0.5, 0.5).
@@ -119,8 +176,9 @@ pub(crate) fn quantized(dtype: DType, values: &[f32], k: i64) -> Vec<u8> {
 const PROBE_EXPERTS: i64 = 3;
 const PROBE_USED: i64 = 2;
 
-/// Measures [`rows_alone`] for one kind of weight.
-fn probe(kind: Kind, buft: sys::ggml_backend_buffer_type_t) -> usize {
+/// Measures [`batching`] for one kind of weight.
+fn probe(kind: Kind, buft: sys::ggml_backend_buffer_type_t) -> Batching {
+    let alone = Batching { rows: 1, whole: None };
     let dtype = DType(kind.dtype);
     let (k, m) = (kind.width, 16 + kind.rows_mod);
     let n_mats = match kind.product {
@@ -136,29 +194,53 @@ fn probe(kind: Kind, buft: sys::ggml_backend_buffer_type_t) -> usize {
     // SAFETY: allocates the probe's one weight in the weight's own buffer type.
     let buffer = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(weights.raw(), buft) };
     let Some(_buffer) = Buffer::from_raw(buffer) else {
-        return 1;
+        return alone;
     };
     if w.write_bytes(&bytes).is_err() {
-        return 1;
+        return alone;
     }
     let x = noise(k as usize * MAX_ROWS, 2);
-    products(w, kind.product, &x).unwrap_or(1)
+    let rows = products(w, kind.product, &x, None).unwrap_or(1);
+    if rows == MAX_ROWS || kind.product != Product::MulMat {
+        return Batching { rows, whole: None };
+    }
+    // SAFETY: buffer types are static singletons with static names.
+    let (name, host) = unsafe {
+        let name = std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(buft));
+        (
+            name.to_string_lossy().into_owned(),
+            sys::ggml_backend_buft_is_host(buft),
+        )
+    };
+    let candidate = if dtype == DType(sys::GGML_TYPE_Q4_K) && name == "CPU_REPACK" && m % 8 == 0 && rows::available() {
+        Some(Whole::Q4kRows)
+    } else if host {
+        Some(Whole::Planes)
+    } else {
+        None
+    };
+    let whole = candidate.filter(|&whole| products(w, kind.product, &x, Some(whole)) == Some(MAX_ROWS));
+    Batching { rows, whole }
 }
 
 /// One graph computing `w` times each row of `x` alone and times its first `n` rows
-/// for every `n` from 2 to [`MAX_ROWS`]: the largest `n` up to which every batched
-/// row equals the row alone (`None` when ggml could not compute the graph).
-fn products(w: Tensor<'_>, product: Product, x: &[f32]) -> Option<usize> {
+/// for every `n` from 2 to [`MAX_ROWS`] (with ggml's product, or as `whole` says):
+/// the largest `n` up to which every batched row equals the row alone (`None` when
+/// ggml could not compute the graph).
+fn products(w: Tensor<'_>, product: Product, x: &[f32], whole: Option<Whole>) -> Option<usize> {
     let k = w.ne()[0];
     // At most 6 nodes per product, 2 MAX_ROWS products.
     let ctx = Context::new(12 * MAX_ROWS + 8, 12 * MAX_ROWS + 8);
     let input = ctx.new_tensor(DType::F32, &[k, MAX_ROWS as i64]).set_input();
     let ids = ctx.new_tensor(DType::I32, &[PROBE_USED, MAX_ROWS as i64]).set_input();
     let row_bytes = DType::F32.row_bytes(k as usize);
-    let times = |first: usize, n: usize| {
+    let times = |first: usize, n: usize, whole: Option<Whole>| {
         let rows = ctx.view_2d(input, k, n as i64, row_bytes, first * row_bytes);
         let out = match product {
-            Product::MulMat => ctx.mul_mat(w, rows),
+            Product::MulMat => match whole {
+                Some(whole) => ctx.mul_mat_whole(w, rows, whole),
+                None => ctx.mul_mat(w, rows),
+            },
             Product::MulMatId => {
                 let rows = ctx.reshape_3d(ctx.cont(rows), k, 1, n as i64);
                 let wide = ctx.repeat_4d(rows, [k, PROBE_USED, n as i64, 1]);
@@ -168,8 +250,8 @@ fn products(w: Tensor<'_>, product: Product, x: &[f32]) -> Option<usize> {
         };
         out.set_output()
     };
-    let alone: Vec<Tensor<'_>> = (0..MAX_ROWS).map(|row| times(row, 1)).collect();
-    let batched: Vec<Tensor<'_>> = (2..=MAX_ROWS).map(|n| times(0, n)).collect();
+    let alone: Vec<Tensor<'_>> = (0..MAX_ROWS).map(|row| times(row, 1, None)).collect();
+    let batched: Vec<Tensor<'_>> = (2..=MAX_ROWS).map(|n| times(0, n, whole)).collect();
     let mut graph = ctx.new_graph();
     for &out in alone.iter().chain(&batched) {
         graph.expand(out);

@@ -12,6 +12,7 @@ mod invariant;
 mod llama;
 mod ops;
 mod quantize;
+pub(crate) mod rows;
 mod sched;
 #[cfg(test)]
 mod tests;
@@ -24,7 +25,7 @@ pub use backend::{Allocator, Buffer, CpuBackend, MappedBuffer, MappedFile};
 pub use device::{BufferType, Device, DeviceKind, DeviceMemory, WeightOp};
 pub use graph::{Context, Graph, GraphId, RopeParams, Tensor, TensorId};
 pub use host::{HostFn, HostOp};
-pub use invariant::{rows_alone, Product, MAX_ROWS};
+pub use invariant::{batching, rows_alone, Batching, Product, Whole, MAX_ROWS};
 pub use llama::{LlamaContext, LlamaModel, LlamaPooling};
 pub use quantize::{quantize, FileType};
 pub use sched::Scheduler;

@@ -206,11 +206,13 @@ fn f32_mul_mat_rows_agree_from_2_rows_on() {
     );
 }
 
-/// `rows_alone` measures each kind of weight once, on random values: rows cut into
-/// pieces of that many give every row's bits alone for other values, another width
-/// and far more rows too. Prints the measure for each type, plain and repacked.
+/// `batching` measures each kind of weight once, on random values: rows cut into
+/// pieces of `rows` give every row its bits alone for other values, another width and
+/// far more rows too, and so does the whole batch at once where a `whole` product was
+/// found. The K-quants get one on x86-64: planes when plain, baton's kernel when q4_K is
+/// repacked for AVX2. Prints the measure for each type, plain and repacked.
 #[test]
-fn rows_cut_as_rows_alone_says_compute_as_alone() {
+fn decode_batches_compute_every_row_as_alone() {
     let (k, m, n) = (2048i64, 24i64, 100usize);
     let weights = noise((k * m) as usize, 3);
     let x = noise(k as usize * n, 4);
@@ -219,7 +221,9 @@ fn rows_cut_as_rows_alone_says_compute_as_alone() {
         (sys::GGML_TYPE_Q4_0, "q4_0"),
         (sys::GGML_TYPE_Q8_0, "q8_0"),
         (sys::GGML_TYPE_IQ4_NL, "iq4_nl"),
+        (sys::GGML_TYPE_Q2_K, "q2_K"),
         (sys::GGML_TYPE_Q4_K, "q4_K"),
+        (sys::GGML_TYPE_Q5_K, "q5_K"),
         (sys::GGML_TYPE_Q6_K, "q6_K"),
         (sys::GGML_TYPE_F16, "f16"),
         (sys::GGML_TYPE_F32, "f32"),
@@ -236,12 +240,28 @@ fn rows_cut_as_rows_alone_says_compute_as_alone() {
                 None => crate::Buffer::alloc_cpu(&wctx).unwrap(),
             };
             wt.write_bytes(&w).unwrap();
-            let rows = crate::rows_alone(wt, crate::Product::MulMat).expect("a weight in the CPU's memory");
+            let batching = crate::batching(wt, crate::Product::MulMat).expect("a weight in the CPU's memory");
+            let rows = batching.rows;
             let place = extra.map_or("CPU".into(), |e| e.name());
-            println!("{name:7} {place:10} {rows} rows");
+            println!("{name:7} {place:10} {rows} rows, whole batches: {:?}", batching.whole);
             assert!((1..=crate::MAX_ROWS).contains(&rows));
+            let k_quant = [
+                sys::GGML_TYPE_Q2_K,
+                sys::GGML_TYPE_Q4_K,
+                sys::GGML_TYPE_Q5_K,
+                sys::GGML_TYPE_Q6_K,
+            ]
+            .contains(&w_type);
+            if cfg!(target_arch = "x86_64") && k_quant && rows < crate::MAX_ROWS {
+                let expected = match extra {
+                    None => Some(crate::Whole::Planes),
+                    Some(_) if w_type == sys::GGML_TYPE_Q4_K && crate::rows::available() => Some(crate::Whole::Q4kRows),
+                    Some(_) => None,
+                };
+                assert_eq!(batching.whole, expected, "{name} in {place}");
+            }
 
-            let ctx = Context::new(4 * n + 4, 4 * n + 4);
+            let ctx = Context::new(4 * n + 8, 4 * n + 8);
             let input = ctx.new_tensor(DType::F32, &[k, n as i64]).set_input();
             let row_bytes = DType::F32.row_bytes(k as usize);
             let times = |first: usize, count: usize| {
@@ -253,8 +273,11 @@ fn rows_cut_as_rows_alone_says_compute_as_alone() {
                 .step_by(rows)
                 .map(|first| times(first, rows.min(n - first)))
                 .collect();
+            let whole = batching
+                .whole
+                .map(|whole| ctx.mul_mat_whole(wt, input, whole).set_output());
             let mut graph = ctx.new_graph();
-            for &t in alone.iter().chain(&pieces) {
+            for &t in alone.iter().chain(&pieces).chain(&whole) {
                 graph.expand(t);
             }
             let mut alloc = Allocator::new_cpu();
@@ -267,9 +290,18 @@ fn rows_cut_as_rows_alone_says_compute_as_alone() {
                 v
             };
             let batched: Vec<f32> = pieces.into_iter().flat_map(read).collect();
+            let whole = whole.map(read);
             for (row, t) in alone.into_iter().enumerate() {
-                let got = &batched[row * m as usize..(row + 1) * m as usize];
-                assert_eq!(got, &read(t)[..], "{name} in {place}: row {row} in pieces of {rows}");
+                let alone = read(t);
+                let range = row * m as usize..(row + 1) * m as usize;
+                assert_eq!(
+                    &batched[range.clone()],
+                    &alone[..],
+                    "{name} in {place}: row {row} in pieces of {rows}"
+                );
+                if let Some(whole) = &whole {
+                    assert_eq!(&whole[range], &alone[..], "{name} in {place}: row {row} of {n} at once");
+                }
             }
         }
     }

@@ -1078,6 +1078,43 @@ impl HParams {
         self.mla.as_ref().and_then(|mla| mla.indexer.as_ref())
     }
 
+    /// Why no stage may start at `layer`, when none may: a layer that reuses an earlier
+    /// layer's choice of tokens (GLM-5.2's shared indexer layers) needs that layer on
+    /// its stage (the choice does not travel), and DeepSeek V4's hash-routed layers
+    /// choose experts by the batch's token ids, which only the first stage has.
+    pub fn stage_start_refusal(&self, layer: usize) -> Option<String> {
+        if let Some(ix) = self.indexer().filter(|ix| !ix.full_layers[layer]) {
+            let full_layer = (0..layer).rev().find(|&l| ix.full_layers[l]).unwrap_or(0);
+            return Some(format!(
+                "a stage cannot start at layer {layer}: it reuses layer {full_layer}'s choice of tokens (a \
+                 shared indexer layer); start stages at layers that have their own indexer (e.g. with --split)"
+            ));
+        }
+        let hash = self.dsv4.as_ref().map_or(0, |d| d.hash_layers);
+        (layer > 0 && layer < hash).then(|| {
+            format!(
+                "a stage cannot start at layer {layer}: deepseek4's first {hash} layers (hash_layer_count) \
+                 choose experts by the token ids, which only the first stage has; start stages at layer 0 \
+                 or from layer {hash}"
+            )
+        })
+    }
+
+    /// The layers no stage may start at ([`HParams::stage_start_refusal`]) and, in a
+    /// few words for the planner's messages, what they need from the layers before.
+    pub fn no_stage_start(&self) -> (Vec<usize>, &'static str) {
+        let layers: Vec<usize> = (1..self.n_layer)
+            .filter(|&l| self.stage_start_refusal(l).is_some())
+            .collect();
+        let hashed = self.dsv4.as_ref().is_some_and(|d| d.hash_layers > 1);
+        let why = if hashed {
+            "the batch's token ids (deepseek4's hash-routed experts choose by them; only the first stage has them)"
+        } else {
+            "an earlier layer's choice of tokens (a shared indexer layer)"
+        };
+        (layers, why)
+    }
+
     /// The key/value heads of layer `layer`: those of [`HParams::swa_heads`] on a
     /// sliding-window layer of a model that has them, else the model's.
     pub fn layer_heads(&self, layer: usize) -> LayerHeads {

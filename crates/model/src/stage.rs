@@ -282,30 +282,8 @@ impl Stage {
                 span.layers, full.n_layer
             )));
         }
-        // A layer that reuses an earlier layer's choice of tokens (GLM-5.2's shared
-        // indexer layers) needs that layer on its stage: the choice does not travel.
-        if let Some(ix) = full.indexer() {
-            let first = span.layers.start;
-            if !ix.full_layers[first] {
-                let full_layer = (0..first).rev().find(|&l| ix.full_layers[l]).unwrap_or(0);
-                return Err(ModelError::BadConfig(format!(
-                    "a stage cannot start at layer {first}: it reuses layer {full_layer}'s \
-                     choice of tokens (a shared indexer layer); start stages at layers that \
-                     have their own indexer (e.g. with --split)"
-                )));
-            }
-        }
-        // DeepSeek V4's hash-routed layers choose experts by the batch's token ids, which
-        // only the first stage has.
-        if let Some(hash) = full.dsv4.as_ref().map(|d| d.hash_layers).filter(|&n| n > 0) {
-            let first = span.layers.start;
-            if first > 0 && first < hash {
-                return Err(ModelError::BadConfig(format!(
-                    "a stage cannot start at layer {first}: deepseek4's first {hash} layers \
-                     (hash_layer_count) choose experts by the token ids, which only the first \
-                     stage has; start stages at layer 0 or from layer {hash}"
-                )));
-            }
+        if let Some(why) = full.stage_start_refusal(span.layers.start) {
+            return Err(ModelError::BadConfig(why));
         }
         // The exchanges are host ops reading and writing the member's activations in
         // host memory, which only the CPU backend gives them.

@@ -75,6 +75,18 @@ impl ModelFile {
             .sum()
     }
 
+    /// Bytes of the tensors a stage holds for the model's ends: the first stage's
+    /// (`first`) and the last stage's (`last`), as the architecture lists them
+    /// ([`tensors::ends`]: embedding, output norm and projection, and what else the
+    /// architecture ends with). A tied output projection counts the embedding it reads.
+    pub fn end_bytes(&self, first: bool, last: bool) -> u64 {
+        let in_file = |name: &str| self.gguf.tensor(name).is_some();
+        tensors::ends(&self.hparams, first, last, &in_file)
+            .iter()
+            .filter_map(|spec| Some(self.gguf.tensor(&spec.source)?.n_bytes))
+            .sum()
+    }
+
     /// Bytes of layer `layer`'s weights one token reads: all of them, except that of
     /// each expert stack only the share of the experts a token uses
     /// (`n_expert_used / n_expert`).

@@ -538,6 +538,10 @@ impl<S: Stream> Rx for FramedRx<S> {
         self.0.recv()
     }
 
+    fn peer(&self) -> &str {
+        &self.0.peer
+    }
+
     fn counters(&self) -> Arc<Counters> {
         self.0.counters()
     }

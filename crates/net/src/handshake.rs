@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use baton_proto::auth::new_nonce;
 use baton_proto::handshake::{stray_auth, turn_away, Client, Failure, HandshakeError, Server, Step};
-use baton_proto::{Message, Role};
+use baton_proto::{Handshake, Message, Role};
 
 use crate::{Link, NetError};
 
@@ -21,7 +21,7 @@ use crate::{Link, NetError};
 pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -> Result<Role, NetError> {
     let (mut client, hello) = Client::start(role, token, new_nonce());
     let sent = Instant::now();
-    link.send(hello)?;
+    link.send(hello.into())?;
     let mut first = true;
     loop {
         let msg = link.recv()?;
@@ -29,7 +29,7 @@ pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -
             link.counters().record_round_trip(sent.elapsed());
         }
         if let Some((send, peer)) = drive(link, client.handle(msg))? {
-            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            send_all(link, send)?;
             if let Some(keys) = client.take_frame_keys() {
                 link.authenticate_frames(keys);
             }
@@ -42,21 +42,21 @@ pub fn client_handshake(link: &mut dyn Link, role: Role, token: Option<&[u8]>) -
 /// the connection (a `Refused` has already told the client why, where it could).
 pub fn server_handshake(link: &mut dyn Link, token: Option<&[u8]>) -> Result<Role, NetError> {
     let first = link.recv()?;
-    server_handshake_admitting(link, token, first, |_| Ok(())).map(|(role, ())| role)
+    server_handshake_admitting(link, token, first, |_| Ok::<(), NetError>(())).map(|(role, ())| role)
 }
 
 /// Runs the server side from the client's `first` message (already read: a worker looks
 /// at it before it gives the connection a slot), and once the client has proved the
 /// token (or announced itself, without one) asks `admit` whether this connection may be
 /// served. `admit` returns what the caller keeps while it serves the connection (a
-/// slot, say), or the reason it cannot; the client is then told that reason in a `Busy`
-/// refusal instead of this side's last handshake message, never just cut off. With a
-/// token, the link's frames are tagged from here on.
-pub fn server_handshake_admitting<T>(
+/// slot, say), or its error saying why it cannot; the client is then told that error's
+/// text in a `Busy` refusal instead of this side's last handshake message, never just
+/// cut off. With a token, the link's frames are tagged from here on.
+pub fn server_handshake_admitting<T, E: std::fmt::Display>(
     link: &mut dyn Link,
     token: Option<&[u8]>,
     first: Message,
-    admit: impl FnOnce(Role) -> Result<T, String>,
+    admit: impl FnOnce(Role) -> Result<T, E>,
 ) -> Result<(Role, T), NetError> {
     let mut server = Server::new(token, new_nonce());
     let mut next = Some(first);
@@ -68,10 +68,10 @@ pub fn server_handshake_admitting<T>(
         if let Some((send, peer)) = drive(link, server.handle(msg))? {
             let admitted = match admit(peer) {
                 Ok(admitted) => admitted,
-                Err(reason) => return Err(fail(link, turn_away(reason))),
+                Err(why) => return Err(fail(link, turn_away(why.to_string()))),
             };
             // The last handshake message goes untagged, like every one before it.
-            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            send_all(link, send)?;
             if let Some(keys) = server.take_frame_keys() {
                 link.authenticate_frames(keys);
             }
@@ -88,10 +88,10 @@ pub fn refuse_unexpected_auth(link: &mut dyn Link) -> NetError {
 
 /// Sends what a step that continues asks for; when the handshake is complete, returns
 /// what is left to send and the peer's role, for the caller to finish with.
-fn drive(link: &mut dyn Link, step: Result<Step, Failure>) -> Result<Option<(Vec<Message>, Role)>, NetError> {
+fn drive(link: &mut dyn Link, step: Result<Step, Failure>) -> Result<Option<(Vec<Handshake>, Role)>, NetError> {
     match step {
         Ok(Step::Continue(send)) => {
-            send.into_iter().try_for_each(|msg| link.send(msg))?;
+            send_all(link, send)?;
             Ok(None)
         }
         Ok(Step::Done { send, peer }) => Ok(Some((send, peer))),
@@ -99,10 +99,15 @@ fn drive(link: &mut dyn Link, step: Result<Step, Failure>) -> Result<Option<(Vec
     }
 }
 
+/// Sends a side's messages, in order.
+fn send_all(link: &mut dyn Link, send: Vec<Handshake>) -> Result<(), NetError> {
+    send.into_iter().try_for_each(|msg| link.send(msg.into()))
+}
+
 /// Tells the peer why (as far as it still listens) and returns the error.
 fn fail(link: &mut dyn Link, failure: Failure) -> NetError {
     let refused = !failure.send.is_empty();
-    if refused && failure.send.into_iter().try_for_each(|msg| link.send(msg)).is_ok() {
+    if refused && send_all(link, failure.send).is_ok() {
         link.close_gently();
     }
     let peer = link.peer().to_string();
@@ -192,7 +197,7 @@ mod tests {
                 // The reply leaves 50 ms after the Hello arrived: the round trip is at
                 // least that, whenever this thread ran.
                 std::thread::sleep(Duration::from_millis(50));
-                server_handshake_admitting(&mut server, token, first, |_| Ok(())).unwrap();
+                server_handshake_admitting(&mut server, token, first, |_| Ok::<(), NetError>(())).unwrap();
             });
             client_handshake(&mut client, Role::Ring, token).unwrap();
             serving.join().unwrap();

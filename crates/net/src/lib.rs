@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_proto::auth::FrameKeys;
-use baton_proto::{Message, ProtoError, RefusalCode};
+use baton_proto::{Conversation, Message, ProtoError, RefusalCode, WrongConversation};
 
 pub use addr::{connect, connect_by, source_of, Addr, Incoming, Listener};
 pub use framed::{Counters, LinkCloser, LinkOptions};
@@ -79,6 +79,13 @@ pub enum NetError {
     Unexpected {
         peer: String,
         expected: &'static str,
+        got: &'static str,
+    },
+    /// The peer sent a message of another conversation than the link carries.
+    #[error("{peer} sent {got}, which does not belong on a {conversation} link")]
+    WrongConversation {
+        peer: String,
+        conversation: &'static str,
         got: &'static str,
     },
     /// A frame's tag did not check out: something between the two nodes changed,
@@ -158,6 +165,10 @@ pub trait Tx: Send {
 pub trait Rx: Send {
     /// Waits for the next message.
     fn recv(&mut self) -> Result<Message, NetError>;
+    /// The peer, for errors (a test double may leave it unnamed).
+    fn peer(&self) -> &str {
+        "the peer"
+    }
     /// Bytes that crossed the link (shared by both halves). A half that carries no
     /// bytes, like a test double, counts nothing.
     fn counters(&self) -> Arc<Counters> {
@@ -180,7 +191,48 @@ impl<T: Rx + ?Sized> Rx for Box<T> {
         (**self).recv()
     }
 
+    fn peer(&self) -> &str {
+        (**self).peer()
+    }
+
     fn counters(&self) -> Arc<Counters> {
         (**self).counters()
+    }
+}
+
+/// `msg` as a message of conversation `C`, from `peer`: a message of another
+/// conversation is [`NetError::WrongConversation`].
+pub fn expect<C: Conversation>(peer: &str, msg: Message) -> Result<C, NetError> {
+    C::try_from(msg).map_err(|wrong: WrongConversation| NetError::WrongConversation {
+        peer: peer.to_string(),
+        conversation: wrong.conversation,
+        got: wrong.message.kind(),
+    })
+}
+
+/// Receiving one conversation's messages on a link: what the link's receiver matches
+/// on names only what may arrive.
+pub trait LinkExt {
+    /// Waits for the next message, which must belong to conversation `C`.
+    fn recv_as<C: Conversation>(&mut self) -> Result<C, NetError>;
+}
+
+impl<L: Link + ?Sized> LinkExt for L {
+    fn recv_as<C: Conversation>(&mut self) -> Result<C, NetError> {
+        let msg = self.recv()?;
+        expect(self.peer(), msg)
+    }
+}
+
+/// Receiving one conversation's messages on a link's receiving half.
+pub trait RxExt {
+    /// Waits for the next message, which must belong to conversation `C`.
+    fn recv_as<C: Conversation>(&mut self) -> Result<C, NetError>;
+}
+
+impl<R: Rx + ?Sized> RxExt for R {
+    fn recv_as<C: Conversation>(&mut self) -> Result<C, NetError> {
+        let msg = self.recv()?;
+        expect(self.peer(), msg)
     }
 }

@@ -107,6 +107,10 @@ impl Rx for LocalRx {
         }
     }
 
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
     fn counters(&self) -> Arc<Counters> {
         self.counters.clone()
     }

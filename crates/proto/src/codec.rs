@@ -38,6 +38,12 @@
 //! stable like kind numbers. A test walks every sample message with these tables and
 //! checks that this text is what they render to.
 //!
+//! Each link carries one conversation (the last table, rendered from the conversation
+//! types: [`Ring`](crate::Ring), [`Control`](crate::Control), …): a receiver turns a
+//! frame into its link's conversation, and a frame of another is a
+//! [`WrongConversation`](crate::WrongConversation). A kind keeps its number and layout
+//! on every link it may cross.
+//!
 //! ```text
 //! | kind | message      | payload, in order                                                        |
 //! |------|--------------|--------------------------------------------------------------------------|
@@ -99,6 +105,18 @@
 //! Refusal codes (Refused.code): 1 Busy, 2 Auth, 3 Version, 4 TlsRequired, 5 BadRequest, 6 LoadFailed, 7 Leaving
 //! Stage faults (Error.fault): 1 Request, 2 CacheFull, 3 Compute, 4 Protocol
 //! Poolings (StartSeq.pooling): 0 none, 1 Mean, 2 Cls, 3 Last
+//!
+//! | conversation | messages that may cross it                                                    |
+//! |--------------|-------------------------------------------------------------------------------|
+//! | handshake    | Hello, Auth, Refused                                                          |
+//! | control      | Describe, Capabilities, Probe, LoadPlan, StreamStart, TensorChunk, FetchFrom, |
+//! |              | Loaded, Shutdown, Refused, Auth                                               |
+//! | fetch        | StreamStart, TensorChunk, Refused                                             |
+//! | heartbeat    | Ping, Pong, Refused, Auth                                                     |
+//! | ring         | JoinRing, StartSeq, TruncateSeq, Checkpoint, EndSeq, Forward, Sampled,        |
+//! |              | Pooled, Done, Error, Stats, Shutdown                                          |
+//! | group        | JoinGroup, Partial, Forward, ForwardBest, Share, TruncateSeq, EndSeq, Done,   |
+//! |              | Error, Shutdown                                                               |
 //! ```
 //!
 //! Checks beyond the layout: a `Forward` has at least one row, as many positions as
@@ -117,7 +135,7 @@ mod write;
 #[cfg(test)]
 mod schema;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use read::decode;
 pub use write::{encode, encode_payload, header};
@@ -145,7 +163,7 @@ macro_rules! kinds {
         }
 
         /// Message names indexed by kind number − 1.
-        const KIND_NAMES: [&str; [$($number),*].len()] = [$(stringify!($name)),*];
+        pub(crate) const KIND_NAMES: [&str; [$($number),*].len()] = [$(stringify!($name)),*];
 
         const _: () = {
             let numbers = [$($number),*];

@@ -1,5 +1,6 @@
 //! The first frames on every connection, as two state machines that do no I/O: the
-//! transport feeds each side the messages it receives and sends what the side returns.
+//! transport feeds each side the messages it receives (whatever arrived) and sends
+//! what the side returns (only [`Handshake`] messages).
 //! Nonces come in as arguments, so every path is a plain function of its inputs.
 //!
 //! ```text
@@ -27,7 +28,7 @@
 //! [`turn_away`]'s refusal in place of its last handshake message.
 
 use crate::auth::{frame_keys, proof, verify, FrameKeys, Side};
-use crate::{Message, RefusalCode, Role, PROTOCOL_VERSION};
+use crate::{Handshake, Message, RefusalCode, Role, PROTOCOL_VERSION};
 
 /// Why a handshake failed, from this side's point of view.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -59,7 +60,7 @@ pub struct Failure {
     /// Why it failed.
     pub error: HandshakeError,
     /// Messages to send, in order, before closing.
-    pub send: Vec<Message>,
+    pub send: Vec<Handshake>,
 }
 
 impl Failure {
@@ -68,7 +69,7 @@ impl Failure {
         let reason = error.to_string();
         Failure {
             error,
-            send: vec![Message::Refused { code, reason }],
+            send: vec![Handshake::Refused { code, reason }],
         }
     }
 
@@ -86,9 +87,9 @@ impl Failure {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
     /// Send these (possibly none) and feed the peer's next message.
-    Continue(Vec<Message>),
+    Continue(Vec<Handshake>),
     /// Send these (possibly none): the handshake is complete, the peer announced `peer`.
-    Done { send: Vec<Message>, peer: Role },
+    Done { send: Vec<Handshake>, peer: Role },
 }
 
 /// The side that opens the connection (a head, a ring link, a heartbeat).
@@ -111,8 +112,8 @@ enum ClientState {
 impl Client {
     /// Starts the client side as `role`, challenging the server with `nonce` (fresh and
     /// random: [`auth::new_nonce`](crate::auth::new_nonce)); returns the `Hello` to send.
-    pub fn start(role: Role, token: Option<&[u8]>, nonce: [u8; 32]) -> (Client, Message) {
-        let hello = Message::Hello {
+    pub fn start(role: Role, token: Option<&[u8]>, nonce: [u8; 32]) -> (Client, Handshake) {
+        let hello = Handshake::Hello {
             version: PROTOCOL_VERSION,
             role,
             nonce,
@@ -127,12 +128,17 @@ impl Client {
         (client, hello)
     }
 
-    /// Feeds the server's next message.
-    pub fn handle(&mut self, msg: Message) -> Result<Step, Failure> {
+    /// Feeds the server's next message (whatever arrived: a message of another
+    /// conversation fails the handshake like one out of place).
+    pub fn handle(&mut self, msg: impl Into<Message>) -> Result<Step, Failure> {
         let state = std::mem::replace(&mut self.state, ClientState::Finished);
-        match (state, msg) {
-            (_, Message::Refused { code, reason }) => Err(Failure::silent(HandshakeError::Refused { code, reason })),
-            (ClientState::AwaitHello, Message::Hello { version, role, nonce }) => {
+        let msg = msg.into();
+        let got = msg.kind();
+        match (state, Handshake::try_from(msg)) {
+            (_, Ok(Handshake::Refused { code, reason })) => {
+                Err(Failure::silent(HandshakeError::Refused { code, reason }))
+            }
+            (ClientState::AwaitHello, Ok(Handshake::Hello { version, role, nonce })) => {
                 if version != PROTOCOL_VERSION {
                     return Err(Failure::silent(HandshakeError::Version {
                         theirs: version,
@@ -146,7 +152,7 @@ impl Client {
                         peer: role,
                     });
                 };
-                let auth = Message::Auth {
+                let auth = Handshake::Auth {
                     proof: proof(token, &nonce, &self.nonce, self.role),
                 };
                 self.state = ClientState::AwaitAuth {
@@ -155,7 +161,7 @@ impl Client {
                 };
                 Ok(Step::Continue(vec![auth]))
             }
-            (ClientState::AwaitAuth { peer, peer_nonce }, Message::Auth { proof }) => {
+            (ClientState::AwaitAuth { peer, peer_nonce }, Ok(Handshake::Auth { proof })) => {
                 // Only `AwaitAuth` is reached with a token.
                 let token = self.token.as_deref().unwrap_or_default();
                 if !verify(token, &self.nonce, &peer_nonce, peer, &proof) {
@@ -166,13 +172,13 @@ impl Client {
                 self.keys = Some(frame_keys(token, &self.nonce, &peer_nonce, Side::Client));
                 Ok(Step::Done { send: Vec::new(), peer })
             }
-            (state, other) => Err(Failure::silent(HandshakeError::Unexpected {
+            (state, _) => Err(Failure::silent(HandshakeError::Unexpected {
                 expected: match state {
                     ClientState::AwaitHello => "Hello",
                     ClientState::AwaitAuth { .. } => "Auth",
                     ClientState::Finished => "nothing (the handshake is over)",
                 },
-                got: other.kind(),
+                got,
             })),
         }
     }
@@ -221,26 +227,29 @@ impl Server {
         }
     }
 
-    fn hello(&self) -> Message {
-        Message::Hello {
+    fn hello(&self) -> Handshake {
+        Handshake::Hello {
             version: PROTOCOL_VERSION,
             role: Role::Worker,
             nonce: self.nonce,
         }
     }
 
-    /// Feeds the client's next message.
-    pub fn handle(&mut self, msg: Message) -> Result<Step, Failure> {
+    /// Feeds the client's next message (whatever arrived: a message of another
+    /// conversation fails the handshake like one out of place).
+    pub fn handle(&mut self, msg: impl Into<Message>) -> Result<Step, Failure> {
         let state = std::mem::replace(&mut self.state, ServerState::Finished);
-        match (state, msg) {
-            (ServerState::AwaitHello, Message::Hello { version, role, nonce }) => {
+        let msg = msg.into();
+        let got = msg.kind();
+        match (state, Handshake::try_from(msg)) {
+            (ServerState::AwaitHello, Ok(Handshake::Hello { version, role, nonce })) => {
                 if version != PROTOCOL_VERSION {
                     let reason =
                         format!("protocol version {version} is not supported (this worker speaks {PROTOCOL_VERSION})");
                     return Err(Failure {
                         send: vec![
                             self.hello(),
-                            Message::Refused {
+                            Handshake::Refused {
                                 code: RefusalCode::Version,
                                 reason: reason.clone(),
                             },
@@ -263,7 +272,7 @@ impl Server {
                 };
                 Ok(Step::Continue(vec![self.hello()]))
             }
-            (ServerState::AwaitAuth { peer, peer_nonce }, Message::Auth { proof: theirs }) => {
+            (ServerState::AwaitAuth { peer, peer_nonce }, Ok(Handshake::Auth { proof: theirs })) => {
                 let token = self.token.as_deref().unwrap_or_default();
                 if !verify(token, &self.nonce, &peer_nonce, peer, &theirs) {
                     let reason = "wrong token: the proof does not match this worker's --token".to_string();
@@ -271,30 +280,24 @@ impl Server {
                 }
                 self.keys = Some(frame_keys(token, &peer_nonce, &self.nonce, Side::Server));
                 Ok(Step::Done {
-                    send: vec![Message::Auth {
+                    send: vec![Handshake::Auth {
                         proof: proof(token, &peer_nonce, &self.nonce, Role::Worker),
                     }],
                     peer,
                 })
             }
-            (ServerState::AwaitAuth { .. }, other) => {
-                let reason = format!(
-                    "this worker requires a token (--token), but the peer sent {} instead",
-                    other.kind()
-                );
+            (ServerState::AwaitAuth { .. }, _) => {
+                let reason = format!("this worker requires a token (--token), but the peer sent {got} instead");
                 Err(Failure::refusing(RefusalCode::Auth, HandshakeError::Auth { reason }))
             }
-            (state, other) => {
+            (state, _) => {
                 let expected = match state {
                     ServerState::AwaitHello => "Hello",
                     _ => "nothing (the handshake is over)",
                 };
                 Err(Failure::refusing(
                     RefusalCode::BadRequest,
-                    HandshakeError::Unexpected {
-                        expected,
-                        got: other.kind(),
-                    },
+                    HandshakeError::Unexpected { expected, got },
                 ))
             }
         }

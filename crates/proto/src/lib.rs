@@ -2,19 +2,27 @@
 //! encoding into frames and the authentication arithmetic; no I/O (transports live
 //! in `baton-net`, which drives what is defined here).
 //!
-//! Two kinds of traffic share one frame format:
+//! Every link carries one conversation, a type with exactly the messages that may
+//! cross it ([`Handshake`], [`Control`], [`Fetch`], [`Heartbeat`], [`Ring`], [`Group`]);
+//! [`Message`] is the union the frames encode, and a receiver turns each frame into its
+//! link's conversation, so a frame of another is one [`WrongConversation`] error:
 //! - the **ring**: head → first stage → … → last stage → head (`StartSeq`, `Forward`,
 //!   `Sampled`, …), one frame per step per hop;
 //! - the **control** conversation between the head and each worker when a cluster
-//!   forms (`Describe`, `Capabilities`, `LoadPlan`, tensor streaming, `Loaded`).
+//!   forms (`Describe`, `Capabilities`, `LoadPlan`, tensor streaming, `Loaded`);
+//! - the **group**'s exchanges between the members of a tensor-parallel group, the
+//!   **heartbeat**, a worker's **fetch** of tensors from another, and the **handshake**
+//!   that opens every connection.
 #![deny(unsafe_code)]
 
 pub mod auth;
 mod codec;
+mod conversation;
 pub mod handshake;
 pub mod invite;
 
 pub use codec::{decode, encode, encode_payload, header, parse_header, ProtoError, DEFAULT_MAX_FRAME, HEADER_LEN};
+pub use conversation::{Control, Conversation, Fetch, Group, Handshake, Heartbeat, Ring, WrongConversation};
 
 use baton_sample::{ReasoningBudget, SamplingParams};
 
@@ -478,7 +486,9 @@ pub struct TensorEntry {
     pub sha256: [u8; 32],
 }
 
-/// Every message of the protocol.
+/// Every message of the protocol: what a frame encodes, whichever link it crosses.
+/// Receivers match on their link's conversation ([`Ring`], [`Control`], …), which
+/// holds only the messages that may arrive there.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {
     // --- handshake (first frames on every connection) ---
@@ -511,34 +521,8 @@ pub enum Message {
     Loaded { resident: u64, received: u64 },
 
     // --- ring ---
-    /// Start (or restart) sequence `seq`: keep only the first `keep` tokens of its cache
-    /// on every stage (0 forgets it; more reuses a prefix); the last stage creates its
-    /// sampler with `params`, seeding penalties with `history`, and computes
-    /// log-probabilities of sampled tokens (and the `top_logprobs` best alternatives)
-    /// only when `logprobs` is set (it costs a pass over the vocabulary per token).
-    /// With `pooling` the sequence is an embedding instead: the last stage keeps its
-    /// rows and answers the `Forward` that samples its last row with `Pooled`.
-    StartSeq {
-        seq: u32,
-        keep: u32,
-        params: SamplingParams,
-        history: Vec<u32>,
-        top_logprobs: u8,
-        logprobs: bool,
-        /// Random draws the sequence's sampler already made (it skips them): a
-        /// sequence rebuilt after a node was lost continues the same random stream.
-        drawn: u32,
-        /// GBNF grammar the generated text must follow (the last stage masks every
-        /// token it does not allow); the last `drawn` tokens of `history` were already
-        /// generated under it.
-        grammar: Option<String>,
-        /// Pool the sequence's rows into one vector instead of sampling.
-        pooling: Option<Pooling>,
-        /// A budget of thinking tokens the last stage enforces (it forces the end tag
-        /// when the budget is spent, as llama.cpp's server does); replayed over the
-        /// last `drawn` tokens of `history` (boxed: most sequences have none).
-        budget: Option<Box<ReasoningBudget>>,
-    },
+    /// Start (or restart) a sequence (see [`StartSeq`]).
+    StartSeq(StartSeq),
     /// Keep only the first `len` tokens of `seq` on every stage.
     TruncateSeq { seq: u32, len: u32 },
     /// Keep a copy of `seq`'s recurrent states after its first `len` tokens on every
@@ -566,20 +550,9 @@ pub enum Message {
         fault: Fault,
         message: String,
     },
-    /// Each stage appends its resident bytes, the KV cache cells in use, the
-    /// microseconds it has spent computing, the token rows it has computed, the bytes
-    /// it has sent to the next hop and the latest round trip measured on that link (in
-    /// microseconds; 0 where none was: in process, or the stage did not dial the link),
-    /// and passes the message on; the head gets one entry per stage in each list, in
-    /// ring order.
-    Stats {
-        resident: Vec<u64>,
-        kv_used: Vec<u32>,
-        busy_us: Vec<u64>,
-        rows: Vec<u64>,
-        link_sent: Vec<u64>,
-        link_rtt_us: Vec<u64>,
-    },
+    /// Each stage appends its figures and passes the message on; the head gets one
+    /// entry per stage in each list, in ring order.
+    Stats(Stats),
     /// Stop the stage's loop.
     Shutdown,
 
@@ -622,20 +595,63 @@ pub enum Message {
     Probe { data: Vec<u8> },
 }
 
-/// The one way to build a [`Message::StartSeq`]: a fresh sequence with its sampler
-/// settings and history, then what differs from that.
+/// Start (or restart) sequence `seq`: keep only the first `keep` tokens of its cache
+/// on every stage (0 forgets it; more reuses a prefix); the last stage creates its
+/// sampler with `params`, seeding penalties with `history`, and computes
+/// log-probabilities of sampled tokens (and the `top_logprobs` best alternatives) only
+/// when `logprobs` is set (it costs a pass over the vocabulary per token). With
+/// `pooling` the sequence is an embedding instead: the last stage keeps its rows and
+/// answers the `Forward` that samples its last row with `Pooled`.
+///
+/// Outside this crate the one way to build one is [`StartSeq::new`] and what follows
+/// it: a fresh sequence with its sampler settings and history, then what differs.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct StartSeq {
-    seq: u32,
-    keep: u32,
-    params: SamplingParams,
-    history: Vec<u32>,
-    top_logprobs: u8,
-    logprobs: bool,
-    drawn: u32,
-    grammar: Option<String>,
-    pooling: Option<Pooling>,
-    budget: Option<ReasoningBudget>,
+    /// The sequence.
+    pub seq: u32,
+    /// Cached tokens kept.
+    pub keep: u32,
+    /// The sampler's settings.
+    pub params: SamplingParams,
+    /// Tokens that seed the penalties.
+    pub history: Vec<u32>,
+    /// Alternatives returned with each sampled token's log-probability.
+    pub top_logprobs: u8,
+    /// Whether sampled tokens carry log-probabilities.
+    pub logprobs: bool,
+    /// Random draws the sequence's sampler already made (it skips them): a sequence
+    /// rebuilt after a node was lost continues the same random stream.
+    pub drawn: u32,
+    /// GBNF grammar the generated text must follow (the last stage masks every token it
+    /// does not allow); the last `drawn` tokens of `history` were already generated
+    /// under it.
+    pub grammar: Option<String>,
+    /// Pool the sequence's rows into one vector instead of sampling.
+    pub pooling: Option<Pooling>,
+    /// A budget of thinking tokens the last stage enforces (it forces the end tag when
+    /// the budget is spent, as llama.cpp's server does); replayed over the last `drawn`
+    /// tokens of `history` (boxed: most sequences have none).
+    pub budget: Option<Box<ReasoningBudget>>,
+}
+
+/// The figures each stage appends to a `Stats` message as it passes it on, one entry
+/// per stage in each list, in ring order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Resident bytes.
+    pub resident: Vec<u64>,
+    /// KV cache cells in use.
+    pub kv_used: Vec<u32>,
+    /// Microseconds spent computing.
+    pub busy_us: Vec<u64>,
+    /// Token rows computed.
+    pub rows: Vec<u64>,
+    /// Bytes sent to the next hop.
+    pub link_sent: Vec<u64>,
+    /// The latest round trip measured on the link to the next hop, in microseconds (0
+    /// where none was: in process, or the stage did not dial the link).
+    pub link_rtt_us: Vec<u64>,
 }
 
 impl StartSeq {
@@ -689,25 +705,14 @@ impl StartSeq {
 
     /// Limits the sequence's thinking to a budget of tokens.
     pub fn with_budget(mut self, budget: Option<ReasoningBudget>) -> StartSeq {
-        self.budget = budget;
+        self.budget = budget.map(Box::new);
         self
     }
 }
 
 impl From<StartSeq> for Message {
     fn from(s: StartSeq) -> Message {
-        Message::StartSeq {
-            seq: s.seq,
-            keep: s.keep,
-            params: s.params,
-            history: s.history,
-            top_logprobs: s.top_logprobs,
-            logprobs: s.logprobs,
-            drawn: s.drawn,
-            grammar: s.grammar,
-            pooling: s.pooling,
-            budget: s.budget.map(Box::new),
-        }
+        Message::StartSeq(s)
     }
 }
 

@@ -303,24 +303,24 @@ impl EngineFamilies {
                     .get_or_create(&stage("head".into()))
                     .set(stages.head_link_rtt_us as f64 / 1e6);
             }
-            for (i, &micros) in stages.link_rtt_us.iter().enumerate() {
+            for (i, &micros) in stages.ring.link_rtt_us.iter().enumerate() {
                 if micros > 0 {
                     f.link_rtt.get_or_create(&stage(i.to_string())).set(micros as f64 / 1e6);
                 }
             }
-            for (i, cells) in stages.kv_used.iter().enumerate() {
+            for (i, cells) in stages.ring.kv_used.iter().enumerate() {
                 let stage = stage(i.to_string());
                 f.kv.get_or_create(&stage).set(i64::from(*cells));
-                if let Some(&bytes) = stages.resident.get(i) {
+                if let Some(&bytes) = stages.ring.resident.get(i) {
                     f.resident.get_or_create(&stage).set(bytes as i64);
                 }
-                if let Some(&micros) = stages.busy_us.get(i) {
+                if let Some(&micros) = stages.ring.busy_us.get(i) {
                     f.busy.get_or_create(&stage).inc_by(micros as f64 / 1e6);
                 }
-                if let Some(&n) = stages.rows.get(i) {
+                if let Some(&n) = stages.ring.rows.get(i) {
                     f.rows.get_or_create(&stage).inc_by(n);
                 }
-                if let Some(&bytes) = stages.link_sent.get(i) {
+                if let Some(&bytes) = stages.ring.link_sent.get(i) {
                     f.link_sent.get_or_create(&stage).inc_by(bytes);
                 }
             }

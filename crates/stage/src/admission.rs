@@ -46,6 +46,14 @@ pub enum Accepted {
     Drop(String),
 }
 
+/// Why a connection that authenticated finds no authenticated slot: the worker serves
+/// `serving` already, the most `--max-connections` allows. The peer is told this text.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("too many connections: this worker serves {serving} already, the most it allows (--max-connections)")]
+pub struct TooManyConnections {
+    pub serving: usize,
+}
+
 /// One connection in its handshake.
 #[derive(Debug)]
 struct Handshake<C> {
@@ -169,13 +177,12 @@ impl<C> Admission<C> {
 
     /// Connection `id` authenticated: it leaves the handshake pool and takes an
     /// authenticated slot, or is told why not.
-    pub fn authenticated(&mut self, id: ConnId) -> Result<(), String> {
+    pub fn authenticated(&mut self, id: ConnId) -> Result<(), TooManyConnections> {
         self.handshakes.remove(&id);
         if self.authenticated >= self.limits.max_authenticated {
-            return Err(format!(
-                "too many connections: this worker serves {} already, the most it allows (--max-connections)",
-                self.authenticated
-            ));
+            return Err(TooManyConnections {
+                serving: self.authenticated,
+            });
         }
         self.authenticated += 1;
         Ok(())

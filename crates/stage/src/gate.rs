@@ -7,11 +7,23 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use baton_net::{server_handshake_admitting, Incoming, Link, LinkCloser, LinkOptions};
+use baton_net::{server_handshake_admitting, Incoming, Link, LinkCloser, LinkOptions, NetError};
 use baton_proto::{Message, RefusalCode, Role, PROTOCOL_VERSION};
 
+pub use crate::admission::TooManyConnections;
 use crate::admission::{Accepted, Admission, ConnId, Limits};
 use crate::NodeError;
+
+/// Why [`Gate::accept`] turned a connection away at once (for the log).
+#[derive(Debug, thiserror::Error)]
+pub enum Dropped {
+    /// The connection could not be given a handle that closes it.
+    #[error("dropping connection: {0}")]
+    Link(#[source] NetError),
+    /// Too many connections wait on probation already (the text says which cap).
+    #[error("dropping connection: {0}")]
+    Crowded(String),
+}
 
 /// Largest frame a peer may send before it has authenticated: handshake frames are
 /// tiny, and a stranger must not make the node allocate `max_frame` bytes.
@@ -96,13 +108,13 @@ impl Gate {
 
     /// A connection just accepted: let in to its handshake (maybe on probation), or
     /// turned away with the reason (to log).
-    pub fn accept(self: &Arc<Self>, incoming: Incoming) -> Result<Admitted, String> {
-        let closer = incoming.closer().map_err(|e| format!("dropping connection: {e}"))?;
+    pub fn accept(self: &Arc<Self>, incoming: Incoming) -> Result<Admitted, Dropped> {
+        let closer = incoming.closer().map_err(Dropped::Link)?;
         let accepted = self.admission().accept(incoming.source(), closer, Instant::now());
         let (id, probation) = match accepted {
             Accepted::Serve(id) => (id, None),
             Accepted::Probation(id, why) => (id, Some(why)),
-            Accepted::Drop(why) => return Err(format!("dropping connection: {why}")),
+            Accepted::Drop(why) => return Err(Dropped::Crowded(why)),
         };
         Ok(Admitted {
             gate: self.clone(),
@@ -175,7 +187,7 @@ impl Admitted {
 
     /// The connection has authenticated: it takes an authenticated slot, or is told why
     /// not. Its handshake slot is freed either way (when `self` drops).
-    fn authenticated(&self) -> Result<ConnSlot, String> {
+    fn authenticated(&self) -> Result<ConnSlot, TooManyConnections> {
         self.gate.admission().authenticated(self.id)?;
         Ok(ConnSlot {
             gate: self.gate.clone(),

@@ -56,9 +56,15 @@ pub enum NodeError {
     /// A link failed.
     #[error(transparent)]
     Net(#[from] baton_net::NetError),
-    /// A stage (named by its first layer) reported an error for a message.
+    /// A stage (named by its first layer) reported an error for a message; `fault`
+    /// says what kind (a request that cannot be served, a full KV cache, a failed
+    /// computation such as a broken tensor-parallel group).
     #[error("the stage from layer {first_layer}: {message}")]
-    Stage { first_layer: u32, message: String },
+    Stage {
+        first_layer: u32,
+        fault: baton_proto::Fault,
+        message: String,
+    },
     /// A peer broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),

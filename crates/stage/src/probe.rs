@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_net::{client_handshake, connect_by, Counters, Link, LinkOptions, NetError};
-use baton_proto::{Message, Role};
+use baton_net::{client_handshake, connect_by, Counters, Link, LinkExt, LinkOptions, NetError};
+use baton_proto::{Conversation, Heartbeat, RefusalCode, Role};
 
 /// Time between two probes.
 const PROBE_INTERVAL: Duration = Duration::from_secs(2);
@@ -80,10 +80,10 @@ impl Probe {
     }
 
     /// Connects and pings every interval until stopped or until something fails.
-    fn probe_until_failure(&self) -> Result<(), String> {
-        let mut conn = connect_by(&self.addr, &self.opts, Instant::now() + PROBE_TIMEOUT).map_err(|e| e.to_string())?;
-        client_handshake(conn.as_mut(), Role::Heartbeat, self.token.as_deref()).map_err(|e| e.to_string())?;
-        conn.set_deadline(None).map_err(|e| e.to_string())?;
+    fn probe_until_failure(&self) -> Result<(), ProbeError> {
+        let mut conn = connect_by(&self.addr, &self.opts, Instant::now() + PROBE_TIMEOUT)?;
+        client_handshake(conn.as_mut(), Role::Heartbeat, self.token.as_deref())?;
+        conn.set_deadline(None)?;
         while !self.stop.load(Ordering::SeqCst) {
             let sent = Instant::now();
             // Session 0 is never a session: the next stage answers and ends nothing.
@@ -95,27 +95,53 @@ impl Probe {
     }
 }
 
+/// Why a probe stopped: its connection could not be opened, or a ping failed.
+#[derive(Debug, thiserror::Error)]
+enum ProbeError {
+    #[error(transparent)]
+    Connect(#[from] NetError),
+    #[error(transparent)]
+    Ping(#[from] PingError),
+}
+
+/// Why a worker did not answer a heartbeat ([`ping`]); the text is what the head says
+/// of a lost worker.
+#[derive(Debug, thiserror::Error)]
+pub enum PingError {
+    /// The heartbeat connection failed (sending, or reading the answer).
+    #[error("its heartbeat connection failed: {0}")]
+    Link(#[source] NetError),
+    /// The worker refused the heartbeat (it is leaving, say, or knows no such session).
+    #[error("{reason}")]
+    Refused { code: RefusalCode, reason: String },
+    /// The worker answered with another message (named).
+    #[error("it answered a heartbeat with {0}")]
+    Unexpected(&'static str),
+    /// No answer came within the timeout.
+    #[error("it did not answer a heartbeat within {} ms", .0.as_millis())]
+    Timeout(Duration),
+    /// The worker closed the heartbeat connection.
+    #[error("it closed its heartbeat connection")]
+    Closed,
+}
+
 /// One heartbeat on `conn`: a `Ping` for `session` telling the worker to expect the
 /// next within `timeout`, and its `Pong`; returns the round trip, or why the worker
 /// did not answer.
-pub fn ping(conn: &mut dyn Link, session: u64, timeout: Duration) -> Result<Duration, String> {
+pub fn ping(conn: &mut dyn Link, session: u64, timeout: Duration) -> Result<Duration, PingError> {
     let timeout_ms = u32::try_from(timeout.as_millis()).map_or(baton_proto::MAX_HEARTBEAT_MS, |ms| {
         ms.min(baton_proto::MAX_HEARTBEAT_MS)
     });
     let sent = Instant::now();
-    if let Err(e) = conn.send(Message::Ping { timeout_ms, session }) {
-        return Err(format!("its heartbeat connection failed: {e}"));
-    }
-    match conn.recv() {
-        Ok(Message::Pong) => Ok(sent.elapsed()),
-        Ok(Message::Refused { reason, .. }) => Err(reason),
-        Ok(other) => Err(format!("it answered a heartbeat with {}", other.kind())),
-        Err(NetError::Timeout { .. }) => Err(format!(
-            "it did not answer a heartbeat within {} ms",
-            timeout.as_millis()
-        )),
-        Err(NetError::Closed { .. }) => Err("it closed its heartbeat connection".into()),
-        Err(e) => Err(format!("its heartbeat connection failed: {e}")),
+    conn.send(Heartbeat::Ping { timeout_ms, session }.into())
+        .map_err(PingError::Link)?;
+    match conn.recv_as::<Heartbeat>() {
+        Ok(Heartbeat::Pong) => Ok(sent.elapsed()),
+        Ok(Heartbeat::Refused { code, reason }) => Err(PingError::Refused { code, reason }),
+        Ok(other) => Err(PingError::Unexpected(other.kind())),
+        Err(NetError::Timeout { .. }) => Err(PingError::Timeout(timeout)),
+        Err(NetError::Closed { .. }) => Err(PingError::Closed),
+        Err(e) => Err(PingError::Link(e)),
     }
 }
 
@@ -127,5 +153,51 @@ pub fn sleep_until(until: Instant, stop: &AtomicBool) {
             return;
         }
         std::thread::sleep(left.min(Duration::from_millis(20)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use baton_net::local_pair;
+    use baton_proto::Message;
+
+    use super::*;
+
+    #[test]
+    fn a_ping_tells_a_refusal_from_silence_and_from_an_answer() {
+        let (mut head, mut worker) = local_pair("head", "worker");
+        worker.send(Heartbeat::Pong.into()).unwrap();
+        assert!(ping(&mut head, 3, Duration::from_secs(5)).is_ok());
+
+        worker
+            .send(
+                Heartbeat::Refused {
+                    code: RefusalCode::Leaving,
+                    reason: "this worker is leaving".into(),
+                }
+                .into(),
+            )
+            .unwrap();
+        let err = ping(&mut head, 3, Duration::from_secs(5)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PingError::Refused {
+                    code: RefusalCode::Leaving,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(err.to_string(), "this worker is leaving");
+
+        head.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        let err = ping(&mut head, 3, Duration::from_millis(20)).unwrap_err();
+        assert!(matches!(err, PingError::Timeout(_)), "{err:?}");
+        assert_eq!(err.to_string(), "it did not answer a heartbeat within 20 ms");
+        // Every ping reached the worker.
+        for _ in 0..3 {
+            assert!(matches!(worker.recv().unwrap(), Message::Ping { session: 3, .. }));
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use baton_grammar::{Grammar, GrammarError, Matcher, TokenTable};
 use baton_model::{one_row_per_sequence, Batch, LogitReply, ModelError, RowBest, StageChain, StageInput, StageOutput};
 use baton_net::{Rx, Tx};
-use baton_proto::{Fault, Forward, Message, Payload, Pooling, SampledToken};
+use baton_proto::{Conversation, Fault, Forward, Message, Payload, Pooling, Ring, SampledToken, StartSeq};
 use baton_sample::{utf8_complete, BudgetTracker, Sampler, SamplingError};
 
 use crate::max_decode_rows;
@@ -79,37 +79,37 @@ impl StageWorker {
     }
 
     /// Handles one message; returns what goes to the next hop (the next stage, or the
-    /// head after the last stage). Errors become `Message::Error` so the ring never
+    /// head after the last stage). Errors become a ring `Error` so the ring never
     /// stalls on a bad message.
-    pub fn handle(&mut self, msg: Message) -> Message {
+    pub fn handle(&mut self, msg: Ring) -> Ring {
         let last = self.stage.span().last;
         let reply = match msg {
-            start @ Message::StartSeq { .. } => {
+            Ring::StartSeq(start) => {
                 if let Err(e) = self.start_seq(&start) {
                     return self.error(e);
                 }
-                start
+                Ring::StartSeq(start)
             }
-            Message::TruncateSeq { seq, len } => {
+            Ring::TruncateSeq { seq, len } => {
                 self.stage.truncate_seq(seq, len as usize);
                 if let Some(pool) = self.pools.get_mut(&seq) {
                     pool.truncate(len as usize, self.stage.file().hparams().n_embd);
                 }
-                Message::TruncateSeq { seq, len }
+                Ring::TruncateSeq { seq, len }
             }
-            Message::Checkpoint { seq, len } => {
+            Ring::Checkpoint { seq, len } => {
                 if let Err(e) = self.stage.checkpoint_seq(seq, len as usize) {
                     return self.error(StageError::Model(e));
                 }
-                Message::Checkpoint { seq, len }
+                Ring::Checkpoint { seq, len }
             }
-            Message::EndSeq { seq } => {
+            Ring::EndSeq { seq } => {
                 self.stage.clear_seq(seq);
                 self.samplers.remove(&seq);
                 self.pools.remove(&seq);
-                Message::EndSeq { seq }
+                Ring::EndSeq { seq }
             }
-            Message::Forward(forward) => {
+            Ring::Forward(forward) => {
                 let span = tracing::debug_span!("step", step = forward.step, rows = forward.positions.len());
                 let _entered = span.enter();
                 let started = std::time::Instant::now();
@@ -123,39 +123,22 @@ impl StageWorker {
                 tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "computed");
                 return reply;
             }
-            Message::Stats {
-                mut resident,
-                mut kv_used,
-                mut busy_us,
-                mut rows,
-                link_sent,
-                link_rtt_us,
-            } => {
-                resident.push(self.stage.resident_bytes());
-                kv_used.push(self.stage.kv_used() as u32);
-                busy_us.push(self.busy.as_micros() as u64);
-                rows.push(self.rows);
+            Ring::Stats(mut stats) => {
+                stats.resident.push(self.stage.resident_bytes());
+                stats.kv_used.push(self.stage.kv_used() as u32);
+                stats.busy_us.push(self.busy.as_micros() as u64);
+                stats.rows.push(self.rows);
                 // `run` appends the link's figures: only it holds the link.
-                return Message::Stats {
-                    resident,
-                    kv_used,
-                    busy_us,
-                    rows,
-                    link_sent,
-                    link_rtt_us,
-                };
+                return Ring::Stats(stats);
             }
             // Replies and errors from upstream pass through untouched.
-            other @ (Message::Sampled { .. }
-            | Message::Pooled { .. }
-            | Message::Done
-            | Message::Error { .. }
-            | Message::Shutdown) => return other,
-            // Handshake and control messages never travel the ring.
-            other => return self.error(StageError::Protocol(format!("{} is not a ring message", other.kind()))),
+            other @ (Ring::Sampled { .. } | Ring::Pooled { .. } | Ring::Done | Ring::Error { .. } | Ring::Shutdown) => {
+                return other
+            }
+            Ring::JoinRing { .. } => return self.error(StageError::Protocol("JoinRing only opens a ring link".into())),
         };
         if last {
-            Message::Done
+            Ring::Done
         } else {
             reply
         }
@@ -164,8 +147,8 @@ impl StageWorker {
     /// Starts (or restarts) a sequence: keeps `keep` cached tokens and, on the last stage,
     /// makes its pool or its sampler (seeded with its history, past the draws it made,
     /// with its grammar).
-    fn start_seq(&mut self, start: &Message) -> Result<(), StageError> {
-        let Message::StartSeq {
+    fn start_seq(&mut self, start: &StartSeq) -> Result<(), StageError> {
+        let StartSeq {
             seq,
             keep,
             params,
@@ -176,10 +159,8 @@ impl StageWorker {
             grammar,
             pooling,
             budget,
-        } = start
-        else {
-            return Ok(());
-        };
+            ..
+        } = start;
         let (seq, keep) = (*seq, *keep);
         self.stage.truncate_seq(seq, keep as usize);
         self.pools.remove(&seq);
@@ -265,15 +246,15 @@ impl StageWorker {
         Ok(tokens)
     }
 
-    fn error(&self, e: StageError) -> Message {
-        Message::Error {
+    fn error(&self, e: StageError) -> Ring {
+        Ring::Error {
             first_layer: self.stage.span().layers.start as u32,
             fault: e.fault(),
             message: e.to_string(),
         }
     }
 
-    fn forward(&mut self, forward: Forward) -> Result<Message, StageError> {
+    fn forward(&mut self, forward: Forward) -> Result<Ring, StageError> {
         let Forward {
             step,
             payload,
@@ -299,7 +280,7 @@ impl StageWorker {
             false => LogitReply::Logits,
         };
         match self.compute(input, &positions, &seq_ids, &sample_rows, reply)? {
-            StageOutput::Hidden(hidden) => Ok(Message::Forward(Forward {
+            StageOutput::Hidden(hidden) => Ok(Ring::Forward(Forward {
                 step,
                 payload: if self.wire_f16 {
                     Payload::f16_rows(&hidden, positions.len())
@@ -313,12 +294,12 @@ impl StageWorker {
             })),
             StageOutput::Logits(logits) => {
                 let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Logits(&logits))?;
-                Ok(Message::Sampled { step, tokens })
+                Ok(Ring::Sampled { step, tokens })
             }
             StageOutput::Best(best) => {
                 let best = RowBest::tokens(&best).map_err(|e| self.failed(e))?;
                 let tokens = self.sample(&positions, &seq_ids, &sample_rows, &row_tokens, Rows::Best(&best))?;
-                Ok(Message::Sampled { step, tokens })
+                Ok(Ring::Sampled { step, tokens })
             }
             StageOutput::Normed(_) => Err(StageError::Protocol("normed rows where logits were asked for".into())),
         }
@@ -336,7 +317,7 @@ impl StageWorker {
         positions: &[i32],
         seq_ids: &[u32],
         sample_rows: &[u32],
-    ) -> Result<Message, StageError> {
+    ) -> Result<Ring, StageError> {
         let seq = seq_ids[0];
         if seq_ids.iter().any(|&s| s != seq) {
             return Err(StageError::Protocol(format!(
@@ -375,7 +356,7 @@ impl StageWorker {
         let pool = self.pools.get_mut(&seq).expect("checked above");
         pool.add(&normed, n_embd);
         if !ends {
-            return Ok(Message::Sampled {
+            return Ok(Ring::Sampled {
                 step,
                 tokens: Vec::new(),
             });
@@ -396,7 +377,7 @@ impl StageWorker {
                 "the pooled vector of sequence {seq} is not finite"
             ))));
         }
-        Ok(Message::Pooled { step, seq, values })
+        Ok(Ring::Pooled { step, seq, values })
     }
 
     /// Whether every sampled row is a plain arg-max (greedy, no penalties, no
@@ -577,7 +558,7 @@ impl StageWorker {
 }
 
 /// Why a stage could not handle a message. The head gets its [`Fault`] (what kind of
-/// failure, for programs) and its text (for people) in a `Message::Error`.
+/// failure, for programs) and its text (for people) in a ring `Error`.
 #[derive(Debug, thiserror::Error)]
 pub enum StageError {
     /// The computation failed, or the KV cache had no room for the batch.
@@ -757,7 +738,7 @@ fn draw(sampler: &mut Sampler, logits: &[f32], logprobs: bool, n_top: usize) -> 
 /// Serves `worker` until `Shutdown` or a closed link: receive, handle, send on.
 /// `Shutdown` is forwarded so every stage of the ring stops. A panic while handling a
 /// message ends the loop with an error ([`NodeError::Stage`]) after passing a
-/// `Message::Error` on, so the head fails what was in flight instead of waiting; the
+/// ring `Error` on, so the head fails what was in flight instead of waiting; the
 /// stage's state is suspect after a panic, so it serves nothing more. A stage whose
 /// tensor-parallel group broke ends the loop with an error and sends nothing more: its
 /// links close, the ring is lost, and a supervised head forms a new one and rebuilds
@@ -769,23 +750,40 @@ pub fn run(mut worker: StageWorker, rx: impl Rx, tx: impl Tx) -> Result<(), Node
     let handle = |msg| {
         let out = worker.handle(msg);
         match worker.broken.take() {
-            Some(message) => Err(NodeError::Stage { first_layer, message }),
+            Some(message) => Err(NodeError::Stage {
+                first_layer,
+                fault: Fault::Compute,
+                message,
+            }),
             None => Ok(out),
         }
     };
     serve(handle, first_layer, rx, tx)
 }
 
-/// The loop of [`run`] over any handler; an `Err` from the handler ends it at once.
+/// The loop of [`run`] over any handler; an `Err` from the handler ends it at once. A
+/// frame of another conversation than the ring's is answered with a protocol `Error`
+/// (the ring never stalls on a bad message).
 fn serve(
-    mut handle: impl FnMut(Message) -> Result<Message, NodeError>,
+    mut handle: impl FnMut(Ring) -> Result<Ring, NodeError>,
     first_layer: u32,
     mut rx: impl Rx,
     mut tx: impl Tx,
 ) -> Result<(), NodeError> {
     loop {
-        let msg = rx.recv()?;
-        let stop = matches!(msg, Message::Shutdown);
+        let msg = match Ring::try_from(rx.recv()?) {
+            Ok(msg) => msg,
+            Err(wrong) => {
+                let message = format!("{} is not a ring message", wrong.message.kind());
+                tx.send(Message::Error {
+                    first_layer,
+                    fault: Fault::Protocol,
+                    message,
+                })?;
+                continue;
+            }
+        };
+        let stop = matches!(msg, Ring::Shutdown);
         let kind = msg.kind();
         let mut out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg))) {
             Ok(Ok(out)) => out,
@@ -801,18 +799,19 @@ fn serve(
                     fault: Fault::Compute,
                     message: message.clone(),
                 });
-                return Err(NodeError::Stage { first_layer, message });
+                return Err(NodeError::Stage {
+                    first_layer,
+                    fault: Fault::Compute,
+                    message,
+                });
             }
         };
-        if let Message::Stats {
-            link_sent, link_rtt_us, ..
-        } = &mut out
-        {
+        if let Ring::Stats(stats) = &mut out {
             let counters = tx.counters();
-            link_sent.push(counters.sent());
-            link_rtt_us.push(counters.round_trip_us());
+            stats.link_sent.push(counters.sent());
+            stats.link_rtt_us.push(counters.round_trip_us());
         }
-        tx.send(out)?;
+        tx.send(out.into())?;
         if stop {
             return Ok(());
         }

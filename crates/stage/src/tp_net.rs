@@ -19,7 +19,7 @@ use baton_model::{
     StageInput, StageOutput,
 };
 use baton_net::{client_handshake, connect_by, Link, LinkOptions, Listener, Rx, Tx};
-use baton_proto::{Forward, Message, Payload, RefusalCode, Role};
+use baton_proto::{Conversation, Forward, Group, Message, Payload, RefusalCode, Role};
 
 use crate::gate::refuse;
 use crate::NodeError;
@@ -60,14 +60,16 @@ impl Peer {
         }))
     }
 
-    fn send(&self, msg: Message) -> Result<(), CollectiveError> {
+    fn send(&self, msg: Group) -> Result<(), CollectiveError> {
         let mut tx = self.tx.lock().map_err(|_| self.aborted("its link's writer panicked"))?;
-        tx.send(msg).map_err(|e| self.aborted(&e.to_string()))
+        tx.send(msg.into()).map_err(|e| self.aborted(&e.to_string()))
     }
 
-    fn recv(&self) -> Result<Message, CollectiveError> {
+    /// The next message of the group's conversation; one of another is the peer's fault.
+    fn recv(&self) -> Result<Group, CollectiveError> {
         let mut rx = self.rx.lock().map_err(|_| self.aborted("its link's reader panicked"))?;
-        rx.recv().map_err(|e| self.aborted(&e.to_string()))
+        let msg = rx.recv().map_err(|e| self.aborted(&e.to_string()))?;
+        Group::try_from(msg).map_err(|wrong| self.unexpected(wrong.to_string()))
     }
 
     fn aborted(&self, why: &str) -> CollectiveError {
@@ -109,7 +111,7 @@ impl MeshCollective {
         data: &[f32],
         expected: &dyn Fn(usize) -> usize,
     ) -> Result<Vec<(usize, Vec<f32>)>, CollectiveError> {
-        let msg = Message::Partial {
+        let msg = Group::Partial {
             sum,
             values: data.to_vec(),
         };
@@ -117,15 +119,15 @@ impl MeshCollective {
             self.peers
                 .iter()
                 .map(|peer| match peer.recv()? {
-                    Message::Partial { sum: s, values } if s == sum && values.len() == expected(peer.rank) => {
+                    Group::Partial { sum: s, values } if s == sum && values.len() == expected(peer.rank) => {
                         Ok((peer.rank, values))
                     }
-                    Message::Partial { sum: s, values } => Err(peer.unexpected(format!(
+                    Group::Partial { sum: s, values } => Err(peer.unexpected(format!(
                         "exchange {s} of {} values where exchange {sum} of {} was due",
                         values.len(),
                         expected(peer.rank)
                     ))),
-                    Message::Error { message, .. } => Err(peer.aborted(&message)),
+                    Group::Error { message, .. } => Err(peer.aborted(&message)),
                     other => Err(peer.unexpected(format!("{} where a partial sum was due", other.kind()))),
                 })
                 .collect::<Result<Vec<_>, _>>()
@@ -158,7 +160,7 @@ impl Collective for MeshCollective {
 
     fn abort(&self, reason: &str) {
         for peer in &self.peers {
-            let _ = peer.send(Message::Error {
+            let _ = peer.send(Group::Error {
                 first_layer: 0,
                 fault: baton_proto::Fault::Compute,
                 message: format!("member {} aborted: {reason}", self.rank),
@@ -209,8 +211,8 @@ impl GroupMember for RemoteMember {
             row_tokens: Vec::new(),
         };
         let msg = match reply {
-            LogitReply::Best => Message::ForwardBest(forward),
-            LogitReply::Logits => Message::Forward(forward),
+            LogitReply::Best => Group::ForwardBest(forward),
+            LogitReply::Logits => Group::Forward(forward),
             // For embeddings `StageGroup::forward` asks the members for their share of
             // the logits: member 0 alone pools.
             LogitReply::Normed => {
@@ -224,7 +226,7 @@ impl GroupMember for RemoteMember {
 
     fn recv(&mut self) -> Result<StageOutput, ModelError> {
         match self.peer.recv().map_err(model_error)? {
-            Message::Share { step, values } if step == self.step => match self.asked {
+            Group::Share { step, values } if step == self.step => match self.asked {
                 LogitReply::Logits => Ok(StageOutput::Logits(values)),
                 LogitReply::Normed => Err(ModelError::Unsupported(
                     "embeddings on a tensor-parallel last stage".into(),
@@ -233,8 +235,8 @@ impl GroupMember for RemoteMember {
                     .map(StageOutput::Best)
                     .map_err(model_error),
             },
-            Message::Done => Ok(StageOutput::Hidden(Vec::new())),
-            Message::Error { message, .. } => Err(model_error(self.peer.aborted(&message))),
+            Group::Done => Ok(StageOutput::Hidden(Vec::new())),
+            Group::Error { message, .. } => Err(model_error(self.peer.aborted(&message))),
             other => Err(model_error(self.peer.unexpected(format!(
                 "{} where the answer to step {} was due",
                 other.kind(),
@@ -245,14 +247,14 @@ impl GroupMember for RemoteMember {
 
     fn truncate_seq(&mut self, seq: u32, len: usize) -> Result<(), ModelError> {
         self.peer
-            .send(Message::TruncateSeq { seq, len: len as u32 })
+            .send(Group::TruncateSeq { seq, len: len as u32 })
             .map_err(model_error)
     }
 }
 
 impl Drop for RemoteMember {
     fn drop(&mut self) {
-        let _ = self.peer.send(Message::Shutdown);
+        let _ = self.peer.send(Group::Shutdown);
     }
 }
 
@@ -265,9 +267,9 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
     loop {
         let msg = leader.recv().map_err(|e| NodeError::Protocol(e.to_string()))?;
         let reply = match msg {
-            Message::Forward(ref f) | Message::ForwardBest(ref f) => {
+            Group::Forward(ref f) | Group::ForwardBest(ref f) => {
                 let reply = match msg {
-                    Message::ForwardBest(_) => LogitReply::Best,
+                    Group::ForwardBest(_) => LogitReply::Best,
                     _ => LogitReply::Logits,
                 };
                 let hidden;
@@ -290,20 +292,20 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
                     decode: false,
                 };
                 match stage.forward(&batch, reply) {
-                    Ok(StageOutput::Logits(values)) => Message::Share { step: f.step, values },
-                    Ok(StageOutput::Best(best)) => Message::Share {
+                    Ok(StageOutput::Logits(values)) => Group::Share { step: f.step, values },
+                    Ok(StageOutput::Best(best)) => Group::Share {
                         step: f.step,
                         values: encode_best(&best),
                     },
-                    Ok(StageOutput::Hidden(_)) => Message::Done,
-                    Ok(StageOutput::Normed(_)) => Message::Error {
+                    Ok(StageOutput::Hidden(_)) => Group::Done,
+                    Ok(StageOutput::Normed(_)) => Group::Error {
                         first_layer,
                         fault: baton_proto::Fault::Protocol,
                         message: "a member was asked for normed rows".into(),
                     },
                     Err(e) => {
                         let e = crate::stage_loop::StageError::Model(e);
-                        Message::Error {
+                        Group::Error {
                             first_layer,
                             fault: e.fault(),
                             message: e.to_string(),
@@ -311,15 +313,15 @@ pub fn serve_member(mut stage: Stage, leader: Arc<Peer>) -> Result<(), NodeError
                     }
                 }
             }
-            Message::TruncateSeq { seq, len } => {
+            Group::TruncateSeq { seq, len } => {
                 stage.truncate_seq(seq, len as usize);
                 continue;
             }
-            Message::EndSeq { seq } => {
+            Group::EndSeq { seq } => {
                 stage.clear_seq(seq);
                 continue;
             }
-            Message::Shutdown => return Ok(()),
+            Group::Shutdown => return Ok(()),
             other => return Err(NodeError::Protocol(format!("{} from member 0", other.kind()))),
         };
         leader.send(reply).map_err(|e| NodeError::Protocol(e.to_string()))?;

@@ -77,7 +77,7 @@ fn head(link: &mut dyn Link, addr: &str, bad_id: u32) {
                 resident: 0,
                 received: 0,
             },
-            Message::StartSeq { .. }
+            Message::StartSeq(_)
             | Message::TruncateSeq { .. }
             | Message::Checkpoint { .. }
             | Message::EndSeq { .. } => Message::Done,
@@ -94,28 +94,14 @@ fn head(link: &mut dyn Link, addr: &str, bad_id: u32) {
                     })
                     .collect(),
             },
-            Message::Stats {
-                mut resident,
-                mut kv_used,
-                mut busy_us,
-                mut rows,
-                mut link_sent,
-                mut link_rtt_us,
-            } => {
-                resident.push(0);
-                kv_used.push(0);
-                busy_us.push(0);
-                rows.push(0);
-                link_sent.push(0);
-                link_rtt_us.push(0);
-                Message::Stats {
-                    resident,
-                    kv_used,
-                    busy_us,
-                    rows,
-                    link_sent,
-                    link_rtt_us,
-                }
+            Message::Stats(mut stats) => {
+                stats.resident.push(0);
+                stats.kv_used.push(0);
+                stats.busy_us.push(0);
+                stats.rows.push(0);
+                stats.link_sent.push(0);
+                stats.link_rtt_us.push(0);
+                Message::Stats(stats)
             }
             Message::Shutdown => {
                 let _ = link.send(Message::Shutdown);

@@ -14,6 +14,7 @@ use baton_proto::{Message, RefusalCode, TpPlace, MAX_TP_MEMBERS};
 
 use baton_stage::gate::refuse;
 
+use crate::error::TurnedAway;
 use crate::server::{ConnSlot, Shared};
 use baton_stage::tp_net::{dial_group_member, Peer};
 use baton_stage::NodeError;
@@ -57,13 +58,9 @@ pub(crate) fn accept_member(
         slot,
         at: Instant::now(),
     };
-    match shared.arrive(arrived) {
-        Ok(()) => Ok(()),
-        Err((mut arrived, reason)) => {
-            refuse(arrived.link.as_mut(), RefusalCode::BadRequest, reason.clone());
-            Err(NodeError::Request(reason))
-        }
-    }
+    shared
+        .arrive(arrived)
+        .map_err(|(mut arrived, why)| why.refuse(arrived.link.as_mut()))
 }
 
 impl Shared {
@@ -74,7 +71,7 @@ impl Shared {
     /// Keeps a member link until the session takes it ([`Shared::wait_members`]); a
     /// second link from the same member of the same group, or more links than a group
     /// can have, are refused (given back with the reason).
-    fn arrive(&self, arrived: Arrived) -> Result<(), (Arrived, String)> {
+    fn arrive(&self, arrived: Arrived) -> Result<(), (Arrived, TurnedAway)> {
         let mut waiting = self.arrived();
         // Links parked for longer than a group takes to form belong to no session.
         let stale = self.config.handshake_timeout;
@@ -83,11 +80,11 @@ impl Shared {
             .iter()
             .any(|a| a.group == arrived.group && a.rank == arrived.rank)
         {
-            let why = format!("member {} of this group is linked already", arrived.rank);
+            let why = TurnedAway::MemberLinked(arrived.rank);
             return Err((arrived, why));
         }
         if waiting.len() >= MAX_TP_MEMBERS {
-            let why = format!("{} member links wait already, the most a group has", waiting.len());
+            let why = TurnedAway::MembersWaiting(waiting.len());
             return Err((arrived, why));
         }
         waiting.push(arrived);

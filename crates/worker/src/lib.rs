@@ -5,8 +5,10 @@
 //! head goes. It builds on [`baton_stage`] and never imports the head's crates.
 #![deny(unsafe_code)]
 
+mod error;
 mod group;
 mod receive;
 mod server;
 
+pub use error::WorkerError;
 pub use server::{Leave, Worker, WorkerConfig};

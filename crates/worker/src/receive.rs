@@ -28,9 +28,9 @@ use std::time::Instant;
 
 use baton_gguf::Gguf;
 use baton_model::{ModelFile, StageSpan};
-use baton_net::Link;
+use baton_net::{Link, LinkExt};
 use baton_proto::auth::identity_hash;
-use baton_proto::{Message, ModelRef, TensorEntry, MAX_FETCH_PEERS};
+use baton_proto::{Control, Conversation, Fetch, Message, ModelRef, TensorEntry, MAX_FETCH_PEERS};
 use sha2::{Digest, Sha256};
 
 use baton_stage::models::{check_tensor_name, CachedTensor, ModelDir};
@@ -118,8 +118,8 @@ pub fn receive_stage_tensors(
     link: &mut dyn Link,
     dial: DialPeer<'_>,
 ) -> Result<Received, NodeError> {
-    let (header, entries) = match link.recv()? {
-        Message::StreamStart { header, tensors } => (header, tensors),
+    let (header, entries) = match link.recv_as::<Control>()? {
+        Control::StreamStart { header, tensors } => (header, tensors),
         other => {
             return Err(NodeError::Protocol(format!(
                 "expected StreamStart, got {}",
@@ -449,7 +449,9 @@ fn fetch_from(
         tensors: wanted.iter().map(|e| (*e).clone()).collect(),
     })?;
     let position = |entry: &TensorEntry| wanted.iter().position(|w| w.name == entry.name);
-    let mut next = || link.recv().map_err(NodeError::from);
+    // The holder sends chunks only: anything else of a fetch is out of place, and a
+    // frame of another conversation breaks the protocol.
+    let mut next = || link.recv_as::<Fetch>().map(Message::from).map_err(NodeError::from);
     receive_chunks(&mut next, wanted, position, sink)?;
     tracing::info!(%peer, tensors = wanted.len(), "fetched tensors from a peer");
     Ok(())
@@ -460,8 +462,8 @@ fn fetch_from(
 /// numbered by their place in that list. Each must be a tensor of the copy's own index,
 /// at its place, listed once.
 pub fn serve_fetch(models: &ModelDir, link: &mut dyn Link) -> Result<(), NodeError> {
-    let (header, wanted) = match link.recv()? {
-        Message::StreamStart { header, tensors } => (header, tensors),
+    let (header, wanted) = match link.recv_as::<Fetch>()? {
+        Fetch::StreamStart { header, tensors } => (header, tensors),
         other => {
             return Err(NodeError::Protocol(format!(
                 "a fetch starts with StreamStart, not {}",

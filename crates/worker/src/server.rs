@@ -24,8 +24,9 @@ use baton_model::{CacheType, KvTypes, ModelFile, Stage, StageChain, StageConfig,
 use baton_net::{
     client_handshake, connect_by, refuse_unexpected_auth, Link, LinkCloser, LinkOptions, Listener, NetError,
 };
-use baton_proto::{Capabilities, DeviceCaps, DeviceRange, LoadPlan, Message, RefusalCode, Role};
+use baton_proto::{Capabilities, Control, DeviceCaps, DeviceRange, Heartbeat, LoadPlan, Message, RefusalCode, Role};
 
+use crate::error::{TurnedAway, WorkerError};
 use crate::group::{form_mesh, Arrived, Mesh};
 use crate::receive::{check_stage_complete, receive_stage_tensors, serve_fetch, Recording};
 pub(crate) use baton_stage::gate::ConnSlot;
@@ -151,12 +152,10 @@ impl Shared {
 
     /// Opens a session for a head whose control link `control` closes, unless the
     /// worker serves [`MAX_SESSIONS`] heads already (the reason).
-    fn begin_session(&self, control: Option<LinkCloser>) -> Result<HeadSlot<'_>, String> {
+    fn begin_session(&self, control: Option<LinkCloser>) -> Result<HeadSlot<'_>, TurnedAway> {
         let mut sessions = self.sessions();
         if sessions.len() >= MAX_SESSIONS {
-            return Err(format!(
-                "this worker serves {MAX_SESSIONS} heads already, the most it serves at once"
-            ));
+            return Err(TurnedAway::SessionsFull);
         }
         let id = loop {
             let nonce = baton_proto::auth::new_nonce();
@@ -266,9 +265,9 @@ impl Shared {
         link: Box<dyn Link>,
         closer: Option<LinkCloser>,
         slot: ConnSlot,
-    ) -> Result<(), (Box<dyn Link>, String)> {
+    ) -> Result<(), (Box<dyn Link>, TurnedAway)> {
         if self.with_session(session, |s| s.upstream = closer).is_none() {
-            return Err((link, format!("no session {session} runs on this worker")));
+            return Err((link, TurnedAway::NoSession(session)));
         }
         let mut upstreams = self.upstreams();
         upstreams.retain(|u| u.session != session);
@@ -281,18 +280,18 @@ impl Shared {
 impl Worker {
     /// Binds the listening socket and opens the models directory. An empty or short
     /// token is refused.
-    pub fn bind(config: WorkerConfig) -> Result<Worker, NodeError> {
-        let listener = Listener::bind(&config.listen)?;
+    pub fn bind(config: WorkerConfig) -> Result<Worker, WorkerError> {
+        let listener = Listener::bind(&config.listen).map_err(WorkerError::Bind)?;
         Worker::on(listener, config)
     }
 
     /// A worker serving on `listener`, bound already (a worker that joins with an
     /// invite binds first: the head is told its port before it has a token).
-    pub fn on(listener: Listener, config: WorkerConfig) -> Result<Worker, NodeError> {
+    pub fn on(listener: Listener, config: WorkerConfig) -> Result<Worker, WorkerError> {
         if let Some(token) = &config.token {
             baton_proto::auth::check_token(token.as_bytes())?;
         }
-        let models = ModelDir::new(&config.models)?;
+        let models = ModelDir::new(&config.models).map_err(WorkerError::Models)?;
         let gate = Gate::new(GateConfig {
             token: config.token.clone(),
             link: config.link.clone(),
@@ -403,10 +402,7 @@ fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError
             }
             let head = match shared.begin_session(closer) {
                 Ok(head) => head,
-                Err(reason) => {
-                    refuse(link.as_mut(), RefusalCode::Busy, reason.clone());
-                    return Err(NodeError::Request(reason));
-                }
+                Err(why) => return Err(why.refuse(link.as_mut())),
             };
             session(shared, link, head, &local)
         }
@@ -424,10 +420,7 @@ fn serve_connection(shared: &Shared, admitted: Admitted) -> Result<(), NodeError
             link.set_read_timeout(None)?;
             shared
                 .arrive_upstream(session, link, closer, conn)
-                .map_err(|(mut link, reason)| {
-                    refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
-                    NodeError::Request(reason)
-                })
+                .map_err(|(mut link, why)| why.refuse(link.as_mut()))
         }
         Role::Heartbeat => heartbeat(shared, link),
         Role::Member => crate::group::accept_member(shared, link, closer, conn),
@@ -453,12 +446,13 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
     // when it hung up.
     let mut watched: Option<Option<u64>> = None;
     let why = loop {
-        match link.recv() {
-            Ok(Message::Ping { .. }) if shared.leaving.load(Ordering::SeqCst) => {
+        let msg = link.recv().map(|msg| (msg.kind(), Heartbeat::try_from(msg)));
+        match msg {
+            Ok((_, Ok(Heartbeat::Ping { .. }))) if shared.leaving.load(Ordering::SeqCst) => {
                 refuse(link.as_mut(), RefusalCode::Leaving, LEAVING.into());
                 break LEAVING.to_string();
             }
-            Ok(Message::Ping { timeout_ms, session }) => {
+            Ok((_, Ok(Heartbeat::Ping { timeout_ms, session }))) => {
                 let bound = *watched.get_or_insert_with(|| shared.is_current(session).then_some(session));
                 if bound.is_some_and(|id| id != session) {
                     let reason = format!("this heartbeat watches another session than {session}");
@@ -474,11 +468,12 @@ fn heartbeat(shared: &Shared, mut link: Box<dyn Link>) -> Result<(), NodeError> 
                     break reason;
                 }
                 link.set_read_timeout(Some(Duration::from_millis(u64::from(timeout_ms.max(1)))))?;
-                link.send(Message::Pong)?;
+                link.send(Heartbeat::Pong.into())?;
             }
-            Ok(Message::Auth { .. }) => break refuse_unexpected_auth(link.as_mut()).to_string(),
-            Ok(other) => {
-                let reason = format!("{} is not a heartbeat message", other.kind());
+            Ok((_, Ok(Heartbeat::Auth { .. }))) => break refuse_unexpected_auth(link.as_mut()).to_string(),
+            // A head never sends `Pong` or `Refused`, nor another conversation's frames.
+            Ok((kind, _)) => {
+                let reason = format!("{kind} is not a heartbeat message");
                 refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
                 break reason;
             }
@@ -513,8 +508,10 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, head: HeadSlot<'_>, local: 
     // The head may take its time between messages (planning, other workers loading).
     link.set_read_timeout(None)?;
     let plan = loop {
-        match link.recv()? {
-            Message::Describe { model } => {
+        let msg = link.recv()?;
+        let kind = msg.kind();
+        match Control::try_from(msg) {
+            Ok(Control::Describe { model }) => {
                 #[cfg(test)]
                 if tests::PANIC_ON_DESCRIBE.load(Ordering::SeqCst) {
                     panic!("a test made this session panic");
@@ -524,26 +521,28 @@ fn session(shared: &Shared, mut link: Box<dyn Link>, head: HeadSlot<'_>, local: 
                     return Err(another_head(link.as_mut(), &model.file_name));
                 }
                 let caps = describe(shared, &model.file_name, &model.identity, local, id);
-                link.send(Message::Capabilities(caps))?;
+                link.send(Control::Capabilities(caps).into())?;
             }
-            Message::LoadPlan(plan) if !shared.claim_model(id, &plan.model.identity) => {
+            Ok(Control::LoadPlan(plan)) if !shared.claim_model(id, &plan.model.identity) => {
                 drop(head);
                 return Err(another_head(link.as_mut(), &plan.model.file_name));
             }
-            Message::LoadPlan(plan) => break plan,
+            Ok(Control::LoadPlan(plan)) => break plan,
             // The head times its link to this worker (`--tp auto`).
-            Message::Probe { .. } => link.send(Message::Probe { data: Vec::new() })?,
+            Ok(Control::Probe { .. }) => link.send(Control::Probe { data: Vec::new() }.into())?,
             // The head planned without this worker.
-            Message::Shutdown => {
+            Ok(Control::Shutdown) => {
                 tracing::info!("the head's plan leaves this worker out");
                 return Ok(());
             }
-            Message::Auth { .. } => {
+            Ok(Control::Auth { .. }) => {
                 drop(head);
                 return Err(refuse_unexpected_auth(link.as_mut()).into());
             }
-            other => {
-                let reason = format!("{} is not expected before a load plan", other.kind());
+            // A head sends no worker's answers, no streaming before its plan, and no
+            // other conversation's frames.
+            _ => {
+                let reason = format!("{kind} is not expected before a load plan");
                 drop(head);
                 refuse(link.as_mut(), RefusalCode::BadRequest, reason.clone());
                 return Err(NodeError::Protocol(reason));
@@ -960,6 +959,7 @@ mod tests {
     use std::sync::atomic::AtomicBool;
 
     use baton_net::connect;
+    use baton_proto::auth::TokenError;
     use baton_proto::ModelRef;
 
     use super::*;
@@ -1114,12 +1114,12 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_short_token_is_refused_when_binding() {
-        let err = Worker::bind(WorkerConfig {
+    /// A worker on loopback over `models` with `token`.
+    fn bind_config(models: PathBuf, token: Option<&str>) -> WorkerConfig {
+        WorkerConfig {
             listen: "127.0.0.1:0".into(),
-            models: std::env::temp_dir(),
-            token: Some("tiny".into()),
+            models,
+            token: token.map(str::to_string),
             threads: 1,
             memory: None,
             advertise: None,
@@ -1128,9 +1128,40 @@ mod tests {
             max_connections: 4,
             max_handshakes_per_source: 8,
             devices: vec![Device::cpu()],
-        })
-        .err()
-        .unwrap();
+        }
+    }
+
+    #[test]
+    fn a_short_token_is_refused_when_binding() {
+        let err = Worker::bind(bind_config(std::env::temp_dir(), Some("tiny")))
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("4 bytes long"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_token_a_bad_models_directory_and_a_taken_address_are_told_apart() {
+        let err = Worker::bind(bind_config(std::env::temp_dir(), Some("tiny")))
+            .err()
+            .unwrap();
+        assert!(
+            matches!(err, WorkerError::Token(TokenError::Short { len: 4 })),
+            "{err:?}"
+        );
+
+        // A file where the models directory should be.
+        let file = std::env::temp_dir().join(format!("baton-worker-models-{}", std::process::id()));
+        std::fs::write(&file, b"not a directory").unwrap();
+        let err = Worker::bind(bind_config(file.clone(), None)).err().unwrap();
+        std::fs::remove_file(&file).unwrap();
+        assert!(matches!(err, WorkerError::Models(NodeError::File { .. })), "{err:?}");
+
+        let taken = Listener::bind("127.0.0.1:0").unwrap();
+        let config = WorkerConfig {
+            listen: taken.local_addr().to_string(),
+            ..bind_config(std::env::temp_dir(), None)
+        };
+        let err = Worker::bind(config).err().unwrap();
+        assert!(matches!(err, WorkerError::Bind(_)), "{err:?}");
     }
 }

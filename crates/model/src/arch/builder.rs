@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use baton_ggml::{rows_alone, Context, Graph, HostOp, Product, Tensor};
+use baton_ggml::{batching, Batching, Context, Graph, HostOp, Product, Tensor, Whole};
 
 use super::attention::SparseMask;
 use crate::hparams::HParams;
@@ -265,14 +265,18 @@ impl<'g> Builder<'g> {
     /// `w x` for a weight `w` and activations `x` (`[n, n_tokens]`, or `[n, n_tokens,
     /// k]` for a product per head). In a batch of decode steps each row must get the
     /// bits it gets alone, and ggml's CPU kernels change with the number of rows: the
-    /// rows go in pieces of as many as ggml computes alone with this kind of weight
-    /// ([`rows_alone`], measured on this CPU), all at once for most quantized types.
-    /// Otherwise (prompt chunks, weights on a GPU) all rows at once, as llama.cpp does.
+    /// rows go all at once for most quantized types, through a product that computes
+    /// each row as alone for the K-quants (one-row planes, or baton's repacked q4_K
+    /// kernel), else in pieces of as many as ggml computes alone with this kind of
+    /// weight ([`batching`], measured on this CPU). Otherwise (prompt chunks, weights
+    /// on a GPU) all rows at once, as llama.cpp does.
     pub fn mm(&self, w: Tensor<'g>, x: Tensor<'g>) -> Tensor<'g> {
         let ctx = self.ctx;
-        match self.decode_piece(w, Product::MulMat, x.ne()[1]) {
+        match self.decode_batching(w, Product::MulMat, x.ne()[1]) {
             None => ctx.mul_mat(w, x),
-            Some(piece) => {
+            Some(Batching { whole: Some(whole), .. }) if Whole::takes(x) => ctx.mul_mat_whole(w, x, whole),
+            Some(Batching { rows: piece, .. }) => {
+                let piece = piece as i64;
                 let [n, _, k, _] = x.ne();
                 let [_, nb1, nb2, _] = x.nb();
                 let parts = pieces(x.ne()[1], piece)
@@ -287,9 +291,10 @@ impl<'g> Builder<'g> {
     /// n_tokens]`), with the rows of a decode batch in pieces as [`Builder::mm`] cuts them.
     pub fn mm_id(&self, experts: Tensor<'g>, x: Tensor<'g>, ids: Tensor<'g>) -> Tensor<'g> {
         let ctx = self.ctx;
-        match self.decode_piece(experts, Product::MulMatId, x.ne()[2]) {
+        match self.decode_batching(experts, Product::MulMatId, x.ne()[2]) {
             None => ctx.mul_mat_id(experts, x, ids),
-            Some(piece) => {
+            Some(Batching { rows: piece, .. }) => {
+                let piece = piece as i64;
                 let [n, used, _, _] = x.ne();
                 let [_, nb1, nb2, _] = x.nb();
                 let n_used = ids.ne()[0];
@@ -306,15 +311,14 @@ impl<'g> Builder<'g> {
         }
     }
 
-    /// How many rows of a decode batch of `n_rows` a product with `w` takes at once,
-    /// when not all: `None` outside decode batches, for a weight whose kernels are not
-    /// probed, and when ggml computes all `n_rows` as alone.
-    fn decode_piece(&self, w: Tensor<'g>, product: Product, n_rows: i64) -> Option<i64> {
+    /// How a product with `w` takes a decode batch of `n_rows`, when ggml's product
+    /// cannot take them all at once: `None` outside decode batches, for a weight whose
+    /// kernels are not probed, and when ggml computes all `n_rows` as alone.
+    fn decode_batching(&self, w: Tensor<'g>, product: Product, n_rows: i64) -> Option<Batching> {
         if !self.inputs.decode_rows || n_rows < 2 {
             return None;
         }
-        let piece = rows_alone(w, product)? as i64;
-        (piece < n_rows).then_some(piece)
+        batching(w, product).filter(|b| (b.rows as i64) < n_rows)
     }
 
     /// On the model's last layer, keeps only the rows that need logits (of both the

@@ -7,7 +7,7 @@ use baton_sample::{ReasoningBudget, SamplingParams, MAX_BUDGET_ENDS, MAX_BUDGET_
 use super::{kind, kind_name, role_from_byte, ProtoError, MAX_STRING};
 use crate::{
     Capabilities, DeviceCaps, DeviceRange, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken,
-    TensorEntry, TpPlace, MAX_TP_MEMBERS,
+    StartSeq, Stats, TensorEntry, TpPlace, MAX_TP_MEMBERS,
 };
 
 /// Decodes the payload of one frame of message `kind` (as returned by
@@ -56,7 +56,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             resident: r.u64("resident")?,
             received: r.u64("received")?,
         },
-        kind::START_SEQ => Message::StartSeq {
+        kind::START_SEQ => Message::StartSeq(StartSeq {
             seq: r.u32("seq")?,
             keep: r.u32("keep")?,
             params: r.sampling()?,
@@ -73,7 +73,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
                 false => None,
                 true => Some(Box::new(r.budget()?)),
             },
-        },
+        }),
         kind::TRUNCATE_SEQ => Message::TruncateSeq {
             seq: r.u32("seq")?,
             len: r.u32("len")?,
@@ -110,14 +110,14 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<Message, ProtoError> {
             fault: r.fault()?,
             message: r.str("message")?,
         },
-        kind::STATS => Message::Stats {
+        kind::STATS => Message::Stats(Stats {
             resident: r.array("resident", u64::from_le_bytes)?,
             kv_used: r.array("kv_used", u32::from_le_bytes)?,
             busy_us: r.array("busy_us", u64::from_le_bytes)?,
             rows: r.array("rows", u64::from_le_bytes)?,
             link_sent: r.array("link_sent", u64::from_le_bytes)?,
             link_rtt_us: r.array("link_rtt_us", u64::from_le_bytes)?,
-        },
+        }),
         kind::SHUTDOWN => Message::Shutdown,
         kind::PING => Message::Ping {
             timeout_ms: r.u32("timeout_ms")?,

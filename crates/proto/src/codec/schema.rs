@@ -508,6 +508,16 @@ fn render() -> String {
         .map(|pooling| format!("{} {pooling:?}", pooling.number()))
         .collect();
     lines.push(format!("Poolings (StartSeq.pooling): 0 none, {}", poolings.join(", ")));
+    lines.push(String::new());
+    let conversations: Vec<Vec<String>> = crate::conversation::CONVERSATIONS
+        .iter()
+        .map(|(name, kinds)| vec![name.to_string(), kinds.join(", ")])
+        .collect();
+    lines.extend(table(
+        &["conversation", "messages that may cross it"],
+        &[12, 77],
+        &conversations,
+    ));
     lines.join("\n")
 }
 

@@ -8,7 +8,7 @@ use rand::{Rng, RngCore, SeedableRng};
 use super::*;
 use crate::{
     Capabilities, DeviceCaps, DeviceRange, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, SampledToken,
-    TensorEntry,
+    StartSeq, Stats, TensorEntry,
 };
 
 fn model_ref() -> ModelRef {
@@ -50,7 +50,7 @@ fn forward(payload: Payload, rows: usize) -> Forward {
 
 /// At least one sample of every variant, with values that would show a swapped or
 /// truncated field (extremes, non-ASCII text, empty and non-empty collections, NaN).
-pub(super) fn samples() -> Vec<Message> {
+pub(crate) fn samples() -> Vec<Message> {
     let held = |name: &str, complete: bool| HeldModel {
         file_name: name.into(),
         identity: nonce(9),
@@ -186,7 +186,7 @@ pub(super) fn samples() -> Vec<Message> {
             resident: 1 << 31,
             received: 5,
         },
-        Message::StartSeq {
+        Message::StartSeq(StartSeq {
             seq: 9,
             keep: 7,
             top_logprobs: 5,
@@ -203,8 +203,8 @@ pub(super) fn samples() -> Vec<Message> {
                 forced: vec![198, 151_668],
                 prefill: vec![151_667, 198],
             })),
-        },
-        Message::StartSeq {
+        }),
+        Message::StartSeq(StartSeq {
             seq: 0,
             keep: 0,
             top_logprobs: 0,
@@ -215,7 +215,7 @@ pub(super) fn samples() -> Vec<Message> {
             grammar: None,
             pooling: Some(crate::Pooling::Last),
             budget: None,
-        },
+        }),
         Message::TruncateSeq { seq: 9, len: 100 },
         Message::EndSeq { seq: u32::MAX },
         Message::Forward(forward(Payload::Tokens(vec![151_643, 0, 42]), 3)),
@@ -270,14 +270,14 @@ pub(super) fn samples() -> Vec<Message> {
             fault: crate::Fault::CacheFull,
             message: String::new(),
         },
-        Message::Stats {
+        Message::Stats(Stats {
             resident: vec![1, u64::MAX, 0],
             kv_used: vec![0, 4096, u32::MAX],
             busy_us: vec![5, 0, u64::MAX],
             rows: vec![7, 8, 9],
             link_sent: vec![0, 1 << 40, 3],
             link_rtt_us: vec![0, 1_500, u64::MAX],
-        },
+        }),
         Message::Shutdown,
         Message::Ping {
             timeout_ms: 2000,
@@ -537,7 +537,7 @@ fn unknown_role_and_tags_are_refused() {
     let hello = Bytes::default().u32(1).u8(6).raw(&[0; 32]);
     assert_eq!(invalid_reason(decode(kind::HELLO, &hello.0)), "unknown role byte 6");
 
-    let (kind, mut payload) = payload_of(&Message::StartSeq {
+    let (kind, mut payload) = payload_of(&Message::StartSeq(StartSeq {
         seq: 1,
         keep: 0,
         top_logprobs: 0,
@@ -548,7 +548,7 @@ fn unknown_role_and_tags_are_refused() {
         grammar: None,
         pooling: None,
         budget: None,
-    });
+    }));
     // The logprobs byte, before the 4-byte `drawn`, the 1-byte absent `grammar`, the
     // 1-byte `pooling` and the 1-byte absent `budget`.
     let at = payload.len() - 8;
@@ -565,7 +565,7 @@ fn unknown_role_and_tags_are_refused() {
 
     // A budget whose sequences are longer, or more, than a stage matches.
     let with_budget = |budget: baton_sample::ReasoningBudget| {
-        payload_of(&Message::StartSeq {
+        payload_of(&Message::StartSeq(StartSeq {
             seq: 1,
             keep: 0,
             top_logprobs: 0,
@@ -576,7 +576,7 @@ fn unknown_role_and_tags_are_refused() {
             grammar: None,
             pooling: None,
             budget: Some(Box::new(budget)),
-        })
+        }))
     };
     let (kind, long) = with_budget(baton_sample::ReasoningBudget {
         forced: vec![7; baton_sample::MAX_BUDGET_SEQ + 1],
@@ -752,7 +752,7 @@ fn invalid_values_are_refused() {
         temperature: f32::NAN,
         ..params()
     };
-    let msg = Message::StartSeq {
+    let msg = Message::StartSeq(StartSeq {
         seq: 1,
         keep: 0,
         top_logprobs: 0,
@@ -763,7 +763,7 @@ fn invalid_values_are_refused() {
         grammar: None,
         pooling: None,
         budget: None,
-    };
+    });
     let (kind, payload) = payload_of(&msg);
     let err = decode(kind, &payload).unwrap_err();
     assert!(
@@ -779,7 +779,7 @@ fn invalid_values_are_refused() {
     );
     assert!(err.to_string().contains("temperature"), "{err}");
 
-    let top_p = Message::StartSeq {
+    let top_p = Message::StartSeq(StartSeq {
         seq: 1,
         keep: 0,
         top_logprobs: 0,
@@ -790,7 +790,7 @@ fn invalid_values_are_refused() {
         grammar: None,
         pooling: None,
         budget: None,
-    };
+    });
     assert!(invalid_reason(decode(kind, &payload_of(&top_p).1)).contains("top_p"));
 
     for secs in [f32::NAN, -1.0, f32::INFINITY] {

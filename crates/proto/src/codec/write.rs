@@ -6,7 +6,8 @@ use baton_sample::{ReasoningBudget, SamplingParams};
 
 use super::{kind_of, role_byte, HEADER_LEN};
 use crate::{
-    Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, Pooling, SampledToken, TensorEntry,
+    Capabilities, Forward, HeldModel, LoadPlan, Message, ModelRef, Payload, Pooling, SampledToken, StartSeq, Stats,
+    TensorEntry,
 };
 
 /// Appends one whole frame (header and payload) for `msg` to `out`.
@@ -80,7 +81,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u64(*resident);
             w.u64(*received);
         }
-        Message::StartSeq {
+        Message::StartSeq(StartSeq {
             seq,
             keep,
             params,
@@ -91,7 +92,7 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             grammar,
             pooling,
             budget,
-        } => {
+        }) => {
             w.u32(*seq);
             w.u32(*keep);
             w.sampling(params);
@@ -139,14 +140,14 @@ pub fn encode_payload(msg: &Message, payload: &mut Vec<u8>) -> u16 {
             w.u16(fault.number());
             w.str(message);
         }
-        Message::Stats {
+        Message::Stats(Stats {
             resident,
             kv_used,
             busy_us,
             rows,
             link_sent,
             link_rtt_us,
-        } => {
+        }) => {
             w.array(resident, u64::to_le_bytes);
             w.array(kv_used, u32::to_le_bytes);
             w.array(busy_us, u64::to_le_bytes);

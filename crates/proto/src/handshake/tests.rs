@@ -24,7 +24,7 @@ fn exchange(
     let (mut client, hello) = Client::start(role, client_token, NONCE_C);
     let mut server = Server::new(server_token, NONCE_S);
     let mut transcript = Vec::new();
-    let mut to_server = vec![hello];
+    let mut to_server = vec![Message::from(hello)];
     let mut to_client: Vec<Message> = Vec::new();
     let (mut client_out, mut server_out): (Option<Outcome>, Option<Outcome>) = (None, None);
     for _ in 0..10 {
@@ -34,19 +34,19 @@ fn exchange(
                 // The worker's session (or heartbeat) reads what follows the handshake.
                 if let (Some(Ok(_)), Message::Auth { .. }) = (&server_out, &msg) {
                     let failure = stray_auth();
-                    to_client.extend(failure.send);
+                    to_client.extend(failure.send.into_iter().map(Message::from));
                     server_out = Some(Err(failure.error));
                 }
                 continue;
             }
             match server.handle(msg) {
-                Ok(Step::Continue(send)) => to_client.extend(send),
+                Ok(Step::Continue(send)) => to_client.extend(send.into_iter().map(Message::from)),
                 Ok(Step::Done { send, peer }) => {
-                    to_client.extend(send);
+                    to_client.extend(send.into_iter().map(Message::from));
                     server_out = Some(Ok(peer));
                 }
                 Err(failure) => {
-                    to_client.extend(failure.send);
+                    to_client.extend(failure.send.into_iter().map(Message::from));
                     server_out = Some(Err(failure.error));
                 }
             }
@@ -57,14 +57,14 @@ fn exchange(
                 continue;
             }
             match client.handle(msg) {
-                Ok(Step::Continue(send)) => to_server.extend(send),
+                Ok(Step::Continue(send)) => to_server.extend(send.into_iter().map(Message::from)),
                 Ok(Step::Done { send, peer }) => {
-                    to_server.extend(send);
+                    to_server.extend(send.into_iter().map(Message::from));
                     to_server.push(first.clone());
                     client_out = Some(Ok(peer));
                 }
                 Err(failure) => {
-                    to_server.extend(failure.send);
+                    to_server.extend(failure.send.into_iter().map(Message::from));
                     client_out = Some(Err(failure.error));
                 }
             }
@@ -245,12 +245,12 @@ fn a_hello_of_another_version_is_answered_with_this_versions_hello_then_refused(
     assert_eq!(
         failure.send,
         [
-            Message::Hello {
+            Handshake::Hello {
                 version: PROTOCOL_VERSION,
                 role: Role::Worker,
                 nonce: NONCE_S
             },
-            Message::Refused {
+            Handshake::Refused {
                 code: RefusalCode::Version,
                 reason
             },
@@ -313,7 +313,7 @@ fn unexpected_messages_end_the_handshake() {
     assert_eq!(failure.error.to_string(), "Pong where Hello was expected");
     assert_eq!(
         failure.send,
-        [Message::Refused {
+        [Handshake::Refused {
             code: RefusalCode::BadRequest,
             reason: "Pong where Hello was expected".into()
         }]
@@ -368,7 +368,7 @@ fn a_server_that_reflects_the_clients_challenge_or_proof_is_refused() {
     // Echoing the client's nonce and role back: the server could then return the
     // client's own proof as its own.
     let (mut client, hello) = Client::start(Role::Head, Some(token), NONCE_C);
-    let Message::Hello { nonce, .. } = hello else {
+    let Handshake::Hello { nonce, .. } = hello else {
         panic!("{hello:?}")
     };
     let step = client
@@ -379,14 +379,14 @@ fn a_server_that_reflects_the_clients_challenge_or_proof_is_refused() {
         })
         .unwrap();
     let Step::Continue(sent) = step else { panic!("{step:?}") };
-    let [Message::Auth { proof: own }] = sent[..] else {
+    let [Handshake::Auth { proof: own }] = sent[..] else {
         panic!("{sent:?}")
     };
     let failure = client.handle(Message::Auth { proof: own }).unwrap_err();
     assert!(matches!(failure.error, HandshakeError::Auth { .. }), "{failure:?}");
     assert!(matches!(
         failure.send[..],
-        [Message::Refused {
+        [Handshake::Refused {
             code: RefusalCode::Auth,
             ..
         }]
@@ -483,7 +483,7 @@ fn a_peer_turned_away_is_told_why_with_a_busy_refusal() {
     let failure = turn_away("too many connections: 64 are open".into());
     assert_eq!(
         failure.send,
-        [Message::Refused {
+        [Handshake::Refused {
             code: RefusalCode::Busy,
             reason: "too many connections: 64 are open".into()
         }]

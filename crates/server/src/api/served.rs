@@ -183,7 +183,7 @@ pub(super) async fn stats(
     let stages = tokio::time::timeout(Duration::from_secs(10), state.engine.stage_stats())
         .await
         .map_err(|_| ApiError::server("the stages did not answer within 10 s"))?
-        .map_err(ApiError::server)?;
+        .map_err(|e| ApiError::server(e.to_string()))?;
     let c = state.engine.counters();
     let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
     let names = match state.engine.health() {
@@ -209,15 +209,15 @@ pub(super) async fn stats(
         "workers_lost": load(&c.workers_lost),
         "workers_returned": load(&c.workers_returned),
         "workers_joined": load(&c.workers_joined),
-        "stages": stages.resident.iter().enumerate()
+        "stages": stages.ring.resident.iter().enumerate()
             .map(|(i, resident)| json!({
                 "name": names.get(i),
                 "resident_bytes": resident,
-                "kv_cells_used": stages.kv_used.get(i),
-                "busy_seconds": stages.busy_us.get(i).map(|&us| us as f64 / 1e6),
-                "rows": stages.rows.get(i),
-                "link_bytes_sent": stages.link_sent.get(i),
-                "link_round_trip_seconds": stages.link_rtt_us.get(i).copied().and_then(seconds),
+                "kv_cells_used": stages.ring.kv_used.get(i),
+                "busy_seconds": stages.ring.busy_us.get(i).map(|&us| us as f64 / 1e6),
+                "rows": stages.ring.rows.get(i),
+                "link_bytes_sent": stages.ring.link_sent.get(i),
+                "link_round_trip_seconds": stages.ring.link_rtt_us.get(i).copied().and_then(seconds),
             }))
             .collect::<Vec<_>>(),
         "head_link_round_trip_seconds": seconds(stages.head_link_rtt_us),

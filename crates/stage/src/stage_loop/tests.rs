@@ -6,7 +6,7 @@ use std::path::Path;
 
 use baton_ggml::LlamaModel;
 use baton_model::{ModelFile, Stage, StageConfig, StageSpan};
-use baton_proto::{Forward, Message, Payload, StartSeq};
+use baton_proto::{Forward, Message, Payload, Ring, StartSeq};
 use baton_sample::{ReasoningBudget, SamplingParams};
 
 use super::StageWorker;
@@ -38,7 +38,7 @@ fn prompt(vocab: &LlamaModel) -> Vec<u32> {
     vocab.tokenize(text, false, true).unwrap()
 }
 
-fn start(worker: &mut StageWorker, seq: u32, history: Vec<u32>, drawn: u32, grammar: Option<&str>) -> Message {
+fn start(worker: &mut StageWorker, seq: u32, history: Vec<u32>, drawn: u32, grammar: Option<&str>) -> Ring {
     let msg = StartSeq::new(seq, SamplingParams::greedy(), history)
         .with_drawn(drawn)
         .with_grammar(grammar.map(str::to_string));
@@ -57,8 +57,8 @@ fn step(worker: &mut StageWorker, seq: u32, tokens: &[u32], start: i32, drafted:
         sample_rows: if drafted { (0..n).collect() } else { vec![n - 1] },
         row_tokens: if drafted { tokens.to_vec() } else { Vec::new() },
     };
-    match worker.handle(Message::Forward(forward)) {
-        Message::Sampled { tokens, .. } => tokens.iter().map(|t| t.token).collect(),
+    match worker.handle(Ring::Forward(forward)) {
+        Ring::Sampled { tokens, .. } => tokens.iter().map(|t| t.token).collect(),
         other => panic!("expected Sampled, got {other:?}"),
     }
 }
@@ -79,14 +79,14 @@ fn grammar_keeps_greedy_text_inside_it_with_drafts_and_after_a_rebuild() {
     let mut worker = worker();
     let prompt = prompt(&vocab);
 
-    assert_eq!(start(&mut worker, 0, prompt.clone(), 0, None), Message::Done);
+    assert_eq!(start(&mut worker, 0, prompt.clone(), 0, None), Ring::Done);
     let free = generate(&mut worker, &vocab, 0, &prompt, 12);
     assert!(
         !vocab.detokenize(&free, false).starts_with("{\"n\""),
         "the test needs a prompt the grammar changes"
     );
 
-    assert_eq!(start(&mut worker, 1, prompt.clone(), 0, Some(GRAMMAR)), Message::Done);
+    assert_eq!(start(&mut worker, 1, prompt.clone(), 0, Some(GRAMMAR)), Ring::Done);
     let constrained = generate(&mut worker, &vocab, 1, &prompt, 16);
     assert!(
         vocab.is_end_of_generation(*constrained.last().unwrap()),
@@ -100,11 +100,11 @@ fn grammar_keeps_greedy_text_inside_it_with_drafts_and_after_a_rebuild() {
 
     // The same sequence with its generated tokens as a draft: the samples agree with
     // every drafted token, then give the next; a wrong draft token stops the rows there.
-    assert_eq!(start(&mut worker, 2, prompt.clone(), 0, Some(GRAMMAR)), Message::Done);
+    assert_eq!(start(&mut worker, 2, prompt.clone(), 0, Some(GRAMMAR)), Ring::Done);
     assert_eq!(step(&mut worker, 2, &prompt, 0, false), constrained[..1]);
     let at = prompt.len() as i32;
     assert_eq!(step(&mut worker, 2, &constrained[..3], at, true), constrained[1..4]);
-    assert_eq!(start(&mut worker, 3, prompt.clone(), 0, Some(GRAMMAR)), Message::Done);
+    assert_eq!(start(&mut worker, 3, prompt.clone(), 0, Some(GRAMMAR)), Ring::Done);
     step(&mut worker, 3, &prompt, 0, false);
     let wrong = vocab.tokenize("zzz", false, false).unwrap()[0];
     let sampled = step(&mut worker, 3, &[constrained[0], constrained[1], wrong], at, true);
@@ -115,17 +115,17 @@ fn grammar_keeps_greedy_text_inside_it_with_drafts_and_after_a_rebuild() {
     // Rebuilt after 2 generated tokens: the grammar replays them.
     let mut history = prompt.clone();
     history.extend_from_slice(&constrained[..2]);
-    assert_eq!(start(&mut worker, 3, history.clone(), 2, Some(GRAMMAR)), Message::Done);
+    assert_eq!(start(&mut worker, 3, history.clone(), 2, Some(GRAMMAR)), Ring::Done);
     let rebuilt = step(&mut worker, 3, &history, 0, false);
     assert_eq!(rebuilt, constrained[2..3]);
     // A history the grammar does not allow is refused, naming why.
     history.push(wrong);
     match start(&mut worker, 3, history, 3, Some(GRAMMAR)) {
-        Message::Error { message, .. } => assert!(message.contains("replaying"), "{message}"),
+        Ring::Error { message, .. } => assert!(message.contains("replaying"), "{message}"),
         other => panic!("expected an error, got {other:?}"),
     }
     match start(&mut worker, 3, prompt, 0, Some("root ::= nothing")) {
-        Message::Error { message, .. } => assert!(message.contains("'nothing'"), "{message}"),
+        Ring::Error { message, .. } => assert!(message.contains("'nothing'"), "{message}"),
         other => panic!("expected an error, got {other:?}"),
     }
 }
@@ -160,9 +160,9 @@ fn a_thinking_budget_forces_the_end_tag_once_spent() {
             .with_budget(Some(budget.clone()))
     };
 
-    assert_eq!(start(&mut worker, 0, prompt.clone(), 0, None), Message::Done);
+    assert_eq!(start(&mut worker, 0, prompt.clone(), 0, None), Ring::Done);
     let free = generate(&mut worker, &vocab, 0, &prompt, 6);
-    assert_eq!(worker.handle(with_budget(1, prompt.clone(), 0).into()), Message::Done);
+    assert_eq!(worker.handle(with_budget(1, prompt.clone(), 0).into()), Ring::Done);
     let n = 3 + close.len() + 4;
     let limited = generate(&mut worker, &vocab, 1, &prompt, n);
     // 4 tokens of budget, the prompt's newline after `<think>` one of them.
@@ -175,7 +175,7 @@ fn a_thinking_budget_forces_the_end_tag_once_spent() {
     assert_eq!(limited[3..3 + close.len()], close[..], "then the end tag, forced");
 
     // The same tokens fed one by one without a budget give the same continuation.
-    assert_eq!(start(&mut worker, 2, prompt.clone(), 0, None), Message::Done);
+    assert_eq!(start(&mut worker, 2, prompt.clone(), 0, None), Ring::Done);
     let mut fed = step(&mut worker, 2, &prompt, 0, false);
     for (i, &token) in limited[..3 + close.len()].iter().enumerate() {
         fed = step(&mut worker, 2, &[token], (prompt.len() + i) as i32, false);
@@ -188,7 +188,7 @@ fn a_thinking_budget_forces_the_end_tag_once_spent() {
     history.extend_from_slice(&limited[..kept]);
     assert_eq!(
         worker.handle(with_budget(3, history.clone(), kept as u32).into()),
-        Message::Done
+        Ring::Done
     );
     assert_eq!(step(&mut worker, 3, &history, 0, false), limited[kept..kept + 1]);
 }
@@ -209,16 +209,16 @@ fn a_failure_names_its_fault() {
         last: true,
     };
     let mut worker = StageWorker::new(Stage::load(file, span, &StageConfig::new(64, 2)).expect("stage loads"));
-    let fault = |reply: Message| match reply {
-        Message::Error { fault, message, .. } => (fault, message),
+    let fault = |reply: Ring| match reply {
+        Ring::Error { fault, message, .. } => (fault, message),
         other => panic!("expected an error, got {other:?}"),
     };
     let (got, message) = fault(start(&mut worker, 0, vec![1, 2], 0, Some("root ::= (")));
     assert_eq!(got, Fault::Request, "{message}");
-    assert_eq!(start(&mut worker, 0, vec![1, 2], 0, None), Message::Done);
+    assert_eq!(start(&mut worker, 0, vec![1, 2], 0, None), Ring::Done);
     let forward = |tokens: Vec<u32>, seq: u32| {
         let n = tokens.len() as u32;
-        Message::Forward(Forward {
+        Ring::Forward(Forward {
             step: 0,
             payload: Payload::Tokens(tokens),
             positions: (0..n as i32).collect(),
@@ -233,8 +233,30 @@ fn a_failure_names_its_fault() {
     let (got, message) = fault(worker.handle(forward(vec![11], 3)));
     assert_eq!(got, Fault::Protocol, "{message}");
     assert!(message.contains("no sampler"), "{message}");
-    let (got, _) = fault(worker.handle(Message::Pong));
-    assert_eq!(got, Fault::Protocol);
+}
+
+/// A frame that does not travel the ring (a heartbeat's `Pong`) is answered with a
+/// protocol `Error`, and the stage serves on.
+#[test]
+fn a_frame_of_another_conversation_is_answered_with_a_protocol_error() {
+    use super::serve;
+    use baton_net::{local_link, Rx, Tx};
+    use baton_proto::Fault;
+
+    let (mut to_stage, stage_rx) = local_link("stage");
+    let (stage_tx, mut from_stage) = local_link("next");
+    to_stage.send(Message::Pong).unwrap();
+    to_stage.send(Message::Shutdown).unwrap();
+    serve(Ok, 12, stage_rx, stage_tx).unwrap();
+    assert_eq!(
+        from_stage.recv().unwrap(),
+        Message::Error {
+            first_layer: 12,
+            fault: Fault::Protocol,
+            message: "Pong is not a ring message".into()
+        }
+    );
+    assert_eq!(from_stage.recv().unwrap(), Message::Shutdown);
 }
 
 #[test]
@@ -246,12 +268,17 @@ fn a_panic_while_handling_a_message_ends_the_loop_with_an_error_passed_on() {
     let (stage_tx, mut from_stage) = local_link("next");
     to_stage.send(Message::EndSeq { seq: 1 }).unwrap();
     to_stage.send(Message::EndSeq { seq: 2 }).unwrap();
-    let handler = |msg: Message| match msg {
-        Message::EndSeq { seq: 2 } => panic!("seq 2 broke the stage"),
+    let handler = |msg: Ring| match msg {
+        Ring::EndSeq { seq: 2 } => panic!("seq 2 broke the stage"),
         other => Ok(other),
     };
     let result = serve(handler, 12, stage_rx, stage_tx);
-    let Err(NodeError::Stage { first_layer, message }) = result else {
+    let Err(NodeError::Stage {
+        first_layer,
+        fault: baton_proto::Fault::Compute,
+        message,
+    }) = result
+    else {
         panic!("{result:?}")
     };
     assert_eq!(first_layer, 12);
@@ -280,9 +307,10 @@ fn a_broken_group_ends_the_loop_without_an_answer() {
     to_stage.send(Message::EndSeq { seq: 1 }).unwrap();
     to_stage.send(Message::EndSeq { seq: 2 }).unwrap();
     to_stage.send(Message::EndSeq { seq: 3 }).unwrap();
-    let handler = |msg: Message| match msg {
-        Message::EndSeq { seq: 2 } => Err(NodeError::Stage {
+    let handler = |msg: Ring| match msg {
+        Ring::EndSeq { seq: 2 } => Err(NodeError::Stage {
             first_layer: 12,
+            fault: baton_proto::Fault::Compute,
             message: "tensor-parallel group aborted: member 1 left".into(),
         }),
         other => Ok(other),
@@ -317,7 +345,7 @@ fn a_pooled_sequence_is_answered_with_its_vector_and_bad_frames_are_refused() {
     };
     let chunk = |seq_ids: Vec<u32>, start: i32, sample_rows: Vec<u32>| {
         let n = seq_ids.len();
-        Message::Forward(Forward {
+        Ring::Forward(Forward {
             step: 7,
             payload: Payload::Tokens((0..n as u32).map(|t| 100 + t).collect()),
             positions: (start..start + n as i32).collect(),
@@ -326,20 +354,20 @@ fn a_pooled_sequence_is_answered_with_its_vector_and_bad_frames_are_refused() {
             row_tokens: Vec::new(),
         })
     };
-    let refused = |reply: Message, says: &str| match reply {
-        Message::Error { fault, message, .. } => {
+    let refused = |reply: Ring, says: &str| match reply {
+        Ring::Error { fault, message, .. } => {
             assert_eq!(fault, Fault::Protocol, "{message}");
             assert!(message.contains(says), "{message}");
         }
         other => panic!("expected an error, got {other:?}"),
     };
     refused(worker.handle(pooled(0, 3)), "empty cache");
-    assert_eq!(worker.handle(pooled(0, 0)), Message::Done);
-    assert_eq!(worker.handle(pooled(1, 0)), Message::Done);
+    assert_eq!(worker.handle(pooled(0, 0)), Ring::Done);
+    assert_eq!(worker.handle(pooled(1, 0)), Ring::Done);
     let first = worker.handle(chunk(vec![0; 4], 0, vec![]));
     assert_eq!(
         first,
-        Message::Sampled {
+        Ring::Sampled {
             step: 7,
             tokens: vec![]
         }
@@ -348,9 +376,9 @@ fn a_pooled_sequence_is_answered_with_its_vector_and_bad_frames_are_refused() {
     refused(worker.handle(chunk(vec![0; 2], 5, vec![])), "do not continue");
     refused(worker.handle(chunk(vec![0; 2], 4, vec![0])), "only its last row");
     // Cut back to 2 rows, then the rest: 5 rows in all, the last one sampled.
-    assert_eq!(worker.handle(Message::TruncateSeq { seq: 0, len: 2 }), Message::Done);
+    assert_eq!(worker.handle(Ring::TruncateSeq { seq: 0, len: 2 }), Ring::Done);
     match worker.handle(chunk(vec![0; 3], 2, vec![2])) {
-        Message::Pooled { step, seq, values } => {
+        Ring::Pooled { step, seq, values } => {
             assert_eq!((step, seq, values.len()), (7, 0, 896));
             let norm: f64 = values.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
             assert!((norm - 1.0).abs() < 1e-5, "{norm}");
@@ -362,7 +390,7 @@ fn a_pooled_sequence_is_answered_with_its_vector_and_bad_frames_are_refused() {
     // A one-row sequence is its own vector.
     assert!(matches!(
         worker.handle(chunk(vec![1], 0, vec![0])),
-        Message::Pooled { seq: 1, .. }
+        Ring::Pooled { seq: 1, .. }
     ));
 }
 
