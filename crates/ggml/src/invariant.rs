@@ -95,13 +95,6 @@ impl Context {
     }
 }
 
-/// The most rows, at most [`MAX_ROWS`], that ggml's product with `weight` may hold
-/// with every row computed bit for bit as alone. `None` for a weight outside the CPU's
-/// memory (a GPU's kernels are not probed).
-pub fn rows_alone(weight: Tensor<'_>, product: Product) -> Option<usize> {
-    batching(weight, product).map(|b| b.rows)
-}
-
 /// How a product with `weight` takes a batch of decode rows (see [`Batching`]),
 /// measured once per kind of weight on this CPU. `None` for a weight outside the CPU's
 /// memory.

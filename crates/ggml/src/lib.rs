@@ -25,7 +25,7 @@ pub use backend::{Allocator, Buffer, CpuBackend, MappedBuffer, MappedFile};
 pub use device::{BufferType, Device, DeviceKind, DeviceMemory, WeightOp};
 pub use graph::{Context, Graph, GraphId, RopeParams, Tensor, TensorId};
 pub use host::{HostFn, HostOp};
-pub use invariant::{batching, rows_alone, Batching, Product, Whole, MAX_ROWS};
+pub use invariant::{batching, Batching, Product, Whole, MAX_ROWS};
 pub use llama::{LlamaContext, LlamaModel, LlamaPooling};
 pub use quantize::{quantize, FileType};
 pub use sched::Scheduler;

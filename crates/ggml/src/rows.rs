@@ -220,18 +220,16 @@ unsafe extern "C" fn multiply_rows(dst: *mut sys::ggml_tensor, ith: i32, nth: i3
         let src = (*dst).src[0];
         let n = (*src).ne[1] as usize;
         let blocks = weight.width / QK_K;
-        let rows: Vec<*const BlockQ8K> = (0..n)
-            .map(|r| ((*src).data as *const u8).add(r * (*src).nb[1]) as *const BlockQ8K)
-            .collect();
-        let out: Vec<*mut f32> = (0..n)
-            .map(|r| ((*dst).data as *mut u8).add(r * (*dst).nb[1]) as *mut f32)
-            .collect();
+        let row = |r: usize| ((*src).data as *const u8).add(r * (*src).nb[1]) as *const BlockQ8K;
+        let out = |r: usize| ((*dst).data as *mut u8).add(r * (*dst).nb[1]) as *mut f32;
         for group in share(weight.rows / COLS, ith, nth) {
             let w = (weight.data as *const BlockQ4Kx8).add(group * blocks);
             // Up to 4 rows at a time: their accumulators fill the vector registers.
             for first in (0..n).step_by(4) {
-                let last = (first + 4).min(n);
-                rows_group(blocks, w, &rows[first..last], &out[first..last], group * COLS);
+                let take = (n - first).min(4);
+                let a: [*const BlockQ8K; 4] = std::array::from_fn(|i| row(first + i.min(take - 1)));
+                let o: [*mut f32; 4] = std::array::from_fn(|i| out(first + i.min(take - 1)));
+                rows_group(blocks, w, &a[..take], &o[..take], group * COLS);
             }
         }
     }
