@@ -492,14 +492,23 @@ impl Stage {
     /// layers that cut a sequence into blocks of positions: GLM-5 next's k-pool indexer
     /// and DeepSeek V4's compressed layers (empty for other models, and for a stage
     /// without those layers).
+    /// Each count is rounded down to a whole block of the smallest size these layers cut
+    /// (every size is a multiple of it): the graph depends only on the complete blocks,
+    /// and as part of the step's key the count then changes once per block, not once
+    /// per token.
     fn held(&self, seq_ids: &[u32], spans: &[AttnSpan]) -> Result<Vec<usize>, ModelError> {
         let attends = self.span.layers.clone().any(|l| !self.hp.is_recurrent(l));
         let kpool = self.hp.indexer().and_then(|ix| ix.kpool).filter(|_| attends);
-        let who = match (kpool, self.ratios().is_empty()) {
-            (Some(_), _) => "the k-pool indexer cuts",
-            (None, false) => "DeepSeek V4's compressed attention cuts",
-            (None, true) => return Ok(Vec::new()),
+        let ratios = self.ratios();
+        let (who, unit) = match (kpool, ratios.iter().min()) {
+            (Some(kpool), _) => ("the k-pool indexer cuts", kpool.size),
+            (None, Some(&ratio)) => ("DeepSeek V4's compressed attention cuts", ratio),
+            (None, None) => return Ok(Vec::new()),
         };
+        debug_assert!(
+            ratios.iter().all(|r| r % unit == 0),
+            "block sizes are multiples of the smallest"
+        );
         spans
             .iter()
             .map(|span| {
@@ -511,7 +520,7 @@ impl Stage {
                          region per sequence)"
                     ))
                 })?;
-                Ok(n)
+                Ok(n - n % unit.max(1))
             })
             .collect()
     }
